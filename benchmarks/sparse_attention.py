@@ -1,0 +1,209 @@
+"""Benchmark of the sparse window+compressed attention (Pallas GPU kernel vs the XLA reference) on V4-Flash shapes.
+
+    PYTHONPATH=. python benchmarks/sparse_attention.py --out DIR [--quick] [--sweep]
+
+Per case: time per call (us), the memory floor (valid gathered KV rows read once + q read + o written, at the
+measured copy bandwidth), ratio to the floor, achieved HBM GB/s (floor bytes / time), TFLOP/s (4*H*D per valid
+entry per query), and the XLA reference timed in the same run. Timing: the op is called U times inside one jitted
+function as a dependent chain (q_{k+1} = o_k), with R rotating index sets whose rows lie in R disjoint copies of the
+pool, so the gathered rows of consecutive calls do not hit in L2; wall time of the whole jitted call (after warm-up,
+median of 5) / U. Decode lists are fully valid (128 window rows + top-k / all HCA entries); prefill lists are fully
+valid random rows of the sequence (causality does not change the kernel's work per valid entry).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.sparse_attention import quantize_kv_fp8, sparse_attention
+from pallas_kernels.sparse_attention.fp8_layout import ROW_BYTES
+
+D = 512
+H = 64
+W = 128
+
+
+def measure_ceilings():
+    n = 1 << 28  # 1 GiB f32
+    x = jnp.arange(n, dtype=jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    f(x).block_until_ready()
+    ts = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        f(x).block_until_ready()
+        ts.append(time.perf_counter() - t0)
+    bw = 2 * n * 4 / np.median(ts)
+    del x
+    m = 8192
+    a = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
+    g = jax.jit(lambda a, b: a @ b)
+    g(a, b).block_until_ready()
+    ts = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        g(a, b).block_until_ready()
+        ts.append(time.perf_counter() - t0)
+    return dict(copy_GBps=bw / 1e9, bf16_TFLOPs=2 * m**3 / np.median(ts) / 1e12)
+
+
+def make_case(rng, kind, b, t, kc, csa_cap, fp8, n_copies):
+    """Pools with n_copies disjoint copies; index lists for each copy."""
+    cap = csa_cap if kind == "csa" else kc  # compressed rows per sequence
+    n_w = n_copies * b * W
+    n_c = n_copies * b * cap
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    wpool = jax.random.normal(k1, (n_w, D), jnp.bfloat16)
+    cpool = jax.random.normal(k2, (n_c, D), jnp.bfloat16)
+    if fp8:
+        wpool, cpool = quantize_kv_fp8(wpool), quantize_kv_fp8(cpool)
+    q = jax.random.normal(k3, (b, t, H, D), jnp.bfloat16)
+    sinks = jax.random.normal(k4, (H,), jnp.float32)
+    widx, cidx = [], []
+    for r in range(n_copies):
+        if t == 1:
+            wi = (np.arange(b)[:, None, None] * W + rng.permutation(W)[None, None, :]).astype(np.int32)
+        else:  # prefill: per query its own random 128 window rows of the sequence
+            wi = rng.integers(0, W, (b, t, W)).astype(np.int32) + (np.arange(b)[:, None, None] * W)
+        if kind == "csa":
+            if t == 1:
+                ci = np.stack([rng.choice(cap, kc, replace=False) for _ in range(b)])[:, None, :]
+            else:
+                ci = rng.integers(0, cap, (b, t, kc))
+        else:  # hca: dense over all entries
+            ci = np.broadcast_to(np.arange(kc)[None, None, :], (b, t, kc))
+        ci = (ci + np.arange(b)[:, None, None] * cap).astype(np.int32)
+        widx.append(jnp.asarray(wi + r * b * W))
+        cidx.append(jnp.asarray(ci + r * b * cap))
+    return q, wpool, cpool, sinks, widx, cidx
+
+
+def time_impl(impl, q, wpool, cpool, sinks, widx, cidx, unroll, opts):
+    r = len(widx)
+
+    @jax.jit
+    def run(q, wpool, cpool, sinks, widx, cidx):
+        for u in range(unroll):
+            q = sparse_attention(q, wpool, widx[u % r], cpool, cidx[u % r], sinks, scale=D**-0.5, impl=impl, **opts)
+        return q
+
+    run(q, wpool, cpool, sinks, widx, cidx).block_until_ready()
+    ts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        run(q, wpool, cpool, sinks, widx, cidx).block_until_ready()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) / unroll
+
+
+def bench_case(rng, ceil, kind, b, t, kc, fp8, opts=None, ref=True, csa_cap=4096):
+    opts = opts or {}
+    row_b = ROW_BYTES if fp8 else 2 * D
+    entries = b * t * (W + kc)
+    kv_bytes = entries * row_b
+    io_bytes = 2 * b * t * H * D * 2
+    floor_bytes = kv_bytes + io_bytes
+    flops = 4 * H * D * entries
+    floor_s = max(floor_bytes / (ceil["copy_GBps"] * 1e9), flops / (ceil["bf16_TFLOPs"] * 1e12))
+    n_copies = int(min(16, max(1, math.ceil(256e6 / kv_bytes))))
+    est = floor_s * 2 + 6e-6
+    unroll = int(min(128, max(4, math.ceil(3e-3 / est))))
+    unroll = max(unroll, n_copies) if t == 1 else max(2, min(unroll, 16))
+    case = make_case(rng, kind, b, t, kc, csa_cap, fp8, n_copies)
+    res = dict(kind=kind, B=b, T=t, H=H, Kw=W, Kc=kc, kv="fp8" if fp8 else "bf16", opts=opts,
+               floor_us=floor_s * 1e6, floor_MB=floor_bytes / 1e6, GFLOP=flops / 1e9, copies=n_copies, unroll=unroll)
+    try:
+        tp = time_impl("pallas", *case, unroll, opts)
+        res.update(pallas_us=tp * 1e6, ratio_floor=tp / floor_s, GBps=floor_bytes / tp / 1e9, TFLOPs=flops / tp / 1e12)
+    except Exception as e:  # report, keep going
+        res["pallas_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    if ref:
+        try:
+            u_ref = max(2, min(unroll, 8))
+            tr = time_impl("reference", *case, u_ref, {})
+            res.update(ref_us=tr * 1e6)
+            if "pallas_us" in res:
+                res["speedup_vs_ref"] = tr / tp
+        except Exception as e:
+            res["ref_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    del case
+    return res
+
+
+def fmt(r):
+    if "pallas_us" not in r:
+        return f"{r['kind']:5s} B={r['B']:<3d} T={r['T']:<5d} Kc={r['Kc']:<5d} {r['kv']:4s} ERROR {r.get('pallas_error', '')[:120]}"
+    s = (f"{r['kind']:5s} B={r['B']:<3d} T={r['T']:<5d} Kc={r['Kc']:<5d} {r['kv']:4s} {r['pallas_us']:9.1f}us "
+         f"floor {r['floor_us']:8.1f}us x{r['ratio_floor']:5.2f} {r['GBps']:6.0f}GB/s {r['TFLOPs']:6.1f}TF")
+    if "ref_us" in r:
+        s += f" | ref {r['ref_us']:9.1f}us speedup {r.get('speedup_vs_ref', 0):6.1f}x"
+    if r["opts"]:
+        s += f" {r['opts']}"
+    return s
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also sweep kernel configs on a few cases")
+    ap.add_argument("--no-ref", action="store_true")
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    print("devices:", jax.devices(), "jax", jax.__version__, flush=True)
+    ceil = measure_ceilings()
+    print("ceilings:", ceil, flush=True)
+    results = dict(ceilings=ceil, jax=jax.__version__, device=str(jax.devices()[0]), cmd=" ".join(sys.argv), rows=[])
+    out_json = os.path.join(args.out, "sparse_attention_bench.json")
+
+    def record(r):
+        results["rows"].append(r)
+        print(fmt(r), flush=True)
+        with open(out_json, "w") as f:
+            json.dump(results, f, indent=1)
+
+    if args.sweep:
+        sweep_cases = [("csa", 64, 1, 512, False), ("hca", 16, 1, 8192, True), ("csa", 1, 4096, 512, False)]
+        sweep_opts = [
+            dict(block_h=64, block_k=32, num_warps=8, num_stages=2),
+            dict(block_h=64, block_k=64, num_warps=8, num_stages=2),
+            dict(block_h=64, block_k=32, num_warps=4, num_stages=3),
+            dict(block_h=32, block_k=64, num_warps=4, num_stages=2),
+            dict(block_h=64, block_k=64, num_warps=8, num_stages=3, d_chunk=128),
+        ]
+        for kind, b, t, kc, fp8 in sweep_cases:
+            for o in sweep_opts:
+                if fp8 and "d_chunk" in o:
+                    continue
+                record(bench_case(rng, ceil, kind, b, t, kc, fp8, opts=o, ref=False))
+            if t == 1:
+                for ns in (1, 2, 4, 8):
+                    record(bench_case(rng, ceil, kind, b, t, kc, fp8, opts=dict(n_splits=ns), ref=False))
+
+    batches = [1, 16, 64, 128] if not args.quick else [16, 64]
+    for fp8 in (False, True):
+        for kind, kc in (("csa", 512), ("hca", 1024), ("hca", 8192)):
+            for b in batches:
+                record(bench_case(rng, ceil, kind, b, 1, kc, fp8, ref=not args.no_ref))
+        for s_len in (4096, 16384):
+            record(bench_case(rng, ceil, "csa", 1, s_len, 512, fp8, ref=not args.no_ref and s_len <= 4096,
+                              csa_cap=s_len // 4))
+    print("\n==== summary (pallas time, floor, ratio, GB/s, TFLOP/s | XLA reference) ====")
+    print("ceilings:", {k: round(v, 1) for k, v in ceil.items()})
+    for r in results["rows"]:
+        print(fmt(r))
+
+
+if __name__ == "__main__":
+    main()

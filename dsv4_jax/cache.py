@@ -1,0 +1,111 @@
+"""Explicit, immutable cache pytrees (spec §4, design.md "One chunk of a sequence").
+
+A layer's cache holds three different things:
+
+* `window_kv` [B, W, head_dim]: the sliding-window ring; position t lives in slot t mod W. Never full length.
+* the compressor state (`CompressorState`): the projected kv and gate (+ `ape` position bias) of the still-open
+  window, in float32, slot = position mod ratio; overlapping (CSA) compressors also carry the first half ("A"
+  series) of the previous complete window, which the next entry pools over.
+* `compressed_kv` [B, max_len // ratio, head_dim]: emitted entries (entry w pools window w, RoPE at w * ratio), and
+  for CSA layers the indexer's own `indexer_state` and `indexer_keys` [B, max_len // ratio, index_head_dim].
+
+`ModelCache.lengths` [B] counts the tokens each sequence has consumed; positions are data, shapes are static, so
+prefill chunks and decode steps reuse one compiled program per shape. Every cache is passed in and returned.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from .config import CSA, SLIDING, DeepseekV4Config
+
+
+@struct.dataclass
+class CompressorState:
+    """Open-window state of one compressor.
+
+    kv, gate: [B, ratio, c * dim] float32 (c = 2 for overlapping compressors); gate already includes `ape`.
+      Slot j holds the token at position (window start + j); only slots of positions already seen are meaningful.
+    prev_kv, prev_gate: [B, ratio, dim] float32, the A-half of the last complete window (overlap only; zeros / -inf
+      before the first window closes, which gives those slots softmax weight 0).
+    """
+
+    kv: jax.Array
+    gate: jax.Array
+    prev_kv: Optional[jax.Array] = None
+    prev_gate: Optional[jax.Array] = None
+
+    @classmethod
+    def empty(cls, batch: int, ratio: int, dim: int, overlap: bool) -> "CompressorState":
+        c = 2 if overlap else 1
+        kv = jnp.zeros((batch, ratio, c * dim), jnp.float32)
+        gate = jnp.zeros((batch, ratio, c * dim), jnp.float32)
+        if not overlap:
+            return cls(kv, gate)
+        return cls(kv, gate, jnp.zeros((batch, ratio, dim), jnp.float32),
+                   jnp.full((batch, ratio, dim), -jnp.inf, jnp.float32))
+
+
+@struct.dataclass
+class LayerCache:
+    """Cache of one attention layer. Fields that a layer type does not use are None.
+
+    window_kv: [B, W, head_dim] ring (slot = position mod W).
+    compressor: CompressorState of the main compressor (CSA/HCA).
+    compressed_kv: [B, max_len // ratio, head_dim] emitted entries (CSA/HCA).
+    indexer: CompressorState of the indexer's compressor (CSA).
+    indexer_keys: [B, max_len // ratio, index_head_dim] indexer key entries (CSA).
+    """
+
+    window_kv: jax.Array
+    compressor: Optional[CompressorState] = None
+    compressed_kv: Optional[jax.Array] = None
+    indexer: Optional[CompressorState] = None
+    indexer_keys: Optional[jax.Array] = None
+
+
+@struct.dataclass
+class ModelCache:
+    """All layers' caches plus per-sequence lengths [B] int32. `max_len` (static) is the capacity in tokens."""
+
+    layers: tuple
+    lengths: jax.Array
+    max_len: int = struct.field(pytree_node=False)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.lengths.shape[0])
+
+
+def compressed_capacity(max_len: int, ratio: int) -> int:
+    """Entries a cache of `max_len` tokens can hold for ratio `ratio` (at least 1 so shapes never vanish)."""
+    return max(1, max_len // ratio)
+
+
+def init_cache(config: DeepseekV4Config, batch_size: int, max_len: int, dtype=jnp.float32) -> ModelCache:
+    """An empty cache for `batch_size` sequences of up to `max_len` tokens; KV rows in `dtype`."""
+    if batch_size < 1 or max_len < 1:
+        raise ValueError(f"batch_size and max_len must be >= 1, got {batch_size}, {max_len}")
+    layers = []
+    for i in range(config.num_hidden_layers):
+        kind, ratio = config.layer_types[i], config.compress_ratios[i]
+        window = jnp.zeros((batch_size, config.sliding_window, config.head_dim), dtype)
+        if kind == SLIDING:
+            layers.append(LayerCache(window))
+            continue
+        cap = compressed_capacity(max_len, ratio)
+        overlap = kind == CSA
+        lc = LayerCache(
+            window,
+            compressor=CompressorState.empty(batch_size, ratio, config.head_dim, overlap),
+            compressed_kv=jnp.zeros((batch_size, cap, config.head_dim), dtype),
+        )
+        if kind == CSA:
+            lc = lc.replace(indexer=CompressorState.empty(batch_size, ratio, config.index_head_dim, True),
+                            indexer_keys=jnp.zeros((batch_size, cap, config.index_head_dim), dtype))
+        layers.append(lc)
+    return ModelCache(tuple(layers), jnp.zeros((batch_size,), jnp.int32), max_len)

@@ -1,0 +1,72 @@
+"""Shared building blocks: parameters with logical axis names, [out, in] linears, RMSNorm, embedding.
+
+Every parameter carries logical axis names (`sharding_names` metadata: "vocab", "embed", "heads", "experts", ...)
+so a later mesh rule can shard the whole model with `nnx.get_partition_spec` without touching the modules.
+Weights keep the checkpoint's [out, in] orientation (y = x @ W.T): loading is a rename, never a transpose.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class Buffer(nnx.Variable):
+    """A non-trainable integer table that belongs to the checkpoint (e.g. the hash router's `tid2eid`)."""
+
+
+def param(value: jax.Array, axes: tuple) -> nnx.Param:
+    """An nnx.Param tagged with logical axis names (metadata only; no eager sharding)."""
+    assert len(axes) == value.ndim, (axes, value.shape)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def normal(rngs: nnx.Rngs, shape, std: float, dtype) -> jax.Array:
+    return (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
+
+
+def matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+    """x [..., in] @ w[out, in].T with float32 accumulation; result in `out_dtype` (default x.dtype)."""
+    y = jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    return y.astype(out_dtype or x.dtype)
+
+
+class Linear(nnx.Module):
+    """y = x @ weight.T, weight [out_features, in_features] (checkpoint orientation)."""
+
+    def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs, axes=(None, None)):
+        self.weight = param(normal(rngs, (out_features, in_features), in_features ** -0.5, dtype), axes)
+
+    def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:
+        """x [..., in] -> [..., out] in `out_dtype` (default x.dtype)."""
+        return matmul(x, self.weight[...], out_dtype)
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """Weightless RMS normalisation over the last axis, computed in float32, returned in float32."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm with a float32 weight [dim]; float32 compute, output in the input dtype."""
+
+    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, axis_name=None):
+        self.eps = eps
+        self.weight = param(1.0 + normal(rngs, (dim,), 0.1, jnp.float32), (axis_name,))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return (rms_normalize(x, self.eps) * self.weight[...]).astype(x.dtype)
+
+
+class Embedding(nnx.Module):
+    """Token embedding table weight [vocab, hidden]."""
+
+    def __init__(self, vocab: int, dim: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = param(normal(rngs, (vocab, dim), 1.0, dtype), ("vocab", "embed"))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        """ids [B, S] int32 -> [B, S, hidden]."""
+        return jnp.take(self.weight[...], ids, axis=0)

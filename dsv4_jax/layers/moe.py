@@ -1,0 +1,109 @@
+"""Mixture of experts (spec §3.12): hash or sqrt-softplus top-k routing, clamped SwiGLU experts, a shared expert.
+
+Router: s = sqrt(softplus(x @ W_g.T)) in float32. Learned layers pick top-k of (s + bias) (bias steers selection
+only); hash layers take `tid2eid[token_id]`. Weights = s[picked] / sum * routed_scaling_factor.
+Routed experts run as grouped matmuls (`lax.ragged_dot_general`) over tokens sorted by expert, so the cost is
+tokens x top-k, never tokens x experts. Expert weights are stacked [E, out, in] (checkpoint orientation).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..config import DeepseekV4Config
+from .common import Buffer, Linear, normal, param
+
+_RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+
+def swiglu(g, u, limit: float):
+    """silu(min(g, limit)) * clip(u, -limit, limit) (no clamp when limit <= 0), float32."""
+    g, u = g.astype(jnp.float32), u.astype(jnp.float32)
+    if limit > 0:
+        g, u = jnp.minimum(g, limit), jnp.clip(u, -limit, limit)
+    return jax.nn.silu(g) * u
+
+
+class Gate(nnx.Module):
+    def __init__(self, config: DeepseekV4Config, is_hash: bool, *, dtype, rngs: nnx.Rngs):
+        E, k = config.n_routed_experts, config.num_experts_per_tok
+        self.is_hash, self.top_k, self.route_scale = is_hash, k, config.routed_scaling_factor
+        self.weight = param(normal(rngs, (E, config.hidden_size), config.hidden_size ** -0.5, dtype),
+                            ("experts", "embed"))
+        if is_hash:
+            self.tid2eid = Buffer(jax.random.randint(rngs.params(), (config.vocab_size, k), 0, E, jnp.int32),
+                                  out_sharding=("vocab", None), eager_sharding=False)
+        else:
+            self.bias = param(normal(rngs, (E,), 0.1, jnp.float32), ("experts",))
+
+    def __call__(self, x, ids):
+        """x [T, D], ids [T] -> (weights [T, k] float32, experts [T, k] int32)."""
+        logits = jnp.dot(x.astype(jnp.float32), self.weight[...].astype(jnp.float32).T,
+                         precision=jax.lax.Precision.HIGHEST)
+        scores = jnp.sqrt(jax.nn.softplus(logits))
+        if self.is_hash:
+            experts = jnp.take(self.tid2eid[...], ids, axis=0)
+        else:
+            _, experts = jax.lax.top_k(scores + self.bias[...], self.top_k)
+        w = jnp.take_along_axis(scores, experts, axis=-1)
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+        return w * self.route_scale, experts.astype(jnp.int32)
+
+
+class Experts(nnx.Module):
+    """Routed experts stacked along a leading expert axis: w1, w3 [E, I, D]; w2 [E, D, I]."""
+
+    def __init__(self, config: DeepseekV4Config, *, dtype, rngs: nnx.Rngs):
+        E, I, D = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
+        self.limit = config.swiglu_limit
+        self.w1 = param(normal(rngs, (E, I, D), D ** -0.5, dtype), ("experts", "mlp", "embed"))
+        self.w3 = param(normal(rngs, (E, I, D), D ** -0.5, dtype), ("experts", "mlp", "embed"))
+        self.w2 = param(normal(rngs, (E, D, I), I ** -0.5, dtype), ("experts", "embed", "mlp"))
+
+    def __call__(self, x, weights, experts):
+        """x [T, D], weights/experts [T, k] -> sum_k weights * expert_k(x) [T, D] float32."""
+        T, k = experts.shape
+        E = self.w1.shape[0]
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        token = order // k
+        xs = jnp.take(x, token, axis=0).astype(self.w1.dtype)                      # [T*k, D] grouped by expert
+        sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+        dot = lambda a, w: jax.lax.ragged_dot_general(a, w, sizes, _RAGGED_DN, preferred_element_type=jnp.float32)
+        h = swiglu(dot(xs, self.w1[...]), dot(xs, self.w3[...]), self.limit)
+        y = dot(h.astype(self.w2.dtype), self.w2[...])                               # [T*k, D] float32
+        y = y * jnp.take(weights.reshape(-1), order)[:, None]
+        return jnp.zeros((T, x.shape[-1]), jnp.float32).at[token].add(y)
+
+
+class SharedExpert(nnx.Module):
+    def __init__(self, config: DeepseekV4Config, *, dtype, rngs: nnx.Rngs):
+        D, I = config.hidden_size, config.moe_intermediate_size
+        self.limit = config.swiglu_limit
+        self.w1 = Linear(D, I, dtype=dtype, rngs=rngs, axes=("mlp", "embed"))
+        self.w3 = Linear(D, I, dtype=dtype, rngs=rngs, axes=("mlp", "embed"))
+        self.w2 = Linear(I, D, dtype=dtype, rngs=rngs, axes=("embed", "mlp"))
+
+    def __call__(self, x):
+        h = swiglu(self.w1(x, jnp.float32), self.w3(x, jnp.float32), self.limit)
+        return self.w2(h.astype(x.dtype), jnp.float32)
+
+
+class MoE(nnx.Module):
+    def __init__(self, config: DeepseekV4Config, layer_idx: int, *, dtype, rngs: nnx.Rngs):
+        self.gate = Gate(config, config.is_hash_layer(layer_idx), dtype=dtype, rngs=rngs)
+        self.experts = Experts(config, dtype=dtype, rngs=rngs)
+        self.shared_experts = SharedExpert(config, dtype=dtype, rngs=rngs) if config.n_shared_experts else None
+
+    def __call__(self, x, ids):
+        """x [B, S, D], ids [B, S] -> [B, S, D] in x.dtype."""
+        B, S, D = x.shape
+        flat = x.reshape(B * S, D)
+        w, e = self.gate(flat, ids.reshape(-1))
+        y = self.experts(flat, w, e)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat)
+        return y.reshape(B, S, D).astype(x.dtype)

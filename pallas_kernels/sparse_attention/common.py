@@ -1,0 +1,97 @@
+"""Input validation and flattening shared by the sparse-attention kernels (GPU and TPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from .fp8_layout import HEAD_DIM, Fp8KVPool
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One KV source flattened for a kernel: the pool (array or Fp8KVPool), idx [BT, K] int32, len [BT] int32."""
+
+    pool: object
+    idx: object
+    length: object
+    n_rows: int
+    k: int
+    fp8: bool
+
+
+def _pool_info(pool, name):
+    if isinstance(pool, Fp8KVPool):
+        pool.validate(name)
+        return pool.nope.shape[0], HEAD_DIM, True
+    if not hasattr(pool, "ndim") or pool.ndim != 2:
+        raise ValueError(f"{name} must be a [rows, head_dim] array or an Fp8KVPool, got {getattr(pool, 'shape', type(pool))}")
+    if not jnp.issubdtype(pool.dtype, jnp.floating):
+        raise ValueError(f"{name} must have a float dtype (or be an Fp8KVPool), got {pool.dtype}")
+    return pool.shape[0], pool.shape[1], False
+
+
+def validate(q, window_kv, window_idx, compressed_kv, compressed_idx, sinks, window_len, compressed_len, scale):
+    """Raise ValueError with a clear message on bad shapes / dtypes. Returns (B, T, H, D)."""
+    if getattr(q, "ndim", None) != 4:
+        raise ValueError(f"q must be [batch, queries, heads, head_dim], got shape {getattr(q, 'shape', None)}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q must be floating point, got {q.dtype}")
+    b, t, h, d = q.shape
+    if (compressed_kv is None) != (compressed_idx is None):
+        raise ValueError("compressed_kv and compressed_idx must both be given or both be None")
+    if compressed_kv is None and compressed_len is not None:
+        raise ValueError("compressed_len given without compressed_kv")
+    for pool, idx, length, name in (
+        (window_kv, window_idx, window_len, "window"),
+        (compressed_kv, compressed_idx, compressed_len, "compressed"),
+    ):
+        if pool is None:
+            continue
+        n, pd, _ = _pool_info(pool, f"{name}_kv")
+        if pd != d:
+            raise ValueError(f"{name}_kv head_dim {pd} != q head_dim {d}")
+        if getattr(idx, "ndim", None) != 3 or tuple(idx.shape[:2]) != (b, t):
+            raise ValueError(f"{name}_idx must be [batch={b}, queries={t}, k], got {getattr(idx, 'shape', None)}")
+        if not jnp.issubdtype(idx.dtype, jnp.integer):
+            raise ValueError(f"{name}_idx must be an integer array, got {idx.dtype}")
+        if idx.shape[2] < 1:
+            raise ValueError(f"{name}_idx must have at least one entry per query")
+        if length is not None:
+            if tuple(getattr(length, "shape", ())) != (b, t):
+                raise ValueError(f"{name}_len must be [batch={b}, queries={t}], got {getattr(length, 'shape', None)}")
+            if not jnp.issubdtype(length.dtype, jnp.integer):
+                raise ValueError(f"{name}_len must be an integer array, got {length.dtype}")
+    if getattr(sinks, "shape", None) != (h,):
+        raise ValueError(f"sinks must be [heads={h}], got {getattr(sinks, 'shape', None)}")
+    if not isinstance(scale, (int, float)):
+        raise ValueError(f"scale must be a Python float, got {type(scale)}")
+    return b, t, h, d
+
+
+def flatten_source(pool, idx, length, bt: int, pad_to: int) -> Source:
+    """idx [B,T,K] -> [BT, Kpad] int32 (padded with -1 to a multiple of pad_to); len -> [BT] int32 clipped to [0, K]."""
+    k = idx.shape[-1]
+    idx2 = idx.reshape(bt, k).astype(jnp.int32)
+    kp = -(-k // pad_to) * pad_to
+    if kp != k:
+        idx2 = jnp.pad(idx2, ((0, 0), (0, kp - k)), constant_values=-1)
+    if length is None:
+        len2 = jnp.full((bt,), k, jnp.int32)
+    else:
+        len2 = jnp.clip(length.reshape(bt).astype(jnp.int32), 0, k)
+    n_rows = pool.nope.shape[0] if isinstance(pool, Fp8KVPool) else pool.shape[0]
+    return Source(pool, idx2, len2, n_rows, kp, isinstance(pool, Fp8KVPool))
+
+
+def combine_splits(o_parts, lse_parts, sinks, out_dtype):
+    """Merge split-K partials. o_parts [..., S, H, D] f32 (each normalised by its own sum), lse_parts [..., S, H]
+    (natural log, -inf = empty); sinks [H]. Returns (o [..., H, D] out_dtype, lse [..., H])."""
+    sinks = sinks.astype(jnp.float32)
+    m = jnp.maximum(jnp.max(lse_parts, axis=-2), sinks)  # [..., H] finite
+    w = jnp.exp(lse_parts - m[..., None, :])  # [..., S, H]; 0 for empty splits
+    sw = jnp.sum(w, axis=-2)
+    o = jnp.einsum("...sh,...shd->...hd", w, o_parts) / (sw + jnp.exp(sinks - m))[..., None]
+    lse = jnp.where(sw > 0, jnp.log(sw) + m, -jnp.inf)
+    return o.astype(out_dtype), lse

@@ -1,0 +1,267 @@
+"""GPU Pallas (Triton backend) kernel for sparse shared-KV MQA with a sink over window + compressed pools.
+
+One program = (query row i of the flattened [B*T] queries, split s of the concatenated index list, head block h).
+It holds `block_h` heads of q ([block_h, 512] split into `d_chunk`-wide pieces), walks the window list and then
+the compressed list in blocks of `block_k` entries, gathers the rows (masked loads: invalid / out-of-range /
+past-length entries are not read), and runs an online softmax whose running max starts at the sink logit (so
+`m` is always finite). FP8 pools (`Fp8KVPool`) are dequantized in registers: e4m3 x 2^(ue8m0-127) per 64-block,
+bf16 RoPE part. Scores and P.V run on the tensor cores in bf16 with f32 accumulation (P rounded to bf16 as in
+spec §3.10).
+
+split-K (`num_splits > 1`): each split writes its partial output normalised by its own sum plus its lse; a small
+XLA epilogue (`common.combine_splits`) merges them and applies the sink. Used when B*T*head_blocks programs
+cannot fill the GPU (decode at small batch).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+try:  # jax >= 0.4.3x
+    from jax.experimental.pallas import triton as plgpu
+except ImportError:  # pragma: no cover
+    plgpu = None
+
+from . import common
+from .fp8_layout import NOPE_DIM, Fp8KVPool
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+N_SM_H200 = 132
+
+
+def _dot_nt(a, b):
+    """a [M, K] @ b[N, K].T -> [M, N] f32."""
+    return plgpu.dot(a, b, trans_b=True)
+
+
+def _gather(ref, rows, col0, width, mask, other, interpret):
+    """ref[rows, col0:col0+width] (width None: ref[rows, col0]) as a masked gather load."""
+    if interpret:  # the interpreter's load discharge does not mix array and slice indexers
+        if width is None:
+            return plgpu.load(ref.at[rows, jnp.full(rows.shape, col0, jnp.int32)], mask=mask, other=other)
+        cols = col0 + jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
+        return plgpu.load(ref.at[rows[:, None], cols], mask=mask, other=other)
+    if width is None:
+        return plgpu.load(ref.at[rows, col0], mask=mask, other=other)
+    return plgpu.load(ref.at[rows, pl.ds(col0, width)], mask=mask, other=other)
+
+
+def _kernel(*refs, srcs, block_h, block_k, d, d_chunk, n_splits, blocks_per_split, scale2, out_split, interpret):
+    # refs: q, sinks, then per source (idx, len, pool parts...), then outputs (o, lse)
+    it = iter(refs)
+    q_ref = next(it)
+    sink_ref = next(it)
+    src_refs = []
+    for src in srcs:
+        idx_ref, len_ref = next(it), next(it)
+        parts = (next(it), next(it), next(it)) if src["fp8"] else (next(it),)
+        src_refs.append((idx_ref, len_ref, parts))
+    rest = list(it)
+    o_ref, lse_ref = rest[-2], rest[-1]  # (poisoned initial outputs, if any, come before them)
+
+    i = pl.program_id(0)
+    s = pl.program_id(1)
+    dc = 64 if any(src["fp8"] for src in srcs) else d_chunk
+    n_chunks = d // dc
+    qs = [q_ref[:, pl.ds(c * dc, dc)].astype(jnp.bfloat16) for c in range(n_chunks)]
+    sink2 = sink_ref[...].astype(jnp.float32) * LOG2E  # [block_h]
+
+    m = sink2
+    l = jnp.zeros((block_h,), jnp.float32)
+    acc = tuple(jnp.zeros((block_h, dc), jnp.float32) for _ in range(n_chunks))
+
+    lo_blk = s * blocks_per_split
+    hi_blk = lo_blk + blocks_per_split
+    blk_base = 0
+    for src, (idx_ref, len_ref, parts) in zip(srcs, src_refs):
+        nb = src["k"] // block_k
+        length = len_ref[i]
+        nb_valid = (length + block_k - 1) // block_k
+        lo = jnp.clip(lo_blk - blk_base, 0, nb_valid)
+        hi = jnp.clip(hi_blk - blk_base, 0, nb_valid)
+        n_rows = src["n_rows"]
+        fp8 = src["fp8"]
+
+        def body(j, carry, idx_ref=idx_ref, parts=parts, length=length, n_rows=n_rows, fp8=fp8):
+            m, l, acc = carry
+            idx = idx_ref[pl.ds(j * block_k, block_k)]
+            pos = j * block_k + jax.lax.iota(jnp.int32, block_k)
+            valid = (idx >= 0) & (idx < n_rows) & (pos < length)
+            safe = jnp.where(valid, idx, 0)
+            kvs = []
+            for c in range(n_chunks):
+                if not fp8:
+                    kv = _gather(parts[0], safe, c * dc, dc, valid[:, None], 0.0, interpret)
+                    kvs.append(kv.astype(jnp.bfloat16))
+                elif c * 64 < NOPE_DIM:
+                    nope_ref, _, scale_ref = parts
+                    raw = _gather(nope_ref, safe, c * 64, 64, valid[:, None], 0.0, interpret)
+                    sb = _gather(scale_ref, safe, c, None, valid, 127, interpret)
+                    sc = jax.lax.bitcast_convert_type(sb.astype(jnp.int32) << 23, jnp.float32)
+                    kvs.append((raw.astype(jnp.float32) * sc[:, None]).astype(jnp.bfloat16))
+                else:
+                    rope_ref = parts[1]
+                    kv = _gather(rope_ref, safe, 0, 64, valid[:, None], 0.0, interpret)
+                    kvs.append(kv.astype(jnp.bfloat16))
+            sc2 = _dot_nt(qs[0], kvs[0])
+            for c in range(1, n_chunks):
+                sc2 += _dot_nt(qs[c], kvs[c])
+            logits = jnp.where(valid[None, :], sc2 * scale2, -jnp.inf)  # [block_h, block_k], log2 units
+            m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(logits - m_new[:, None])
+            l = l * alpha + jnp.sum(p, axis=1)
+            pb = p.astype(jnp.bfloat16)
+            acc = tuple(a * alpha[:, None] + plgpu.dot(pb, kv) for a, kv in zip(acc, kvs))
+            return m_new, l, acc
+
+        m, l, acc = jax.lax.fori_loop(lo, hi, body, (m, l, acc))
+        blk_base += nb
+
+    has = l > 0
+    lse = jnp.where(has, (m + jnp.log2(jnp.where(has, l, 1.0))) * LN2, -jnp.inf)
+    if out_split:
+        inv = jnp.where(has, 1.0 / jnp.where(has, l, 1.0), 0.0)
+    else:
+        inv = 1.0 / (l + jnp.exp2(sink2 - m))
+    for c in range(n_chunks):
+        o_ref[:, pl.ds(c * dc, dc)] = (acc[c] * inv[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = lse
+
+
+def default_config(bt: int, h: int, total_k: int, any_fp8: bool, prefill: bool):
+    block_h = 64 if h >= 64 else 16
+    block_k = 32 if any_fp8 else 64
+    n_hb = -(-h // block_h)
+    programs = bt * n_hb
+    total_blocks = -(-total_k // block_k)
+    n_splits = 1
+    if programs < N_SM_H200:
+        n_splits = max(1, min(-(-N_SM_H200 // programs), total_blocks // 2 or 1))
+    return dict(block_h=block_h, block_k=block_k, n_splits=n_splits, num_warps=8 if block_h >= 64 else 4,
+                num_stages=2, d_chunk=64)
+
+
+def sparse_attention_gpu(
+    q,
+    window_kv,
+    window_idx,
+    compressed_kv,
+    compressed_idx,
+    sinks,
+    *,
+    scale: float,
+    window_len=None,
+    compressed_len=None,
+    out_dtype=None,
+    return_lse: bool = False,
+    interpret: bool = False,
+    block_h: int | None = None,
+    block_k: int | None = None,
+    n_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    d_chunk: int | None = None,
+    poison: bool = False,
+):
+    """Pallas GPU (Triton) implementation of `reference.sparse_attention` (same arguments and results).
+
+    Extra keyword-only tuning knobs: block_h (heads per program, >= 16, power of 2), block_k (entries per step,
+    power of 2), n_splits (split-K factor), num_warps, num_stages, d_chunk (head_dim chunk, bf16 pools only).
+    `interpret=True` runs the kernel in the Pallas interpreter (CPU tests). `poison=True` (tests) aliases the
+    kernel outputs to NaN-filled buffers so an element the kernel fails to write shows up as NaN."""
+    b, t, h, d = common.validate(q, window_kv, window_idx, compressed_kv, compressed_idx, sinks, window_len,
+                                 compressed_len, scale)
+    if d % 64:
+        raise ValueError(f"head_dim must be a multiple of 64 for the GPU kernel, got {d}")
+    out_dtype = jnp.dtype(out_dtype or q.dtype)
+    bt = b * t
+    any_fp8 = isinstance(window_kv, Fp8KVPool) or isinstance(compressed_kv, Fp8KVPool)
+    total_k = window_idx.shape[-1] + (0 if compressed_idx is None else compressed_idx.shape[-1])
+    cfg = default_config(bt, h, total_k, any_fp8, t > 8)
+    for k_, v_ in dict(block_h=block_h, block_k=block_k, n_splits=n_splits, num_warps=num_warps,
+                       num_stages=num_stages, d_chunk=d_chunk).items():
+        if v_ is not None:
+            cfg[k_] = v_
+    bh, bk = cfg["block_h"], cfg["block_k"]
+    dc = cfg["d_chunk"]
+    if d % dc:
+        raise ValueError(f"d_chunk {dc} must divide head_dim {d}")
+    hp = -(-h // bh) * bh
+    n_hb = hp // bh
+
+    srcs = [common.flatten_source(window_kv, window_idx, window_len, bt, bk)]
+    if compressed_kv is not None:
+        srcs.append(common.flatten_source(compressed_kv, compressed_idx, compressed_len, bt, bk))
+    total_blocks = sum(s_.k // bk for s_ in srcs)
+    ns = max(1, min(int(cfg["n_splits"]), total_blocks))
+    bps = -(-total_blocks // ns)
+    ns = -(-total_blocks // bps)
+
+    qf = q.reshape(bt, h, d)
+    sk = sinks.astype(jnp.float32)
+    if hp != h:
+        qf = jnp.pad(qf, ((0, 0), (0, hp - h), (0, 0)))
+        sk = jnp.pad(sk, (0, hp - h))
+
+    full = lambda shape: pl.BlockSpec(shape, lambda i, s, hb: (0,) * len(shape))
+    args = [qf, sk]
+    in_specs = [pl.BlockSpec((None, bh, d), lambda i, s, hb: (i, hb, 0)), pl.BlockSpec((bh,), lambda i, s, hb: (hb,))]
+    meta = []
+    for src in srcs:
+        args += [src.idx, src.length]
+        in_specs += [pl.BlockSpec((None, src.k), lambda i, s, hb: (i, 0)), full((bt,))]
+        parts = (src.pool.nope, src.pool.rope, src.pool.scale) if src.fp8 else (src.pool,)
+        for p_ in parts:
+            args.append(p_)
+            in_specs.append(full(p_.shape))
+        meta.append(dict(k=src.k, n_rows=src.n_rows, fp8=src.fp8))
+
+    out_split = ns > 1
+    if out_split:
+        out_shape = [jax.ShapeDtypeStruct((bt, ns, hp, d), jnp.float32), jax.ShapeDtypeStruct((bt, ns, hp), jnp.float32)]
+        out_specs = [pl.BlockSpec((None, None, bh, d), lambda i, s, hb: (i, s, hb, 0)),
+                     pl.BlockSpec((None, None, bh), lambda i, s, hb: (i, s, hb))]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((bt, hp, d), out_dtype), jax.ShapeDtypeStruct((bt, hp), jnp.float32)]
+        out_specs = [pl.BlockSpec((None, bh, d), lambda i, s, hb: (i, hb, 0)),
+                     pl.BlockSpec((None, bh), lambda i, s, hb: (i, hb))]
+
+    aliases = {}
+    if poison:
+        n_in = len(args)
+        for j, (shp, spec) in enumerate(zip(out_shape, out_specs)):
+            args.append(jnp.full(shp.shape, jnp.nan, shp.dtype))
+            in_specs.append(spec)
+            aliases[n_in + j] = j
+
+    kernel = functools.partial(
+        _kernel, srcs=meta, block_h=bh, block_k=bk, d=d, d_chunk=dc, n_splits=ns, blocks_per_split=bps,
+        scale2=float(scale) * LOG2E, out_split=out_split, interpret=interpret)
+    extra = {}
+    if not interpret:
+        extra["compiler_params"] = plgpu.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    o, lse = pl.pallas_call(
+        kernel,
+        grid=(bt, ns, n_hb),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        input_output_aliases=aliases,
+        name=f"sparse_attn_bh{bh}_bk{bk}_s{ns}",
+        **extra,
+    )(*args)
+    if out_split:
+        o, lse = common.combine_splits(o, lse, sk, out_dtype)
+    o = o[:, :h].reshape(b, t, h, d)
+    lse = lse[:, :h].reshape(b, t, h)
+    if return_lse:
+        return o, lse
+    return o

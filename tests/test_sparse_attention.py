@@ -1,0 +1,197 @@
+"""Sparse attention kernels vs the reference, on CPU: the GPU (Triton) kernel in the Pallas interpreter and the TPU
+(Mosaic) kernel in the TPU interpreter. Shapes are tiny; every check draws fresh random inputs."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.sparse_attention import (
+    Fp8KVPool,
+    dequantize_kv_fp8,
+    from_packed_u8,
+    quantize_kv_fp8,
+    resolve_impl,
+    sparse_attention,
+    sparse_attention_reference,
+    to_packed_u8,
+)
+
+_SEED = itertools.count(1000)
+
+
+def make_inputs(b, t, h, d, n_w, n_c, k_w, k_c, *, fp8=False, ragged=False, all_invalid_c=False, dupes=False,
+                oob=True, q_dtype=jnp.bfloat16, seed=None):
+    """Fresh random inputs. Indices include -1 and (if oob) out-of-range rows; optional ragged lengths,
+    all-invalid compressed lists for some queries, duplicated indices."""
+    rng = np.random.default_rng(next(_SEED) if seed is None else seed)
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)) * 2.0, q_dtype)
+    wkv = jnp.asarray(rng.standard_normal((n_w, d)), jnp.bfloat16)
+    ckv = jnp.asarray(rng.standard_normal((n_c, d)), jnp.bfloat16)
+    hi_w = n_w + (4 if oob else 0)
+    hi_c = n_c + (4 if oob else 0)
+    wi = rng.integers(-1, hi_w, (b, t, k_w)).astype(np.int32)
+    ci = rng.integers(-1, hi_c, (b, t, k_c)).astype(np.int32)
+    wi[..., 0] = rng.integers(0, n_w, (b, t))  # most queries keep one valid window entry
+    if dupes:
+        ci[..., 1::3] = ci[..., 0:1]
+        wi[..., -1] = wi[..., 0]
+    if all_invalid_c:
+        ci[0] = -1
+        if b * t > 1:
+            ci.reshape(b * t, k_c)[-1] = n_c + 7  # all out of range
+    sinks = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    wl = cl = None
+    if ragged:
+        wl = jnp.asarray(rng.integers(0, k_w + 1, (b, t)), jnp.int32)
+        cl = jnp.asarray(rng.integers(0, k_c + 3, (b, t)), jnp.int32)
+    if fp8:
+        wkv, ckv = quantize_kv_fp8(wkv), quantize_kv_fp8(ckv)
+    return dict(q=q, window_kv=wkv, window_idx=jnp.asarray(wi), compressed_kv=ckv, compressed_idx=jnp.asarray(ci),
+                sinks=sinks, window_len=wl, compressed_len=cl)
+
+
+def call(fn, inp, **kw):
+    return fn(inp["q"], inp["window_kv"], inp["window_idx"], inp["compressed_kv"], inp["compressed_idx"],
+              inp["sinks"], scale=inp["q"].shape[-1] ** -0.5, window_len=inp["window_len"],
+              compressed_len=inp["compressed_len"], return_lse=True, **kw)
+
+
+def check_close(out, ref, tol=2e-2):
+    o, lse = out
+    ro, rlse = ref
+    o = np.asarray(o.astype(jnp.float32))
+    ro = np.asarray(ro.astype(jnp.float32))
+    assert not np.isnan(o).any(), "NaN in output (unwritten or bad masking)"
+    assert not np.isnan(np.asarray(lse)).any(), "NaN in lse"
+    err = np.linalg.norm(o - ro) / max(np.linalg.norm(ro), 1e-30)
+    assert err < tol, f"relative error {err}"
+    lse, rlse = np.asarray(lse), np.asarray(rlse)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(rlse))
+    fin = np.isfinite(rlse)
+    np.testing.assert_allclose(lse[fin], rlse[fin], atol=5e-2, rtol=1e-2)
+    # queries with no valid entry: o == 0
+    empty = np.isneginf(rlse)
+    assert np.all(o[empty] == 0)
+
+
+# --------------------------------------------------------------------------------------------- FP8 layout
+
+
+def test_fp8_roundtrip_and_packing():
+    rng = np.random.default_rng(next(_SEED))
+    x = jnp.asarray(rng.standard_normal((9, 512)) * np.exp(rng.uniform(-6, 6, (9, 1))), jnp.bfloat16)
+    p = quantize_kv_fp8(x)
+    assert p.nope.dtype == jnp.float8_e4m3fn and p.rope.dtype == jnp.bfloat16 and p.scale.dtype == jnp.uint8
+    y = dequantize_kv_fp8(p)
+    xf = np.asarray(x.astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(y[:, 448:]), xf[:, 448:])  # rope is exact
+    rel = np.abs(np.asarray(y[:, :448]) - xf[:, :448]).max() / np.abs(xf[:, :448]).max()
+    assert rel < 0.07
+    # scale rule: s = 2^ceil(log2(amax/448)), byte = e + 127
+    amax = np.maximum(np.abs(xf[:, :448]).reshape(9, 7, 64).max(-1), 1e-4)
+    np.testing.assert_array_equal(np.asarray(p.scale[:, :7]).astype(int) - 127, np.ceil(np.log2(amax / 448)))
+    packed = to_packed_u8(p)
+    assert packed.shape == (9, 584) and packed.dtype == jnp.uint8
+    p2 = from_packed_u8(packed)
+    np.testing.assert_array_equal(np.asarray(dequantize_kv_fp8(p2)), np.asarray(y))
+    # pytree: goes through jit
+    y3 = jax.jit(dequantize_kv_fp8)(p)
+    np.testing.assert_array_equal(np.asarray(y3), np.asarray(y))
+
+
+def test_reference_accepts_fp8_pool():
+    inp = make_inputs(2, 1, 4, 512, 16, 24, 6, 10, fp8=True)
+    deq = dict(inp, window_kv=dequantize_kv_fp8(inp["window_kv"]), compressed_kv=dequantize_kv_fp8(inp["compressed_kv"]))
+    a = call(sparse_attention_reference, inp)
+    b = call(sparse_attention_reference, deq)
+    np.testing.assert_allclose(np.asarray(a[0].astype(jnp.float32)), np.asarray(b[0].astype(jnp.float32)))
+
+
+# --------------------------------------------------------------------------------------------- dispatcher
+
+
+def test_dispatcher_impls():
+    assert resolve_impl("auto") == "reference"  # CPU
+    assert resolve_impl("pallas") == "interpret"
+    with pytest.raises(ValueError, match="impl"):
+        resolve_impl("cuda")
+    inp = make_inputs(1, 2, 4, 128, 8, 8, 4, 4)
+    a = call(sparse_attention, inp, impl="auto")
+    b = call(sparse_attention_reference, inp)
+    np.testing.assert_array_equal(np.asarray(a[0].astype(jnp.float32)), np.asarray(b[0].astype(jnp.float32)))
+
+
+@pytest.mark.parametrize(
+    "mutate, msg",
+    [
+        (lambda d: d.update(q=d["q"][0]), "q must be"),
+        (lambda d: d.update(window_idx=d["window_idx"].astype(jnp.float32)), "window_idx must be an integer"),
+        (lambda d: d.update(compressed_idx=None), "both be given"),
+        (lambda d: d.update(sinks=d["sinks"][:2]), "sinks must be"),
+        (lambda d: d.update(window_len=jnp.zeros((3,), jnp.int32)), "window_len must be"),
+        (lambda d: d.update(compressed_kv=d["compressed_kv"][:, :64]), "head_dim"),
+        (lambda d: d.update(window_idx=d["window_idx"][:1]), "window_idx must be"),
+    ],
+)
+def test_validation_errors(mutate, msg):
+    inp = make_inputs(2, 1, 4, 128, 8, 8, 4, 4)
+    mutate(inp)
+    with pytest.raises(ValueError, match=msg):
+        call(sparse_attention, inp, impl="pallas")
+
+
+# --------------------------------------------------------------------------------------------- GPU kernel, interpreted
+
+
+GPU_CASES = [
+    # (b, t, h, d, n_w, n_c, k_w, k_c, flags, kernel options)
+    (2, 1, 4, 512, 24, 40, 8, 20, dict(fp8=False, ragged=True), dict(block_k=16, n_splits=1)),
+    (2, 1, 4, 512, 24, 40, 8, 20, dict(fp8=True, ragged=True, dupes=True), dict(block_k=16, n_splits=3)),
+    (1, 3, 64, 128, 16, 24, 8, 16, dict(all_invalid_c=True, dupes=True, q_dtype=jnp.float32), dict(block_k=16)),
+    (1, 2, 128, 512, 16, 24, 4, 12, dict(fp8=True, all_invalid_c=True, ragged=True), dict(block_k=16, n_splits=2)),
+]
+
+
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"h{c[2]}_d{c[3]}_{'fp8' if c[8].get('fp8') else 'bf16'}")
+def test_gpu_kernel_interpret(case):
+    b, t, h, d, n_w, n_c, k_w, k_c, flags, opts = case
+    inp = make_inputs(b, t, h, d, n_w, n_c, k_w, k_c, **flags)
+    out = call(sparse_attention, inp, impl="pallas", poison=True, **opts)
+    ref = call(sparse_attention_reference, inp)
+    assert out[0].dtype == inp["q"].dtype
+    check_close(out, ref)
+
+
+def test_gpu_kernel_interpret_sliding_only_f32_out():
+    inp = make_inputs(2, 2, 4, 128, 20, 1, 8, 1)
+    inp.update(compressed_kv=None, compressed_idx=None)
+    out = call(sparse_attention, inp, impl="pallas", out_dtype=jnp.float32, block_k=16)
+    ref = call(sparse_attention_reference, inp, out_dtype=jnp.float32)
+    assert out[0].dtype == jnp.float32
+    check_close(out, ref)
+
+
+# --------------------------------------------------------------------------------------------- TPU kernel, interpreted
+
+
+TPU_CASES = [
+    (2, 1, 4, 512, 24, 40, 8, 20, dict(fp8=False, ragged=True, dupes=True)),
+    (1, 2, 64, 512, 16, 24, 8, 12, dict(fp8=True, all_invalid_c=True, ragged=True)),
+    (1, 1, 128, 512, 16, 24, 8, 8, dict(fp8=False, all_invalid_c=True)),
+]
+
+
+@pytest.mark.parametrize("case", TPU_CASES, ids=lambda c: f"h{c[2]}_{'fp8' if c[8].get('fp8') else 'bf16'}")
+def test_tpu_kernel_interpret(case):
+    from pallas_kernels.sparse_attention.tpu import sparse_attention_tpu
+
+    b, t, h, d, n_w, n_c, k_w, k_c, flags = case
+    inp = make_inputs(b, t, h, d, n_w, n_c, k_w, k_c, **flags)
+    out = call(sparse_attention_tpu, inp, interpret=True, block_k=8)
+    ref = call(sparse_attention_reference, inp)
+    check_close(out, ref)

@@ -1,0 +1,49 @@
+"""Sparse attention GPU kernel (compiled, Triton backend) vs the reference on a real GPU. Skips without a GPU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from test_sparse_attention import call, check_close, make_inputs
+from pallas_kernels.sparse_attention import sparse_attention, sparse_attention_reference
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (compiled Triton Pallas kernel)")
+
+CASES = [
+    # decode-like: few queries, K = 128 window + top-k / HCA; split-K on and off
+    (4, 1, 64, 128, 300, 128, 512, dict(fp8=False, ragged=True, dupes=True), {}),
+    (4, 1, 64, 128, 300, 128, 512, dict(fp8=True, ragged=True, dupes=True), {}),
+    (3, 2, 128, 128, 600, 128, 1024, dict(fp8=False, all_invalid_c=True), dict(n_splits=4)),
+    (3, 2, 128, 128, 600, 128, 1024, dict(fp8=True, all_invalid_c=True, ragged=True), dict(n_splits=1)),
+    (2, 1, 4, 128, 9000, 128, 8192, dict(fp8=False), {}),
+    (2, 1, 4, 128, 9000, 128, 8192, dict(fp8=True, ragged=True), {}),
+    # prefill-like: many queries, each with its own list
+    (1, 256, 64, 2048, 1024, 128, 512, dict(fp8=False, ragged=True, dupes=True), {}),
+    (1, 256, 64, 2048, 1024, 128, 512, dict(fp8=True, all_invalid_c=True), {}),
+    (1, 64, 4, 512, 200, 100, 60, dict(fp8=False, ragged=True), {}),  # K not a multiple of block_k
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}t{c[1]}h{c[2]}k{c[6]}_{'fp8' if c[7].get('fp8') else 'bf16'}")
+def test_gpu_kernel(case):
+    b, t, h, n_w, n_c, k_w, k_c, flags, opts = case
+    inp = make_inputs(b, t, h, 512, n_w, n_c, k_w, k_c, **flags)
+    out = call(sparse_attention, inp, impl="pallas", poison=True, **opts)
+    ref = call(sparse_attention_reference, inp)
+    check_close(out, ref)
+
+
+def test_gpu_auto_is_pallas_and_jits():
+    inp = make_inputs(2, 1, 64, 512, 256, 1024, 128, 512, fp8=True)
+    f = jax.jit(lambda i: call(sparse_attention, i, impl="auto"))
+    check_close(f(inp), call(sparse_attention_reference, inp))
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_out_dtype(out_dtype):
+    inp = make_inputs(2, 3, 16, 512, 256, 512, 128, 64)
+    out = call(sparse_attention, inp, impl="pallas", out_dtype=out_dtype)
+    assert out[0].dtype == out_dtype
+    check_close(out, call(sparse_attention_reference, inp, out_dtype=out_dtype))
