@@ -257,12 +257,12 @@ def generate_with_stats(model, prompts: Sequence[Sequence[int]], max_new_tokens:
     if max_new_tokens == 0:
         return [[] for _ in prompts], GenerationStats(batch, lengths, 0, 0, [0] * batch, 0, 0.0, 0.0, 0.0, 0)
     longest = max(lengths)
-    s_pad = _bucket(longest, 8)
+    s_pad = _bucket(longest, 16)
     if max_len is None:
         max_len = min(_bucket(s_pad + max_new_tokens, 64), cfg.max_position_embeddings)
         max_len = max(max_len, longest + max_new_tokens)
     s_pad = min(s_pad, max_len)
-    buf_len = _bucket(max_new_tokens, 16)
+    buf_len = _bucket(max_new_tokens, 64)
 
     ids = np.full((batch, s_pad), PAD_ID, np.int32)
     for b, p in enumerate(prompts):
