@@ -6,5 +6,5 @@ set -o pipefail
 OUT=${OUT:-/tmp/sa_out}; mkdir -p "$OUT"
 export PYTHONPATH=.:tests PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/nvidia_smi.txt"
-timeout 240 python3 -m pytest -q -x tests/test_sparse_attention_gpu.py 2>&1 | tail -n 30 | tee "$OUT/gpu_tests.log"
-python3 benchmarks/sparse_attention.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^\s*$" | tail -n 60
+timeout 240 python3 -m pytest -q -x tests/test_sparse_attention_gpu.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} 2>&1 | tail -n 30 | tee "$OUT/gpu_tests.log"
+timeout ${BENCH_TIMEOUT:-3000} python3 benchmarks/sparse_attention.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^\s*$" | tail -n 60

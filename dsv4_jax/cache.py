@@ -15,11 +15,14 @@ prefill chunks and decode steps reuse one compiled program per shape. Every cach
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from pallas_kernels.indexer import formats as idx_formats
 
 from .config import CSA, SLIDING, DeepseekV4Config
 
@@ -68,13 +71,29 @@ class LayerCache:
     indexer_keys: Optional[jax.Array] = None
 
 
+@dataclasses.dataclass(frozen=True)
+class CacheFormat:
+    """How cache rows are stored (spec §8.1). kv: None (model dtype, exact) | "bf16" | "fp8" (584 B rows);
+    indexer: None | "bf16" | "fp8" (132 B) | "fp4" (68 B); indexer_rotate: Walsh-Hadamard on indexer q/k."""
+
+    kv: Optional[str] = None
+    indexer: Optional[str] = None
+    indexer_rotate: bool = False
+
+    def __post_init__(self):
+        if self.kv not in (None, "bf16", "fp8"):
+            raise ValueError(f"kv cache dtype must be None, 'bf16' or 'fp8', got {self.kv!r}")
+        idx_formats.check_format(self.indexer)
+
+
 @struct.dataclass
 class ModelCache:
-    """All layers' caches plus per-sequence lengths [B] int32. `max_len` (static) is the capacity in tokens."""
+    """All layers' caches plus per-sequence lengths [B] int32. Static: `max_len` (capacity in tokens), `fmt`."""
 
     layers: tuple
     lengths: jax.Array
     max_len: int = struct.field(pytree_node=False)
+    fmt: CacheFormat = struct.field(pytree_node=False, default=CacheFormat())
 
     @property
     def batch_size(self) -> int:
@@ -86,8 +105,9 @@ def compressed_capacity(max_len: int, ratio: int) -> int:
     return max(1, max_len // ratio)
 
 
-def init_cache(config: DeepseekV4Config, batch_size: int, max_len: int, dtype=jnp.float32) -> ModelCache:
-    """An empty cache for `batch_size` sequences of up to `max_len` tokens; KV rows in `dtype`."""
+def init_cache(config: DeepseekV4Config, batch_size: int, max_len: int, dtype=jnp.float32,
+               fmt: CacheFormat = CacheFormat()) -> ModelCache:
+    """An empty cache for `batch_size` sequences of up to `max_len` tokens; exact-mode rows in `dtype`."""
     if batch_size < 1 or max_len < 1:
         raise ValueError(f"batch_size and max_len must be >= 1, got {batch_size}, {max_len}")
     layers = []
@@ -106,6 +126,7 @@ def init_cache(config: DeepseekV4Config, batch_size: int, max_len: int, dtype=jn
         )
         if kind == CSA:
             lc = lc.replace(indexer=CompressorState.empty(batch_size, ratio, config.index_head_dim, True),
-                            indexer_keys=jnp.zeros((batch_size, cap, config.index_head_dim), dtype))
+                            indexer_keys=idx_formats.empty((batch_size, cap, config.index_head_dim), fmt.indexer,
+                                                           dtype))
         layers.append(lc)
-    return ModelCache(tuple(layers), jnp.zeros((batch_size,), jnp.int32), max_len)
+    return ModelCache(tuple(layers), jnp.zeros((batch_size,), jnp.int32), max_len, fmt)

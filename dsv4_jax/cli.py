@@ -68,10 +68,14 @@ def cmd_generate(args) -> int:
     print(f"checkpoint: {ckpt}{' (embedded default, random weights)' if embedded else ''}")
     print(f"model: {cfg.summary()}")
     print(f"dtype: {args.dtype}, device: {jax.devices()[0].platform} ({jax.devices()[0].device_kind})")
+    kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=args.eos_id,
+              max_len=args.max_len)
+    compile_s = 0.0
     try:
-        tokens, st = generate_with_stats(model, args.prompt, args.max_new_tokens, temperature=args.temperature,
-                                         top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=args.eos_id,
-                                         max_len=args.max_len)
+        for _ in range(max(0, args.warmup)):  # untimed runs: compile + first-execution overheads
+            compile_s += generate_with_stats(model, args.prompt, args.max_new_tokens, **kw)[1].compile_s
+        tokens, st = generate_with_stats(model, args.prompt, args.max_new_tokens, **kw)
+        compile_s += st.compile_s
     except ValueError as e:
         raise SystemExit(f"dsv4-jax: error: {e}")
     for i, (p, t) in enumerate(zip(args.prompt, tokens)):
@@ -79,7 +83,8 @@ def cmd_generate(args) -> int:
         print(f"[{i}] new tokens ({len(t)}): {' '.join(map(str, t))}")
     if args.max_new_tokens == 0:
         return 0
-    print(f"compile: {st.compile_s:.2f} s (ahead-of-time, excluded from the rates below; 0 = reused)")
+    print(f"compile: {compile_s:.2f} s (ahead-of-time, excluded from the rates below); timed run after "
+          f"{args.warmup} untimed warm-up run(s) of the same request")
     print(f"prefill: {st.prefill_s * 1e3:.2f} ms for {st.batch_size} prompt(s) padded to {st.padded_prompt_len} "
           f"tokens ({st.prefill_tokens_per_s:,.0f} prompt tokens/s), incl. sampling the first new token")
     if st.decode_steps:
@@ -188,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eos-id", type=int, default=None, help="stop a row after this token")
     g.add_argument("--max-len", type=int, default=None, help="cache capacity in tokens (default: bucketed)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    g.add_argument("--warmup", type=int, default=1,
+                   help="untimed runs of the same request before the timed one (default 1; same tokens each run)")
     g.add_argument("--attention-impl", choices=("auto", "reference", "pallas"), default="auto",
                    help="sparse attention implementation (auto: Pallas kernel where available, else reference)")
     g.set_defaults(func=cmd_generate)

@@ -162,8 +162,11 @@ def compile_count() -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- public API
-def _bucket(n: int, minimum: int = 16) -> int:
-    """Round up to a power of two (>= minimum) so nearby request sizes share compiled programs."""
+def _bucket(n: int, minimum: int = 16, granule: int = 4096) -> int:
+    """Round up to a power of two (>= minimum) up to `granule`, then to a multiple of `granule`, so nearby request
+    sizes share compiled programs without doubling long caches."""
+    if n > granule:
+        return -(-n // granule) * granule
     return max(minimum, 1 << max(0, math.ceil(math.log2(max(1, n)))))
 
 
@@ -174,7 +177,7 @@ def _model_config(model):
     return cfg
 
 
-def _validate(model, prompts, max_new_tokens, temperature, top_k, top_p, max_len):
+def _validate(model, prompts, max_new_tokens, temperature, top_k, top_p, max_len, eos_id=None, seed=0):
     cfg = _model_config(model)
     if isinstance(prompts, (np.ndarray, jax.Array)):
         prompts = np.asarray(prompts).tolist()
@@ -203,6 +206,11 @@ def _validate(model, prompts, max_new_tokens, temperature, top_k, top_p, max_len
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
     if top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
         raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}")
+    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, (int, np.integer))
+                               or not 0 <= eos_id < cfg.vocab_size):
+        raise ValueError(f"eos_id must be None or a token id in [0, vocab_size={cfg.vocab_size}), got {eos_id!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"seed must be an int, got {seed!r}")
     longest = max(len(p) for p in clean)
     need = longest + max_new_tokens
     limit = cfg.max_position_embeddings
@@ -251,7 +259,7 @@ def generate_with_stats(model, prompts: Sequence[Sequence[int]], max_new_tokens:
                         top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                         eos_id: int | None = None, max_len: int | None = None):
     """Like :func:`generate` but returns ``(tokens, GenerationStats)``."""
-    cfg, prompts = _validate(model, prompts, max_new_tokens, temperature, top_k, top_p, max_len)
+    cfg, prompts = _validate(model, prompts, max_new_tokens, temperature, top_k, top_p, max_len, eos_id, seed)
     batch = len(prompts)
     lengths = [len(p) for p in prompts]
     if max_new_tokens == 0:

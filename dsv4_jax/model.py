@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .cache import ModelCache, init_cache
+from .cache import CacheFormat, ModelCache, init_cache
 from .config import DeepseekV4Config
 from .layers.attention import Attention
 from .layers.common import Embedding, Linear, RMSNorm, normal, param
@@ -44,12 +44,12 @@ class Block(nnx.Module):
     def _hc_kwargs(self):
         return dict(zip(("hc", "iters", "eps", "norm_eps"), self._hc))
 
-    def __call__(self, streams, ids, positions, start, n_valid, layer_cache):
+    def __call__(self, streams, ids, positions, start, n_valid, layer_cache, fmt: CacheFormat = CacheFormat()):
         """streams [B, S, hc, D] -> (streams, layer_cache)."""
         pre, post, comb = hc_weights(streams, self.hc_attn_fn[...], self.hc_attn_base[...], self.hc_attn_scale[...],
                                      **self._hc_kwargs)
         out, layer_cache = self.attn(self.attn_norm(hc_collapse(streams, pre)), positions, start, n_valid,
-                                     layer_cache)
+                                     layer_cache, fmt)
         streams = hc_expand(out, streams, post, comb)
         pre, post, comb = hc_weights(streams, self.hc_ffn_fn[...], self.hc_ffn_base[...], self.hc_ffn_scale[...],
                                      **self._hc_kwargs)
@@ -81,8 +81,15 @@ class DeepseekV4ForCausalLM(nnx.Module):
         self.head = Linear(c.hidden_size, c.vocab_size, dtype=dtype, rngs=rngs, axes=("vocab", "embed"))
 
     # ----------------------------------------------------------------- public API
-    def init_cache(self, batch_size: int, max_len: int) -> ModelCache:
-        return init_cache(self.config, batch_size, max_len, self.dtype)
+    def init_cache(self, batch_size: int, max_len: int, kv_dtype: str | None = None,
+                   indexer_dtype: str | None = None, indexer_rotate: bool = False) -> ModelCache:
+        """Empty cache for `batch_size` sequences of up to `max_len` tokens.
+
+        kv_dtype: None (exact: model dtype) | "bf16" | "fp8" for window and compressed KV rows;
+        indexer_dtype: None | "bf16" | "fp8" | "fp4" for indexer keys; indexer_rotate: Hadamard on indexer q/k.
+        """
+        fmt = CacheFormat(kv_dtype, indexer_dtype, indexer_rotate)
+        return init_cache(self.config, batch_size, max_len, self.dtype, fmt)
 
     def __call__(self, input_ids) -> jax.Array:
         ids = self._check_ids(input_ids)
@@ -167,7 +174,7 @@ def forward_chunk(model: DeepseekV4ForCausalLM, input_ids, cache: ModelCache, le
     streams = jnp.broadcast_to(h[:, :, None, :], (B, S, c.hc_mult, c.hidden_size))
     new_layers = []
     for block, layer_cache in zip(model.layers, cache.layers):
-        streams, layer_cache = block(streams, ids, positions, start, lengths, layer_cache)
+        streams, layer_cache = block(streams, ids, positions, start, lengths, layer_cache, cache.fmt)
         new_layers.append(layer_cache)
     y = hc_head_collapse(streams, model.hc_head_fn[...], model.hc_head_base[...], model.hc_head_scale[...],
                          eps=c.hc_eps, norm_eps=c.rms_norm_eps)

@@ -116,6 +116,8 @@ def test_max_new_tokens_zero_and_prefix_consistency(oracle_and_model, greedy):
     (dict(top_k=0), "top_k"),
     (dict(max_len=10, max_new_tokens=8), "exceeds max_len=10"),
     (dict(max_new_tokens=5000), "max_position_embeddings"),
+    (dict(eos_id=256), "eos_id"),
+    (dict(seed=1.5), "seed"),
 ])
 def test_errors(oracle_and_model, kwargs, match):
     _, _, model = oracle_and_model

@@ -21,7 +21,7 @@ from flax import nnx
 
 from pallas_kernels.sparse_attention import sparse_attention
 
-from ..cache import LayerCache
+from ..cache import CacheFormat, LayerCache
 from ..config import CSA, SLIDING, DeepseekV4Config
 from .common import Linear, RMSNorm, matmul, normal, param, rms_normalize
 from .compressor import Compressor
@@ -77,8 +77,9 @@ class Attention(nnx.Module):
         if self.kind == CSA:
             self.indexer = Indexer(c, self.ratio, self.inv_freq, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, start, n_valid, cache: LayerCache):
-        """x [B, S, D] (attn_norm output), positions [B, S], start/n_valid [B] -> (out [B, S, D], cache)."""
+    def __call__(self, x, positions, start, n_valid, cache: LayerCache, fmt: CacheFormat = CacheFormat()):
+        """x [B, S, D] (attn_norm output), positions [B, S], start/n_valid [B] -> (out [B, S, D], cache).
+        `fmt` says how cache rows are stored; quantized rows are what every query sees, the chunk's own too."""
         B, S, _ = x.shape
         H, d, W = self.n_heads, self.head_dim, self.window
         qr = self.q_norm(self.wq_a(x))                                            # [B, S, q_lora]
@@ -89,26 +90,31 @@ class Attention(nnx.Module):
 
         window_pool = jnp.concatenate([cache.window_kv, kv.astype(cache.window_kv.dtype)], axis=1)
         window_idx = window_indices(positions, start, S, W)
-        compressed_pool = compressed_idx = None
+        compressed_pool = compressed_idx = compressed_len = None
         if self.kind != SLIDING:
             entries, comp_state = self.compressor(x, positions, start, n_valid, cache.compressor, cache.compressed_kv)
             cache = cache.replace(compressed_kv=entries, compressor=comp_state)
             cap = entries.shape[1]
             row0 = jnp.arange(B, dtype=jnp.int32)[:, None, None] * cap
             if self.kind == CSA:
-                keys, idx_state = self.indexer.compressor(x, positions, start, n_valid, cache.indexer,
-                                                          cache.indexer_keys)
+                keys, idx_state = self.indexer.compressor(
+                    x, positions, start, n_valid, cache.indexer, cache.indexer_keys,
+                    encode=self.indexer.encode_keys(fmt.indexer, fmt.indexer_rotate, x.dtype))
                 cache = cache.replace(indexer_keys=keys, indexer=idx_state)
-                picks = self.indexer.select(self.indexer.scores(x, qr, positions, keys))
+                picks = self.indexer.select(self.indexer.scores(x, qr, positions, keys, fmt.indexer,
+                                                                fmt.indexer_rotate))
                 compressed_idx = jnp.where(picks >= 0, row0 + picks, -1)
+                compressed_len = jnp.sum(picks >= 0, axis=-1, dtype=jnp.int32)  # valid picks come first
             else:
                 w = jnp.arange(cap, dtype=jnp.int32)[None, None, :]
-                visible = w < ((positions + 1) // self.ratio)[..., None]
-                compressed_idx = jnp.where(visible, row0 + w, -1)
+                n_complete = jnp.minimum((positions + 1) // self.ratio, cap)
+                compressed_idx = jnp.where(w < n_complete[..., None], row0 + w, -1)
+                compressed_len = n_complete  # kernels stop after the complete entries
             compressed_pool = entries.reshape(B * cap, d)
 
         o = sparse_attention(q, window_pool.reshape(B * (W + S), d), window_idx, compressed_pool, compressed_idx,
-                             self.attn_sink[...], scale=d ** -0.5, impl=self.attention_impl)
+                             self.attn_sink[...], scale=d ** -0.5, compressed_len=compressed_len,
+                             impl=self.attention_impl)
         o = apply_rope(o, positions, self.inv_freq, inverse=True)                 # [B, S, H, d]
         grouped = o.reshape(B, S, self.o_groups, H * d // self.o_groups)
         wo_a = self.wo_a.weight[...].reshape(self.o_groups, self.o_lora_rank, -1)

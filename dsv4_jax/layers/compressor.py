@@ -43,14 +43,16 @@ class Compressor(nnx.Module):
         gate = gate + jnp.take(self.ape[...], positions % self.ratio, axis=0)
         return kv, gate
 
-    def __call__(self, x, positions, start, n_valid, state: CompressorState, entries: jax.Array):
+    def __call__(self, x, positions, start, n_valid, state: CompressorState, entries, encode=None):
         """Feeds one chunk of each row to the compressor.
 
         Args:
           x: [B, S, D] block input of the chunk (row b's token j is at position start[b] + j).
           positions: [B, S] int32 = start[:, None] + arange(S).
           start: [B] int32 tokens already consumed per row; n_valid: [B] int32 valid chunk tokens per row.
-          state: open-window state; entries: [B, cap, dim] compressed cache (entry w at row w).
+          state: open-window state; entries: [B, cap, dim] compressed cache (entry w at row w): an array, or any
+            pytree of arrays with leading [B, cap] (a quantized format) that `encode` produces from float rows.
+          encode: float32 rows [B, n, dim] -> storage rows (default: cast to the cache dtype).
         Returns:
           (entries, state) updated: every window closing at a valid token is written at its index.
         """
@@ -78,16 +80,18 @@ class Compressor(nnx.Module):
         else:
             pool_kv, pool_gate = win_kv, win_gate
         pooled = jnp.sum(jax.nn.softmax(pool_gate, axis=2) * pool_kv, axis=2)   # [B, nW, d] float32
-        pooled = self.norm(pooled.astype(entries.dtype))
+        pooled = self.norm(pooled.astype(x.dtype))
         k = jnp.arange(n_windows, dtype=jnp.int32)[None, :]
         base = start - offset
         window_pos = base[:, None] + k * r                                     # RoPE position of each entry
         pooled = apply_rope(pooled, window_pos, self.inv_freq)
         complete = window_pos + r <= (start + n_valid)[:, None]
-        cap = entries.shape[1]
+        cap = jax.tree_util.tree_leaves(entries)[0].shape[1]
         dest = jnp.where(complete, window_pos // r, cap)                       # cap = out of bounds -> dropped
         rows = jnp.broadcast_to(jnp.arange(B)[:, None], dest.shape)
-        entries = entries.at[rows, dest].set(pooled.astype(entries.dtype), mode="drop")
+        encoded = encode(pooled) if encode is not None else pooled.astype(entries.dtype)
+        entries = jax.tree_util.tree_map(lambda buf, new: buf.at[rows, dest].set(new.astype(buf.dtype), mode="drop"),
+                                         entries, encoded)
         # The open window after the chunk becomes the state; for overlap the window before it gives the A-half.
         k_open = (offset + n_valid) // r
         pick = lambda t, i: jnp.take_along_axis(t, i[:, None, None, None], axis=1)[:, 0]

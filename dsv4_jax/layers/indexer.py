@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.indexer import formats
+
 from ..config import DeepseekV4Config
 from .common import Linear, matmul
 from .compressor import Compressor
@@ -31,13 +33,23 @@ class Indexer(nnx.Module):
         self.compressor = Compressor(config.hidden_size, self.head_dim, ratio, True, config.rms_norm_eps, inv_freq,
                                      dtype=dtype, rngs=rngs)
 
-    def scores(self, x: jax.Array, qr: jax.Array, positions: jax.Array, keys: jax.Array) -> jax.Array:
-        """x [B, S, D], qr [B, S, q_lora], positions [B, S], keys [B, T, dI] -> scores [B, S, T] float32,
-        -inf where the entry is not causally complete for the query."""
+    def encode_keys(self, fmt, rotate: bool, dtype):
+        """float32 pooled keys [..., dI] -> storage in `fmt` (rotated first when `rotate`)."""
+        return lambda k: formats.quantize(formats.hadamard(k) if rotate else k, fmt, dtype)
+
+    def scores(self, x: jax.Array, qr: jax.Array, positions: jax.Array, keys, fmt=None, rotate=False) -> jax.Array:
+        """x [B, S, D], qr [B, S, q_lora], positions [B, S], keys [B, T, dI] (array or quantized storage in `fmt`)
+        -> scores [B, S, T] float32, -inf where the entry is not causally complete for the query. Queries get the
+        keys' rotation and (fake) quantization."""
         B, S = x.shape[:2]
         q = matmul(qr, self.wq_b.weight[...], jnp.float32).reshape(B, S, self.n_heads, self.head_dim)
         q = apply_rope(q, positions, self.inv_freq)
-        logits = jnp.einsum("bshd,btd->bsht", q, keys.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+        if rotate:
+            q = formats.hadamard(q)
+        if fmt in ("fp8", "fp4"):
+            q = formats.fake_quantize(q, fmt)
+        keys = formats.dequantize(keys, jnp.float32)
+        logits = jnp.einsum("bshd,btd->bsht", q, keys, precision=jax.lax.Precision.HIGHEST)
         w = matmul(x, self.weights_proj.weight[...], jnp.float32) * self.n_heads ** -0.5       # [B, S, H]
         s = jnp.einsum("bsht,bsh->bst", jax.nn.relu(logits) * self.head_dim ** -0.5, w,
                        precision=jax.lax.Precision.HIGHEST)

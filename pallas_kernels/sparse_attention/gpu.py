@@ -136,16 +136,16 @@ def _kernel(*refs, srcs, block_h, block_k, d, d_chunk, n_splits, blocks_per_spli
 
 
 def default_config(bt: int, h: int, total_k: int, any_fp8: bool, prefill: bool):
+    """Defaults picked from the H200 sweep (benchmarks/NOTES_sparse_attention.md): 64 heads x 64 entries per
+    step, 8 warps; split-K so that about one program per SM runs when B*T*head_blocks is below the SM count."""
     block_h = 64 if h >= 64 else 16
-    block_k = 32 if any_fp8 else 64
+    block_k = 64
     n_hb = -(-h // block_h)
     programs = bt * n_hb
     total_blocks = -(-total_k // block_k)
-    n_splits = 1
-    if programs < N_SM_H200:
-        n_splits = max(1, min(-(-N_SM_H200 // programs), total_blocks // 2 or 1))
+    n_splits = max(1, min(N_SM_H200 // programs, max(1, total_blocks // 2)))
     return dict(block_h=block_h, block_k=block_k, n_splits=n_splits, num_warps=8 if block_h >= 64 else 4,
-                num_stages=2, d_chunk=64)
+                num_stages=2 if any_fp8 else 3, d_chunk=128)
 
 
 def sparse_attention_gpu(

@@ -1,0 +1,173 @@
+"""Decode step time vs context length for the full model (reference path unless --attention-impl says otherwise).
+
+    PYTHONPATH=. python benchmarks/decode.py [--checkpoint DIR | --preset v4-flash --layers 4 ...]
+        [--contexts 128,256,...,8192] [--steps 64] [--batch 1] [--dtype float32|bfloat16] [--out FILE]
+
+What is timed: for each context length L, a cache of capacity L + steps is filled to length L, then `--steps`
+DEPENDENT decode steps (token_{k+1} = argmax(logits_k), each step `forward_chunk(model, tok[:, None], cache, ones)`)
+run inside ONE jitted `lax.scan`; wall time of that call from dispatch to `block_until_ready` (after a warm-up
+call; median of `--repeats`) divided by `--steps` = µs/step. Python dispatch (100-250 µs per call) is therefore
+paid once per scan, not per step. Compilation is excluded (AOT, reported separately).
+
+How the cache is filled: by default with random values and lengths = L ("synthetic"): every shape is static, so a
+decode step does the same work whatever the cache holds (window gather, indexer scores over all entries < capacity/4,
+top-k, HCA gather over capacity/ratio entries, masked by position). `--prefill` instead runs a real prefill of L random
+tokens first (one more compile per L; slow on CPU for long contexts).
+
+Model: the embedded default checkpoint (tiny random DeepSeek-V4 architecture) unless --checkpoint or --preset is
+given; a preset is built with random weights (seed 0), optionally at reduced depth (--layers keeps the first N layers
+of the schedule) and with fewer experts (--experts) so it fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+
+def build_model(args):
+    from dsv4_jax.config import PRESETS
+
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+    if args.preset:
+        from dsv4_jax.model import DeepseekV4ForCausalLM
+
+        cfg = PRESETS[args.preset]()
+        if args.layers:
+            n = args.layers
+            cfg = cfg.replace(num_hidden_layers=n, layer_types=cfg.layer_types[:n],
+                              compress_ratios=cfg.compress_ratios[:n], num_hash_layers=min(cfg.num_hash_layers, n))
+        if args.experts:
+            cfg = cfg.replace(n_routed_experts=args.experts,
+                              num_experts_per_tok=min(cfg.num_experts_per_tok, args.experts))
+        model = DeepseekV4ForCausalLM(cfg, dtype=dtype, attention_impl=args.attention_impl, rngs=nnx.Rngs(0))
+        return model, f"preset {args.preset} (random weights, {cfg.num_hidden_layers} layers)"
+    from dsv4_jax.checkpoint import load_pretrained
+
+    if args.checkpoint:
+        path, name = args.checkpoint, args.checkpoint
+    else:
+        from dsv4_jax.assets import embedded_checkpoint_path
+
+        path, name = embedded_checkpoint_path(), "embedded tiny-v4"
+    return load_pretrained(path, dtype=dtype, attention_impl=args.attention_impl, progress=False), name
+
+
+def synthetic_cache(model, batch, capacity, length, seed=0):
+    """A cache of `capacity` tokens whose arrays hold random values and whose lengths are `length`."""
+    cache = model.init_cache(batch, capacity)
+    leaves, treedef = jax.tree_util.tree_flatten(cache)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    new = []
+    for k, leaf in zip(keys, leaves):
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            new.append(jax.random.normal(k, leaf.shape, jnp.float32).astype(leaf.dtype))
+        else:
+            new.append(leaf)
+    cache = jax.tree_util.tree_unflatten(treedef, new)
+    return cache.replace(lengths=jnp.full((batch,), length, jnp.int32))
+
+
+def prefilled_cache(model, batch, capacity, length, seed=0):
+    from dsv4_jax.model import forward_chunk
+
+    graphdef, state = nnx.split(model)
+    ids = jax.random.randint(jax.random.PRNGKey(seed), (batch, length), 0, model.config.vocab_size, jnp.int32)
+    f = jax.jit(lambda s, c, i: forward_chunk(nnx.merge(graphdef, s), i, c, jnp.full((batch,), length, jnp.int32))[1])
+    return jax.block_until_ready(f(state, model.init_cache(batch, capacity), ids))
+
+
+def make_scan(graphdef, steps):
+    from dsv4_jax.model import forward_chunk
+
+    def run(state, cache, tok):
+        model = nnx.merge(graphdef, state)
+        ones = jnp.ones(tok.shape, jnp.int32)
+
+        def body(carry, _):
+            tok, cache = carry
+            logits, cache = forward_chunk(model, tok[:, None], cache, ones)
+            return (jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache), None
+
+        (tok, cache), _ = jax.lax.scan(body, (tok, cache), None, length=steps)
+        return tok, cache.lengths
+
+    return jax.jit(run)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="decode step time vs context length")
+    p.add_argument("--checkpoint")
+    p.add_argument("--preset", choices=("v4-flash", "v4-pro", "tiny"))
+    p.add_argument("--layers", type=int, default=0, help="keep the first N layers of a preset (0 = all)")
+    p.add_argument("--experts", type=int, default=0, help="routed experts of a preset (0 = as configured)")
+    p.add_argument("--contexts", default="128,256,512,1024,2048,4096,8192")
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--attention-impl", default="reference", choices=("reference", "pallas", "auto"))
+    p.add_argument("--prefill", action="store_true", help="fill the cache by a real prefill instead of random values")
+    p.add_argument("--out", help="also write the table to this file")
+    args = p.parse_args(argv)
+
+    model, name = build_model(args)
+    cfg = model.config
+    graphdef, state = nnx.split(model)
+    dev = jax.devices()[0]
+    lines = [
+        f"# benchmarks/decode.py — command: python benchmarks/decode.py {' '.join(argv or sys.argv[1:])}",
+        f"# model: {name}: {cfg.summary()}",
+        f"# device: {dev.platform} ({dev.device_kind}), {os.cpu_count()} CPUs, jax {jax.__version__}, "
+        f"{platform.machine()}, dtype {args.dtype}, attention {args.attention_impl}, batch {args.batch}, "
+        f"load average at start {os.getloadavg()[0]:.2f}",
+        f"# timed: {args.steps} dependent decode steps in one jitted lax.scan, median of {args.repeats} calls "
+        f"after warm-up, / steps; cache {'prefilled' if args.prefill else 'synthetic (random values, lengths = L)'}; "
+        f"capacity = L + steps",
+        f"{'context':>8} {'capacity':>9} {'us/step':>10} {'tokens/s':>10} {'min us':>9} {'compile s':>10}",
+    ]
+    for line in lines:
+        print(line, flush=True)
+    scan = make_scan(graphdef, args.steps)
+    for L in [int(x) for x in args.contexts.split(",")]:
+        cap = L + args.steps
+        cache = (prefilled_cache if args.prefill else synthetic_cache)(model, args.batch, cap, L)
+        tok = jnp.zeros((args.batch,), jnp.int32)
+        t0 = time.perf_counter()
+        exe = scan.lower(state, cache, tok).compile()
+        compile_s = time.perf_counter() - t0
+        out = jax.block_until_ready(exe(state, cache, tok))  # warm-up
+        assert int(out[1][0]) == L + args.steps
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(exe(state, cache, tok))
+            times.append(time.perf_counter() - t0)
+        us = 1e6 * statistics.median(times) / args.steps
+        line = (f"{L:>8} {cap:>9} {us:>10.1f} {args.batch * 1e6 / us:>10.1f} "
+                f"{1e6 * min(times) / args.steps:>9.1f} {compile_s:>10.1f}")
+        lines.append(line)
+        print(line, flush=True)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

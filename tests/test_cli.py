@@ -1,0 +1,94 @@
+"""`dsv4-jax` CLI: info (presets, embedded default, checkpoint dir) and generate (embedded default checkpoint)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from dsv4_jax import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(capsys, *argv):
+    rc = cli.main(list(argv))
+    out = capsys.readouterr().out
+    assert rc == 0
+    return out
+
+
+def test_info_flash_reports_spec_numbers(capsys):
+    out = run(capsys, "info", "--preset", "v4-flash")
+    assert "43 layers (2 sliding, 21 CSA, 20 HCA)" in out
+    assert "context 1,048,576 tokens" in out
+    assert "kv fp8  indexer fp8 : 3,850.2500 B/token" in out
+    assert "kv fp8  indexer fp4 : 3,514.2500 B/token" in out
+    assert re.search(r"dense MLA\s+43\s+43\.00 GiB\s+44,032\.00\s+24\.52 GiB\s+25,112\.00", out)
+    for t in ("sliding", "csa", "hca", "total"):
+        assert re.search(rf"^\s+{t}\s+\d+", out, re.M), t
+
+
+def test_info_pro_and_context(capsys):
+    out = run(capsys, "info", "--preset", "v4-pro", "--context", "65536")
+    assert "61 layers (0 sliding, 30 CSA, 31 HCA)" in out
+    assert "5,511.4375 B/token" in out and "5,031.4375 B/token" in out
+    assert "context 65,536 tokens" in out
+
+
+def test_info_embedded_default_and_checkpoint_dir(capsys):
+    from dsv4_jax.assets import embedded_checkpoint_path
+
+    out = run(capsys, "info")
+    assert "embedded default" in out
+    assert "1 sliding, 1 CSA, 1 HCA" in out
+    out2 = run(capsys, "info", "--checkpoint", embedded_checkpoint_path(), "--context", "4096")
+    assert "layer schedule (S=sliding, C=CSA, H=HCA): S C H" in out2
+
+
+def test_info_errors(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["info", "--preset", "tiny", "--checkpoint", ROOT])
+    with pytest.raises(SystemExit):
+        cli.main(["info", "--checkpoint", "/nonexistent/dir"])
+    with pytest.raises(SystemExit):
+        cli.main(["info", "--preset", "nope"])
+
+
+def test_generate_embedded_default(capsys):
+    import jax.numpy as jnp
+
+    from dsv4_jax.assets import embedded_checkpoint_path
+    from dsv4_jax.checkpoint import load_pretrained
+    from dsv4_jax.engine import generate
+
+    out = run(capsys, "generate", "--prompt", "1 2 3 4 5", "--prompt", "9,8", "--max-new-tokens", "12")
+    lines = re.findall(r"^\[(\d)\] new tokens \((\d+)\): (.*)$", out, re.M)
+    assert [(i, n) for i, n, _ in lines] == [("0", "12"), ("1", "12")]
+    got = [[int(t) for t in toks.split()] for _, _, toks in lines]
+    model = load_pretrained(embedded_checkpoint_path(), dtype=jnp.float32, progress=False)
+    assert generate(model, [[1, 2, 3, 4, 5], [9, 8]], 12) == got
+    assert re.search(r"decode: 11 steps x batch 2 in [\d.]+ ms = [\d.]+ ms/step, [\d,.]+ tokens/s", out)
+    assert "compile:" in out and "excluded" in out
+    assert re.search(r"cache: allocated [\d.]+ KiB", out)
+
+
+def test_generate_errors(capsys):
+    with pytest.raises(SystemExit):  # argparse: not token ids
+        cli.main(["generate", "--prompt", "hello world"])
+    with pytest.raises(SystemExit, match="outside"):
+        cli.main(["generate", "--prompt", "1 999", "--max-new-tokens", "2"])
+    with pytest.raises(SystemExit, match="temperature"):
+        cli.main(["generate", "--prompt", "1", "--temperature", "-1"])
+
+
+def test_module_entry_point_runs():
+    r = subprocess.run([sys.executable, "-m", "dsv4_jax.cli", "info", "--preset", "tiny", "--context", "128"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "dense MLA" in r.stdout
+    pyproject = os.path.join(ROOT, "pyproject.toml")
+    if os.path.exists(pyproject):
+        with open(pyproject) as f:
+            assert 'dsv4-jax = "dsv4_jax.cli:main"' in f.read()
