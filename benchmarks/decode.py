@@ -67,14 +67,20 @@ def build_model(args):
     return load_pretrained(path, dtype=dtype, attention_impl=args.attention_impl, progress=False), name
 
 
-def synthetic_cache(model, batch, capacity, length, seed=0):
+def _init_cache(model, batch, capacity, fmt):
+    if not any(fmt.values()):
+        return model.init_cache(batch, capacity)
+    return model.init_cache(batch, capacity, **fmt)
+
+
+def synthetic_cache(model, batch, capacity, length, fmt, seed=0):
     """A cache of `capacity` tokens whose arrays hold random values and whose lengths are `length`."""
-    cache = model.init_cache(batch, capacity)
+    cache = _init_cache(model, batch, capacity, fmt)
     leaves, treedef = jax.tree_util.tree_flatten(cache)
     keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
     new = []
     for k, leaf in zip(keys, leaves):
-        if jnp.issubdtype(leaf.dtype, jnp.floating):
+        if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype.itemsize >= 2:  # not fp8 codes / scales
             new.append(jax.random.normal(k, leaf.shape, jnp.float32).astype(leaf.dtype))
         else:
             new.append(leaf)
@@ -82,13 +88,13 @@ def synthetic_cache(model, batch, capacity, length, seed=0):
     return cache.replace(lengths=jnp.full((batch,), length, jnp.int32))
 
 
-def prefilled_cache(model, batch, capacity, length, seed=0):
+def prefilled_cache(model, batch, capacity, length, fmt, seed=0):
     from dsv4_jax.model import forward_chunk
 
     graphdef, state = nnx.split(model)
     ids = jax.random.randint(jax.random.PRNGKey(seed), (batch, length), 0, model.config.vocab_size, jnp.int32)
     f = jax.jit(lambda s, c, i: forward_chunk(nnx.merge(graphdef, s), i, c, jnp.full((batch,), length, jnp.int32))[1])
-    return jax.block_until_ready(f(state, model.init_cache(batch, capacity), ids))
+    return jax.block_until_ready(f(state, _init_cache(model, batch, capacity, fmt), ids))
 
 
 def make_scan(graphdef, steps):
@@ -121,11 +127,14 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--attention-impl", default="reference", choices=("reference", "pallas", "auto"))
+    p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default=None, help="KV cache rows (default: exact)")
+    p.add_argument("--indexer-dtype", choices=("bf16", "fp8", "fp4"), default=None, help="indexer key rows")
     p.add_argument("--prefill", action="store_true", help="fill the cache by a real prefill instead of random values")
     p.add_argument("--out", help="also write the table to this file")
     args = p.parse_args(argv)
 
     model, name = build_model(args)
+    fmt = dict(kv_dtype=args.kv_dtype, indexer_dtype=args.indexer_dtype)
     cfg = model.config
     graphdef, state = nnx.split(model)
     dev = jax.devices()[0]
@@ -134,7 +143,8 @@ def main(argv=None):
         f"# model: {name}: {cfg.summary()}",
         f"# device: {dev.platform} ({dev.device_kind}), {os.cpu_count()} CPUs, jax {jax.__version__}, "
         f"{platform.machine()}, dtype {args.dtype}, attention {args.attention_impl}, batch {args.batch}, "
-        f"load average at start {os.getloadavg()[0]:.2f}",
+        f"load average at start {os.getloadavg()[0]:.2f}, cache kv {args.kv_dtype or 'exact'} / indexer "
+        f"{args.indexer_dtype or 'exact'}",
         f"# timed: {args.steps} dependent decode steps in one jitted lax.scan, median of {args.repeats} calls "
         f"after warm-up, / steps; cache {'prefilled' if args.prefill else 'synthetic (random values, lengths = L)'}; "
         f"capacity = L + steps",
@@ -145,7 +155,7 @@ def main(argv=None):
     scan = make_scan(graphdef, args.steps)
     for L in [int(x) for x in args.contexts.split(",")]:
         cap = L + args.steps
-        cache = (prefilled_cache if args.prefill else synthetic_cache)(model, args.batch, cap, L)
+        cache = (prefilled_cache if args.prefill else synthetic_cache)(model, args.batch, cap, L, fmt)
         tok = jnp.zeros((args.batch,), jnp.int32)
         t0 = time.perf_counter()
         exe = scan.lower(state, cache, tok).compile()

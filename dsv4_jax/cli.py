@@ -69,7 +69,8 @@ def cmd_generate(args) -> int:
     print(f"model: {cfg.summary()}")
     print(f"dtype: {args.dtype}, device: {jax.devices()[0].platform} ({jax.devices()[0].device_kind})")
     kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=args.eos_id,
-              max_len=args.max_len)
+              max_len=args.max_len, kv_dtype=args.kv_dtype, indexer_dtype=args.indexer_dtype,
+              indexer_rotate=args.indexer_rotate)
     compile_s = 0.0
     try:
         for _ in range(max(0, args.warmup)):  # untimed runs: compile + first-execution overheads
@@ -96,8 +97,10 @@ def cmd_generate(args) -> int:
     final = max(st.prompt_lengths) + max(st.new_tokens)
     cb = cache_bytes(cfg, final, st.batch_size, "bf16", "bf16")
     cf = cache_bytes(cfg, final, st.batch_size, "fp8", "fp8")
+    rows = (f"kv {args.kv_dtype or args.dtype}, indexer {args.indexer_dtype or args.dtype}"
+            f"{', Hadamard' if args.indexer_rotate else ''}")
     print(f"cache: allocated {_fmt(st.cache_bytes)} (capacity {st.max_len} tokens x batch {st.batch_size}, "
-          f"{args.dtype} rows); at {final} tokens the bf16 layout needs {_fmt(cb.total)}, the fp8 layout "
+          f"{rows}); at {final} tokens the bf16 layout needs {_fmt(cb.total)}, the fp8 layout "
           f"{_fmt(cf.total)} (dense MLA bf16: {_fmt(cb.dense_mla)})")
     return 0
 
@@ -193,6 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eos-id", type=int, default=None, help="stop a row after this token")
     g.add_argument("--max-len", type=int, default=None, help="cache capacity in tokens (default: bucketed)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    g.add_argument("--kv-dtype", choices=("bf16", "fp8"), default=None,
+                   help="KV cache rows: default exact (model dtype); fp8 = 584-byte production layout")
+    g.add_argument("--indexer-dtype", choices=("bf16", "fp8", "fp4"), default=None,
+                   help="indexer key cache rows: default exact (model dtype)")
+    g.add_argument("--indexer-rotate", action="store_true", help="Walsh-Hadamard rotation of indexer q/k")
     g.add_argument("--warmup", type=int, default=1,
                    help="untimed runs of the same request before the timed one (default 1; same tokens each run)")
     g.add_argument("--attention-impl", choices=("auto", "reference", "pallas"), default="auto",

@@ -257,7 +257,8 @@ class GenerationStats:
 
 def generate_with_stats(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                         top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                        eos_id: int | None = None, max_len: int | None = None):
+                        eos_id: int | None = None, max_len: int | None = None, *, kv_dtype: str | None = None,
+                        indexer_dtype: str | None = None, indexer_rotate: bool = False):
     """Like :func:`generate` but returns ``(tokens, GenerationStats)``."""
     cfg, prompts = _validate(model, prompts, max_new_tokens, temperature, top_k, top_p, max_len, eos_id, seed)
     batch = len(prompts)
@@ -284,7 +285,9 @@ def generate_with_stats(model, prompts: Sequence[Sequence[int]], max_new_tokens:
     eos = jnp.int32(-2 if eos_id is None else eos_id)  # -2 never matches a sampled token
 
     graphdef, state = nnx.split(model)
-    cache = model.init_cache(batch, max_len)
+    cache = (model.init_cache(batch, max_len) if kv_dtype is None and indexer_dtype is None and not indexer_rotate
+             else model.init_cache(batch, max_len, kv_dtype=kv_dtype, indexer_dtype=indexer_dtype,
+                                   indexer_rotate=indexer_rotate))
     cache_nbytes = sum(int(l.nbytes) for l in jax.tree_util.tree_leaves(cache))
 
     pre_args = (graphdef, state, cache, ids, lens, key, temp, tk, tp)
@@ -312,7 +315,8 @@ def generate_with_stats(model, prompts: Sequence[Sequence[int]], max_new_tokens:
 
 def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed: int = 0, eos_id: int | None = None,
-             max_len: int | None = None) -> list[list[int]]:
+             max_len: int | None = None, *, kv_dtype: str | None = None, indexer_dtype: str | None = None,
+             indexer_rotate: bool = False) -> list[list[int]]:
     """Generates up to `max_new_tokens` tokens for each prompt (lists of token ids, any lengths).
 
     Args:
@@ -324,11 +328,14 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, tempe
       seed: PRNG seed for sampling; the same seed gives the same tokens.
       eos_id: a row stops after emitting this token (it is included in the output).
       max_len: cache capacity in tokens (default: bucketed from the request); each prompt + max_new_tokens must fit.
+      kv_dtype, indexer_dtype, indexer_rotate: cache storage formats, passed to ``model.init_cache`` (None = exact,
+        rows in the model dtype; "bf16" | "fp8" KV rows; "bf16" | "fp8" | "fp4" indexer keys; spec §8.1).
 
     Returns:
       One list of new token ids per prompt (length <= max_new_tokens, ending with eos_id if it was hit).
     """
-    return generate_with_stats(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id, max_len)[0]
+    return generate_with_stats(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_id, max_len,
+                               kv_dtype=kv_dtype, indexer_dtype=indexer_dtype, indexer_rotate=indexer_rotate)[0]
 
 
 __all__ = ["generate", "generate_with_stats", "GenerationStats", "sample_logits", "compile_count"]

@@ -101,8 +101,8 @@ class Attention(nnx.Module):
                     x, positions, start, n_valid, cache.indexer, cache.indexer_keys,
                     encode=self.indexer.encode_keys(fmt.indexer, fmt.indexer_rotate, x.dtype))
                 cache = cache.replace(indexer_keys=keys, indexer=idx_state)
-                picks = self.indexer.select(self.indexer.scores(x, qr, positions, keys, fmt.indexer,
-                                                                fmt.indexer_rotate))
+                picks = self.indexer.select(x, qr, positions, keys, fmt.indexer, fmt.indexer_rotate,
+                                            impl=self.attention_impl)
                 compressed_idx = jnp.where(picks >= 0, row0 + picks, -1)
                 compressed_len = jnp.sum(picks >= 0, axis=-1, dtype=jnp.int32)  # valid picks come first
             else:

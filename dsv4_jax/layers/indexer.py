@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels.indexer import formats
+from pallas_kernels.indexer import formats, indexer_topk
 
 from ..config import DeepseekV4Config
 from .common import Linear, matmul
@@ -37,10 +37,10 @@ class Indexer(nnx.Module):
         """float32 pooled keys [..., dI] -> storage in `fmt` (rotated first when `rotate`)."""
         return lambda k: formats.quantize(formats.hadamard(k) if rotate else k, fmt, dtype)
 
-    def scores(self, x: jax.Array, qr: jax.Array, positions: jax.Array, keys, fmt=None, rotate=False) -> jax.Array:
+    def select(self, x, qr, positions, keys, fmt=None, rotate=False, impl="reference"):
         """x [B, S, D], qr [B, S, q_lora], positions [B, S], keys [B, T, dI] (array or quantized storage in `fmt`)
-        -> scores [B, S, T] float32, -inf where the entry is not causally complete for the query. Queries get the
-        keys' rotation and (fake) quantization."""
+        -> picks [B, S, min(topk, T)] int32 entry indices (-1 where not causally visible), best first.
+        Queries get the keys' rotation and (fake) quantization."""
         B, S = x.shape[:2]
         q = matmul(qr, self.wq_b.weight[...], jnp.float32).reshape(B, S, self.n_heads, self.head_dim)
         q = apply_rope(q, positions, self.inv_freq)
@@ -48,16 +48,5 @@ class Indexer(nnx.Module):
             q = formats.hadamard(q)
         if fmt in ("fp8", "fp4"):
             q = formats.fake_quantize(q, fmt)
-        keys = formats.dequantize(keys, jnp.float32)
-        logits = jnp.einsum("bshd,btd->bsht", q, keys, precision=jax.lax.Precision.HIGHEST)
-        w = matmul(x, self.weights_proj.weight[...], jnp.float32) * self.n_heads ** -0.5       # [B, S, H]
-        s = jnp.einsum("bsht,bsh->bst", jax.nn.relu(logits) * self.head_dim ** -0.5, w,
-                       precision=jax.lax.Precision.HIGHEST)
-        visible = jnp.arange(keys.shape[1])[None, None, :] < ((positions + 1) // self.ratio)[..., None]
-        return jnp.where(visible, s, -jnp.inf)
-
-    def select(self, scores: jax.Array) -> jax.Array:
-        """scores [B, S, T] -> entry indices [B, S, min(topk, T)] int32, -1 where not visible."""
-        k = min(self.topk, scores.shape[-1])
-        vals, idx = jax.lax.top_k(scores, k)
-        return jnp.where(jnp.isfinite(vals), idx, -1).astype(jnp.int32)
+        w = matmul(x, self.weights_proj.weight[...], jnp.float32) * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
+        return indexer_topk(q, w, keys, (positions + 1) // self.ratio, k=self.topk, impl=impl)

@@ -1,0 +1,73 @@
+"""KV compressor chunk update — plain-jnp reference, the contract of the fused compressor kernels (spec §3.7).
+
+Inputs are one chunk's *projected* kv and gate (gate already + `ape[pos mod ratio]`), float32. For every row the
+open-window state and the chunk tokens are laid on the row's window grid (base = start - start % ratio); every
+window that closes at a valid token is pooled channel-wise with a softmax over its slots (2 * ratio slots for an
+overlapping compressor: the previous window's A-half + this window's B-half), RMS-normed (weight), rotated at
+position w * ratio on the trailing rope channels, encoded to the cache format and written at entry w. The window
+still open after the chunk becomes the new state (and, overlapping, the window before it gives the A-half).
+
+Shapes: kv, gate [B, S, c * d] (c = 2 if overlap); start, n_valid [B] int32; state_kv, state_gate [B, ratio, c * d];
+prev_kv, prev_gate [B, ratio, d] (overlap only; else None); entries: [B, cap, d] array or a pytree of arrays with
+leading [B, cap] produced by `encode` (a quantized format). Windows that would land at w >= cap are dropped (the
+caller checks capacity). Row independence: row b reads only row b.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+from ..rope import apply_rope
+
+
+def compress_chunk(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, prev_gate, entries, *, ratio: int,
+                   overlap: bool, norm_weight, eps: float, inv_freq, norm_dtype=jnp.float32,
+                   encode: Optional[Callable] = None):
+    """-> (entries, state_kv, state_gate, prev_kv, prev_gate), all updated."""
+    r = ratio
+    B, S, cd = kv.shape
+    d = cd // 2 if overlap else cd
+    offset = start % r                                   # slots of the open window already in the state
+    n_windows = (r - 1 + S) // r + 1                     # enough windows that the open one is always inside
+    grid = jnp.arange(n_windows * r, dtype=jnp.int32)[None, :]
+    chunk_j = grid - offset[:, None]                     # chunk token index at each grid slot
+    from_chunk = (chunk_j >= 0) & (chunk_j < n_valid[:, None])
+    from_state = grid < offset[:, None]
+    take_chunk = lambda t: jnp.take_along_axis(t, jnp.clip(chunk_j, 0, S - 1)[..., None], axis=1)
+    take_state = lambda t: jnp.take_along_axis(t, jnp.clip(grid, 0, r - 1)[..., None], axis=1)
+    fill = lambda c, s: jnp.where(from_chunk[..., None], take_chunk(c),
+                                  jnp.where(from_state[..., None], take_state(s), 0.0))
+    win_kv = fill(kv, state_kv).reshape(B, n_windows, r, cd)
+    win_gate = fill(gate, state_gate).reshape(B, n_windows, r, cd)
+    if overlap:
+        pool_kv = jnp.concatenate([jnp.concatenate([prev_kv[:, None], win_kv[:, :-1, :, :d]], axis=1),
+                                   win_kv[..., d:]], axis=2)                     # [B, nW, 2r, d]
+        pool_gate = jnp.concatenate([jnp.concatenate([prev_gate[:, None], win_gate[:, :-1, :, :d]], axis=1),
+                                     win_gate[..., d:]], axis=2)
+    else:
+        pool_kv, pool_gate = win_kv, win_gate
+    pooled = jnp.sum(jax.nn.softmax(pool_gate, axis=2) * pool_kv, axis=2)      # [B, nW, d] float32
+    pooled = pooled.astype(norm_dtype).astype(jnp.float32)
+    pooled = pooled * jax.lax.rsqrt(jnp.mean(pooled * pooled, axis=-1, keepdims=True) + eps) * norm_weight
+    pooled = pooled.astype(norm_dtype)
+    window_pos = (start - offset)[:, None] + jnp.arange(n_windows, dtype=jnp.int32)[None, :] * r
+    pooled = apply_rope(pooled, window_pos, inv_freq)                           # RoPE at the window's first token
+    complete = window_pos + r <= (start + n_valid)[:, None]
+    cap = jax.tree_util.tree_leaves(entries)[0].shape[1]
+    dest = jnp.where(complete, window_pos // r, cap)                           # cap = out of bounds -> dropped
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], dest.shape)
+    encoded = encode(pooled) if encode is not None else pooled.astype(entries.dtype)
+    entries = jax.tree_util.tree_map(lambda buf, new: buf.at[rows, dest].set(new.astype(buf.dtype), mode="drop"),
+                                     entries, encoded)
+    k_open = (offset + n_valid) // r
+    pick = lambda t, i: jnp.take_along_axis(t, i[:, None, None, None], axis=1)[:, 0]
+    state_kv, state_gate = pick(win_kv, k_open), pick(win_gate, k_open)
+    if overlap:
+        has_prev = (k_open >= 1)[:, None, None]
+        km1 = jnp.maximum(k_open - 1, 0)
+        prev_kv = jnp.where(has_prev, pick(win_kv, km1)[..., :d], prev_kv)
+        prev_gate = jnp.where(has_prev, pick(win_gate, km1)[..., :d], prev_gate)
+    return entries, state_kv, state_gate, prev_kv, prev_gate
