@@ -16,13 +16,15 @@ prefill chunks and decode steps reuse one compiled program per shape. Every cach
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from pallas_kernels.indexer import formats as idx_formats
+from pallas_kernels.sparse_attention.fp8_layout import HEAD_DIM as FP8_HEAD_DIM, ROPE_DIM as FP8_ROPE_DIM
+from pallas_kernels.sparse_attention.fp8_layout import quantize_kv_fp8
 
 from .config import CSA, SLIDING, DeepseekV4Config
 
@@ -60,13 +62,14 @@ class LayerCache:
     window_kv: [B, W, head_dim] ring (slot = position mod W).
     compressor: CompressorState of the main compressor (CSA/HCA).
     compressed_kv: [B, max_len // ratio, head_dim] emitted entries (CSA/HCA).
+    KV rows are arrays, or `Fp8KVPool`s with the same leading dims in the fp8 format.
     indexer: CompressorState of the indexer's compressor (CSA).
     indexer_keys: [B, max_len // ratio, index_head_dim] indexer key entries (CSA).
     """
 
-    window_kv: jax.Array
+    window_kv: Any
     compressor: Optional[CompressorState] = None
-    compressed_kv: Optional[jax.Array] = None
+    compressed_kv: Any = None
     indexer: Optional[CompressorState] = None
     indexer_keys: Optional[jax.Array] = None
 
@@ -100,6 +103,29 @@ class ModelCache:
         return int(self.lengths.shape[0])
 
 
+def encode_kv(rows: jax.Array, fmt: Optional[str], dtype=jnp.float32):
+    """KV rows [..., head_dim] -> cache storage: an array in `dtype` (exact), bf16, or an Fp8KVPool whose fields
+    keep the leading dims (spec §4.2: 448 e4m3 + 64 bf16 + 8 scale bytes = 584 B per row)."""
+    if fmt is None:
+        return rows.astype(dtype)
+    if fmt == "bf16":
+        return rows.astype(jnp.bfloat16)
+    lead = rows.shape[:-1]
+    flat = quantize_kv_fp8(rows.reshape(-1, rows.shape[-1]))
+    return jax.tree_util.tree_map(lambda a: a.reshape(lead + a.shape[1:]), flat)
+
+
+def flatten_rows(storage, n_lead: int = 2):
+    """Merges the first `n_lead` dims of KV storage (array or Fp8KVPool) into one: [B, N, ...] -> [B * N, ...]."""
+    return jax.tree_util.tree_map(lambda a: a.reshape((-1,) + a.shape[n_lead:]), storage)
+
+
+def check_kv_format(config: DeepseekV4Config, fmt: Optional[str]) -> None:
+    if fmt == "fp8" and (config.head_dim, config.qk_rope_head_dim) != (FP8_HEAD_DIM, FP8_ROPE_DIM):
+        raise ValueError(f"the FP8 KV layout (spec §4.2) is defined for head_dim {FP8_HEAD_DIM} with "
+                         f"{FP8_ROPE_DIM} RoPE dims; this model has {config.head_dim} / {config.qk_rope_head_dim}")
+
+
 def compressed_capacity(max_len: int, ratio: int) -> int:
     """Entries a cache of `max_len` tokens can hold for ratio `ratio` (at least 1 so shapes never vanish)."""
     return max(1, max_len // ratio)
@@ -110,10 +136,12 @@ def init_cache(config: DeepseekV4Config, batch_size: int, max_len: int, dtype=jn
     """An empty cache for `batch_size` sequences of up to `max_len` tokens; exact-mode rows in `dtype`."""
     if batch_size < 1 or max_len < 1:
         raise ValueError(f"batch_size and max_len must be >= 1, got {batch_size}, {max_len}")
+    check_kv_format(config, fmt.kv)
+    kv_rows = lambda n: encode_kv(jnp.zeros((batch_size, n, config.head_dim), jnp.float32), fmt.kv, dtype)
     layers = []
     for i in range(config.num_hidden_layers):
         kind, ratio = config.layer_types[i], config.compress_ratios[i]
-        window = jnp.zeros((batch_size, config.sliding_window, config.head_dim), dtype)
+        window = kv_rows(config.sliding_window)
         if kind == SLIDING:
             layers.append(LayerCache(window))
             continue
@@ -122,7 +150,7 @@ def init_cache(config: DeepseekV4Config, batch_size: int, max_len: int, dtype=jn
         lc = LayerCache(
             window,
             compressor=CompressorState.empty(batch_size, ratio, config.head_dim, overlap),
-            compressed_kv=jnp.zeros((batch_size, cap, config.head_dim), dtype),
+            compressed_kv=kv_rows(cap),
         )
         if kind == CSA:
             lc = lc.replace(indexer=CompressorState.empty(batch_size, ratio, config.index_head_dim, True),

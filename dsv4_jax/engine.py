@@ -20,6 +20,8 @@ Sampling (`sample_logits`): greedy (argmax) when temperature == 0; otherwise log
 (keep the k largest) and top-p (keep the smallest prefix of the sorted distribution whose mass reaches p, always at
 least one token), then a categorical draw with a per-row, per-step key ``fold_in(fold_in(PRNGKey(seed), row), step)`` —
 so a row's samples depend on the seed and its own logits only, not on which other prompts share the batch.
+Temperature, top-k and top-p are runtime values (greedy vs sampling is a `lax.cond`), so every setting shares one
+compiled program per shape bucket.
 """
 
 from __future__ import annotations

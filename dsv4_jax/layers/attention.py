@@ -21,7 +21,7 @@ from flax import nnx
 
 from pallas_kernels.sparse_attention import sparse_attention
 
-from ..cache import CacheFormat, LayerCache
+from ..cache import CacheFormat, LayerCache, encode_kv, flatten_rows
 from ..config import CSA, SLIDING, DeepseekV4Config
 from .common import Linear, RMSNorm, matmul, normal, param, rms_normalize
 from .compressor import Compressor
@@ -88,13 +88,16 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions, self.inv_freq)
         kv = apply_rope(self.kv_norm(self.wkv(x)), positions, self.inv_freq)     # [B, S, d]
 
-        window_pool = jnp.concatenate([cache.window_kv, kv.astype(cache.window_kv.dtype)], axis=1)
+        kv = encode_kv(kv, fmt.kv, x.dtype)           # quantized formats: every query sees the stored values
+        window_pool = jax.tree_util.tree_map(lambda ring, new: jnp.concatenate([ring, new.astype(ring.dtype)], 1),
+                                             cache.window_kv, kv)
         window_idx = window_indices(positions, start, S, W)
         compressed_pool = compressed_idx = compressed_len = None
         if self.kind != SLIDING:
-            entries, comp_state = self.compressor(x, positions, start, n_valid, cache.compressor, cache.compressed_kv)
+            entries, comp_state = self.compressor(x, positions, start, n_valid, cache.compressor, cache.compressed_kv,
+                                                  encode=lambda rows: encode_kv(rows, fmt.kv, x.dtype))
             cache = cache.replace(compressed_kv=entries, compressor=comp_state)
-            cap = entries.shape[1]
+            cap = jax.tree_util.tree_leaves(entries)[0].shape[1]
             row0 = jnp.arange(B, dtype=jnp.int32)[:, None, None] * cap
             if self.kind == CSA:
                 keys, idx_state = self.indexer.compressor(
@@ -110,9 +113,9 @@ class Attention(nnx.Module):
                 n_complete = jnp.minimum((positions + 1) // self.ratio, cap)
                 compressed_idx = jnp.where(w < n_complete[..., None], row0 + w, -1)
                 compressed_len = n_complete  # kernels stop after the complete entries
-            compressed_pool = entries.reshape(B * cap, d)
+            compressed_pool = flatten_rows(entries)
 
-        o = sparse_attention(q, window_pool.reshape(B * (W + S), d), window_idx, compressed_pool, compressed_idx,
+        o = sparse_attention(q, flatten_rows(window_pool), window_idx, compressed_pool, compressed_idx,
                              self.attn_sink[...], scale=d ** -0.5, compressed_len=compressed_len,
                              impl=self.attention_impl)
         o = apply_rope(o, positions, self.inv_freq, inverse=True)                 # [B, S, H, d]
@@ -120,5 +123,6 @@ class Attention(nnx.Module):
         wo_a = self.wo_a.weight[...].reshape(self.o_groups, self.o_lora_rank, -1)
         u = jnp.einsum("bsgi,gri->bsgr", grouped.astype(wo_a.dtype), wo_a, preferred_element_type=jnp.float32)
         out = self.wo_b(u.reshape(B, S, -1).astype(x.dtype))
-        cache = cache.replace(window_kv=write_ring(cache.window_kv, kv, start, n_valid))
+        cache = cache.replace(window_kv=jax.tree_util.tree_map(lambda ring, new: write_ring(ring, new, start, n_valid),
+                                                               cache.window_kv, kv))
         return out, cache

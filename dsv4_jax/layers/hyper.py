@@ -27,9 +27,12 @@ def hc_weights(streams, fn, base, scale, *, hc: int, iters: int, eps: float, nor
     logits = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(mixes.shape[:2] + (hc, hc))
     comb = jax.nn.softmax(logits, axis=-1) + eps
     comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + eps)
-        comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
+
+    def sinkhorn_step(_, c):  # rows, then columns
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
+        return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+
+    comb = jax.lax.fori_loop(0, iters - 1, sinkhorn_step, comb)  # a loop, not 2 * iters unrolled ops to compile
     return pre, post, comb
 
 

@@ -1,12 +1,85 @@
-"""KV compressor chunk update: dispatcher over the jnp reference and the Pallas kernels."""
+"""KV compressor chunk update: dispatcher over the jnp reference and the Pallas kernels.
 
+    compress_chunk(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, prev_gate, entries, *, ratio, overlap,
+                   norm_weight, eps, inv_freq, norm_dtype=float32, encode=None,
+                   key_format=UNSET, rotate=False, impl="reference", **kernel_options)
+
+impl: "reference" (plain jnp), "pallas" (GPU: Triton-backend Pallas kernel; TPU: Mosaic TPU kernel; CPU: the GPU
+kernel in the Pallas interpreter, slow, for tests), "auto" (pallas on GPU/TPU, reference on CPU).
+
+The reference encodes through an arbitrary `encode` callable; the kernels support the formats explicitly, named by
+`key_format` (None: cast to the cache dtype; "bf16" | "fp8" | "fp4": the indexer key formats of `indexer.formats`)
+and `rotate` (128-point Walsh-Hadamard before quantization). Passing key_format/rotate instead of encode gives
+the same results on every impl (the reference then uses `encode_for(key_format, rotate)`). If a custom `encode` is
+passed without `key_format`, the call falls back to the reference (the kernel cannot know the format).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..indexer import formats
 from .reference import compress_chunk as compress_chunk_reference
 
-__all__ = ["compress_chunk", "compress_chunk_reference"]
+__all__ = ["compress_chunk", "compress_chunk_reference", "encode_for", "resolve_impl"]
+
+IMPLS = ("auto", "pallas", "reference")
+UNSET = "unset"
 
 
-def compress_chunk(*args, impl: str = "reference", **kwargs):
-    """Same signature as :func:`reference.compress_chunk`, plus `impl` ("reference" | "auto" | "pallas")."""
-    if impl in ("reference", "auto"):
-        return compress_chunk_reference(*args, **kwargs)
-    raise NotImplementedError(f"compress_chunk impl {impl!r} is not available yet")
+def resolve_impl(impl: str) -> str:
+    """'auto' | 'pallas' | 'reference' -> 'reference' | 'gpu' | 'tpu' | 'interpret' (| 'interpret_tpu')."""
+    if impl not in IMPLS + ("interpret_tpu",):
+        raise ValueError(f"compress_chunk impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "interpret_tpu":
+        return impl
+    plat = jax.default_backend()
+    if impl == "reference" or (impl == "auto" and plat not in ("gpu", "cuda", "rocm", "tpu")):
+        return "reference"
+    if plat in ("gpu", "cuda"):
+        return "gpu"
+    if plat == "tpu":
+        return "tpu"
+    return "interpret"
+
+
+def encode_for(key_format, rotate: bool = False, dtype=None):
+    """The reference `encode` callable equivalent to (key_format, rotate); None when plain cast suffices."""
+    if key_format is None and not rotate:
+        return None
+    formats.check_format(key_format)
+
+    def encode(x):
+        y = formats.hadamard(x) if rotate else x
+        return formats.quantize(y, key_format, dtype or x.dtype) if key_format is not None else y
+    return encode
+
+
+def compress_chunk(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, prev_gate, entries, *, ratio: int,
+                   overlap: bool, norm_weight, eps: float, inv_freq, norm_dtype=jnp.float32, encode=None,
+                   key_format=UNSET, rotate: bool = False, impl: str = "reference", **kernel_options):
+    """Same signature and results as :func:`reference.compress_chunk`, plus `key_format`/`rotate`, `impl` and
+    kernel tuning options (ignored by the reference)."""
+    target = resolve_impl(impl)
+    explicit = key_format is not UNSET
+    if target != "reference" and encode is not None and not explicit:
+        target = "reference"  # unknown encoding: only the reference can run a custom callable
+    pos = (kv, gate, start, n_valid, state_kv, state_gate, prev_kv, prev_gate, entries)
+    kw = dict(ratio=ratio, overlap=overlap, norm_weight=norm_weight, eps=eps, inv_freq=inv_freq,
+              norm_dtype=norm_dtype)
+    if target == "reference":
+        if explicit and encode is None:
+            dt = None if isinstance(entries, formats.QuantizedKeys) else entries.dtype
+            encode = encode_for(key_format, rotate, dt)
+        return compress_chunk_reference(*pos, **kw, encode=encode)
+    fmt = key_format if explicit else None
+    if target in ("gpu", "interpret"):
+        from .gpu import compress_chunk_gpu
+
+        return compress_chunk_gpu(*pos, **kw, key_format=fmt, rotate=rotate, interpret=(target == "interpret"),
+                                  **kernel_options)
+    from .tpu import compress_chunk_tpu
+
+    return compress_chunk_tpu(*pos, **kw, key_format=fmt, rotate=rotate, interpret=(target == "interpret_tpu"),
+                              **kernel_options)

@@ -1,13 +1,69 @@
-"""Lightning-indexer scoring + top-k: dispatcher over the jnp reference and the Pallas kernels; key formats."""
+"""Lightning-indexer scoring + top-k: dispatcher over the jnp reference and the Pallas kernels; key formats.
+
+    indexer_topk(q, weights, keys, n_visible, *, k, query_chunk=256, impl="reference", **kernel_options)
+    indexer_scores_pallas(q, weights, keys, n_visible, *, impl="pallas", **kernel_options)
+
+impl: "reference" (plain jnp), "pallas" (GPU: Triton-backend Pallas scores kernel + top-k; TPU: Mosaic kernel +
+top-k; CPU: the GPU kernel in the Pallas interpreter, slow, for tests), "auto" (pallas on GPU/TPU, reference on
+CPU). `kernel_options` (precision, block_q, block_t, topk="lax"|"blockwise", topk_block, num_warps, ...) go to the
+kernel and are ignored by the reference.
+"""
+
+from __future__ import annotations
+
+import jax
 
 from . import formats
 from .reference import indexer_scores, indexer_topk as indexer_topk_reference
 
-__all__ = ["formats", "indexer_scores", "indexer_topk", "indexer_topk_reference"]
+__all__ = ["formats", "indexer_scores", "indexer_scores_pallas", "indexer_topk", "indexer_topk_reference",
+           "resolve_impl"]
+
+IMPLS = ("auto", "pallas", "reference")
 
 
-def indexer_topk(*args, impl: str = "reference", **kwargs):
-    """Same signature as :func:`reference.indexer_topk`, plus `impl` ("reference" | "auto" | "pallas")."""
-    if impl in ("reference", "auto"):
-        return indexer_topk_reference(*args, **kwargs)
-    raise NotImplementedError(f"indexer_topk impl {impl!r} is not available yet")
+def resolve_impl(impl: str) -> str:
+    """'auto' | 'pallas' | 'reference' -> 'reference' | 'gpu' | 'tpu' | 'interpret' (| 'interpret_tpu', tests)."""
+    if impl not in IMPLS + ("interpret_tpu",):
+        raise ValueError(f"indexer_topk impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "interpret_tpu":
+        return impl
+    plat = jax.default_backend()
+    if impl == "reference" or (impl == "auto" and plat not in ("gpu", "cuda", "rocm", "tpu")):
+        return "reference"
+    if plat in ("gpu", "cuda"):
+        return "gpu"
+    if plat == "tpu":
+        return "tpu"
+    return "interpret"
+
+
+def indexer_topk(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256, impl: str = "reference",
+                 **kernel_options):
+    """Same signature and results as :func:`reference.indexer_topk`, plus `impl` and kernel options."""
+    target = resolve_impl(impl)
+    if target == "reference":
+        return indexer_topk_reference(q, weights, keys, n_visible, k=k, query_chunk=query_chunk)
+    if target in ("gpu", "interpret"):
+        from .gpu import indexer_topk_gpu
+
+        return indexer_topk_gpu(q, weights, keys, n_visible, k=k, query_chunk=query_chunk,
+                                interpret=(target == "interpret"), **kernel_options)
+    from .tpu import indexer_topk_tpu
+
+    return indexer_topk_tpu(q, weights, keys, n_visible, k=k, query_chunk=query_chunk,
+                            interpret=(target == "interpret_tpu"), **kernel_options)
+
+
+def indexer_scores_pallas(q, weights, keys, n_visible, *, impl: str = "pallas", **kernel_options):
+    """The kernels' scores [B, S, T] (same contract as `indexer_scores`); impl as for `indexer_topk`."""
+    target = resolve_impl(impl)
+    if target == "reference":
+        return indexer_scores(q, weights, keys, n_visible)
+    if target in ("gpu", "interpret"):
+        from .gpu import indexer_scores_gpu
+
+        return indexer_scores_gpu(q, weights, keys, n_visible, interpret=(target == "interpret"), **kernel_options)
+    from .tpu import indexer_scores_tpu
+
+    return indexer_scores_tpu(q, weights, keys, n_visible, interpret=(target == "interpret_tpu"), **kernel_options)
