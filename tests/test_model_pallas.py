@@ -2,6 +2,7 @@
 
 On CPU the Pallas kernel runs in the interpreter; on a GPU the real kernel runs (same test)."""
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -11,6 +12,7 @@ from dsv4_jax.model import DeepseekV4ForCausalLM
 
 
 @pytest.mark.parametrize("ratios", [[0, 4, 8], [8, 4, 0]])
+@jax.default_matmul_precision("highest")  # f32 everywhere (GPUs would use TF32 for the non-attention matmuls)
 def test_pallas_model_matches_reference(ratios):
     cfg = tiny(ratios=ratios)
     ref_model = DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(3), attention_impl="reference")

@@ -94,15 +94,19 @@ class Attention(nnx.Module):
         window_idx = window_indices(positions, start, S, W)
         compressed_pool = compressed_idx = compressed_len = None
         if self.kind != SLIDING:
+            if fmt.kv == "fp8":  # the 584-B FP8 rows: only the reference compressor encodes them (for now)
+                entry_format = dict(encode=lambda rows: encode_kv(rows, fmt.kv, x.dtype))
+            else:
+                entry_format = dict(key_format=fmt.kv)
             entries, comp_state = self.compressor(x, positions, start, n_valid, cache.compressor, cache.compressed_kv,
-                                                  encode=lambda rows: encode_kv(rows, fmt.kv, x.dtype))
+                                                  impl=self.attention_impl, **entry_format)
             cache = cache.replace(compressed_kv=entries, compressor=comp_state)
             cap = jax.tree_util.tree_leaves(entries)[0].shape[1]
             row0 = jnp.arange(B, dtype=jnp.int32)[:, None, None] * cap
             if self.kind == CSA:
                 keys, idx_state = self.indexer.compressor(
-                    x, positions, start, n_valid, cache.indexer, cache.indexer_keys,
-                    encode=self.indexer.encode_keys(fmt.indexer, fmt.indexer_rotate, x.dtype))
+                    x, positions, start, n_valid, cache.indexer, cache.indexer_keys, key_format=fmt.indexer,
+                    rotate=fmt.indexer_rotate, impl=self.attention_impl)
                 cache = cache.replace(indexer_keys=keys, indexer=idx_state)
                 picks = self.indexer.select(x, qr, positions, keys, fmt.indexer, fmt.indexer_rotate,
                                             impl=self.attention_impl)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels.compressor import compress_chunk
+from pallas_kernels.compressor import UNSET, compress_chunk
 
 from ..cache import CompressorState
 from .common import Linear, RMSNorm, matmul, normal, param
@@ -45,7 +45,8 @@ class Compressor(nnx.Module):
         gate = gate + jnp.take(self.ape[...], positions % self.ratio, axis=0)
         return kv, gate
 
-    def __call__(self, x, positions, start, n_valid, state: CompressorState, entries, encode=None):
+    def __call__(self, x, positions, start, n_valid, state: CompressorState, entries, *, encode=None,
+                 key_format=UNSET, rotate: bool = False, impl: str = "reference"):
         """Feeds one chunk of each row to the compressor.
 
         Args:
@@ -53,8 +54,11 @@ class Compressor(nnx.Module):
           positions: [B, S] int32 = start[:, None] + arange(S).
           start: [B] int32 tokens already consumed per row; n_valid: [B] int32 valid chunk tokens per row.
           state: open-window state; entries: [B, cap, dim] compressed cache (entry w at row w): an array, or any
-            pytree of arrays with leading [B, cap] (a quantized format) that `encode` produces from float rows.
-          encode: float32 rows [B, n, dim] -> storage rows (default: cast to the cache dtype).
+            pytree of arrays with leading [B, cap] (a quantized format).
+          key_format / rotate: the storage format of `entries` by name (None: cast to the cache dtype; "bf16" |
+            "fp8" | "fp4" indexer formats), which every impl supports; or `encode`, a callable float rows ->
+            storage rows, which only the reference runs (used for the 584-B FP8 KV rows).
+          impl: "reference" | "pallas" | "auto" (see pallas_kernels.compressor).
         Returns:
           (entries, state) updated: every window closing at a valid token is written at its index.
         """
@@ -62,5 +66,6 @@ class Compressor(nnx.Module):
         entries, skv, sgate, pkv, pgate = compress_chunk(
             kv, gate, start, n_valid, state.kv, state.gate, state.prev_kv, state.prev_gate, entries,
             ratio=self.ratio, overlap=self.overlap, norm_weight=self.norm.weight[...], eps=self.norm.eps,
-            inv_freq=self.inv_freq, norm_dtype=x.dtype, encode=encode)
+            inv_freq=self.inv_freq, norm_dtype=x.dtype, encode=encode, key_format=key_format, rotate=rotate,
+            impl=impl)
         return entries, state.replace(kv=skv, gate=sgate, prev_kv=pkv, prev_gate=pgate)

@@ -33,10 +33,6 @@ class Indexer(nnx.Module):
         self.compressor = Compressor(config.hidden_size, self.head_dim, ratio, True, config.rms_norm_eps, inv_freq,
                                      dtype=dtype, rngs=rngs)
 
-    def encode_keys(self, fmt, rotate: bool, dtype):
-        """float32 pooled keys [..., dI] -> storage in `fmt` (rotated first when `rotate`)."""
-        return lambda k: formats.quantize(formats.hadamard(k) if rotate else k, fmt, dtype)
-
     def select(self, x, qr, positions, keys, fmt=None, rotate=False, impl="reference"):
         """x [B, S, D], qr [B, S, q_lora], positions [B, S], keys [B, T, dI] (array or quantized storage in `fmt`)
         -> picks [B, S, min(topk, T)] int32 entry indices (-1 where not causally visible), best first.

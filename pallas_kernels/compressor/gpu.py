@@ -283,7 +283,7 @@ def compress_chunk_gpu(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, 
     d = cd // 2 if overlap else cd
     inv_freq = np.asarray(inv_freq, np.float32)
     rd = 2 * inv_freq.shape[0]
-    dc = dc or min(64, d)
+    dc = dc or min(64, d, rd)  # rope channels must be whole chunks
     if d % dc or rd % dc and dc % rd:
         raise ValueError(f"channel chunk {dc} must divide d={d} and the rope width {rd}")
     if rd > dc and rd % dc:

@@ -101,7 +101,7 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T,
         row_scale = None
     elif fmt == "fp8":
         cols = jax.lax.broadcasted_iota(jnp.int32, (1, d), 1)
-        k = plgpu.load(key_refs[0].at[b, rows[:, None], cols], mask=live2, other=0)
+        k = plgpu.load(key_refs[0].at[b, rows[:, None], cols], mask=live2)   # masked rows end up -inf anyway
         kparts = [(k.astype(jnp.float32).astype(op_dtype), 0, 0, d)]
         row_scale = plgpu.load(key_refs[1].at[b, rows, jnp.zeros_like(rows)], mask=live, other=0.0)
     else:  # fp4: 16-byte groups, one ue8m0 scale each
@@ -129,7 +129,7 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T,
         s = jnp.sum(jnp.maximum(logits, 0.0) * w[None, :], axis=1)
         if row_scale is not None:
             s = s * row_scale
-        vis = rows < nvis_ref[qq]
+        vis = (rows < nvis_ref[qq]) & (rows < T)
         o_ref[qq, :] = jnp.where(vis, s, -jnp.inf)
 
 

@@ -36,8 +36,12 @@ N_SM_H200 = 132
 
 
 def _dot_nt(a, b):
-    """a [M, K] @ b[N, K].T -> [M, N] f32."""
-    return plgpu.dot(a, b, trans_b=True)
+    """a [M, K] @ b[N, K].T -> [M, N] f32 (float32 operands: full precision, no TF32)."""
+    return plgpu.dot(a, b, trans_b=True, allow_tf32=False if a.dtype == jnp.float32 else None)
+
+
+def _dot(a, b):
+    return plgpu.dot(a, b, allow_tf32=False if a.dtype == jnp.float32 else None)
 
 
 def _gather(ref, rows, col0, width, mask, other, interpret):
@@ -52,7 +56,9 @@ def _gather(ref, rows, col0, width, mask, other, interpret):
     return plgpu.load(ref.at[rows, pl.ds(col0, width)], mask=mask, other=other)
 
 
-def _kernel(*refs, srcs, block_h, block_k, d, d_chunk, n_splits, blocks_per_split, scale2, out_split, interpret):
+def _kernel(*refs, srcs, block_h, block_k, d, d_chunk, n_splits, blocks_per_split, scale2, out_split, interpret,
+            compute_dtype=jnp.bfloat16):
+    # compute_dtype: MMA operand dtype — bf16 for bf16/fp8 inputs, f32 when q is f32 (exact-mode parity).
     # refs: q, sinks, then per source (idx, len, pool parts...), then outputs (o, lse)
     it = iter(refs)
     q_ref = next(it)
@@ -69,7 +75,8 @@ def _kernel(*refs, srcs, block_h, block_k, d, d_chunk, n_splits, blocks_per_spli
     s = pl.program_id(1)
     dc = 64 if any(src["fp8"] for src in srcs) else d_chunk
     n_chunks = d // dc
-    qs = [q_ref[:, pl.ds(c * dc, dc)].astype(jnp.bfloat16) for c in range(n_chunks)]
+    cdt = compute_dtype
+    qs = [q_ref[:, pl.ds(c * dc, dc)].astype(cdt) for c in range(n_chunks)]
     sink2 = sink_ref[...].astype(jnp.float32) * LOG2E  # [block_h]
 
     m = sink2
@@ -98,17 +105,17 @@ def _kernel(*refs, srcs, block_h, block_k, d, d_chunk, n_splits, blocks_per_spli
             for c in range(n_chunks):
                 if not fp8:
                     kv = _gather(parts[0], safe, c * dc, dc, valid[:, None], 0.0, interpret)
-                    kvs.append(kv.astype(jnp.bfloat16))
+                    kvs.append(kv.astype(cdt))
                 elif c * 64 < NOPE_DIM:
                     nope_ref, _, scale_ref = parts
                     raw = _gather(nope_ref, safe, c * 64, 64, valid[:, None], 0.0, interpret)
                     sb = _gather(scale_ref, safe, c, None, valid, 127, interpret)
                     sc = jax.lax.bitcast_convert_type(sb.astype(jnp.int32) << 23, jnp.float32)
-                    kvs.append((raw.astype(jnp.float32) * sc[:, None]).astype(jnp.bfloat16))
+                    kvs.append((raw.astype(jnp.float32) * sc[:, None]).astype(cdt))
                 else:
                     rope_ref = parts[1]
                     kv = _gather(rope_ref, safe, 0, 64, valid[:, None], 0.0, interpret)
-                    kvs.append(kv.astype(jnp.bfloat16))
+                    kvs.append(kv.astype(cdt))
             sc2 = _dot_nt(qs[0], kvs[0])
             for c in range(1, n_chunks):
                 sc2 += _dot_nt(qs[c], kvs[c])
@@ -117,8 +124,8 @@ def _kernel(*refs, srcs, block_h, block_k, d, d_chunk, n_splits, blocks_per_spli
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(logits - m_new[:, None])
             l = l * alpha + jnp.sum(p, axis=1)
-            pb = p.astype(jnp.bfloat16)
-            acc = tuple(a * alpha[:, None] + plgpu.dot(pb, kv) for a, kv in zip(acc, kvs))
+            pb = p.astype(cdt)
+            acc = tuple(a * alpha[:, None] + _dot(pb, kv) for a, kv in zip(acc, kvs))
             return m_new, l, acc
 
         m, l, acc = jax.lax.fori_loop(lo, hi, body, (m, l, acc))
@@ -190,7 +197,7 @@ def sparse_attention_gpu(
         if v_ is not None:
             cfg[k_] = v_
     bh, bk = cfg["block_h"], cfg["block_k"]
-    dc = cfg["d_chunk"]
+    dc = cfg["d_chunk"] if d_chunk is not None else math.gcd(cfg["d_chunk"], d)  # defaults fit small test dims
     if d % dc:
         raise ValueError(f"d_chunk {dc} must divide head_dim {d}")
     hp = -(-h // bh) * bh
@@ -243,7 +250,8 @@ def sparse_attention_gpu(
 
     kernel = functools.partial(
         _kernel, srcs=meta, block_h=bh, block_k=bk, d=d, d_chunk=dc, n_splits=ns, blocks_per_split=bps,
-        scale2=float(scale) * LOG2E, out_split=out_split, interpret=interpret)
+        scale2=float(scale) * LOG2E, out_split=out_split, interpret=interpret,
+        compute_dtype=jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16)
     extra = {}
     if not interpret:
         extra["compiler_params"] = plgpu.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

@@ -1,0 +1,166 @@
+"""Fused compressor kernels vs `compress_chunk` (the jnp reference), on CPU: the GPU (Triton) kernel in the Pallas
+interpreter (impl="pallas" on CPU) and the TPU (Mosaic) kernel in the TPU interpreter (impl="interpret_tpu").
+Tiny shapes, fresh random inputs per check, every window offset, ragged lengths, all entry formats. The
+`test_gpu_*` tests run the compiled kernel and skip without a GPU."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.compressor import compress_chunk, resolve_impl
+from pallas_kernels.indexer import formats as F
+
+_SEED = itertools.count(7000)
+INV_FREQ = tuple(1.0 / (10000.0 ** (np.arange(0, 64, 2) / 64)))
+ON_GPU = jax.default_backend() == "gpu"
+INTERP = ["pallas", "interpret_tpu"]
+
+
+def make(B, S, r, overlap, d, fmt, ndt=jnp.float32, starts=None, n_valid=None, cap=None, fresh=False):
+    rng = np.random.default_rng(next(_SEED))
+    c = 2 if overlap else 1
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    start = np.asarray(starts if starts is not None else rng.integers(0, 3 * r, B), np.int32)
+    nv = np.asarray(n_valid if n_valid is not None else rng.integers(0, S + 1, B), np.int32)
+    cap = cap or (int(start.max()) + S) // r + 1
+    inp = dict(kv=f(B, S, c * d), gate=f(B, S, c * d) * 2.0, start=jnp.asarray(start), n_valid=jnp.asarray(nv),
+               state_kv=f(B, r, c * d), state_gate=f(B, r, c * d), prev_kv=None, prev_gate=None,
+               entries=F.quantize(f(B, cap, d) * 3.0, fmt, ndt))
+    if overlap:
+        inp["prev_kv"] = f(B, r, d)
+        inp["prev_gate"] = jnp.full((B, r, d), -jnp.inf, jnp.float32) if fresh else f(B, r, d)
+    kw = dict(ratio=r, overlap=overlap, norm_weight=jnp.asarray(1.0 + 0.3 * rng.standard_normal(d), jnp.float32),
+              eps=1e-6, inv_freq=INV_FREQ, norm_dtype=ndt, key_format=fmt)
+    return inp, kw
+
+
+def call(inp, kw, **extra):
+    keys = ("kv", "gate", "start", "n_valid", "state_kv", "state_gate", "prev_kv", "prev_gate", "entries")
+    return compress_chunk(*(inp[k] for k in keys), **kw, **extra)
+
+
+def check(inp, kw, impl, tol=0.0, **extra):
+    out = call(inp, kw, impl=impl, **extra)
+    ref = call(inp, kw, impl="reference", **extra)
+    e, er = np.asarray(F.dequantize(out[0])), np.asarray(F.dequantize(ref[0]))
+    e0 = np.asarray(F.dequantize(inp["entries"]))
+    assert not np.isnan(e).any()
+    written = np.any(er != e0, axis=-1)
+    np.testing.assert_array_equal(np.any(e != e0, axis=-1), written)   # same rows written, others untouched
+    if written.any():
+        err = np.linalg.norm(e[written] - er[written]) / np.linalg.norm(er[written])
+        assert err <= tol, err
+    for a, b_ in zip(out[1:], ref[1:]):
+        if b_ is not None:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))
+    if isinstance(out[0], F.QuantizedKeys):
+        assert out[0].values.dtype == inp["entries"].values.dtype and out[0].scale.dtype == inp["entries"].scale.dtype
+    return int(written.sum())
+
+
+# tolerance: f32 pooling order differs from the reference -> tiny; quantized formats may flip a rounding bucket
+TOL = {None: 1e-5, "bf16": 1e-2, "fp8": 3e-2, "fp4": 1e-1}
+
+
+@pytest.mark.parametrize("impl,fmt,rotate", [("pallas", None, False), ("pallas", "bf16", True), ("pallas", "fp8", True),
+                                             ("pallas", "fp4", True), ("pallas", "fp4", False),
+                                             ("interpret_tpu", None, False), ("interpret_tpu", "fp8", True),
+                                             ("interpret_tpu", "fp4", False)])
+def test_indexer_compressor_prefill_every_offset(impl, fmt, rotate):
+    """ratio 4 overlap, d = 128: chunk of 9 tokens at window offsets 0..3 (rows), ragged n_valid incl. 0 and S."""
+    inp, kw = make(4, 9, 4, True, 128, fmt, starts=[0, 5, 10, 15], n_valid=[9, 0, 6, 9])
+    assert check(inp, kw, impl, TOL[fmt], rotate=rotate) > 0
+
+
+@pytest.mark.parametrize("impl", INTERP)
+def test_decode_every_offset_fresh_and_overlap(impl):
+    """S = 1 decode at every offset of the window (0 or 1 entry per row), fresh prev state (-inf) for row 0."""
+    inp, kw = make(8, 1, 4, True, 128, "fp8", starts=[3, 0, 1, 2, 3, 7, 11, 6], n_valid=[1] * 7 + [0], fresh=True)
+    assert check(inp, kw, impl, TOL["fp8"], rotate=True) >= 2
+
+
+@pytest.mark.parametrize("impl", INTERP)
+def test_main_csa_bf16_model_dtype(impl):
+    """main CSA compressor: d = 512, ratio 4 overlap, bf16 norm dtype and cache."""
+    inp, kw = make(2, 12, 4, True, 512, None, ndt=jnp.bfloat16, starts=[2, 8])
+    check(inp, kw, impl, TOL["bf16"])
+
+
+@pytest.mark.parametrize("impl", INTERP)
+def test_hca_ratio128(impl):
+    """ratio 128 without overlap, d = 128: offsets 0, 1, 127 and a chunk that closes two windows; S = 1 decode."""
+    inp, kw = make(3, 260, 128, False, 128, None, starts=[0, 1, 127], n_valid=[256, 255, 260])
+    assert check(inp, kw, impl, TOL[None]) >= 4
+    inp, kw = make(3, 1, 128, False, 128, "bf16", starts=[127, 255, 5], n_valid=[1, 1, 1])
+    assert check(inp, kw, impl, TOL["bf16"]) == 2
+
+
+def test_capacity_drop_and_custom_encode_fallback():
+    """windows past cap are dropped; a custom `encode` without key_format falls back to the reference."""
+    inp, kw = make(2, 9, 4, True, 128, None, starts=[0, 4], n_valid=[9, 9], cap=2)
+    check(inp, kw, "pallas", TOL[None])
+    kw2 = dict(kw)
+    kw2.pop("key_format")
+    enc = lambda x: (x * 2.0).astype(jnp.float32)
+    out = call(inp, kw2, impl="pallas", encode=enc)
+    ref = call(inp, kw2, impl="reference", encode=enc)
+    np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(ref[0]))
+
+
+def test_decode_chain_matches_reference():
+    """12 jitted decode steps (S = 1) through the kernel's state vs the reference's, fp4 rotated keys."""
+    inp, kw = make(2, 1, 4, True, 128, "fp4", starts=[0, 2], n_valid=[1, 1], fresh=True, cap=8)
+    keys = ("kv", "gate", "start", "n_valid", "state_kv", "state_gate", "prev_kv", "prev_gate", "entries")
+
+    def step(impl):
+        def f(st, x):
+            kv, gate = x
+            ent, skv, sg, pkv, pg, start = st
+            out = compress_chunk(kv, gate, start, inp["n_valid"], skv, sg, pkv, pg, ent, **kw, rotate=True, impl=impl)
+            return (*out, start + 1), None
+        return jax.jit(lambda st, xs: jax.lax.scan(f, st, xs)[0])
+
+    rng = np.random.default_rng(next(_SEED))
+    xs = (jnp.asarray(rng.standard_normal((12, 2, 1, 256)), jnp.float32),
+          jnp.asarray(rng.standard_normal((12, 2, 1, 256)), jnp.float32))
+    st0 = (inp["entries"], inp["state_kv"], inp["state_gate"], inp["prev_kv"], inp["prev_gate"], inp["start"])
+    a = step("pallas")(st0, xs)
+    b = step("reference")(st0, xs)
+    ea, eb = np.asarray(F.dequantize(a[0])), np.asarray(F.dequantize(b[0]))
+    assert np.linalg.norm(ea - eb) <= TOL["fp4"] * np.linalg.norm(eb)
+    for x, y in zip(a[1:5], b[1:5]):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=0)
+
+
+def test_dispatch():
+    assert resolve_impl("reference") == "reference"
+    assert resolve_impl("auto") == ("gpu" if ON_GPU else "tpu" if jax.default_backend() == "tpu" else "reference")
+    with pytest.raises(ValueError):
+        resolve_impl("triton")
+
+
+# ---- compiled kernel on a real GPU ---------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU (compiled Triton Pallas kernel)")
+
+
+@gpu
+@pytest.mark.parametrize("fmt,rotate", [(None, False), ("bf16", True), ("fp8", True), ("fp4", True), ("fp4", False)])
+def test_gpu_indexer_compressor(fmt, rotate):
+    inp, kw = make(4, 300, 4, True, 128, fmt, starts=[0, 5, 10, 15], n_valid=[300, 0, 297, 123])
+    assert check(inp, kw, "pallas", TOL[fmt], rotate=rotate) > 0
+    inp, kw = make(8, 1, 4, True, 128, fmt, starts=[3, 0, 1, 2, 3, 7, 11, 6], n_valid=[1] * 7 + [0], fresh=True)
+    check(inp, kw, "pallas", TOL[fmt], rotate=rotate)
+
+
+@gpu
+@pytest.mark.parametrize("r,overlap,S", [(4, True, 1), (4, True, 1000), (128, False, 1), (128, False, 1000)])
+def test_gpu_main_compressor(r, overlap, S):
+    starts = [0, 1, r - 1, 5 * r + 2]
+    inp, kw = make(4, S, r, overlap, 512, None, ndt=jnp.bfloat16, starts=starts, n_valid=[S, S, S - S // 3, 1])
+    check(inp, kw, "pallas", TOL["bf16"])

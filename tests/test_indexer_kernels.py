@@ -1,0 +1,131 @@
+"""Indexer scores + top-k kernels vs `indexer_topk` / `indexer_scores` (the jnp reference), on CPU: the GPU (Triton)
+kernel in the Pallas interpreter (impl="pallas" on CPU) and the TPU (Mosaic) kernel in the TPU interpreter
+(impl="interpret_tpu"). Tiny shapes, fresh random inputs, ragged / zero / over-long n_visible, every key format.
+The `test_gpu_*` tests run the compiled kernel and skip without a GPU."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.indexer import (formats as F, indexer_scores, indexer_scores_pallas, indexer_topk,
+                                    indexer_topk_reference, resolve_impl)
+from pallas_kernels.indexer.gpu import topk_from_scores
+
+_SEED = itertools.count(9000)
+ON_GPU = jax.default_backend() == "gpu"
+INTERP = ["pallas", "interpret_tpu"]
+
+
+def make(B, S, H, T, fmt, rotate=False, causal=False, d=128):
+    rng = np.random.default_rng(next(_SEED))
+    q = jnp.asarray(rng.standard_normal((B, S, H, d)), jnp.float32)
+    keys = jnp.asarray(rng.standard_normal((B, T, d)) * 2.0, jnp.float32)
+    if rotate:
+        q, keys = F.hadamard(q), F.hadamard(keys)
+    if fmt in ("fp8", "fp4"):
+        q = F.fake_quantize(q, fmt)
+    w = jnp.asarray(rng.standard_normal((B, S, H)), jnp.float32) * (H ** -0.5 * d ** -0.5)
+    if causal:  # prefill-like: query s of row b sees floor((p_b + s + 1) / 4) entries
+        p = rng.integers(0, 4 * T - S, (B, 1))
+        nv = (p + np.arange(S)[None, :] + 1) // 4
+    else:       # ragged, including 0 and > T
+        nv = rng.integers(0, T + 3, (B, S))
+        nv.flat[0] = 0
+        nv.flat[-1] = T + 5
+    return q, w, F.quantize(keys, fmt), jnp.asarray(nv, jnp.int32)
+
+
+def check_picks(picks, q, w, keys, nv, k, exact=True):
+    """picks == reference picks, or (near-ties) the same reference scores in the same order and the same -1s."""
+    ref = indexer_topk_reference(q, w, keys, nv, k=k)
+    picks, ref = np.asarray(picks), np.asarray(ref)
+    assert picks.shape == ref.shape and picks.dtype == np.int32
+    np.testing.assert_array_equal(picks < 0, ref < 0)
+    if exact and np.array_equal(picks, ref):
+        return
+    s = np.asarray(indexer_scores(q, w, keys, nv))
+    sp = np.take_along_axis(s, np.maximum(picks, 0), -1)
+    sr = np.take_along_axis(s, np.maximum(ref, 0), -1)
+    m = ref >= 0
+    np.testing.assert_allclose(sp[m], sr[m], rtol=1e-4, atol=1e-6)
+
+
+def check_scores(q, w, keys, nv, impl, tol, **opts):
+    out = np.asarray(indexer_scores_pallas(q, w, keys, nv, impl=impl, **opts))
+    ref = np.asarray(indexer_scores(q, w, keys, nv))
+    np.testing.assert_array_equal(np.isfinite(out), np.isfinite(ref))
+    fin = np.isfinite(ref)
+    if fin.any():
+        err = np.linalg.norm(out[fin] - ref[fin]) / np.linalg.norm(ref[fin])
+        assert err <= tol, err
+
+
+@pytest.mark.parametrize("impl", INTERP)
+@pytest.mark.parametrize("fmt,rotate", [(None, False), ("bf16", False), ("fp8", True), ("fp4", True), ("fp4", False)])
+def test_decode_all_formats(impl, fmt, rotate):
+    """decode: one query per row against its whole key cache; T not a multiple of the key block."""
+    q, w, keys, nv = make(3, 1, 64, 300, fmt, rotate)
+    check_scores(q, w, keys, nv, impl, 1e-5)
+    check_picks(indexer_topk(q, w, keys, nv, k=32, impl=impl), q, w, keys, nv, 32)
+
+
+@pytest.mark.parametrize("impl", INTERP)
+def test_prefill_chunked_causal(impl):
+    """prefill: 19 queries in chunks of 8 (padding of the last chunk), causal n_visible, fp8 keys, k > visible."""
+    q, w, keys, nv = make(2, 19, 64, 40, "fp8", True, causal=True)
+    check_picks(indexer_topk(q, w, keys, nv, k=24, query_chunk=8, impl=impl), q, w, keys, nv, 24)
+
+
+def test_topk_larger_than_cache_and_blockwise():
+    """k > T (result width min(k, T)); blockwise top-k merges per-block survivors with the same tie order."""
+    q, w, keys, nv = make(2, 2, 16, 40, "bf16")
+    check_picks(indexer_topk(q, w, keys, nv, k=64, impl="pallas"), q, w, keys, nv, 64)
+    rng = np.random.default_rng(next(_SEED))
+    s = rng.integers(-20, 20, (3, 5, 1000)).astype(np.float32)       # many ties
+    s[0, 0, 7:] = -np.inf
+    s = jnp.asarray(s)
+    a = topk_from_scores(s, 50, topk="blockwise", topk_block=128)
+    b = topk_from_scores(s, 50, topk="lax")
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_precision_options():
+    """bf16 keys with float queries: default bf16x2 is ~1e-5 accurate; plain bf16 operands ~1e-3."""
+    q, w, keys, nv = make(2, 3, 64, 130, "bf16")
+    check_scores(q, w, keys, nv, "pallas", 1e-4)
+    check_scores(q, w, keys, nv, "pallas", 1e-2, precision="bf16")
+
+
+def test_dispatch():
+    assert resolve_impl("reference") == "reference"
+    assert resolve_impl("auto") == ("gpu" if ON_GPU else "tpu" if jax.default_backend() == "tpu" else "reference")
+    with pytest.raises(ValueError):
+        resolve_impl("cuda")
+
+
+# ---- compiled kernel on a real GPU ---------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU (compiled Triton Pallas kernel)")
+
+
+@gpu
+@pytest.mark.parametrize("fmt,rotate", [(None, False), ("bf16", False), ("fp8", True), ("fp4", True)])
+@pytest.mark.parametrize("B,S,T,k,causal", [(4, 1, 5000, 512, False), (1, 1, 70000, 1024, False),
+                                            (2, 300, 700, 512, True)])
+def test_gpu_kernel(fmt, rotate, B, S, T, k, causal):
+    q, w, keys, nv = make(B, S, 64, T, fmt, rotate, causal=causal)
+    check_scores(q, w, keys, nv, "pallas", 1e-4)
+    check_picks(indexer_topk(q, w, keys, nv, k=k, impl="pallas"), q, w, keys, nv, k)
+    check_picks(indexer_topk(q, w, keys, nv, k=k, impl="pallas", topk="blockwise"), q, w, keys, nv, k)
+
+
+@gpu
+def test_gpu_auto_jits():
+    q, w, keys, nv = make(2, 1, 64, 3000, "fp4", True)
+    f = jax.jit(lambda *a: indexer_topk(*a, k=512, impl="auto"))
+    check_picks(f(q, w, keys, nv), q, w, keys, nv, 512)
