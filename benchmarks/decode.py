@@ -22,7 +22,6 @@ of the schedule) and with fewer experts (--experts) so it fits.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import platform
 import statistics
@@ -35,7 +34,6 @@ if ROOT not in sys.path:
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 

@@ -39,7 +39,7 @@ import math
 from fractions import Fraction
 from typing import Any
 
-from dsv4_jax.config import CSA, HCA, LAYER_TYPES, SLIDING, DeepseekV4Config
+from dsv4_jax.config import CSA, LAYER_TYPES, SLIDING, DeepseekV4Config
 
 KV_DTYPES = ("bf16", "fp8")
 INDEXER_DTYPES = ("bf16", "fp8", "fp4")

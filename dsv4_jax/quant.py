@@ -14,7 +14,6 @@ the product underflows below 2^-149, which real checkpoints never do).
 
 from __future__ import annotations
 
-import math
 
 import ml_dtypes
 import numpy as np

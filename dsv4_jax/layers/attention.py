@@ -23,7 +23,7 @@ from pallas_kernels.sparse_attention import sparse_attention
 
 from ..cache import CacheFormat, LayerCache, encode_kv, flatten_rows
 from ..config import CSA, SLIDING, DeepseekV4Config
-from .common import Linear, RMSNorm, matmul, normal, param, rms_normalize
+from .common import Linear, RMSNorm, normal, param, rms_normalize
 from .compressor import Compressor
 from .indexer import Indexer
 from .rope import apply_rope, rope_inv_freq

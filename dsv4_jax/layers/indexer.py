@@ -9,9 +9,7 @@ overlapping compressor (width index_head_dim) that fills `indexer_keys` exactly 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from pallas_kernels.indexer import formats, indexer_topk

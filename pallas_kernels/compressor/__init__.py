@@ -16,32 +16,19 @@ passed without `key_format`, the call falls back to the reference (the kernel ca
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from ..indexer import formats
+from ..dispatch import resolve_impl as _resolve
 from .reference import compress_chunk as compress_chunk_reference
 
 __all__ = ["compress_chunk", "compress_chunk_reference", "encode_for", "resolve_impl"]
 
-IMPLS = ("auto", "pallas", "reference")
 UNSET = "unset"
 
 
 def resolve_impl(impl: str) -> str:
-    """'auto' | 'pallas' | 'reference' -> 'reference' | 'gpu' | 'tpu' | 'interpret' (| 'interpret_tpu')."""
-    if impl not in IMPLS + ("interpret_tpu",):
-        raise ValueError(f"compress_chunk impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "interpret_tpu":
-        return impl
-    plat = jax.default_backend()
-    if impl == "reference" or (impl == "auto" and plat not in ("gpu", "cuda", "rocm", "tpu")):
-        return "reference"
-    if plat in ("gpu", "cuda"):
-        return "gpu"
-    if plat == "tpu":
-        return "tpu"
-    return "interpret"
+    return _resolve(impl, "compress_chunk", extra=("interpret_tpu",))
 
 
 def encode_for(key_format, rotate: bool = False, dtype=None):

@@ -11,31 +11,18 @@ kernel and are ignored by the reference.
 
 from __future__ import annotations
 
-import jax
 
 from . import formats
+from ..dispatch import resolve_impl as _resolve
 from .reference import indexer_scores, indexer_topk as indexer_topk_reference
 
 __all__ = ["formats", "indexer_scores", "indexer_scores_pallas", "indexer_topk", "indexer_topk_reference",
            "resolve_impl"]
 
-IMPLS = ("auto", "pallas", "reference")
 
 
 def resolve_impl(impl: str) -> str:
-    """'auto' | 'pallas' | 'reference' -> 'reference' | 'gpu' | 'tpu' | 'interpret' (| 'interpret_tpu', tests)."""
-    if impl not in IMPLS + ("interpret_tpu",):
-        raise ValueError(f"indexer_topk impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "interpret_tpu":
-        return impl
-    plat = jax.default_backend()
-    if impl == "reference" or (impl == "auto" and plat not in ("gpu", "cuda", "rocm", "tpu")):
-        return "reference"
-    if plat in ("gpu", "cuda"):
-        return "gpu"
-    if plat == "tpu":
-        return "tpu"
-    return "interpret"
+    return _resolve(impl, "indexer_topk", extra=("interpret_tpu",))
 
 
 def indexer_topk(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256, impl: str = "reference",

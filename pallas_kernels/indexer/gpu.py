@@ -36,6 +36,7 @@ except ImportError:  # pragma: no cover
     plgpu = None
 
 from . import formats
+from .reference import map_query_chunks
 
 N_SM_H200 = 132
 DEFAULT_PRECISION = {None: "f32", "bf16": "bf16x2", "fp8": "bf16", "fp4": "bf16"}
@@ -85,7 +86,6 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T,
     o_ref = rest[-1]
     key_refs = rest[:-1]
     b = pl.program_id(0)
-    qb = pl.program_id(1)
     j = pl.program_id(2)
     nvis = nvis_ref[...]                                   # [block_q] int32
     rows = j * block_t + jax.lax.iota(jnp.int32, block_t)
@@ -212,20 +212,11 @@ def topk_from_scores(scores, k, *, topk="lax", topk_block=4096):
 def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256, interpret=False,
                      topk: str = "lax", topk_block: int = 4096, **kernel_options):
     """Pallas GPU implementation of `reference.indexer_topk` (same arguments and results)."""
-    B, S = q.shape[:2]
-    T = keys.shape[1]
-    k = min(k, T)
+    k = min(k, keys.shape[1])
 
     def select(args):
         qc, wc, nc = args
         sc = indexer_scores_gpu(qc, wc, keys, nc, interpret=interpret, pad_to_block=True, **kernel_options)
         return topk_from_scores(sc, k, topk=topk, topk_block=topk_block)
 
-    if S <= query_chunk:
-        return select((q, weights, n_visible))
-    n_chunks = -(-S // query_chunk)
-    pad = n_chunks * query_chunk - S
-    padq = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
-    split = lambda a: jnp.moveaxis(padq(a).reshape((B, n_chunks, query_chunk) + a.shape[2:]), 1, 0)
-    out = jax.lax.map(select, (split(q), split(weights), split(n_visible)))
-    return jnp.moveaxis(out, 0, 1).reshape(B, n_chunks * query_chunk, k)[:, :S]
+    return map_query_chunks(select, q, weights, n_visible, query_chunk)

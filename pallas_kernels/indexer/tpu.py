@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import formats
+from .reference import map_query_chunks
 from .gpu import DEFAULT_PRECISION, e2m1_value, key_format_of, split_q, topk_from_scores
 
 
@@ -109,7 +110,6 @@ def indexer_scores_tpu(q, weights, keys, n_visible, *, interpret=False, precisio
 def indexer_topk_tpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256, interpret=False,
                      topk: str = "lax", topk_block: int = 4096, **kernel_options):
     """Mosaic TPU implementation of `reference.indexer_topk` (same arguments and results)."""
-    B, S = q.shape[:2]
     k = min(k, keys.shape[1])
 
     def select(args):
@@ -117,11 +117,4 @@ def indexer_topk_tpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 
         sc = indexer_scores_tpu(qc, wc, keys, nc, interpret=interpret, pad_to_block=True, **kernel_options)
         return topk_from_scores(sc, k, topk=topk, topk_block=topk_block)
 
-    if S <= query_chunk:
-        return select((q, weights, n_visible))
-    n_chunks = -(-S // query_chunk)
-    pad = n_chunks * query_chunk - S
-    padq = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
-    split = lambda a: jnp.moveaxis(padq(a).reshape((B, n_chunks, query_chunk) + a.shape[2:]), 1, 0)
-    out = jax.lax.map(select, (split(q), split(weights), split(n_visible)))
-    return jnp.moveaxis(out, 0, 1).reshape(B, n_chunks * query_chunk, k)[:, :S]
+    return map_query_chunks(select, q, weights, n_visible, query_chunk)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 
 from . import common
+from ..dispatch import resolve_impl as _resolve
 from .fp8_layout import Fp8KVPool, dequantize_kv_fp8, from_packed_u8, quantize_kv_fp8, to_packed_u8
 from .reference import sparse_attention as sparse_attention_reference
 
@@ -28,7 +29,6 @@ __all__ = [
     "from_packed_u8",
 ]
 
-IMPLS = ("auto", "pallas", "reference")
 
 
 def _platform() -> str:
@@ -36,17 +36,7 @@ def _platform() -> str:
 
 
 def resolve_impl(impl: str) -> str:
-    """'auto' | 'pallas' | 'reference' -> 'reference' | 'gpu' | 'tpu' | 'interpret'."""
-    if impl not in IMPLS:
-        raise ValueError(f"sparse_attention impl must be one of {IMPLS}, got {impl!r}")
-    plat = _platform()
-    if impl == "reference" or (impl == "auto" and plat not in ("gpu", "cuda", "rocm", "tpu")):
-        return "reference"
-    if plat in ("gpu", "cuda"):
-        return "gpu"
-    if plat == "tpu":
-        return "tpu"
-    return "interpret"  # impl="pallas" on CPU: run the GPU kernel in the interpreter
+    return _resolve(impl, "sparse_attention")
 
 
 def sparse_attention(

@@ -15,7 +15,6 @@ Tested in the TPU interpreter (`interpret=True` -> `pltpu.InterpretParams()`); n
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
