@@ -1,0 +1,150 @@
+"""Where a decode step's time goes: each component timed alone, same shapes as the full step.
+
+    PYTHONPATH=. python benchmarks/decode_breakdown.py --preset v4-flash --layers 4 --experts 8 --dtype bfloat16 \
+        --batch 16 --context 32768 [--attention-impl pallas] [--out FILE]
+
+Components (one decode token per sequence, a synthetic cache of `--context` tokens, as benchmarks/decode.py):
+full step (forward_chunk), and per layer: the mHC pre-mix (hc weights + collapse + norm), attention (with its
+compressor / indexer and cache update), the MoE, the mHC post-mix (each mHC part runs twice per layer: the sum counts
+it twice); plus the LM head (hc head + norm + vocab matmul).
+Each is run `--steps` times as DEPENDENT calls inside one jitted lax.scan (its output perturbs the next input, so
+XLA can neither hoist nor batch them); µs/call = median wall time / steps after a warm-up. The per-component sum
+versus the full step shows how much is lost between components (launch gaps, copies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from decode import build_model, make_scan, synthetic_cache  # noqa: E402
+from dsv4_jax.layers.hyper import hc_collapse, hc_expand, hc_head_collapse, hc_weights  # noqa: E402
+
+
+def time_scan(fn, args, steps, repeats):
+    """fn(*args) -> args' (same structure); timed as `steps` dependent calls in one jitted scan."""
+    def run(*a):
+        return jax.lax.scan(lambda c, _: (fn(*c), None), a, None, length=steps)[0]
+    exe = jax.jit(run).lower(*args).compile()
+    jax.block_until_ready(exe(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(exe(*args))
+        times.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(times) / steps
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint")
+    p.add_argument("--preset", choices=("v4-flash", "v4-pro", "tiny"))
+    p.add_argument("--layers", type=int, default=0)
+    p.add_argument("--experts", type=int, default=0)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    p.add_argument("--attention-impl", default="reference", choices=("reference", "pallas", "auto"))
+    p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default=None)
+    p.add_argument("--indexer-dtype", choices=("bf16", "fp8", "fp4"), default=None)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    model, name = build_model(args)
+    cfg, B, L = model.config, args.batch, args.context
+    graphdef, state = nnx.split(model)
+    fmt = dict(kv_dtype=args.kv_dtype, indexer_dtype=args.indexer_dtype)
+    cache = synthetic_cache(model, B, L + args.steps, L, fmt)
+    dev = jax.devices()[0]
+    lines = [f"# benchmarks/decode_breakdown.py {' '.join(argv or sys.argv[1:])}",
+             f"# model: {name}: {cfg.summary()}",
+             f"# device: {dev.platform} ({dev.device_kind}), jax {jax.__version__}, batch {B}, context {L}, "
+             f"dtype {args.dtype}, attention {args.attention_impl}; µs per call, {args.steps} dependent calls per "
+             f"jitted scan, median of {args.repeats}",
+             f"{'component':<28} {'us/call':>10}"]
+    for line in lines:
+        print(line, flush=True)
+    rows = []
+
+    def report(label, us):
+        rows.append((label, us))
+        lines.append(f"{label:<28} {us:>10.1f}")
+        print(lines[-1], flush=True)
+
+    tok = jnp.zeros((B,), jnp.int32)
+    full = make_scan(graphdef, args.steps)
+    exe = full.lower(state, cache, tok).compile()
+    jax.block_until_ready(exe(state, cache, tok))
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(exe(state, cache, tok))
+        times.append(time.perf_counter() - t0)
+    report("full decode step", 1e6 * statistics.median(times) / args.steps)
+
+    key = jax.random.PRNGKey(0)
+    streams = jax.random.normal(key, (B, 1, cfg.hc_mult, cfg.hidden_size), jnp.float32).astype(model.dtype)
+    x = streams[:, :, 0]
+    positions = jnp.full((B, 1), L, jnp.int32)
+    start, ones = jnp.full((B,), L, jnp.int32), jnp.ones((B,), jnp.int32)
+    ids = jnp.zeros((B, 1), jnp.int32)
+    hc = None
+    for i in range(cfg.num_hidden_layers):
+        kind = cfg.layer_types[i]
+
+        def pre(s, st=state, i=i):
+            blk = nnx.merge(graphdef, st).layers[i]
+            w = hc_weights(s, blk.hc_attn_fn[...], blk.hc_attn_base[...], blk.hc_attn_scale[...], **blk._hc_kwargs)
+            y = blk.attn_norm(hc_collapse(s, w[0]))
+            return (s + y[:, :, None].astype(s.dtype) * 1e-3,)
+        report(f"L{i} {kind:<7} mHC pre-mix", time_scan(pre, (streams,), args.steps, args.repeats))
+
+        def attn(x_, lc, st=state, i=i):
+            out, lc = nnx.merge(graphdef, st).layers[i].attn(x_, positions, start, ones, lc, cache.fmt)
+            return x_ + out * 1e-3, lc
+        report(f"L{i} {kind:<7} attention", time_scan(attn, (x, cache.layers[i]), args.steps, args.repeats))
+
+        def moe(x_, st=state, i=i):
+            return (x_ + nnx.merge(graphdef, st).layers[i].ffn(x_, ids) * 1e-3,)
+        report(f"L{i} {kind:<7} MoE", time_scan(moe, (x,), args.steps, args.repeats))
+
+        if hc is None:
+            blk0 = model.layers[i]
+            hc = hc_weights(streams, blk0.hc_attn_fn[...], blk0.hc_attn_base[...], blk0.hc_attn_scale[...],
+                            **blk0._hc_kwargs)
+
+        def post(s, f=x, w=hc):
+            return (hc_expand(f, s, w[1], w[2]),)
+        report(f"L{i} {kind:<7} mHC post-mix", time_scan(post, (streams,), args.steps, args.repeats))
+
+    def head(s, st=state):
+        m = nnx.merge(graphdef, st)
+        y = hc_head_collapse(s, m.hc_head_fn[...], m.hc_head_base[...], m.hc_head_scale[...], eps=cfg.hc_eps,
+                             norm_eps=cfg.rms_norm_eps)
+        logits = m.head(m.norm(y), jnp.float32)
+        return (s + jnp.max(logits, axis=-1)[..., None, None].astype(s.dtype) * 1e-3,)
+    report("LM head (hc head+norm+vocab)", time_scan(head, (streams,), args.steps, args.repeats))
+    # every layer runs the mHC pre- and post-mix twice (around attention and around the MoE)
+    total = sum(us * (2 if "mHC" in label else 1) for label, us in rows[1:])
+    lines.append(f"{'sum (mHC counted twice)':<28} {total:>10.1f}")
+    print(lines[-1])
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
