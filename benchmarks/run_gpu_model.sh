@@ -7,7 +7,7 @@ set -o pipefail
 OUT=${OUT:-/tmp/model_out}; mkdir -p "$OUT"
 export PYTHONPATH=.:tests PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee "$OUT/nvidia_smi.txt"
-timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -x -p no:cacheprovider tests/test_sparse_attention_gpu.py tests/test_model_pallas.py \
+timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -x -p no:cacheprovider tests/test_sparse_attention_gpu.py tests/test_model_pallas.py tests/test_model_pallas_quantized.py \
   2>&1 | tail -n 15 | tee "$OUT/gpu_model_tests.log"
 for impl in reference pallas; do
   timeout ${DECODE_TIMEOUT:-150} python3 benchmarks/decode.py --preset v4-flash --layers 4 --experts 8 --dtype bfloat16 \
