@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.indexer import floor_s, measure_ceilings, timed_chain
+from benchmarks.indexer import floor_s
+from benchmarks.timing import measure_ceilings, timed_chain
 from pallas_kernels.compressor import compress_chunk
 from pallas_kernels.indexer import formats as F
 

@@ -28,22 +28,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks.timing import timed_chain  # noqa: E402
 from decode import build_model, make_scan, synthetic_cache  # noqa: E402
 from dsv4_jax.layers.hyper import hc_collapse, hc_expand, hc_head_collapse, hc_weights  # noqa: E402
 
 
 def time_scan(fn, args, steps, repeats):
-    """fn(*args) -> args' (same structure); timed as `steps` dependent calls in one jitted scan."""
-    def run(*a):
-        return jax.lax.scan(lambda c, _: (fn(*c), None), a, None, length=steps)[0]
-    exe = jax.jit(run).lower(*args).compile()
-    jax.block_until_ready(exe(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(exe(*args))
-        times.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(times) / steps
+    """µs per call of `args = fn(*args)` as `steps` dependent calls in one jitted scan."""
+    return 1e6 * timed_chain(lambda c: fn(*c), args, steps, reps=repeats)
 
 
 def main(argv=None):

@@ -17,49 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from benchmarks.timing import measure_ceilings, timed_chain
 from pallas_kernels.indexer import formats as F, indexer_scores_pallas, indexer_topk
 
 H, D, TOPK = 64, 128, 512
 
-# ---- timing / ceiling helpers (also used by benchmarks/compressor.py)
-
-
-def wall(f, *a, reps=3):
-    """median wall time of f(*a) (jitted; first call = compile + warm-up, excluded)."""
-    jax.block_until_ready(f(*a))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*a))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
-
-
-def measure_ceilings(quick=False):
-    """Copy bandwidth (read + write, dependent passes in one call) and bf16 matmul rate."""
-    n = 1 << (26 if quick else 28)
-    x = jnp.arange(n, dtype=jnp.float32)
-    f = jax.jit(lambda a: jax.lax.fori_loop(0, 20, lambda i, a: a * 1.0001 + 1.0, a))
-    bw = 20 * 2 * n * 4 / wall(f, x)
-    del x
-    m = 4096 if quick else 8192
-    a = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16) * (1.0 / 64.0)
-    g = jax.jit(lambda a, b: jax.lax.fori_loop(0, 10, lambda i, a: (a @ b).astype(jnp.bfloat16), a))
-    tf = 10 * 2 * m ** 3 / wall(g, a, b)
-    return dict(copy_Bps=bw, bf16_flops=tf)
-
-
-def timed_chain(step, carry, n_iter):
-    """per-iteration seconds of `carry = step(carry)` run n_iter times as dependent calls in one jitted scan."""
-    f = jax.jit(lambda c: jax.lax.scan(lambda c, _: (step(c), None), c, None, length=n_iter)[0])
-    return wall(f, carry) / n_iter
+# ---- timing / ceiling helpers: benchmarks/timing.py
 
 
 def floor_s(bytes_, flops, ceil):

@@ -18,43 +18,18 @@ import json
 import math
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import measure_ceilings, wall
 from pallas_kernels.sparse_attention import quantize_kv_fp8, sparse_attention
 from pallas_kernels.sparse_attention.fp8_layout import ROW_BYTES
 
 D = 512
 H = 64
 W = 128
-
-
-def _time(f, *a, reps=5):
-    jax.block_until_ready(f(*a))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*a))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
-
-
-def measure_ceilings():
-    """Copy bandwidth (read + write of 1 GiB, 20 dependent passes in one call) and bf16 matmul rate (8192^3 x 10)."""
-    n = 1 << 28
-    x = jnp.arange(n, dtype=jnp.float32)
-    f = jax.jit(lambda a: jax.lax.fori_loop(0, 20, lambda i, a: a * 1.0001 + 1.0, a))
-    bw = 20 * 2 * n * 4 / _time(f, x)
-    del x
-    m = 8192
-    a = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16) * (1.0 / 90.0)
-    g = jax.jit(lambda a, b: jax.lax.fori_loop(0, 10, lambda i, a: (a @ b).astype(jnp.bfloat16), a))
-    tf = 10 * 2 * m**3 / _time(g, a, b) / 1e12
-    return dict(copy_GBps=bw / 1e9, bf16_TFLOPs=tf)
 
 
 def make_case(rng, kind, b, t, kc, csa_cap, fp8, n_copies):
@@ -101,7 +76,7 @@ def time_impl(impl, q, wpool, cpool, sinks, widx, cidx, unroll, opts):
         return q
 
     first = one(q, wpool, widx[0], cpool, cidx[0], sinks)
-    return _time(run, q, wpool, cpool, sinks, widx, cidx) / unroll, first
+    return wall(run, q, wpool, cpool, sinks, widx, cidx, reps=5) / unroll, first
 
 
 def bench_case(rng, ceil, kind, b, t, kc, fp8, opts=None, ref=True, csa_cap=4096):

@@ -1,0 +1,43 @@
+"""Shared timing helpers for the benchmarks: median wall time, dependent-call chains, measured ceilings."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def wall(f, *a, reps=3):
+    """Median wall time (s) of f(*a), dispatch to block_until_ready; the first call (compile, warm-up) excluded."""
+    jax.block_until_ready(f(*a))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*a))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def timed_chain(step, carry, n_iter, reps=3):
+    """Seconds per iteration of `carry = step(carry)` run n_iter times as dependent calls in one jitted scan (so
+    XLA can neither hoist nor batch them and Python dispatch is paid once)."""
+    f = jax.jit(lambda c: jax.lax.scan(lambda c, _: (step(c), None), c, None, length=n_iter)[0])
+    return wall(f, carry, reps=reps) / n_iter
+
+
+def measure_ceilings(quick=False):
+    """Copy bandwidth (read + write, 20 dependent passes in one call) and bf16 matmul rate (10 chained products).
+    Returns copy_Bps / bf16_flops and the same as copy_GBps / bf16_TFLOPs."""
+    n = 1 << (26 if quick else 28)
+    x = jnp.arange(n, dtype=jnp.float32)
+    f = jax.jit(lambda a: jax.lax.fori_loop(0, 20, lambda i, a: a * 1.0001 + 1.0, a))
+    bw = 20 * 2 * n * 4 / wall(f, x)
+    del x
+    m = 4096 if quick else 8192
+    a = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16) * (1.0 / 90.0)
+    g = jax.jit(lambda a, b: jax.lax.fori_loop(0, 10, lambda i, a: (a @ b).astype(jnp.bfloat16), a))
+    fl = 10 * 2 * m ** 3 / wall(g, a, b)
+    return dict(copy_Bps=bw, bf16_flops=fl, copy_GBps=bw / 1e9, bf16_TFLOPs=fl / 1e12)
