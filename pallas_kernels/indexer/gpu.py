@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover
     plgpu = None
 
 from . import formats
-from .reference import map_query_chunks
+from ..chunking import map_query_chunks
 
 N_SM_H200 = 132
 DEFAULT_PRECISION = {None: "f32", "bf16": "bf16x2", "fp8": "bf16", "fp4": "bf16"}
@@ -219,4 +219,4 @@ def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 
         sc = indexer_scores_gpu(qc, wc, keys, nc, interpret=interpret, pad_to_block=True, **kernel_options)
         return topk_from_scores(sc, k, topk=topk, topk_block=topk_block)
 
-    return map_query_chunks(select, q, weights, n_visible, query_chunk)
+    return map_query_chunks(select, (q, weights, n_visible), query_chunk)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..chunking import map_query_chunks
 from . import formats
 
 
@@ -28,20 +29,6 @@ def indexer_scores(q, weights, keys, n_visible):
     return jnp.where(visible, s, -jnp.inf)
 
 
-def map_query_chunks(select, q, weights, n_visible, query_chunk: int):
-    """Applies select((q, weights, n_visible) of <= query_chunk queries) -> [B, chunk, k] over the query axis in
-    chunks (lax.map), so memory stays O(chunk * H * T); returns [B, S, k]."""
-    B, S = q.shape[:2]
-    if S <= query_chunk:
-        return select((q, weights, n_visible))
-    n_chunks = -(-S // query_chunk)
-    pad = n_chunks * query_chunk - S
-    padq = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
-    split = lambda a: jnp.moveaxis(padq(a).reshape((B, n_chunks, query_chunk) + a.shape[2:]), 1, 0)
-    out = jax.lax.map(select, (split(q), split(weights), split(n_visible)))      # [n_chunks, B, chunk, k]
-    return jnp.moveaxis(out, 0, 1).reshape((B, n_chunks * query_chunk) + out.shape[3:])[:, :S]
-
-
 def indexer_topk(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256):
     """-> picks [B, S, min(k, T)] int32 (entry indices, -1 = none), sorted by descending score."""
     k = min(k, keys.shape[1])
@@ -51,4 +38,4 @@ def indexer_topk(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256)
         vals, idx = jax.lax.top_k(indexer_scores(qc, wc, keys, nc), k)
         return jnp.where(jnp.isfinite(vals), idx, -1).astype(jnp.int32)
 
-    return map_query_chunks(select, q, weights, n_visible, query_chunk)
+    return map_query_chunks(select, (q, weights, n_visible), query_chunk)

@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import formats
-from .reference import map_query_chunks
+from ..chunking import map_query_chunks
 from .gpu import DEFAULT_PRECISION, e2m1_value, key_format_of, split_q, topk_from_scores
 
 
@@ -117,4 +117,4 @@ def indexer_topk_tpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 
         sc = indexer_scores_tpu(qc, wc, keys, nc, interpret=interpret, pad_to_block=True, **kernel_options)
         return topk_from_scores(sc, k, topk=topk, topk_block=topk_block)
 
-    return map_query_chunks(select, q, weights, n_visible, query_chunk)
+    return map_query_chunks(select, (q, weights, n_visible), query_chunk)

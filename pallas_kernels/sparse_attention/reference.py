@@ -26,6 +26,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..chunking import map_query_chunks
+
 from .fp8_layout import take_rows
 
 
@@ -54,6 +56,7 @@ def sparse_attention(
     compressed_len: jax.Array | None = None,
     out_dtype=None,
     return_lse: bool = False,
+    query_chunk: int = 256,
 ):
     """Gather-attention over window + compressed entries with a per-head sink.
 
@@ -69,26 +72,31 @@ def sparse_attention(
       window_len, compressed_len: optional [batch, queries] int32 valid prefix length of each index list.
       out_dtype: output dtype (default q.dtype).
       return_lse: also return lse [batch, queries, heads] float32 (without the sink).
+      query_chunk: queries processed at once (memory bound of the reference; no effect on results).
 
     Returns:
       o: [batch, queries, heads, head_dim] (and lse if `return_lse`).
     Out-of-range indices (>= pool rows) are treated as -1; nothing outside a pool is read.
     """
     out_dtype = out_dtype or q.dtype
-    q32 = q.astype(jnp.float32)
-    logits, rows = _gather_scores(q32, window_kv, window_idx, window_len, scale)
-    if compressed_kv is not None:
-        c_logits, c_rows = _gather_scores(q32, compressed_kv, compressed_idx, compressed_len, scale)
-        logits = jnp.concatenate([logits, c_logits], axis=-1)
-        rows = jnp.concatenate([rows, c_rows], axis=2)
-    sinks = sinks.astype(jnp.float32)[None, None, :]
-    m = jnp.maximum(jnp.max(logits, axis=-1), sinks)  # [B,T,H]; finite because the sink is
-    p = jnp.exp(logits - m[..., None])
-    denom_entries = jnp.sum(p, axis=-1)
-    o = jnp.einsum("bthk,btkd->bthd", p, rows, precision=jax.lax.Precision.HIGHEST)
-    o = o / (denom_entries + jnp.exp(sinks - m))[..., None]
-    o = o.astype(out_dtype)
-    if not return_lse:
-        return o
-    lse = jnp.where(denom_entries > 0, jnp.log(denom_entries) + m, -jnp.inf)
-    return o, lse
+
+    def attend(chunk):  # one chunk of queries: [B, c, ...] slices of the per-query inputs
+        qc, widx, cidx, wlen, clen = chunk
+        q32 = qc.astype(jnp.float32)
+        logits, rows = _gather_scores(q32, window_kv, widx, wlen, scale)
+        if compressed_kv is not None:
+            c_logits, c_rows = _gather_scores(q32, compressed_kv, cidx, clen, scale)
+            logits = jnp.concatenate([logits, c_logits], axis=-1)
+            rows = jnp.concatenate([rows, c_rows], axis=2)
+        sink = sinks.astype(jnp.float32)[None, None, :]
+        m = jnp.maximum(jnp.max(logits, axis=-1), sink)  # [B, c, H]; finite because the sink is
+        p = jnp.exp(logits - m[..., None])
+        denom_entries = jnp.sum(p, axis=-1)
+        o = jnp.einsum("bthk,btkd->bthd", p, rows, precision=jax.lax.Precision.HIGHEST)
+        o = (o / (denom_entries + jnp.exp(sink - m))[..., None]).astype(out_dtype)
+        lse = jnp.where(denom_entries > 0, jnp.log(denom_entries) + m, -jnp.inf)
+        return o, lse
+
+    # Gathered rows are [B, c, K, D] float32: chunk the queries so a long prefill stays within memory.
+    o, lse = map_query_chunks(attend, (q, window_idx, compressed_idx, window_len, compressed_len), query_chunk)
+    return (o, lse) if return_lse else o
