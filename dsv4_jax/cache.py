@@ -24,7 +24,7 @@ from flax import struct
 
 from pallas_kernels.indexer import formats as idx_formats
 from pallas_kernels.sparse_attention.fp8_layout import HEAD_DIM as FP8_HEAD_DIM, ROPE_DIM as FP8_ROPE_DIM
-from pallas_kernels.sparse_attention.fp8_layout import quantize_kv_fp8
+from pallas_kernels.sparse_attention.fp8_layout import quantize_kv_fp8_rows
 
 from .config import CSA, SLIDING, DeepseekV4Config
 
@@ -110,9 +110,7 @@ def encode_kv(rows: jax.Array, fmt: Optional[str], dtype=jnp.float32):
         return rows.astype(dtype)
     if fmt == "bf16":
         return rows.astype(jnp.bfloat16)
-    lead = rows.shape[:-1]
-    flat = quantize_kv_fp8(rows.reshape(-1, rows.shape[-1]))
-    return jax.tree_util.tree_map(lambda a: a.reshape(lead + a.shape[1:]), flat)
+    return quantize_kv_fp8_rows(rows)
 
 
 def flatten_rows(storage, n_lead: int = 2):

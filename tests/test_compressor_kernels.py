@@ -164,3 +164,26 @@ def test_gpu_main_compressor(r, overlap, S):
     starts = [0, 1, r - 1, 5 * r + 2]
     inp, kw = make(4, S, r, overlap, 512, None, ndt=jnp.bfloat16, starts=starts, n_valid=[S, S, S - S // 3, 1])
     check(inp, kw, "pallas", TOL["bf16"])
+
+
+@pytest.mark.parametrize("ratio, overlap, S", [(4, True, 9), (4, True, 1), (128, False, 130)])
+def test_main_kv_fp8_rows(ratio, overlap, S):
+    """The main compressor writing the 584-B FP8 KV rows (Fp8KVPool entries), interpreted GPU kernel vs reference:
+    same rows written, the rest untouched, dequantized entries equal up to an e4m3 rounding step."""
+    from pallas_kernels.sparse_attention.fp8_layout import Fp8KVPool, dequantize_kv_fp8, quantize_kv_fp8_rows
+
+    inp, kw = make(2, S, ratio, overlap, 512, None, starts=[ratio - 1, 2 * ratio + 1], n_valid=[S, S - 1])
+    inp["entries"] = quantize_kv_fp8_rows(inp["entries"])
+    kw["key_format"] = "kv_fp8"
+    out, ref = call(inp, kw, impl="pallas"), call(inp, kw, impl="reference")
+    assert isinstance(out[0], Fp8KVPool) and out[0].nope.dtype == jnp.float8_e4m3fn
+    deq = lambda p: np.asarray(dequantize_kv_fp8(jax.tree_util.tree_map(lambda a: a.reshape((-1,) + a.shape[2:]), p)))
+    e, er, e0 = deq(out[0]), deq(ref[0]), deq(inp["entries"])
+    written = np.any(er != e0, axis=-1)
+    assert written.any()
+    np.testing.assert_array_equal(np.any(e != e0, axis=-1), written)
+    assert np.linalg.norm(e[written] - er[written]) / np.linalg.norm(er[written]) <= 3e-2
+    np.testing.assert_array_equal(np.asarray(out[0].scale), np.asarray(ref[0].scale))
+    for a, b_ in zip(out[1:], ref[1:]):
+        if b_ is not None:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))

@@ -94,12 +94,9 @@ class Attention(nnx.Module):
         window_idx = window_indices(positions, start, S, W)
         compressed_pool = compressed_idx = compressed_len = None
         if self.kind != SLIDING:
-            if fmt.kv == "fp8":  # the 584-B FP8 rows: only the reference compressor encodes them (for now)
-                entry_format = dict(encode=lambda rows: encode_kv(rows, fmt.kv, x.dtype))
-            else:
-                entry_format = dict(key_format=fmt.kv)
             entries, comp_state = self.compressor(x, positions, start, n_valid, cache.compressor, cache.compressed_kv,
-                                                  impl=self.attention_impl, **entry_format)
+                                                  key_format="kv_fp8" if fmt.kv == "fp8" else fmt.kv,
+                                                  impl=self.attention_impl)
             cache = cache.replace(compressed_kv=entries, compressor=comp_state)
             cap = jax.tree_util.tree_leaves(entries)[0].shape[1]
             row0 = jnp.arange(B, dtype=jnp.int32)[:, None, None] * cap

@@ -8,7 +8,8 @@ impl: "reference" (plain jnp), "pallas" (GPU: Triton-backend Pallas kernel; TPU:
 kernel in the Pallas interpreter, slow, for tests), "auto" (pallas on GPU/TPU, reference on CPU).
 
 The reference encodes through an arbitrary `encode` callable; the kernels support the formats explicitly, named by
-`key_format` (None: cast to the cache dtype; "bf16" | "fp8" | "fp4": the indexer key formats of `indexer.formats`)
+`key_format` (None: cast to the cache dtype; "bf16" | "fp8" | "fp4": the indexer key formats of `indexer.formats`;
+"kv_fp8": the main KV cache's 584-B FP8 rows, entries an `Fp8KVPool`; the TPU path writes those with the reference)
 and `rotate` (128-point Walsh-Hadamard before quantization). Passing key_format/rotate instead of encode gives
 the same results on every impl (the reference then uses `encode_for(key_format, rotate)`). If a custom `encode` is
 passed without `key_format`, the call falls back to the reference (the kernel cannot know the format).
@@ -19,12 +20,14 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from ..indexer import formats
+from ..sparse_attention.fp8_layout import Fp8KVPool, quantize_kv_fp8_rows
 from ..dispatch import resolve_impl as _resolve
 from .reference import compress_chunk as compress_chunk_reference
 
 __all__ = ["compress_chunk", "compress_chunk_reference", "encode_for", "resolve_impl"]
 
 UNSET = "unset"
+KV_FP8 = "kv_fp8"  # the main KV cache's 584-B rows (sparse_attention.fp8_layout), entries an Fp8KVPool
 
 
 def resolve_impl(impl: str) -> str:
@@ -35,6 +38,10 @@ def encode_for(key_format, rotate: bool = False, dtype=None):
     """The reference `encode` callable equivalent to (key_format, rotate); None when plain cast suffices."""
     if key_format is None and not rotate:
         return None
+    if key_format == KV_FP8:
+        if rotate:
+            raise ValueError("the FP8 KV rows are never rotated")
+        return quantize_kv_fp8_rows
     formats.check_format(key_format)
 
     def encode(x):
@@ -57,7 +64,7 @@ def compress_chunk(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, prev
               norm_dtype=norm_dtype)
     if target == "reference":
         if explicit and encode is None:
-            dt = None if isinstance(entries, formats.QuantizedKeys) else entries.dtype
+            dt = None if isinstance(entries, (formats.QuantizedKeys, Fp8KVPool)) else entries.dtype
             encode = encode_for(key_format, rotate, dt)
         return compress_chunk_reference(*pos, **kw, encode=encode)
     fmt = key_format if explicit else None
@@ -66,6 +73,8 @@ def compress_chunk(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, prev
 
         return compress_chunk_gpu(*pos, **kw, key_format=fmt, rotate=rotate, interpret=(target == "interpret"),
                                   **kernel_options)
+    if fmt == KV_FP8:  # the TPU kernel does not write the 584-B rows yet: the reference does (same results)
+        return compress_chunk_reference(*pos, **kw, encode=quantize_kv_fp8_rows)
     from .tpu import compress_chunk_tpu
 
     return compress_chunk_tpu(*pos, **kw, key_format=fmt, rotate=rotate, interpret=(target == "interpret_tpu"),

@@ -14,7 +14,8 @@ of a register shuffle the kernel pools the pair-swapped channels too (a second g
 the RoPE chunk, and for the final rotation / packing it multiplies by a row-permuted matrix (M = H or I).
 
 Formats (`key_format`): None -> cast to the cache dtype; "bf16"; "fp8" (indexer 132 B: e4m3 + f32 pow2 scale per
-row); "fp4" (indexer 68 B: packed e2m1 low-nibble-first + 4 ue8m0 scales). Rounding rules are `formats.quantize`'s.
+row); "fp4" (indexer 68 B: packed e2m1 low-nibble-first + 4 ue8m0 scales); "kv_fp8" (the main KV cache's 584-B
+rows of sparse_attention.fp8_layout). Rounding rules are `formats.quantize`'s / `quantize_kv_fp8`'s.
 The open-window state after the chunk (a gather of <= 2 * ratio rows per batch row) is produced by a small XLA
 epilogue (`next_state`), identical to the reference's.
 """
@@ -35,6 +36,7 @@ except ImportError:  # pragma: no cover
     plgpu = None
 
 from ..indexer import formats
+from ..sparse_attention.fp8_layout import NOPE_DIM as FP8_NOPE, ROPE_DIM as FP8_ROPE, Fp8KVPool
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -75,6 +77,10 @@ def next_state(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, prev_gat
 
 def entry_parts(entries, key_format):
     """Flatten the cache pytree into the arrays the kernel writes, validating against key_format."""
+    if key_format == "kv_fp8":
+        if not isinstance(entries, Fp8KVPool):
+            raise ValueError("key_format 'kv_fp8' needs Fp8KVPool entries")
+        return (entries.nope, entries.rope, entries.scale)
     if key_format in (None, "bf16"):
         if isinstance(entries, formats.QuantizedKeys):
             raise ValueError(f"key_format {key_format!r} needs an array cache, got QuantizedKeys")
@@ -241,6 +247,18 @@ def _kernel(start_ref, nvalid_ref, kv_ref, gate_ref, skv_ref, sgate_ref, *refs, 
             zs = apply(m_ref, dc) if rotate else ys
             for c in range(n_chunks):
                 o_ref[b, dest, pl.ds(c * dc, dc)] = zs[c].astype(o_ref.dtype)
+        elif key_format == "kv_fp8":  # 448 e4m3 in 64-wide blocks with ue8m0 scales, 64 bf16 rope, 1 pad byte
+            nope_ref, rope_ref, sc_ref = outs
+            for c in range(n_chunks):
+                z = ys[c].astype(jnp.bfloat16).astype(jnp.float32)   # the reference rounds rows through bf16
+                if c * dc >= FP8_NOPE:
+                    rope_ref[b, dest, pl.ds(c * dc - FP8_NOPE, dc)] = z.astype(rope_ref.dtype)
+                    continue
+                e = jnp.clip(jnp.ceil(jnp.log2(jnp.maximum(jnp.max(jnp.abs(z)), 1e-4) / formats.E4M3_MAX)),
+                             -127, 127).astype(jnp.int32)
+                nope_ref[b, dest, pl.ds(c * dc, dc)] = (z / exp2i(e)).astype(nope_ref.dtype)
+                sc_ref[b, dest, c] = (e + 127).astype(sc_ref.dtype)
+            sc_ref[b, dest, FP8_NOPE // dc] = jnp.asarray(127, sc_ref.dtype)
         elif key_format == "fp8":
             v_ref, s_ref = outs
             zs = apply(m_ref, dc) if rotate else ys
@@ -290,6 +308,8 @@ def compress_chunk_gpu(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, 
         raise ValueError("rope width must be a multiple of the channel chunk")
     if rd < dc:  # the rope channels must be whole chunks
         raise ValueError(f"rope width {rd} must be >= channel chunk {dc}")
+    if key_format == "kv_fp8" and (d, rd, dc) != (FP8_NOPE + FP8_ROPE, FP8_ROPE, 64):
+        raise ValueError(f"kv_fp8 rows need d = {FP8_NOPE}+{FP8_ROPE} with {FP8_ROPE} rope dims and 64-wide chunks")
     if key_format == "fp4" and dc % formats.FP4_BLOCK:
         raise ValueError("fp4 needs the channel chunk to be a multiple of 32")
     parts = entry_parts(entries, key_format)
@@ -326,6 +346,8 @@ def compress_chunk_gpu(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, 
     )(*args)
     if key_format in (None, "bf16"):
         new_entries = outs[0]
+    elif key_format == "kv_fp8":
+        new_entries = Fp8KVPool(*outs)
     else:
         new_entries = formats.QuantizedKeys(outs[0], outs[1], key_format)
     skv, sg, pkv, pg = next_state(kvf, gf, start, n_valid, state_kv, state_gate, prev_kv, prev_gate,

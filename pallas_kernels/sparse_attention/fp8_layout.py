@@ -94,6 +94,13 @@ def quantize_kv_fp8(pool: jax.Array) -> Fp8KVPool:
     return Fp8KVPool(nope=q, rope=x[:, NOPE_DIM:].astype(jnp.bfloat16), scale=scale)
 
 
+def quantize_kv_fp8_rows(rows: jax.Array) -> Fp8KVPool:
+    """[..., 512] rows -> Fp8KVPool whose fields keep the leading dims ([..., 448] / [..., 64] / [..., 8])."""
+    lead = rows.shape[:-1]
+    flat = quantize_kv_fp8(rows.reshape(-1, rows.shape[-1]))
+    return jax.tree_util.tree_map(lambda a: a.reshape(lead + a.shape[1:]), flat)
+
+
 def dequantize_rows(nope: jax.Array, rope: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
     """Parts of rows (any leading shape) -> [..., 512] in `dtype`."""
     lead = nope.shape[:-1]
