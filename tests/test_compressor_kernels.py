@@ -115,7 +115,6 @@ def test_capacity_drop_and_custom_encode_fallback():
 def test_decode_chain_matches_reference():
     """12 jitted decode steps (S = 1) through the kernel's state vs the reference's, fp4 rotated keys."""
     inp, kw = make(2, 1, 4, True, 128, "fp4", starts=[0, 2], n_valid=[1, 1], fresh=True, cap=8)
-    keys = ("kv", "gate", "start", "n_valid", "state_kv", "state_gate", "prev_kv", "prev_gate", "entries")
 
     def step(impl):
         def f(st, x):

@@ -20,7 +20,7 @@ N_NEW = 20
 
 @pytest.fixture(scope="module")
 def oracle_and_model(tmp_path_factory):
-    torch = pytest.importorskip("torch")
+    import torch
     from oracle import make_hf_model, write_hf_layout
 
     from dsv4_jax.checkpoint import load_pretrained

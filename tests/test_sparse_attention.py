@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from pallas_kernels.sparse_attention import (
-    Fp8KVPool,
     dequantize_kv_fp8,
     from_packed_u8,
     quantize_kv_fp8,
