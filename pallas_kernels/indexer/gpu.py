@@ -209,14 +209,21 @@ def topk_from_scores(scores, k, *, topk="lax", topk_block=4096):
     return jnp.where(jnp.isfinite(vals), idx, -1).astype(jnp.int32)
 
 
-def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256, interpret=False,
-                     topk: str = "lax", topk_block: int = 4096, **kernel_options):
-    """Pallas GPU implementation of `reference.indexer_topk` (same arguments and results)."""
+def topk_over_query_chunks(scores_fn, q, weights, keys, n_visible, *, k: int, query_chunk: int, topk: str,
+                           topk_block: int):
+    """`reference.indexer_topk` with the scores from `scores_fn(q, w, keys, n_visible)` (a kernel), in query chunks."""
     k = min(k, keys.shape[1])
 
     def select(args):
         qc, wc, nc = args
-        sc = indexer_scores_gpu(qc, wc, keys, nc, interpret=interpret, pad_to_block=True, **kernel_options)
-        return topk_from_scores(sc, k, topk=topk, topk_block=topk_block)
+        return topk_from_scores(scores_fn(qc, wc, keys, nc), k, topk=topk, topk_block=topk_block)
 
     return map_query_chunks(select, (q, weights, n_visible), query_chunk)
+
+
+def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256, interpret=False,
+                     topk: str = "lax", topk_block: int = 4096, **kernel_options):
+    """Pallas GPU implementation of `reference.indexer_topk` (same arguments and results)."""
+    scores = functools.partial(indexer_scores_gpu, interpret=interpret, pad_to_block=True, **kernel_options)
+    return topk_over_query_chunks(scores, q, weights, keys, n_visible, k=k, query_chunk=query_chunk, topk=topk,
+                                  topk_block=topk_block)

@@ -20,8 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import formats
-from ..chunking import map_query_chunks
-from .gpu import DEFAULT_PRECISION, e2m1_value, key_format_of, split_q, topk_from_scores
+from .gpu import DEFAULT_PRECISION, e2m1_value, key_format_of, split_q, topk_over_query_chunks
 
 
 def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, H, T, op_dtype):
@@ -110,11 +109,6 @@ def indexer_scores_tpu(q, weights, keys, n_visible, *, interpret=False, precisio
 def indexer_topk_tpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256, interpret=False,
                      topk: str = "lax", topk_block: int = 4096, **kernel_options):
     """Mosaic TPU implementation of `reference.indexer_topk` (same arguments and results)."""
-    k = min(k, keys.shape[1])
-
-    def select(args):
-        qc, wc, nc = args
-        sc = indexer_scores_tpu(qc, wc, keys, nc, interpret=interpret, pad_to_block=True, **kernel_options)
-        return topk_from_scores(sc, k, topk=topk, topk_block=topk_block)
-
-    return map_query_chunks(select, (q, weights, n_visible), query_chunk)
+    scores = functools.partial(indexer_scores_tpu, interpret=interpret, pad_to_block=True, **kernel_options)
+    return topk_over_query_chunks(scores, q, weights, keys, n_visible, k=k, query_chunk=query_chunk, topk=topk,
+                                  topk_block=topk_block)
