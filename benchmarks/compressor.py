@@ -1,13 +1,16 @@
 """Benchmark of the fused compressor chunk update (Pallas GPU kernel vs the XLA reference), V4-Flash shapes.
 
-    PYTHONPATH=. python benchmarks/compressor.py --out DIR [--quick]
+    PYTHONPATH=. python benchmarks/compressor.py --out DIR [--quick] [--variants] [--cases decode|prefill|NAME,...]
 
 Compressors: main CSA (ratio 4, overlap, d = 512, bf16 entries), main HCA (ratio 128, d = 512, bf16 entries),
 indexer (ratio 4, overlap, d = 128, fp4 rotated / fp8 rotated entries). Decode: batch 64, S = 1, every row closing
 a window (the worst case: one entry written per row). Prefill: batch 1, S = 8192 from position 0.
-Per case: time per call as dependent calls in one jitted lax.scan (kv_{i+1} depends on the written entries), the
+Per case: time per call as dependent calls in one jitted lax.scan (call i + 1's `start` depends, through a scalar
+float add, on call i's written entries and new state, so nothing is hoisted and no array is copied for it), the
 floor = bytes / copy BW with bytes = kv + gate read + state read / written + entries written (the FLOPs,
 ~10 per input element, are negligible), ratio to it, and the XLA reference in the same run.
+--variants also times kernel configurations of the pallas path (VARIANTS: block sizes, layouts, warps, stages;
+each on top of `default_config`), one json key / column per variant ("v:<name>_us"); --cases picks a subset.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 from benchmarks.indexer import floor_s
 from benchmarks.timing import measure_ceilings, timed_chain
 from pallas_kernels.compressor import compress_chunk
+from pallas_kernels.compressor.gpu import default_config
 from pallas_kernels.indexer import formats as F
 
 INV_FREQ = tuple(1.0 / (10000.0 ** (np.arange(0, 64, 2) / 64)))
@@ -32,9 +36,46 @@ COMPRESSORS = {  # name: (ratio, overlap, d, key_format, rotate, entry bytes)
     "idx_fp4": (4, True, 128, "fp4", True, 68),
     "idx_fp8": (4, True, 128, "fp8", True, 132),
 }
+# kernel options on top of default_config, per ratio class (name: options)
+VARIANTS_SMALL = {
+    "f_wb1": dict(two_pass=False, windows_per_block=1),
+    "f_wb2": dict(two_pass=False, windows_per_block=2),
+    "f_wb4": dict(two_pass=False, windows_per_block=4),
+    "f_wb8": dict(two_pass=False, windows_per_block=8),
+    "f_wb16": dict(two_pass=False, windows_per_block=16),
+    "f_wb8_w8": dict(two_pass=False, windows_per_block=8, num_warps=8),
+    "2p_wb2": dict(two_pass=True, windows_per_block=2),
+    "2p_wb8": dict(two_pass=True, windows_per_block=8),
+    "2p_wb16": dict(two_pass=True, windows_per_block=16),
+    "2p_wb32": dict(two_pass=True, windows_per_block=32),
+    "2p_wb16_w4": dict(two_pass=True, windows_per_block=16, num_warps=4),
+    "2p_wb32_dc32": dict(two_pass=True, windows_per_block=32, dc=32),
+    "nofuse": dict(fuse_state=False),
+}
+VARIANTS_ROT = {"dot": dict(mix="dot")}
+VARIANTS_LARGE = {
+    "2p_sb16": dict(two_pass=True, slot_block=16),
+    "2p_sb32": dict(two_pass=True, slot_block=32),
+    "2p_sb64": dict(two_pass=True, slot_block=64),
+    "2p_sb128": dict(two_pass=True, slot_block=128, num_warps=8),
+    "2p_sb32_dc32": dict(two_pass=True, slot_block=32, dc=32),
+    "2p_sb32_st1": dict(two_pass=True, slot_block=32, num_stages=1),
+    "2p_sb32_st3": dict(two_pass=True, slot_block=32, num_stages=3),
+    "2p_sb32_w8": dict(two_pass=True, slot_block=32, num_warps=8),
+    "f_sb32": dict(two_pass=False, windows_per_block=1, slot_block=32),
+    "f_sb32_wb2": dict(two_pass=False, windows_per_block=2, slot_block=32),
+    "nofuse": dict(fuse_state=False),
+}
 
 
-def case(name, B, S, ceil, n_iter):
+def variants_for(name):
+    r, _, _, _, rotate, _ = COMPRESSORS[name]
+    if r > 16:
+        return VARIANTS_LARGE
+    return {**VARIANTS_SMALL, **(VARIANTS_ROT if rotate else {})}
+
+
+def case(name, B, S, ceil, n_iter, with_variants=False):
     r, overlap, d, fmt, rotate, ebytes = COMPRESSORS[name]
     c = 2 if overlap else 1
     ks = jax.random.split(jax.random.key(hash((name, B, S)) % 1000), 6)
@@ -60,19 +101,23 @@ def case(name, B, S, ceil, n_iter):
     bytes_ = 2 * kv.size * 4 + 2 * (skv.size + sg.size) * 4 + (2 * 2 * pk.size * 4 if overlap else 0) \
         + n_entries * ebytes
     fl = floor_s(bytes_, 0, ceil)
-    row = dict(name=name, B=B, S=S, floor_us=fl * 1e6, bytes=bytes_)
-    for impl in ("pallas", "reference"):
-        def step(carry, impl=impl):
-            kv_, ent = carry
-            out = compress_chunk(kv_, gate, start, nv, skv, sg, pk, pg, ent, impl=impl, **kw)
+    row = dict(name=name, B=B, S=S, floor_us=fl * 1e6, bytes=bytes_,
+               default_config=default_config(B, S, r, d, overlap))
+    runs = [("pallas", "pallas", {}), ("reference", "reference", {})]
+    if with_variants:
+        runs += [("v:" + k, "pallas", opts) for k, opts in variants_for(name).items()]
+    for key, impl, opts in runs:
+        def step(carry, impl=impl, opts=opts):
+            st, ent = carry
+            out = compress_chunk(kv, gate, st, nv, skv, sg, pk, pg, ent, impl=impl, **kw, **opts)
             leaf = jax.tree_util.tree_leaves(out[0])[0]
             dep = leaf[0, 0, 0].astype(jnp.float32) + out[1][0, 0, 0]
-            return kv_ + 0.0 * dep, out[0]
+            return (st.astype(jnp.float32) + 0.0 * dep).astype(jnp.int32), out[0]
         try:
-            row[impl + "_us"] = timed_chain(step, (kv, entries), n_iter) * 1e6
+            row[key + "_us"] = timed_chain(step, (start, entries), n_iter) * 1e6
         except Exception as e:  # noqa: BLE001
-            row[impl + "_us"] = float("nan")
-            row[impl + "_err"] = repr(e)[:300]
+            row[key + "_us"] = float("nan")
+            row[key + "_err"] = repr(e)[:300]
     return row
 
 
@@ -80,24 +125,35 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/comp_bench")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--variants", action="store_true", help="also time the kernel configurations of VARIANTS_*")
+    ap.add_argument("--cases", default="", help="decode | prefill | comma-separated compressor names (default all)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     ceil = measure_ceilings(a.quick)
     print(f"ceilings: copy {ceil['copy_Bps'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flops'] / 1e12:.0f} TFLOP/s", flush=True)
     names = list(COMPRESSORS)
+    sel = [c for c in a.cases.split(",") if c]
     cases = [(n, 64, 1) for n in names] + [(n, 1, 8192) for n in names]
+    if sel:
+        cases = [(n, B, S) for n, B, S in cases
+                 if n in sel or ("decode" in sel and S == 1) or ("prefill" in sel and S > 1)]
     print(f"{'compressor':>10} {'B':>3} {'S':>5} {'floor':>9} {'pallas':>17} {'xla_ref':>17}", flush=True)
     rows = []
     for n, B, S in cases:
-        r = case(n, B, S, ceil, 50 if S == 1 else 10)
+        r = case(n, B, S, ceil, 50 if S == 1 else 10, a.variants)
         rows.append(r)
         cells = " ".join(f"{r[k]:9.1f} ({r[k] / r['floor_us']:5.1f}x)" for k in ("pallas_us", "reference_us"))
         print(f"{n:>10} {B:>3} {S:>5} {r['floor_us']:8.2f}u {cells}", flush=True)
-        for k in ("pallas_err", "reference_err"):
-            if k in r:
+        if a.variants:
+            print(f"{'':>10}   default {r['default_config']}", flush=True)
+            for k in r:
+                if k.startswith("v:") and k.endswith("_us"):
+                    print(f"{'':>10}   {k[2:-3]:>14} {r[k]:9.1f} ({r[k] / r['floor_us']:5.1f}x)", flush=True)
+        for k in r:
+            if k.endswith("_err"):
                 print("   ", k, r[k], flush=True)
-    with open(os.path.join(a.out, "compressor_bench.json"), "w") as fh:
-        json.dump(dict(ceilings=ceil, rows=rows), fh, indent=1)
+        with open(os.path.join(a.out, "compressor_bench.json"), "w") as fh:   # after every case (time limits)
+            json.dump(dict(ceilings=ceil, rows=rows), fh, indent=1)
 
 
 if __name__ == "__main__":

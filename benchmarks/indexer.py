@@ -8,8 +8,14 @@ batch 1 and 64, key formats bf16 / fp8 (132 B) / fp4 (68 B). Prefill: a 1024-que
 Per case: time per call (us) as dependent calls inside one jitted lax.scan (q_{i+1} depends on picks_i), the floor
 max(bytes / copy BW, FLOPs / bf16 rate) with bytes = keys read once + q read + picks written and FLOPs = 2*H*dI per
 (query, visible key), the ratio to it, and the XLA reference in the same run. Variants: pallas+lax.top_k,
-pallas+blockwise top-k, scores kernel alone (top-k stage cost = difference).
+pallas+blockwise top-k, pallas+radix-select top-k (`topk="radix"`), scores kernel alone (top-k stage cost =
+difference).
 Note: caches smaller than L2 (8K context, batch 1) are re-read from L2 across iterations.
+
+topk_only: just the selection (k = 512) on random scores [B, T], (B, T) in {1, 64} x {32768, 262144}, methods
+lax.top_k / radix select 8 bits per pass / 4 bits per pass (`topk_from_scores`), as dependent calls in one jitted
+scan (the next scores get + 0.0 * picks[0] in place at one entry); floor = reading the scores once at copy BW.
+--quick: topk_only at T = 262144 only. --tiny (CPU smoke test): small shapes, nominal ceilings, 2 iterations.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import jax.numpy as jnp
 
 from benchmarks.timing import measure_ceilings, timed_chain
 from pallas_kernels.indexer import formats as F, indexer_scores_pallas, indexer_topk
+from pallas_kernels.indexer.gpu import topk_from_scores
 
 H, D, TOPK = 64, 128, 512
 
@@ -66,42 +73,107 @@ def case(B, S, ctx, fmt, ceil, n_iter, variants):
     return row
 
 
+TOPK_ONLY_METHODS = {"lax": dict(topk="lax"), "radix": dict(topk="radix"), "radix4": dict(topk="radix4")}
+
+
+def topk_only_case(B, T, ceil, n_iter, methods=TOPK_ONLY_METHODS, k=TOPK):
+    """Time per call (us) of topk_from_scores alone on random scores [B, T] for each method."""
+    k = min(k, T)
+    scores = jax.random.normal(jax.random.key(B * 131 + T), (B, T), jnp.float32)
+    bytes_ = B * T * 4 + B * k * 4
+    row = dict(B=B, T=T, k=k, floor_us=bytes_ / ceil["copy_Bps"] * 1e6, bytes=bytes_)
+    for name, opts in methods.items():
+        def step(c, opts=opts):
+            s, acc = c
+            picks = topk_from_scores(s, k, **opts)
+            dep = jnp.sum(picks[:, :1]).astype(jnp.float32)
+            return s.at[:, :1].add(0.0 * dep), acc + dep      # in-place, so no extra pass over the scores
+        try:
+            t = timed_chain(step, (scores, jnp.zeros((), jnp.float32)), n_iter)
+            row[name + "_us"] = t * 1e6
+        except Exception as e:  # noqa: BLE001 - report and continue
+            row[name + "_us"] = float("nan")
+            row[name + "_err"] = repr(e)[:200]
+    return row
+
+
+def run_topk_only(shapes, ceil, n_iter_fn, rows, on_row=lambda: None, methods=TOPK_ONLY_METHODS):
+    """Times the topk_only cases, printing a table; rows are appended to `rows` (on_row() after each)."""
+    print(f"topk_only (k = {TOPK}): us per call (speed-up vs lax)", flush=True)
+    print(f"{'B':>3} {'T':>7} {'floor':>9} " + " ".join(f"{m:>17}" for m in methods), flush=True)
+    for B, T in shapes:
+        r = topk_only_case(B, T, ceil, n_iter_fn(B, T), methods)
+        rows.append(r)
+        on_row()
+        lax_us = r.get("lax_us", float("nan"))
+        cells = " ".join(f"{r[m + '_us']:9.1f} ({lax_us / r[m + '_us']:5.2f}x)" for m in methods)
+        print(f"{B:>3} {T:>7} {r['floor_us']:8.1f}u {cells}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/idx_bench")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # CPU smoke test of the script
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    ceil = measure_ceilings(a.quick)
+    if a.tiny:
+        ceil = dict(copy_Bps=1e11, bf16_flops=1e12, copy_GBps=100.0, bf16_TFLOPs=1.0, nominal=True)
+    else:
+        ceil = measure_ceilings(a.quick)
     print(f"ceilings: copy {ceil['copy_Bps'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flops'] / 1e12:.0f} TFLOP/s", flush=True)
+    result = dict(ceilings=ceil, rows=[], topk_only=[])
+
+    def dump():  # after every case, so a run cut short keeps what it measured
+        with open(os.path.join(a.out, "indexer_bench.json"), "w") as fh:
+            json.dump(result, fh, indent=1)
+
+    if a.tiny:
+        topk_shapes = [(1, 4096), (4, 4096)]
+    elif a.quick:
+        topk_shapes = [(1, 262144), (64, 262144)]
+    else:
+        topk_shapes = [(1, 32768), (1, 262144), (64, 32768), (64, 262144)]
+    n_iter_topk = lambda B, T: 2 if a.tiny else 20 if B * T <= (1 << 20) else 5
+    run_topk_only(topk_shapes, ceil, n_iter_topk, result["topk_only"], dump)
+
     variants = {
         "pallas": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas"),
         "pallas_blockwise": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="blockwise"),
+        "pallas_radix": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="radix"),
+        "pallas_radix4": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="radix4"),
         "scores_only": lambda q, w, k, n: indexer_scores_pallas(q, w, k, n, impl="pallas"),
+        "scores_bt128": lambda q, w, k, n: indexer_scores_pallas(q, w, k, n, impl="pallas", block_t=128),
+        "scores_fp4reshape": lambda q, w, k, n: indexer_scores_pallas(q, w, k, n, impl="pallas",
+                                                                      fp4_scale="reshape"),
         "xla_ref": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="reference"),
     }
+    if a.quick:  # measured slower than lax.top_k on the H200 (results/h200_s3r1_idx.log)
+        variants.pop("pallas_blockwise")
     cases = []
     fmts = ("bf16", "fp8", "fp4")
-    if a.quick:
-        cases = [(1, 1, 131072, f) for f in fmts] + [(64, 1, 1 << 20, f) for f in ("fp8", "fp4")]
-        cases += [(1, 1024, 131072, "fp4")]
+    if a.tiny:
+        cases = [(1, 1, 4096, "bf16")]
+    elif a.quick:
+        # the target cases first (decode >= 128K at batch 64), the largest (1M context, 2+ GB of keys) last
+        cases = [(64, 1, 131072, f) for f in fmts] + [(1, 1, 131072, "fp4"), (1, 1024, 131072, "fp4")]
+        cases += [(64, 1, 1 << 20, "fp4")]
     else:
         for ctx in (8192, 131072, 1 << 20):
             for B in (1, 64):
                 for f in fmts:
                     cases.append((B, 1, ctx, f))
         cases += [(1, 1024, 131072, "bf16"), (1, 1024, 131072, "fp4")]
-    rows = []
+    rows = result["rows"]
     hdr = f"{'B':>3} {'S':>5} {'ctx':>8} {'fmt':>5} {'floor':>9} " + " ".join(f"{v:>17}" for v in variants)
     print(hdr, flush=True)
     for B, S, ctx, f in cases:
-        n_iter = 20 if B * ctx * S <= (1 << 24) else 5
+        n_iter = 2 if a.tiny else 20 if B * ctx * S <= (1 << 24) else 5
         r = case(B, S, ctx, f, ceil, n_iter, variants)
         rows.append(r)
         cells = " ".join(f"{r[v + '_us']:9.1f} ({r[v + '_us'] / r['floor_us']:5.1f}x)" for v in variants)
         print(f"{B:>3} {S:>5} {ctx:>8} {f:>5} {r['floor_us']:8.1f}u {cells}", flush=True)
-    with open(os.path.join(a.out, "indexer_bench.json"), "w") as fh:
-        json.dump(dict(ceilings=ceil, rows=rows), fh, indent=1)
+        dump()
 
 
 if __name__ == "__main__":

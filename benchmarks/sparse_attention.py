@@ -1,6 +1,6 @@
 """Benchmark of the sparse window+compressed attention (Pallas GPU kernel vs the XLA reference) on V4-Flash shapes.
 
-    PYTHONPATH=. python benchmarks/sparse_attention.py --out DIR [--quick] [--sweep]
+    PYTHONPATH=. python benchmarks/sparse_attention.py --out DIR [--quick] [--sweep] [--groups decode,prefill,b1,variants]
 
 Per case: time per call (us), the memory floor (valid gathered KV rows read once + q read + o written, at the
 measured copy bandwidth), ratio to the floor, achieved HBM GB/s (floor bytes / time), TFLOP/s (4*H*D per valid
@@ -134,7 +134,11 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also sweep kernel configs on a few cases")
     ap.add_argument("--no-ref", action="store_true")
+    ap.add_argument("--groups", default="decode,prefill,b1",
+                    help="comma list: decode (B=16/64/128), prefill (S=4K/16K), b1 (decode at B=1), "
+                         "hca8k_fp8 (the HCA-8K FP8 decode rows only), variants (kernel knobs on decode cases)")
     args = ap.parse_args()
+    groups = set(args.groups.split(","))
     rng = np.random.default_rng(0)
     print("devices:", jax.devices(), "jax", jax.__version__, flush=True)
     ceil = measure_ceilings()
@@ -166,16 +170,28 @@ def main():
                 for ns in (1, 2, 4, 8):
                     record(bench_case(rng, ceil, kind, b, t, kc, fp8, opts=dict(n_splits=ns), ref=False))
 
+    if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor
+        for kind, b, kc, fp8 in [("csa", 16, 512, False), ("csa", 64, 512, True), ("hca", 16, 8192, True)]:
+            for o in ({}, dict(partial_dtype="bfloat16"), dict(fp8_scales="vector"),
+                      dict(fp8_scales="vector", partial_dtype="bfloat16")):
+                if "fp8_scales" in o and not fp8:
+                    continue
+                record(bench_case(rng, ceil, kind, b, 1, kc, fp8, opts=o, ref=False))
     batches = [16, 64, 128] if not args.quick else [16, 64]
     decode = [("csa", 512), ("hca", 1024), ("hca", 8192)]
-    for kind, kc in decode:
+    if "decode" in groups:
+        for kind, kc in decode:
+            for b in batches:
+                for fp8 in (False, True):
+                    record(bench_case(rng, ceil, kind, b, 1, kc, fp8, ref=not args.no_ref))
+    elif "hca8k_fp8" in groups:
         for b in batches:
+            record(bench_case(rng, ceil, "hca", b, 1, 8192, True, ref=not args.no_ref))
+    if "prefill" in groups:
+        for s_len in (4096, 16384):
             for fp8 in (False, True):
-                record(bench_case(rng, ceil, kind, b, 1, kc, fp8, ref=not args.no_ref))
-    for s_len in (4096, 16384):
-        for fp8 in (False, True):
-            record(bench_case(rng, ceil, "csa", 1, s_len, 512, fp8, ref=not args.no_ref, csa_cap=s_len // 4))
-    if not args.quick:
+                record(bench_case(rng, ceil, "csa", 1, s_len, 512, fp8, ref=not args.no_ref, csa_cap=s_len // 4))
+    if "b1" in groups:
         for kind, kc in decode:
             for fp8 in (False, True):
                 record(bench_case(rng, ceil, kind, 1, 1, kc, fp8, ref=not args.no_ref))

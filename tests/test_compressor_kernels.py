@@ -40,8 +40,11 @@ def make(B, S, r, overlap, d, fmt, ndt=jnp.float32, starts=None, n_valid=None, c
 
 
 def call(inp, kw, **extra):
+    """compress_chunk on `inp` under one jit (an eager reference compiles op by op: slow on CPU)."""
     keys = ("kv", "gate", "start", "n_valid", "state_kv", "state_gate", "prev_kv", "prev_gate", "entries")
-    return compress_chunk(*(inp[k] for k in keys), **kw, **extra)
+    static = {k: v for k, v in kw.items() if k != "norm_weight"}
+    f = jax.jit(lambda a, nw: compress_chunk(*(a[k] for k in keys), norm_weight=nw, **static, **extra))
+    return f({k: inp[k] for k in keys}, kw["norm_weight"])
 
 
 def check(inp, kw, impl, tol=0.0, **extra):
@@ -100,10 +103,54 @@ def test_hca_ratio128(impl):
     assert check(inp, kw, impl, TOL["bf16"]) == 2
 
 
-def test_capacity_drop_and_custom_encode_fallback():
-    """windows past cap are dropped; a custom `encode` without key_format falls back to the reference."""
+@pytest.mark.parametrize("r,overlap,fmt,rotate,opts", [
+    # several windows per block, slots in 2 sub-blocks (online softmax), fused layout
+    (4, True, "fp8", True, dict(windows_per_block=4, slot_block=2, two_pass=False)),
+    # two-pass, 2-window blocks, 32-wide channel chunks (Hadamard butterflies across 4 chunks)
+    (4, True, "fp4", True, dict(windows_per_block=2, two_pass=True, dc=32)),
+    # the XLA state epilogue instead of the fused state copy; one (partial) block of 8 windows; Hadamard as a dot
+    (4, True, "bf16", True, dict(windows_per_block=8, two_pass=True, fuse_state=False, mix="dot")),
+    # another small ratio, no overlap
+    (8, False, "fp4", True, dict(windows_per_block=2, slot_block=4)),
+])
+def test_kernel_options_small_ratio(r, overlap, fmt, rotate, opts):
+    """Kernel variants (block / slot / channel sizes, layouts): a partial last window block, chunks starting at every
+    window offset, ragged n_valid, a tiny cap (windows with dest >= cap dropped)."""
+    inp, kw = make(4, 13, r, overlap, 128, fmt, starts=[0, r + 1, 2 * r + 2, 3 * r + 3], n_valid=[13, 9, 2, 13],
+                   cap=4)
+    assert check(inp, kw, "pallas", TOL[fmt], rotate=rotate, **opts) > 0
+
+
+@pytest.mark.parametrize("opts", [dict(windows_per_block=2, slot_block=32, two_pass=False),
+                                  dict(windows_per_block=1, slot_block=16, two_pass=True, dc=32)])
+def test_kernel_options_ratio128(opts):
+    """ratio 128: slots walked in sub-blocks (online softmax), fused and two-pass layouts; cap 2 drops row 2's
+    window (dest 2) while its state still advances."""
+    inp, kw = make(3, 200, 128, False, 128, "bf16", starts=[0, 100, 383], n_valid=[200, 157, 3], cap=2)
+    assert check(inp, kw, "pallas", TOL["bf16"], **opts) == 3
+
+
+@pytest.mark.parametrize("r,overlap,d,fmt,opts", [
+    (4, True, 128, "fp4", dict(windows_per_block=8, slot_block=2, two_pass=False)),
+    (4, True, 128, "fp8", dict(windows_per_block=4, two_pass=True, mix="dot", dc=32)),
+    (4, True, 512, None, dict(windows_per_block=16, two_pass=True, fuse_state=False)),
+    (128, False, 512, None, dict(windows_per_block=2, slot_block=32, two_pass=False, num_stages=3)),
+])
+def test_kernel_options_lower_for_cuda(r, overlap, d, fmt, opts):
+    """The Triton lowering (no GPU needed) accepts the variants: 3-D tile reshapes, split / join, transposes,
+    fori_loops, conditional state copies."""
+    from pallas_kernels.compressor.gpu import compress_chunk_gpu
+
+    inp, kw = make(2, 40, r, overlap, d, fmt)
+    keys = ("kv", "gate", "start", "n_valid", "state_kv", "state_gate", "prev_kv", "prev_gate", "entries")
+    fn = lambda *a: compress_chunk_gpu(*a, **kw, rotate=fmt is not None, **opts)
+    text = jax.jit(fn).trace(*(inp[k] for k in keys)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
+
+
+def test_custom_encode_fallback():
+    """a custom `encode` without key_format falls back to the reference (windows past cap: the tests above)."""
     inp, kw = make(2, 9, 4, True, 128, None, starts=[0, 4], n_valid=[9, 9], cap=2)
-    check(inp, kw, "pallas", TOL[None])
     kw2 = dict(kw)
     kw2.pop("key_format")
     enc = lambda x: (x * 2.0).astype(jnp.float32)
@@ -163,6 +210,23 @@ def test_gpu_main_compressor(r, overlap, S):
     starts = [0, 1, r - 1, 5 * r + 2]
     inp, kw = make(4, S, r, overlap, 512, None, ndt=jnp.bfloat16, starts=starts, n_valid=[S, S, S - S // 3, 1])
     check(inp, kw, "pallas", TOL["bf16"])
+
+
+@gpu
+@pytest.mark.parametrize("r,overlap,opts", [
+    (4, True, dict(two_pass=False, windows_per_block=8)), (4, True, dict(two_pass=True, windows_per_block=32)),
+    (4, True, dict(two_pass=False, windows_per_block=4, slot_block=2, fuse_state=False)),
+    (128, False, dict(two_pass=True, slot_block=64, dc=32)), (128, False, dict(two_pass=False, slot_block=32)),
+    (128, False, dict(two_pass=True, slot_block=128, num_warps=8, num_stages=1))])
+def test_gpu_kernel_options(r, overlap, opts):
+    """Compiled kernel variants: main compressor (bf16), and the indexer's rotated fp8 / fp4 keys at ratio 4."""
+    starts = [0, 1, r - 1, 5 * r + 2]
+    inp, kw = make(4, 1000, r, overlap, 512, None, ndt=jnp.bfloat16, starts=starts, n_valid=[1000, 999, 600, 1])
+    check(inp, kw, "pallas", TOL["bf16"], **opts)
+    if r == 4:
+        for fmt in ("fp8", "fp4"):
+            inp, kw = make(4, 300, 4, True, 128, fmt, starts=starts, n_valid=[300, 0, 297, 123], cap=60)
+            assert check(inp, kw, "pallas", TOL[fmt], rotate=True, **opts) > 0
 
 
 @pytest.mark.parametrize("ratio, overlap, S", [(4, True, 9), (4, True, 1), (128, False, 130)])

@@ -52,7 +52,11 @@ def check_picks(picks, q, w, keys, nv, k, exact=True):
     sp = np.take_along_axis(s, np.maximum(picks, 0), -1)
     sr = np.take_along_axis(s, np.maximum(ref, 0), -1)
     m = ref >= 0
-    np.testing.assert_allclose(sp[m], sr[m], rtol=1e-4, atol=1e-6)
+    # near-ties may swap: the picked entries' reference scores agree to the kernel's rounding, measured against
+    # the row's score scale (scores near 0 have no useful relative precision)
+    fin = np.where(np.isfinite(s), np.abs(s), 0.0)
+    row_scale = np.broadcast_to(fin.max(axis=-1, keepdims=True), sp.shape)
+    np.testing.assert_array_less(np.abs(sp[m] - sr[m]), 1e-4 * row_scale[m] + 1e-7)
 
 
 def check_scores(q, w, keys, nv, impl, tol, **opts):
@@ -79,6 +83,19 @@ def test_prefill_chunked_causal(impl):
     """prefill: 19 queries in chunks of 8 (padding of the last chunk), causal n_visible, fp8 keys, k > visible."""
     q, w, keys, nv = make(2, 19, 64, 40, "fp8", True, causal=True)
     check_picks(indexer_topk(q, w, keys, nv, k=24, query_chunk=8, impl=impl), q, w, keys, nv, 24)
+
+
+@pytest.mark.parametrize("fmt,opts", [("fp4", dict(fp4_scale="reshape", block_t=16, num_splits=3)),
+                                      ("fp4", dict(fp4_scale="gather", block_t=32, num_splits=2)),
+                                      ("fp8", dict(block_t=16, num_splits=5)), ("bf16", dict(block_t=32, waves=1))])
+def test_split_sweep_options(fmt, opts):
+    """Several key blocks per split (the pipelined sweep), splits that end past the last visible block (the -inf
+    fill loop), both fp4 scale-broadcast variants; decode and causal prefill."""
+    q, w, keys, nv = make(2, 1, 16, 200, fmt, rotate=fmt != "bf16")
+    nv = nv.at[1, 0].set(37)
+    check_scores(q, w, keys, nv, "pallas", 1e-5, **opts)
+    q, w, keys, nv = make(1, 9, 16, 120, fmt, rotate=fmt != "bf16", causal=True)
+    check_scores(q, w, keys, nv, "pallas", 1e-5, **opts)
 
 
 def test_topk_larger_than_cache_and_blockwise():

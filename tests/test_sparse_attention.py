@@ -153,10 +153,12 @@ GPU_CASES = [
     (2, 1, 4, 512, 24, 40, 8, 20, dict(fp8=True, ragged=True, dupes=True), dict(block_k=16, n_splits=3)),
     (1, 3, 64, 128, 16, 24, 8, 16, dict(all_invalid_c=True, dupes=True, q_dtype=jnp.float32), dict(block_k=16)),
     (1, 2, 128, 512, 16, 24, 4, 12, dict(fp8=True, all_invalid_c=True, ragged=True), dict(block_k=16, n_splits=2)),
+    (2, 1, 16, 512, 24, 40, 8, 20, dict(fp8=True, ragged=True, dupes=True),
+     dict(block_k=16, n_splits=3, fp8_scales="vector", partial_dtype=jnp.bfloat16)),
 ]
 
 
-@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"h{c[2]}_d{c[3]}_{'fp8' if c[8].get('fp8') else 'bf16'}")
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"h{c[2]}_d{c[3]}_{'fp8' if c[8].get('fp8') else 'bf16'}{'_vec' if c[9].get('fp8_scales') else ''}")
 def test_gpu_kernel_interpret(case):
     b, t, h, d, n_w, n_c, k_w, k_c, flags, opts = case
     inp = make_inputs(b, t, h, d, n_w, n_c, k_w, k_c, **flags)

@@ -1,29 +1,56 @@
 """GPU Pallas (Triton backend) fused compressor chunk kernel: the contract is `reference.compress_chunk`.
 
-One program = (batch row b, window w of the row's window grid). It gathers the window's slots straight from the
-chunk's projected kv / gate (or the open-window state, or -- for the A-half of window 0 of an overlapping
-compressor -- the previous-window state), pools them channel-wise with a softmax over the slots, rounds to
-`norm_dtype`, RMS-normalises (weight), rotates the trailing RoPE channels at the window position, optionally
-applies the 128-point Walsh-Hadamard rotation, encodes to the cache format and writes entry w in place
-(`input_output_aliases`: rows of the cache that no window writes are never touched). Windows that are not complete
-or land at w >= cap are skipped (masked stores).
+Window grid. Batch row b lays its open-window state and the chunk on a grid of windows (window k = grid slots
+k*r .. k*r + r - 1; slot g holds chunk token g - start % r if that is in [0, n_valid), else open-window state slot g
+if g < start % r, else 0). Entry dest = start // r + k is written for every complete window k with dest < cap.
 
-Channels are processed in `dc`-wide chunks (the softmax is channel-wise, so chunks are independent until the RMS
-statistic). Interleaved RoPE pairs (2i, 2i+1) and the fp4 nibble packing need each channel's pair partner: instead
-of a register shuffle the kernel pools the pair-swapped channels too (a second gather of the same addresses) for
-the RoPE chunk, and for the final rotation / packing it multiplies by a row-permuted matrix (M = H or I).
+Program layout. The windows are cut into blocks of `wb` (`windows_per_block`) consecutive windows. A program owns
+(batch row b, window block blk[, channel chunk]) and streams tiles of the block's rows: a tile is [wb * sb, dc]
+(`sb` = `slot_block` slots of each of its wb windows, `dc` channels), tile row t <-> window blk * wb + t // sb,
+slot s * sb + t % sb of slot sub-block s. Per-row masks pick chunk / open-window state / 0 (two masked loads).
+An overlapping compressor (c = 2) pools 2r slots per window: the B-half is the window's own rows at channels
+[d, 2d), the A-half the previous window's rows at channels [0, d) -- the same tile shifted by one window, taken
+from the previous-window state (prev_kv / prev_gate) for window 0 (a third masked load).
+Pooling is channel-wise: a tile is reshaped to [wb, sb, dc] and reduced over axis 1; with r / sb > 1 sub-blocks
+the slots are walked in a `fori_loop` with a running max / sum (online softmax; Triton pipelines the loads with
+num_stages). The pooled [wb, dc] chunk is rounded to `norm_dtype`.
+
+Two layouts (`two_pass`):
+  * fused, grid (B, n_blocks): one program pools all d / dc channel chunks of its windows (kept in registers), then
+    finishes them. Small ratio, small d.
+  * two-pass: pass 1, grid (B, n_blocks, d / dc), pools one channel chunk into a float32 scratch
+    [B, n_blocks * wb, d]; pass 2, grid (B, n_blocks), finishes. More programs / fewer live registers, for few long
+    windows (ratio 128) and wide rows (d = 512), at the cost of a scratch round trip (8 bytes per pooled channel).
+Finishing a [wb, d] block of pooled rows (as [wb, dc] chunks): per-window RMS statistic [wb, 1] over all chunks,
+weight, round; RoPE of the trailing rd channels at the window positions [wb, 1] (pair partners (2i, 2i+1) by a
+reshape to [wb, dc/2, 2] + split / join: exact); the optional Hadamard rotation (`mix`: "butterfly" = the same
+butterflies in the same order as `formats.hadamard`, so bitwise its float32 result -- split / join / transpose
+within chunks, elementwise across chunks; "dot" = y @ H^T with `plgpu.dot` in IEEE float32); encoding; masked
+stores of the block's rows at rows dest (rows of incomplete windows or dest >= cap are masked and sent out of
+range; `input_output_aliases`: cache rows that no window writes are never touched).
+
+Open-window state (`fuse_state`, default on): the new state_kv / state_gate are window k_open's rows
+(k_open = (start % r + n_valid) // r) and the new prev_kv / prev_gate its A-half (the old prev state when
+k_open = 0); the program(s) whose block holds k_open copy them into fresh outputs (every element written once;
+the rows were just loaded, so mostly L1/L2 hits). `fuse_state=False` uses the XLA epilogue `next_state` instead.
+
+Invariants: every in-kernel array shape is a power of two (wb, sb, dc; sb must divide r); loads and stores use
+index arrays ([n, 1] rows x [1, m] columns) with masks, never array and slice indexers mixed; row b reads only row
+b; nothing is stored for incomplete windows or dest >= cap; no Python control flow on traced values (fori_loop,
+pl.when). Results equal the reference's up to float32 summation order in the pooling and the RMS statistic.
+Options (None: `default_config(B, S, ratio, d)`): windows_per_block, slot_block, two_pass, dc, fuse_state, mix,
+num_warps, num_stages, finish_num_warps.
 
 Formats (`key_format`): None -> cast to the cache dtype; "bf16"; "fp8" (indexer 132 B: e4m3 + f32 pow2 scale per
 row); "fp4" (indexer 68 B: packed e2m1 low-nibble-first + 4 ue8m0 scales); "kv_fp8" (the main KV cache's 584-B
 rows of sparse_attention.fp8_layout). Rounding rules are `formats.quantize`'s / `quantize_kv_fp8`'s.
-The open-window state after the chunk (a gather of <= 2 * ratio rows per batch row) is produced by a small XLA
-epilogue (`next_state`), identical to the reference's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -125,231 +152,494 @@ def e2m1_code(v):
     return jnp.where(neg, c + 8, c)
 
 
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# kernel
+# configuration
 
-def _kernel(start_ref, nvalid_ref, kv_ref, gate_ref, skv_ref, sgate_ref, *refs, r, S, d, cd, dc, overlap, rd,
-            eps, norm_dtype, key_format, rotate, cap, n_parts, interpret):
-    it = iter(refs)
-    if overlap:
-        pkv_ref, pgate_ref = next(it), next(it)
-    nw_ref, freq_ref = next(it), next(it)
-    mix = None
-    if key_format == "fp4":
-        mix = (next(it), next(it))
-    elif rotate:
-        mix = (next(it), None)
-    rest = list(it)
-    outs = rest[-n_parts:]
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
 
-    b = pl.program_id(0)
-    w = pl.program_id(1)
-    start = start_ref[b]
-    nv = nvalid_ref[b]
-    off = start % r
-    win_pos = start - off + w * r
-    dest = win_pos // r
-    complete = (win_pos + r <= start + nv) & (dest < cap)
-    n_chunks = d // dc
-    slot = jax.lax.broadcasted_iota(jnp.int32, (r, 1), 0)
-    col = jax.lax.broadcasted_iota(jnp.int32, (1, dc), 1)
 
-    def gather(k_win, col0, swap):
-        """(kv, gate) [r, dc] of window k_win's slots at channels col0 + [0, dc) (pair-swapped if swap)."""
-        g = k_win * r + slot
-        j = g - off
-        from_chunk = (j >= 0) & (j < nv)
-        from_state = g < off
-        cols = col0 + (col ^ 1 if swap else col)
-        jc = jnp.clip(j, 0, S - 1)
-        gs = jnp.clip(g, 0, r - 1)
-        m_c = jnp.broadcast_to(from_chunk, (r, dc))
-        m_s = jnp.broadcast_to(from_state, (r, dc))
-        out = []
-        for cref, sref in ((kv_ref, skv_ref), (gate_ref, sgate_ref)):
-            a = plgpu.load(cref.at[b, jc, cols], mask=m_c, other=0.0)
-            s = plgpu.load(sref.at[b, gs, cols], mask=m_s, other=0.0)
-            out.append(jnp.where(m_c, a, jnp.where(m_s, s, 0.0)))
-        return out
+def _pow2_divisor(n: int) -> int:
+    """Largest power of two dividing n."""
+    return n & -n
 
-    def pool(c0, swap):
-        """pooled [dc] float32 of channels c0 + [0, dc) of entry w."""
-        if overlap:
-            bkv, bg = gather(w, d + c0, swap)
-            akv, ag = gather(w - 1, c0, swap)
-            cols = c0 + (col ^ 1 if swap else col)
-            rows = jnp.broadcast_to(slot, (r, dc))
-            first = jnp.broadcast_to(w == 0, (r, dc))
-            pkv = plgpu.load(pkv_ref.at[b, rows, cols], mask=first, other=0.0)
-            pg = plgpu.load(pgate_ref.at[b, rows, cols], mask=first, other=0.0)
-            akv = jnp.where(first, pkv, akv)
-            ag = jnp.where(first, pg, ag)
-            m = jnp.maximum(jnp.max(ag, axis=0), jnp.max(bg, axis=0))
-            ea = jnp.exp(ag - m[None, :])
-            eb = jnp.exp(bg - m[None, :])
-            num = jnp.sum(ea * akv, axis=0) + jnp.sum(eb * bkv, axis=0)
-            den = jnp.sum(ea, axis=0) + jnp.sum(eb, axis=0)
+
+def _default_warps(elems: int) -> int:
+    """8 warps for >= 8192 live elements per tile (<= ~32 float32 per thread and tile), else 4."""
+    return 8 if elems >= 8192 else 4
+
+
+def _warps_for(cfg: dict, d: int, overlap: bool) -> tuple:
+    """(pass-1 / fused num_warps, finish num_warps) from the block sizes: the pooling tiles are
+    [wb * slot_block, dc] (x2 for the two halves of an overlapping compressor), the finish holds [wb, d]."""
+    wb = cfg["windows_per_block"]
+    pool = wb * cfg["slot_block"] * cfg["dc"] * (2 if overlap else 1)
+    finish = _default_warps(wb * d)
+    return (_default_warps(pool) if cfg["two_pass"] else max(_default_warps(pool), finish)), finish
+
+
+def default_config(B: int, S: int, ratio: int, d: int, overlap: Optional[bool] = None) -> dict:
+    """Kernel options for a [B, S] chunk of a ratio-`ratio` compressor with d output channels (overlap: the
+    ratio-4 compressor's two halves; default ratio == 4).
+
+    Small ratio: fused layout; decode-sized chunks (<= 4 windows per row) take all windows of a row in one block,
+    prefill blocks of 8 windows when d <= 128, else the two-pass layout with 16-window blocks (a fused program
+    with d = 512 keeps too many tiles live: spills). Large ratio: two-pass, one window per block, the slots walked
+    in 16-row (prefill) / 32-row (decode) sub-blocks (online softmax, loads pipelined over 2 stages); at decode the
+    new state comes from the XLA epilogue (fuse_state=False), which measured faster there.
+    num_warps / finish_num_warps: `_warps_for` (compress_chunk_gpu recomputes them from the effective block sizes
+    unless given)."""
+    if overlap is None:
+        overlap = ratio == 4
+    nw = n_windows_of(S, ratio)
+    dc = 64 if d % 64 == 0 else _pow2_divisor(d)
+    if ratio <= 16:
+        sb = _pow2_divisor(ratio)
+        if nw <= 4:
+            cfg = dict(windows_per_block=_pow2_ceil(nw), two_pass=False)
+        elif d // dc <= 2:
+            cfg = dict(windows_per_block=8, two_pass=False)
         else:
-            kv, g = gather(w, c0, swap)
-            m = jnp.max(g, axis=0)
-            e = jnp.exp(g - m[None, :])
-            num = jnp.sum(e * kv, axis=0)
-            den = jnp.sum(e, axis=0)
-        return (num / den).astype(norm_dtype).astype(jnp.float32)
+            cfg = dict(windows_per_block=16, two_pass=True)
+        num_stages = 1
+    else:  # H200 variants (results/h200_s3r3_compv.log, hca B=1 S=8192 / B=64 S=1): 16-slot sub-blocks 31 vs
+        # 39-41 us for prefill; decode with the state update left to the XLA epilogue 34.5 vs 44.9 us
+        sb = min(16 if S > 1 else 32, _pow2_divisor(ratio))
+        cfg = dict(windows_per_block=1, two_pass=True)
+        num_stages = 2
+    fuse_state = ratio <= 16 or S > 1
+    cfg.update(slot_block=sb, dc=dc, num_stages=num_stages, fuse_state=fuse_state, mix="butterfly")
+    cfg["num_warps"], cfg["finish_num_warps"] = _warps_for(cfg, d, overlap)
+    return cfg
 
-    pooled = [pool(c * dc, False) for c in range(n_chunks)]
-    ss = pooled[0] * pooled[0]
-    tot = jnp.sum(ss)
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Compile-time parameters shared by the kernels."""
+    r: int
+    S: int
+    d: int
+    dc: int
+    wb: int
+    sb: int
+    overlap: bool
+    rd: int
+    eps: float
+    norm_dtype: Any
+    key_format: Optional[str]
+    rotate: bool
+    cap: int
+    n_parts: int
+    fuse_state: bool
+    mix: str
+
+    @property
+    def n_chunks(self):
+        return self.d // self.dc
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# kernels
+
+def _iota(shape, dim):
+    return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def _round(x, dtype):
+    return x.astype(dtype).astype(jnp.float32)
+
+
+def _pair_swap(x):
+    """[n, w] -> x with channels 2i and 2i + 1 exchanged (a split / join: exact)."""
+    n, w = x.shape
+    ev, od = jax.lax.unstack(x.reshape(n, w // 2, 2), axis=2)
+    return jax.lax.stack([od, ev], axis=2).reshape(n, w)
+
+
+def _even_odd(x):
+    """[n, w] -> ([n, w/2] even channels, [n, w/2] odd channels)."""
+    n, w = x.shape
+    return jax.lax.unstack(x.reshape(n, w // 2, 2), axis=2)
+
+
+def _store(ref, b, rows, col0, val, ok):
+    """ref[b, rows[i], col0 + j] = val[i, j] where ok[i] (rows [n, 1] int32, distinct where ok).
+
+    Rows with ok False are sent out of range (row ref.shape[1]): the GPU never touches them, and the interpreter,
+    whose masked store writes the old values back, drops them instead of racing a real row with the same index."""
+    cols = col0 + _iota((1, val.shape[1]), 1)
+    rows = jnp.where(ok, rows, ref.shape[1])
+    plgpu.store(ref.at[b, rows, cols], val.astype(ref.dtype), mask=jnp.broadcast_to(ok, val.shape))
+
+
+class _Rows:
+    """Masked row loads of batch row b's window grid (chunk token / open-window state / previous-window state)."""
+
+    def __init__(self, st: _Static, b, start, nv, ins):
+        self.st, self.b, self.nv = st, b, nv
+        self.off = start % st.r
+        self.kv_ref, self.gate_ref, self.skv_ref, self.sg_ref, self.pkv_ref, self.pg_ref = ins
+
+    def grid(self, which, g, col0):
+        """[n, dc] grid slots g [n, 1] of kv (which = 0) or gate (1) at channels col0 + [0, dc)."""
+        st, b = self.st, self.b
+        cref, sref = ((self.kv_ref, self.skv_ref), (self.gate_ref, self.sg_ref))[which]
+        shape = (g.shape[0], st.dc)
+        cols = col0 + _iota((1, st.dc), 1)
+        j = g - self.off
+        m_c = jnp.broadcast_to((j >= 0) & (j < self.nv), shape)
+        m_s = jnp.broadcast_to((g >= 0) & (g < self.off), shape)
+        x = plgpu.load(cref.at[b, jnp.clip(j, 0, st.S - 1), cols], mask=m_c, other=0.0)
+        y = plgpu.load(sref.at[b, jnp.clip(g, 0, st.r - 1), cols], mask=m_s, other=0.0)
+        return jnp.where(m_c, x, y)
+
+    def a_half(self, which, g, col0):
+        """A-half rows of the windows of slots g: grid slots g - r at channels col0, or the previous-window state
+        (slot g) where g - r < 0."""
+        st = self.st
+        pref = (self.pkv_ref, self.pg_ref)[which]
+        first = jnp.broadcast_to(g < st.r, (g.shape[0], st.dc))
+        p = plgpu.load(pref.at[self.b, jnp.clip(g, 0, st.r - 1), col0 + _iota((1, st.dc), 1)], mask=first, other=0.0)
+        return jnp.where(first, p, self.grid(which, g - st.r, col0))
+
+
+def _pool_chunk(st: _Static, rows: _Rows, blk, c0):
+    """Pooled [wb, dc] float32 (rounded to norm_dtype) of windows blk * wb + [0, wb) at channels c0 + [0, dc)."""
+    r, d, dc, wb, sb = st.r, st.d, st.dc, st.wb, st.sb
+    c0_b = (d if st.overlap else 0) + c0               # channels of a window's own (B) rows; A rows: c0
+    t = _iota((wb * sb, 1), 0)
+
+    def body(s, carry):
+        m, num, den = carry
+        g = (blk * wb + t // sb) * r + s * sb + t % sb  # [R, 1] grid slot of each tile row
+        tiles = []
+        if st.overlap:                                 # A-half first (the reference's slot order)
+            tiles.append((rows.a_half(0, g, c0), rows.a_half(1, g, c0)))
+        tiles.append((rows.grid(0, g, c0_b), rows.grid(1, g, c0_b)))
+        tiles = [(x.reshape(wb, sb, dc), y.reshape(wb, sb, dc)) for x, y in tiles]
+        m_new = m
+        for _, y in tiles:
+            m_new = jnp.maximum(m_new, jnp.max(y, axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all slots so far -inf (fresh prev state)
+        alpha = jnp.exp(m - m_safe)
+        num, den = num * alpha, den * alpha
+        for x, y in tiles:
+            e = jnp.exp(y - m_safe[:, None, :])
+            num = num + jnp.sum(e * x, axis=1)
+            den = den + jnp.sum(e, axis=1)
+        return m_new, num, den
+
+    init = (jnp.full((wb, dc), -jnp.inf, jnp.float32), jnp.zeros((wb, dc), jnp.float32),
+            jnp.zeros((wb, dc), jnp.float32))
+    n_sub = r // sb
+    if n_sub == 1:
+        _, num, den = body(0, init)
+    else:
+        _, num, den = jax.lax.fori_loop(0, n_sub, body, init)
+    return _round(num / den, st.norm_dtype)
+
+
+def _copy_state(st: _Static, rows: _Rows, blk, nv, state_outs, c0=None):
+    """The new open-window state at channels c0 + [0, dc) (and d + c0 + [0, dc) of an overlapping compressor;
+    c0 None: every chunk): window k_open's rows -> state, window k_open's A-half -> prev state. Done by the program
+    whose window block holds k_open."""
+    r, d, dc, sb = st.r, st.d, st.dc, st.sb
+    k_open = (rows.off + nv) // r
+    b = rows.b
+    ts = _iota((sb, 1), 0)
+    every = jnp.ones((sb, 1), jnp.bool_)
+
+    def copy(c0, s):
+        slot = s * sb + ts
+        g = k_open * r + slot
+        if st.overlap:
+            _store(state_outs[0], b, slot, d + c0, rows.grid(0, g, d + c0), every)
+            _store(state_outs[1], b, slot, d + c0, rows.grid(1, g, d + c0), every)
+            _store(state_outs[2], b, slot, c0, rows.a_half(0, g, c0), every)
+            _store(state_outs[3], b, slot, c0, rows.a_half(1, g, c0), every)
+        _store(state_outs[0], b, slot, c0, rows.grid(0, g, c0), every)
+        _store(state_outs[1], b, slot, c0, rows.grid(1, g, c0), every)
+
+    n_sub = r // sb
+
+    def copy_chunk(c0):
+        if n_sub == 1:
+            copy(c0, 0)
+        else:
+            jax.lax.fori_loop(0, n_sub, lambda s, carry: (copy(c0, s), carry)[1], 0)
+
+    @pl.when((k_open >= blk * st.wb) & (k_open < blk * st.wb + st.wb))
+    def _():
+        if c0 is not None:
+            copy_chunk(c0)
+        else:
+            jax.lax.fori_loop(0, st.n_chunks, lambda c, carry: (copy_chunk(c * dc), carry)[1], 0)
+
+
+def _butterfly(x, h):
+    """One Walsh-Hadamard stage within [n, w] rows: (x[i], x[i + h]) -> (x[i] + x[i + h], x[i] - x[i + h]) for
+    i & h == 0 (h < w), as a split / join on a trailing axis of size 2."""
+    n, w = x.shape
+    if h == 1:
+        a, bb = jax.lax.unstack(x.reshape(n, w // 2, 2), axis=2)
+        return jax.lax.stack([a + bb, a - bb], axis=2).reshape(n, w)
+    y = jnp.transpose(x.reshape(n, w // (2 * h), 2, h), (0, 1, 3, 2))
+    a, bb = jax.lax.unstack(y, axis=3)
+    y = jax.lax.stack([a + bb, a - bb], axis=3)
+    return jnp.transpose(y, (0, 1, 3, 2)).reshape(n, w)
+
+
+def _hadamard(ys, d):
+    """Orthonormal Walsh-Hadamard transform of rows given as [n, dc] chunks: the same butterflies, in the same
+    order, as `formats.hadamard` (so the same float32 result)."""
+    dc = ys[0].shape[1]
+    ys = list(ys)
+    h = 1
+    while h < d:
+        if h < dc:
+            ys = [_butterfly(y, h) for y in ys]
+        else:
+            hc = h // dc
+            for c in range(len(ys)):
+                if c & hc == 0:
+                    ys[c], ys[c + hc] = ys[c] + ys[c + hc], ys[c] - ys[c + hc]
+        h *= 2
+    return [y * (d ** -0.5) for y in ys]
+
+
+def _finish(st: _Static, b, blk, start, nv, pooled, nw_ref, fq_ref, m_ref, outs):
+    """pooled: d / dc chunks [wb, dc] of windows blk * wb + [0, wb) -> RMS norm, RoPE, mix, encode, store."""
+    r, d, dc, wb, rd = st.r, st.d, st.dc, st.wb, st.rd
+    nc = st.n_chunks
+    wi = blk * wb + _iota((wb, 1), 0)
+    off = start % r
+    win_pos = start - off + wi * r                     # [wb, 1]
+    dest = win_pos // r
+    ok = (win_pos + r <= start + nv) & (dest < st.cap)
+
+    tot = jnp.sum(pooled[0] * pooled[0], axis=1, keepdims=True)
     for p in pooled[1:]:
-        tot += jnp.sum(p * p)
-    inv = jax.lax.rsqrt(tot / d + eps)
-    colv = jax.lax.iota(jnp.int32, dc)
-    nw = [nw_ref[pl.ds(c * dc, dc)] for c in range(n_chunks)]
-    ys = [(pooled[c] * inv * nw[c]).astype(norm_dtype).astype(jnp.float32) for c in range(n_chunks)]
-    # RoPE on the trailing rd channels (chunks entirely inside the rope range; rd % dc == 0 checked by caller)
+        tot = tot + jnp.sum(p * p, axis=1, keepdims=True)
+    inv = jax.lax.rsqrt(tot / d + st.eps)
+    ys = [_round(pooled[c] * inv * nw_ref[pl.ds(c * dc, dc)][None, :], st.norm_dtype) for c in range(nc)]
+
+    col = _iota((1, dc), 1)
     posf = win_pos.astype(jnp.float32)
-    for c in range(n_chunks):
+    sign = jnp.where((col & 1) == 0, -1.0, 1.0)
+    for c in range(nc):                                # RoPE chunks (rd % dc == 0 and (d - rd) % dc == 0)
         if (c + 1) * dc <= d - rd:
             continue
-        sw = pool(c * dc, True)
-        nw_sw = plgpu.load(nw_ref.at[c * dc + (colv ^ 1)])
-        ysw = (sw * inv * nw_sw).astype(norm_dtype).astype(jnp.float32)
-        fcol = c * dc + colv - (d - rd)
-        freq = plgpu.load(freq_ref.at[fcol // 2])
-        ang = posf * freq
-        cs, sn = jnp.cos(ang), jnp.sin(ang)
-        sign = jnp.where((colv & 1) == 0, -1.0, 1.0)
-        ys[c] = (ys[c] * cs + sign * ysw * sn).astype(norm_dtype).astype(jnp.float32)
+        ang = posf * fq_ref[pl.ds(c * dc - (d - rd), dc)][None, :]
+        ys[c] = _round(ys[c] * jnp.cos(ang) + sign * _pair_swap(ys[c]) * jnp.sin(ang), st.norm_dtype)
 
-    if mix is not None:
-        m_ref, m2_ref = mix
-        ri = jax.lax.broadcasted_iota(jnp.int32, (dc, dc), 0)
-        ci = jax.lax.broadcasted_iota(jnp.int32, (dc, dc), 1)
-        hi = jax.lax.broadcasted_iota(jnp.int32, (dc // 2, dc), 0)
-        hc = jax.lax.broadcasted_iota(jnp.int32, (dc // 2, dc), 1)
+    def mixed():
+        """Hadamard rotation: butterflies ("butterfly", bitwise the reference's) or z = y @ M^T ("dot", M^T
+        passed, float32 IEEE products), in [wb, dc] chunks."""
+        if st.mix == "butterfly":
+            return _hadamard(ys, d)
+        zs = []
+        for i in range(nc):
+            acc = None
+            for c in range(nc):
+                p = plgpu.dot(ys[c], m_ref[pl.ds(c * dc, dc), pl.ds(i * dc, dc)], allow_tf32=False)
+                acc = p if acc is None else acc + p
+            zs.append(acc)
+        return zs
 
-        def apply(mref, rows_out):
-            """[rows_out-chunked] M @ y with M [n_out, d] read in (rows, dc) blocks; returns chunks of `rows_out`."""
-            rr, cc = (ri, ci) if rows_out == dc else (hi, hc)
-            out = []
-            for i in range(mref.shape[0] // rows_out):
-                acc = jnp.zeros((rows_out,), jnp.float32)
-                for c in range(n_chunks):
-                    blk = plgpu.load(mref.at[i * rows_out + rr, c * dc + cc])
-                    acc += jnp.sum(blk * ys[c][None, :], axis=1)
-                out.append(acc)
-            return out
+    zs = mixed() if st.rotate else ys
+    fmt = st.key_format
+    if fmt in (None, "bf16"):
+        (o_ref,) = outs
+        for c in range(nc):
+            _store(o_ref, b, dest, c * dc, zs[c], ok)
+    elif fmt == "kv_fp8":  # 448 e4m3 in 64-wide blocks with ue8m0 scales, 64 bf16 rope, 1 pad byte
+        nope_ref, rope_ref, sc_ref = outs
+        col8 = _iota((1, sc_ref.shape[-1]), 1)
+        sc = jnp.full((wb, sc_ref.shape[-1]), 127, jnp.int32)
+        for c in range(nc):
+            z = _round(zs[c], jnp.bfloat16)            # the reference rounds rows through bf16
+            if c * dc >= FP8_NOPE:
+                _store(rope_ref, b, dest, c * dc - FP8_NOPE, z, ok)
+                continue
+            amax = jnp.max(jnp.abs(z), axis=1, keepdims=True)
+            e = jnp.clip(jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-4) / formats.E4M3_MAX)), -127, 127).astype(jnp.int32)
+            _store(nope_ref, b, dest, c * dc, z / exp2i(e), ok)
+            sc = jnp.where(col8 == c, e + 127, sc)
+        _store(sc_ref, b, dest, 0, sc, ok)
+    elif fmt == "fp8":
+        v_ref, s_ref = outs
+        amax = jnp.max(jnp.abs(zs[0]), axis=1, keepdims=True)
+        for z in zs[1:]:
+            amax = jnp.maximum(amax, jnp.max(jnp.abs(z), axis=1, keepdims=True))
+        s = exp2i(pow2_exponent(amax, formats.E4M3_MAX, 1e-4))     # [wb, 1]
+        for c in range(nc):
+            _store(v_ref, b, dest, c * dc, zs[c] / s, ok)
+        _store(s_ref, b, dest, 0, s, ok)
+    else:  # fp4: byte j = code(z[2j]) | code(z[2j + 1]) << 4, one ue8m0 scale per 32 channels (16 bytes)
+        v_ref, s_ref = outs
+        half, hb = dc // 2, formats.FP4_BLOCK // 2
+        nsb = dc // formats.FP4_BLOCK
+        for c in range(nc):
+            ze, zo = _even_odd(zs[c])                  # [wb, dc/2]
+            a_abs = jnp.maximum(jnp.abs(ze), jnp.abs(zo)).reshape(wb, nsb, hb)
+            amax = jnp.max(a_abs, axis=2)              # [wb, dc/32]
+            e = jnp.clip(pow2_exponent(amax, formats.E2M1_MAX, formats.E2M1_MAX * 2.0 ** -126), -126, 127)
+            scale = jnp.broadcast_to(exp2i(e)[:, :, None], (wb, nsb, hb)).reshape(wb, half)
+            byte = e2m1_code(ze / scale) | (e2m1_code(zo / scale) << 4)
+            _store(v_ref, b, dest, c * half, byte, ok)
+            _store(s_ref, b, dest, c * nsb, e + 127, ok)
 
-    @pl.when(complete)
-    def _store():
-        if key_format in (None, "bf16"):
-            (o_ref,) = outs
-            zs = apply(m_ref, dc) if rotate else ys
-            for c in range(n_chunks):
-                o_ref[b, dest, pl.ds(c * dc, dc)] = zs[c].astype(o_ref.dtype)
-        elif key_format == "kv_fp8":  # 448 e4m3 in 64-wide blocks with ue8m0 scales, 64 bf16 rope, 1 pad byte
-            nope_ref, rope_ref, sc_ref = outs
-            for c in range(n_chunks):
-                z = ys[c].astype(jnp.bfloat16).astype(jnp.float32)   # the reference rounds rows through bf16
-                if c * dc >= FP8_NOPE:
-                    rope_ref[b, dest, pl.ds(c * dc - FP8_NOPE, dc)] = z.astype(rope_ref.dtype)
-                    continue
-                e = jnp.clip(jnp.ceil(jnp.log2(jnp.maximum(jnp.max(jnp.abs(z)), 1e-4) / formats.E4M3_MAX)),
-                             -127, 127).astype(jnp.int32)
-                nope_ref[b, dest, pl.ds(c * dc, dc)] = (z / exp2i(e)).astype(nope_ref.dtype)
-                sc_ref[b, dest, c] = (e + 127).astype(sc_ref.dtype)
-            sc_ref[b, dest, FP8_NOPE // dc] = jnp.asarray(127, sc_ref.dtype)
-        elif key_format == "fp8":
-            v_ref, s_ref = outs
-            zs = apply(m_ref, dc) if rotate else ys
-            amax = jnp.max(jnp.abs(zs[0]))
-            for z in zs[1:]:
-                amax = jnp.maximum(amax, jnp.max(jnp.abs(z)))
-            s = exp2i(pow2_exponent(amax, formats.E4M3_MAX, 1e-4))
-            for c in range(n_chunks):
-                v_ref[b, dest, pl.ds(c * dc, dc)] = (zs[c] / s).astype(v_ref.dtype)
-            s_ref[b, dest, 0] = s
-        else:  # fp4: byte j = code(z[2j]) | code(z[2j + 1]) << 4, one ue8m0 scale per 32 channels (16 bytes)
-            v_ref, s_ref = outs
-            half = dc // 2
-            ze = apply(m_ref, half)   # even channels of M y, in chunks of dc/2
-            zo = apply(m2_ref, half)  # odd channels
-            hb = formats.FP4_BLOCK // 2
-            sub = jax.lax.iota(jnp.int32, half) // hb
-            for c in range(len(ze)):
-                a_abs = jnp.maximum(jnp.abs(ze[c]), jnp.abs(zo[c]))
-                scale_v = jnp.zeros((half,), jnp.float32)
-                for k in range(half // hb):
-                    inb = sub == k
-                    amax = jnp.max(jnp.where(inb, a_abs, 0.0))
-                    e = jnp.clip(pow2_exponent(amax, formats.E2M1_MAX, formats.E2M1_MAX * 2.0 ** -126), -126, 127)
-                    scale_v = jnp.where(inb, exp2i(e), scale_v)
-                    s_ref[b, dest, (c * half) // hb + k] = (e + 127).astype(s_ref.dtype)
-                byte = e2m1_code(ze[c] / scale_v) | (e2m1_code(zo[c] / scale_v) << 4)
-                v_ref[b, dest, pl.ds(c * half, half)] = byte.astype(v_ref.dtype)
+
+def _pool_kernel(*refs, st: _Static, two_pass: bool):
+    """Fused layout (grid (B, n_blocks)): pool every chunk, finish. Two-pass pass 1 (grid (B, n_blocks, d/dc)):
+    pool chunk program_id(2) into the scratch."""
+    it = iter(refs)
+    start_ref, nv_ref, kv_ref, gate_ref, skv_ref, sg_ref = (next(it) for _ in range(6))
+    pkv_ref, pg_ref = (next(it), next(it)) if st.overlap else (None, None)
+    if not two_pass:
+        nw_ref, fq_ref = next(it), next(it)
+        m_ref = next(it) if st.rotate and st.mix == "dot" else None
+        for _ in range(st.n_parts):                    # the aliased cache inputs (never read)
+            next(it)
+        outs = [next(it) for _ in range(st.n_parts)]
+    else:
+        scr_ref = next(it)
+    state_outs = list(it)
+    b, blk = pl.program_id(0), pl.program_id(1)
+    start, nv = start_ref[b], nv_ref[b]
+    rows = _Rows(st, b, start, nv, (kv_ref, gate_ref, skv_ref, sg_ref, pkv_ref, pg_ref))
+    if two_pass:
+        c0 = pl.program_id(2) * st.dc
+        p = _pool_chunk(st, rows, blk, c0)
+        _store(scr_ref, b, blk * st.wb + _iota((st.wb, 1), 0), c0, p, jnp.ones((st.wb, 1), jnp.bool_))
+        if st.fuse_state:
+            _copy_state(st, rows, blk, nv, state_outs, c0)
+        return
+    pooled = [_pool_chunk(st, rows, blk, c * st.dc) for c in range(st.n_chunks)]
+    if st.fuse_state:
+        _copy_state(st, rows, blk, nv, state_outs)
+    _finish(st, b, blk, start, nv, pooled, nw_ref, fq_ref, m_ref, outs)
+
+
+def _finish_kernel(*refs, st: _Static):
+    """Two-pass pass 2 (grid (B, n_blocks)): finish the scratch rows of a window block."""
+    it = iter(refs)
+    start_ref, nv_ref, scr_ref, nw_ref, fq_ref = (next(it) for _ in range(5))
+    m_ref = next(it) if st.rotate and st.mix == "dot" else None
+    rest = list(it)
+    outs = rest[st.n_parts:]
+    b, blk = pl.program_id(0), pl.program_id(1)
+    rows = blk * st.wb + _iota((st.wb, 1), 0)
+    pooled = [plgpu.load(scr_ref.at[b, rows, c * st.dc + _iota((1, st.dc), 1)]) for c in range(st.n_chunks)]
+    _finish(st, b, blk, start_ref[b], nv_ref[b], pooled, nw_ref, fq_ref, m_ref, outs)
 
 
 def compress_chunk_gpu(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, prev_gate, entries, *, ratio: int,
                        overlap: bool, norm_weight, eps: float, inv_freq, norm_dtype=jnp.float32,
                        key_format: Optional[str] = None, rotate: bool = False, interpret: bool = False,
-                       dc: Optional[int] = None, num_warps: Optional[int] = None, num_stages: int = 1):
+                       windows_per_block: Optional[int] = None, slot_block: Optional[int] = None,
+                       two_pass: Optional[bool] = None, dc: Optional[int] = None, fuse_state: Optional[bool] = None,
+                       mix: Optional[str] = None, num_warps: Optional[int] = None,
+                       num_stages: Optional[int] = None, finish_num_warps: Optional[int] = None):
     """Pallas GPU implementation of `reference.compress_chunk` with the encoding given explicitly:
-    key_format None (cast to the cache dtype) | "bf16" | "fp8" | "fp4" (indexer formats), `rotate` = Hadamard first.
+    key_format None (cast to the cache dtype) | "bf16" | "fp8" | "fp4" | "kv_fp8", `rotate` = Hadamard first.
+    Kernel options (None: `default_config`): windows_per_block, slot_block (powers of two, slot_block | ratio),
+    two_pass, dc (channel chunk), fuse_state, mix ("butterfly" | "dot"), num_warps (pass 1 / fused kernel),
+    num_stages, finish_num_warps (two-pass pass 2); unset warps follow the effective block sizes (`_warps_for`).
     Returns (entries, state_kv, state_gate, prev_kv, prev_gate)."""
     r = ratio
     B, S, cd = kv.shape
     d = cd // 2 if overlap else cd
     inv_freq = np.asarray(inv_freq, np.float32)
     rd = 2 * inv_freq.shape[0]
-    dc = dc or min(64, d, rd)  # rope channels must be whole chunks
-    if d % dc or rd % dc and dc % rd:
-        raise ValueError(f"channel chunk {dc} must divide d={d} and the rope width {rd}")
-    if rd > dc and rd % dc:
-        raise ValueError("rope width must be a multiple of the channel chunk")
-    if rd < dc:  # the rope channels must be whole chunks
-        raise ValueError(f"rope width {rd} must be >= channel chunk {dc}")
+    cfg = default_config(B, S, r, d, overlap)
+    if dc is None:   # the rope channels must be whole chunks
+        while cfg["dc"] > 2 and (rd % cfg["dc"] or (d - rd) % cfg["dc"]):
+            cfg["dc"] //= 2
+    opt = dict(windows_per_block=windows_per_block, slot_block=slot_block, two_pass=two_pass, dc=dc,
+               fuse_state=fuse_state, mix=mix, num_stages=num_stages)
+    cfg.update({k: v for k, v in opt.items() if v is not None})
+    w1, w2 = _warps_for(cfg, d, overlap)
+    cfg["num_warps"], cfg["finish_num_warps"] = num_warps or w1, finish_num_warps or w2
+    wb, sb, dc = cfg["windows_per_block"], cfg["slot_block"], cfg["dc"]
+    for name, v in (("windows_per_block", wb), ("slot_block", sb), ("dc", dc)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two, got {v}")
+    if r % sb:
+        raise ValueError(f"slot_block {sb} must divide the ratio {r}")
+    if cfg["mix"] not in ("butterfly", "dot"):
+        raise ValueError(f"mix must be 'butterfly' or 'dot', got {cfg['mix']!r}")
+    if d % dc or rd % dc or (d - rd) % dc or dc % 2:
+        raise ValueError(f"channel chunk {dc} must divide d={d} and the rope width {rd} (rope channels whole chunks)")
     if key_format == "kv_fp8" and (d, rd, dc) != (FP8_NOPE + FP8_ROPE, FP8_ROPE, 64):
         raise ValueError(f"kv_fp8 rows need d = {FP8_NOPE}+{FP8_ROPE} with {FP8_ROPE} rope dims and 64-wide chunks")
     if key_format == "fp4" and dc % formats.FP4_BLOCK:
         raise ValueError("fp4 needs the channel chunk to be a multiple of 32")
+    if rotate and d & (d - 1):
+        raise ValueError(f"the Hadamard rotation needs a power-of-two width, got d={d}")
+    if key_format == "kv_fp8" and rotate:
+        raise ValueError("the FP8 KV rows are never rotated")
     parts = entry_parts(entries, key_format)
     cap = parts[0].shape[1]
-    nw = n_windows_of(S, r)
+    fuse = bool(cfg["fuse_state"])
+    n_blocks = -(-n_windows_of(S, r) // wb)
+    st = _Static(r=r, S=S, d=d, dc=dc, wb=wb, sb=sb, overlap=overlap, rd=rd, eps=float(eps),
+                 norm_dtype=jnp.dtype(norm_dtype), key_format=key_format, rotate=rotate, cap=cap,
+                 n_parts=len(parts), fuse_state=fuse, mix=cfg["mix"])
     start = start.astype(jnp.int32)
     n_valid = n_valid.astype(jnp.int32)
     kvf, gf = kv.astype(jnp.float32), gate.astype(jnp.float32)
+    nw_arg = jnp.asarray(norm_weight, jnp.float32).reshape(d)
+    fq_arg = jnp.asarray(np.repeat(inv_freq, 2))          # per channel of the rope range
+    finish_args = [nw_arg, fq_arg] + ([jnp.asarray(mix_matrix(d, True).T)] if rotate and st.mix == "dot" else [])
+    pool_args = [start, n_valid, kvf, gf, state_kv, state_gate] + ([prev_kv, prev_gate] if overlap else [])
 
-    args = [start, n_valid, kvf, gf, state_kv, state_gate]
-    if overlap:
-        args += [prev_kv, prev_gate]
-    args += [jnp.asarray(norm_weight, jnp.float32).reshape(d), jnp.asarray(inv_freq)]
-    if key_format == "fp4" or rotate:
-        m = mix_matrix(d, rotate)
-        args += [jnp.asarray(m[0::2]), jnp.asarray(m[1::2])] if key_format == "fp4" else [jnp.asarray(m)]
-    n_in = len(args)
-    args += list(parts)
-    full = lambda a: pl.BlockSpec(a.shape, lambda b, w: (0,) * a.ndim)
-    in_specs = [full(a) for a in args]
-    out_specs = [full(p) for p in parts]
-    out_shape = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in parts]
-    kernel = functools.partial(
-        _kernel, r=r, S=S, d=d, cd=cd, dc=dc, overlap=overlap, rd=rd, eps=float(eps),
-        norm_dtype=jnp.dtype(norm_dtype), key_format=key_format, rotate=rotate, cap=cap, n_parts=len(parts),
-        interpret=interpret)
-    extra = {}
-    if not interpret:
-        extra["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps or (4 if r * dc <= 4096 else 8),
-                                                        num_stages=num_stages)
-    outs = pl.pallas_call(
-        kernel, grid=(B, nw), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, interpret=interpret,
-        input_output_aliases={n_in + i: i for i in range(len(parts))}, name=f"compress_r{r}_d{d}", **extra,
-    )(*args)
+    state_shape = []
+    if fuse:
+        sdt = jnp.result_type(kvf.dtype, state_kv.dtype)
+        state_shape = [jax.ShapeDtypeStruct((B, r, cd), sdt)] * 2
+        if overlap:
+            state_shape += [jax.ShapeDtypeStruct((B, r, d), jnp.result_type(sdt, prev_kv.dtype))] * 2
+    part_shape = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in parts]
+
+    def call(kernel, grid, args, out_shape, aliases, name, warps):
+        full = lambda s: pl.BlockSpec(s.shape, lambda *_: (0,) * len(s.shape))
+        extra = {}
+        if not interpret:
+            extra["compiler_params"] = plgpu.CompilerParams(num_warps=warps, num_stages=cfg["num_stages"])
+        return pl.pallas_call(
+            kernel, grid=grid, in_specs=[full(a) for a in args], out_specs=[full(s) for s in out_shape],
+            out_shape=out_shape, interpret=interpret, input_output_aliases=aliases, name=name, **extra)(*args)
+
+    tag = f"r{r}_d{d}"
+    if cfg["two_pass"]:
+        scr_shape = jax.ShapeDtypeStruct((B, n_blocks * wb, d), jnp.float32)
+        res = call(functools.partial(_pool_kernel, st=st, two_pass=True), (B, n_blocks, d // dc), pool_args,
+                   [scr_shape] + state_shape, {}, f"compress_pool_{tag}", cfg["num_warps"])
+        scr, state_new = res[0], res[1:]
+        args = [start, n_valid, scr] + finish_args + list(parts)
+        n_in = len(args) - len(parts)
+        outs = call(functools.partial(_finish_kernel, st=st), (B, n_blocks), args, part_shape,
+                    {n_in + i: i for i in range(len(parts))}, f"compress_finish_{tag}", cfg["finish_num_warps"])
+    else:
+        args = pool_args + finish_args + list(parts)
+        n_in = len(args) - len(parts)
+        res = call(functools.partial(_pool_kernel, st=st, two_pass=False), (B, n_blocks), args,
+                   part_shape + state_shape, {n_in + i: i for i in range(len(parts))}, f"compress_{tag}",
+                   cfg["num_warps"])
+        outs, state_new = res[:len(parts)], res[len(parts):]
     if key_format in (None, "bf16"):
         new_entries = outs[0]
     elif key_format == "kv_fp8":
         new_entries = Fp8KVPool(*outs)
     else:
         new_entries = formats.QuantizedKeys(outs[0], outs[1], key_format)
-    skv, sg, pkv, pg = next_state(kvf, gf, start, n_valid, state_kv, state_gate, prev_kv, prev_gate,
-                                  ratio=r, overlap=overlap)
+    if fuse:
+        skv, sg = state_new[0], state_new[1]
+        pkv, pg = (state_new[2], state_new[3]) if overlap else (prev_kv, prev_gate)
+    else:
+        skv, sg, pkv, pg = next_state(kvf, gf, start, n_valid, state_kv, state_gate, prev_kv, prev_gate,
+                                      ratio=r, overlap=overlap)
     return new_entries, skv, sg, pkv, pg

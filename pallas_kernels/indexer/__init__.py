@@ -5,8 +5,8 @@
 
 impl: "reference" (plain jnp), "pallas" (GPU: Triton-backend Pallas scores kernel + top-k; TPU: Mosaic kernel +
 top-k; CPU: the GPU kernel in the Pallas interpreter, slow, for tests), "auto" (pallas on GPU/TPU, reference on
-CPU). `kernel_options` (precision, block_q, block_t, topk="lax"|"blockwise", topk_block, num_warps, ...) go to the
-kernel and are ignored by the reference.
+CPU). `kernel_options` (precision, block_q, block_t, topk="lax"|"blockwise"|"radix"|"radix4", topk_block,
+radix_bits, num_warps, ...) go to the kernel and are ignored by the reference.
 """
 
 from __future__ import annotations

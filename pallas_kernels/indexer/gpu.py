@@ -1,15 +1,19 @@
 """GPU Pallas (Triton backend) lightning-indexer scores kernel + top-k; the contract is `reference.indexer_topk`.
 
-Scores kernel: one program = (batch row b, block of `block_q` queries, block of `block_t` keys). It loads the key
-block once (dequantizing in registers: bf16 / f32 rows; fp8 e4m3 rows whose per-key power-of-two scale is applied
-to the [block_t] result since ReLU(s x) = s ReLU(x) for s > 0; fp4 packed e2m1 nibbles decoded arithmetically,
-times the ue8m0 block scale), then for each query of the block computes logits = K q^T [block_t, H] on the tensor
-cores, ReLU, the head-weighted sum and the causal mask (t < n_visible, -inf otherwise), and writes one score row.
-Keys past the last visible entry of the query block are not read (masked loads).
+Scores kernel: one program = (batch row b, block of `block_q` queries, split of the key range). q / w of the block
+stay in registers while the program sweeps its split's `block_t`-key blocks in a `fori_loop` (Triton software-
+pipelines the key loads, `num_stages`); per block it loads the keys once (dequantizing in registers: bf16 / f32
+rows; fp8 e4m3 rows whose per-key power-of-two scale is applied to the [block_t] result since ReLU(s x) = s ReLU(x)
+for s > 0; fp4 packed e2m1 nibbles turned into bf16 by bit arithmetic with the ue8m0 block scale folded into the
+exponent), then for each query computes logits = K q^T [block_t, H] on the tensor cores, ReLU, the head-weighted
+sum and the causal mask (t < n_visible, -inf otherwise), and stores one score row segment. Blocks past the last
+key any query of the block can see are not read: a second loop writes -inf there. Decode (block_q = 1) gets
+enough splits for ~`waves` x 132 programs, so one long sequence is spread over the whole GPU.
 
 fp4 de-interleave: byte j holds elements 2j (low nibble) and 2j+1 (high nibble); instead of interleaving the
-decoded nibbles the kernel splits q into its even and odd channels outside (tiny) and does two dots per 16-byte
-group (one ue8m0 scale per 16 bytes = 32 elements).
+decoded nibbles the kernel splits q into its even and odd channels outside (tiny) and does two [block_t, dI/2]
+dots, one per nibble. The per-32-element scale byte is broadcast over its 16 bytes either by a gather load
+(`fp4_scale="gather"`) or by loading [block_t, dI/32] and reshaping (`"reshape"`).
 
 Precision ("precision" option): "bf16" (bf16 operands, f32 accumulate; exact products for fp8 / fp4 keys with
 fake-quantized queries, which are bf16-representable), "bf16x2" (q split into bf16 hi + lo: ~16-bit mantissa, for
@@ -17,8 +21,10 @@ bf16 keys and float queries), "f32" (fp32 FMA dot, no tf32). Defaults: None -> "
 fp8 / fp4 -> "bf16".
 
 Top-k ("topk" option): "lax" = `lax.top_k` over each query's [T] scores (XLA), "blockwise" = `lax.top_k` per
-`topk_block` candidates then over the concatenated survivors (ties still go to the lower index). Scores are
-materialized per query chunk only ([B, query_chunk, T] f32), so prefill memory stays bounded.
+`topk_block` candidates then over the concatenated survivors (ties still go to the lower index), "radix" /
+"radix4" = exact radix select (`topk.topk_radix`, 8 / 4 bits per pass; no sort over T; "radix_bits" overrides the
+digit width). All give the same picks. Scores are materialized per query chunk only ([B, query_chunk, T] f32), so
+prefill memory stays bounded.
 """
 
 from __future__ import annotations
@@ -80,81 +86,134 @@ def _dot_nt(a, b, precision):
     return plgpu.dot(a, b, trans_b=True)
 
 
-def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T, d, precision, op_dtype):
+def fp4_to_bf16(code, sb):
+    """e2m1 codes (int32 0..15) x 2^(sb - 127) (sb: ue8m0 byte, int32) -> bfloat16, by bit arithmetic: the
+    exponent field is (code's exponent) + sb - 1 and the mantissa bit moves to bf16 bit 6; the e2m1 subnormal
+    (0.5) and zero are special-cased. Exact for sb >= 2 (any real key block; sb <= 1 only for all-zero blocks,
+    where the 0.5 * 2^-126 code would flush to 0)."""
+    mag = code & 7
+    base = (sb - 1) << 7
+    bits = jnp.where(mag >= 2, (mag << 6) + base, jnp.where(mag == 1, base, 0))
+    bits = bits | ((code & 8) << 12)
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.bfloat16)
+
+
+def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T, d, precision, op_dtype,
+            blocks_per_split, n_blocks, fp4_scale):
     q_refs = refs[:n_qparts]
     rest = refs[n_qparts:]
     o_ref = rest[-1]
     key_refs = rest[:-1]
     b = pl.program_id(0)
-    j = pl.program_id(2)
+    qi = pl.program_id(1)
+    sp = pl.program_id(2)
     nvis = nvis_ref[...]                                   # [block_q] int32
-    rows = j * block_t + jax.lax.iota(jnp.int32, block_t)
-    lim = jnp.minimum(jnp.max(nvis), T)
-    live = rows < lim
-    live2 = live[:, None]
+    lim = jnp.minimum(jnp.max(nvis), T)                     # no query of the block sees a key >= lim
+    nb_live = (lim + block_t - 1) // block_t
+    lo = sp * blocks_per_split
+    hi = jnp.minimum(lo + blocks_per_split, n_blocks)
+    live_hi = jnp.clip(nb_live, lo, hi)
+    per = 2 if fmt == "fp4" else 1
+    # q and w of the block stay in registers / shared memory for the whole sweep over this split's key blocks
+    # (block_q is sized so that is <= 128 KB: see default_config)
+    load_q = lambda qq: [q_refs[t * per + p][qq, :, :].astype(op_dtype) for t in range(n_terms) for p in range(per)]
+    hoisted = [load_q(qq) for qq in range(block_q)]
+    ws = [w_ref[qq, :].astype(jnp.float32) for qq in range(block_q)]
+    out_rows = [qi * block_q + qq for qq in range(block_q)]
 
-    # key block -> list of (operand [block_t, w], which q part, column offset, optional per-row scale)
-    if fmt in (None, "bf16"):
-        cols = jax.lax.broadcasted_iota(jnp.int32, (1, d), 1)
-        k = plgpu.load(key_refs[0].at[b, rows[:, None], cols], mask=live2, other=0.0)
-        kparts = [(k.astype(op_dtype), 0, 0, d)]
-        row_scale = None
-    elif fmt == "fp8":
-        cols = jax.lax.broadcasted_iota(jnp.int32, (1, d), 1)
-        k = plgpu.load(key_refs[0].at[b, rows[:, None], cols], mask=live2)   # masked rows end up -inf anyway
-        kparts = [(k.astype(jnp.float32).astype(op_dtype), 0, 0, d)]
-        row_scale = plgpu.load(key_refs[1].at[b, rows, jnp.zeros_like(rows)], mask=live, other=0.0)
-    else:  # fp4: 16-byte groups, one ue8m0 scale each
-        kparts = []
-        row_scale = None
-        g16 = jax.lax.broadcasted_iota(jnp.int32, (1, 16), 1)
-        for g in range(d // 32):
-            raw = plgpu.load(key_refs[0].at[b, rows[:, None], g * 16 + g16], mask=live2, other=0).astype(jnp.int32)
-            sb = plgpu.load(key_refs[1].at[b, rows, jnp.full_like(rows, g)], mask=live, other=127).astype(jnp.int32)
-            sc = jax.lax.bitcast_convert_type(jnp.maximum(sb, 1) << 23, jnp.float32)
-            sc = jnp.where(sb == 0, 2.0 ** -127, sc)[:, None]
-            lo = (e2m1_value(raw & 0xF) * sc).astype(op_dtype)
-            hi = (e2m1_value(raw >> 4) * sc).astype(op_dtype)
-            kparts.append((lo, 0, g * 16, 16))
-            kparts.append((hi, 1, g * 16, 16))
+    def load_keys(rows, live):
+        """Key block -> (operands [block_t, w] in op_dtype, per-key scale or None)."""
+        live2 = live[:, None]
+        if fmt in (None, "bf16"):
+            cols = jax.lax.broadcasted_iota(jnp.int32, (1, d), 1)
+            k = plgpu.load(key_refs[0].at[b, rows[:, None], cols], mask=live2, other=0.0)
+            return [k.astype(op_dtype)], None
+        if fmt == "fp8":  # per-key power-of-two scale applied to the [block_t] score: ReLU(s x) = s ReLU(x)
+            cols = jax.lax.broadcasted_iota(jnp.int32, (1, d), 1)
+            k = plgpu.load(key_refs[0].at[b, rows[:, None], cols], mask=live2)
+            sc = plgpu.load(key_refs[1].at[b, rows, jnp.zeros_like(rows)], mask=live, other=0.0)
+            return [k.astype(jnp.float32).astype(op_dtype)], sc
+        half = d // 2                                      # fp4: byte j = elements 2j (low) and 2j+1 (high)
+        cols = jax.lax.broadcasted_iota(jnp.int32, (1, half), 1)
+        raw = plgpu.load(key_refs[0].at[b, rows[:, None], cols], mask=live2, other=0).astype(jnp.int32)
+        if fp4_scale == "gather":
+            sb = plgpu.load(key_refs[1].at[b, rows[:, None], cols // 16], mask=live2, other=127)
+        else:  # [block_t, d/32] scales, broadcast over their 16 bytes each
+            n_g = d // 32
+            g = jax.lax.broadcasted_iota(jnp.int32, (1, n_g), 1)
+            sb = plgpu.load(key_refs[1].at[b, rows[:, None], g], mask=live2, other=127)
+            sb = jnp.broadcast_to(sb[:, :, None], (block_t, n_g, 16)).reshape(block_t, half)
+        sb = sb.astype(jnp.int32)
+        lo_k, hi_k = fp4_to_bf16(raw & 0xF, sb), fp4_to_bf16(raw >> 4, sb)
+        return [lo_k.astype(op_dtype), hi_k.astype(op_dtype)], None
 
-    for qq in range(block_q):
-        w = w_ref[qq, :].astype(jnp.float32)               # [H]
-        logits = None
-        for term in range(n_terms):
-            for kop, part, c0, width in kparts:
-                qv = q_refs[term * (2 if fmt == "fp4" else 1) + part][qq, :, pl.ds(c0, width)]
-                t = _dot_nt(kop, qv, precision)
-                logits = t if logits is None else logits + t
-        s = jnp.sum(jnp.maximum(logits, 0.0) * w[None, :], axis=1)
-        if row_scale is not None:
-            s = s * row_scale
-        vis = (rows < nvis_ref[qq]) & (rows < T)
-        o_ref[qq, :] = jnp.where(vis, s, -jnp.inf)
+    def body(j, carry):
+        rows = j * block_t + jax.lax.iota(jnp.int32, block_t)
+        live = rows < lim
+        kops, row_scale = load_keys(rows, live)
+        for qq in range(block_q):
+            qv, wv = hoisted[qq], ws[qq]
+            logits = None
+            for t in range(n_terms):
+                for p in range(per):
+                    x = _dot_nt(kops[p], qv[t * per + p], precision)          # [block_t, H]
+                    logits = x if logits is None else logits + x
+            s = jnp.sum(jnp.maximum(logits, 0.0) * wv[None, :], axis=1)
+            if row_scale is not None:
+                s = s * row_scale
+            vis = rows < jnp.minimum(nvis_ref[qq], T)   # a ref load: static slices of values don't lower
+            plgpu.store(o_ref.at[b, jnp.full_like(rows, out_rows[qq]), rows], jnp.where(vis, s, -jnp.inf))
+        return carry
+
+    def fill(j, carry):  # blocks past every query's visible range: -inf without reading keys
+        rows = j * block_t + jax.lax.iota(jnp.int32, block_t)
+        for qq in range(block_q):
+            plgpu.store(o_ref.at[b, jnp.full_like(rows, out_rows[qq]), rows],
+                        jnp.full((block_t,), -jnp.inf, jnp.float32))
+        return carry
+
+    jax.lax.fori_loop(lo, live_hi, body, 0)
+    jax.lax.fori_loop(live_hi, hi, fill, 0)
 
 
 def default_config(B, S, T, H, fmt):
-    block_q = 1 if S == 1 else 8
-    block_t = 128 if T >= 128 * 4 * N_SM_H200 // max(1, B) else 64
+    """Decode (S == 1): one query per program, 64-key blocks, and enough splits of the key range that the grid
+    holds ~4 waves of programs; each program sweeps its split in a pipelined loop. Prefill: 8 queries share each
+    loaded key block."""
+    # prefill: 8 queries share each key block, fewer when their q operands would exceed 128 KB (f32 / bf16x2 q:
+    # the H200 compile ran out of shared memory with 8 of them)
+    q_bytes = H * 128 * (4 if fmt is None else 4 if fmt == "bf16" else 2)
+    block_q = 1 if S == 1 else max(1, min(8, (128 << 10) // q_bytes))
+    block_t = 64
     block_t = min(block_t, max(16, 1 << (max(T, 1) - 1).bit_length()))
-    return dict(block_q=block_q, block_t=max(16, block_t), num_warps=4, num_stages=2)
+    return dict(block_q=block_q, block_t=max(16, block_t), num_warps=4, num_stages=3, waves=4,
+                fp4_scale="gather")
 
 
 def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precision=None, block_q=None,
-                       block_t=None, num_warps=None, num_stages=None, pad_to_block=False):
+                       block_t=None, num_warps=None, num_stages=None, waves=None, num_splits=None, fp4_scale=None,
+                       pad_to_block=False):
     """Scores [B, S, T] (or [B, S, roundup(T, block_t)] with -inf padding if pad_to_block) like
-    `reference.indexer_scores`."""
+    `reference.indexer_scores`.
+
+    Grid (batch row, block of `block_q` queries, split of the key blocks); `num_splits` defaults to enough splits
+    for `waves` x N_SM programs."""
     B, S, H, d = q.shape
     T = keys.shape[1]
     fmt = key_format_of(keys)
     precision = precision or DEFAULT_PRECISION[fmt]
     cfg = default_config(B, S, T, H, fmt)
-    for k_, v_ in dict(block_q=block_q, block_t=block_t, num_warps=num_warps, num_stages=num_stages).items():
+    for k_, v_ in dict(block_q=block_q, block_t=block_t, num_warps=num_warps, num_stages=num_stages,
+                       waves=waves, fp4_scale=fp4_scale).items():
         if v_ is not None:
             cfg[k_] = v_
     bq, bt = cfg["block_q"], cfg["block_t"]
     Sp = -(-S // bq) * bq
-    Tp = -(-T // bt) * bt
+    nb = -(-T // bt)
+    Tp = nb * bt
+    n_split = num_splits or max(1, -(-cfg["waves"] * N_SM_H200 // (B * (Sp // bq))))
+    bps = -(-nb // min(n_split, nb))
+    n_split = -(-nb // bps)
     hp = max(16, H)
     qf = q.astype(jnp.float32)
     wf = weights.astype(jnp.float32)
@@ -169,19 +228,20 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
     qparts, n_terms = split_q(qf, fmt, precision)
     op_dtype = jnp.float32 if precision == "f32" else jnp.bfloat16
     kparts = (keys,) if not isinstance(keys, formats.QuantizedKeys) else (keys.values, keys.scale)
-    grid = (B, Sp // bq, Tp // bt)
-    full = lambda a: pl.BlockSpec(a.shape, lambda b, i, j: (0,) * a.ndim)
+    grid = (B, Sp // bq, n_split)
+    full = lambda shape: pl.BlockSpec(shape, lambda b, i, j: (0,) * len(shape))
     in_specs = [pl.BlockSpec((None, bq), lambda b, i, j: (b, i)), pl.BlockSpec((None, bq, hp), lambda b, i, j: (b, i, 0))]
     in_specs += [pl.BlockSpec((None, bq, hp, p.shape[-1]), lambda b, i, j: (b, i, 0, 0)) for p in qparts]
-    in_specs += [full(p) for p in kparts]
+    in_specs += [full(p.shape) for p in kparts]
     kernel = functools.partial(_kernel, fmt=fmt, n_qparts=len(qparts), n_terms=n_terms, block_q=bq, block_t=bt,
-                               T=T, d=d, precision=precision, op_dtype=op_dtype)
+                               T=T, d=d, precision=precision, op_dtype=op_dtype, blocks_per_split=bps,
+                               n_blocks=nb, fp4_scale=cfg["fp4_scale"])
     extra = {}
     if not interpret:
         extra["compiler_params"] = plgpu.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     out = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, bq, bt), lambda b, i, j: (b, i, j)),
+        out_specs=full((B, Sp, Tp)),
         out_shape=jax.ShapeDtypeStruct((B, Sp, Tp), jnp.float32), interpret=interpret,
         name=f"indexer_scores_{fmt}_q{bq}_t{bt}", **extra,
     )(nv, wf, *qparts, *kparts)
@@ -189,9 +249,27 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
     return out if pad_to_block else out[..., :T]
 
 
-def topk_from_scores(scores, k, *, topk="lax", topk_block=4096):
+TOPK_METHODS = ("lax", "blockwise", "radix", "radix4")
+
+
+def radix_bits_of(topk: str, radix_bits: Optional[int] = None) -> Optional[int]:
+    """Digit width of a radix top-k method ("radix" -> 8, "radix4" -> 4, "radixN" -> N; `radix_bits` overrides),
+    None for the other methods; ValueError for an unknown method."""
+    if topk in ("lax", "blockwise"):
+        return None
+    if topk.startswith("radix") and (topk == "radix" or topk[5:].isdigit()):
+        return int(radix_bits or (topk[5:] or 8))
+    raise ValueError(f"unknown topk method {topk!r}; expected one of {TOPK_METHODS}")
+
+
+def topk_from_scores(scores, k, *, topk="lax", topk_block=4096, radix_bits=None):
     """scores [..., Tp] (-inf = invalid) -> picks [..., k] int32 sorted by descending score, ties -> lower index,
-    -1 where the score is -inf."""
+    -1 where the score is not finite. topk: "lax" | "blockwise" | "radix" | "radix4" (same results)."""
+    bits = radix_bits_of(topk, radix_bits)
+    if bits is not None:
+        from .topk import topk_radix
+
+        return topk_radix(scores, k, bits_per_pass=bits)
     if topk == "blockwise" and scores.shape[-1] > topk_block and topk_block > k:
         Tp = scores.shape[-1]
         nb = -(-Tp // topk_block)
@@ -210,20 +288,23 @@ def topk_from_scores(scores, k, *, topk="lax", topk_block=4096):
 
 
 def topk_over_query_chunks(scores_fn, q, weights, keys, n_visible, *, k: int, query_chunk: int, topk: str,
-                           topk_block: int):
+                           topk_block: int, radix_bits: Optional[int] = None):
     """`reference.indexer_topk` with the scores from `scores_fn(q, w, keys, n_visible)` (a kernel), in query chunks."""
     k = min(k, keys.shape[1])
+    radix_bits_of(topk, radix_bits)  # validate before tracing
 
     def select(args):
         qc, wc, nc = args
-        return topk_from_scores(scores_fn(qc, wc, keys, nc), k, topk=topk, topk_block=topk_block)
+        return topk_from_scores(scores_fn(qc, wc, keys, nc), k, topk=topk, topk_block=topk_block,
+                                radix_bits=radix_bits)
 
     return map_query_chunks(select, (q, weights, n_visible), query_chunk)
 
 
 def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256, interpret=False,
-                     topk: str = "lax", topk_block: int = 4096, **kernel_options):
+                     topk: str = "lax", topk_block: int = 4096, radix_bits: Optional[int] = None,
+                     **kernel_options):
     """Pallas GPU implementation of `reference.indexer_topk` (same arguments and results)."""
     scores = functools.partial(indexer_scores_gpu, interpret=interpret, pad_to_block=True, **kernel_options)
     return topk_over_query_chunks(scores, q, weights, keys, n_visible, k=k, query_chunk=query_chunk, topk=topk,
-                                  topk_block=topk_block)
+                                  topk_block=topk_block, radix_bits=radix_bits)

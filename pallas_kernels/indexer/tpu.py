@@ -107,8 +107,8 @@ def indexer_scores_tpu(q, weights, keys, n_visible, *, interpret=False, precisio
 
 
 def indexer_topk_tpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256, interpret=False,
-                     topk: str = "lax", topk_block: int = 4096, **kernel_options):
+                     topk: str = "lax", topk_block: int = 4096, radix_bits=None, **kernel_options):
     """Mosaic TPU implementation of `reference.indexer_topk` (same arguments and results)."""
     scores = functools.partial(indexer_scores_tpu, interpret=interpret, pad_to_block=True, **kernel_options)
     return topk_over_query_chunks(scores, q, weights, keys, n_visible, k=k, query_chunk=query_chunk, topk=topk,
-                                  topk_block=topk_block)
+                                  topk_block=topk_block, radix_bits=radix_bits)

@@ -57,7 +57,7 @@ def _gather(ref, rows, col0, width, mask, other, interpret):
 
 
 def _kernel(*refs, srcs, block_h, block_k, d, d_chunk, n_splits, blocks_per_split, scale2, out_split, interpret,
-            compute_dtype=jnp.bfloat16):
+            compute_dtype=jnp.bfloat16, fp8_scales="per_chunk"):
     # compute_dtype: MMA operand dtype — bf16 for bf16/fp8 inputs, f32 when q is f32 (exact-mode parity).
     # refs: q, sinks, then per source (idx, len, pool parts...), then outputs (o, lse)
     it = iter(refs)
@@ -102,6 +102,9 @@ def _kernel(*refs, srcs, block_h, block_k, d, d_chunk, n_splits, blocks_per_spli
             valid = (idx >= 0) & (idx < n_rows) & (pos < length)
             safe = jnp.where(valid, idx, 0)
             kvs = []
+            if fp8 and fp8_scales == "vector":  # the row's 8 scale bytes in one load, split per chunk in registers
+                sb8 = _gather(parts[2], safe, 0, 8, valid[:, None], 127, interpret).astype(jnp.int32)
+                col8 = jax.lax.broadcasted_iota(jnp.int32, (1, 8), 1)
             for c in range(n_chunks):
                 if not fp8:
                     kv = _gather(parts[0], safe, c * dc, dc, valid[:, None], 0.0, interpret)
@@ -109,7 +112,10 @@ def _kernel(*refs, srcs, block_h, block_k, d, d_chunk, n_splits, blocks_per_spli
                 elif c * 64 < NOPE_DIM:
                     nope_ref, _, scale_ref = parts
                     raw = _gather(nope_ref, safe, c * 64, 64, valid[:, None], 0.0, interpret)
-                    sb = _gather(scale_ref, safe, c, None, valid, 127, interpret)
+                    if fp8_scales == "vector":
+                        sb = jnp.sum(jnp.where(col8 == c, sb8, 0), axis=1)
+                    else:
+                        sb = _gather(scale_ref, safe, c, None, valid, 127, interpret)
                     sc = jax.lax.bitcast_convert_type(sb.astype(jnp.int32) << 23, jnp.float32)
                     kvs.append((raw.astype(jnp.float32) * sc[:, None]).astype(cdt))
                 else:
@@ -175,12 +181,17 @@ def sparse_attention_gpu(
     num_warps: int | None = None,
     num_stages: int | None = None,
     d_chunk: int | None = None,
+    partial_dtype=None,
+    fp8_scales: str = "vector",
     poison: bool = False,
 ):
     """Pallas GPU (Triton) implementation of `reference.sparse_attention` (same arguments and results).
 
     Extra keyword-only tuning knobs: block_h (heads per program, >= 16, power of 2), block_k (entries per step,
-    power of 2), n_splits (split-K factor), num_warps, num_stages, d_chunk (head_dim chunk, bf16 pools only).
+    power of 2), n_splits (split-K factor), num_warps, num_stages, d_chunk (head_dim chunk, bf16 pools only),
+    partial_dtype (split-K partial outputs; default: bf16 when the output is bf16, else float32 -- bf16 partials
+    were 4-8% faster on the H200, see benchmarks/NOTES_sparse_attention.md), fp8_scales ("vector" (default): the
+    row's 8 scale bytes in one load; "per_chunk": one 1-byte gather per 64-block and row).
     `interpret=True` runs the kernel in the Pallas interpreter (CPU tests). `poison=True` (tests) aliases the
     kernel outputs to NaN-filled buffers so an element the kernel fails to write shows up as NaN."""
     b, t, h, d = common.validate(q, window_kv, window_idx, compressed_kv, compressed_idx, sinks, window_len,
@@ -232,7 +243,8 @@ def sparse_attention_gpu(
 
     out_split = ns > 1
     if out_split:
-        out_shape = [jax.ShapeDtypeStruct((bt, ns, hp, d), jnp.float32), jax.ShapeDtypeStruct((bt, ns, hp), jnp.float32)]
+        pdt = jnp.dtype(partial_dtype or (jnp.bfloat16 if out_dtype == jnp.bfloat16 else jnp.float32))
+        out_shape = [jax.ShapeDtypeStruct((bt, ns, hp, d), pdt), jax.ShapeDtypeStruct((bt, ns, hp), jnp.float32)]
         out_specs = [pl.BlockSpec((None, None, bh, d), lambda i, s, hb: (i, s, hb, 0)),
                      pl.BlockSpec((None, None, bh), lambda i, s, hb: (i, s, hb))]
     else:
@@ -251,7 +263,7 @@ def sparse_attention_gpu(
     kernel = functools.partial(
         _kernel, srcs=meta, block_h=bh, block_k=bk, d=d, d_chunk=dc, n_splits=ns, blocks_per_split=bps,
         scale2=float(scale) * LOG2E, out_split=out_split, interpret=interpret,
-        compute_dtype=jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16)
+        compute_dtype=jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16, fp8_scales=fp8_scales)
     extra = {}
     if not interpret:
         extra["compiler_params"] = plgpu.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One device call that runs several steps, each under its own time limit, so one slow step cannot eat the call.
+#   device run:  STEPS="tests5 model comp idx" bash benchmarks/run_gpu_session.sh [--quick]
+# Steps: tests4 (sparse-attention GPU tests), tests5 (indexer + compressor + top-k GPU tests), model (model-level
+# pallas-vs-reference parity on the GPU), comp / idx / attn (benchmarks/compressor.py, indexer.py,
+# sparse_attention.py; compv = compressor kernel variants on COMPV_CASES), decode (benchmarks/decode.py ref vs pallas), breakdown (benchmarks/decode_breakdown.py).
+# Per-step limit: T_<step> seconds (defaults below). A test that hangs dumps its Python stack (faulthandler) into
+# the step's log. Logs: $OUT/<step>.log (+ the benchmarks' json).
+set -o pipefail
+OUT=${OUT:-/tmp/session_out}; mkdir -p "$OUT"
+export PYTHONPATH=.:tests PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv > "$OUT/env.log" 2>&1
+python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" >> "$OUT/env.log" 2>&1
+cat "$OUT/env.log"
+# tests: XLA's GEMM autotuning off (compile time, not kernel speed, dominates the tiny test models); -rf lists
+# failures at the end, --tb=short keeps them readable
+PYT="env XLA_FLAGS=--xla_gpu_autotune_level=0 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -o faulthandler_timeout=${FAULT_T:-100} --durations=8"
+PY="python3 -X faulthandler"
+run_step() {  # name, default limit, command...
+  local name=$1 lim=$2; shift 2
+  local var="T_$name"; lim=${!var:-$lim}
+  local t0=$(date +%s)
+  timeout -k 5 "$lim" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "[$name] rc=$rc in $(( $(date +%s) - t0 )) s (limit $lim)" | tee -a "$OUT/$name.log"
+  grep -v '^\s*$' "$OUT/$name.log" | grep -v -i warning | tail -n ${TAIL:-25}
+}
+for s in ${STEPS:-tests5 model comp idx}; do
+  case $s in
+    tests4) run_step tests4 200 $PYT tests/test_sparse_attention_gpu.py ;;
+    tests5) run_step tests5 200 $PYT tests/test_indexer_kernels.py tests/test_compressor_kernels.py \
+          tests/test_indexer_topk.py -k "${GPU_TEST_K:-gpu or matches_lax or edge_values}" ;;
+    model) run_step model 200 $PYT tests/test_model_pallas.py tests/test_model_pallas_quantized.py ;;
+    comp) run_step comp 120 $PY benchmarks/compressor.py --out "$OUT" "$@" ;;
+    compv) run_step compv 120 $PY benchmarks/compressor.py --out "$OUT/variants" --variants --cases ${COMPV_CASES:-prefill} ;;
+    idx) run_step idx 180 $PY benchmarks/indexer.py --out "$OUT" "$@" ;;
+    attn) run_step attn 300 $PY benchmarks/sparse_attention.py --out "$OUT" "$@" ;;
+    decode) for impl in reference pallas; do
+        run_step decode_$impl 150 $PY benchmarks/decode.py --preset v4-flash --layers 4 --experts 8 \
+          --dtype bfloat16 --batch ${BATCH:-16} --contexts ${CONTEXTS:-4096,32768} --steps 32 --repeats 3 \
+          --attention-impl $impl --out "$OUT/decode_$impl.txt"; done ;;
+    breakdown) run_step breakdown 200 $PY benchmarks/decode_breakdown.py --preset v4-flash --layers 4 \
+          --experts 8 --dtype bfloat16 --batch ${BATCH:-16} --context 32768 --attention-impl pallas \
+          --out "$OUT/decode_breakdown.txt" ;;
+    *) echo "unknown step $s" ;;
+  esac
+done

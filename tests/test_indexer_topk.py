@@ -1,0 +1,126 @@
+"""Radix-select top-k (`pallas_kernels.indexer.topk.topk_radix`) vs `topk_from_scores(..., topk="lax")`: bit-identical
+picks (tie order and -1s included) on fresh random inputs: random floats, integer-valued scores with heavy ties,
+rows partly / entirely -inf, signed zeros, k in {1, 7, 64, T} and k > T, leading dims [R, T] and [B, S, T], 4 and 8
+bits per pass, under jit; and once end to end through `indexer_topk(..., impl="pallas", topk="radix")`."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.indexer import formats as F, indexer_topk, indexer_topk_reference
+from pallas_kernels.indexer.gpu import radix_bits_of, topk_from_scores
+from pallas_kernels.indexer.topk import float_keys, topk_radix
+
+_SEED = itertools.count(31000)
+
+
+KINDS = ("ties_holes", "float", "masked", "all_inf", "few_finite", "ties")
+
+
+def random_scores(shape, rng):
+    """float32 scores [..., T], one kind per row (cycling through KINDS): "float" (normal), "ties" (integers in
+    [-4, 4) with many signed zeros: heavy ties), "ties_holes" (the same with random -inf), "masked" (normal, -inf
+    past a random n_visible and random holes), "all_inf", "few_finite" (3 finite entries: fewer than most k)."""
+    T = shape[-1]
+    rows = np.empty((int(np.prod(shape[:-1])), T), np.float32)
+    for r in range(rows.shape[0]):
+        kind = KINDS[r % len(KINDS)]
+        if kind.startswith("ties"):
+            x = rng.integers(-4, 4, T).astype(np.float32)
+            x[rng.random(T) < 0.3] = -0.0
+        else:
+            x = rng.standard_normal(T).astype(np.float32)
+        if kind in ("ties_holes", "masked"):
+            x[rng.random(T) < 0.2] = -np.inf
+        if kind == "masked":
+            x[rng.integers(0, T + 1):] = -np.inf
+        if kind == "all_inf":
+            x[:] = -np.inf
+        if kind == "few_finite":
+            x[np.arange(T) >= 3] = -np.inf
+        rows[r] = x
+    return rows.reshape(shape)
+
+
+_radix = jax.jit(topk_radix, static_argnames=("k", "bits_per_pass"))
+_lax = jax.jit(topk_from_scores, static_argnames=("k", "topk"))
+
+
+def check(s, k, bits):
+    s = jnp.asarray(s)
+    got = np.asarray(_radix(s, k=k, bits_per_pass=bits))
+    want = np.asarray(_lax(s, k=min(k, s.shape[-1]), topk="lax"))
+    assert got.dtype == np.int32 and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("bits,lead", [(4, (3,)), (8, (2, 3))])
+@pytest.mark.parametrize("T", [5, 100, 1000, 4097])
+def test_matches_lax_top_k(T, bits, lead):
+    """Every row kind, k in {1, 7, 64, T} (<= T), two fresh draws per compiled shape."""
+    rng = np.random.default_rng(next(_SEED))
+    for k in sorted({1, 7, 64, T}):
+        if k <= T:
+            for _ in range(2):
+                check(random_scores(lead + (T,), rng), k, bits)
+
+
+def test_k_larger_than_T_and_edge_values():
+    """k > T gives width T; +0.0 outranks -0.0 (XLA total order, as lax.top_k); +inf / NaN picks -> -1 like lax."""
+    rng = np.random.default_rng(next(_SEED))
+    s = random_scores((2, 3, 50), rng)
+    check(s, 80, 4)                                 # (check compares shapes: [2, 3, 50])
+    e = np.array([[-0.0, 0.0, -0.0, 0.0, np.nan, -np.nan, -np.inf, np.inf, 1.0, -1.0, 3e38, -3e38, 1e-45,
+                   -1e-45]], np.float32)
+    e = np.concatenate([e, e[:, ::-1]])
+    for k in (5, 14):
+        check(e, k, 4)
+        check(e, k, 8)
+    ks = np.asarray(float_keys(jnp.asarray(np.array([-np.inf, -1.0, -0.0, 0.0, 1e-45, 1.0, np.inf], np.float32))))
+    assert np.all(np.diff(ks.astype(np.int64)) > 0)
+
+
+def test_unpacked_cumsum_path(monkeypatch):
+    """Large T * k (no room to pack both running counts in one int32): the two-cumsum selection path."""
+    import pallas_kernels.indexer.topk as topk_mod
+
+    monkeypatch.setattr(topk_mod, "PACK_LIMIT", 0)
+    rng = np.random.default_rng(next(_SEED))
+    s = jnp.asarray(random_scores((3, 700), rng))
+    f = jax.jit(lambda x: topk_mod.topk_radix(x, 64, bits_per_pass=8))   # traced here, with the patch
+    np.testing.assert_array_equal(np.asarray(f(s)), np.asarray(_lax(s, k=64, topk="lax")))
+
+
+def test_other_digit_widths_and_validation():
+    rng = np.random.default_rng(next(_SEED))
+    s = jnp.asarray(random_scores((2, 300), rng))
+    want = np.asarray(topk_from_scores(s, 20))
+    f = jax.jit(topk_from_scores, static_argnames=("k", "topk", "radix_bits"))
+    np.testing.assert_array_equal(np.asarray(f(s, k=20, topk="radix4")), want)
+    np.testing.assert_array_equal(np.asarray(f(s, k=20, topk="radix", radix_bits=2)), want)
+    assert radix_bits_of("radix") == 8 and radix_bits_of("radix4") == 4 and radix_bits_of("lax") is None
+    with pytest.raises(ValueError):
+        topk_radix(s, 5, bits_per_pass=3)
+    with pytest.raises(ValueError):
+        radix_bits_of("radixx")
+
+
+def test_indexer_topk_radix_end_to_end():
+    """indexer_topk(impl="pallas", topk="radix") == the lax top-k on the same kernel (interpreter on CPU); the same
+    -1s as the reference."""
+    rng = np.random.default_rng(next(_SEED))
+    B, S, H, T, d = 2, 1, 16, 300, 128
+    q = jnp.asarray(rng.standard_normal((B, S, H, d)), jnp.float32)
+    keys = F.quantize(jnp.asarray(rng.standard_normal((B, T, d)) * 2.0, jnp.float32), "bf16")
+    w = jnp.asarray(rng.standard_normal((B, S, H)), jnp.float32) * (H ** -0.5 * d ** -0.5)
+    nv = jnp.asarray([[T], [123]], jnp.int32)
+    lax_picks = np.asarray(indexer_topk(q, w, keys, nv, k=200, impl="pallas"))
+    picks = np.asarray(indexer_topk(q, w, keys, nv, k=200, impl="pallas", topk="radix"))
+    np.testing.assert_array_equal(picks, lax_picks)
+    ref = np.asarray(indexer_topk_reference(q, w, keys, nv, k=200))
+    np.testing.assert_array_equal(picks < 0, ref < 0)
