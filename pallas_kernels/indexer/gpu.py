@@ -54,6 +54,9 @@ def key_format_of(keys) -> Optional[str]:
     return "bf16" if keys.dtype == jnp.bfloat16 else None
 
 
+N_TERMS = {"f32": 1, "bf16": 1, "bf16x2": 2}  # q operand terms per precision (bf16x2: hi + lo)
+
+
 def split_q(q, fmt, precision):
     """q [..., H, dI] float32 -> list of operand arrays (bf16 / f32), fp4: even/odd channels interleave undone."""
     if fmt == "fp4":
@@ -61,12 +64,12 @@ def split_q(q, fmt, precision):
     else:
         parts = [q]
     if precision == "f32":
-        return [p.astype(jnp.float32) for p in parts], 1
+        return [p.astype(jnp.float32) for p in parts], N_TERMS[precision]
     hi = [p.astype(jnp.bfloat16) for p in parts]
     if precision == "bf16":
-        return hi, 1
+        return hi, N_TERMS[precision]
     lo = [(p - h.astype(jnp.float32)).astype(jnp.bfloat16) for p, h in zip(parts, hi)]
-    return hi + lo, 2
+    return hi + lo, N_TERMS[precision]
 
 
 def e2m1_value(code):
@@ -116,8 +119,7 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T,
     per = 2 if fmt == "fp4" else 1
     # q and w of the block stay in registers / shared memory for the whole sweep over this split's key blocks
     # (block_q is sized so that is <= 128 KB: see default_config)
-    load_q = lambda qq: [q_refs[t * per + p][qq, :, :].astype(op_dtype) for t in range(n_terms) for p in range(per)]
-    hoisted = [load_q(qq) for qq in range(block_q)]
+    hoisted = [[q_ref[qq, :, :].astype(op_dtype) for q_ref in q_refs] for qq in range(block_q)]
     ws = [w_ref[qq, :].astype(jnp.float32) for qq in range(block_q)]
     out_rows = [qi * block_q + qq for qq in range(block_q)]
 
@@ -176,13 +178,11 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T,
     jax.lax.fori_loop(live_hi, hi, fill, 0)
 
 
-def default_config(B, S, T, H, fmt):
+def default_config(S, T, q_bytes):
     """Decode (S == 1): one query per program, 64-key blocks, and enough splits of the key range that the grid
-    holds ~4 waves of programs; each program sweeps its split in a pipelined loop. Prefill: 8 queries share each
-    loaded key block."""
-    # prefill: 8 queries share each key block, fewer when their q operands would exceed 128 KB (f32 / bf16x2 q:
-    # the H200 compile ran out of shared memory with 8 of them)
-    q_bytes = H * 128 * (4 if fmt is None else 4 if fmt == "bf16" else 2)
+    holds ~4 waves of programs; each program sweeps its split in a pipelined loop. Prefill: up to 8 queries share
+    each loaded key block, fewer when their hoisted q operands (`q_bytes` per query) would exceed 128 KB (8 f32 /
+    bf16x2 queries of 64 x 128 ran out of shared memory on the H200)."""
     block_q = 1 if S == 1 else max(1, min(8, (128 << 10) // q_bytes))
     block_t = 64
     block_t = min(block_t, max(16, 1 << (max(T, 1) - 1).bit_length()))
@@ -202,7 +202,10 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
     T = keys.shape[1]
     fmt = key_format_of(keys)
     precision = precision or DEFAULT_PRECISION[fmt]
-    cfg = default_config(B, S, T, H, fmt)
+    hp = max(16, H)
+    n_terms = N_TERMS[precision]
+    op_dtype = jnp.float32 if precision == "f32" else jnp.bfloat16
+    cfg = default_config(S, T, q_bytes=hp * d * n_terms * jnp.dtype(op_dtype).itemsize)
     for k_, v_ in dict(block_q=block_q, block_t=block_t, num_warps=num_warps, num_stages=num_stages,
                        waves=waves, fp4_scale=fp4_scale).items():
         if v_ is not None:
@@ -214,7 +217,6 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
     n_split = num_splits or max(1, -(-cfg["waves"] * N_SM_H200 // (B * (Sp // bq))))
     bps = -(-nb // min(n_split, nb))
     n_split = -(-nb // bps)
-    hp = max(16, H)
     qf = q.astype(jnp.float32)
     wf = weights.astype(jnp.float32)
     if hp != H:  # tensor-core dots need >= 16 columns; padded heads have weight 0
@@ -225,8 +227,7 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
         qf = jnp.pad(qf, ((0, 0), (0, Sp - S), (0, 0), (0, 0)))
         wf = jnp.pad(wf, ((0, 0), (0, Sp - S), (0, 0)))
         nv = jnp.pad(nv, ((0, 0), (0, Sp - S)))
-    qparts, n_terms = split_q(qf, fmt, precision)
-    op_dtype = jnp.float32 if precision == "f32" else jnp.bfloat16
+    qparts, _ = split_q(qf, fmt, precision)
     kparts = (keys,) if not isinstance(keys, formats.QuantizedKeys) else (keys.values, keys.scale)
     grid = (B, Sp // bq, n_split)
     full = lambda shape: pl.BlockSpec(shape, lambda b, i, j: (0,) * len(shape))
