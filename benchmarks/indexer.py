@@ -13,9 +13,11 @@ difference).
 Note: caches smaller than L2 (8K context, batch 1) are re-read from L2 across iterations.
 
 topk_only: just the selection (k = 512) on random scores [B, T], (B, T) in {1, 64} x {32768, 262144}, methods
-lax.top_k / radix select 8 bits per pass / 4 bits per pass (`topk_from_scores`), as dependent calls in one jitted
+lax.top_k / radix select 8 bits per pass / 4 bits per pass / grouped two-stage selection with groups of 16 / 32 / 64
+/ threshold + Triton compaction (`topk_from_scores`), as dependent calls in one jitted
 scan (the next scores get + 0.0 * picks[0] in place at one entry); floor = reading the scores once at copy BW.
---quick: topk_only at T = 262144 only. --tiny (CPU smoke test): small shapes, nominal ceilings, 2 iterations.
+--quick: topk_only at T = 262144 only, without the 8-bit radix and blockwise variants. --variants / --topk-methods
+pick subsets. --tiny (CPU smoke test): small shapes, nominal ceilings, 2 iterations.
 """
 
 from __future__ import annotations
@@ -73,7 +75,11 @@ def case(B, S, ctx, fmt, ceil, n_iter, variants):
     return row
 
 
-TOPK_ONLY_METHODS = {"lax": dict(topk="lax"), "radix": dict(topk="radix"), "radix4": dict(topk="radix4")}
+TOPK_ONLY_METHODS = {"lax": dict(topk="lax"), "radix": dict(topk="radix"), "radix4": dict(topk="radix4"),
+                     "grouped16": dict(topk="grouped16"), "grouped32": dict(topk="grouped32"),
+                     "grouped64": dict(topk="grouped64"), "threshold": dict(topk="threshold")}
+QUICK_DROP = ("radix", "pallas_radix", "pallas_blockwise")  # slower than lax on the H200 / 8-bit radix compiles for
+                                                            # minutes at batch 64 (results/h200_s3r1, s3r3)
 
 
 def topk_only_case(B, T, ceil, n_iter, methods=TOPK_ONLY_METHODS, k=TOPK):
@@ -115,6 +121,10 @@ def main():
     ap.add_argument("--out", default="/tmp/idx_bench")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # CPU smoke test of the script
+    ap.add_argument("--variants", default=None, help="comma-separated subset of the variants (default: all)")
+    ap.add_argument("--topk-methods", default=None, help="comma-separated subset of the topk_only methods")
+    ap.add_argument("--skip-topk-only", action="store_true")
+    ap.add_argument("--cases", default=None, help="comma-separated BxSxCTXxFMT cases, e.g. 64x1x131072xfp8")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     if a.tiny:
@@ -131,25 +141,39 @@ def main():
     if a.tiny:
         topk_shapes = [(1, 4096), (4, 4096)]
     elif a.quick:
-        topk_shapes = [(1, 262144), (64, 262144)]
+        topk_shapes = [(1, 262144), (64, 32768), (64, 262144)]   # (64, 32768): decode at 128K context
     else:
         topk_shapes = [(1, 32768), (1, 262144), (64, 32768), (64, 262144)]
     n_iter_topk = lambda B, T: 2 if a.tiny else 20 if B * T <= (1 << 20) else 5
-    run_topk_only(topk_shapes, ceil, n_iter_topk, result["topk_only"], dump)
+    methods = {m: o for m, o in TOPK_ONLY_METHODS.items() if not (a.quick and m in QUICK_DROP)}
+    if a.topk_methods:
+        methods = {m: TOPK_ONLY_METHODS[m] for m in a.topk_methods.split(",")}
+    if not a.skip_topk_only:
+        run_topk_only(topk_shapes, ceil, n_iter_topk, result["topk_only"], dump, methods)
 
     variants = {
         "pallas": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas"),
         "pallas_blockwise": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="blockwise"),
         "pallas_radix": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="radix"),
         "pallas_radix4": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="radix4"),
+        "pallas_grouped": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="grouped"),
+        "pallas_threshold": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="threshold"),
         "scores_only": lambda q, w, k, n: indexer_scores_pallas(q, w, k, n, impl="pallas"),
+        "scores_f16": lambda q, w, k, n: indexer_scores_pallas(q, w, k, n, impl="pallas",
+                                                               precision="f16" if isinstance(k, F.QuantizedKeys)
+                                                               and k.fmt == "fp8" else None),
+        "pallas_threshold_f16": lambda q, w, k, n: indexer_topk(
+            q, w, k, n, k=TOPK, impl="pallas", topk="threshold",
+            precision="f16" if isinstance(k, F.QuantizedKeys) and k.fmt == "fp8" else None),
         "scores_bt128": lambda q, w, k, n: indexer_scores_pallas(q, w, k, n, impl="pallas", block_t=128),
         "scores_fp4reshape": lambda q, w, k, n: indexer_scores_pallas(q, w, k, n, impl="pallas",
                                                                       fp4_scale="reshape"),
         "xla_ref": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="reference"),
     }
-    if a.quick:  # measured slower than lax.top_k on the H200 (results/h200_s3r1_idx.log)
-        variants.pop("pallas_blockwise")
+    if a.quick:
+        variants = {v: f for v, f in variants.items() if v not in QUICK_DROP}
+    if a.variants:
+        variants = {v: variants[v] for v in a.variants.split(",")}
     cases = []
     fmts = ("bf16", "fp8", "fp4")
     if a.tiny:
@@ -164,6 +188,8 @@ def main():
                 for f in fmts:
                     cases.append((B, 1, ctx, f))
         cases += [(1, 1024, 131072, "bf16"), (1, 1024, 131072, "fp4")]
+    if a.cases:
+        cases = [(int(b), int(s_), int(c), f) for b, s_, c, f in (x.split("x") for x in a.cases.split(","))]
     rows = result["rows"]
     hdr = f"{'B':>3} {'S':>5} {'ctx':>8} {'fmt':>5} {'floor':>9} " + " ".join(f"{v:>17}" for v in variants)
     print(hdr, flush=True)

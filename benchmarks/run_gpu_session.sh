@@ -3,7 +3,7 @@
 #   device run:  STEPS="tests5 model comp idx" bash benchmarks/run_gpu_session.sh [--quick]
 # Steps: tests4 (sparse-attention GPU tests), tests5 (indexer + compressor + top-k GPU tests), model (model-level
 # pallas-vs-reference parity on the GPU), comp / idx / attn (benchmarks/compressor.py, indexer.py,
-# sparse_attention.py; compv = compressor kernel variants on COMPV_CASES), decode (benchmarks/decode.py ref vs pallas), breakdown (benchmarks/decode_breakdown.py).
+# sparse_attention.py; diag = benchmarks/diag_indexer_prefill.py; compv = compressor kernel variants on COMPV_CASES), decode (benchmarks/decode.py ref vs pallas), breakdown (benchmarks/decode_breakdown.py).
 # Per-step limit: T_<step> seconds (defaults below). A test that hangs dumps its Python stack (faulthandler) into
 # the step's log. Logs: $OUT/<step>.log (+ the benchmarks' json).
 set -o pipefail
@@ -33,7 +33,8 @@ for s in ${STEPS:-tests5 model comp idx}; do
     model) run_step model 200 $PYT tests/test_model_pallas.py tests/test_model_pallas_quantized.py ;;
     comp) run_step comp 120 $PY benchmarks/compressor.py --out "$OUT" "$@" ;;
     compv) run_step compv 120 $PY benchmarks/compressor.py --out "$OUT/variants" --variants --cases ${COMPV_CASES:-prefill} ;;
-    idx) run_step idx 180 $PY benchmarks/indexer.py --out "$OUT" "$@" ;;
+    idx) run_step idx 180 $PY benchmarks/indexer.py --out "$OUT" "$@" ${IDX_ARGS:-} ;;
+    diag) run_step diag 120 $PY benchmarks/diag_indexer_prefill.py ${DIAG_ARGS:-} ;;
     attn) run_step attn 300 $PY benchmarks/sparse_attention.py --out "$OUT" "$@" ;;
     decode) for impl in reference pallas; do
         run_step decode_$impl 150 $PY benchmarks/decode.py --preset v4-flash --layers 4 --experts 8 \

@@ -32,6 +32,21 @@ def test_indexer_lowers(fmt, rotate, S, opts):
     lowers_for_cuda(lambda q, w, k, n: indexer_topk_gpu(q, w, k, n, k=64, **opts), q, w, keys, nv)
 
 
+def test_indexer_fp8_f16_lowers():
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+
+    q, w, keys, nv = make_indexer(2, 1, 64, 300, "fp8", True)
+    lowers_for_cuda(lambda q, w, k, n: indexer_topk_gpu(q, w, k, n, k=64, precision="f16"), q, w, keys, nv)
+
+
+def test_topk_compact_kernel_lowers():
+    """The threshold top-k's Triton compaction kernel (topk="threshold" on a GPU)."""
+    from pallas_kernels.indexer.topk import topk_threshold
+
+    s = jax.random.normal(jax.random.key(0), (3, 40000), jnp.float32)
+    lowers_for_cuda(lambda x: topk_threshold(x, 512, compact="pallas"), s)
+
+
 @pytest.mark.parametrize("flags,opts", [
     (dict(fp8=False, ragged=True), {}),
     (dict(fp8=True, ragged=True, dupes=True), dict(n_splits=3)),

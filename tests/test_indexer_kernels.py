@@ -116,6 +116,10 @@ def test_precision_options():
     q, w, keys, nv = make(2, 3, 64, 130, "bf16")
     check_scores(q, w, keys, nv, "pallas", 1e-4)
     check_scores(q, w, keys, nv, "pallas", 1e-2, precision="bf16")
+    q, w, keys, nv = make(2, 3, 64, 130, "fp8", rotate=True)          # fp8 keys through f16 operands: exact
+    check_scores(q, w, keys, nv, "pallas", 1e-5, precision="f16")
+    with pytest.raises(ValueError, match="f16"):
+        indexer_scores_pallas(*make(1, 1, 16, 40, "bf16"), precision="f16")
 
 
 def test_dispatch():
@@ -142,7 +146,31 @@ def test_gpu_kernel(fmt, rotate, B, S, T, k, causal):
 
 
 @gpu
+@pytest.mark.parametrize("B,S,T,causal", [(4, 1, 5000, False), (2, 300, 700, True)])
+def test_gpu_fp8_f16_operands(B, S, T, causal):
+    q, w, keys, nv = make(B, S, 64, T, "fp8", True, causal=causal)
+    check_scores(q, w, keys, nv, "pallas", 1e-4, precision="f16")
+    check_picks(indexer_topk(q, w, keys, nv, k=512, impl="pallas", precision="f16"), q, w, keys, nv, 512)
+
+
+@gpu
 def test_gpu_auto_jits():
     q, w, keys, nv = make(2, 1, 64, 3000, "fp4", True)
     f = jax.jit(lambda *a: indexer_topk(*a, k=512, impl="auto"))
     check_picks(f(q, w, keys, nv), q, w, keys, nv, 512)
+
+
+def test_bf16x2_split_survives_jit():
+    """bf16x2 q operands: hi + lo reproduce q to ~16 bits under jit (XLA GPU folds a two-cast bf16 round trip, which
+    once made lo = 0 there; the split is bit arithmetic now); round_to_bf16 == the two casts."""
+    from pallas_kernels.indexer.gpu import split_q
+    from pallas_kernels.numerics import round_to_bf16
+
+    rng = np.random.default_rng(next(_SEED))
+    q = jnp.asarray(rng.standard_normal((2, 3, 4, 128)) * np.exp(rng.uniform(-20, 20, (2, 3, 4, 128))), jnp.float32)
+    (hi, lo), n = jax.jit(lambda x: split_q(x, "bf16", "bf16x2"))(q)
+    assert n == 2 and hi.dtype == lo.dtype == jnp.bfloat16
+    rel = np.abs(np.asarray(hi, np.float32) + np.asarray(lo, np.float32) - np.asarray(q)) / np.abs(np.asarray(q))
+    assert rel.max() < 2e-5 and np.abs(np.asarray(lo, np.float32)).max() > 0
+    np.testing.assert_array_equal(np.asarray(jax.jit(round_to_bf16)(q)),
+                                  np.asarray(q.astype(jnp.bfloat16).astype(jnp.float32)))

@@ -14,7 +14,7 @@ import pytest
 
 from pallas_kernels.indexer import formats as F, indexer_topk, indexer_topk_reference
 from pallas_kernels.indexer.gpu import radix_bits_of, topk_from_scores
-from pallas_kernels.indexer.topk import float_keys, topk_radix
+from pallas_kernels.indexer.topk import float_keys, topk_grouped, topk_radix, topk_threshold
 
 _SEED = itertools.count(31000)
 
@@ -124,3 +124,90 @@ def test_indexer_topk_radix_end_to_end():
     np.testing.assert_array_equal(picks, lax_picks)
     ref = np.asarray(indexer_topk_reference(q, w, keys, nv, k=200))
     np.testing.assert_array_equal(picks < 0, ref < 0)
+
+
+_grouped = jax.jit(topk_grouped, static_argnames=("k", "group", "direct_max"))
+
+
+@pytest.mark.parametrize("T,group,direct_max", [(300, 4, 16), (1000, 8, 64), (4096, 32, 256), (777, 2, 8)])
+def test_grouped_matches_lax_top_k(T, group, direct_max):
+    """Two-stage (grouped) top-k: every row kind (heavy ties, signed zeros, -inf holes, all -inf), T not a multiple
+    of the group, recursion over group maxima (small direct_max), k in {1, 7, 64, T}: bit-identical to lax."""
+    rng = np.random.default_rng(next(_SEED))
+    for k in sorted({1, 7, 64, T}):
+        s = jnp.asarray(random_scores((2, 6, T), rng))
+        got = np.asarray(_grouped(s, k=k, group=group, direct_max=direct_max))
+        np.testing.assert_array_equal(got, np.asarray(_lax(s, k=min(k, T), topk="lax")))
+
+
+def test_grouped_method_name():
+    rng = np.random.default_rng(next(_SEED))
+    s = jnp.asarray(random_scores((6, 5000), rng))
+    want = np.asarray(topk_from_scores(s, 64))
+    np.testing.assert_array_equal(np.asarray(topk_from_scores(s, 64, topk="grouped")), want)
+    np.testing.assert_array_equal(np.asarray(topk_from_scores(s, 64, topk="grouped16")), want)
+    with pytest.raises(ValueError, match="unknown topk"):
+        radix_bits_of("groupedx")
+
+
+def _fast_rows(R, T, rng):
+    """Rows the threshold path keeps on its fast path: normal scores, -inf holes / tails, an all -inf row, a row
+    with 3 finite entries, +inf and NaN entries (ranked like lax: their picks are -1)."""
+    x = rng.standard_normal((R, T)).astype(np.float32)
+    x[0, rng.random(T) < 0.3] = -np.inf
+    x[1, rng.integers(T // 3, T):] = -np.inf
+    x[2] = -np.inf
+    x[3, 3:] = -np.inf
+    x[4, rng.integers(0, T, 3)] = np.inf
+    x[4, rng.integers(0, T, 2)] = np.nan
+    x[5, rng.integers(0, T, 40)] = -0.0
+    return x
+
+
+@pytest.mark.parametrize("compact", ["reference", "pallas_interpret"])
+@pytest.mark.parametrize("T,k", [(5000, 64), (20000, 100), (4099, 16)])
+def test_threshold_matches_lax_top_k(T, k, compact):
+    """Threshold top-k: bit-identical to lax on its fast path (asserted: no row overflows the slots), and on heavy-
+    tie rows, which overflow and take the exact fallback."""
+    from pallas_kernels.indexer.topk import _ordered_i32, _threshold, compact_reference
+
+    rng = np.random.default_rng(next(_SEED))
+    f = jax.jit(topk_threshold, static_argnames=("k", "compact"))
+    s = jnp.asarray(_fast_rows(8, T, rng))
+    group = 1 << max(0, (T // (2 * k)).bit_length() - 1)
+    keys = _ordered_i32(s)
+    n = compact_reference(keys, _threshold(keys, k, group), 4 * k)[2]
+    assert int(jnp.max(n)) <= 4 * k                                        # the fast path ran
+    np.testing.assert_array_equal(np.asarray(f(s, k=k, compact=compact)), np.asarray(_lax(s, k=k, topk="lax")))
+    s = jnp.asarray(random_scores((2, 6, T), rng))                        # heavy ties: fallback
+    np.testing.assert_array_equal(np.asarray(f(s, k=k, compact=compact)), np.asarray(_lax(s, k=k, topk="lax")))
+
+
+def test_compact_kernel_matches_reference():
+    """The Triton compaction kernel (interpreter) == the XLA reference: several chunks and sub-blocks, T not a multiple
+    of the chunk, survivors past the capacity dropped but counted."""
+    from pallas_kernels.indexer.topk import _ordered_i32, compact_pallas, compact_reference
+
+    rng = np.random.default_rng(next(_SEED))
+    s = jnp.asarray(_fast_rows(6, 1000, rng))
+    keys = _ordered_i32(s)
+    tau = jnp.asarray(np.quantile(np.asarray(s)[np.isfinite(np.asarray(s))], [0.9, 0.5, 0.0, 0.9, 0.95, 0.8]),
+                      jnp.float32)
+    tau = _ordered_i32(tau)
+    for cap in (64, 1024):
+        want = compact_reference(keys, tau, cap)
+        got = compact_pallas(s, keys, tau, cap, chunk=256, sub=64, interpret=True)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (compiled Triton compaction kernel)")
+@pytest.mark.parametrize("R,T,k", [(1, 262144, 512), (64, 32768, 512), (5, 70000, 1024)])
+def test_gpu_threshold_topk(R, T, k):
+    """The compiled threshold top-k (Triton compaction) == lax.top_k: fast-path rows and heavy-tie rows (fallback)."""
+    rng = np.random.default_rng(next(_SEED))
+    f = jax.jit(topk_threshold, static_argnames=("k", "compact"))
+    for s in (_fast_rows(max(R, 6), T, rng)[:R] if R >= 6 else rng.standard_normal((R, T)).astype(np.float32),
+              random_scores((R, T), rng)):
+        s = jnp.asarray(s)
+        np.testing.assert_array_equal(np.asarray(f(s, k=k, compact="pallas")), np.asarray(_lax(s, k=k, topk="lax")))

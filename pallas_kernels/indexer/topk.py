@@ -40,10 +40,19 @@ CPU. bits_per_pass must divide 32 (1, 2, 4, 8, 16).
 
 from __future__ import annotations
 
+import functools
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
-__all__ = ["float_keys", "kth_largest_key", "topk_radix"]
+try:
+    from jax.experimental.pallas import triton as plgpu
+except ImportError:  # pragma: no cover
+    plgpu = None
+
+__all__ = ["float_keys", "kth_largest_key", "topk_radix", "topk_grouped", "topk_threshold"]
 
 PACK_LIMIT = 2 ** 31  # one packed int32 cumsum while (T + 1) * M stays below this (a module constant for tests)
 
@@ -116,3 +125,194 @@ def topk_radix(scores, k: int, *, bits_per_pass: int = 8):
     idx = jnp.take_along_axis(cand, order, axis=1)
     picks = jnp.where(jnp.isfinite(vals), idx, -1).astype(jnp.int32)
     return picks.reshape(lead + (k,))
+
+
+# ---- grouped (two-stage) top-k -------------------------------------------------------------------------------------
+
+
+def _ordered_i32(scores):
+    """float32 -> int32 whose signed order is XLA's float total order (= `float_keys` ^ 2**31): negatives get their
+    31 magnitude bits flipped. `lax.top_k` on it ranks exactly like `lax.top_k` on the floats, ties included."""
+    bits = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32)
+    return bits ^ ((bits >> 31) & jnp.int32(0x7FFFFFFF))
+
+
+def _grouped_positions(keys, k: int, group: int, direct_max: int):
+    """keys [R, T] int32, 1 <= k <= T -> positions [R, k] of the k largest (ties -> lower position), in order.
+
+    Stage 1: the max of every `group` consecutive keys; stage 2: the k best groups by that max (recursively, same
+    method); stage 3: lax.top_k over those k * group candidates, gathered in ascending position order.
+    Exact: order elements by (key desc, position asc). If x is among the k best and its group g was not picked,
+    each of the k picked groups h has max(h) > max(g) >= key(x), or max(h) == max(g) with h < g (top-k ties go to
+    the lower group), and then h's best element has a lower position than x; either way k elements beat x, a
+    contradiction. So the k best all lie in the picked groups, and stage 3 ranks them exactly like a full top_k
+    (candidates keep ascending positions, so ties still go to the lower position)."""
+    R, T = keys.shape
+    if group < 2 or T <= direct_max or T <= k * group:
+        return jax.lax.top_k(keys, k)[1]
+    G = -(-T // group)
+    if G * group != T:  # pad with the minimum key: never picked ahead of a real entry (ties -> lower position)
+        keys = jnp.pad(keys, ((0, 0), (0, G * group - T)), constant_values=jnp.iinfo(jnp.int32).min)
+    grouped = keys.reshape(R, G, group)
+    kg = min(k, G)
+    gid = jnp.sort(_grouped_positions(jnp.max(grouped, axis=2), kg, group, direct_max), axis=1)     # [R, kg]
+    cand = jnp.take_along_axis(grouped, gid[:, :, None], axis=1).reshape(R, kg * group)
+    cand_pos = (gid[:, :, None] * group + jnp.arange(group, dtype=jnp.int32)).reshape(R, kg * group)
+    return jnp.take_along_axis(cand_pos, jax.lax.top_k(cand, k)[1], axis=1)
+
+
+def topk_grouped(scores, k: int, *, group: int = 32, direct_max: int = 8192):
+    """scores [..., T] float32 (-inf = invalid) -> picks [..., min(k, T)] int32, bit-identical to
+    `topk_from_scores(scores, min(k, T), topk="lax")`, by a two-stage selection (see `_grouped_positions`): the sorts
+    run over T / group group maxima and k * group candidates instead of T scores. Rows of <= `direct_max` scores
+    go straight to lax.top_k."""
+    scores = jnp.asarray(scores)
+    lead, T = scores.shape[:-1], scores.shape[-1]
+    k = min(int(k), T)
+    if k <= 0:
+        return jnp.zeros(lead + (0,), jnp.int32)
+    s = scores.astype(jnp.float32).reshape((-1, T))
+    idx = _grouped_positions(_ordered_i32(s), k, int(group), int(direct_max))
+    vals = jnp.take_along_axis(s, idx, axis=1)
+    return jnp.where(jnp.isfinite(vals), idx, -1).astype(jnp.int32).reshape(lead + (k,))
+
+
+# ---- threshold top-k: a provable lower bound of the k-th score, compaction, a top-k over the few survivors -----------
+
+NEG_INF_KEY = -2139095041        # _ordered_i32(-inf): entries at or below it can only produce -1 picks
+INT32_MIN = -(2 ** 31)
+
+
+def _threshold(keys, k: int, group: int):
+    """keys [R, T] int32 -> tau [R]: the k-th largest of the maxima of `group` consecutive keys. The k groups whose
+    max is >= tau hold k distinct entries >= tau, so the k-th largest key is >= tau: every top-k entry is >= tau."""
+    R, T = keys.shape
+    G = -(-T // group)
+    if G * group != T:
+        keys = jnp.pad(keys, ((0, 0), (0, G * group - T)), constant_values=INT32_MIN)
+    gmax = jnp.max(keys.reshape(R, G, group), axis=2)
+    return jax.lax.top_k(gmax, k)[0][:, k - 1]
+
+
+def compact_reference(keys, tau, capacity: int):
+    """keys [R, T] int32, tau [R] -> (cand_keys [R, C], cand_pos [R, C], n [R]): the entries with key >= tau and key
+    above -inf's, in ascending position (the first C of them; n counts all), the rest padded (INT32_MIN, 0)."""
+    R, T = keys.shape
+    m = (keys >= tau[:, None]) & (keys > NEG_INF_KEY)
+    c = jnp.cumsum(m.astype(jnp.int32), axis=1)
+    at = jnp.where(m, c - 1, capacity)                                              # capacity = dropped
+    rows = jax.lax.broadcasted_iota(jnp.int32, (R, T), 0)
+    pos = jax.lax.broadcasted_iota(jnp.int32, (R, T), 1)
+    cand_keys = jnp.full((R, capacity), INT32_MIN, jnp.int32).at[rows, at].set(keys, mode="drop")
+    cand_pos = jnp.zeros((R, capacity), jnp.int32).at[rows, at].set(pos, mode="drop")
+    return cand_keys, cand_pos, c[:, -1]
+
+
+def _compact_kernel(tau_ref, counts_ref, scores_ref, keys_out, pos_out, *, T, chunk, sub, n_chunks, nc_pad,
+                    capacity):
+    """One program = (row r, chunk c of `chunk` scores): its survivors go to positions offset + running count, where
+    offset = survivors of the row's earlier chunks (counted by XLA beforehand)."""
+    r, c = pl.program_id(0), pl.program_id(1)
+    tau = tau_ref[r]
+    ci = jax.lax.iota(jnp.int32, nc_pad)
+    before = plgpu.load(counts_ref.at[r, ci], mask=ci < jnp.minimum(c, n_chunks), other=0)
+    offset = jnp.sum(before)
+
+    def body(j, off):
+        cols = c * chunk + j * sub + jax.lax.iota(jnp.int32, sub)
+        inside = cols < T
+        x = plgpu.load(scores_ref.at[r, cols], mask=inside, other=-jnp.inf)
+        bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+        key = bits ^ ((bits >> 31) & jnp.int32(0x7FFFFFFF))
+        m = inside & (key >= tau) & (key > NEG_INF_KEY)
+        mi = m.astype(jnp.int32)
+        at = off + jnp.cumsum(mi) - 1
+        ok = m & (at < capacity)
+        # lanes not stored get distinct slots in a `sub`-wide tail past the capacity: the interpreter implements a
+        # masked scatter as read-select-write, where a repeated index could overwrite a stored survivor
+        at = jnp.where(ok, at, capacity + jax.lax.iota(jnp.int32, sub))
+        plgpu.store(keys_out.at[r, at], key, mask=ok)
+        plgpu.store(pos_out.at[r, at], cols, mask=ok)
+        return off + jnp.sum(mi)
+
+    jax.lax.fori_loop(0, chunk // sub, body, offset)
+
+
+def compact_pallas(scores, keys, tau, capacity: int, *, chunk: int = 2048, sub: int = 1024, interpret=False):
+    """`compact_reference` as a Pallas (Triton) kernel: no cumsum over T in XLA (which lowers to log2(T) scan
+    levels); the per-chunk survivor counts are one XLA reduction, the prefix over chunks is done in the kernel."""
+    R, T = scores.shape
+    sub = min(sub, chunk)
+    if chunk % sub or sub & (sub - 1):
+        raise ValueError(f"compact_pallas: sub ({sub}) must be a power of two dividing chunk ({chunk})")
+    n_chunks = -(-T // chunk)
+    pad = n_chunks * chunk - T
+    m = (keys >= tau[:, None]) & (keys > NEG_INF_KEY)
+    if pad:
+        m = jnp.pad(m, ((0, 0), (0, pad)))
+    counts = jnp.sum(m.reshape(R, n_chunks, chunk), axis=2, dtype=jnp.int32)              # [R, n_chunks]
+    nc_pad = max(2, 1 << (n_chunks - 1).bit_length())
+    counts_p = jnp.pad(counts, ((0, 0), (0, nc_pad - n_chunks)))
+    full = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
+    kernel = functools.partial(_compact_kernel, T=T, chunk=chunk, sub=sub, n_chunks=n_chunks,
+                               nc_pad=nc_pad, capacity=capacity)
+    extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1))
+    width = capacity + sub                                                          # + the tail of unstored lanes
+    cand_keys, cand_pos = pl.pallas_call(
+        kernel, grid=(R, n_chunks),
+        in_specs=[full((R,)), full((R, nc_pad)), full((R, T))],
+        out_specs=[full((R, width)), full((R, width))],
+        out_shape=[jax.ShapeDtypeStruct((R, width), jnp.int32)] * 2, interpret=interpret,
+        name="topk_compact", **extra,
+    )(tau, counts_p, scores)
+    cand_keys, cand_pos = cand_keys[:, :capacity], cand_pos[:, :capacity]
+    n = jnp.sum(counts, axis=1)
+    filled = jax.lax.broadcasted_iota(jnp.int32, (R, capacity), 1) < n[:, None]      # the kernel writes < n only
+    return jnp.where(filled, cand_keys, INT32_MIN), jnp.where(filled, cand_pos, 0), n
+
+
+def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, compact: str = "reference",
+                   interpret: bool = False):
+    """scores [..., T] float32 (-inf = invalid) -> picks [..., min(k, T)] int32, bit-identical to
+    `topk_from_scores(scores, min(k, T), topk="lax")`.
+
+    1. tau = the k-th largest of the maxima of groups of g = T / (2k) scores (a top_k over ~2k values): a lower
+       bound of the k-th largest score (`_threshold`);
+    2. compact the entries >= tau (and above -inf) in ascending position into `capacity` (default 4k) slots
+       (`compact`: "reference" = XLA cumsum + scatter, "pallas" / "pallas_interpret" = the Triton kernel);
+    3. lax.top_k over the slots (ties -> lower slot = lower position, as lax over the row).
+    Every top-k entry is >= tau and all entries >= tau are kept, so the picks are exact; entries at or below -inf
+    are dropped since they can only give -1 picks (and so does padding). For i.i.d. scores ~1.4k entries survive;
+    if any row has more than `capacity` survivors (heavy ties, adversarial layouts) the whole call takes the exact
+    grouped path instead (lax.cond): same picks, slower."""
+    scores = jnp.asarray(scores)
+    lead, T = scores.shape[:-1], scores.shape[-1]
+    k = min(int(k), T)
+    if k <= 0:
+        return jnp.zeros(lead + (0,), jnp.int32)
+    s = scores.astype(jnp.float32).reshape((-1, T))
+    capacity = int(capacity or max(4 * k, 256))
+    group = 1 << max(0, (T // (2 * k)).bit_length() - 1)          # power of two, T / group ~ 2k..4k groups
+    keys = _ordered_i32(s)
+    if T <= capacity or group < 4:
+        idx = jax.lax.top_k(keys, k)[1]
+    else:
+        tau = _threshold(keys, k, group)
+        if compact == "reference":
+            cand_keys, cand_pos, n = compact_reference(keys, tau, capacity)
+        elif compact in ("pallas", "pallas_interpret"):
+            cand_keys, cand_pos, n = compact_pallas(s, keys, tau, capacity, interpret=compact == "pallas_interpret")
+        else:
+            raise ValueError(f"unknown compact {compact!r}; expected 'reference', 'pallas' or 'pallas_interpret'")
+
+        def fast(_):
+            slot = jax.lax.top_k(cand_keys, k)[1]
+            pos = jnp.take_along_axis(cand_pos, slot, axis=1)
+            return jnp.where(slot < n[:, None], pos, -1)          # slots past n: padding (-1 picks below)
+
+        def exact(_):
+            return _grouped_positions(keys, k, group, 8192)
+
+        idx = jax.lax.cond(jnp.any(n > capacity), exact, fast, None)
+    vals = jnp.take_along_axis(s, jnp.maximum(idx, 0), axis=1)
+    return jnp.where((idx >= 0) & jnp.isfinite(vals), idx, -1).astype(jnp.int32).reshape(lead + (k,))

@@ -22,6 +22,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from ..numerics import round_to_bf16
+
 NOPE_DIM = 448
 ROPE_DIM = 64
 HEAD_DIM = NOPE_DIM + ROPE_DIM
@@ -82,7 +84,7 @@ def quantize_kv_fp8(pool: jax.Array) -> Fp8KVPool:
     """[N, 512] float pool -> Fp8KVPool (per-64-block power-of-two scales on the first 448 dims)."""
     if pool.ndim != 2 or pool.shape[1] != HEAD_DIM:
         raise ValueError(f"quantize_kv_fp8 expects [N, {HEAD_DIM}], got {pool.shape}")
-    x = pool.astype(jnp.bfloat16).astype(jnp.float32)
+    x = round_to_bf16(pool)
     n = x.shape[0]
     nope = x[:, :NOPE_DIM].reshape(n, N_BLOCKS, BLOCK)
     amax = jnp.maximum(jnp.max(jnp.abs(nope), axis=-1), 1e-4)  # [N, 7]
