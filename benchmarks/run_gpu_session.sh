@@ -14,7 +14,7 @@ python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__versi
 cat "$OUT/env.log"
 # tests: XLA's GEMM autotuning off (compile time, not kernel speed, dominates the tiny test models); -rf lists
 # failures at the end, --tb=short keeps them readable
-PYT="env XLA_FLAGS=--xla_gpu_autotune_level=0 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -o faulthandler_timeout=${FAULT_T:-100} --durations=8"
+PYT="env XLA_FLAGS=--xla_gpu_autotune_level=0 python3 -m pytest -v -rf --tb=short -p no:cacheprovider -o faulthandler_timeout=${FAULT_T:-100} --durations=8"
 PY="python3 -X faulthandler"
 run_step() {  # name, default limit, command...
   local name=$1 lim=$2; shift 2
@@ -35,7 +35,7 @@ for s in ${STEPS:-tests5 model comp idx}; do
     compv) run_step compv 120 $PY benchmarks/compressor.py --out "$OUT/variants" --variants --cases ${COMPV_CASES:-prefill} ;;
     idx) run_step idx 180 $PY benchmarks/indexer.py --out "$OUT" "$@" ${IDX_ARGS:-} ;;
     diag) run_step diag 120 $PY benchmarks/diag_indexer_prefill.py ${DIAG_ARGS:-} ;;
-    attn) run_step attn 300 $PY benchmarks/sparse_attention.py --out "$OUT" "$@" ;;
+    attn) run_step attn 300 $PY benchmarks/sparse_attention.py --out "$OUT" "$@" ${ATTN_ARGS:-} ;;
     decode) for impl in reference pallas; do
         run_step decode_$impl 150 $PY benchmarks/decode.py --preset v4-flash --layers 4 --experts 8 \
           --dtype bfloat16 --batch ${BATCH:-16} --contexts ${CONTEXTS:-4096,32768} --steps 32 --repeats 3 \

@@ -229,16 +229,17 @@ def test_gpu_kernel_options(r, overlap, opts):
             assert check(inp, kw, "pallas", TOL[fmt], rotate=True, **opts) > 0
 
 
+@pytest.mark.parametrize("impl", ["pallas", "interpret_tpu"])
 @pytest.mark.parametrize("ratio, overlap, S", [(4, True, 9), (4, True, 1), (128, False, 130)])
-def test_main_kv_fp8_rows(ratio, overlap, S):
-    """The main compressor writing the 584-B FP8 KV rows (Fp8KVPool entries), interpreted GPU kernel vs reference:
-    same rows written, the rest untouched, dequantized entries equal up to an e4m3 rounding step."""
+def test_main_kv_fp8_rows(ratio, overlap, S, impl):
+    """The main compressor writing the 584-B FP8 KV rows (Fp8KVPool entries), interpreted GPU / TPU kernel vs
+    reference: same rows written, the rest untouched, dequantized entries equal up to an e4m3 rounding step."""
     from pallas_kernels.sparse_attention.fp8_layout import Fp8KVPool, dequantize_kv_fp8, quantize_kv_fp8_rows
 
     inp, kw = make(2, S, ratio, overlap, 512, None, starts=[ratio - 1, 2 * ratio + 1], n_valid=[S, S - 1])
     inp["entries"] = quantize_kv_fp8_rows(inp["entries"])
     kw["key_format"] = "kv_fp8"
-    out, ref = call(inp, kw, impl="pallas"), call(inp, kw, impl="reference")
+    out, ref = call(inp, kw, impl=impl), call(inp, kw, impl="reference")
     assert isinstance(out[0], Fp8KVPool) and out[0].nope.dtype == jnp.float8_e4m3fn
     deq = lambda p: np.asarray(dequantize_kv_fp8(jax.tree_util.tree_map(lambda a: a.reshape((-1,) + a.shape[2:]), p)))
     e, er, e0 = deq(out[0]), deq(ref[0]), deq(inp["entries"])

@@ -44,7 +44,8 @@ def test_topk_compact_kernel_lowers():
     from pallas_kernels.indexer.topk import topk_threshold
 
     s = jax.random.normal(jax.random.key(0), (3, 40000), jnp.float32)
-    lowers_for_cuda(lambda x: topk_threshold(x, 512, compact="pallas"), s)
+    lowers_for_cuda(lambda x: topk_threshold(x, 512, impl="pallas"), s)
+    lowers_for_cuda(lambda x: topk_threshold(x, 512, impl="pallas_compact"), s)
 
 
 @pytest.mark.parametrize("flags,opts", [

@@ -5,6 +5,7 @@ bits per pass, under jit; and once end to end through `indexer_topk(..., impl="p
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -152,7 +153,7 @@ def test_grouped_method_name():
 
 def _fast_rows(R, T, rng):
     """Rows the threshold path keeps on its fast path: normal scores, -inf holes / tails, an all -inf row, a row
-    with 3 finite entries, +inf and NaN entries (ranked like lax: their picks are -1)."""
+    with 3 finite entries, +inf and NaN entries (ranked like lax: their picks are -1), short valid prefixes."""
     x = rng.standard_normal((R, T)).astype(np.float32)
     x[0, rng.random(T) < 0.3] = -np.inf
     x[1, rng.integers(T // 3, T):] = -np.inf
@@ -161,26 +162,30 @@ def _fast_rows(R, T, rng):
     x[4, rng.integers(0, T, 3)] = np.inf
     x[4, rng.integers(0, T, 2)] = np.nan
     x[5, rng.integers(0, T, 40)] = -0.0
+    if R > 7:  # short valid prefixes (a decode cache filled to L << T): the strided groups keep the bound tight
+        x[6, 150:] = -np.inf
+        x[7, T // 10:] = -np.inf
     return x
 
 
-@pytest.mark.parametrize("compact", ["reference", "pallas_interpret"])
+@pytest.mark.parametrize("impl", ["xla", "pallas_compact", "pallas"])
 @pytest.mark.parametrize("T,k", [(5000, 64), (20000, 100), (4099, 16)])
-def test_threshold_matches_lax_top_k(T, k, compact):
+def test_threshold_matches_lax_top_k(T, k, impl):
     """Threshold top-k: bit-identical to lax on its fast path (asserted: no row overflows the slots), and on heavy-
     tie rows, which overflow and take the exact fallback."""
     from pallas_kernels.indexer.topk import _ordered_i32, _threshold, compact_reference
 
     rng = np.random.default_rng(next(_SEED))
-    f = jax.jit(topk_threshold, static_argnames=("k", "compact"))
+    f = jax.jit(functools.partial(topk_threshold, interpret=impl != "xla"), static_argnames=("k", "impl"))
     s = jnp.asarray(_fast_rows(8, T, rng))
     group = 1 << max(0, (T // (2 * k)).bit_length() - 1)
     keys = _ordered_i32(s)
-    n = compact_reference(keys, _threshold(keys, k, group), 4 * k)[2]
-    assert int(jnp.max(n)) <= 4 * k                                        # the fast path ran
-    np.testing.assert_array_equal(np.asarray(f(s, k=k, compact=compact)), np.asarray(_lax(s, k=k, topk="lax")))
+    cap = -(-max(4 * k, 256) // 128) * 128                                # topk_threshold's default capacity
+    n = compact_reference(keys, _threshold(keys, k, group), cap)[2]
+    assert int(jnp.max(n)) <= cap                                           # the fast path ran
+    np.testing.assert_array_equal(np.asarray(f(s, k=k, impl=impl)), np.asarray(_lax(s, k=k, topk="lax")))
     s = jnp.asarray(random_scores((2, 6, T), rng))                        # heavy ties: fallback
-    np.testing.assert_array_equal(np.asarray(f(s, k=k, compact=compact)), np.asarray(_lax(s, k=k, topk="lax")))
+    np.testing.assert_array_equal(np.asarray(f(s, k=k, impl=impl)), np.asarray(_lax(s, k=k, topk="lax")))
 
 
 def test_compact_kernel_matches_reference():
@@ -201,13 +206,31 @@ def test_compact_kernel_matches_reference():
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (compiled Triton compaction kernel)")
-@pytest.mark.parametrize("R,T,k", [(1, 262144, 512), (64, 32768, 512), (5, 70000, 1024)])
-def test_gpu_threshold_topk(R, T, k):
-    """The compiled threshold top-k (Triton compaction) == lax.top_k: fast-path rows and heavy-tie rows (fallback)."""
+def test_rank_select_matches_lax():
+    """The Triton rank-counting kernel (interpreter) == take(vals, lax.top_k(keys, k)): heavy ties, padding slots,
+    rows with n < k (padding ranks fill the tail)."""
+    from pallas_kernels.indexer.topk import INT32_MIN, rank_select
+
     rng = np.random.default_rng(next(_SEED))
-    f = jax.jit(topk_threshold, static_argnames=("k", "compact"))
+    R, C, k = 4, 256, 100
+    keys = rng.integers(-5, 5, (R, C)).astype(np.int32)
+    keys[1] = rng.integers(-2**31 + 1, 2**31 - 1, C)
+    n = np.array([C, 200, 37, 0], np.int32)
+    keys[np.arange(C)[None, :] >= n[:, None]] = INT32_MIN
+    vals = rng.integers(0, 10**6, (R, C)).astype(np.int32)
+    got = rank_select(jnp.asarray(keys), jnp.asarray(vals), jnp.asarray(n), k, block=64, interpret=True)
+    want = np.take_along_axis(vals, np.asarray(jax.lax.top_k(jnp.asarray(keys), k)[1]), 1)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (compiled Triton compaction kernel)")
+@pytest.mark.parametrize("impl", ["pallas", "pallas_compact"])
+@pytest.mark.parametrize("R,T,k", [(1, 262144, 512), (64, 32768, 512), (5, 70000, 1024)])
+def test_gpu_threshold_topk(R, T, k, impl):
+    """The compiled threshold top-k (Triton kernels) == lax.top_k: fast-path rows and heavy-tie rows (fallback)."""
+    rng = np.random.default_rng(next(_SEED))
+    f = jax.jit(functools.partial(topk_threshold, impl=impl), static_argnames=("k",))
     for s in (_fast_rows(max(R, 6), T, rng)[:R] if R >= 6 else rng.standard_normal((R, T)).astype(np.float32),
               random_scores((R, T), rng)):
         s = jnp.asarray(s)
-        np.testing.assert_array_equal(np.asarray(f(s, k=k, compact="pallas")), np.asarray(_lax(s, k=k, topk="lax")))
+        np.testing.assert_array_equal(np.asarray(f(s, k=k)), np.asarray(_lax(s, k=k, topk="lax")))

@@ -9,7 +9,7 @@ kernel in the Pallas interpreter, slow, for tests), "auto" (pallas on GPU/TPU, r
 
 The reference encodes through an arbitrary `encode` callable; the kernels support the formats explicitly, named by
 `key_format` (None: cast to the cache dtype; "bf16" | "fp8" | "fp4": the indexer key formats of `indexer.formats`;
-"kv_fp8": the main KV cache's 584-B FP8 rows, entries an `Fp8KVPool`; the TPU path writes those with the reference)
+"kv_fp8": the main KV cache's 584-B FP8 rows, entries an `Fp8KVPool`, written by every kernel)
 and `rotate` (128-point Walsh-Hadamard before quantization). Passing key_format/rotate instead of encode gives
 the same results on every impl (the reference then uses `encode_for(key_format, rotate)`). If a custom `encode` is
 passed without `key_format`, the call falls back to the reference (the kernel cannot know the format).
@@ -73,8 +73,6 @@ def compress_chunk(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, prev
 
         return compress_chunk_gpu(*pos, **kw, key_format=fmt, rotate=rotate, interpret=(target == "interpret"),
                                   **kernel_options)
-    if fmt == KV_FP8:  # the TPU kernel does not write the 584-B rows yet: the reference does (same results)
-        return compress_chunk_reference(*pos, **kw, encode=quantize_kv_fp8_rows)
     from .tpu import compress_chunk_tpu
 
     return compress_chunk_tpu(*pos, **kw, key_format=fmt, rotate=rotate, interpret=(target == "interpret_tpu"),

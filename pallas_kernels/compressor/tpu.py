@@ -5,8 +5,9 @@ gate stay in HBM (`pl.ANY`): each step DMAs the `ratio` chunk rows of window w (
 of an overlapping compressor) into VMEM, starting at the window's first chunk token clamped to the chunk; the
 first window of a row whose start is not window-aligned is realigned with a sublane roll (`pltpu.roll`) and its
 leading slots taken from the open-window state. Then: channel-wise softmax pooling, rounding to `norm_dtype`,
-RMSNorm, RoPE at the window position (pair partner via lane rolls), optional Hadamard (MXU, f32), encoding, and a
-DMA of the finished row (and scale) into the aliased cache at entry w, only for complete windows with w < cap.
+RMSNorm, RoPE at the window position (pair partner via lane rolls), optional Hadamard (MXU, f32), encoding (cache
+dtype, indexer bf16 / fp8 / fp4, or the main KV cache's 584-B FP8 rows), and a DMA of the finished row (and its
+scales) into the aliased cache at entry w, only for complete windows with w < cap.
 The new open-window state comes from the shared XLA epilogue `gpu.next_state`.
 
 Status: validated in the TPU interpreter (`pltpu.InterpretParams`) on CPU only; no TPU compile has been run.
@@ -24,6 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ..indexer import formats
+from ..numerics import round_to_bf16
+from ..sparse_attention.fp8_layout import NOPE_DIM as FP8_NOPE, ROPE_DIM as FP8_ROPE, Fp8KVPool
 from .gpu import e2m1_code, entry_parts, exp2i, mix_matrix, n_windows_of, next_state, pow2_exponent
 
 
@@ -115,6 +118,21 @@ def _kernel(start_ref, nvalid_ref, kv_hbm, gate_hbm, skv_ref, sgate_ref, *refs, 
         s = exp2i(pow2_exponent(jnp.max(jnp.abs(z)), formats.E4M3_MAX, 1e-4))
         row_scr[0][...] = (z / s).astype(row_scr[0].dtype)
         row_scr[1][...] = jnp.full((1, 1), s, jnp.float32)
+    elif key_format == "kv_fp8":  # 584-B rows: 7 x 64 e4m3 with ue8m0 scales, 64 bf16 rope, 1 pad scale byte
+        z = round_to_bf16(y)                                                # the format rounds rows through bf16
+        nb = FP8_NOPE // 64
+        blk = col // 64
+        scale = jnp.ones((1, d), jnp.float32)
+        sbytes = jnp.full((1, row_scr[2].shape[-1]), 127, jnp.int32)
+        scol = jax.lax.broadcasted_iota(jnp.int32, sbytes.shape, 1)
+        for c in range(nb):
+            amax = jnp.max(jnp.where(blk == c, jnp.abs(z), 0.0))
+            e = jnp.clip(jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-4) / formats.E4M3_MAX)), -127, 127).astype(jnp.int32)
+            scale = jnp.where(blk == c, exp2i(e), scale)
+            sbytes = jnp.where(scol == c, e + 127, sbytes)
+        row_scr[0][...] = (z / scale)[:, :FP8_NOPE].astype(row_scr[0].dtype)
+        row_scr[1][...] = z[:, FP8_NOPE:].astype(row_scr[1].dtype)
+        row_scr[2][...] = sbytes.astype(row_scr[2].dtype)
     else:
         ze, zo = mix(m_refs[0]), mix(m_refs[1])                              # [1, d/2] even / odd channels
         grp = jax.lax.broadcasted_iota(jnp.int32, ze.shape, 1) // (formats.FP4_BLOCK // 2)
@@ -151,6 +169,8 @@ def compress_chunk_tpu(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, 
     inv_freq = np.asarray(inv_freq, np.float32)
     rd = 2 * inv_freq.shape[0]
     parts = entry_parts(entries, key_format)
+    if key_format == "kv_fp8" and (d != FP8_NOPE + FP8_ROPE or rd != FP8_ROPE or rotate):
+        raise ValueError(f"kv_fp8 rows need d = {FP8_NOPE}+{FP8_ROPE} with {FP8_ROPE} rope dims and no rotation")
     cap = parts[0].shape[1]
     nw = n_windows_of(S, r)
     start = start.astype(jnp.int32)
@@ -197,7 +217,12 @@ def compress_chunk_tpu(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, 
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         name=f"compress_tpu_r{r}_d{d}", **extra,
     )(start, n_valid, *args)
-    new_entries = outs[0] if key_format in (None, "bf16") else formats.QuantizedKeys(outs[0], outs[1], key_format)
+    if key_format in (None, "bf16"):
+        new_entries = outs[0]
+    elif key_format == "kv_fp8":
+        new_entries = Fp8KVPool(*outs)
+    else:
+        new_entries = formats.QuantizedKeys(outs[0], outs[1], key_format)
     skv, sg, pkv, pg = next_state(kvf, gf, start, n_valid, state_kv, state_gate, prev_kv, prev_gate,
                                   ratio=r, overlap=overlap)
     return new_entries, skv, sg, pkv, pg

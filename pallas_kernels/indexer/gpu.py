@@ -26,8 +26,9 @@ Top-k ("topk" option): "lax" = `lax.top_k` over each query's [T] scores (XLA), "
 "radix4" = exact radix select (`topk.topk_radix`, 8 / 4 bits per pass; no sort over T; "radix_bits" overrides the
 digit width), "grouped" / "grouped<N>" = exact two-stage selection (`topk.topk_grouped`: top-k groups of N = 32
 scores by their max, then top-k over those k * N candidates), "threshold" = `topk.topk_threshold` (a provable lower
-bound of the k-th score from group maxima, the survivors compacted by a Triton kernel on GPU, a top-k over ~4k
-slots; exact fallback when a row overflows). All give the same picks. Default "threshold": on the H200 at batch 64 x
+bound of the k-th score from group maxima, the survivors compacted by a Triton kernel on GPU and ordered by a Triton
+rank-counting kernel, no sort; exact fallback when a row overflows), "threshold_sort" = the same with lax.top_k for
+the bound and the order (XLA-only: cumsum compaction, off the GPU). All give the same picks. Default "threshold": on the H200 at batch 64 x
 32K candidates it costs ~56 us inside the decode step vs ~265 us for "lax" (results/README_indexer_compressor.md). Scores are materialized per query chunk only ([B, query_chunk, T] f32), so
 prefill memory stays bounded.
 """
@@ -268,13 +269,13 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
     return out if pad_to_block else out[..., :T]
 
 
-TOPK_METHODS = ("lax", "blockwise", "radix", "radix4", "grouped", "grouped<N>", "threshold")
+TOPK_METHODS = ("lax", "blockwise", "radix", "radix4", "grouped", "grouped<N>", "threshold", "threshold_sort")
 
 
 def radix_bits_of(topk: str, radix_bits: Optional[int] = None) -> Optional[int]:
     """Digit width of a radix top-k method ("radix" -> 8, "radix4" -> 4, "radixN" -> N; `radix_bits` overrides),
     None for the other methods; ValueError for an unknown method."""
-    if topk in ("lax", "blockwise", "threshold") or topk.startswith("grouped"):
+    if topk in ("lax", "blockwise", "threshold", "threshold_sort") or topk.startswith("grouped"):
         if topk.startswith("grouped") and not (topk == "grouped" or topk[7:].isdigit()):
             raise ValueError(f"unknown topk method {topk!r}; expected one of {TOPK_METHODS}")
         return None
@@ -287,10 +288,12 @@ def topk_from_scores(scores, k, *, topk="lax", topk_block=4096, radix_bits=None)
     """scores [..., Tp] (-inf = invalid) -> picks [..., k] int32 sorted by descending score, ties -> lower index,
     -1 where the score is not finite. topk: "lax" | "blockwise" | "radix" | "radix4" | "grouped[N]" | "threshold" (same results)."""
     bits = radix_bits_of(topk, radix_bits)
-    if topk == "threshold":
+    if topk in ("threshold", "threshold_sort"):
         from .topk import topk_threshold
 
-        return topk_threshold(scores, k, compact="pallas" if jax.default_backend() == "gpu" else "reference")
+        on_gpu = jax.default_backend() == "gpu"
+        impl = ("pallas" if topk == "threshold" else "pallas_compact") if on_gpu else "xla"
+        return topk_threshold(scores, k, impl=impl)
     if topk.startswith("grouped"):
         from .topk import topk_grouped
 

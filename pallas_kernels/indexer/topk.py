@@ -183,15 +183,23 @@ NEG_INF_KEY = -2139095041        # _ordered_i32(-inf): entries at or below it ca
 INT32_MIN = -(2 ** 31)
 
 
-def _threshold(keys, k: int, group: int):
-    """keys [R, T] int32 -> tau [R]: the k-th largest of the maxima of `group` consecutive keys. The k groups whose
-    max is >= tau hold k distinct entries >= tau, so the k-th largest key is >= tau: every top-k entry is >= tau."""
+def _strided_group_max(keys, group: int):
+    """keys [R, T] int32 -> [R, G] with G = ceil(T / group): the max of each strided group {j, j + G, j + 2G, ...}.
+    Strided, not contiguous: when only a prefix of L entries is above -inf (a decode cache filled to L, causal
+    prefill), min(L, G) groups still hold a real entry, so the bound stays tight (contiguous groups would leave
+    L / group real groups, often fewer than k: bound -inf, overflow, the slow path)."""
     R, T = keys.shape
     G = -(-T // group)
     if G * group != T:
         keys = jnp.pad(keys, ((0, 0), (0, G * group - T)), constant_values=INT32_MIN)
-    gmax = jnp.max(keys.reshape(R, G, group), axis=2)
-    return jax.lax.top_k(gmax, k)[0][:, k - 1]
+    return jnp.max(keys.reshape(R, group, G), axis=1)
+
+
+def _threshold(keys, k: int, group: int):
+    """keys [R, T] int32 -> tau [R]: the k-th largest of the maxima of G = T / group disjoint groups of keys. The k
+    groups whose max is >= tau hold k distinct entries >= tau, so the k-th largest key is >= tau: every top-k entry
+    is >= tau (any partition works; `_strided_group_max` picks one that suits prefix-valid rows)."""
+    return jax.lax.top_k(_strided_group_max(keys, group), k)[0][:, k - 1]
 
 
 def compact_reference(keys, tau, capacity: int):
@@ -271,48 +279,109 @@ def compact_pallas(scores, keys, tau, capacity: int, *, chunk: int = 2048, sub: 
     return jnp.where(filled, cand_keys, INT32_MIN), jnp.where(filled, cand_pos, 0), n
 
 
-def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, compact: str = "reference",
-                   interpret: bool = False):
+def _rank_kernel(n_ref, keys_ref, vals_ref, out_ref, *, C, k, block):
+    """One program = (row r, block of `block` slots i): rank_i = #{valid j : key_j > key_i or (key_j == key_i and
+    j < i)} (the position of slot i in descending key order, ties -> lower slot), counted over the row's n valid
+    slots only; slots i >= n (padding, below every valid key) rank i. out[r, rank_i] = val_i where rank_i < k."""
+    r, bi = pl.program_id(0), pl.program_id(1)
+    n = n_ref[r]
+    ii = bi * block + jax.lax.iota(jnp.int32, block)
+    ki = plgpu.load(keys_ref.at[r, ii])
+
+    def body(jb, cnt):
+        jj = jb * block + jax.lax.iota(jnp.int32, block)
+        kj = plgpu.load(keys_ref.at[r, jj], mask=jj < n, other=INT32_MIN)
+        before = (kj[None, :] > ki[:, None]) | ((kj[None, :] == ki[:, None]) & (jj[None, :] < ii[:, None]))
+        before = before & (jj < n)[None, :]
+        return cnt + jnp.sum(before.astype(jnp.int32), axis=1)
+
+    cnt = jax.lax.fori_loop(0, (n + block - 1) // block, body, jnp.zeros((block,), jnp.int32))
+    rank = jnp.where(ii < n, cnt, ii)
+    ok = rank < k
+    at = jnp.where(ok, rank, k + jax.lax.iota(jnp.int32, block))      # distinct tail slots for unstored lanes
+    plgpu.store(out_ref.at[r, at], plgpu.load(vals_ref.at[r, ii]), mask=ok)
+
+
+def rank_select(keys, vals, n, k: int, *, block: int = 128, interpret: bool = False):
+    """keys [R, C] int32 (valid slots [0, n) first, padding after, below every valid key), vals [R, C] int32,
+    n [R] -> [R, k] vals of the k largest keys in descending order (ties -> lower slot), like
+    take(vals, lax.top_k(keys, k)[1]), as one Triton kernel of O(n * C) compares: no sort."""
+    R, C = keys.shape
+    if C % block or k > C:
+        raise ValueError(f"rank_select: C ({C}) must be a multiple of block ({block}) and >= k ({k})")
+    full = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
+    extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1))
+    out = pl.pallas_call(
+        functools.partial(_rank_kernel, C=C, k=k, block=block), grid=(R, C // block),
+        in_specs=[full((R,)), full((R, C)), full((R, C))], out_specs=full((R, k + block)),
+        out_shape=jax.ShapeDtypeStruct((R, k + block), jnp.int32), interpret=interpret, name="topk_rank",
+        **extra,
+    )(n.astype(jnp.int32), keys, vals)
+    return out[:, :k]
+
+
+THRESHOLD_IMPLS = ("xla", "pallas_compact", "pallas")
+
+
+def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str = "xla", interpret: bool = False):
     """scores [..., T] float32 (-inf = invalid) -> picks [..., min(k, T)] int32, bit-identical to
     `topk_from_scores(scores, min(k, T), topk="lax")`.
 
-    1. tau = the k-th largest of the maxima of groups of g = T / (2k) scores (a top_k over ~2k values): a lower
-       bound of the k-th largest score (`_threshold`);
-    2. compact the entries >= tau (and above -inf) in ascending position into `capacity` (default 4k) slots
-       (`compact`: "reference" = XLA cumsum + scatter, "pallas" / "pallas_interpret" = the Triton kernel);
-    3. lax.top_k over the slots (ties -> lower slot = lower position, as lax over the row).
+    1. tau = the k-th largest of the maxima of ~2k..4k strided groups of scores: a lower bound of the k-th largest
+       score (`_threshold`);
+    2. compact the entries >= tau (and above -inf) in ascending position into `capacity` (default 4k) slots;
+    3. order the slots, ties -> lower slot = lower position (as lax over the row).
     Every top-k entry is >= tau and all entries >= tau are kept, so the picks are exact; entries at or below -inf
-    are dropped since they can only give -1 picks (and so does padding). For i.i.d. scores ~1.4k entries survive;
+    are dropped since they can only give -1 picks (and so does padding). For i.i.d. scores ~1.4k entries survive
+(fewer for rows with only a prefix above -inf);
     if any row has more than `capacity` survivors (heavy ties, adversarial layouts) the whole call takes the exact
-    grouped path instead (lax.cond): same picks, slower."""
+    grouped path instead (lax.cond): same picks, slower.
+    impl: "xla" (cumsum + scatter compaction, lax.top_k for tau and the order: any backend), "pallas_compact"
+    (Triton compaction kernel, lax.top_k), "pallas" (Triton compaction and `rank_select` for tau and the order:
+    no sort at all); `interpret` runs the Triton kernels in the Pallas interpreter."""
+    if impl not in THRESHOLD_IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; expected one of {THRESHOLD_IMPLS}")
     scores = jnp.asarray(scores)
     lead, T = scores.shape[:-1], scores.shape[-1]
     k = min(int(k), T)
     if k <= 0:
         return jnp.zeros(lead + (0,), jnp.int32)
     s = scores.astype(jnp.float32).reshape((-1, T))
+    R = s.shape[0]
     capacity = int(capacity or max(4 * k, 256))
+    capacity = -(-capacity // 128) * 128                                # whole rank_select blocks
     group = 1 << max(0, (T // (2 * k)).bit_length() - 1)          # power of two, T / group ~ 2k..4k groups
     keys = _ordered_i32(s)
     if T <= capacity or group < 4:
         idx = jax.lax.top_k(keys, k)[1]
+        vals = jnp.take_along_axis(s, idx, axis=1)
+        return jnp.where(jnp.isfinite(vals), idx, -1).astype(jnp.int32).reshape(lead + (k,))
+    if impl == "pallas":
+        G = -(-T // group)
+        gpad = -(-G // 128) * 128 - G
+        gmax = jnp.pad(_strided_group_max(keys, group), ((0, 0), (0, gpad)), constant_values=INT32_MIN)
+        tau = rank_select(gmax, gmax, jnp.full((R,), G, jnp.int32), k, interpret=interpret)[:, k - 1]
     else:
         tau = _threshold(keys, k, group)
-        if compact == "reference":
-            cand_keys, cand_pos, n = compact_reference(keys, tau, capacity)
-        elif compact in ("pallas", "pallas_interpret"):
-            cand_keys, cand_pos, n = compact_pallas(s, keys, tau, capacity, interpret=compact == "pallas_interpret")
-        else:
-            raise ValueError(f"unknown compact {compact!r}; expected 'reference', 'pallas' or 'pallas_interpret'")
+    if impl == "xla":
+        cand_keys, cand_pos, n = compact_reference(keys, tau, capacity)
+    else:
+        cand_keys, cand_pos, n = compact_pallas(s, keys, tau, capacity, interpret=interpret)
 
-        def fast(_):
-            slot = jax.lax.top_k(cand_keys, k)[1]
-            pos = jnp.take_along_axis(cand_pos, slot, axis=1)
-            return jnp.where(slot < n[:, None], pos, -1)          # slots past n: padding (-1 picks below)
+    def fast(_):
+        if impl == "pallas":
+            # finite <=> -inf's key < key < +inf's key (0x7F800000); padding slots (>= n) hold INT32_MIN: -1
+            finite = (cand_keys > NEG_INF_KEY) & (cand_keys < jnp.int32(0x7F800000))
+            return rank_select(cand_keys, jnp.where(finite, cand_pos, -1), n, k, interpret=interpret)
+        slot = jax.lax.top_k(cand_keys, k)[1]
+        pos = jnp.take_along_axis(cand_pos, slot, axis=1)
+        vals = jnp.take_along_axis(s, pos, axis=1)
+        return jnp.where((slot < n[:, None]) & jnp.isfinite(vals), pos, -1)
 
-        def exact(_):
-            return _grouped_positions(keys, k, group, 8192)
+    def exact(_):
+        idx = _grouped_positions(keys, k, group, 8192)
+        vals = jnp.take_along_axis(s, idx, axis=1)
+        return jnp.where(jnp.isfinite(vals), idx, -1)
 
-        idx = jax.lax.cond(jnp.any(n > capacity), exact, fast, None)
-    vals = jnp.take_along_axis(s, jnp.maximum(idx, 0), axis=1)
-    return jnp.where((idx >= 0) & jnp.isfinite(vals), idx, -1).astype(jnp.int32).reshape(lead + (k,))
+    picks = jax.lax.cond(jnp.any(n > capacity), exact, fast, None)
+    return picks.astype(jnp.int32).reshape(lead + (k,))
