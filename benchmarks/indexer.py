@@ -8,14 +8,15 @@ batch 1 and 64, key formats bf16 / fp8 (132 B) / fp4 (68 B). Prefill: a 1024-que
 Per case: time per call (us) as dependent calls inside one jitted lax.scan (q_{i+1} depends on picks_i), the floor
 max(bytes / copy BW, FLOPs / bf16 rate) with bytes = keys read once + q read + picks written and FLOPs = 2*H*dI per
 (query, visible key), the ratio to it, and the XLA reference in the same run. Variants: pallas (scores kernel + the
-default top-k, "threshold"), pallas_lax / _blockwise / _radix / _radix4 / _grouped / _threshold_sort (other top-k
-methods), pallas_threshold_f16 / scores_f16 (fp8 keys through f16 operands), scores_only / scores_bt128 /
+default top-k, "threshold"), pallas_lax / _blockwise / _radix / _radix4 / _grouped / _threshold_rank (other top-k
+methods), pallas_threshold_f16 / scores_f16 (fp8 keys through f16 operands, now the default), pallas_bf16ops (fp8 /
+fp4 keys through bf16 operands, the fp8 default before session 4), scores_only / scores_bt128 /
 scores_fp4reshape (the scores kernel alone and its knobs: top-k cost = difference), xla_ref.
 Note: caches smaller than L2 (8K context, batch 1) are re-read from L2 across iterations.
 
 topk_only: just the selection (k = 512) on random scores [B, T], (B, T) in {1, 64} x {32768, 262144}, methods
 lax.top_k / radix select 8 bits per pass / 4 bits per pass / grouped two-stage selection with groups of 16 / 32 / 64
-/ threshold (Triton compaction + rank kernels) / threshold_sort (compaction + lax.top_k) (`topk_from_scores`), as
+/ threshold (Triton compaction + lax.top_k) / threshold_rank (compaction + Triton rank kernels) (`topk_from_scores`), as
 dependent calls in one jitted
 scan (the next scores get + 0.0 * picks[0] in place at one entry); floor = reading the scores once at copy BW.
 --quick: topk_only at T = 262144 only, without the 8-bit radix and blockwise variants. --variants / --topk-methods
@@ -80,7 +81,7 @@ def case(B, S, ctx, fmt, ceil, n_iter, variants):
 TOPK_ONLY_METHODS = {"lax": dict(topk="lax"), "radix": dict(topk="radix"), "radix4": dict(topk="radix4"),
                      "grouped16": dict(topk="grouped16"), "grouped32": dict(topk="grouped32"),
                      "grouped64": dict(topk="grouped64"), "threshold": dict(topk="threshold"),
-                     "threshold_sort": dict(topk="threshold_sort")}
+                     "threshold_rank": dict(topk="threshold_rank")}
 QUICK_DROP = ("radix", "pallas_radix", "pallas_blockwise")  # slower than lax on the H200 / 8-bit radix compiles for
                                                             # minutes at batch 64 (results/h200_s3r1, s3r3)
 
@@ -161,8 +162,10 @@ def main():
         "pallas_radix4": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="radix4"),
         "pallas_grouped": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="grouped"),
         "pallas_threshold": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="threshold"),
-        "pallas_threshold_sort": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas",
-                                                                 topk="threshold_sort"),
+        "pallas_threshold_rank": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas",
+                                                                 topk="threshold_rank"),
+        "pallas_bf16ops": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas",
+                                                          precision="bf16" if isinstance(k, F.QuantizedKeys) else None),
         "pallas_lax": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="lax"),
         "scores_only": lambda q, w, k, n: indexer_scores_pallas(q, w, k, n, impl="pallas"),
         "scores_f16": lambda q, w, k, n: indexer_scores_pallas(q, w, k, n, impl="pallas",

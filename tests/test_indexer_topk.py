@@ -1,7 +1,9 @@
-"""Radix-select top-k (`pallas_kernels.indexer.topk.topk_radix`) vs `topk_from_scores(..., topk="lax")`: bit-identical
-picks (tie order and -1s included) on fresh random inputs: random floats, integer-valued scores with heavy ties,
-rows partly / entirely -inf, signed zeros, k in {1, 7, 64, T} and k > T, leading dims [R, T] and [B, S, T], 4 and 8
-bits per pass, under jit; and once end to end through `indexer_topk(..., impl="pallas", topk="radix")`."""
+"""Exact top-k selections (`pallas_kernels.indexer.topk`: radix select, grouped, threshold with its Triton
+compaction and rank kernels) vs `topk_from_scores(..., topk="lax")`: bit-identical picks (tie order and -1s
+included) on fresh random inputs: random floats, integer-valued scores with heavy ties, rows partly / entirely -inf,
+short valid prefixes, signed zeros, +inf / NaN, k in {1, 7, 64, T} and k > T, under jit; the threshold path both on
+its fast path (asserted) and through its exact fallback; the Triton kernels in the interpreter here, compiled in the
+`test_gpu_*` test on a GPU; and once end to end through `indexer_topk(..., impl="pallas", topk="radix")`."""
 
 from __future__ import annotations
 

@@ -1,8 +1,18 @@
-"""Exact top-k by radix select (no sort over T): the indexer's decode-path alternative to `lax.top_k`.
+"""Exact top-k selections for the indexer: alternatives to one `lax.top_k` (a sort) over all T candidates.
 
-    topk_radix(scores [..., T] f32, k, *, bits_per_pass=8) -> picks [..., min(k, T)] int32
+    topk_threshold(scores [..., T] f32, k, *, impl="xla") -> picks [..., min(k, T)] int32   (the GPU default)
+    topk_grouped(scores, k, *, group=32)                  -> same
+    topk_radix(scores, k, *, bits_per_pass=8)             -> same
 
-Contract: bit-identical to `gpu.topk_from_scores(scores, k, topk="lax")` (the k highest scores sorted descending,
+* threshold: tau = the k-th largest of ~2k..4k strided-group maxima is a provable lower bound of the k-th score;
+  the entries >= tau (~1.4k for i.i.d. scores) are compacted in index order (a Triton kernel on GPU) and ordered
+  by a top_k over ~4k slots (or the Triton rank-counting kernel, impl="pallas"); a row with too many survivors
+  sends the call to the exact grouped path (lax.cond). See `topk_threshold`.
+* grouped: top-k groups by their max, then top-k over those groups' entries (`_grouped_positions`).
+* radix: radix select of the exact k-th key, then compaction (below).
+Measured on the H200: `benchmarks/results/README_indexer_compressor.md`.
+
+Radix select in detail. Contract (every method): bit-identical to `gpu.topk_from_scores(scores, k, topk="lax")` (the k highest scores sorted descending,
 ties -> lower index, then -1 where the picked score is not finite), for every input.
 
 `lax.top_k` orders float32 by XLA's *total order* (the comparator bitcasts to int and flips the magnitude bits of

@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import formats
-from .gpu import DEFAULT_PRECISION, e2m1_value, key_format_of, split_q, topk_over_query_chunks
+from .gpu import e2m1_value, key_format_of, split_q, topk_over_query_chunks
 
 
 def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, H, T, op_dtype):
@@ -57,6 +57,9 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, H,
         s = s * key_refs[1][...]                                         # [1, bt]
     vis = (cols < nvis_ref[...]) & (cols < T)
     o_ref[...] = jnp.where(vis, s, -jnp.inf)
+
+
+DEFAULT_PRECISION = {None: "f32", "bf16": "bf16x2", "fp8": "bf16", "fp4": "bf16"}  # no f16 operands on the MXU path
 
 
 def indexer_scores_tpu(q, weights, keys, n_visible, *, interpret=False, precision=None, block_q=8, block_t=None,
