@@ -9,8 +9,8 @@ Per case: time per call (us) as dependent calls inside one jitted lax.scan (q_{i
 max(bytes / copy BW, FLOPs / bf16 rate) with bytes = keys read once + q read + picks written and FLOPs = 2*H*dI per
 (query, visible key), the ratio to it, and the XLA reference in the same run. Variants: pallas (scores kernel + the
 default top-k, "threshold"), pallas_lax / _blockwise / _radix / _radix4 / _grouped / _threshold_rank (other top-k
-methods), pallas_threshold_f16 / scores_f16 (fp8 keys through f16 operands, now the default), pallas_bf16ops (fp8 /
-fp4 keys through bf16 operands, the fp8 default before session 4), scores_only / scores_bt128 /
+methods), pallas_bf16ops / scores_bf16ops (fp8 / fp4 keys through bf16 operands: the fp8 default before session 4,
+whose call 3 measured the f16 default as "scores_f16"), scores_only / scores_bt128 /
 scores_fp4reshape (the scores kernel alone and its knobs: top-k cost = difference), xla_ref.
 Note: caches smaller than L2 (8K context, batch 1) are re-read from L2 across iterations.
 
@@ -161,19 +161,14 @@ def main():
         "pallas_radix": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="radix"),
         "pallas_radix4": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="radix4"),
         "pallas_grouped": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="grouped"),
-        "pallas_threshold": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="threshold"),
         "pallas_threshold_rank": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas",
                                                                  topk="threshold_rank"),
         "pallas_bf16ops": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas",
                                                           precision="bf16" if isinstance(k, F.QuantizedKeys) else None),
         "pallas_lax": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="lax"),
         "scores_only": lambda q, w, k, n: indexer_scores_pallas(q, w, k, n, impl="pallas"),
-        "scores_f16": lambda q, w, k, n: indexer_scores_pallas(q, w, k, n, impl="pallas",
-                                                               precision="f16" if isinstance(k, F.QuantizedKeys)
-                                                               and k.fmt == "fp8" else None),
-        "pallas_threshold_f16": lambda q, w, k, n: indexer_topk(
-            q, w, k, n, k=TOPK, impl="pallas", topk="threshold",
-            precision="f16" if isinstance(k, F.QuantizedKeys) and k.fmt == "fp8" else None),
+        "scores_bf16ops": lambda q, w, k, n: indexer_scores_pallas(
+            q, w, k, n, impl="pallas", precision="bf16" if isinstance(k, F.QuantizedKeys) else None),
         "scores_bt128": lambda q, w, k, n: indexer_scores_pallas(q, w, k, n, impl="pallas", block_t=128),
         "scores_fp4reshape": lambda q, w, k, n: indexer_scores_pallas(q, w, k, n, impl="pallas",
                                                                       fp4_scale="reshape"),

@@ -64,6 +64,7 @@ except ImportError:  # pragma: no cover
 
 from ..indexer import formats
 from ..sparse_attention.fp8_layout import NOPE_DIM as FP8_NOPE, ROPE_DIM as FP8_ROPE, Fp8KVPool
+from ..sparse_attention.fp8_layout import block_exponent as fp8_block_exponent
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -115,6 +116,15 @@ def entry_parts(entries, key_format):
     if not isinstance(entries, formats.QuantizedKeys) or entries.fmt != key_format:
         raise ValueError(f"key_format {key_format!r} needs QuantizedKeys({key_format!r}) entries")
     return (entries.values, entries.scale)
+
+
+def entries_from_parts(outs, key_format):
+    """The inverse of `entry_parts`: the arrays a kernel wrote -> the cache pytree of key_format."""
+    if key_format in (None, "bf16"):
+        return outs[0]
+    if key_format == "kv_fp8":
+        return Fp8KVPool(*outs)
+    return formats.QuantizedKeys(outs[0], outs[1], key_format)
 
 
 def mix_matrix(d: int, rotate: bool):
@@ -464,7 +474,7 @@ def _finish(st: _Static, b, blk, start, nv, pooled, nw_ref, fq_ref, m_ref, outs)
                 _store(rope_ref, b, dest, c * dc - FP8_NOPE, z, ok)
                 continue
             amax = jnp.max(jnp.abs(z), axis=1, keepdims=True)
-            e = jnp.clip(jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-4) / formats.E4M3_MAX)), -127, 127).astype(jnp.int32)
+            e = fp8_block_exponent(amax)
             _store(nope_ref, b, dest, c * dc, z / exp2i(e), ok)
             sc = jnp.where(col8 == c, e + 127, sc)
         _store(sc_ref, b, dest, 0, sc, ok)
@@ -630,12 +640,7 @@ def compress_chunk_gpu(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, 
                    part_shape + state_shape, {n_in + i: i for i in range(len(parts))}, f"compress_{tag}",
                    cfg["num_warps"])
         outs, state_new = res[:len(parts)], res[len(parts):]
-    if key_format in (None, "bf16"):
-        new_entries = outs[0]
-    elif key_format == "kv_fp8":
-        new_entries = Fp8KVPool(*outs)
-    else:
-        new_entries = formats.QuantizedKeys(outs[0], outs[1], key_format)
+    new_entries = entries_from_parts(outs, key_format)
     if fuse:
         skv, sg = state_new[0], state_new[1]
         pkv, pg = (state_new[2], state_new[3]) if overlap else (prev_kv, prev_gate)

@@ -26,8 +26,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ..indexer import formats
 from ..numerics import round_to_bf16
-from ..sparse_attention.fp8_layout import NOPE_DIM as FP8_NOPE, ROPE_DIM as FP8_ROPE, Fp8KVPool
-from .gpu import e2m1_code, entry_parts, exp2i, mix_matrix, n_windows_of, next_state, pow2_exponent
+from ..sparse_attention.fp8_layout import NOPE_DIM as FP8_NOPE, ROPE_DIM as FP8_ROPE
+from ..sparse_attention.fp8_layout import block_exponent as fp8_block_exponent
+from .gpu import (e2m1_code, entries_from_parts, entry_parts, exp2i, mix_matrix, n_windows_of, next_state,
+                  pow2_exponent)
 
 
 def _kernel(start_ref, nvalid_ref, kv_hbm, gate_hbm, skv_ref, sgate_ref, *refs, r, S, d, cd, overlap, eps,
@@ -127,7 +129,7 @@ def _kernel(start_ref, nvalid_ref, kv_hbm, gate_hbm, skv_ref, sgate_ref, *refs, 
         scol = jax.lax.broadcasted_iota(jnp.int32, sbytes.shape, 1)
         for c in range(nb):
             amax = jnp.max(jnp.where(blk == c, jnp.abs(z), 0.0))
-            e = jnp.clip(jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-4) / formats.E4M3_MAX)), -127, 127).astype(jnp.int32)
+            e = fp8_block_exponent(amax)
             scale = jnp.where(blk == c, exp2i(e), scale)
             sbytes = jnp.where(scol == c, e + 127, sbytes)
         row_scr[0][...] = (z / scale)[:, :FP8_NOPE].astype(row_scr[0].dtype)
@@ -217,12 +219,7 @@ def compress_chunk_tpu(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, 
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         name=f"compress_tpu_r{r}_d{d}", **extra,
     )(start, n_valid, *args)
-    if key_format in (None, "bf16"):
-        new_entries = outs[0]
-    elif key_format == "kv_fp8":
-        new_entries = Fp8KVPool(*outs)
-    else:
-        new_entries = formats.QuantizedKeys(outs[0], outs[1], key_format)
+    new_entries = entries_from_parts(outs, key_format)
     skv, sg, pkv, pg = next_state(kvf, gf, start, n_valid, state_kv, state_gate, prev_kv, prev_gate,
                                   ratio=r, overlap=overlap)
     return new_entries, skv, sg, pkv, pg

@@ -67,6 +67,19 @@ __all__ = ["float_keys", "kth_largest_key", "topk_radix", "topk_grouped", "topk_
 PACK_LIMIT = 2 ** 31  # one packed int32 cumsum while (T + 1) * M stays below this (a module constant for tests)
 
 
+def _as_rows(scores, k: int):
+    """scores [..., T] -> (float32 rows [R, T], the leading dims, min(k, T)); every method's preamble."""
+    scores = jnp.asarray(scores)
+    T = scores.shape[-1]
+    return scores.astype(jnp.float32).reshape((-1, T)), scores.shape[:-1], max(0, min(int(k), T))
+
+
+def _finite_picks(s, idx, lead):
+    """Positions [R, k] (-1 allowed) of rows s -> picks [*lead, k] int32: -1 where the picked score is not finite."""
+    vals = jnp.take_along_axis(s, jnp.maximum(idx, 0), axis=1)
+    return jnp.where((idx >= 0) & jnp.isfinite(vals), idx, -1).astype(jnp.int32).reshape(lead + (idx.shape[1],))
+
+
 def float_keys(scores):
     """float32 [...] -> uint32 keys whose unsigned order is XLA's float total order (the order `lax.top_k` uses)."""
     bits = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.uint32)
@@ -122,19 +135,14 @@ def topk_radix(scores, k: int, *, bits_per_pass: int = 8):
     picked score is not finite."""
     if 32 % bits_per_pass:
         raise ValueError(f"bits_per_pass must divide 32, got {bits_per_pass}")
-    scores = jnp.asarray(scores)
-    lead, T = scores.shape[:-1], scores.shape[-1]
-    k = min(int(k), T)
-    if k <= 0:
+    s, lead, k = _as_rows(scores, k)
+    if k == 0:
         return jnp.zeros(lead + (0,), jnp.int32)
-    s = scores.astype(jnp.float32).reshape((-1, T))
     keys = float_keys(s)
     kstar, c_gt = kth_largest_key(keys, k, bits_per_pass)
     cand = _compact_selected(keys, kstar, c_gt, k)                                       # [R, k] ascending
-    vals, order = jax.lax.top_k(jnp.take_along_axis(s, cand, axis=1), k)
-    idx = jnp.take_along_axis(cand, order, axis=1)
-    picks = jnp.where(jnp.isfinite(vals), idx, -1).astype(jnp.int32)
-    return picks.reshape(lead + (k,))
+    order = jax.lax.top_k(jnp.take_along_axis(s, cand, axis=1), k)[1]
+    return _finite_picks(s, jnp.take_along_axis(cand, order, axis=1), lead)
 
 
 # ---- grouped (two-stage) top-k -------------------------------------------------------------------------------------
@@ -176,15 +184,10 @@ def topk_grouped(scores, k: int, *, group: int = 32, direct_max: int = 8192):
     `topk_from_scores(scores, min(k, T), topk="lax")`, by a two-stage selection (see `_grouped_positions`): the sorts
     run over T / group group maxima and k * group candidates instead of T scores. Rows of <= `direct_max` scores
     go straight to lax.top_k."""
-    scores = jnp.asarray(scores)
-    lead, T = scores.shape[:-1], scores.shape[-1]
-    k = min(int(k), T)
-    if k <= 0:
+    s, lead, k = _as_rows(scores, k)
+    if k == 0:
         return jnp.zeros(lead + (0,), jnp.int32)
-    s = scores.astype(jnp.float32).reshape((-1, T))
-    idx = _grouped_positions(_ordered_i32(s), k, int(group), int(direct_max))
-    vals = jnp.take_along_axis(s, idx, axis=1)
-    return jnp.where(jnp.isfinite(vals), idx, -1).astype(jnp.int32).reshape(lead + (k,))
+    return _finite_picks(s, _grouped_positions(_ordered_i32(s), k, int(group), int(direct_max)), lead)
 
 
 # ---- threshold top-k: a provable lower bound of the k-th score, compaction, a top-k over the few survivors -----------
@@ -351,21 +354,17 @@ def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str 
     no sort at all); `interpret` runs the Triton kernels in the Pallas interpreter."""
     if impl not in THRESHOLD_IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {THRESHOLD_IMPLS}")
-    scores = jnp.asarray(scores)
-    lead, T = scores.shape[:-1], scores.shape[-1]
-    k = min(int(k), T)
-    if k <= 0:
+    s, lead, k = _as_rows(scores, k)
+    if k == 0:
         return jnp.zeros(lead + (0,), jnp.int32)
-    s = scores.astype(jnp.float32).reshape((-1, T))
+    T = s.shape[1]
     R = s.shape[0]
     capacity = int(capacity or max(4 * k, 256))
     capacity = -(-capacity // 128) * 128                                # whole rank_select blocks
     group = 1 << max(0, (T // (2 * k)).bit_length() - 1)          # power of two, T / group ~ 2k..4k groups
     keys = _ordered_i32(s)
     if T <= capacity or group < 4:
-        idx = jax.lax.top_k(keys, k)[1]
-        vals = jnp.take_along_axis(s, idx, axis=1)
-        return jnp.where(jnp.isfinite(vals), idx, -1).astype(jnp.int32).reshape(lead + (k,))
+        return _finite_picks(s, jax.lax.top_k(keys, k)[1], lead)
     if impl == "pallas":
         G = -(-T // group)
         gpad = -(-G // 128) * 128 - G
@@ -380,18 +379,14 @@ def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str 
 
     def fast(_):
         if impl == "pallas":
-            # finite <=> -inf's key < key < +inf's key (0x7F800000); padding slots (>= n) hold INT32_MIN: -1
-            finite = (cand_keys > NEG_INF_KEY) & (cand_keys < jnp.int32(0x7F800000))
-            return rank_select(cand_keys, jnp.where(finite, cand_pos, -1), n, k, interpret=interpret)
+            # padding slots (>= n) hold INT32_MIN, below -inf's key: their picks are -1
+            return rank_select(cand_keys, jnp.where(cand_keys > NEG_INF_KEY, cand_pos, -1), n, k,
+                               interpret=interpret)
         slot = jax.lax.top_k(cand_keys, k)[1]
-        pos = jnp.take_along_axis(cand_pos, slot, axis=1)
-        vals = jnp.take_along_axis(s, pos, axis=1)
-        return jnp.where((slot < n[:, None]) & jnp.isfinite(vals), pos, -1)
+        return jnp.where(slot < n[:, None], jnp.take_along_axis(cand_pos, slot, axis=1), -1)
 
     def exact(_):
-        idx = _grouped_positions(keys, k, group, 8192)
-        vals = jnp.take_along_axis(s, idx, axis=1)
-        return jnp.where(jnp.isfinite(vals), idx, -1)
+        return _grouped_positions(keys, k, group, 8192)
 
-    picks = jax.lax.cond(jnp.any(n > capacity), exact, fast, None)
-    return picks.astype(jnp.int32).reshape(lead + (k,))
+    idx = jax.lax.cond(jnp.any(n > capacity), exact, fast, None)
+    return _finite_picks(s, idx, lead)

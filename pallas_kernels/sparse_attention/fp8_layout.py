@@ -80,6 +80,13 @@ def ue8m0_to_f32(b: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def block_exponent(amax: jax.Array) -> jax.Array:
+    """The format's per-64-block scale exponent: ceil(log2(max(amax, 1e-4) / 448)) clipped to [-127, 127], int32
+    (shared by `quantize_kv_fp8` and the compressor kernels that write these rows)."""
+    e = jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-4) / E4M3_MAX))
+    return jnp.clip(e, -127, 127).astype(jnp.int32)
+
+
 def quantize_kv_fp8(pool: jax.Array) -> Fp8KVPool:
     """[N, 512] float pool -> Fp8KVPool (per-64-block power-of-two scales on the first 448 dims)."""
     if pool.ndim != 2 or pool.shape[1] != HEAD_DIM:
@@ -87,9 +94,7 @@ def quantize_kv_fp8(pool: jax.Array) -> Fp8KVPool:
     x = round_to_bf16(pool)
     n = x.shape[0]
     nope = x[:, :NOPE_DIM].reshape(n, N_BLOCKS, BLOCK)
-    amax = jnp.maximum(jnp.max(jnp.abs(nope), axis=-1), 1e-4)  # [N, 7]
-    exp = jnp.ceil(jnp.log2(amax / E4M3_MAX)).astype(jnp.int32)
-    exp = jnp.clip(exp, -127, 127)
+    exp = block_exponent(jnp.max(jnp.abs(nope), axis=-1))  # [N, 7]
     s = ue8m0_to_f32((exp + 127).astype(jnp.uint8))
     q = (nope / s[..., None]).astype(jnp.float8_e4m3fn).reshape(n, NOPE_DIM)
     scale = jnp.concatenate([(exp + 127).astype(jnp.uint8), jnp.full((n, 1), 127, jnp.uint8)], axis=1)
