@@ -3,7 +3,8 @@
 #   device run:  STEPS="tests5 model comp idx" bash benchmarks/run_gpu_session.sh [--quick]
 # Steps: tests4 (sparse-attention GPU tests), tests5 (indexer + compressor + top-k GPU tests), model (model-level
 # pallas-vs-reference parity on the GPU), comp / idx / attn (benchmarks/compressor.py, indexer.py,
-# sparse_attention.py; diag = benchmarks/diag_indexer_prefill.py; compv = compressor kernel variants on COMPV_CASES), decode (benchmarks/decode.py ref vs pallas), breakdown (benchmarks/decode_breakdown.py).
+# sparse_attention.py; diag = benchmarks/diag_indexer_prefill.py; topk / topk_cb = benchmarks/topk_stages.py (topk_cb with
+# XLA command buffers incl. conditionals, CB_TYPES); kres = benchmarks/kernel_resources.sh (ptxas registers/spills); compv = compressor kernel variants on COMPV_CASES), decode (benchmarks/decode.py ref vs pallas), breakdown (benchmarks/decode_breakdown.py).
 # Per-step limit: T_<step> seconds (defaults below). A test that hangs dumps its Python stack (faulthandler) into
 # the step's log. Logs: $OUT/<step>.log (+ the benchmarks' json).
 set -o pipefail
@@ -27,13 +28,17 @@ run_step() {  # name, default limit, command...
 }
 for s in ${STEPS:-tests5 model comp idx}; do
   case $s in
-    tests4) run_step tests4 200 $PYT tests/test_sparse_attention_gpu.py ;;
+    tests4) run_step tests4 200 $PYT tests/test_sparse_attention_gpu.py ${T4_K:+-k "$T4_K"} ;;
     tests5) run_step tests5 200 $PYT tests/test_indexer_kernels.py tests/test_compressor_kernels.py \
           tests/test_indexer_topk.py -k "${GPU_TEST_K:-gpu or matches_lax or edge_values}" ;;
     model) run_step model 200 $PYT tests/test_model_pallas.py tests/test_model_pallas_quantized.py ;;
     comp) run_step comp 120 $PY benchmarks/compressor.py --out "$OUT" "$@" ;;
     compv) run_step compv 120 $PY benchmarks/compressor.py --out "$OUT/variants" --variants --cases ${COMPV_CASES:-prefill} ;;
     idx) run_step idx 180 $PY benchmarks/indexer.py --out "$OUT" "$@" ${IDX_ARGS:-} ;;
+    topk) run_step topk 120 $PY benchmarks/topk_stages.py --out "$OUT" ${TOPK_ARGS:-} ;;
+    topk_cb) XLA_FLAGS="--xla_gpu_enable_command_buffer=${CB_TYPES:-FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE}" \
+          run_step topk_cb 120 $PY benchmarks/topk_stages.py --out "$OUT/cb" ${TOPK_ARGS:-} ;;
+    kres) run_step kres 200 bash benchmarks/kernel_resources.sh ;;
     diag) run_step diag 120 $PY benchmarks/diag_indexer_prefill.py ${DIAG_ARGS:-} ;;
     attn) run_step attn 300 $PY benchmarks/sparse_attention.py --out "$OUT" "$@" ${ATTN_ARGS:-} ;;
     decode) for impl in reference pallas; do

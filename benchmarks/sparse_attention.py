@@ -170,6 +170,11 @@ def main():
                 for ns in (1, 2, 4, 8):
                     record(bench_case(rng, ceil, kind, b, t, kc, fp8, opts=dict(n_splits=ns), ref=False))
 
+    if "fp8ops" in groups:  # FP8 operand dtype x chunk width (session 5), decode B=64 and prefill 4K
+        for kind, b, t, kc in [("csa", 64, 1, 512), ("hca", 16, 1, 8192), ("csa", 1, 4096, 512)]:
+            for o in (dict(), dict(d_chunk=128), dict(fp8_operands="f16"), dict(fp8_operands="f16", d_chunk=128)):
+                record(bench_case(rng, ceil, kind, b, t, kc, True, opts=o, ref=False,
+                                  **(dict(csa_cap=t // 4) if t > 1 else {})))
     if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor
         for kind, b, kc, fp8 in [("csa", 16, 512, False), ("csa", 64, 512, True), ("hca", 16, 8192, True)]:
             for o in ({}, dict(partial_dtype="bfloat16"), dict(fp8_scales="vector"),

@@ -190,6 +190,31 @@ def test_threshold_matches_lax_top_k(T, k, impl):
     np.testing.assert_array_equal(np.asarray(f(s, k=k, impl=impl)), np.asarray(_lax(s, k=k, topk="lax")))
 
 
+@pytest.mark.parametrize("impl", ["pallas_compact", "pallas"])
+def test_threshold_overflow_rows_fixed_up_per_row(impl):
+    """Triton impls: rows whose survivors overflow the slots get their exact top-k from the radix-select fix-up
+    kernel (interpreter) while the other rows of the same call keep the fast path: all ties, few distinct values,
+    a tie block with the unique max at the last index, +-0 ties, next to ordinary rows."""
+    from pallas_kernels.indexer.topk import _ordered_i32, _threshold, compact_reference
+
+    rng = np.random.default_rng(next(_SEED))
+    T, k = 3000, 64
+    x = rng.standard_normal((6, T)).astype(np.float32)
+    x[0] = 1.5
+    x[1] = rng.integers(0, 3, T).astype(np.float32)
+    x[2] = 0.25
+    x[2, -1] = 7.0
+    x[3] = np.where(rng.random(T) < 0.5, -0.0, 0.0)
+    x[3, rng.integers(0, T, 10)] = -np.inf
+    s = jnp.asarray(x)
+    group = 1 << max(0, (T // (2 * k)).bit_length() - 1)
+    keys = _ordered_i32(s)
+    n = np.asarray(compact_reference(keys, _threshold(keys, k, group), 256)[2])
+    assert (n[:4] > 256).all() and (n[4:] <= 256).all()                     # 4 rows overflow, 2 do not
+    f = jax.jit(functools.partial(topk_threshold, k=k, impl=impl, interpret=True))
+    np.testing.assert_array_equal(np.asarray(f(s)), np.asarray(_lax(s, k=k, topk="lax")))
+
+
 def test_compact_kernel_matches_reference():
     """The Triton compaction kernel (interpreter) == the XLA reference: several chunks and sub-blocks, T not a multiple
     of the chunk, survivors past the capacity dropped but counted."""

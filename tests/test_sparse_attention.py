@@ -155,10 +155,15 @@ GPU_CASES = [
     (1, 2, 128, 512, 16, 24, 4, 12, dict(fp8=True, all_invalid_c=True, ragged=True), dict(block_k=16, n_splits=2)),
     (2, 1, 16, 512, 24, 40, 8, 20, dict(fp8=True, ragged=True, dupes=True),
      dict(block_k=16, n_splits=3, fp8_scales="vector", partial_dtype=jnp.bfloat16)),
+    # FP8 in 128-wide chunks (two scale blocks per chunk) with f16 operands, and with per-chunk scale gathers
+    (2, 1, 16, 512, 24, 40, 8, 20, dict(fp8=True, ragged=True, dupes=True),
+     dict(block_k=16, n_splits=2, d_chunk=128, fp8_operands="f16")),
+    (1, 2, 4, 512, 16, 24, 4, 12, dict(fp8=True, all_invalid_c=True), dict(block_k=16, d_chunk=128,
+                                                                          fp8_scales="per_chunk")),
 ]
 
 
-@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"h{c[2]}_d{c[3]}_{'fp8' if c[8].get('fp8') else 'bf16'}{'_vec' if c[9].get('fp8_scales') else ''}")
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"h{c[2]}_d{c[3]}_{'fp8' if c[8].get('fp8') else 'bf16'}{'_vec' if c[9].get('fp8_scales') == 'vector' else ''}{'_dc128' if c[9].get('d_chunk') else ''}{'_f16' if c[9].get('fp8_operands') else ''}")
 def test_gpu_kernel_interpret(case):
     b, t, h, d, n_w, n_c, k_w, k_c, flags, opts = case
     inp = make_inputs(b, t, h, d, n_w, n_c, k_w, k_c, **flags)

@@ -7,7 +7,8 @@
 * threshold: tau = the k-th largest of ~2k..4k strided-group maxima is a provable lower bound of the k-th score;
   the entries >= tau (~1.4k for i.i.d. scores) are compacted in index order (a Triton kernel on GPU) and ordered
   by a top_k over ~4k slots (or the Triton rank-counting kernel, impl="pallas"); a row with too many survivors
-  sends the call to the exact grouped path (lax.cond). See `topk_threshold`.
+  gets its exact top-k set from a radix-select kernel (GPU) or sends the call to the grouped path (lax.cond, XLA
+  impl). See `topk_threshold`.
 * grouped: top-k groups by their max, then top-k over those groups' entries (`_grouped_positions`).
 * radix: radix select of the exact k-th key, then compaction (below).
 Measured on the H200: `benchmarks/results/README_indexer_compressor.md`.
@@ -259,9 +260,9 @@ def _compact_kernel(tau_ref, counts_ref, scores_ref, keys_out, pos_out, *, T, ch
     jax.lax.fori_loop(0, chunk // sub, body, offset)
 
 
-def compact_pallas(scores, keys, tau, capacity: int, *, chunk: int = 2048, sub: int = 1024, interpret=False):
-    """`compact_reference` as a Pallas (Triton) kernel: no cumsum over T in XLA (which lowers to log2(T) scan
-    levels); the per-chunk survivor counts are one XLA reduction, the prefix over chunks is done in the kernel."""
+def _compact_raw(scores, keys, tau, capacity: int, chunk: int, sub: int, interpret: bool):
+    """compact_pallas before its epilogue: (cand_keys [R, capacity + sub], cand_pos [same], n [R]); slots >= min(n,
+    capacity) hold garbage (the `sub` tail takes the lanes a program does not store)."""
     R, T = scores.shape
     sub = min(sub, chunk)
     if chunk % sub or sub & (sub - 1):
@@ -286,10 +287,112 @@ def compact_pallas(scores, keys, tau, capacity: int, *, chunk: int = 2048, sub: 
         out_shape=[jax.ShapeDtypeStruct((R, width), jnp.int32)] * 2, interpret=interpret,
         name="topk_compact", **extra,
     )(tau, counts_p, scores)
+    return cand_keys, cand_pos, jnp.sum(counts, axis=1)
+
+
+def _finish_slots(cand_keys, cand_pos, n, capacity: int):
+    """Raw slot buffers -> the first `capacity` slots, slots >= n padded (INT32_MIN, 0)."""
+    R = n.shape[0]
     cand_keys, cand_pos = cand_keys[:, :capacity], cand_pos[:, :capacity]
-    n = jnp.sum(counts, axis=1)
-    filled = jax.lax.broadcasted_iota(jnp.int32, (R, capacity), 1) < n[:, None]      # the kernel writes < n only
-    return jnp.where(filled, cand_keys, INT32_MIN), jnp.where(filled, cand_pos, 0), n
+    filled = jax.lax.broadcasted_iota(jnp.int32, (R, capacity), 1) < n[:, None]      # the kernels write < n only
+    return jnp.where(filled, cand_keys, INT32_MIN), jnp.where(filled, cand_pos, 0)
+
+
+def compact_pallas(scores, keys, tau, capacity: int, *, chunk: int = 2048, sub: int = 1024, interpret=False):
+    """`compact_reference` as a Pallas (Triton) kernel: no cumsum over T in XLA (which lowers to log2(T) scan
+    levels); the per-chunk survivor counts are one XLA reduction, the prefix over chunks is done in the kernel."""
+    cand_keys, cand_pos, n = _compact_raw(scores, keys, tau, capacity, chunk, sub, interpret)
+    return (*_finish_slots(cand_keys, cand_pos, n, capacity), n)
+
+
+def _exact_rows_kernel(n_ref, scores_ref, keys_in, pos_in, keys_out, pos_out, *, T, k, capacity, chunk, bits):
+    """One program per row; only rows whose survivors overflowed the slots (n > capacity) do anything: they get the
+    exact top-k set in slots [0, k) (ascending position) and padding in [k, capacity), so the ordering stage that
+    follows is exact for them too. Radix select of the exact k-th largest key K* (32 / bits passes over the row,
+    counting #{key >= prefix | digit} for every digit at once), then #{key > K*}, then one pass that keeps every
+    key > K* and the first k - #{key > K*} keys == K* in index order (ties -> lower index, as lax.top_k).
+    Unsigned key order u = signed ordered key ^ INT32_MIN; thresholds are compared in the signed domain."""
+    del keys_in, pos_in  # aliased to the outputs: rows without overflow keep the compaction's slots
+    r = pl.program_id(0)
+    n_chunks = -(-T // chunk)
+    lanes = jax.lax.iota(jnp.int32, chunk)
+
+    def load_keys(c):
+        cols = c * chunk + lanes
+        inside = cols < T
+        x = plgpu.load(scores_ref.at[r, cols], mask=inside, other=-jnp.inf)
+        bits_ = jax.lax.bitcast_convert_type(x, jnp.int32)
+        return cols, inside, bits_ ^ ((bits_ >> 31) & jnp.int32(0x7FFFFFFF))
+
+    @pl.when(n_ref[r] > capacity)
+    def _():
+        digits = jax.lax.iota(jnp.int32, 1 << bits)
+        prefix = jnp.int32(0)                                   # unsigned-order bits of the key prefix fixed so far
+        for p in range(32 // bits):
+            shift = 32 - (p + 1) * bits
+            thr = (prefix | (digits << shift)) ^ jnp.int32(INT32_MIN)          # [2**bits], signed domain
+
+            def count(c, cnt, thr=thr):
+                _, inside, key = load_keys(c)
+                ge = (key[:, None] >= thr[None, :]) & inside[:, None]
+                return cnt + jnp.sum(ge.astype(jnp.int32), axis=0)
+
+            cnt = jax.lax.fori_loop(0, n_chunks, count, jnp.zeros((1 << bits,), jnp.int32))
+            # cnt is non-increasing in the digit and cnt[0] = #{key >= prefix} >= k: take the largest digit with >= k
+            prefix = prefix | ((jnp.sum((cnt >= k).astype(jnp.int32)) - 1) << shift)
+        kstar = prefix ^ jnp.int32(INT32_MIN)
+
+        def count_gt(c, acc):
+            _, inside, key = load_keys(c)
+            return acc + jnp.sum((inside & (key > kstar)).astype(jnp.int32))
+
+        r_eq = k - jax.lax.fori_loop(0, n_chunks, count_gt, jnp.int32(0))   # keys == K* to take, >= 1
+
+        def select(c, carry):
+            n_sel, n_eq = carry
+            cols, inside, key = load_keys(c)
+            gt = inside & (key > kstar)
+            eq = inside & (key == kstar)
+            eq_run = n_eq + jnp.cumsum(eq.astype(jnp.int32))
+            sel = gt | (eq & (eq_run <= r_eq))
+            at = n_sel + jnp.cumsum(sel.astype(jnp.int32)) - 1
+            at = jnp.where(sel, at, capacity + lanes)       # unstored lanes: distinct tail slots (interpreter)
+            plgpu.store(keys_out.at[r, at], key, mask=sel)
+            plgpu.store(pos_out.at[r, at], cols, mask=sel)
+            return n_sel + jnp.sum(sel.astype(jnp.int32)), n_eq + jnp.sum(eq.astype(jnp.int32))
+
+        jax.lax.fori_loop(0, n_chunks, select, (jnp.int32(0), jnp.int32(0)))
+
+        def pad(b, carry):
+            cols = k + b * chunk + lanes
+            keep = cols < capacity
+            plgpu.store(keys_out.at[r, cols], jnp.full((chunk,), INT32_MIN, jnp.int32), mask=keep)
+            plgpu.store(pos_out.at[r, cols], jnp.zeros((chunk,), jnp.int32), mask=keep)
+            return carry
+
+        jax.lax.fori_loop(0, -(-(capacity - k) // chunk), pad, 0)
+
+
+def exact_rows(scores, n, cand_keys, cand_pos, k: int, capacity: int, *, chunk: int = 1024, bits: int = 4,
+               interpret: bool = False):
+    """The overflow fix-up, in place on the raw slot buffers of `_compact_raw` ([R, capacity + chunk], chunk <=
+    the compaction's tail): rows with n > capacity get the exact top-k set in slots [0, k). One launch that returns
+    at once for every other row, instead of a lax.cond (on the GPU a conditional copies its predicate to the host
+    and waits for it: ~20 us of a ~40 us selection, measured on the H200)."""
+    R, T = scores.shape
+    if cand_keys.shape[1] < capacity + chunk or k > capacity or 32 % bits:
+        raise ValueError(f"exact_rows: slots {cand_keys.shape} too narrow for capacity {capacity} + chunk {chunk}, "
+                         f"or k {k} > capacity, or bits {bits} not dividing 32")
+    full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
+    extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1))
+    w = cand_keys.shape[1]
+    return pl.pallas_call(
+        functools.partial(_exact_rows_kernel, T=T, k=k, capacity=capacity, chunk=chunk, bits=bits), grid=(R,),
+        in_specs=[full((R,)), full((R, T)), full((R, w)), full((R, w))],
+        out_specs=[full((R, w)), full((R, w))],
+        out_shape=[jax.ShapeDtypeStruct((R, w), jnp.int32)] * 2, input_output_aliases={2: 0, 3: 1},
+        interpret=interpret, name="topk_exact_rows", **extra,
+    )(n.astype(jnp.int32), scores, cand_keys, cand_pos)
 
 
 def _rank_kernel(n_ref, keys_ref, vals_ref, out_ref, *, C, k, block):
@@ -347,8 +450,10 @@ def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str 
     Every top-k entry is >= tau and all entries >= tau are kept, so the picks are exact; entries at or below -inf
     are dropped since they can only give -1 picks (and so does padding). For i.i.d. scores ~1.4k entries survive
 (fewer for rows with only a prefix above -inf);
-    if any row has more than `capacity` survivors (heavy ties, adversarial layouts) the whole call takes the exact
-    grouped path instead (lax.cond): same picks, slower.
+    a row with more than `capacity` survivors (heavy ties, adversarial layouts) gets the exact top-k by another
+    route: impl "xla" sends the whole call to the exact grouped path (lax.cond), the Triton impls fix such rows up
+    in place with `exact_rows` (radix select in one program per overflowing row; a no-op launch otherwise), so
+    the GPU pipeline has no conditional (which would sync with the host). Same picks either way, slower.
     impl: "xla" (cumsum + scatter compaction, lax.top_k for tau and the order: any backend), "pallas_compact"
     (Triton compaction kernel, lax.top_k), "pallas" (Triton compaction and `rank_select` for tau and the order:
     no sort at all); `interpret` runs the Triton kernels in the Pallas interpreter."""
@@ -374,19 +479,24 @@ def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str 
         tau = _threshold(keys, k, group)
     if impl == "xla":
         cand_keys, cand_pos, n = compact_reference(keys, tau, capacity)
+
+        def order(_):
+            slot = jax.lax.top_k(cand_keys, k)[1]
+            return jnp.where(slot < n[:, None], jnp.take_along_axis(cand_pos, slot, axis=1), -1)
+
+        # overflow (any row with n > capacity): the exact grouped path. A conditional is cheap on the CPU; the GPU
+        # impls below fix overflowing rows up in a kernel instead (a GPU conditional syncs with the host)
+        idx = jax.lax.cond(jnp.any(n > capacity), lambda _: _grouped_positions(keys, k, group, 8192), order, None)
+        return _finite_picks(s, idx, lead)
+    sub = 1024
+    raw_keys, raw_pos, n = _compact_raw(s, keys, tau, capacity, 2048, sub, interpret)
+    raw_keys, raw_pos = exact_rows(s, n, raw_keys, raw_pos, k, capacity, chunk=sub, interpret=interpret)
+    n = jnp.where(n > capacity, k, n)                   # overflow rows now hold exactly their k picks
+    cand_keys, cand_pos = _finish_slots(raw_keys, raw_pos, n, capacity)
+    if impl == "pallas":
+        # padding slots (>= n) hold INT32_MIN, below -inf's key: their picks are -1
+        idx = rank_select(cand_keys, jnp.where(cand_keys > NEG_INF_KEY, cand_pos, -1), n, k, interpret=interpret)
     else:
-        cand_keys, cand_pos, n = compact_pallas(s, keys, tau, capacity, interpret=interpret)
-
-    def fast(_):
-        if impl == "pallas":
-            # padding slots (>= n) hold INT32_MIN, below -inf's key: their picks are -1
-            return rank_select(cand_keys, jnp.where(cand_keys > NEG_INF_KEY, cand_pos, -1), n, k,
-                               interpret=interpret)
         slot = jax.lax.top_k(cand_keys, k)[1]
-        return jnp.where(slot < n[:, None], jnp.take_along_axis(cand_pos, slot, axis=1), -1)
-
-    def exact(_):
-        return _grouped_positions(keys, k, group, 8192)
-
-    idx = jax.lax.cond(jnp.any(n > capacity), exact, fast, None)
+        idx = jnp.where(slot < n[:, None], jnp.take_along_axis(cand_pos, slot, axis=1), -1)
     return _finite_picks(s, idx, lead)

@@ -73,15 +73,15 @@ def _kernel(*refs, srcs, block_h, block_k, d, d_chunk, n_splits, blocks_per_spli
 
     i = pl.program_id(0)
     s = pl.program_id(1)
-    dc = 64 if any(src["fp8"] for src in srcs) else d_chunk
-    n_chunks = d // dc
+    any_fp8 = any(src["fp8"] for src in srcs)
+    chunks = _chunks(d, d_chunk, any_fp8)  # [(offset, width)]: FP8 chunks never straddle the 448 | 64 seam
     cdt = compute_dtype
-    qs = [q_ref[:, pl.ds(c * dc, dc)].astype(cdt) for c in range(n_chunks)]
+    qs = [q_ref[:, pl.ds(off, w)].astype(cdt) for off, w in chunks]
     sink2 = sink_ref[...].astype(jnp.float32) * LOG2E  # [block_h]
 
     m = sink2
     l = jnp.zeros((block_h,), jnp.float32)
-    acc = tuple(jnp.zeros((block_h, dc), jnp.float32) for _ in range(n_chunks))
+    acc = tuple(jnp.zeros((block_h, w), jnp.float32) for _, w in chunks)
 
     lo_blk = s * blocks_per_split
     hi_blk = lo_blk + blocks_per_split
@@ -105,25 +105,34 @@ def _kernel(*refs, srcs, block_h, block_k, d, d_chunk, n_splits, blocks_per_spli
             if fp8 and fp8_scales == "vector":  # the row's 8 scale bytes in one load, split per chunk in registers
                 sb8 = _gather(parts[2], safe, 0, 8, valid[:, None], 127, interpret).astype(jnp.int32)
                 col8 = jax.lax.broadcasted_iota(jnp.int32, (1, 8), 1)
-            for c in range(n_chunks):
+            for off, w in chunks:
                 if not fp8:
-                    kv = _gather(parts[0], safe, c * dc, dc, valid[:, None], 0.0, interpret)
+                    kv = _gather(parts[0], safe, off, w, valid[:, None], 0.0, interpret)
                     kvs.append(kv.astype(cdt))
-                elif c * 64 < NOPE_DIM:
+                elif off < NOPE_DIM:
                     nope_ref, _, scale_ref = parts
-                    raw = _gather(nope_ref, safe, c * 64, 64, valid[:, None], 0.0, interpret)
-                    if fp8_scales == "vector":
-                        sb = jnp.sum(jnp.where(col8 == c, sb8, 0), axis=1)
+                    raw = _gather(nope_ref, safe, off, w, valid[:, None], 0.0, interpret)
+                    blocks = []  # one ue8m0 exponent byte [block_k] per 64-block of the chunk
+                    for b_ in range(off // 64, (off + w) // 64):
+                        if fp8_scales == "vector":
+                            blocks.append(jnp.sum(jnp.where(col8 == b_, sb8, 0), axis=1))
+                        else:
+                            blocks.append(_gather(scale_ref, safe, b_, None, valid, 127, interpret).astype(jnp.int32))
+                    sb = blocks[0][:, None]
+                    if len(blocks) == 2:  # a 128-wide chunk: its two blocks' exponents side by side
+                        col = jax.lax.broadcasted_iota(jnp.int32, (1, w), 1)
+                        sb = jnp.where(col < 64, blocks[0][:, None], blocks[1][:, None])
+                    sc = jax.lax.bitcast_convert_type(sb << 23, jnp.float32)      # 2^(byte - 127), [block_k, 1|w]
+                    if cdt == jnp.float16:  # e4m3 -> f16 is one exact conversion; x 2^e is exact in f16's range
+                        kvs.append(raw.astype(jnp.float16) * sc.astype(jnp.float16))
                     else:
-                        sb = _gather(scale_ref, safe, c, None, valid, 127, interpret)
-                    sc = jax.lax.bitcast_convert_type(sb.astype(jnp.int32) << 23, jnp.float32)
-                    kvs.append((raw.astype(jnp.float32) * sc[:, None]).astype(cdt))
+                        kvs.append((raw.astype(jnp.float32) * sc).astype(cdt))
                 else:
                     rope_ref = parts[1]
-                    kv = _gather(rope_ref, safe, 0, 64, valid[:, None], 0.0, interpret)
+                    kv = _gather(rope_ref, safe, off - NOPE_DIM, w, valid[:, None], 0.0, interpret)
                     kvs.append(kv.astype(cdt))
             sc2 = _dot_nt(qs[0], kvs[0])
-            for c in range(1, n_chunks):
+            for c in range(1, len(chunks)):
                 sc2 += _dot_nt(qs[c], kvs[c])
             logits = jnp.where(valid[None, :], sc2 * scale2, -jnp.inf)  # [block_h, block_k], log2 units
             m_new = jnp.maximum(m, jnp.max(logits, axis=1))
@@ -143,9 +152,25 @@ def _kernel(*refs, srcs, block_h, block_k, d, d_chunk, n_splits, blocks_per_spli
         inv = jnp.where(has, 1.0 / jnp.where(has, l, 1.0), 0.0)
     else:
         inv = 1.0 / (l + jnp.exp2(sink2 - m))
-    for c in range(n_chunks):
-        o_ref[:, pl.ds(c * dc, dc)] = (acc[c] * inv[:, None]).astype(o_ref.dtype)
+    for (off, w), a in zip(chunks, acc):
+        o_ref[:, pl.ds(off, w)] = (a * inv[:, None]).astype(o_ref.dtype)
     lse_ref[...] = lse
+
+
+def _chunks(d: int, d_chunk: int, any_fp8: bool):
+    """head_dim pieces [(offset, width)] the kernel holds q / accumulates o in. bf16 pools: d / d_chunk equal
+    pieces. FP8 pools: the 448 e4m3 dims in d_chunk (64 or 128) pieces, never crossing a 64-block boundary
+    wrongly nor the 448 seam (448 = 3 x 128 + 64), then the 64 bf16 RoPE dims as one piece."""
+    if not any_fp8:
+        return [(c * d_chunk, d_chunk) for c in range(d // d_chunk)]
+    if d != NOPE_DIM + 64 or d_chunk not in (64, 128):
+        raise ValueError(f"FP8 pools need head_dim {NOPE_DIM + 64} and d_chunk 64 or 128, got {d}, {d_chunk}")
+    out, off = [], 0
+    while off < NOPE_DIM:
+        w = min(d_chunk, NOPE_DIM - off)
+        out.append((off, w))
+        off += w
+    return out + [(NOPE_DIM, 64)]
 
 
 def default_config(bt: int, h: int, total_k: int, any_fp8: bool, prefill: bool):
@@ -158,7 +183,7 @@ def default_config(bt: int, h: int, total_k: int, any_fp8: bool, prefill: bool):
     total_blocks = -(-total_k // block_k)
     n_splits = max(1, min(N_SM_H200 // programs, max(1, total_blocks // 2)))
     return dict(block_h=block_h, block_k=block_k, n_splits=n_splits, num_warps=8 if block_h >= 64 else 4,
-                num_stages=2 if any_fp8 else 3, d_chunk=128)
+                num_stages=2 if any_fp8 else 3, d_chunk=64 if any_fp8 else 128)
 
 
 def sparse_attention_gpu(
@@ -183,6 +208,7 @@ def sparse_attention_gpu(
     d_chunk: int | None = None,
     partial_dtype=None,
     fp8_scales: str = "vector",
+    fp8_operands: str = "bf16",
     poison: bool = False,
 ):
     """Pallas GPU (Triton) implementation of `reference.sparse_attention` (same arguments and results).
@@ -191,7 +217,11 @@ def sparse_attention_gpu(
     power of 2), n_splits (split-K factor), num_warps, num_stages, d_chunk (head_dim chunk, bf16 pools only),
     partial_dtype (split-K partial outputs; default: bf16 when the output is bf16, else float32 -- bf16 partials
     were 4-8% faster on the H200, see benchmarks/NOTES_sparse_attention.md), fp8_scales ("vector" (default): the
-    row's 8 scale bytes in one load; "per_chunk": one 1-byte gather per 64-block and row).
+    row's 8 scale bytes in one load; "per_chunk": one 1-byte gather per 64-block and row), fp8_operands (MMA
+    operand dtype when a pool is FP8: "bf16" (default; e4m3 -> f32 -> x scale -> bf16, exact for any scale) or
+    "f16" (q, P and the rows in f16: e4m3 -> f16 is one conversion and x 2^e stays exact while the dequantized
+    values lie in f16's normal range, |x| <= 65504 and scale >= 2^-15 -- true for RMS-normed KV and q; f16 also
+    keeps 3 more mantissa bits of q and P than bf16).
     `interpret=True` runs the kernel in the Pallas interpreter (CPU tests). `poison=True` (tests) aliases the
     kernel outputs to NaN-filled buffers so an element the kernel fails to write shows up as NaN."""
     b, t, h, d = common.validate(q, window_kv, window_idx, compressed_kv, compressed_idx, sinks, window_len,
@@ -211,6 +241,10 @@ def sparse_attention_gpu(
     dc = cfg["d_chunk"] if d_chunk is not None else math.gcd(cfg["d_chunk"], d)  # defaults fit small test dims
     if d % dc:
         raise ValueError(f"d_chunk {dc} must divide head_dim {d}")
+    if fp8_operands not in ("bf16", "f16"):
+        raise ValueError(f"fp8_operands must be 'bf16' or 'f16', got {fp8_operands!r}")
+    if any_fp8:
+        _chunks(d, dc, True)  # validates head_dim / d_chunk for FP8 pools
     hp = -(-h // bh) * bh
     n_hb = hp // bh
 
@@ -263,7 +297,8 @@ def sparse_attention_gpu(
     kernel = functools.partial(
         _kernel, srcs=meta, block_h=bh, block_k=bk, d=d, d_chunk=dc, n_splits=ns, blocks_per_split=bps,
         scale2=float(scale) * LOG2E, out_split=out_split, interpret=interpret,
-        compute_dtype=jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16, fp8_scales=fp8_scales)
+        compute_dtype=(jnp.float32 if q.dtype == jnp.float32 else
+                       jnp.float16 if any_fp8 and fp8_operands == "f16" else jnp.bfloat16), fp8_scales=fp8_scales)
     extra = {}
     if not interpret:
         extra["compiler_params"] = plgpu.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

@@ -1,0 +1,107 @@
+"""Where the time of the threshold top-k goes: each stage of `topk.topk_threshold` timed alone (H200 diagnostic).
+
+    PYTHONPATH=. python benchmarks/topk_stages.py [--cases 1x262144,64x32768] [--out DIR]
+
+Stages (k = 512, random normal scores [R, T]; each timed as dependent calls in one jitted scan, `timing.timed_chain`):
+  full_lax         lax.top_k over all T (the baseline)
+  full_threshold   the GPU default (`topk_threshold(impl="pallas_compact")`)
+  full_nocond      the same without any overflow handling (fast path only): the price of exactness
+  full_rank        impl="pallas" (rank-counting kernels for tau and the order, no sort)
+  full_ties        the default on rows of ~20 distinct values (every row overflows: the radix fix-up kernel runs)
+  lax_ties         lax.top_k on those rows
+  gmax             ordered keys + strided group maxima [R, G]
+  tau              gmax + lax.top_k over the G maxima (the threshold)
+  compact          `compact_pallas` alone (tau given)
+  order            lax.top_k over the `capacity` compacted slots + the index gather
+  cond_trivial     a lax.cond on a device predicate with two trivial branches: the fixed price of a conditional
+  touch            the chain's own carry update alone (the harness overhead, subtracted from nothing)
+Prints a table of us per call; writes DIR/topk_stages.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.timing import timed_chain
+from pallas_kernels.indexer import topk as T_
+
+K = 512
+
+
+def stages(R, T, k=K):
+    interp = jax.default_backend() == "cpu"  # CPU smoke runs: Triton kernels in the interpreter
+    scores = jax.random.normal(jax.random.key(R * 7 + T), (R, T), jnp.float32)
+    capacity = -(-max(4 * k, 256) // 128) * 128
+    group = 1 << max(0, (T // (2 * k)).bit_length() - 1)
+    keys0 = T_._ordered_i32(scores)
+    tau0 = T_._threshold(keys0, k, group)
+    ck0, cp0, n0 = T_.compact_reference(keys0, tau0, capacity)
+
+    def fast_only(s):
+        keys = T_._ordered_i32(s)
+        tau = T_._threshold(keys, k, group)
+        ck, cp, n = T_.compact_pallas(s, keys, tau, capacity, interpret=interp)
+        slot = jax.lax.top_k(ck, k)[1]
+        return jnp.where(slot < n[:, None], jnp.take_along_axis(cp, slot, axis=1), -1)
+
+    def cond_trivial(s):
+        pred = s[0, 0] > 1e30
+        return jax.lax.cond(pred, lambda: jnp.ones((R, 1), jnp.int32), lambda: jnp.zeros((R, 1), jnp.int32))
+
+    ties = jnp.round(scores * 2.0) * 0.5                       # ~20 distinct values: every row overflows the slots
+
+    fns = {
+        "touch": lambda s: jnp.zeros((R, 1), jnp.int32),
+        "full_lax": lambda s: jax.lax.top_k(s, k)[1],
+        "full_threshold": lambda s: T_.topk_threshold(s, k, impl="pallas_compact", interpret=interp),
+        "full_nocond": fast_only,
+        "full_rank": lambda s: T_.topk_threshold(s, k, impl="pallas", interpret=interp),
+        "full_ties": lambda s: T_.topk_threshold(jnp.where(s[:, :1] > 1e30, 0.0, ties), k, impl="pallas_compact",
+                                                 interpret=interp),
+        "lax_ties": lambda s: jax.lax.top_k(jnp.where(s[:, :1] > 1e30, 0.0, ties), k)[1],
+        "gmax": lambda s: T_._strided_group_max(T_._ordered_i32(s), group),
+        "tau": lambda s: T_._threshold(T_._ordered_i32(s), k, group)[:, None],
+        "compact": lambda s: T_.compact_pallas(s, T_._ordered_i32(s), tau0, capacity, interpret=interp)[1],
+        "order": lambda s: jnp.take_along_axis(cp0, jax.lax.top_k(jnp.where(s[:, :1] > 1e30, 0, ck0), k)[1],
+                                               axis=1),
+        "cond_trivial": cond_trivial,
+    }
+    n_iter = 200 if R * T <= (1 << 18) else 50
+    row = dict(R=R, T=T, k=k, group=group, capacity=capacity, survivors_max=int(jnp.max(n0)))
+    for name, fn in fns.items():
+        def step(c, fn=fn):
+            s, acc = c
+            out = fn(s)
+            dep = jnp.sum(out[:, :1]).astype(jnp.float32)
+            return s.at[:, :1].add(0.0 * dep), acc + dep
+        try:
+            row[name] = timed_chain(step, (scores, jnp.zeros((), jnp.float32)), n_iter) * 1e6
+        except Exception as e:  # noqa: BLE001 - report and go on
+            row[name] = float("nan")
+            row[name + "_err"] = repr(e)[:300]
+        print(f"  R={R} T={T} {name:>15}: {row[name]:8.1f} us", flush=True)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="1x262144,64x32768,64x262144")
+    ap.add_argument("--out", default="/tmp/topk_stages")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    rows = []
+    print(jax.devices(), flush=True)
+    for c in a.cases.split(","):
+        R, T = (int(x) for x in c.split("x"))
+        rows.append(stages(R, T))
+        with open(os.path.join(a.out, "topk_stages.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
