@@ -1,37 +1,64 @@
 #!/usr/bin/env bash
-# Registers / spills / shared memory of the compiled Pallas-Triton kernels (H200 diagnostic): compiles the decode
-# sparse-attention kernel (bf16 and FP8 pools, B = 64), the indexer scores kernel (fp4 / fp8 / bf16 keys) and the
-# top-k kernels with XLA's dump on, then runs `ptxas -v` for sm_90a over every dumped PTX module.
+# Registers / spills / shared memory of the compiled Pallas-Triton kernels (H200 diagnostic). jax >= 0.11 compiles a
+# Pallas-Triton kernel to PTX in Python (jax._src.lib.triton.compile); this script wraps that call to keep each
+# kernel's PTX, compiles the decode sparse-attention kernel (B = 64; bf16 / FP8 pools, a few configs), the indexer
+# scores kernel (bf16 / fp8 / fp4 keys) and the top-k kernels, then runs `ptxas -v` (sm_90a) on every PTX.
 #   device run:  OUT=$OUT bash benchmarks/kernel_resources.sh      (writes $OUT/kernel_resources.log)
 set -o pipefail
-OUT=${OUT:-/tmp/kres}; D=$OUT/xla_dump; mkdir -p "$D"
-export PYTHONPATH=.:tests XLA_PYTHON_CLIENT_PREALLOCATE=false
-XLA_FLAGS="--xla_dump_to=$D" timeout 200 python3 - <<'EOF' 2>&1 | grep -v -i warning | tail -5
+OUT=${OUT:-/tmp/kres}; D=$OUT/ptx; mkdir -p "$D"
+export PYTHONPATH=.:tests XLA_PYTHON_CLIENT_PREALLOCATE=false PTX_DIR=$D
+timeout 250 python3 - <<'EOF' 2>&1 | grep -v -i warning | tail -40
+import os, re
 import jax, jax.numpy as jnp
+import jax._src.pallas.triton.pallas_call_registration as R
+
+D = os.environ["PTX_DIR"]
+orig = R.triton.compile
+tag = {"v": "x"}
+
+def capture(platform, ir, arch, **kw):
+    res = orig(platform, ir, arch, **kw)
+    m = re.search(r"\.entry\s+(\w+)", res.asm)
+    name = f"{tag['v']}__{m.group(1) if m else 'kernel'}_w{kw.get('num_warps')}_s{kw.get('num_stages')}"
+    with open(os.path.join(D, name + ".ptx"), "w") as f:
+        f.write(res.asm)
+    print(f"{name}: smem {res.smem_bytes} B", flush=True)
+    return res
+
+R.triton.compile = capture
 from test_sparse_attention import make_inputs, call
 from pallas_kernels.sparse_attention import sparse_attention
 from pallas_kernels.indexer import formats
 from pallas_kernels.indexer.gpu import indexer_topk_gpu
-for fp8 in (False, True):
+
+attn = [("bf16", False, {}), ("bf16_nw16", False, dict(num_warps=16)), ("bf16_dc256", False, dict(d_chunk=256)),
+        ("bf16_bk32s4", False, dict(block_k=32, num_stages=4)), ("fp8", True, {}),
+        ("fp8_f16", True, dict(fp8_operands="f16")), ("fp8_nw16", True, dict(num_warps=16))]
+for v, fp8, opts in attn:
+    tag["v"] = "attn_" + v
     inp = make_inputs(64, 1, 64, 512, 64 * 128, 64 * 600, 128, 512, fp8=fp8)
-    jax.block_until_ready(call(sparse_attention, inp, impl="pallas"))
+    try:
+        jax.block_until_ready(call(sparse_attention, inp, impl="pallas", **opts))
+    except Exception as e:  # noqa: BLE001
+        print(v, "failed:", repr(e)[:300])
 B, T, H, dI = 64, 32768, 64, 128
 for fmt in ("bf16", "fp8", "fp4"):
+    tag["v"] = "idx_" + fmt
     keys = formats.quantize(jax.random.normal(jax.random.key(0), (B, T, dI)), fmt)
     q = formats.fake_quantize(jax.random.normal(jax.random.key(1), (B, 1, H, dI)), fmt)
     w = jax.random.normal(jax.random.key(2), (B, 1, H))
     jax.block_until_ready(indexer_topk_gpu(q, w, keys, jnp.full((B, 1), T, jnp.int32), k=512))
-print("compiled")
+print("compiled", len(os.listdir(D)), "kernels")
 EOF
-PTXAS=$(command -v ptxas || find / -name ptxas -type f 2>/dev/null | head -1)
-echo "ptxas: $PTXAS"; ls "$D" | wc -l
+PTXAS=$(command -v ptxas || ls /usr/local/cuda/bin/ptxas 2>/dev/null || find / -name ptxas -type f 2>/dev/null | head -1)
+echo "ptxas: $PTXAS"
 {
 for f in "$D"/*.ptx; do
   [ -f "$f" ] || continue
-  grep -q -E "sparse_attn|indexer|topk|compress" "$f" || continue
-  echo "== $(basename "$f")"
-  "$PTXAS" -arch=sm_90a -v "$f" -o /dev/null 2>&1 | grep -E "Compiling entry|registers|spill" \
-    | grep -B1 -A1 -E "sparse_attn|indexer|topk|compress|spill" | head -40
+  arch=$(grep -m1 -o "sm_90a\|sm_90" "$f"); arch=${arch:-sm_90a}
+  info=$("$PTXAS" -arch=$arch -v "$f" -o /dev/null 2>&1 | grep -E "registers|spill" | tr '\n' ' ')
+  echo "$(basename "$f" .ptx): $info"
 done
 } > "$OUT/kernel_resources.log" 2>&1
-cat "$OUT/kernel_resources.log" | head -120
+cat "$OUT/kernel_resources.log"
+

@@ -175,6 +175,11 @@ def main():
             for o in (dict(), dict(d_chunk=128), dict(fp8_operands="f16"), dict(fp8_operands="f16", d_chunk=128)):
                 record(bench_case(rng, ceil, kind, b, t, kc, True, opts=o, ref=False,
                                   **(dict(csa_cap=t // 4) if t > 1 else {})))
+    if "knobs5" in groups:  # session 5: wider warps / chunks / deeper pipelines on CSA decode B=64
+        for fp8, opts in [(False, {}), (False, dict(num_warps=16)), (False, dict(d_chunk=256)),
+                          (False, dict(block_k=32, num_stages=4)), (False, dict(block_k=128, num_stages=2)),
+                          (True, {}), (True, dict(num_warps=16)), (True, dict(num_warps=16, fp8_operands="f16"))]:
+            record(bench_case(rng, ceil, "csa", 64, 1, 512, fp8, opts=opts, ref=False))
     if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor
         for kind, b, kc, fp8 in [("csa", 16, 512, False), ("csa", 64, 512, True), ("hca", 16, 8192, True)]:
             for o in ({}, dict(partial_dtype="bfloat16"), dict(fp8_scales="vector"),

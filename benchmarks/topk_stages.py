@@ -7,7 +7,7 @@ Stages (k = 512, random normal scores [R, T]; each timed as dependent calls in o
   full_threshold   the GPU default (`topk_threshold(impl="pallas_compact")`)
   full_nocond      the same without any overflow handling (fast path only): the price of exactness
   full_rank        impl="pallas" (rank-counting kernels for tau and the order, no sort)
-  full_ties        the default on rows of ~20 distinct values (every row overflows: the radix fix-up kernel runs)
+  full_ties        the default on rows of a few distinct values (every row overflows: the radix fix-up kernel runs)
   lax_ties         lax.top_k on those rows
   gmax             ordered keys + strided group maxima [R, G]
   tau              gmax + lax.top_k over the G maxima (the threshold)
@@ -53,7 +53,7 @@ def stages(R, T, k=K):
         pred = s[0, 0] > 1e30
         return jax.lax.cond(pred, lambda: jnp.ones((R, 1), jnp.int32), lambda: jnp.zeros((R, 1), jnp.int32))
 
-    ties = jnp.round(scores * 2.0) * 0.5                       # ~20 distinct values: every row overflows the slots
+    ties = jnp.round(scores * 0.5) * 2.0    # even integers: ~16% of a row ties at the bound, every row overflows
 
     fns = {
         "touch": lambda s: jnp.zeros((R, 1), jnp.int32),
@@ -72,7 +72,9 @@ def stages(R, T, k=K):
         "cond_trivial": cond_trivial,
     }
     n_iter = 200 if R * T <= (1 << 18) else 50
-    row = dict(R=R, T=T, k=k, group=group, capacity=capacity, survivors_max=int(jnp.max(n0)))
+    kt = T_._ordered_i32(ties)
+    row = dict(R=R, T=T, k=k, group=group, capacity=capacity, survivors_max=int(jnp.max(n0)),
+               ties_survivors_min=int(jnp.min(T_.compact_reference(kt, T_._threshold(kt, k, group), capacity)[2])))
     for name, fn in fns.items():
         def step(c, fn=fn):
             s, acc = c
