@@ -13,19 +13,34 @@ import jax, jax.numpy as jnp
 import jax._src.pallas.triton.pallas_call_registration as R
 
 D = os.environ["PTX_DIR"]
-orig = R.triton.compile
 tag = {"v": "x"}
 
-def capture(platform, ir, arch, **kw):
-    res = orig(platform, ir, arch, **kw)
-    m = re.search(r"\.entry\s+(\w+)", res.asm)
-    name = f"{tag['v']}__{m.group(1) if m else 'kernel'}_w{kw.get('num_warps')}_s{kw.get('num_stages')}"
-    with open(os.path.join(D, name + ".ptx"), "w") as f:
-        f.write(res.asm)
-    print(f"{name}: smem {res.smem_bytes} B", flush=True)
-    return res
 
-R.triton.compile = capture
+def wrap(orig):
+    def capture(platform, ir, arch, *a, **kw):
+        res = orig(platform, ir, arch, *a, **kw)
+        m = re.search(r"\.entry\s+(\w+)", res.asm)
+        name = f"{tag['v']}__{m.group(1) if m else 'kernel'}_w{kw.get('num_warps')}_s{kw.get('num_stages')}"
+        with open(os.path.join(D, name + ".ptx"), "w") as f:
+            f.write(res.asm)
+        print(f"{name}: smem {res.smem_bytes} B", flush=True)
+        return res
+    return capture
+
+
+# the module object(s) through which the registration calls `<triton module>.compile` (its import name differs
+# between jax versions): patch the attribute on each, so the call-time lookup finds the wrapper
+import importlib, sys
+try:
+    importlib.import_module("jax._src.lib.triton")
+except ImportError:
+    pass
+mods = {id(o): o for o in list(vars(R).values()) + list(sys.modules.values())
+        if o is not None and callable(getattr(o, "compile", None)) and "triton" in getattr(o, "__name__", "")
+        and getattr(o, "__name__", "").startswith(("jax", "jaxlib"))}
+print("patched:", [m.__name__ for m in mods.values()] or sorted(k for k in vars(R) if not k.startswith("__")))
+for m in mods.values():
+    m.compile = wrap(m.compile)
 from test_sparse_attention import make_inputs, call
 from pallas_kernels.sparse_attention import sparse_attention
 from pallas_kernels.indexer import formats

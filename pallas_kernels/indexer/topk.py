@@ -305,6 +305,9 @@ def compact_pallas(scores, keys, tau, capacity: int, *, chunk: int = 2048, sub: 
     return (*_finish_slots(cand_keys, cand_pos, n, capacity), n)
 
 
+COUNT_WIDTH = 256   # lanes of the fix-up kernel's counting passes ([256, 16] int32 counters: 32 registers a thread)
+
+
 def _exact_rows_kernel(n_ref, scores_ref, keys_in, pos_in, keys_out, pos_out, *, T, k, capacity, chunk, bits):
     """One program per row; only rows whose survivors overflowed the slots (n > capacity) do anything: they get the
     exact top-k set in slots [0, k) (ascending position) and padding in [k, capacity), so the ordering stage that
@@ -316,9 +319,11 @@ def _exact_rows_kernel(n_ref, scores_ref, keys_in, pos_in, keys_out, pos_out, *,
     r = pl.program_id(0)
     n_chunks = -(-T // chunk)
     lanes = jax.lax.iota(jnp.int32, chunk)
+    cw = min(COUNT_WIDTH, chunk)          # counting passes: narrower chunks, per-lane counters reduced once a pass
+    n_cchunks = -(-T // cw)
 
-    def load_keys(c):
-        cols = c * chunk + lanes
+    def load_keys(c, width=chunk):
+        cols = c * width + jax.lax.iota(jnp.int32, width)
         inside = cols < T
         x = plgpu.load(scores_ref.at[r, cols], mask=inside, other=-jnp.inf)
         bits_ = jax.lax.bitcast_convert_type(x, jnp.int32)
@@ -332,21 +337,21 @@ def _exact_rows_kernel(n_ref, scores_ref, keys_in, pos_in, keys_out, pos_out, *,
             shift = 32 - (p + 1) * bits
             thr = (prefix | (digits << shift)) ^ jnp.int32(INT32_MIN)          # [2**bits], signed domain
 
-            def count(c, cnt, thr=thr):
-                _, inside, key = load_keys(c)
-                ge = (key[:, None] >= thr[None, :]) & inside[:, None]
-                return cnt + jnp.sum(ge.astype(jnp.int32), axis=0)
+            def count(c, acc, thr=thr):
+                _, inside, key = load_keys(c, cw)
+                return acc + ((key[:, None] >= thr[None, :]) & inside[:, None]).astype(jnp.int32)
 
-            cnt = jax.lax.fori_loop(0, n_chunks, count, jnp.zeros((1 << bits,), jnp.int32))
+            acc = jax.lax.fori_loop(0, n_cchunks, count, jnp.zeros((cw, 1 << bits), jnp.int32))
+            cnt = jnp.sum(acc, axis=0)
             # cnt is non-increasing in the digit and cnt[0] = #{key >= prefix} >= k: take the largest digit with >= k
             prefix = prefix | ((jnp.sum((cnt >= k).astype(jnp.int32)) - 1) << shift)
         kstar = prefix ^ jnp.int32(INT32_MIN)
 
         def count_gt(c, acc):
-            _, inside, key = load_keys(c)
-            return acc + jnp.sum((inside & (key > kstar)).astype(jnp.int32))
+            _, inside, key = load_keys(c, cw)
+            return acc + (inside & (key > kstar)).astype(jnp.int32)
 
-        r_eq = k - jax.lax.fori_loop(0, n_chunks, count_gt, jnp.int32(0))   # keys == K* to take, >= 1
+        r_eq = k - jnp.sum(jax.lax.fori_loop(0, n_cchunks, count_gt, jnp.zeros((cw,), jnp.int32)))  # >= 1
 
         def select(c, carry):
             n_sel, n_eq = carry
