@@ -8,7 +8,8 @@ Stages (k = 512, random normal scores [R, T]; each timed as dependent calls in o
   full_nocond      the same without any overflow handling (fast path only): the price of exactness
   full_rank        impl="pallas" (rank-counting kernels for tau and the order, no sort)
   full_ties        the default on rows of a few distinct values (every row overflows: the radix fix-up kernel runs)
-  lax_ties         lax.top_k on those rows
+  lax_ties         lax.top_k on those rows (the fix-up takes its tau == K* shortcut there: one counting pass)
+  full_radix       rows with > k distinct keys above a plateau at the bound: the fix-up's radix select runs
   gmax             ordered keys + strided group maxima [R, G]
   tau              gmax + lax.top_k over the G maxima (the threshold)
   compact          `compact_pallas` alone (tau given)
@@ -64,6 +65,8 @@ def stages(R, T, k=K):
         "full_ties": lambda s: T_.topk_threshold(jnp.where(s[:, :1] > 1e30, 0.0, ties), k, impl="pallas_compact",
                                                  interpret=interp),
         "lax_ties": lambda s: jax.lax.top_k(jnp.where(s[:, :1] > 1e30, 0.0, ties), k)[1],
+        "full_radix": lambda s: T_.topk_threshold(jnp.where(s[:, :1] > 1e30, 0.0, plateau), k,
+                                                  impl="pallas_compact", interpret=interp),
         "gmax": lambda s: T_._strided_group_max(T_._ordered_i32(s), group),
         "tau": lambda s: T_._threshold(T_._ordered_i32(s), k, group)[:, None],
         "compact": lambda s: T_.compact_pallas(s, T_._ordered_i32(s), tau0, capacity, interpret=interp)[1],
@@ -72,8 +75,20 @@ def stages(R, T, k=K):
         "cond_trivial": cond_trivial,
     }
     n_iter = 200 if R * T <= (1 << 18) else 50
+    # plateau of 1.0 (20% of a row) under > k distinct larger values packed in a few strided groups: overflow with
+    # more than k keys above the bound, so the fix-up kernel runs its radix select
+    G = -(-T // group)
+    u = jax.random.uniform(jax.random.key(5), (R, T), jnp.float32, -3.0, 0.5)
+    plat = jnp.where(jax.random.uniform(jax.random.key(6), (R, T)) < 0.2, 1.0, u)
+    cols = jnp.arange(T)
+    big = (cols % G >= 5) & (cols % G < 5 + -(-3 * k // (2 * group)))
+    plateau = jnp.where(big[None, :], 2.0 + jax.random.uniform(jax.random.key(7), (R, T)), plat)
     kt = T_._ordered_i32(ties)
+    kp = T_._ordered_i32(plateau)
+    tp = T_._threshold(kp, k, group)
     row = dict(R=R, T=T, k=k, group=group, capacity=capacity, survivors_max=int(jnp.max(n0)),
+               plateau_survivors_min=int(jnp.min(T_.compact_reference(kp, tp, capacity)[2])),
+               plateau_above_min=int(jnp.min(jnp.sum(kp > tp[:, None], axis=1))),
                ties_survivors_min=int(jnp.min(T_.compact_reference(kt, T_._threshold(kt, k, group), capacity)[2])))
     for name, fn in fns.items():
         def step(c, fn=fn):

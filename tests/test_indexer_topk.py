@@ -194,7 +194,8 @@ def test_threshold_matches_lax_top_k(T, k, impl):
 def test_threshold_overflow_rows_fixed_up_per_row(impl):
     """Triton impls: rows whose survivors overflow the slots get their exact top-k from the radix-select fix-up
     kernel (interpreter) while the other rows of the same call keep the fast path: all ties, few distinct values,
-    a tie block with the unique max at the last index, +-0 ties, next to ordinary rows."""
+    a tie block with the unique max at the last index, +-0 ties, many distinct keys above a plateau, next to an
+    ordinary row."""
     from pallas_kernels.indexer.topk import _ordered_i32, _threshold, compact_reference
 
     rng = np.random.default_rng(next(_SEED))
@@ -206,11 +207,21 @@ def test_threshold_overflow_rows_fixed_up_per_row(impl):
     x[2, -1] = 7.0
     x[3] = np.where(rng.random(T) < 0.5, -0.0, 0.0)
     x[3, rng.integers(0, T, 10)] = -np.inf
-    s = jnp.asarray(x)
     group = 1 << max(0, (T // (2 * k)).bit_length() - 1)
+    G = -(-T // group)
+    # row 5: a plateau of 1.0 sets the bound, and 100+ distinct larger values packed into 7 strided groups lie above
+    # it: more than k keys above tau, so the fix-up runs its radix select (rows 0-3 take the tau == K* shortcut)
+    x[5] = rng.uniform(-3.0, 0.5, T)
+    x[5, rng.choice(T, 1000, replace=False)] = 1.0
+    big = np.concatenate([np.arange(g, T, G) for g in range(5, 12)])
+    x[5, big] = 2.0 + rng.random(big.size)
+    s = jnp.asarray(x)
     keys = _ordered_i32(s)
-    n = np.asarray(compact_reference(keys, _threshold(keys, k, group), 256)[2])
-    assert (n[:4] > 256).all() and (n[4:] <= 256).all()                     # 4 rows overflow, 2 do not
+    tau = _threshold(keys, k, group)
+    n = np.asarray(compact_reference(keys, tau, 256)[2])
+    above = np.asarray(jnp.sum(keys > tau[:, None], axis=1))
+    assert (n[:4] > 256).all() and n[4] <= 256 and n[5] > 256               # 5 rows overflow, 1 does not
+    assert (above[:4] < k).all() and above[5] >= k                          # both fix-up routes run
     f = jax.jit(functools.partial(topk_threshold, k=k, impl=impl, interpret=True))
     np.testing.assert_array_equal(np.asarray(f(s)), np.asarray(_lax(s, k=k, topk="lax")))
 

@@ -305,21 +305,23 @@ def compact_pallas(scores, keys, tau, capacity: int, *, chunk: int = 2048, sub: 
     return (*_finish_slots(cand_keys, cand_pos, n, capacity), n)
 
 
-COUNT_WIDTH = 256   # lanes of the fix-up kernel's counting passes ([256, 16] int32 counters: 32 registers a thread)
+COUNT_WIDTH = 1024  # lanes of the fix-up kernel's counting passes ([1024, 16] int32 counters: 64 registers a thread
+                    # at 8 warps)
 
 
-def _exact_rows_kernel(n_ref, scores_ref, keys_in, pos_in, keys_out, pos_out, *, T, k, capacity, chunk, bits):
+def _exact_rows_kernel(n_ref, tau_ref, scores_ref, keys_in, pos_in, keys_out, pos_out, *, T, k, capacity, chunk, bits):
     """One program per row; only rows whose survivors overflowed the slots (n > capacity) do anything: they get the
     exact top-k set in slots [0, k) (ascending position) and padding in [k, capacity), so the ordering stage that
-    follows is exact for them too. Radix select of the exact k-th largest key K* (32 / bits passes over the row,
-    counting #{key >= prefix | digit} for every digit at once), then #{key > K*}, then one pass that keeps every
+    follows is exact for them too. The exact k-th largest key K*: tau itself when fewer than k keys lie above it
+    (one counting pass: the common overflow, a plateau of ties at the bound), else a radix select (32 / bits passes
+    over the row, counting #{key >= prefix | digit} for every digit at once); then one pass that keeps every
     key > K* and the first k - #{key > K*} keys == K* in index order (ties -> lower index, as lax.top_k).
     Unsigned key order u = signed ordered key ^ INT32_MIN; thresholds are compared in the signed domain."""
     del keys_in, pos_in  # aliased to the outputs: rows without overflow keep the compaction's slots
     r = pl.program_id(0)
     n_chunks = -(-T // chunk)
     lanes = jax.lax.iota(jnp.int32, chunk)
-    cw = min(COUNT_WIDTH, chunk)          # counting passes: narrower chunks, per-lane counters reduced once a pass
+    cw = min(COUNT_WIDTH, chunk)          # counting passes: per-lane counters, reduced once a pass
     n_cchunks = -(-T // cw)
 
     def load_keys(c, width=chunk):
@@ -329,8 +331,13 @@ def _exact_rows_kernel(n_ref, scores_ref, keys_in, pos_in, keys_out, pos_out, *,
         bits_ = jax.lax.bitcast_convert_type(x, jnp.int32)
         return cols, inside, bits_ ^ ((bits_ >> 31) & jnp.int32(0x7FFFFFFF))
 
-    @pl.when(n_ref[r] > capacity)
-    def _():
+    def count_gt(v):
+        def body(c, acc):
+            _, inside, key = load_keys(c, cw)
+            return acc + (inside & (key > v)).astype(jnp.int32)
+        return jnp.sum(jax.lax.fori_loop(0, n_cchunks, body, jnp.zeros((cw,), jnp.int32)))
+
+    def radix_kstar():
         digits = jax.lax.iota(jnp.int32, 1 << bits)
         prefix = jnp.int32(0)                                   # unsigned-order bits of the key prefix fixed so far
         for p in range(32 // bits):
@@ -346,12 +353,16 @@ def _exact_rows_kernel(n_ref, scores_ref, keys_in, pos_in, keys_out, pos_out, *,
             # cnt is non-increasing in the digit and cnt[0] = #{key >= prefix} >= k: take the largest digit with >= k
             prefix = prefix | ((jnp.sum((cnt >= k).astype(jnp.int32)) - 1) << shift)
         kstar = prefix ^ jnp.int32(INT32_MIN)
+        return kstar, count_gt(kstar)
 
-        def count_gt(c, acc):
-            _, inside, key = load_keys(c, cw)
-            return acc + (inside & (key > kstar)).astype(jnp.int32)
-
-        r_eq = k - jnp.sum(jax.lax.fori_loop(0, n_cchunks, count_gt, jnp.zeros((cw,), jnp.int32)))  # >= 1
+    @pl.when(n_ref[r] > capacity)
+    def _():
+        # #{key >= tau} = n > capacity >= k; if fewer than k keys lie above tau, the k-th largest IS tau (the usual
+        # overflow: a plateau of ties at the bound, e.g. many exact-zero scores): no radix passes needed
+        tau = tau_ref[r]
+        above_tau = count_gt(tau)
+        kstar, c_gt = jax.lax.cond(above_tau < k, lambda: (tau, above_tau), radix_kstar)
+        r_eq = k - c_gt                                       # keys == K* to take, >= 1
 
         def select(c, carry):
             n_sel, n_eq = carry
@@ -378,7 +389,7 @@ def _exact_rows_kernel(n_ref, scores_ref, keys_in, pos_in, keys_out, pos_out, *,
         jax.lax.fori_loop(0, -(-(capacity - k) // chunk), pad, 0)
 
 
-def exact_rows(scores, n, cand_keys, cand_pos, k: int, capacity: int, *, chunk: int = 1024, bits: int = 4,
+def exact_rows(scores, n, tau, cand_keys, cand_pos, k: int, capacity: int, *, chunk: int = 1024, bits: int = 4,
                interpret: bool = False):
     """The overflow fix-up, in place on the raw slot buffers of `_compact_raw` ([R, capacity + chunk], chunk <=
     the compaction's tail): rows with n > capacity get the exact top-k set in slots [0, k). One launch that returns
@@ -389,15 +400,15 @@ def exact_rows(scores, n, cand_keys, cand_pos, k: int, capacity: int, *, chunk: 
         raise ValueError(f"exact_rows: slots {cand_keys.shape} too narrow for capacity {capacity} + chunk {chunk}, "
                          f"or k {k} > capacity, or bits {bits} not dividing 32")
     full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
-    extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1))
+    extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=3))
     w = cand_keys.shape[1]
     return pl.pallas_call(
         functools.partial(_exact_rows_kernel, T=T, k=k, capacity=capacity, chunk=chunk, bits=bits), grid=(R,),
-        in_specs=[full((R,)), full((R, T)), full((R, w)), full((R, w))],
+        in_specs=[full((R,)), full((R,)), full((R, T)), full((R, w)), full((R, w))],
         out_specs=[full((R, w)), full((R, w))],
-        out_shape=[jax.ShapeDtypeStruct((R, w), jnp.int32)] * 2, input_output_aliases={2: 0, 3: 1},
+        out_shape=[jax.ShapeDtypeStruct((R, w), jnp.int32)] * 2, input_output_aliases={3: 0, 4: 1},
         interpret=interpret, name="topk_exact_rows", **extra,
-    )(n.astype(jnp.int32), scores, cand_keys, cand_pos)
+    )(n.astype(jnp.int32), tau.astype(jnp.int32), scores, cand_keys, cand_pos)
 
 
 def _rank_kernel(n_ref, keys_ref, vals_ref, out_ref, *, C, k, block):
@@ -495,7 +506,7 @@ def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str 
         return _finite_picks(s, idx, lead)
     sub = 1024
     raw_keys, raw_pos, n = _compact_raw(s, keys, tau, capacity, 2048, sub, interpret)
-    raw_keys, raw_pos = exact_rows(s, n, raw_keys, raw_pos, k, capacity, chunk=sub, interpret=interpret)
+    raw_keys, raw_pos = exact_rows(s, n, tau, raw_keys, raw_pos, k, capacity, chunk=sub, interpret=interpret)
     n = jnp.where(n > capacity, k, n)                   # overflow rows now hold exactly their k picks
     cand_keys, cand_pos = _finish_slots(raw_keys, raw_pos, n, capacity)
     if impl == "pallas":
