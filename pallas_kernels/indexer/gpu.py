@@ -27,10 +27,12 @@ Top-k ("topk" option): "lax" = `lax.top_k` over each query's [T] scores (XLA), "
 digit width), "grouped" / "grouped<N>" = exact two-stage selection (`topk.topk_grouped`: top-k groups of N = 32
 scores by their max, then top-k over those k * N candidates), "threshold" = `topk.topk_threshold` (a provable lower
 bound of the k-th score from strided-group maxima, the survivors compacted by a Triton kernel on GPU (XLA cumsum
-elsewhere), lax.top_k over ~4k slots; exact fallback when a row overflows), "threshold_rank" = the same with a
-Triton rank-counting kernel instead of the two lax.top_k (no sort; measured slower at batch 64). All give the same picks. Default "threshold": on the H200 at batch 64 x
-32K candidates it costs ~60 us inside the decode step vs ~250 us for "lax" (results/README_indexer_compressor.md). Scores are materialized per query chunk only ([B, query_chunk, T] f32), so
-prefill memory stays bounded.
+elsewhere), lax.top_k over ~4k slots; a row that overflows the slots gets its exact top-k set from the
+`topk.exact_rows` fix-up kernel, so the GPU path has no conditional), "threshold_rank" = the same with a Triton
+rank-counting kernel instead of the two lax.top_k (no sort; measured slower at batch 64). All give the same picks.
+Default "threshold": on the H200, 44 us at batch 1 x 262,144 candidates (lax.top_k ~80) and 55-60 us at batch 64 x
+32K (lax ~260), the chain harness included (results/README_indexer_compressor.md, session 5). Scores are
+materialized per query chunk only ([B, query_chunk, T] f32), so prefill memory stays bounded.
 """
 
 from __future__ import annotations
