@@ -10,7 +10,8 @@ max(bytes / copy BW, FLOPs / bf16 rate) with bytes = keys read once + q read + p
 (query, visible key), the ratio to it, and the XLA reference in the same run. Variants: pallas (scores kernel + the
 default top-k, "threshold"), pallas_lax / _blockwise / _radix / _radix4 / _grouped / _threshold_rank (other top-k
 methods), pallas_bf16ops / scores_bf16ops (fp8 / fp4 keys through bf16 operands: the fp8 default before session 4,
-whose call 3 measured the f16 default as "scores_f16"), scores_only / scores_bt128 /
+whose call 3 measured the f16 default as "scores_f16"), pallas_f16ops / scores_f16ops (fp8 / fp4 keys through f16
+operands: fp8's default; for fp4 the bit-trick nibble decode, not the default yet), scores_only / scores_bt128 /
 scores_fp4reshape (the scores kernel alone and its knobs: top-k cost = difference), xla_ref.
 Note: caches smaller than L2 (8K context, batch 1) are re-read from L2 across iterations.
 
@@ -171,6 +172,10 @@ def main():
         "scores_only": lambda q, w, k, n: indexer_scores_pallas(q, w, k, n, impl="pallas"),
         "scores_bf16ops": lambda q, w, k, n: indexer_scores_pallas(
             q, w, k, n, impl="pallas", precision="bf16" if isinstance(k, F.QuantizedKeys) else None),
+        "pallas_f16ops": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas",
+                                                         precision="f16" if isinstance(k, F.QuantizedKeys) else None),
+        "scores_f16ops": lambda q, w, k, n: indexer_scores_pallas(
+            q, w, k, n, impl="pallas", precision="f16" if isinstance(k, F.QuantizedKeys) else None),
         "scores_bt128": lambda q, w, k, n: indexer_scores_pallas(q, w, k, n, impl="pallas", block_t=128),
         "scores_fp4reshape": lambda q, w, k, n: indexer_scores_pallas(q, w, k, n, impl="pallas",
                                                                       fp4_scale="reshape"),

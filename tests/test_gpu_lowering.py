@@ -32,10 +32,11 @@ def test_indexer_lowers(fmt, rotate, S, opts):
     lowers_for_cuda(lambda q, w, k, n: indexer_topk_gpu(q, w, k, n, k=64, **opts), q, w, keys, nv)
 
 
-def test_indexer_fp8_f16_lowers():
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_indexer_f16_operands_lower(fmt):
     from pallas_kernels.indexer.gpu import indexer_topk_gpu
 
-    q, w, keys, nv = make_indexer(2, 1, 64, 300, "fp8", True)
+    q, w, keys, nv = make_indexer(2, 1, 64, 300, fmt, True)
     lowers_for_cuda(lambda q, w, k, n: indexer_topk_gpu(q, w, k, n, k=64, precision="f16"), q, w, keys, nv)
 
 

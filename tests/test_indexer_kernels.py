@@ -112,12 +112,17 @@ def test_topk_larger_than_cache_and_blockwise():
 
 
 def test_precision_options():
-    """bf16 keys with float queries: default bf16x2 is ~1e-5 accurate; plain bf16 operands ~1e-3."""
+    """bf16 keys with float queries: default bf16x2 is ~1e-5 accurate; plain bf16 operands ~1e-3; fp8 / fp4 keys
+    through f16 operands (fp4: the bit-trick nibble decode, group scales on the dot results) are exact."""
     q, w, keys, nv = make(2, 3, 64, 130, "bf16")
     check_scores(q, w, keys, nv, "pallas", 1e-4)
     check_scores(q, w, keys, nv, "pallas", 1e-2, precision="bf16")
     q, w, keys, nv = make(2, 3, 16, 130, "fp8", rotate=True)          # fp8 keys through f16 operands: exact
     check_scores(q, w, keys, nv, "pallas", 1e-5, precision="f16")
+    for rotate in (True, False):                                       # fp4 keys through the f16 nibble decode
+        q, w, keys, nv = make(2, 3, 16, 130, "fp4", rotate=rotate, causal=True)
+        check_scores(q, w, keys, nv, "pallas", 1e-5, precision="f16")
+        check_picks(indexer_topk(q, w, keys, nv, k=24, impl="pallas", precision="f16"), q, w, keys, nv, 24)
     with pytest.raises(ValueError, match="f16"):
         indexer_scores_pallas(*make(1, 1, 16, 40, "bf16"), precision="f16")
 
@@ -146,9 +151,10 @@ def test_gpu_kernel(fmt, rotate, B, S, T, k, causal):
 
 
 @gpu
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 @pytest.mark.parametrize("B,S,T,causal", [(4, 1, 5000, False), (2, 300, 700, True)])
-def test_gpu_fp8_f16_operands(B, S, T, causal):
-    q, w, keys, nv = make(B, S, 64, T, "fp8", True, causal=causal)
+def test_gpu_f16_operands(fmt, B, S, T, causal):
+    q, w, keys, nv = make(B, S, 64, T, fmt, True, causal=causal)
     check_scores(q, w, keys, nv, "pallas", 1e-4, precision="f16")
     check_picks(indexer_topk(q, w, keys, nv, k=512, impl="pallas", precision="f16"), q, w, keys, nv, 512)
 

@@ -17,9 +17,11 @@ dots, one per nibble. The per-32-element scale byte is broadcast over its 16 byt
 
 Precision ("precision" option): "bf16" (bf16 operands, f32 accumulate; exact products for fp8 / fp4 keys with
 fake-quantized queries, which are bf16-representable), "bf16x2" (q split into bf16 hi + lo: ~16-bit mantissa, for
-bf16 keys and float queries), "f32" (fp32 FMA dot, no tf32), "f16" (fp8 keys only: e4m3 -> f16 in one conversion and
-f16 operands; exact for the keys, fake-quantized q entries below 2^-24 flush). Defaults: None -> "f32", bf16 -> "bf16x2",
-fp8 -> "f16", fp4 -> "bf16".
+bf16 keys and float queries), "f32" (fp32 FMA dot, no tf32), "f16" (fp8 / fp4 keys: f16 operands. fp8: e4m3 -> f16 in one
+conversion; fp4: `fp4_to_f16_scaled` (5 integer ops per value, e2m1 x 2^-14 exactly), two K=16 dots per 32-channel
+scale group with the group's scale applied to their f32 sum; exact for the keys (fp4: block exponents <= 113),
+fake-quantized q entries outside f16's range (below 2^-24, above 65504) flush / overflow). Defaults: None -> "f32",
+bf16 -> "bf16x2", fp8 -> "f16", fp4 -> "bf16" (fp4 "f16" is not measured on the H200 yet).
 
 Top-k ("topk" option): "lax" = `lax.top_k` over each query's [T] scores (XLA), "blockwise" = `lax.top_k` per
 `topk_block` candidates then over the concatenated survivors (ties still go to the lower index), "radix" /
@@ -69,7 +71,10 @@ OP_DTYPE = {"f32": jnp.float32, "bf16": jnp.bfloat16, "bf16x2": jnp.bfloat16, "f
 
 def split_q(q, fmt, precision):
     """q [..., H, dI] float32 -> list of operand arrays (bf16 / f32), fp4: even/odd channels interleave undone."""
-    if fmt == "fp4":
+    if fmt == "fp4" and precision == "f16":  # per 32-channel scale group g: its even and odd channels
+        ev, od = q[..., 0::2], q[..., 1::2]
+        parts = [x for g in range(q.shape[-1] // 32) for x in (ev[..., 16 * g:16 * g + 16], od[..., 16 * g:16 * g + 16])]
+    elif fmt == "fp4":
         parts = [q[..., 0::2], q[..., 1::2]]
     else:
         parts = [q]
@@ -116,6 +121,18 @@ def fp4_to_bf16(code, sb):
     return jax.lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.bfloat16)
 
 
+def fp4_to_f16_scaled(byte):
+    """Packed e2m1 bytes (int32 0..255) -> (low-nibble, high-nibble) float16 values, each = e2m1 value x 2^-14
+    EXACTLY: the nibble's 3 magnitude bits land on f16 bits 11..9 (exponent field = the e2m1 exponent, mantissa
+    bit = its mantissa bit), so normal codes map to 2^(e-1)(1 + m/2) x 2^-14 and the e2m1 subnormal (0.5) to f16's
+    subnormal 2^-15 -- no special cases; the sign moves to bit 15. 5 integer ops per value (the bf16 route with the
+    scale folded into the exponent needs ~10 and two selects)."""
+    lo = ((byte & 0x7) << 9) | ((byte & 0x8) << 12)
+    hi = ((byte & 0x70) << 5) | ((byte & 0x80) << 8)
+    cast = lambda v: jax.lax.bitcast_convert_type(v.astype(jnp.int16), jnp.float16)
+    return cast(lo), cast(hi)
+
+
 def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T, d, precision, op_dtype,
             blocks_per_split, n_blocks, fp4_scale):
     q_refs = refs[:n_qparts]
@@ -152,6 +169,17 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T,
             if op_dtype == jnp.float16:  # e4m3 is exact in f16: one conversion instead of e4m3 -> f32 -> bf16
                 return [k.astype(jnp.float16)], sc
             return [k.astype(jnp.float32).astype(op_dtype)], sc
+        if op_dtype == jnp.float16:  # fp4 via f16: per 32-channel group, its 16 bytes and one scale per key
+            kops, scales = [], []
+            cols16 = jax.lax.broadcasted_iota(jnp.int32, (1, 16), 1)
+            for g in range(d // 32):
+                raw = plgpu.load(key_refs[0].at[b, rows[:, None], 16 * g + cols16], mask=live2, other=0)
+                kops += list(fp4_to_f16_scaled(raw.astype(jnp.int32)))
+                sb = plgpu.load(key_refs[1].at[b, rows, jnp.full_like(rows, g)], mask=live, other=127)
+                # 2^(sb - 127) x 2^14 (undoing the decode's 2^-14); sb = 0 only for all-zero blocks (codes 0)
+                scales.append(jax.lax.bitcast_convert_type(jnp.maximum(sb.astype(jnp.int32), 1) << 23, jnp.float32)
+                              * 16384.0)
+            return kops, scales
         half = d // 2                                      # fp4: byte j = elements 2j (low) and 2j+1 (high)
         cols = jax.lax.broadcasted_iota(jnp.int32, (1, half), 1)
         raw = plgpu.load(key_refs[0].at[b, rows[:, None], cols], mask=live2, other=0).astype(jnp.int32)
@@ -170,10 +198,20 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T,
         rows = j * block_t + jax.lax.iota(jnp.int32, block_t)
         live = rows < lim
         kops, row_scale = load_keys(rows, live)
+        group_scales = row_scale if isinstance(row_scale, list) else None   # fp4 via f16: one per 32-channel group
+        if group_scales is not None:
+            row_scale = None
         for qq in range(block_q):
             qv, wv = hoisted[qq], ws[qq]
             logits = None
             for t in range(n_terms):
+                if group_scales is not None:  # sum_g s_g[t] (lo_g . q_even_g + hi_g . q_odd_g)
+                    for g, sg in enumerate(group_scales):
+                        x = _dot_nt(kops[2 * g], qv[2 * g], precision) + _dot_nt(kops[2 * g + 1], qv[2 * g + 1],
+                                                                                precision)
+                        x = x * sg[:, None]
+                        logits = x if logits is None else logits + x
+                    continue
                 for p in range(per):
                     x = _dot_nt(kops[p], qv[t * per + p], precision)          # [block_t, H]
                     logits = x if logits is None else logits + x
@@ -223,8 +261,10 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
     n_terms = N_TERMS[precision]
     if precision not in N_TERMS:
         raise ValueError(f"unknown precision {precision!r}; expected one of {tuple(N_TERMS)}")
-    if precision == "f16" and fmt != "fp8":
-        raise ValueError("precision='f16' is for fp8 keys (e4m3 -> f16 is one packed conversion on Hopper)")
+    if precision == "f16" and fmt not in ("fp8", "fp4"):
+        raise ValueError("precision='f16' is for fp8 / fp4 keys (their codes convert to f16 exactly)")
+    if precision == "f16" and fmt == "fp4" and d % 32:
+        raise ValueError(f"fp4 keys need index_head_dim % 32 == 0, got {d}")
     op_dtype = OP_DTYPE[precision]
     cfg = default_config(S, T, q_bytes=hp * d * n_terms * jnp.dtype(op_dtype).itemsize)
     for k_, v_ in dict(block_q=block_q, block_t=block_t, num_warps=num_warps, num_stages=num_stages,
