@@ -16,3 +16,14 @@ def round_to_bf16(x: jax.Array) -> jax.Array:
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
     bits = (bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))) & jnp.uint32(0xFFFF0000)
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def round_to(x: jax.Array, dtype) -> jax.Array:
+    """float32 values rounded to `dtype` and held in float32: `round_to_bf16` for bfloat16 (XLA GPU cannot fold it
+    away), x itself for float32, two casts otherwise (float16: XLA GPU may fold those under jit)."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.bfloat16:
+        return round_to_bf16(x)
+    if dtype == jnp.float32:
+        return x.astype(jnp.float32)
+    return x.astype(dtype).astype(jnp.float32)

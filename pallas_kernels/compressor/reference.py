@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
+from ..numerics import round_to
 from ..rope import apply_rope
 
 
@@ -50,7 +51,7 @@ def compress_chunk(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, prev
     else:
         pool_kv, pool_gate = win_kv, win_gate
     pooled = jnp.sum(jax.nn.softmax(pool_gate, axis=2) * pool_kv, axis=2)      # [B, nW, d] float32
-    pooled = pooled.astype(norm_dtype).astype(jnp.float32)
+    pooled = round_to(pooled, norm_dtype)          # bit arithmetic for bf16: XLA GPU folds a two-cast round trip
     pooled = pooled * jax.lax.rsqrt(jnp.mean(pooled * pooled, axis=-1, keepdims=True) + eps) * norm_weight
     pooled = pooled.astype(norm_dtype)
     window_pos = (start - offset)[:, None] + jnp.arange(n_windows, dtype=jnp.int32)[None, :] * r
