@@ -2,12 +2,13 @@
 # Registers / spills / shared memory of the compiled Pallas-Triton kernels (H200 diagnostic). jax >= 0.11 compiles a
 # Pallas-Triton kernel to PTX in Python (jax._src.lib.triton.compile); this script wraps that call to keep each
 # kernel's PTX, compiles the decode sparse-attention kernel (B = 64; bf16 / FP8 pools, a few configs), the indexer
-# scores kernel (bf16 / fp8 / fp4 keys) and the top-k kernels, then runs `ptxas -v` (sm_90a) on every PTX.
+# scores kernel (bf16 / fp8 / fp4 keys) and the top-k kernels, then runs `ptxas -v` (sm_90a) on every PTX. jax 0.11.2
+# (H200 session 5) exposed no such Python call (nothing captured), so XLA's dump is searched for PTX as well.
 #   device run:  OUT=$OUT bash benchmarks/kernel_resources.sh      (writes $OUT/kernel_resources.log)
 set -o pipefail
-OUT=${OUT:-/tmp/kres}; D=$OUT/ptx; mkdir -p "$D"
+OUT=${OUT:-/tmp/kres}; D=$OUT/ptx; X=/tmp/kres_xla_dump; mkdir -p "$D" "$X"
 export PYTHONPATH=.:tests XLA_PYTHON_CLIENT_PREALLOCATE=false PTX_DIR=$D
-timeout 250 python3 - <<'EOF' 2>&1 | grep -v -i warning | tail -40
+XLA_FLAGS="--xla_dump_to=$X" timeout 250 python3 - <<'EOF' 2>&1 | grep -v -i warning | tail -40
 import os, re
 import jax, jax.numpy as jnp
 import jax._src.pallas.triton.pallas_call_registration as R
@@ -67,6 +68,11 @@ print("compiled", len(os.listdir(D)), "kernels")
 EOF
 PTXAS=$(command -v ptxas || ls /usr/local/cuda/bin/ptxas 2>/dev/null || find / -name ptxas -type f 2>/dev/null | head -1)
 echo "ptxas: $PTXAS"
+echo "xla dump: $(ls "$X" | wc -l) files; suffixes:"; ls "$X" | sed 's/.*\.//' | sort | uniq -c | sort -rn | head -12
+# PTX modules in XLA's dump that hold one of our kernels (by its pallas_call name)
+for f in $(grep -l -E "^\.visible \.entry|^\.entry" "$X"/* 2>/dev/null); do
+  grep -q -E "sparse_attn|indexer|topk|compress" "$f" && cp "$f" "$D/xla__$(basename "$f").ptx"
+done
 {
 for f in "$D"/*.ptx; do
   [ -f "$f" ] || continue
@@ -76,4 +82,5 @@ for f in "$D"/*.ptx; do
 done
 } > "$OUT/kernel_resources.log" 2>&1
 cat "$OUT/kernel_resources.log"
+rm -rf "$X"
 
