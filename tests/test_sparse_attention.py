@@ -173,6 +173,14 @@ def test_gpu_kernel_interpret(case):
     check_close(out, ref)
 
 
+def test_gpu_kernel_option_errors():
+    inp = make_inputs(2, 1, 4, 512, 24, 40, 8, 20, fp8=True)
+    with pytest.raises(ValueError, match="d_chunk 64 or 128"):
+        call(sparse_attention, inp, impl="pallas", d_chunk=256)
+    with pytest.raises(ValueError, match="fp8_operands"):
+        call(sparse_attention, inp, impl="pallas", fp8_operands="f32")
+
+
 def test_gpu_kernel_interpret_sliding_only_f32_out():
     inp = make_inputs(2, 2, 4, 128, 20, 1, 8, 1)
     inp.update(compressed_kv=None, compressed_idx=None)

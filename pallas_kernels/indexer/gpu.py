@@ -17,8 +17,8 @@ dots, one per nibble. The per-32-element scale byte is broadcast over its 16 byt
 
 Precision ("precision" option): "bf16" (bf16 operands, f32 accumulate; exact products for fp8 / fp4 keys with
 fake-quantized queries, which are bf16-representable), "bf16x2" (q split into bf16 hi + lo: ~16-bit mantissa, for
-bf16 keys and float queries), "f32" (fp32 FMA dot, no tf32), "f16" (fp8 / fp4 keys: f16 operands. fp8: e4m3 -> f16 in one
-conversion; fp4: `fp4_to_f16_scaled` (5 integer ops per value, e2m1 x 2^-14 exactly), two K=16 dots per 32-channel
+bf16 keys and float queries), "f32" (fp32 FMA dot, no tf32), "f16" (fp8 / fp4 keys: f16 operands. fp8: e4m3 -> f16
+in one conversion; fp4: `fp4_to_f16_scaled` (5 integer ops per value, e2m1 x 2^-14 exactly), two K=16 dots per 32-channel
 scale group with the group's scale applied to their f32 sum; exact for the keys (fp4: block exponents <= 113),
 fake-quantized q entries outside f16's range (below 2^-24, above 65504) flush / overflow). Defaults: None -> "f32",
 bf16 -> "bf16x2", fp8 -> "f16", fp4 -> "bf16" (fp4 "f16" is not measured on the H200 yet).
@@ -73,7 +73,8 @@ def split_q(q, fmt, precision):
     """q [..., H, dI] float32 -> list of operand arrays (bf16 / f32), fp4: even/odd channels interleave undone."""
     if fmt == "fp4" and precision == "f16":  # per 32-channel scale group g: its even and odd channels
         ev, od = q[..., 0::2], q[..., 1::2]
-        parts = [x for g in range(q.shape[-1] // 32) for x in (ev[..., 16 * g:16 * g + 16], od[..., 16 * g:16 * g + 16])]
+        parts = [x for g in range(q.shape[-1] // 32)
+                 for x in (ev[..., 16 * g:16 * g + 16], od[..., 16 * g:16 * g + 16])]
     elif fmt == "fp4":
         parts = [q[..., 0::2], q[..., 1::2]]
     else:

@@ -159,8 +159,8 @@ def _kernel(*refs, srcs, block_h, block_k, d, d_chunk, n_splits, blocks_per_spli
 
 def _chunks(d: int, d_chunk: int, any_fp8: bool):
     """head_dim pieces [(offset, width)] the kernel holds q / accumulates o in. bf16 pools: d / d_chunk equal
-    pieces. FP8 pools: the 448 e4m3 dims in d_chunk (64 or 128) pieces, never crossing a 64-block boundary
-    wrongly nor the 448 seam (448 = 3 x 128 + 64), then the 64 bf16 RoPE dims as one piece."""
+    pieces. FP8 pools: the 448 e4m3 dims in pieces of d_chunk (64 or 128) whole 64-blocks, the last one cut at the
+    448 seam (448 = 3 x 128 + 64), then the 64 bf16 RoPE dims as one piece."""
     if not any_fp8:
         return [(c * d_chunk, d_chunk) for c in range(d // d_chunk)]
     if d != NOPE_DIM + 64 or d_chunk not in (64, 128):
@@ -214,7 +214,8 @@ def sparse_attention_gpu(
     """Pallas GPU (Triton) implementation of `reference.sparse_attention` (same arguments and results).
 
     Extra keyword-only tuning knobs: block_h (heads per program, >= 16, power of 2), block_k (entries per step,
-    power of 2), n_splits (split-K factor), num_warps, num_stages, d_chunk (head_dim chunk, bf16 pools only),
+    power of 2), n_splits (split-K factor), num_warps, num_stages, d_chunk (head_dim chunk; FP8 pools: 64 (default)
+    or 128, two scale blocks per chunk),
     partial_dtype (split-K partial outputs; default: bf16 when the output is bf16, else float32 -- bf16 partials
     were 4-8% faster on the H200, see benchmarks/NOTES_sparse_attention.md), fp8_scales ("vector" (default): the
     row's 8 scale bytes in one load; "per_chunk": one 1-byte gather per 64-block and row), fp8_operands (MMA
