@@ -194,6 +194,7 @@ def topk_grouped(scores, k: int, *, group: int = 32, direct_max: int = 8192):
 # ---- threshold top-k: a provable lower bound of the k-th score, compaction, a top-k over the few survivors -----------
 
 NEG_INF_KEY = -2139095041        # _ordered_i32(-inf): entries at or below it can only produce -1 picks
+POS_INF_KEY = 2139095040         # _ordered_i32(+inf); NaN keys lie above it
 INT32_MIN = -(2 ** 31)
 
 
@@ -512,7 +513,10 @@ def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str 
     if impl == "pallas":
         # padding slots (>= n) hold INT32_MIN, below -inf's key: their picks are -1
         idx = rank_select(cand_keys, jnp.where(cand_keys > NEG_INF_KEY, cand_pos, -1), n, k, interpret=interpret)
-    else:
-        slot = jax.lax.top_k(cand_keys, k)[1]
-        idx = jnp.where(slot < n[:, None], jnp.take_along_axis(cand_pos, slot, axis=1), -1)
-    return _finite_picks(s, idx, lead)
+        return _finite_picks(s, idx, lead)
+    # the picked slots' keys say whether their scores are finite (padding slots hold INT32_MIN): no gather of the
+    # scores, unlike _finite_picks
+    key, slot = jax.lax.top_k(cand_keys, k)
+    ok = (key > NEG_INF_KEY) & (key < POS_INF_KEY)
+    idx = jnp.where(ok, jnp.take_along_axis(cand_pos, slot, axis=1), -1)
+    return idx.astype(jnp.int32).reshape(lead + (k,))
