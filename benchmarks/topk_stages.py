@@ -37,8 +37,7 @@ K = 512
 def stages(R, T, k=K):
     interp = jax.default_backend() == "cpu"  # CPU smoke runs: Triton kernels in the interpreter
     scores = jax.random.normal(jax.random.key(R * 7 + T), (R, T), jnp.float32)
-    capacity = -(-max(4 * k, 256) // 128) * 128
-    group = 1 << max(0, (T // (2 * k)).bit_length() - 1)
+    group, capacity = T_.threshold_layout(T, k)
     keys0 = T_._ordered_i32(scores)
     tau0 = T_._threshold(keys0, k, group)
     ck0, cp0, n0 = T_.compact_reference(keys0, tau0, capacity)

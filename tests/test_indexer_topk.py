@@ -17,7 +17,7 @@ import pytest
 
 from pallas_kernels.indexer import formats as F, indexer_topk, indexer_topk_reference
 from pallas_kernels.indexer.gpu import radix_bits_of, topk_from_scores
-from pallas_kernels.indexer.topk import float_keys, topk_grouped, topk_radix, topk_threshold
+from pallas_kernels.indexer.topk import float_keys, threshold_layout, topk_grouped, topk_radix, topk_threshold
 
 _SEED = itertools.count(31000)
 
@@ -180,9 +180,8 @@ def test_threshold_matches_lax_top_k(T, k, impl):
     rng = np.random.default_rng(next(_SEED))
     f = jax.jit(functools.partial(topk_threshold, interpret=impl != "xla"), static_argnames=("k", "impl"))
     s = jnp.asarray(_fast_rows(8, T, rng))
-    group = 1 << max(0, (T // (2 * k)).bit_length() - 1)
+    group, cap = threshold_layout(T, k)                                   # topk_threshold's defaults
     keys = _ordered_i32(s)
-    cap = -(-max(4 * k, 256) // 128) * 128                                # topk_threshold's default capacity
     n = compact_reference(keys, _threshold(keys, k, group), cap)[2]
     assert int(jnp.max(n)) <= cap                                           # the fast path ran
     np.testing.assert_array_equal(np.asarray(f(s, k=k, impl=impl)), np.asarray(_lax(s, k=k, topk="lax")))
@@ -207,7 +206,7 @@ def test_threshold_overflow_rows_fixed_up_per_row(impl):
     x[2, -1] = 7.0
     x[3] = np.where(rng.random(T) < 0.5, -0.0, 0.0)
     x[3, rng.integers(0, T, 10)] = -np.inf
-    group = 1 << max(0, (T // (2 * k)).bit_length() - 1)
+    group, cap = threshold_layout(T, k)
     G = -(-T // group)
     # row 5: a plateau of 1.0 sets the bound, and 100+ distinct larger values packed into 7 strided groups lie above
     # it: more than k keys above tau, so the fix-up runs its radix select (rows 0-3 take the tau == K* shortcut)
@@ -218,9 +217,9 @@ def test_threshold_overflow_rows_fixed_up_per_row(impl):
     s = jnp.asarray(x)
     keys = _ordered_i32(s)
     tau = _threshold(keys, k, group)
-    n = np.asarray(compact_reference(keys, tau, 256)[2])
+    n = np.asarray(compact_reference(keys, tau, cap)[2])
     above = np.asarray(jnp.sum(keys > tau[:, None], axis=1))
-    assert (n[:4] > 256).all() and n[4] <= 256 and n[5] > 256               # 5 rows overflow, 1 does not
+    assert cap == 256 and (n[:4] > cap).all() and n[4] <= cap and n[5] > cap  # 5 rows overflow, 1 does not
     assert (above[:4] < k).all() and above[5] >= k                          # both fix-up routes run
     f = jax.jit(functools.partial(topk_threshold, k=k, impl=impl, interpret=True))
     np.testing.assert_array_equal(np.asarray(f(s)), np.asarray(_lax(s, k=k, topk="lax")))

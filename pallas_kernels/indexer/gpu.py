@@ -92,7 +92,6 @@ def split_q(q, fmt, precision):
     return hi + lo, N_TERMS[precision]
 
 
-
 def e2m1_value(code):
     """e2m1 code (int32 0..15) -> float32 value."""
     mag = code & 7
@@ -150,6 +149,7 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T,
     hi = jnp.minimum(lo + blocks_per_split, n_blocks)
     live_hi = jnp.clip(nb_live, lo, hi)
     per = 2 if fmt == "fp4" else 1
+    fp4_groups = fmt == "fp4" and op_dtype == jnp.float16   # per-32-channel-group dots, scales on their results
     # q and w of the block stay in registers / shared memory for the whole sweep over this split's key blocks
     # (block_q is sized so that is <= 128 KB: see default_config)
     hoisted = [[q_ref[qq, :, :].astype(op_dtype) for q_ref in q_refs] for qq in range(block_q)]
@@ -170,7 +170,7 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T,
             if op_dtype == jnp.float16:  # e4m3 is exact in f16: one conversion instead of e4m3 -> f32 -> bf16
                 return [k.astype(jnp.float16)], sc
             return [k.astype(jnp.float32).astype(op_dtype)], sc
-        if op_dtype == jnp.float16:  # fp4 via f16: per 32-channel group, its 16 bytes and one scale per key
+        if fp4_groups:  # fp4 via f16: per 32-channel group, its 16 bytes and one scale per key (a list)
             kops, scales = [], []
             cols16 = jax.lax.broadcasted_iota(jnp.int32, (1, 16), 1)
             for g in range(d // 32):
@@ -198,21 +198,18 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T,
     def body(j, carry):
         rows = j * block_t + jax.lax.iota(jnp.int32, block_t)
         live = rows < lim
-        kops, row_scale = load_keys(rows, live)
-        group_scales = row_scale if isinstance(row_scale, list) else None   # fp4 via f16: one per 32-channel group
-        if group_scales is not None:
-            row_scale = None
+        kops, scale = load_keys(rows, live)
+        group_scales, row_scale = (scale, None) if fp4_groups else (None, scale)
         for qq in range(block_q):
             qv, wv = hoisted[qq], ws[qq]
             logits = None
-            for t in range(n_terms):
-                if group_scales is not None:  # sum_g s_g[t] (lo_g . q_even_g + hi_g . q_odd_g)
-                    for g, sg in enumerate(group_scales):
-                        x = _dot_nt(kops[2 * g], qv[2 * g], precision) + _dot_nt(kops[2 * g + 1], qv[2 * g + 1],
-                                                                                precision)
-                        x = x * sg[:, None]
-                        logits = x if logits is None else logits + x
-                    continue
+            if fp4_groups:  # sum_g s_g[t] (lo_g . q_even_g + hi_g . q_odd_g); n_terms == 1
+                for g, sg in enumerate(group_scales):
+                    x = _dot_nt(kops[2 * g], qv[2 * g], precision) + _dot_nt(kops[2 * g + 1], qv[2 * g + 1],
+                                                                            precision)
+                    x = x * sg[:, None]
+                    logits = x if logits is None else logits + x
+            for t in range(0 if fp4_groups else n_terms):
                 for p in range(per):
                     x = _dot_nt(kops[p], qv[t * per + p], precision)          # [block_t, H]
                     logits = x if logits is None else logits + x
@@ -329,7 +326,7 @@ def radix_bits_of(topk: str, radix_bits: Optional[int] = None) -> Optional[int]:
 
 def topk_from_scores(scores, k, *, topk="lax", topk_block=4096, radix_bits=None):
     """scores [..., Tp] (-inf = invalid) -> picks [..., k] int32 sorted by descending score, ties -> lower index,
-    -1 where the score is not finite. topk: "lax" | "blockwise" | "radix" | "radix4" | "grouped[N]" | "threshold" (same results)."""
+    -1 where the score is not finite. topk: one of TOPK_METHODS (same results)."""
     bits = radix_bits_of(topk, radix_bits)
     if topk in ("threshold", "threshold_rank"):
         from .topk import topk_threshold

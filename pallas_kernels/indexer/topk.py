@@ -198,6 +198,18 @@ POS_INF_KEY = 2139095040         # _ordered_i32(+inf); NaN keys lie above it
 INT32_MIN = -(2 ** 31)
 
 
+def threshold_layout(T: int, k: int, capacity: Optional[int] = None):
+    """(group, capacity) of `topk_threshold` for rows of T candidates: groups of a power-of-two size giving ~2k..4k
+    strided groups, and `capacity` slots (default 4k, at least 256) rounded up to whole 128-slot rank_select blocks."""
+    capacity = -(-int(capacity or max(4 * k, 256)) // 128) * 128
+    return 1 << max(0, (T // (2 * k)).bit_length() - 1), capacity
+
+
+def _survives(key, tau):
+    """The compaction's keep rule: at or above the bound and above -inf's key (those can only give -1 picks)."""
+    return (key >= tau) & (key > NEG_INF_KEY)
+
+
 def _strided_group_max(keys, group: int):
     """keys [R, T] int32 -> [R, G] with G = ceil(T / group): the max of each strided group {j, j + G, j + 2G, ...}.
     Strided, not contiguous: when only a prefix of L entries is above -inf (a decode cache filled to L, causal
@@ -221,7 +233,7 @@ def compact_reference(keys, tau, capacity: int):
     """keys [R, T] int32, tau [R] -> (cand_keys [R, C], cand_pos [R, C], n [R]): the entries with key >= tau and key
     above -inf's, in ascending position (the first C of them; n counts all), the rest padded (INT32_MIN, 0)."""
     R, T = keys.shape
-    m = (keys >= tau[:, None]) & (keys > NEG_INF_KEY)
+    m = _survives(keys, tau[:, None])
     c = jnp.cumsum(m.astype(jnp.int32), axis=1)
     at = jnp.where(m, c - 1, capacity)                                              # capacity = dropped
     rows = jax.lax.broadcasted_iota(jnp.int32, (R, T), 0)
@@ -244,10 +256,8 @@ def _compact_kernel(tau_ref, counts_ref, scores_ref, keys_out, pos_out, *, T, ch
     def body(j, off):
         cols = c * chunk + j * sub + jax.lax.iota(jnp.int32, sub)
         inside = cols < T
-        x = plgpu.load(scores_ref.at[r, cols], mask=inside, other=-jnp.inf)
-        bits = jax.lax.bitcast_convert_type(x, jnp.int32)
-        key = bits ^ ((bits >> 31) & jnp.int32(0x7FFFFFFF))
-        m = inside & (key >= tau) & (key > NEG_INF_KEY)
+        key = _ordered_i32(plgpu.load(scores_ref.at[r, cols], mask=inside, other=-jnp.inf))
+        m = inside & _survives(key, tau)
         mi = m.astype(jnp.int32)
         at = off + jnp.cumsum(mi) - 1
         ok = m & (at < capacity)
@@ -270,7 +280,7 @@ def _compact_raw(scores, keys, tau, capacity: int, chunk: int, sub: int, interpr
         raise ValueError(f"compact_pallas: sub ({sub}) must be a power of two dividing chunk ({chunk})")
     n_chunks = -(-T // chunk)
     pad = n_chunks * chunk - T
-    m = (keys >= tau[:, None]) & (keys > NEG_INF_KEY)
+    m = _survives(keys, tau[:, None])
     if pad:
         m = jnp.pad(m, ((0, 0), (0, pad)))
     counts = jnp.sum(m.reshape(R, n_chunks, chunk), axis=2, dtype=jnp.int32)              # [R, n_chunks]
@@ -328,9 +338,7 @@ def _exact_rows_kernel(n_ref, tau_ref, scores_ref, keys_in, pos_in, keys_out, po
     def load_keys(c, width=chunk):
         cols = c * width + jax.lax.iota(jnp.int32, width)
         inside = cols < T
-        x = plgpu.load(scores_ref.at[r, cols], mask=inside, other=-jnp.inf)
-        bits_ = jax.lax.bitcast_convert_type(x, jnp.int32)
-        return cols, inside, bits_ ^ ((bits_ >> 31) & jnp.int32(0x7FFFFFFF))
+        return cols, inside, _ordered_i32(plgpu.load(scores_ref.at[r, cols], mask=inside, other=-jnp.inf))
 
     def count_gt(v):
         def body(c, acc):
@@ -481,9 +489,7 @@ def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str 
         return jnp.zeros(lead + (0,), jnp.int32)
     T = s.shape[1]
     R = s.shape[0]
-    capacity = int(capacity or max(4 * k, 256))
-    capacity = -(-capacity // 128) * 128                                # whole rank_select blocks
-    group = 1 << max(0, (T // (2 * k)).bit_length() - 1)          # power of two, T / group ~ 2k..4k groups
+    group, capacity = threshold_layout(T, k, capacity)
     keys = _ordered_i32(s)
     if T <= capacity or group < 4:
         return _finite_picks(s, jax.lax.top_k(keys, k)[1], lead)
