@@ -79,6 +79,17 @@ def case(B, S, ctx, fmt, ceil, n_iter, variants):
     return row
 
 
+def parse_options(spec: str) -> dict:
+    """'block_t=128,num_warps=8,precision=bf16' -> {'block_t': 128, 'num_warps': 8, 'precision': 'bf16'}."""
+    out = {}
+    for item in filter(None, spec.split(",")):
+        name, _, value = item.partition("=")
+        if not value:
+            raise ValueError(f"scores config item {item!r} is not name=value")
+        out[name.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+    return out
+
+
 TOPK_ONLY_METHODS = {"lax": dict(topk="lax"), "radix": dict(topk="radix"), "radix4": dict(topk="radix4"),
                      "grouped16": dict(topk="grouped16"), "grouped32": dict(topk="grouped32"),
                      "grouped64": dict(topk="grouped64"), "threshold": dict(topk="threshold"),
@@ -131,6 +142,9 @@ def main():
     ap.add_argument("--topk-methods", default=None, help="comma-separated subset of the topk_only methods")
     ap.add_argument("--skip-topk-only", action="store_true")
     ap.add_argument("--cases", default=None, help="comma-separated BxSxCTXxFMT cases, e.g. 64x1x131072xfp8")
+    ap.add_argument("--scores-configs", default=None,
+                    help="';'-separated scores-kernel option sets, each timed as a variant 'scores[<set>]', e.g. "
+                         "'block_t=128,num_warps=8;waves=2;precision=bf16' (options of indexer_scores_gpu)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     if a.tiny:
@@ -185,6 +199,9 @@ def main():
         variants = {v: f for v, f in variants.items() if v not in QUICK_DROP}
     if a.variants:
         variants = {v: variants[v] for v in a.variants.split(",")}
+    for cfg in (a.scores_configs.split(";") if a.scores_configs else []):
+        opts = parse_options(cfg)
+        variants[f"scores[{cfg}]"] = lambda q, w, k, n, o=opts: indexer_scores_pallas(q, w, k, n, impl="pallas", **o)
     # the chain's own iteration (q update + the dependency reduction, no indexer): included in every column
     variants = dict(harness=lambda q, w, k, n: jnp.zeros(q.shape[:2] + (1,), jnp.int32), **variants)
     cases = []

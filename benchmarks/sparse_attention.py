@@ -136,7 +136,8 @@ def main():
     ap.add_argument("--no-ref", action="store_true")
     ap.add_argument("--groups", default="decode,prefill,b1",
                     help="comma list: decode (B=16/64/128), prefill (S=4K/16K), b1 (decode at B=1), "
-                         "hca8k_fp8 (the HCA-8K FP8 decode rows only), variants (kernel knobs on decode cases)")
+                         "hca8k_fp8 (the HCA-8K FP8 decode rows only), variants (kernel knobs on decode cases), "
+                         "fp8ops / knobs5 / colsplit (session 5-6 knob studies)")
     args = ap.parse_args()
     groups = set(args.groups.split(","))
     rng = np.random.default_rng(0)
@@ -180,6 +181,16 @@ def main():
                           (False, dict(block_k=32, num_stages=4)), (False, dict(block_k=128, num_stages=2)),
                           (True, {}), (True, dict(num_warps=16)), (True, dict(num_warps=16, fp8_operands="f16"))]:
             record(bench_case(rng, ceil, "csa", 64, 1, 512, fp8, opts=opts, ref=False))
+    if "colsplit" in groups:  # session 6: output columns split over programs (smaller accumulator, q.K repeated)
+        cs2, cs4 = dict(col_splits=2), dict(col_splits=4)
+        for fp8 in (False, True):
+            for b, o in [(64, {}), (64, cs2), (64, dict(col_splits=2, n_splits=1)), (64, cs4), (16, {}), (16, cs2),
+                         (128, {}), (128, cs2)]:
+                record(bench_case(rng, ceil, "csa", b, 1, 512, fp8, opts=o, ref=False))
+            for o in ({}, cs2):
+                record(bench_case(rng, ceil, "hca", 16, 1, 8192, fp8, opts=o, ref=False))
+        for o in ({}, cs2):
+            record(bench_case(rng, ceil, "csa", 1, 4096, 512, False, opts=o, ref=False, csa_cap=1024))
     if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor
         for kind, b, kc, fp8 in [("csa", 16, 512, False), ("csa", 64, 512, True), ("hca", 16, 8192, True)]:
             for o in ({}, dict(partial_dtype="bfloat16"), dict(fp8_scales="vector"),

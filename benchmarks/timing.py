@@ -28,14 +28,17 @@ def timed_chain(step, carry, n_iter, reps=3):
 
 
 def measure_ceilings(quick=False):
-    """Copy bandwidth (read + write, 20 dependent passes in one call) and bf16 matmul rate (10 chained products).
-    Returns copy_Bps / bf16_flops and the same as copy_GBps / bf16_TFLOPs."""
-    n = 1 << (26 if quick else 28)
+    """Copy bandwidth (read + write, 20 dependent passes over 1 GiB in one call) and bf16 matmul rate (10 chained
+    products of 8192^3). Returns copy_Bps / bf16_flops and the same as copy_GBps / bf16_TFLOPs. `quick` is accepted
+    and ignored: its smaller sizes (256 MiB copy, 4096^3 products) measured 3.36-3.54 TB/s and 577-620 TFLOP/s on
+    the H200 (session 5's --quick indexer / compressor runs) against 3.83-3.88 TB/s and ~718 TFLOP/s at full size,
+    so those floors were 8-15% too long and their ratios too kind (fixed in session 6)."""
+    n = 1 << 28
     x = jnp.arange(n, dtype=jnp.float32)
     f = jax.jit(lambda a: jax.lax.fori_loop(0, 20, lambda i, a: a * 1.0001 + 1.0, a))
     bw = 20 * 2 * n * 4 / wall(f, x)
     del x
-    m = 4096 if quick else 8192
+    m = 8192
     a = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16) * (1.0 / 90.0)
     g = jax.jit(lambda a, b: jax.lax.fori_loop(0, 10, lambda i, a: (a @ b).astype(jnp.bfloat16), a))

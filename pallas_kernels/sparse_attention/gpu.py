@@ -57,7 +57,7 @@ def _gather(ref, rows, col0, width, mask, other, interpret):
 
 
 def _kernel(*refs, srcs, block_h, block_k, d, d_chunk, n_splits, blocks_per_split, scale2, out_split, interpret,
-            compute_dtype=jnp.bfloat16, fp8_scales="per_chunk"):
+            compute_dtype=jnp.bfloat16, fp8_scales="per_chunk", col_splits=1):
     # compute_dtype: MMA operand dtype — bf16 for bf16/fp8 inputs, f32 when q is f32 (exact-mode parity).
     # refs: q, sinks, then per source (idx, len, pool parts...), then outputs (o, lse)
     it = iter(refs)
@@ -75,13 +75,30 @@ def _kernel(*refs, srcs, block_h, block_k, d, d_chunk, n_splits, blocks_per_spli
     s = pl.program_id(1)
     any_fp8 = any(src["fp8"] for src in srcs)
     chunks = _chunks(d, d_chunk, any_fp8)  # [(offset, width)]: FP8 chunks never straddle the 448 | 64 seam
+    if col_splits == 1:
+        _attend(0, i, s, q_ref, sink_ref, src_refs, o_ref, lse_ref, srcs, chunks, block_h, block_k, d,
+                blocks_per_split, scale2, out_split, interpret, compute_dtype, fp8_scales, 1)
+        return
+    cs = pl.program_id(2) % col_splits
+    for c in range(col_splits):  # one static copy of the sweep per output column range
+        pl.when(cs == c)(functools.partial(
+            _attend, c, i, s, q_ref, sink_ref, src_refs, o_ref, lse_ref, srcs, chunks, block_h, block_k, d,
+            blocks_per_split, scale2, out_split, interpret, compute_dtype, fp8_scales, col_splits))
+
+
+def _attend(c, i, s, q_ref, sink_ref, src_refs, o_ref, lse_ref, srcs, chunks, block_h, block_k, d,
+            blocks_per_split, scale2, out_split, interpret, compute_dtype, fp8_scales, col_splits):
+    """The sweep of one program. Scores use every head_dim chunk; P.V and the output cover the chunks of column
+    range c of `col_splits` ([c * d / col_splits, (c + 1) * d / col_splits)): o_ref holds only that range."""
+    dcol = d // col_splits
+    own = [j for j, (off, _) in enumerate(chunks) if c * dcol <= off < (c + 1) * dcol]
     cdt = compute_dtype
     qs = [q_ref[:, pl.ds(off, w)].astype(cdt) for off, w in chunks]
     sink2 = sink_ref[...].astype(jnp.float32) * LOG2E  # [block_h]
 
     m = sink2
     l = jnp.zeros((block_h,), jnp.float32)
-    acc = tuple(jnp.zeros((block_h, w), jnp.float32) for _, w in chunks)
+    acc = tuple(jnp.zeros((block_h, chunks[j][1]), jnp.float32) for j in own)
 
     lo_blk = s * blocks_per_split
     hi_blk = lo_blk + blocks_per_split
@@ -140,7 +157,7 @@ def _kernel(*refs, srcs, block_h, block_k, d, d_chunk, n_splits, blocks_per_spli
             p = jnp.exp2(logits - m_new[:, None])
             l = l * alpha + jnp.sum(p, axis=1)
             pb = p.astype(cdt)
-            acc = tuple(a * alpha[:, None] + _dot(pb, kv) for a, kv in zip(acc, kvs))
+            acc = tuple(a * alpha[:, None] + _dot(pb, kvs[j]) for a, j in zip(acc, own))
             return m_new, l, acc
 
         m, l, acc = jax.lax.fori_loop(lo, hi, body, (m, l, acc))
@@ -152,8 +169,9 @@ def _kernel(*refs, srcs, block_h, block_k, d, d_chunk, n_splits, blocks_per_spli
         inv = jnp.where(has, 1.0 / jnp.where(has, l, 1.0), 0.0)
     else:
         inv = 1.0 / (l + jnp.exp2(sink2 - m))
-    for (off, w), a in zip(chunks, acc):
-        o_ref[:, pl.ds(off, w)] = (a * inv[:, None]).astype(o_ref.dtype)
+    for j, a in zip(own, acc):
+        off, w = chunks[j]
+        o_ref[:, pl.ds(off - c * dcol, w)] = (a * inv[:, None]).astype(o_ref.dtype)
     lse_ref[...] = lse
 
 
@@ -173,13 +191,14 @@ def _chunks(d: int, d_chunk: int, any_fp8: bool):
     return out + [(NOPE_DIM, 64)]
 
 
-def default_config(bt: int, h: int, total_k: int, any_fp8: bool, prefill: bool):
+def default_config(bt: int, h: int, total_k: int, any_fp8: bool, prefill: bool, col_splits: int = 1):
     """Defaults picked from the H200 sweep (benchmarks/NOTES_sparse_attention.md): 64 heads x 64 entries per
-    step, 8 warps; split-K so that about one program per SM runs when B*T*head_blocks is below the SM count."""
+    step, 8 warps; split-K so that about one program per SM runs when B*T*head_blocks*col_splits is below the SM
+    count."""
     block_h = 64 if h >= 64 else 16
     block_k = 64
     n_hb = -(-h // block_h)
-    programs = bt * n_hb
+    programs = bt * n_hb * col_splits
     total_blocks = -(-total_k // block_k)
     n_splits = max(1, min(N_SM_H200 // programs, max(1, total_blocks // 2)))
     return dict(block_h=block_h, block_k=block_k, n_splits=n_splits, num_warps=8 if block_h >= 64 else 4,
@@ -209,6 +228,7 @@ def sparse_attention_gpu(
     partial_dtype=None,
     fp8_scales: str = "vector",
     fp8_operands: str = "bf16",
+    col_splits: int = 1,
     poison: bool = False,
 ):
     """Pallas GPU (Triton) implementation of `reference.sparse_attention` (same arguments and results).
@@ -222,7 +242,10 @@ def sparse_attention_gpu(
     operand dtype when a pool is FP8: "bf16" (default; e4m3 -> f32 -> x scale -> bf16, exact for any scale) or
     "f16" (q, P and the rows in f16: e4m3 -> f16 is one conversion and x 2^e stays exact while the dequantized
     values lie in f16's normal range, |x| <= 65504 and scale >= 2^-15 -- true for RMS-normed KV and q; f16 also
-    keeps 3 more mantissa bits of q and P than bf16).
+    keeps 3 more mantissa bits of q and P than bf16), col_splits (programs per (query row, split, head block),
+    each owning d / col_splits output columns: every one computes the full scores but P.V only for its columns,
+    so its accumulator and live value rows shrink by col_splits at the price of repeating q.K (1.5x the FLOPs at
+    col_splits 2; the repeated row reads mostly hit L2); the column ranges must fall on d_chunk boundaries).
     `interpret=True` runs the kernel in the Pallas interpreter (CPU tests). `poison=True` (tests) aliases the
     kernel outputs to NaN-filled buffers so an element the kernel fails to write shows up as NaN."""
     b, t, h, d = common.validate(q, window_kv, window_idx, compressed_kv, compressed_idx, sinks, window_len,
@@ -233,7 +256,7 @@ def sparse_attention_gpu(
     bt = b * t
     any_fp8 = isinstance(window_kv, Fp8KVPool) or isinstance(compressed_kv, Fp8KVPool)
     total_k = window_idx.shape[-1] + (0 if compressed_idx is None else compressed_idx.shape[-1])
-    cfg = default_config(bt, h, total_k, any_fp8, t > 8)
+    cfg = default_config(bt, h, total_k, any_fp8, t > 8, col_splits)
     for k_, v_ in dict(block_h=block_h, block_k=block_k, n_splits=n_splits, num_warps=num_warps,
                        num_stages=num_stages, d_chunk=d_chunk).items():
         if v_ is not None:
@@ -244,10 +267,15 @@ def sparse_attention_gpu(
         raise ValueError(f"d_chunk {dc} must divide head_dim {d}")
     if fp8_operands not in ("bf16", "f16"):
         raise ValueError(f"fp8_operands must be 'bf16' or 'f16', got {fp8_operands!r}")
-    if any_fp8:
-        _chunks(d, dc, True)  # validates head_dim / d_chunk for FP8 pools
+    chunks = _chunks(d, dc, any_fp8)  # validates head_dim / d_chunk for FP8 pools
+    if col_splits < 1 or d % col_splits or any(off // (d // col_splits) != (off + w - 1) // (d // col_splits)
+                                               for off, w in chunks):
+        raise ValueError(f"col_splits {col_splits} must split head_dim {d} on d_chunk boundaries "
+                         f"(chunks {[off for off, _ in chunks]})")
     hp = -(-h // bh) * bh
     n_hb = hp // bh
+    CS = col_splits
+    dcol = d // CS
 
     srcs = [common.flatten_source(window_kv, window_idx, window_len, bt, bk)]
     if compressed_kv is not None:
@@ -263,13 +291,15 @@ def sparse_attention_gpu(
         qf = jnp.pad(qf, ((0, 0), (0, hp - h), (0, 0)))
         sk = jnp.pad(sk, (0, hp - h))
 
-    full = lambda shape: pl.BlockSpec(shape, lambda i, s, hb: (0,) * len(shape))
+    # grid axis 2 = head block x column range (g = hb * CS + c): the programs sharing rows are neighbours
+    full = lambda shape: pl.BlockSpec(shape, lambda i, s, g: (0,) * len(shape))
     args = [qf, sk]
-    in_specs = [pl.BlockSpec((None, bh, d), lambda i, s, hb: (i, hb, 0)), pl.BlockSpec((bh,), lambda i, s, hb: (hb,))]
+    in_specs = [pl.BlockSpec((None, bh, d), lambda i, s, g: (i, g // CS, 0)),
+                pl.BlockSpec((bh,), lambda i, s, g: (g // CS,))]
     meta = []
     for src in srcs:
         args += [src.idx, src.length]
-        in_specs += [pl.BlockSpec((None, src.k), lambda i, s, hb: (i, 0)), full((bt,))]
+        in_specs += [pl.BlockSpec((None, src.k), lambda i, s, g: (i, 0)), full((bt,))]
         parts = (src.pool.nope, src.pool.rope, src.pool.scale) if src.fp8 else (src.pool,)
         for p_ in parts:
             args.append(p_)
@@ -280,12 +310,12 @@ def sparse_attention_gpu(
     if out_split:
         pdt = jnp.dtype(partial_dtype or (jnp.bfloat16 if out_dtype == jnp.bfloat16 else jnp.float32))
         out_shape = [jax.ShapeDtypeStruct((bt, ns, hp, d), pdt), jax.ShapeDtypeStruct((bt, ns, hp), jnp.float32)]
-        out_specs = [pl.BlockSpec((None, None, bh, d), lambda i, s, hb: (i, s, hb, 0)),
-                     pl.BlockSpec((None, None, bh), lambda i, s, hb: (i, s, hb))]
+        out_specs = [pl.BlockSpec((None, None, bh, dcol), lambda i, s, g: (i, s, g // CS, g % CS)),
+                     pl.BlockSpec((None, None, bh), lambda i, s, g: (i, s, g // CS))]
     else:
         out_shape = [jax.ShapeDtypeStruct((bt, hp, d), out_dtype), jax.ShapeDtypeStruct((bt, hp), jnp.float32)]
-        out_specs = [pl.BlockSpec((None, bh, d), lambda i, s, hb: (i, hb, 0)),
-                     pl.BlockSpec((None, bh), lambda i, s, hb: (i, hb))]
+        out_specs = [pl.BlockSpec((None, bh, dcol), lambda i, s, g: (i, g // CS, g % CS)),
+                     pl.BlockSpec((None, bh), lambda i, s, g: (i, g // CS))]
 
     aliases = {}
     if poison:
@@ -299,19 +329,20 @@ def sparse_attention_gpu(
         _kernel, srcs=meta, block_h=bh, block_k=bk, d=d, d_chunk=dc, n_splits=ns, blocks_per_split=bps,
         scale2=float(scale) * LOG2E, out_split=out_split, interpret=interpret,
         compute_dtype=(jnp.float32 if q.dtype == jnp.float32 else
-                       jnp.float16 if any_fp8 and fp8_operands == "f16" else jnp.bfloat16), fp8_scales=fp8_scales)
+                       jnp.float16 if any_fp8 and fp8_operands == "f16" else jnp.bfloat16), fp8_scales=fp8_scales,
+        col_splits=CS)
     extra = {}
     if not interpret:
         extra["compiler_params"] = plgpu.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     o, lse = pl.pallas_call(
         kernel,
-        grid=(bt, ns, n_hb),
+        grid=(bt, ns, n_hb * CS),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         interpret=interpret,
         input_output_aliases=aliases,
-        name=f"sparse_attn_bh{bh}_bk{bk}_s{ns}",
+        name=f"sparse_attn_bh{bh}_bk{bk}_s{ns}" + (f"_c{CS}" if CS > 1 else ""),
         **extra,
     )(*args)
     if out_split:
