@@ -32,6 +32,15 @@ def test_indexer_lowers(fmt, rotate, S, opts):
     lowers_for_cuda(lambda q, w, k, n: indexer_topk_gpu(q, w, k, n, k=64, **opts), q, w, keys, nv)
 
 
+@pytest.mark.parametrize("fmt", [None, "bf16", "fp8", "fp4"])
+def test_indexer_decode_wide_blocks_lower(fmt):
+    """Decode over T >= 2048 keys: the 256-key x 8-warp default (f32 keys keep 64 x 4)."""
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+
+    q, w, keys, nv = make_indexer(2, 1, 64, 5000, fmt, fmt == "fp4")
+    lowers_for_cuda(lambda q, w, k, n: indexer_topk_gpu(q, w, k, n, k=512), q, w, keys, nv)
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 def test_indexer_f16_operands_lower(fmt):
     from pallas_kernels.indexer.gpu import indexer_topk_gpu

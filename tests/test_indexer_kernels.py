@@ -85,6 +85,14 @@ def test_prefill_chunked_causal(impl):
     check_picks(indexer_topk(q, w, keys, nv, k=24, query_chunk=8, impl=impl), q, w, keys, nv, 24)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp4"])
+def test_decode_wide_default_blocks(fmt):
+    """T >= 2048 decode takes the 256-key x 8-warp default: ragged visible lengths, one row ending mid-block."""
+    q, w, keys, nv = make(2, 1, 16, 2300, fmt, rotate=fmt == "fp4")
+    nv = nv.at[1, 0].set(1337)
+    check_scores(q, w, keys, nv, "pallas", 1e-5, num_splits=4)
+
+
 @pytest.mark.parametrize("fmt,opts", [("fp4", dict(fp4_scale="reshape", block_t=16, num_splits=3)),
                                       ("fp4", dict(fp4_scale="gather", block_t=32, num_splits=2)),
                                       ("fp8", dict(block_t=16, num_splits=5)), ("bf16", dict(block_t=32, waves=1))])

@@ -231,15 +231,19 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T,
     jax.lax.fori_loop(live_hi, hi, fill, 0)
 
 
-def default_config(S, T, q_bytes):
-    """Decode (S == 1): one query per program, 64-key blocks, and enough splits of the key range that the grid
-    holds ~4 waves of programs; each program sweeps its split in a pipelined loop. Prefill: up to 8 queries share
-    each loaded key block, fewer when their hoisted q operands (`q_bytes` per query) would exceed 128 KB (8 f32 /
-    bf16x2 queries of 64 x 128 ran out of shared memory on the H200)."""
+def default_config(S, T, q_bytes, key_bytes=2):
+    """Decode (S == 1): one query per program, 256-key blocks on 8 warps (64-key blocks on 4 warps for f32 keys,
+    whose 3 pipeline stages of 256 rows would not fit in shared memory, and for T < 2048), and enough splits of the key range that
+    the grid holds ~4 waves of programs; each program sweeps its split in a pipelined loop. Session 6 sweep on the
+    H200 (B = 64, 128K context, bf16 keys): 256 keys x 8 warps 177 us, 128 x 4 185, the old 64 x 4 195, 64 x 8 391
+    (results/README_indexer_compressor.md). Prefill: up to 8 queries share each loaded key block, fewer when their
+    hoisted q operands (`q_bytes` per query) would exceed 128 KB (8 f32 / bf16x2 queries of 64 x 128 ran out of
+    shared memory on the H200); `key_bytes` = bytes per key element as stored (f32 4, bf16 2, fp8 1, fp4 0.5)."""
     block_q = 1 if S == 1 else max(1, min(8, (128 << 10) // q_bytes))
-    block_t = 64
+    wide = S == 1 and key_bytes <= 2 and T >= 2048   # short rows keep the small blocks (few blocks per split)
+    block_t = 256 if wide else 64
     block_t = min(block_t, max(16, 1 << (max(T, 1) - 1).bit_length()))
-    return dict(block_q=block_q, block_t=max(16, block_t), num_warps=4, num_stages=3, waves=4,
+    return dict(block_q=block_q, block_t=max(16, block_t), num_warps=8 if wide else 4, num_stages=3, waves=4,
                 fp4_scale="gather")
 
 
@@ -264,7 +268,8 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
     if precision == "f16" and fmt == "fp4" and d % 32:
         raise ValueError(f"fp4 keys need index_head_dim % 32 == 0, got {d}")
     op_dtype = OP_DTYPE[precision]
-    cfg = default_config(S, T, q_bytes=hp * d * n_terms * jnp.dtype(op_dtype).itemsize)
+    key_bytes = {None: keys.dtype.itemsize if hasattr(keys, "dtype") else 4, "bf16": 2, "fp8": 1, "fp4": 0.5}[fmt]
+    cfg = default_config(S, T, q_bytes=hp * d * n_terms * jnp.dtype(op_dtype).itemsize, key_bytes=key_bytes)
     for k_, v_ in dict(block_q=block_q, block_t=block_t, num_warps=num_warps, num_stages=num_stages,
                        waves=waves, fp4_scale=fp4_scale).items():
         if v_ is not None:
