@@ -24,7 +24,8 @@ def lowers_for_cuda(fn, *args):
 
 @pytest.mark.parametrize("fmt,rotate", [(None, False), ("bf16", False), ("fp8", True), ("fp4", True)])
 @pytest.mark.parametrize("S,opts", [(1, {}), (19, {}), (1, dict(fp4_scale="reshape", block_t=32, num_splits=3)),
-                                    (1, dict(precision="bf16")), (1, dict(topk="radix")), (1, dict(topk="radix4"))])
+                                    (1, dict(precision="bf16")), (1, dict(topk="radix")), (1, dict(topk="radix4")),
+                                    (1, dict(heads_major=True))])
 def test_indexer_lowers(fmt, rotate, S, opts):
     from pallas_kernels.indexer.gpu import indexer_topk_gpu
 

@@ -134,7 +134,7 @@ def fp4_to_f16_scaled(byte):
 
 
 def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T, d, precision, op_dtype,
-            blocks_per_split, n_blocks, fp4_scale):
+            blocks_per_split, n_blocks, fp4_scale, heads_major=False):
     q_refs = refs[:n_qparts]
     rest = refs[n_qparts:]
     o_ref = rest[-1]
@@ -200,20 +200,25 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T,
         live = rows < lim
         kops, scale = load_keys(rows, live)
         group_scales, row_scale = (scale, None) if fp4_groups else (None, scale)
+        # logits [block_t, H] = K q^T (keys on the MMA's M side), or [H, block_t] = q K^T with heads_major (the
+        # keys on the N side: one m64 x n<block_t> tile per warpgroup instead of n64 tiles)
+        kdot = (lambda k_, q_: _dot_nt(q_, k_, precision)) if heads_major else (
+            lambda k_, q_: _dot_nt(k_, q_, precision))
+        per_key = (lambda v: v[None, :]) if heads_major else (lambda v: v[:, None])
+        per_head = (lambda v: v[:, None]) if heads_major else (lambda v: v[None, :])
         for qq in range(block_q):
             qv, wv = hoisted[qq], ws[qq]
             logits = None
             if fp4_groups:  # sum_g s_g[t] (lo_g . q_even_g + hi_g . q_odd_g); n_terms == 1
                 for g, sg in enumerate(group_scales):
-                    x = _dot_nt(kops[2 * g], qv[2 * g], precision) + _dot_nt(kops[2 * g + 1], qv[2 * g + 1],
-                                                                            precision)
-                    x = x * sg[:, None]
+                    x = kdot(kops[2 * g], qv[2 * g]) + kdot(kops[2 * g + 1], qv[2 * g + 1])
+                    x = x * per_key(sg)
                     logits = x if logits is None else logits + x
             for t in range(0 if fp4_groups else n_terms):
                 for p in range(per):
-                    x = _dot_nt(kops[p], qv[t * per + p], precision)          # [block_t, H]
+                    x = kdot(kops[p], qv[t * per + p])
                     logits = x if logits is None else logits + x
-            s = jnp.sum(jnp.maximum(logits, 0.0) * wv[None, :], axis=1)
+            s = jnp.sum(jnp.maximum(logits, 0.0) * per_head(wv), axis=0 if heads_major else 1)
             if row_scale is not None:
                 s = s * row_scale
             vis = rows < jnp.minimum(nvis_ref[qq], T)   # a ref load: static slices of values don't lower
@@ -232,29 +237,31 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T,
 
 
 def default_config(S, T, q_bytes, key_bytes=2):
-    """Decode (S == 1): one query per program, 256-key blocks on 8 warps (64-key blocks on 4 warps for f32 keys,
-    whose 3 pipeline stages of 256 rows would not fit in shared memory, and for T < 2048), and enough splits of the key range that
-    the grid holds ~4 waves of programs; each program sweeps its split in a pipelined loop. Session 6 sweep on the
-    H200 (B = 64, 128K context, bf16 keys): 256 keys x 8 warps 177 us, 128 x 4 185, the old 64 x 4 195, 64 x 8 391
-    (results/README_indexer_compressor.md). Prefill: up to 8 queries share each loaded key block, fewer when their
-    hoisted q operands (`q_bytes` per query) would exceed 128 KB (8 f32 / bf16x2 queries of 64 x 128 ran out of
-    shared memory on the H200); `key_bytes` = bytes per key element as stored (f32 4, bf16 2, fp8 1, fp4 0.5)."""
+    """Decode (S == 1) over bf16 keys with T >= 2048: one query per program, 256-key blocks on 8 warps; every other
+    case 64-key blocks on 4 warps. Enough splits of the key range that the grid holds ~4 waves of programs; each
+    program sweeps its split in a pipelined loop. Session 6 sweeps on the H200 (B = 64, 128K context, scores kernel
+    alone, us): bf16 keys 256 x 8 warps 174-177, 128 x 4 185, 64 x 4 192-195, 64 x 8 391; fp8 keys 64 x 4 131 but
+    256 x 8 176; fp4 64 x 4 288, 256 x 8 345 (results/README_indexer_compressor.md). Prefill: up to 8 queries share
+    each loaded key block, fewer when their hoisted q operands (`q_bytes` per query) would exceed 128 KB (8 f32 /
+    bf16x2 queries of 64 x 128 ran out of shared memory on the H200); `key_bytes` = bytes per key element as stored
+    (f32 4, bf16 2, fp8 1, fp4 0.5). heads_major (False): see `indexer_scores_gpu`."""
     block_q = 1 if S == 1 else max(1, min(8, (128 << 10) // q_bytes))
-    wide = S == 1 and key_bytes <= 2 and T >= 2048   # short rows keep the small blocks (few blocks per split)
+    wide = S == 1 and key_bytes == 2 and T >= 2048   # short rows keep the small blocks (few blocks per split)
     block_t = 256 if wide else 64
     block_t = min(block_t, max(16, 1 << (max(T, 1) - 1).bit_length()))
     return dict(block_q=block_q, block_t=max(16, block_t), num_warps=8 if wide else 4, num_stages=3, waves=4,
-                fp4_scale="gather")
+                fp4_scale="gather", heads_major=False)
 
 
 def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precision=None, block_q=None,
                        block_t=None, num_warps=None, num_stages=None, waves=None, num_splits=None, fp4_scale=None,
-                       pad_to_block=False):
+                       heads_major=None, pad_to_block=False):
     """Scores [B, S, T] (or [B, S, roundup(T, block_t)] with -inf padding if pad_to_block) like
     `reference.indexer_scores`.
 
     Grid (batch row, block of `block_q` queries, split of the key blocks); `num_splits` defaults to enough splits
-    for `waves` x N_SM programs."""
+    for `waves` x N_SM programs. heads_major: logits as q K^T [H, block_t] (the keys on the MMA's N side) instead
+    of K q^T [block_t, H]; same values."""
     B, S, H, d = q.shape
     T = keys.shape[1]
     fmt = key_format_of(keys)
@@ -271,7 +278,7 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
     key_bytes = {None: keys.dtype.itemsize if hasattr(keys, "dtype") else 4, "bf16": 2, "fp8": 1, "fp4": 0.5}[fmt]
     cfg = default_config(S, T, q_bytes=hp * d * n_terms * jnp.dtype(op_dtype).itemsize, key_bytes=key_bytes)
     for k_, v_ in dict(block_q=block_q, block_t=block_t, num_warps=num_warps, num_stages=num_stages,
-                       waves=waves, fp4_scale=fp4_scale).items():
+                       waves=waves, fp4_scale=fp4_scale, heads_major=heads_major).items():
         if v_ is not None:
             cfg[k_] = v_
     bq, bt = cfg["block_q"], cfg["block_t"]
@@ -300,7 +307,7 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
     in_specs += [full(p.shape) for p in kparts]
     kernel = functools.partial(_kernel, fmt=fmt, n_qparts=len(qparts), n_terms=n_terms, block_q=bq, block_t=bt,
                                T=T, d=d, precision=precision, op_dtype=op_dtype, blocks_per_split=bps,
-                               n_blocks=nb, fp4_scale=cfg["fp4_scale"])
+                               n_blocks=nb, fp4_scale=cfg["fp4_scale"], heads_major=bool(cfg["heads_major"]))
     extra = {}
     if not interpret:
         extra["compiler_params"] = plgpu.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
