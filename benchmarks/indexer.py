@@ -8,8 +8,8 @@ batch 1 and 64, key formats bf16 / fp8 (132 B) / fp4 (68 B). Prefill: a 1024-que
 Per case: time per call (us) as dependent calls inside one jitted lax.scan (q_{i+1} depends on picks_i), the floor
 max(bytes / copy BW, FLOPs / bf16 rate) with bytes = keys read once + q read + picks written and FLOPs = 2*H*dI per
 (query, visible key), the ratio to it, and the XLA reference in the same run. Variants: pallas (scores kernel + the
-default top-k, "threshold"), pallas_lax / _blockwise / _radix / _radix4 / _grouped / _threshold_rank (other top-k
-methods), pallas_bf16ops / scores_bf16ops (fp8 / fp4 keys through bf16 operands: the fp8 default before session 4,
+default top-k, "threshold"), pallas_lax / _blockwise / _radix / _radix4 / _grouped / _threshold_rank / _threshold_select /
+_threshold_set (other top-k methods; _set returns the picks as an index set), pallas_bf16ops / scores_bf16ops (fp8 / fp4 keys through bf16 operands: the fp8 default before session 4,
 whose call 3 measured the f16 default as "scores_f16"), pallas_f16ops / scores_f16ops (fp8 / fp4 keys through f16
 operands: fp8's default; for fp4 the bit-trick nibble decode, not the default yet), scores_only / scores_bt128 /
 scores_fp4reshape (the scores kernel alone and its knobs: top-k cost = difference), xla_ref.
@@ -17,9 +17,9 @@ Note: caches smaller than L2 (8K context, batch 1) are re-read from L2 across it
 
 topk_only: just the selection (k = 512) on random scores [B, T], (B, T) in {1, 64} x {32768, 262144}, methods
 lax.top_k / radix select 8 bits per pass / 4 bits per pass / grouped two-stage selection with groups of 16 / 32 / 64
-/ threshold (Triton compaction + lax.top_k) / threshold_rank (compaction + Triton rank kernels) (`topk_from_scores`), as
-dependent calls in one jitted
-scan (the next scores get + 0.0 * picks[0] in place at one entry); floor = reading the scores once at copy BW.
+/ threshold (Triton compaction + lax.top_k) / threshold_rank (compaction + Triton rank kernels) / threshold_select
+(Triton bound + compaction + k-set selection, lax.top_k over k) / threshold_set (the same as an index set, no sort)
+(`topk_from_scores`), as dependent calls in one jitted scan (the next scores get + 0.0 * picks[0] in place at one entry); floor = reading the scores once at copy BW.
 --quick: topk_only at T = 262144 only, without the 8-bit radix and blockwise variants. --variants / --topk-methods
 pick subsets. --tiny (CPU smoke test): small shapes, nominal ceilings, 2 iterations.
 """
@@ -93,7 +93,8 @@ def parse_options(spec: str) -> dict:
 TOPK_ONLY_METHODS = {"lax": dict(topk="lax"), "radix": dict(topk="radix"), "radix4": dict(topk="radix4"),
                      "grouped16": dict(topk="grouped16"), "grouped32": dict(topk="grouped32"),
                      "grouped64": dict(topk="grouped64"), "threshold": dict(topk="threshold"),
-                     "threshold_rank": dict(topk="threshold_rank")}
+                     "threshold_rank": dict(topk="threshold_rank"),
+                     "threshold_select": dict(topk="threshold_select"), "threshold_set": dict(topk="threshold_set")}
 QUICK_DROP = ("radix", "pallas_radix", "pallas_blockwise")  # slower than lax on the H200 / 8-bit radix compiles for
                                                             # minutes at batch 64 (results/h200_s3r1, s3r3)
 
@@ -180,6 +181,10 @@ def main():
         "pallas_grouped": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="grouped"),
         "pallas_threshold_rank": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas",
                                                                  topk="threshold_rank"),
+        "pallas_threshold_select": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas",
+                                                                   topk="threshold_select"),
+        "pallas_threshold_set": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas",
+                                                                topk="threshold_set"),
         "pallas_bf16ops": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas",
                                                           precision="bf16" if isinstance(k, F.QuantizedKeys) else None),
         "pallas_lax": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="lax"),

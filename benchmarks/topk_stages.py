@@ -15,8 +15,14 @@ Stages (k = 512, random normal scores [R, T]; each timed as dependent calls in o
   compact          `compact_pallas` alone (tau given)
   order            lax.top_k over the `capacity` compacted slots + the index gather
   cond_trivial     a lax.cond on a device predicate with two trivial branches: the fixed price of a conditional
+  full_select      impl="pallas_select": Triton bound kernel + compaction + fix-up + Triton k-set selection, then
+                   lax.top_k over the k picks only (session 6)
+  full_set         the same, sorted=False: the picks as an index set, no sort at all
+  bound            `bound_pallas` alone (group maxima + their k-th largest in one kernel; compare with `tau`)
+  select           `select_pallas` alone on the compacted slots (the exact k-set, ascending position)
+  order_k          lax.top_k over k picks + the index gather (the sort left in full_select)
   touch            the chain's own carry update alone (the harness overhead, subtracted from nothing)
-Prints a table of us per call; writes DIR/topk_stages.json.
+Prints a table of us per call; writes DIR/topk_stages.json. --stages picks a subset (comma list; touch always runs).
 """
 
 from __future__ import annotations
@@ -34,13 +40,15 @@ from pallas_kernels.indexer import topk as T_
 K = 512
 
 
-def stages(R, T, k=K):
+def stages(R, T, k=K, only=None):
     interp = jax.default_backend() == "cpu"  # CPU smoke runs: Triton kernels in the interpreter
     scores = jax.random.normal(jax.random.key(R * 7 + T), (R, T), jnp.float32)
     group, capacity = T_.threshold_layout(T, k)
     keys0 = T_._ordered_i32(scores)
     tau0 = T_._threshold(keys0, k, group)
     ck0, cp0, n0 = T_.compact_reference(keys0, tau0, capacity)
+    kk0, pk0 = jax.lax.top_k(ck0, k)                  # some k keys / positions (order_k's input)
+    pk0 = jnp.take_along_axis(cp0, pk0, axis=1)
 
     def fast_only(s):
         keys = T_._ordered_i32(s)
@@ -72,7 +80,16 @@ def stages(R, T, k=K):
         "order": lambda s: jnp.take_along_axis(cp0, jax.lax.top_k(jnp.where(s[:, :1] > 1e30, 0, ck0), k)[1],
                                                axis=1),
         "cond_trivial": cond_trivial,
+        "full_select": lambda s: T_.topk_threshold(s, k, impl="pallas_select", interpret=interp),
+        "full_set": lambda s: T_.topk_threshold(s, k, impl="pallas_select", sorted=False, interpret=interp),
+        "bound": lambda s: T_.bound_pallas(s, k, group, interpret=interp)[:, None],
+        "select": lambda s: T_.select_pallas(jnp.where(s[:, :1] > 1e30, 0, ck0), cp0, n0, k, capacity,
+                                             interpret=interp)[1],
+        "order_k": lambda s: jnp.take_along_axis(pk0, jax.lax.top_k(jnp.where(s[:, :1] > 1e30, 0, kk0), k)[1],
+                                                 axis=1),
     }
+    if only:
+        fns = {n: f for n, f in fns.items() if n == "touch" or n in only}
     n_iter = 200 if R * T <= (1 << 18) else 50
     # plateau of 1.0 (20% of a row) under > k distinct larger values packed in a few strided groups: overflow with
     # more than k keys above the bound, so the fix-up kernel runs its radix select
@@ -108,13 +125,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="1x262144,64x32768,64x262144")
     ap.add_argument("--out", default="/tmp/topk_stages")
+    ap.add_argument("--stages", default=None, help="comma list of stage names (default: all)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     rows = []
     print(jax.devices(), flush=True)
     for c in a.cases.split(","):
         R, T = (int(x) for x in c.split("x"))
-        rows.append(stages(R, T))
+        rows.append(stages(R, T, only=set(a.stages.split(",")) if a.stages else None))
         with open(os.path.join(a.out, "topk_stages.json"), "w") as f:
             json.dump(rows, f, indent=1)
 

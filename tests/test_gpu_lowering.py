@@ -57,6 +57,8 @@ def test_topk_compact_kernel_lowers():
     s = jax.random.normal(jax.random.key(0), (3, 40000), jnp.float32)
     lowers_for_cuda(lambda x: topk_threshold(x, 512, impl="pallas"), s)
     lowers_for_cuda(lambda x: topk_threshold(x, 512, impl="pallas_compact"), s)
+    lowers_for_cuda(lambda x: topk_threshold(x, 512, impl="pallas_select"), s)           # bound + select kernels
+    lowers_for_cuda(lambda x: topk_threshold(x, 512, impl="pallas_select", sorted=False), s)
 
 
 @pytest.mark.parametrize("flags,opts", [

@@ -170,7 +170,7 @@ def _fast_rows(R, T, rng):
     return x
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas_compact", "pallas"])
+@pytest.mark.parametrize("impl", ["xla", "pallas_compact", "pallas", "pallas_select"])
 @pytest.mark.parametrize("T,k", [(5000, 64), (20000, 100), (4099, 16)])
 def test_threshold_matches_lax_top_k(T, k, impl):
     """Threshold top-k: bit-identical to lax on its fast path (asserted: no row overflows the slots), and on heavy-
@@ -189,7 +189,7 @@ def test_threshold_matches_lax_top_k(T, k, impl):
     np.testing.assert_array_equal(np.asarray(f(s, k=k, impl=impl)), np.asarray(_lax(s, k=k, topk="lax")))
 
 
-@pytest.mark.parametrize("impl", ["pallas_compact", "pallas"])
+@pytest.mark.parametrize("impl", ["pallas_compact", "pallas", "pallas_select"])
 def test_threshold_overflow_rows_fixed_up_per_row(impl):
     """Triton impls: rows whose survivors overflow the slots get their exact top-k from the radix-select fix-up
     kernel (interpreter) while the other rows of the same call keep the fast path: all ties, few distinct values,
@@ -260,8 +260,56 @@ def test_rank_select_matches_lax():
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas_select"])
+def test_threshold_index_set_mode(impl):
+    """sorted=False: the same picks as an index set (ascending index, -1s last), on fast-path rows (incl. +inf /
+    NaN entries, whose picks are left out) and on heavy-tie rows that overflow the slots."""
+    from pallas_kernels.indexer.topk import as_index_set
+
+    rng = np.random.default_rng(next(_SEED))
+    T, k = 5000, 64
+    f = jax.jit(functools.partial(topk_threshold, k=k, impl=impl, sorted=False, interpret=impl != "xla"))
+    for s in (_fast_rows(8, T, rng), random_scores((4, T), rng)):
+        s = jnp.asarray(s)
+        want = np.asarray(as_index_set(_lax(s, k=k, topk="lax")))
+        np.testing.assert_array_equal(np.asarray(f(s)), want)
+    for row in np.asarray(f(jnp.asarray(_fast_rows(8, T, rng)))):              # strictly ascending, -1s last
+        m = int((row >= 0).sum())
+        assert (np.diff(row[:m]) > 0).all() and (row[m:] == -1).all()
+
+
+def test_bound_and_select_kernels_match_references():
+    """bound_pallas == _threshold (the k-th largest strided group max), and select_pallas == the exact top-k set of
+    the valid slots in ascending slot order (heavy ties, n < k, n = 0, +inf keys), both in the interpreter."""
+    from pallas_kernels.indexer.topk import (INT32_MIN, POS_INF_KEY, _ordered_i32, _threshold, bound_pallas,
+                                             select_pallas)
+
+    rng = np.random.default_rng(next(_SEED))
+    s = jnp.asarray(_fast_rows(8, 3000, rng))
+    for group in (4, 8):
+        np.testing.assert_array_equal(np.asarray(bound_pallas(s, 50, group, interpret=True)),
+                                      np.asarray(_threshold(_ordered_i32(s), 50, group)))
+    R, W, cap, k = 5, 320, 256, 40
+    keys = rng.integers(-6, 6, (R, W)).astype(np.int32)
+    keys[1] = rng.integers(-2**31 + 1, 2**31 - 1, W)
+    keys[4, :5] = POS_INF_KEY + 3                                              # +inf / NaN survivors
+    pos = np.sort(rng.choice(100000, (R, W)), axis=1).astype(np.int32)
+    n = np.array([cap, 200, 25, 0, 100], np.int32)
+    for finite_only in (False, True):
+        kk, pp = select_pallas(jnp.asarray(keys), jnp.asarray(pos), jnp.asarray(n), k, cap, finite_only=finite_only,
+                               interpret=True)
+        for r in range(R):
+            valid = keys[r, :n[r]]
+            top = np.sort(np.asarray(jax.lax.top_k(jnp.asarray(valid), min(k, n[r]))[1])) if n[r] else []
+            top = [t for t in top if not (finite_only and valid[t] >= POS_INF_KEY)]
+            m = len(top)
+            np.testing.assert_array_equal(np.asarray(pp)[r, :m], pos[r, top])
+            np.testing.assert_array_equal(np.asarray(kk)[r, :m], keys[r, top])
+            assert (np.asarray(kk)[r, m:] == INT32_MIN).all() and (np.asarray(pp)[r, m:] == 0).all()
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (compiled Triton compaction kernel)")
-@pytest.mark.parametrize("impl", ["pallas", "pallas_compact"])
+@pytest.mark.parametrize("impl", ["pallas", "pallas_compact", "pallas_select"])
 @pytest.mark.parametrize("R,T,k", [(1, 262144, 512), (64, 32768, 512), (5, 70000, 1024)])
 def test_gpu_threshold_topk(R, T, k, impl):
     """The compiled threshold top-k (Triton kernels) == lax.top_k: fast-path rows and heavy-tie rows (fallback)."""
@@ -270,4 +318,10 @@ def test_gpu_threshold_topk(R, T, k, impl):
     for s in (_fast_rows(max(R, 6), T, rng)[:R] if R >= 6 else rng.standard_normal((R, T)).astype(np.float32),
               random_scores((R, T), rng)):
         s = jnp.asarray(s)
-        np.testing.assert_array_equal(np.asarray(f(s, k=k)), np.asarray(_lax(s, k=k, topk="lax")))
+        want = np.asarray(_lax(s, k=k, topk="lax"))
+        np.testing.assert_array_equal(np.asarray(f(s, k=k)), want)
+        if impl == "pallas_select":  # the index-set mode of the same pipeline
+            from pallas_kernels.indexer.topk import as_index_set
+
+            got = jax.jit(functools.partial(topk_threshold, impl=impl, sorted=False), static_argnames=("k",))(s, k=k)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(jnp.asarray(want))))

@@ -31,7 +31,11 @@ scores by their max, then top-k over those k * N candidates), "threshold" = `top
 bound of the k-th score from strided-group maxima, the survivors compacted by a Triton kernel on GPU (XLA cumsum
 elsewhere), lax.top_k over ~4k slots; a row that overflows the slots gets its exact top-k set from the
 `topk.exact_rows` fix-up kernel, so the GPU path has no conditional), "threshold_rank" = the same with a Triton
-rank-counting kernel instead of the two lax.top_k (no sort; measured slower at batch 64). All give the same picks.
+rank-counting kernel instead of the two lax.top_k (no sort; measured slower at batch 64), "threshold_select" = Triton
+kernels for the bound and for picking the k-set among the survivors (`topk_threshold(impl="pallas_select")`; the only
+sort left is over the k picks), "threshold_set" = the same without that sort: the picks as an index set (ascending
+index, -1s last), for consumers that only gather and sum. All others give the same picks (not measured on a GPU yet:
+threshold_select / threshold_set, session 6).
 Default "threshold": on the H200, 44 us at batch 1 x 262,144 candidates (lax.top_k ~80) and 55-60 us at batch 64 x
 32K (lax ~260), the chain harness included (results/README_indexer_compressor.md, session 5). Scores are
 materialized per query chunk only ([B, query_chunk, T] f32), so prefill memory stays bounded.
@@ -321,13 +325,16 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
     return out if pad_to_block else out[..., :T]
 
 
-TOPK_METHODS = ("lax", "blockwise", "radix", "radix4", "grouped", "grouped<N>", "threshold", "threshold_rank")
+TOPK_METHODS = ("lax", "blockwise", "radix", "radix4", "grouped", "grouped<N>", "threshold", "threshold_rank",
+                "threshold_select", "threshold_set")
+THRESHOLD_METHODS = {"threshold": "pallas_compact", "threshold_rank": "pallas", "threshold_select": "pallas_select",
+                     "threshold_set": "pallas_select"}  # method -> topk_threshold impl on a GPU ("xla" elsewhere)
 
 
 def radix_bits_of(topk: str, radix_bits: Optional[int] = None) -> Optional[int]:
     """Digit width of a radix top-k method ("radix" -> 8, "radix4" -> 4, "radixN" -> N; `radix_bits` overrides),
     None for the other methods; ValueError for an unknown method."""
-    if topk in ("lax", "blockwise", "threshold", "threshold_rank") or topk.startswith("grouped"):
+    if topk in ("lax", "blockwise") or topk in THRESHOLD_METHODS or topk.startswith("grouped"):
         if topk.startswith("grouped") and not (topk == "grouped" or topk[7:].isdigit()):
             raise ValueError(f"unknown topk method {topk!r}; expected one of {TOPK_METHODS}")
         return None
@@ -338,14 +345,14 @@ def radix_bits_of(topk: str, radix_bits: Optional[int] = None) -> Optional[int]:
 
 def topk_from_scores(scores, k, *, topk="lax", topk_block=4096, radix_bits=None):
     """scores [..., Tp] (-inf = invalid) -> picks [..., k] int32 sorted by descending score, ties -> lower index,
-    -1 where the score is not finite. topk: one of TOPK_METHODS (same results)."""
+    -1 where the score is not finite. topk: one of TOPK_METHODS (same results), except "threshold_set": the same
+    picks as an index set (`topk.as_index_set`: ascending index, the -1s last)."""
     bits = radix_bits_of(topk, radix_bits)
-    if topk in ("threshold", "threshold_rank"):
+    if topk in THRESHOLD_METHODS:
         from .topk import topk_threshold
 
-        on_gpu = jax.default_backend() == "gpu"
-        impl = ("pallas_compact" if topk == "threshold" else "pallas") if on_gpu else "xla"
-        return topk_threshold(scores, k, impl=impl)
+        impl = THRESHOLD_METHODS[topk] if jax.default_backend() == "gpu" else "xla"
+        return topk_threshold(scores, k, impl=impl, sorted=topk != "threshold_set")
     if topk.startswith("grouped"):
         from .topk import topk_grouped
 

@@ -8,7 +8,9 @@
   the entries >= tau (~1.4k for i.i.d. scores) are compacted in index order (a Triton kernel on GPU) and ordered
   by a top_k over ~4k slots (or the Triton rank-counting kernel, impl="pallas"); a row with too many survivors
   gets its exact top-k set from a radix-select kernel (GPU) or sends the call to the grouped path (lax.cond, XLA
-  impl). See `topk_threshold`.
+  impl). impl="pallas_select" replaces both sorts over groups / slots with Triton radix selects in registers
+  (`bound_pallas`, `select_pallas`) and sorts only the k picks (or nothing, sorted=False: an index set). See
+  `topk_threshold`.
 * grouped: top-k groups by their max, then top-k over those groups' entries (`_grouped_positions`).
 * radix: radix select of the exact k-th key, then compaction (below).
 Measured on the H200: `benchmarks/results/README_indexer_compressor.md`.
@@ -461,12 +463,131 @@ def rank_select(keys, vals, n, k: int, *, block: int = 128, interpret: bool = Fa
     return out[:, :k]
 
 
-THRESHOLD_IMPLS = ("xla", "pallas_compact", "pallas")
+def _i32(v: int) -> int:
+    """A 32-bit pattern as a Python int in int32 range (for constants like 3 << 30)."""
+    return ((int(v) + 2 ** 31) % 2 ** 32) - 2 ** 31
 
 
-def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str = "xla", interpret: bool = False):
+def _radix_select_regs(key, valid, kk, bits: int):
+    """In-kernel radix select over an in-register vector: key [N] int32 (signed ordered keys), valid [N] bool,
+    1 <= kk <= #valid (traced) -> (K*, #{valid key > K*}) with K* the kk-th largest valid key. Unsigned order
+    u = key ^ INT32_MIN, fixed from the top `bits` bits down; per pass one reduction per nonzero digit (independent,
+    so they overlap): the digit taken is the number of digits d >= 1 with #{valid key >= prefix | d} >= kk, since
+    those counts are non-increasing in d and the count at d = 0 is >= kk by the invariant."""
+    prefix = jnp.int32(0)
+    for p in range(32 // bits):
+        shift = 32 - (p + 1) * bits
+        digit = jnp.int32(0)
+        for d in range(1, 1 << bits):
+            thr = (prefix | jnp.int32(_i32(d << shift))) ^ jnp.int32(INT32_MIN)
+            digit = digit + (jnp.sum((valid & (key >= thr)).astype(jnp.int32)) >= kk).astype(jnp.int32)
+        prefix = prefix | (digit << shift)
+    kstar = prefix ^ jnp.int32(INT32_MIN)
+    return kstar, jnp.sum((valid & (key > kstar)).astype(jnp.int32))
+
+
+def _bound_kernel(scores_ref, tau_ref, *, T, G, Gp, group, k, bits):
+    """One program per row: the strided group maxima (group j = {j, j + G, ...}; one pass over the row in `group`
+    contiguous G-wide loads, each covering every group once) and tau = their k-th largest, by radix select in
+    registers. Replaces `_threshold`'s XLA reduction + `lax.top_k` (a sort over G per row)."""
+    r = pl.program_id(0)
+    lanes = jax.lax.iota(jnp.int32, Gp)
+    real = lanes < G
+
+    def body(m, gmax):
+        cols = m * G + lanes
+        inside = real & (cols < T)
+        key = _ordered_i32(plgpu.load(scores_ref.at[r, cols], mask=inside, other=-jnp.inf))
+        return jnp.maximum(gmax, jnp.where(inside, key, INT32_MIN))   # padding: INT32_MIN, as _strided_group_max
+
+    gmax = jax.lax.fori_loop(0, group, body, jnp.full((Gp,), INT32_MIN, jnp.int32))
+    tau, _ = _radix_select_regs(gmax, real, k, bits)
+    tau_ref[...] = jnp.full((1,), tau, jnp.int32)
+
+
+def bound_pallas(scores, k: int, group: int, *, bits: int = 2, interpret: bool = False):
+    """scores [R, T] float32 -> tau [R] int32 == `_threshold(_ordered_i32(scores), k, group)`, as one Triton kernel
+    (one program per row)."""
+    R, T = scores.shape
+    G = -(-T // group)
+    if not 1 <= k <= G or 32 % bits:
+        raise ValueError(f"bound_pallas: need 1 <= k ({k}) <= groups ({G}) and bits ({bits}) dividing 32")
+    Gp = 1 << (G - 1).bit_length()
+    extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=3))
+    return pl.pallas_call(
+        functools.partial(_bound_kernel, T=T, G=G, Gp=Gp, group=group, k=k, bits=bits), grid=(R,),
+        in_specs=[pl.BlockSpec((R, T), lambda i: (0, 0))], out_specs=pl.BlockSpec((1,), lambda i: (i,)),
+        out_shape=jax.ShapeDtypeStruct((R,), jnp.int32), interpret=interpret, name="topk_bound", **extra,
+    )(scores)
+
+
+def _select_kernel(n_ref, keys_ref, pos_ref, keys_out, pos_out, *, W, Cp, k, kp, bits, finite_only):
+    """One program per row: of the row's n valid slots (ascending position), keep the exact top-k set -- every key
+    > K* and the first k' - #{key > K*} keys == K* (k' = min(k, n), K* = the k'-th largest) -- and write it in
+    ascending position to [0, k'), padding (INT32_MIN, 0) in [k', k). finite_only: picks whose score is not finite
+    (+inf / NaN keys; -inf never survives the compaction) are left out, so the padding starts at the number of
+    finite picks. Lanes not stored go to distinct tail slots k + lane (the interpreter implements a masked scatter
+    as read-select-write)."""
+    r = pl.program_id(0)
+    n = n_ref[r]
+    lanes = jax.lax.iota(jnp.int32, Cp)
+    valid = lanes < n
+    key = plgpu.load(keys_ref.at[r, lanes], mask=valid & (lanes < W), other=INT32_MIN)
+    pos = plgpu.load(pos_ref.at[r, lanes], mask=valid & (lanes < W), other=0)
+    kk = jnp.minimum(n, k)
+    kstar, c_gt = _radix_select_regs(key, valid, jnp.maximum(kk, 1), bits)
+    gt = valid & (key > kstar)
+    eq = valid & (key == kstar)
+    sel = gt | (eq & (jnp.cumsum(eq.astype(jnp.int32)) <= kk - c_gt))
+    if finite_only:
+        sel = sel & (key < POS_INF_KEY)
+    n_out = jnp.sum(sel.astype(jnp.int32))
+    at = jnp.where(sel, jnp.cumsum(sel.astype(jnp.int32)) - 1, k + lanes)
+    plgpu.store(keys_out.at[r, at], key, mask=sel)
+    plgpu.store(pos_out.at[r, at], pos, mask=sel)
+    pad_lanes = jax.lax.iota(jnp.int32, kp)
+    pad = (pad_lanes >= n_out) & (pad_lanes < k)
+    plgpu.store(keys_out.at[r, pad_lanes], jnp.full((kp,), INT32_MIN, jnp.int32), mask=pad)
+    plgpu.store(pos_out.at[r, pad_lanes], jnp.zeros((kp,), jnp.int32), mask=pad)
+
+
+def select_pallas(cand_keys, cand_pos, n, k: int, capacity: int, *, bits: int = 2, finite_only: bool = False,
+                  interpret: bool = False):
+    """Raw slot buffers [R, >= capacity] (valid slots [0, n), n <= capacity, ascending position) -> (keys [R, k],
+    pos [R, k]): the exact top-k set among the valid slots (ties -> lower slot) in ascending position, padded with
+    (INT32_MIN, 0) past min(n, k) (finite_only: the set's +inf / NaN keys left out, padding after the rest). One
+    Triton kernel, no sort."""
+    R, W = cand_keys.shape
+    if not 1 <= k <= capacity <= W or 32 % bits:
+        raise ValueError(f"select_pallas: need 1 <= k ({k}) <= capacity ({capacity}) <= slots ({W}), bits | 32")
+    Cp = 1 << (capacity - 1).bit_length()
+    kp = 1 << (k - 1).bit_length()
+    full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
+    extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=1))
+    keys_k, pos_k = pl.pallas_call(
+        functools.partial(_select_kernel, W=W, Cp=Cp, k=k, kp=kp, bits=bits, finite_only=finite_only), grid=(R,),
+        in_specs=[full((R,)), full((R, W)), full((R, W))], out_specs=[full((R, k + Cp))] * 2,
+        out_shape=[jax.ShapeDtypeStruct((R, k + Cp), jnp.int32)] * 2, interpret=interpret, name="topk_select",
+        **extra,
+    )(jnp.minimum(n, capacity).astype(jnp.int32), cand_keys, cand_pos)
+    return keys_k[:, :k], pos_k[:, :k]
+
+
+def as_index_set(picks):
+    """Sorted picks [..., k] (-1 = none) -> the same picks in ascending index order, the -1s last."""
+    big = jnp.iinfo(jnp.int32).max
+    ordered = jnp.sort(jnp.where(picks < 0, big, picks), axis=-1)
+    return jnp.where(ordered == big, -1, ordered).astype(jnp.int32)
+
+
+THRESHOLD_IMPLS = ("xla", "pallas_compact", "pallas", "pallas_select")
+
+
+def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str = "xla", sorted: bool = True,
+                   interpret: bool = False):
     """scores [..., T] float32 (-inf = invalid) -> picks [..., min(k, T)] int32, bit-identical to
-    `topk_from_scores(scores, min(k, T), topk="lax")`.
+    `topk_from_scores(scores, min(k, T), topk="lax")`; with sorted=False, the same picks as an index set:
+    `as_index_set` of them (ascending index, the -1s last), which is what a gather-and-sum consumer needs.
 
     1. tau = the k-th largest of the maxima of ~2k..4k strided groups of scores: a lower bound of the k-th largest
        score (`_threshold`);
@@ -481,7 +602,10 @@ def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str 
     the GPU pipeline has no conditional (which would sync with the host). Same picks either way, slower.
     impl: "xla" (cumsum + scatter compaction, lax.top_k for tau and the order: any backend), "pallas_compact"
     (Triton compaction kernel, lax.top_k), "pallas" (Triton compaction and `rank_select` for tau and the order:
-    no sort at all); `interpret` runs the Triton kernels in the Pallas interpreter."""
+    no sort at all), "pallas_select" (Triton kernels throughout: `bound_pallas` for tau (the group maxima and their
+    k-th largest by radix select, no sort over the groups), the compaction and fix-up, then `select_pallas` picks
+    the exact top-k set among the ~1.4k survivors by radix select; the order is a `lax.top_k` over those k only,
+    and none at all with sorted=False); `interpret` runs the Triton kernels in the Pallas interpreter."""
     if impl not in THRESHOLD_IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {THRESHOLD_IMPLS}")
     s, lead, k = _as_rows(scores, k)
@@ -490,6 +614,33 @@ def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str 
     T = s.shape[1]
     R = s.shape[0]
     group, capacity = threshold_layout(T, k, capacity)
+    if impl == "pallas_select" and T > capacity and group >= 4:
+        return _select_path(s, lead, k, group, capacity, sorted, interpret)
+    picks = _threshold_sorted(s, lead, k, group, capacity, impl, interpret)
+    return picks if sorted else as_index_set(picks)
+
+
+def _select_path(s, lead, k: int, group: int, capacity: int, sorted: bool, interpret: bool):
+    """topk_threshold(impl="pallas_select") past its small-row shortcut."""
+    sub = 1024
+    keys = _ordered_i32(s)
+    tau = bound_pallas(s, k, group, interpret=interpret)
+    raw_keys, raw_pos, n = _compact_raw(s, keys, tau, capacity, 2048, sub, interpret)
+    raw_keys, raw_pos = exact_rows(s, n, tau, raw_keys, raw_pos, k, capacity, chunk=sub, interpret=interpret)
+    n = jnp.where(n > capacity, k, n)                   # overflow rows now hold exactly their k picks
+    keys_k, pos_k = select_pallas(raw_keys, raw_pos, n, k, capacity, finite_only=not sorted, interpret=interpret)
+    if not sorted:  # ascending position, non-finite picks left out, padding (INT32_MIN) after them
+        return jnp.where(keys_k > NEG_INF_KEY, pos_k, -1).reshape(lead + (k,))
+    key, slot = jax.lax.top_k(keys_k, k)                # ties -> lower slot = lower position
+    ok = (key > NEG_INF_KEY) & (key < POS_INF_KEY)
+    idx = jnp.where(ok, jnp.take_along_axis(pos_k, slot, axis=1), -1)
+    return idx.astype(jnp.int32).reshape(lead + (k,))
+
+
+def _threshold_sorted(s, lead, k: int, group: int, capacity: int, impl: str, interpret: bool):
+    """topk_threshold with sorted picks for the impls "xla", "pallas_compact", "pallas" (and every impl's small
+    rows: T <= capacity or groups of < 4)."""
+    R, T = s.shape
     keys = _ordered_i32(s)
     if T <= capacity or group < 4:
         return _finite_picks(s, jax.lax.top_k(keys, k)[1], lead)
