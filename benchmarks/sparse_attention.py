@@ -137,7 +137,7 @@ def main():
     ap.add_argument("--groups", default="decode,prefill,b1",
                     help="comma list: decode (B=16/64/128), prefill (S=4K/16K), b1 (decode at B=1), "
                          "hca8k_fp8 (the HCA-8K FP8 decode rows only), variants (kernel knobs on decode cases), "
-                         "fp8ops / knobs5 / colsplit (session 5-6 knob studies)")
+                         "fp8ops / knobs5 / colsplit / prefetch (session 5-6 knob studies)")
     args = ap.parse_args()
     groups = set(args.groups.split(","))
     rng = np.random.default_rng(0)
@@ -191,6 +191,12 @@ def main():
                 record(bench_case(rng, ceil, "hca", 16, 1, 8192, fp8, opts=o, ref=False))
         for o in ({}, cs2):
             record(bench_case(rng, ceil, "csa", 1, 4096, 512, False, opts=o, ref=False, csa_cap=1024))
+    if "prefetch" in groups:  # session 6 (not yet run): manual prefetch of the next block's index list / rows
+        for kind, b, t, kc, fp8 in [("csa", 64, 1, 512, False), ("csa", 128, 1, 512, False), ("csa", 16, 1, 512, False),
+                                    ("csa", 64, 1, 512, True), ("hca", 16, 1, 8192, False), ("csa", 1, 4096, 512, False)]:
+            for o in ({}, dict(prefetch="idx"), dict(prefetch="rows")):
+                record(bench_case(rng, ceil, kind, b, t, kc, fp8, opts=o, ref=False,
+                                  **(dict(csa_cap=t // 4) if t > 1 else {})))
     if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor
         for kind, b, kc, fp8 in [("csa", 16, 512, False), ("csa", 64, 512, True), ("hca", 16, 8192, True)]:
             for o in ({}, dict(partial_dtype="bfloat16"), dict(fp8_scales="vector"),

@@ -69,6 +69,8 @@ def test_topk_compact_kernel_lowers():
     (dict(fp8=True, ragged=True), dict(n_splits=2, d_chunk=128, fp8_operands="f16")),
     (dict(fp8=False, ragged=True), dict(n_splits=1, col_splits=2)),
     (dict(fp8=True, ragged=True), dict(n_splits=2, col_splits=2)),
+    (dict(fp8=False, ragged=True), dict(n_splits=2, prefetch="idx")),
+    (dict(fp8=True, ragged=True), dict(n_splits=2, prefetch="rows")),
 ])
 def test_sparse_attention_lowers(flags, opts):
     from pallas_kernels.sparse_attention.gpu import sparse_attention_gpu

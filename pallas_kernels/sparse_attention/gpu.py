@@ -57,7 +57,7 @@ def _gather(ref, rows, col0, width, mask, other, interpret):
 
 
 def _kernel(*refs, srcs, block_h, block_k, d, d_chunk, n_splits, blocks_per_split, scale2, out_split, interpret,
-            compute_dtype=jnp.bfloat16, fp8_scales="per_chunk", col_splits=1):
+            compute_dtype=jnp.bfloat16, fp8_scales="per_chunk", col_splits=1, prefetch=None):
     # compute_dtype: MMA operand dtype — bf16 for bf16/fp8 inputs, f32 when q is f32 (exact-mode parity).
     # refs: q, sinks, then per source (idx, len, pool parts...), then outputs (o, lse)
     it = iter(refs)
@@ -77,17 +77,17 @@ def _kernel(*refs, srcs, block_h, block_k, d, d_chunk, n_splits, blocks_per_spli
     chunks = _chunks(d, d_chunk, any_fp8)  # [(offset, width)]: FP8 chunks never straddle the 448 | 64 seam
     if col_splits == 1:
         _attend(0, i, s, q_ref, sink_ref, src_refs, o_ref, lse_ref, srcs, chunks, block_h, block_k, d,
-                blocks_per_split, scale2, out_split, interpret, compute_dtype, fp8_scales, 1)
+                blocks_per_split, scale2, out_split, interpret, compute_dtype, fp8_scales, 1, prefetch)
         return
     cs = pl.program_id(2) % col_splits
     for c in range(col_splits):  # one static copy of the sweep per output column range
         pl.when(cs == c)(functools.partial(
             _attend, c, i, s, q_ref, sink_ref, src_refs, o_ref, lse_ref, srcs, chunks, block_h, block_k, d,
-            blocks_per_split, scale2, out_split, interpret, compute_dtype, fp8_scales, col_splits))
+            blocks_per_split, scale2, out_split, interpret, compute_dtype, fp8_scales, col_splits, prefetch))
 
 
 def _attend(c, i, s, q_ref, sink_ref, src_refs, o_ref, lse_ref, srcs, chunks, block_h, block_k, d,
-            blocks_per_split, scale2, out_split, interpret, compute_dtype, fp8_scales, col_splits):
+            blocks_per_split, scale2, out_split, interpret, compute_dtype, fp8_scales, col_splits, prefetch):
     """The sweep of one program. Scores use every head_dim chunk; P.V and the output cover the chunks of column
     range c of `col_splits` ([c * d / col_splits, (c + 1) * d / col_splits)): o_ref holds only that range."""
     dcol = d // col_splits
@@ -112,11 +112,13 @@ def _attend(c, i, s, q_ref, sink_ref, src_refs, o_ref, lse_ref, srcs, chunks, bl
         n_rows = src["n_rows"]
         fp8 = src["fp8"]
 
-        def body(j, carry, idx_ref=idx_ref, parts=parts, length=length, n_rows=n_rows, fp8=fp8):
-            m, l, acc = carry
-            idx = idx_ref[pl.ds(j * block_k, block_k)]
+        def load_idx(j, idx_ref=idx_ref, nb=nb):
+            return idx_ref[pl.ds(jnp.minimum(j, nb - 1) * block_k, block_k)]   # clamped: a prefetch past the end
+
+        def fetch(j, idx, live, parts=parts, length=length, n_rows=n_rows, fp8=fp8):
+            """Block j's rows (gathered, dequantized, in cdt) and validity; nothing is read unless `live`."""
             pos = j * block_k + jax.lax.iota(jnp.int32, block_k)
-            valid = (idx >= 0) & (idx < n_rows) & (pos < length)
+            valid = (idx >= 0) & (idx < n_rows) & (pos < length) & live
             safe = jnp.where(valid, idx, 0)
             kvs = []
             if fp8 and fp8_scales == "vector":  # the row's 8 scale bytes in one load, split per chunk in registers
@@ -148,19 +150,43 @@ def _attend(c, i, s, q_ref, sink_ref, src_refs, o_ref, lse_ref, srcs, chunks, bl
                     rope_ref = parts[1]
                     kv = _gather(rope_ref, safe, off - NOPE_DIM, w, valid[:, None], 0.0, interpret)
                     kvs.append(kv.astype(cdt))
+            return valid, tuple(kvs)
+
+        def step(m, l, acc, valid, kvs):
+            """Online-softmax update with one block of rows."""
             sc2 = _dot_nt(qs[0], kvs[0])
-            for c in range(1, len(chunks)):
-                sc2 += _dot_nt(qs[c], kvs[c])
+            for c_ in range(1, len(chunks)):
+                sc2 += _dot_nt(qs[c_], kvs[c_])
             logits = jnp.where(valid[None, :], sc2 * scale2, -jnp.inf)  # [block_h, block_k], log2 units
             m_new = jnp.maximum(m, jnp.max(logits, axis=1))
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(logits - m_new[:, None])
             l = l * alpha + jnp.sum(p, axis=1)
             pb = p.astype(cdt)
-            acc = tuple(a * alpha[:, None] + _dot(pb, kvs[j]) for a, j in zip(acc, own))
+            acc = tuple(a * alpha[:, None] + _dot(pb, kvs[j_]) for a, j_ in zip(acc, own))
             return m_new, l, acc
 
-        m, l, acc = jax.lax.fori_loop(lo, hi, body, (m, l, acc))
+        if prefetch is None:
+            def body(j, carry):
+                valid, kvs = fetch(j, load_idx(j), True)
+                return step(*carry, valid, kvs)
+
+            m, l, acc = jax.lax.fori_loop(lo, hi, body, (m, l, acc))
+        elif prefetch == "idx":  # block j + 1's index list loads while block j's rows are gathered and used
+            def body(j, carry):
+                m, l, acc, idx = carry
+                nxt = load_idx(j + 1)
+                valid, kvs = fetch(j, idx, True)
+                return (*step(m, l, acc, valid, kvs), nxt)
+
+            m, l, acc, _ = jax.lax.fori_loop(lo, hi, body, (m, l, acc, load_idx(lo)))
+        else:  # "rows": block j + 1's rows are gathered (into registers) before block j's MMAs
+            def body(j, carry, hi=hi):
+                m, l, acc, valid, kvs = carry
+                nxt = fetch(j + 1, load_idx(j + 1), j + 1 < hi)
+                return (*step(m, l, acc, valid, kvs), *nxt)
+
+            m, l, acc, _, _ = jax.lax.fori_loop(lo, hi, body, (m, l, acc, *fetch(lo, load_idx(lo), lo < hi)))
         blk_base += nb
 
     has = l > 0
@@ -229,6 +255,7 @@ def sparse_attention_gpu(
     fp8_scales: str = "vector",
     fp8_operands: str = "bf16",
     col_splits: int = 1,
+    prefetch: str | None = None,
     poison: bool = False,
 ):
     """Pallas GPU (Triton) implementation of `reference.sparse_attention` (same arguments and results).
@@ -245,7 +272,10 @@ def sparse_attention_gpu(
     keeps 3 more mantissa bits of q and P than bf16), col_splits (programs per (query row, split, head block),
     each owning d / col_splits output columns: every one computes the full scores but P.V only for its columns,
     so its accumulator and live value rows shrink by col_splits at the price of repeating q.K (1.5x the FLOPs at
-    col_splits 2; the repeated row reads mostly hit L2); the column ranges must fall on d_chunk boundaries).
+    col_splits 2; the repeated row reads mostly hit L2); the column ranges must fall on d_chunk boundaries;
+    measured 1.3-2.4x slower on the H200), prefetch (manual software pipelining of the entry loop: None (Triton's
+    own pipelining only), "idx" (block j + 1's index list is loaded during block j, so the gather addresses do not
+    wait on it), "rows" (block j + 1's rows are gathered into registers before block j's MMAs; more registers)).
     `interpret=True` runs the kernel in the Pallas interpreter (CPU tests). `poison=True` (tests) aliases the
     kernel outputs to NaN-filled buffers so an element the kernel fails to write shows up as NaN."""
     b, t, h, d = common.validate(q, window_kv, window_idx, compressed_kv, compressed_idx, sinks, window_len,
@@ -265,6 +295,8 @@ def sparse_attention_gpu(
     dc = cfg["d_chunk"] if d_chunk is not None else math.gcd(cfg["d_chunk"], d)  # defaults fit small test dims
     if d % dc:
         raise ValueError(f"d_chunk {dc} must divide head_dim {d}")
+    if prefetch not in (None, "idx", "rows"):
+        raise ValueError(f"prefetch must be None, 'idx' or 'rows', got {prefetch!r}")
     if fp8_operands not in ("bf16", "f16"):
         raise ValueError(f"fp8_operands must be 'bf16' or 'f16', got {fp8_operands!r}")
     chunks = _chunks(d, dc, any_fp8)  # validates head_dim / d_chunk for FP8 pools
@@ -330,7 +362,7 @@ def sparse_attention_gpu(
         scale2=float(scale) * LOG2E, out_split=out_split, interpret=interpret,
         compute_dtype=(jnp.float32 if q.dtype == jnp.float32 else
                        jnp.float16 if any_fp8 and fp8_operands == "f16" else jnp.bfloat16), fp8_scales=fp8_scales,
-        col_splits=CS)
+        col_splits=CS, prefetch=prefetch)
     extra = {}
     if not interpret:
         extra["compiler_params"] = plgpu.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
