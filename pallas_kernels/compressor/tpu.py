@@ -10,7 +10,8 @@ dtype, indexer bf16 / fp8 / fp4, or the main KV cache's 584-B FP8 rows), and a D
 scales) into the aliased cache at entry w, only for complete windows with w < cap.
 The new open-window state comes from the shared XLA epilogue `gpu.next_state`.
 
-Status: validated in the TPU interpreter (`pltpu.InterpretParams`) on CPU only; no TPU compile has been run.
+Status: validated in the TPU interpreter (`pltpu.InterpretParams`) on CPU, and Pallas' Mosaic lowering for a TPU
+(v6e) target runs in CI (`tests/test_tpu_lowering.py`); no TPU compile (libtpu) has been run.
 """
 
 from __future__ import annotations

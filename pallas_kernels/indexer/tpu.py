@@ -7,7 +7,8 @@ dequantized in VMEM: bf16 / f32 rows; fp8 e4m3 rows (scale applied to the result
 [B, 1, T], so it broadcasts over the lane axis); fp4 nibbles decoded arithmetically with the ue8m0 scales, dotted
 against the even / odd channels of q (split outside, as in the GPU kernel).
 
-Status: validated in the TPU interpreter (`pltpu.InterpretParams`) on CPU only; no TPU compile has been run.
+Status: validated in the TPU interpreter (`pltpu.InterpretParams`) on CPU, and Pallas' Mosaic lowering for a TPU
+(v6e) target runs in CI (`tests/test_tpu_lowering.py`); no TPU compile (libtpu) has been run.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ row 0 instead and the logit is masked to -inf; whole blocks past the valid lengt
 FP8 pools copy their three parts (e4m3 nope, bf16 rope, ue8m0 scales) and are dequantized in VMEM; q is split
 into its nope / rope parts outside the kernel so no lane slice at offset 448 is needed.
 
-Tested in the TPU interpreter (`interpret=True` -> `pltpu.InterpretParams()`); not yet compiled on a real TPU.
+Status: validated in the TPU interpreter (`pltpu.InterpretParams`) on CPU, and Pallas' Mosaic lowering for a TPU
+(v6e) target runs in CI (`tests/test_tpu_lowering.py`); no TPU compile (libtpu) has been run.
 """
 
 from __future__ import annotations

@@ -1,0 +1,62 @@
+"""Every Pallas TPU (Mosaic) kernel configuration lowers for a TPU target -- checked on CPU, no TPU needed.
+
+The TPU interpreter (the CPU kernel tests) runs any jnp primitive on any block shape, but Pallas' Mosaic lowering
+accepts only what Mosaic supports (block shapes tiled (8, 128), supported dtype casts, no unsupported gathers...).
+`jit(...).trace(...).lower(lowering_platforms=("tpu",))` runs that lowering from a CPU-only machine, so such
+failures show up in CI. Some lowering rules ask for the TPU generation (e.g. `sign` on v6e+); the CPU has none, so
+a v6e (Trillium) TpuInfo is registered for the "cpu" device kind while these tests run. Mosaic's own compilation
+(layout assignment, register allocation) happens in libtpu on a TPU only: a TPU compile is still never run."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from test_compressor_kernels import make as make_compressor
+from test_indexer_kernels import make as make_indexer
+from test_sparse_attention import make_inputs as make_attention
+
+
+@pytest.fixture(autouse=True)
+def _cpu_as_v6e(monkeypatch):
+    from jax._src.pallas.mosaic import tpu_info
+
+    monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind,
+                        lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V6E, 1))
+
+
+def lowers_for_tpu(fn, *args):
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" in text, "no Mosaic kernel in the lowered module"
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("t", [1, 4])
+def test_sparse_attention_lowers_for_tpu(fp8, t):
+    from pallas_kernels.sparse_attention.tpu import sparse_attention_tpu
+
+    inp = make_attention(2, t, 64, 512, 300, 200, 128, 64, fp8=fp8, ragged=True)
+    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
+    lens = dict(window_len=inp["window_len"], compressed_len=inp["compressed_len"])
+    lowers_for_tpu(lambda *a: sparse_attention_tpu(*a, scale=512 ** -0.5, **lens), *(inp[k] for k in keys))
+
+
+@pytest.mark.parametrize("fmt,rotate", [(None, False), ("bf16", False), ("fp8", True), ("fp4", True)])
+@pytest.mark.parametrize("S", [1, 19])
+def test_indexer_lowers_for_tpu(fmt, rotate, S):
+    from pallas_kernels.indexer.tpu import indexer_topk_tpu
+
+    q, w, keys, nv = make_indexer(2, S, 64, 300, fmt, rotate, causal=S > 1)
+    lowers_for_tpu(lambda q, w, k, n: indexer_topk_tpu(q, w, k, n, k=64), q, w, keys, nv)
+
+
+@pytest.mark.parametrize("r,overlap,d,fmt,S", [
+    (4, True, 128, "fp4", 1), (4, True, 128, "fp8", 33), (4, True, 128, "bf16", 9), (4, True, 512, None, 40),
+    (128, False, 512, None, 300), (128, False, 512, None, 1)])
+def test_compressor_lowers_for_tpu(r, overlap, d, fmt, S):
+    from pallas_kernels.compressor.tpu import compress_chunk_tpu
+
+    inp, kw = make_compressor(2, S, r, overlap, d, fmt)
+    keys = ("kv", "gate", "start", "n_valid", "state_kv", "state_gate", "prev_kv", "prev_gate", "entries")
+    lowers_for_tpu(lambda *a: compress_chunk_tpu(*a, **kw, rotate=fmt is not None), *(inp[k] for k in keys))
