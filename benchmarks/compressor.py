@@ -9,7 +9,8 @@ Per case: time per call as dependent calls in one jitted lax.scan (call i + 1's 
 float add, on call i's written entries and new state, so nothing is hoisted and no array is copied for it), the
 floor = bytes / copy BW with bytes = kv + gate read + state read / written + entries written (the FLOPs,
 ~10 per input element, are negligible), ratio to it, and the XLA reference in the same run. The "harness" column
-is the chain's own iteration (the carry update, no compressor): every other column includes it.
+is the chain's own iteration (the carry update, no compressor): every other column includes it. --unroll N runs N
+dependent calls per scan iteration (the H200 harness measured 10-13 us per iteration with N = 1, session 5).
 --variants also times kernel configurations of the pallas path (VARIANTS: block sizes, layouts, warps, stages;
 each on top of `default_config`), one json key / column per variant ("v:<name>_us"); --cases picks a subset.
 """
@@ -76,7 +77,7 @@ def variants_for(name):
     return {**VARIANTS_SMALL, **(VARIANTS_ROT if rotate else {})}
 
 
-def case(name, B, S, ceil, n_iter, with_variants=False):
+def case(name, B, S, ceil, n_iter, with_variants=False, unroll=1):
     r, overlap, d, fmt, rotate, ebytes = COMPRESSORS[name]
     c = 2 if overlap else 1
     ks = jax.random.split(jax.random.key(hash((name, B, S)) % 1000), 6)
@@ -102,7 +103,7 @@ def case(name, B, S, ceil, n_iter, with_variants=False):
     bytes_ = 2 * kv.size * 4 + 2 * (skv.size + sg.size) * 4 + (2 * 2 * pk.size * 4 if overlap else 0) \
         + n_entries * ebytes
     fl = floor_s(bytes_, 0, ceil)
-    row = dict(name=name, B=B, S=S, floor_us=fl * 1e6, bytes=bytes_,
+    row = dict(name=name, B=B, S=S, floor_us=fl * 1e6, bytes=bytes_, unroll=unroll,
                default_config=default_config(B, S, r, d, overlap))
     # "harness": the chain's own iteration without a compressor call, included in every other column
     runs = [("harness", None, {}), ("pallas", "pallas", {}), ("reference", "reference", {})]
@@ -119,7 +120,7 @@ def case(name, B, S, ceil, n_iter, with_variants=False):
             dep = leaf[0, 0, 0].astype(jnp.float32) + out[1][0, 0, 0]
             return (st.astype(jnp.float32) + 0.0 * dep).astype(jnp.int32), out[0]
         try:
-            row[key + "_us"] = timed_chain(step, (start, entries), n_iter) * 1e6
+            row[key + "_us"] = timed_chain(step, (start, entries), n_iter, unroll=unroll) * 1e6
         except Exception as e:  # noqa: BLE001
             row[key + "_us"] = float("nan")
             row[key + "_err"] = repr(e)[:300]
@@ -132,6 +133,9 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--variants", action="store_true", help="also time the kernel configurations of VARIANTS_*")
     ap.add_argument("--cases", default="", help="decode | prefill | comma-separated compressor names (default all)")
+    ap.add_argument("--unroll", type=int, default=1,
+                    help="dependent calls per scan iteration (timing.timed_chain): > 1 shares the loop's own "
+                         "per-iteration cost (part of the 'harness' column) among that many calls")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     ceil = measure_ceilings(a.quick)
@@ -147,7 +151,7 @@ def main():
     rows = []
     for n, B, S in cases:
         # enough dependent calls per timed program that its one dispatch (100-250 us) adds < ~1-2 us per call
-        r = case(n, B, S, ceil, 200 if S == 1 else 100, a.variants)
+        r = case(n, B, S, ceil, 200 if S == 1 else 100, a.variants, a.unroll)
         rows.append(r)
         cells = " ".join(f"{r[k]:9.1f} ({r[k] / r['floor_us']:5.1f}x)" for k in ("harness_us", "pallas_us", "reference_us"))
         print(f"{n:>10} {B:>3} {S:>5} {r['floor_us']:8.2f}u {cells}", flush=True)

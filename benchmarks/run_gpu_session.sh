@@ -32,7 +32,7 @@ for s in ${STEPS:-tests5 model comp idx}; do
     tests5) run_step tests5 200 $PYT tests/test_indexer_kernels.py tests/test_compressor_kernels.py \
           tests/test_indexer_topk.py -k "${GPU_TEST_K:-gpu or matches_lax or edge_values}" ;;
     model) run_step model 200 $PYT tests/test_model_pallas.py tests/test_model_pallas_quantized.py ;;
-    comp) run_step comp 120 $PY benchmarks/compressor.py --out "$OUT" "$@" ;;
+    comp) run_step comp 120 $PY benchmarks/compressor.py --out "$OUT" "$@" ${COMP_ARGS:-} ;;
     compv) run_step compv 120 $PY benchmarks/compressor.py --out "$OUT/variants" --variants --cases ${COMPV_CASES:-prefill} ;;
     idx) run_step idx 180 $PY benchmarks/indexer.py --out "$OUT" "$@" ${IDX_ARGS:-} ;;
     topk) run_step topk 120 $PY benchmarks/topk_stages.py --out "$OUT" ${TOPK_ARGS:-} ;;

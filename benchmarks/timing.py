@@ -20,10 +20,14 @@ def wall(f, *a, reps=3):
     return float(np.median(ts))
 
 
-def timed_chain(step, carry, n_iter, reps=3):
+def timed_chain(step, carry, n_iter, reps=3, unroll=1):
     """Seconds per iteration of `carry = step(carry)` run n_iter times as dependent calls in one jitted scan (so
-    XLA can neither hoist nor batch them and Python dispatch is paid once)."""
-    f = jax.jit(lambda c: jax.lax.scan(lambda c, _: (step(c), None), c, None, length=n_iter)[0])
+    XLA can neither hoist nor batch them and Python dispatch is paid once). `unroll` > 1 puts that many dependent
+    steps in each loop iteration, so the loop's own per-iteration cost (on the GPU a while loop's trip) is shared
+    by `unroll` calls; n_iter is rounded up to a multiple of it."""
+    unroll = max(1, int(unroll))
+    n_iter = -(-n_iter // unroll) * unroll
+    f = jax.jit(lambda c: jax.lax.scan(lambda c, _: (step(c), None), c, None, length=n_iter, unroll=unroll)[0])
     return wall(f, carry, reps=reps) / n_iter
 
 
@@ -33,12 +37,13 @@ def measure_ceilings(quick=False):
     and ignored: its smaller sizes (256 MiB copy, 4096^3 products) measured 3.36-3.54 TB/s and 577-620 TFLOP/s on
     the H200 (session 5's --quick indexer / compressor runs) against 3.83-3.88 TB/s and ~718 TFLOP/s at full size,
     so those floors were 8-15% too long and their ratios too kind (fixed in session 6)."""
-    n = 1 << 28
+    cpu = jax.default_backend() == "cpu"   # CPU smoke runs: small sizes (no accelerator ceiling to measure)
+    n = 1 << (22 if cpu else 28)
     x = jnp.arange(n, dtype=jnp.float32)
     f = jax.jit(lambda a: jax.lax.fori_loop(0, 20, lambda i, a: a * 1.0001 + 1.0, a))
     bw = 20 * 2 * n * 4 / wall(f, x)
     del x
-    m = 8192
+    m = 512 if cpu else 8192
     a = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16) * (1.0 / 90.0)
     g = jax.jit(lambda a, b: jax.lax.fori_loop(0, 10, lambda i, a: (a @ b).astype(jnp.bfloat16), a))
