@@ -18,7 +18,7 @@ Stages (k = 512, random normal scores [R, T]; each timed as dependent calls in o
   full_select      impl="pallas_select": Triton bound kernel + compaction + fix-up + Triton k-set selection, then
                    lax.top_k over the k picks only (session 6)
   full_set         the same, sorted=False: the picks as an index set, no sort at all
-  bound            `bound_pallas` alone (group maxima + their k-th largest in one kernel; compare with `tau`)
+  bound            gmax + `bound_pallas` (their k-th largest by a radix select kernel; compare with `tau`)
   select           `select_pallas` alone on the compacted slots (the exact k-set, ascending position)
   order_k          lax.top_k over k picks + the index gather (the sort left in full_select)
   touch            the chain's own carry update alone (the harness overhead, subtracted from nothing)
@@ -82,7 +82,8 @@ def stages(R, T, k=K, only=None):
         "cond_trivial": cond_trivial,
         "full_select": lambda s: T_.topk_threshold(s, k, impl="pallas_select", interpret=interp),
         "full_set": lambda s: T_.topk_threshold(s, k, impl="pallas_select", sorted=False, interpret=interp),
-        "bound": lambda s: T_.bound_pallas(s, k, group, interpret=interp)[:, None],
+        "bound": lambda s: T_.bound_pallas(T_._strided_group_max(T_._ordered_i32(s), group), k,
+                                           interpret=interp)[:, None],
         "select": lambda s: T_.select_pallas(jnp.where(s[:, :1] > 1e30, 0, ck0), cp0, n0, k, capacity,
                                              interpret=interp)[1],
         "order_k": lambda s: jnp.take_along_axis(pk0, jax.lax.top_k(jnp.where(s[:, :1] > 1e30, 0, kk0), k)[1],

@@ -281,14 +281,14 @@ def test_threshold_index_set_mode(impl):
 def test_bound_and_select_kernels_match_references():
     """bound_pallas == _threshold (the k-th largest strided group max), and select_pallas == the exact top-k set of
     the valid slots in ascending slot order (heavy ties, n < k, n = 0, +inf keys), both in the interpreter."""
-    from pallas_kernels.indexer.topk import (INT32_MIN, POS_INF_KEY, _ordered_i32, _threshold, bound_pallas,
-                                             select_pallas)
+    from pallas_kernels.indexer.topk import (INT32_MIN, POS_INF_KEY, _ordered_i32, _strided_group_max, _threshold,
+                                             bound_pallas, select_pallas)
 
     rng = np.random.default_rng(next(_SEED))
-    s = jnp.asarray(_fast_rows(8, 3000, rng))
-    for group in (4, 8):
-        np.testing.assert_array_equal(np.asarray(bound_pallas(s, 50, group, interpret=True)),
-                                      np.asarray(_threshold(_ordered_i32(s), 50, group)))
+    keys = _ordered_i32(jnp.asarray(_fast_rows(8, 3000, rng)))
+    for group in (4, 8):  # G = 750 / 375 maxima (not powers of two), ties between maxima (rows of -inf)
+        np.testing.assert_array_equal(np.asarray(bound_pallas(_strided_group_max(keys, group), 50, interpret=True)),
+                                      np.asarray(_threshold(keys, 50, group)))
     R, W, cap, k = 5, 320, 256, 40
     keys = rng.integers(-6, 6, (R, W)).astype(np.int32)
     keys[1] = rng.integers(-2**31 + 1, 2**31 - 1, W)

@@ -486,39 +486,32 @@ def _radix_select_regs(key, valid, kk, bits: int):
     return kstar, jnp.sum((valid & (key > kstar)).astype(jnp.int32))
 
 
-def _bound_kernel(scores_ref, tau_ref, *, T, G, Gp, group, k, bits):
-    """One program per row: the strided group maxima (group j = {j, j + G, ...}; one pass over the row in `group`
-    contiguous G-wide loads, each covering every group once) and tau = their k-th largest, by radix select in
-    registers. Replaces `_threshold`'s XLA reduction + `lax.top_k` (a sort over G per row)."""
+def _bound_kernel(gmax_ref, tau_ref, *, G, Gp, k, bits):
+    """One program per row: tau = the k-th largest of the row's G group maxima, by radix select in registers (one
+    load of the row; no sort)."""
     r = pl.program_id(0)
     lanes = jax.lax.iota(jnp.int32, Gp)
     real = lanes < G
-
-    def body(m, gmax):
-        cols = m * G + lanes
-        inside = real & (cols < T)
-        key = _ordered_i32(plgpu.load(scores_ref.at[r, cols], mask=inside, other=-jnp.inf))
-        return jnp.maximum(gmax, jnp.where(inside, key, INT32_MIN))   # padding: INT32_MIN, as _strided_group_max
-
-    gmax = jax.lax.fori_loop(0, group, body, jnp.full((Gp,), INT32_MIN, jnp.int32))
+    gmax = plgpu.load(gmax_ref.at[r, lanes], mask=real, other=INT32_MIN)
     tau, _ = _radix_select_regs(gmax, real, k, bits)
     tau_ref[...] = jnp.full((1,), tau, jnp.int32)
 
 
-def bound_pallas(scores, k: int, group: int, *, bits: int = 2, interpret: bool = False):
-    """scores [R, T] float32 -> tau [R] int32 == `_threshold(_ordered_i32(scores), k, group)`, as one Triton kernel
-    (one program per row)."""
-    R, T = scores.shape
-    G = -(-T // group)
+def bound_pallas(gmax, k: int, *, bits: int = 2, interpret: bool = False):
+    """gmax [R, G] int32 (group maxima of ordered keys, `_strided_group_max`) -> tau [R] int32 == their k-th largest
+    (`_threshold`'s `lax.top_k`, a sort over G per row), as one Triton kernel (one program per row). The maxima
+    themselves stay an XLA reduction: it spreads the pass over the row across the whole GPU, which one program per
+    row would not (at batch 1 it would read 1 MB alone)."""
+    R, G = gmax.shape
     if not 1 <= k <= G or 32 % bits:
         raise ValueError(f"bound_pallas: need 1 <= k ({k}) <= groups ({G}) and bits ({bits}) dividing 32")
     Gp = 1 << (G - 1).bit_length()
-    extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=3))
+    extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=1))
     return pl.pallas_call(
-        functools.partial(_bound_kernel, T=T, G=G, Gp=Gp, group=group, k=k, bits=bits), grid=(R,),
-        in_specs=[pl.BlockSpec((R, T), lambda i: (0, 0))], out_specs=pl.BlockSpec((1,), lambda i: (i,)),
+        functools.partial(_bound_kernel, G=G, Gp=Gp, k=k, bits=bits), grid=(R,),
+        in_specs=[pl.BlockSpec((R, G), lambda i: (0, 0))], out_specs=pl.BlockSpec((1,), lambda i: (i,)),
         out_shape=jax.ShapeDtypeStruct((R,), jnp.int32), interpret=interpret, name="topk_bound", **extra,
-    )(scores)
+    )(gmax.astype(jnp.int32))
 
 
 def _select_kernel(n_ref, keys_ref, pos_ref, keys_out, pos_out, *, W, Cp, k, kp, bits, finite_only):
@@ -602,8 +595,8 @@ def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str 
     the GPU pipeline has no conditional (which would sync with the host). Same picks either way, slower.
     impl: "xla" (cumsum + scatter compaction, lax.top_k for tau and the order: any backend), "pallas_compact"
     (Triton compaction kernel, lax.top_k), "pallas" (Triton compaction and `rank_select` for tau and the order:
-    no sort at all), "pallas_select" (Triton kernels throughout: `bound_pallas` for tau (the group maxima and their
-    k-th largest by radix select, no sort over the groups), the compaction and fix-up, then `select_pallas` picks
+    no sort at all), "pallas_select" (Triton kernels instead of both sorts: `bound_pallas` for tau (the k-th largest
+    group maximum by radix select), the compaction and fix-up, then `select_pallas` picks
     the exact top-k set among the ~1.4k survivors by radix select; the order is a `lax.top_k` over those k only,
     and none at all with sorted=False); `interpret` runs the Triton kernels in the Pallas interpreter."""
     if impl not in THRESHOLD_IMPLS:
@@ -624,7 +617,7 @@ def _select_path(s, lead, k: int, group: int, capacity: int, sorted: bool, inter
     """topk_threshold(impl="pallas_select") past its small-row shortcut."""
     sub = 1024
     keys = _ordered_i32(s)
-    tau = bound_pallas(s, k, group, interpret=interpret)
+    tau = bound_pallas(_strided_group_max(keys, group), k, interpret=interpret)
     raw_keys, raw_pos, n = _compact_raw(s, keys, tau, capacity, 2048, sub, interpret)
     raw_keys, raw_pos = exact_rows(s, n, tau, raw_keys, raw_pos, k, capacity, chunk=sub, interpret=interpret)
     n = jnp.where(n > capacity, k, n)                   # overflow rows now hold exactly their k picks
