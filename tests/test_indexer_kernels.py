@@ -97,7 +97,6 @@ def test_decode_wide_default_blocks(fmt):
                                       ("fp4", dict(fp4_scale="gather", block_t=32, num_splits=2)),
                                       ("fp8", dict(block_t=16, num_splits=5)), ("bf16", dict(block_t=32, waves=1)),
                                       ("bf16", dict(block_t=32, heads_major=True, num_splits=2)),
-                                      ("fp8", dict(block_t=16, heads_major=True, precision="f16")),
                                       ("fp4", dict(block_t=16, heads_major=True, precision="f16"))])
 def test_split_sweep_options(fmt, opts):
     """Several key blocks per split (the pipelined sweep), splits that end past the last visible block (the -inf
