@@ -17,9 +17,14 @@ from test_indexer_kernels import make as make_indexer
 from test_sparse_attention import make_inputs as make_attention
 
 
+def lowers_for(platform, marker, fn, *args):
+    """jit(fn) lowers for `platform` from this (CPU) machine, and the module holds a kernel (`marker` in its text)."""
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    assert marker in text.lower(), f"no {marker} kernel in the module lowered for {platform}"
+
+
 def lowers_for_cuda(fn, *args):
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "triton" in text.lower() or "__gpu$xla.gpu.triton" in text, "no Triton kernel in the lowered module"
+    lowers_for("cuda", "triton", fn, *args)
 
 
 @pytest.mark.parametrize("fmt,rotate", [(None, False), ("bf16", False), ("fp8", True), ("fp4", True)])

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from test_compressor_kernels import make as make_compressor
+from test_gpu_lowering import lowers_for
 from test_indexer_kernels import make as make_indexer
 from test_sparse_attention import make_inputs as make_attention
 
@@ -27,8 +28,7 @@ def _cpu_as_v6e(monkeypatch):
 
 
 def lowers_for_tpu(fn, *args):
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
-    assert "tpu_custom_call" in text, "no Mosaic kernel in the lowered module"
+    lowers_for("tpu", "tpu_custom_call", fn, *args)
 
 
 @pytest.mark.parametrize("fp8", [False, True])

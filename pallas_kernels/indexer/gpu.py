@@ -279,7 +279,7 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
     if precision == "f16" and fmt == "fp4" and d % 32:
         raise ValueError(f"fp4 keys need index_head_dim % 32 == 0, got {d}")
     op_dtype = OP_DTYPE[precision]
-    key_bytes = {None: keys.dtype.itemsize if hasattr(keys, "dtype") else 4, "bf16": 2, "fp8": 1, "fp4": 0.5}[fmt]
+    key_bytes = {"bf16": 2, "fp8": 1, "fp4": 0.5}[fmt] if fmt else keys.dtype.itemsize
     cfg = default_config(S, T, q_bytes=hp * d * n_terms * jnp.dtype(op_dtype).itemsize, key_bytes=key_bytes)
     for k_, v_ in dict(block_q=block_q, block_t=block_t, num_warps=num_warps, num_stages=num_stages,
                        waves=waves, fp4_scale=fp4_scale, heads_major=heads_major).items():

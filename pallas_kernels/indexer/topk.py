@@ -613,21 +613,34 @@ def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str 
     return picks if sorted else as_index_set(picks)
 
 
-def _select_path(s, lead, k: int, group: int, capacity: int, sorted: bool, interpret: bool):
-    """topk_threshold(impl="pallas_select") past its small-row shortcut."""
+def _compact_fixed(s, keys, tau, k: int, capacity: int, interpret: bool):
+    """The Triton impls' compaction + overflow fix-up: raw slot buffers (cand_keys, cand_pos) and n [R], the valid
+    slots of each row (an overflowing row holds exactly its k picks, so n = k there)."""
     sub = 1024
-    keys = _ordered_i32(s)
-    tau = bound_pallas(_strided_group_max(keys, group), k, interpret=interpret)
     raw_keys, raw_pos, n = _compact_raw(s, keys, tau, capacity, 2048, sub, interpret)
     raw_keys, raw_pos = exact_rows(s, n, tau, raw_keys, raw_pos, k, capacity, chunk=sub, interpret=interpret)
-    n = jnp.where(n > capacity, k, n)                   # overflow rows now hold exactly their k picks
+    return raw_keys, raw_pos, jnp.where(n > capacity, k, n)
+
+
+def _order_slots(cand_keys, cand_pos, k: int, lead):
+    """Slots [R, C] (ascending position, padding INT32_MIN) -> picks [*lead, k] sorted by key, ties -> lower slot =
+    lower position; -1 where the picked key is not a finite score (the slots' keys say so: no gather of the
+    scores, unlike _finite_picks)."""
+    key, slot = jax.lax.top_k(cand_keys, k)
+    ok = (key > NEG_INF_KEY) & (key < POS_INF_KEY)
+    idx = jnp.where(ok, jnp.take_along_axis(cand_pos, slot, axis=1), -1)
+    return idx.astype(jnp.int32).reshape(lead + (k,))
+
+
+def _select_path(s, lead, k: int, group: int, capacity: int, sorted: bool, interpret: bool):
+    """topk_threshold(impl="pallas_select") past its small-row shortcut."""
+    keys = _ordered_i32(s)
+    tau = bound_pallas(_strided_group_max(keys, group), k, interpret=interpret)
+    raw_keys, raw_pos, n = _compact_fixed(s, keys, tau, k, capacity, interpret)
     keys_k, pos_k = select_pallas(raw_keys, raw_pos, n, k, capacity, finite_only=not sorted, interpret=interpret)
     if not sorted:  # ascending position, non-finite picks left out, padding (INT32_MIN) after them
         return jnp.where(keys_k > NEG_INF_KEY, pos_k, -1).reshape(lead + (k,))
-    key, slot = jax.lax.top_k(keys_k, k)                # ties -> lower slot = lower position
-    ok = (key > NEG_INF_KEY) & (key < POS_INF_KEY)
-    idx = jnp.where(ok, jnp.take_along_axis(pos_k, slot, axis=1), -1)
-    return idx.astype(jnp.int32).reshape(lead + (k,))
+    return _order_slots(keys_k, pos_k, k, lead)
 
 
 def _threshold_sorted(s, lead, k: int, group: int, capacity: int, impl: str, interpret: bool):
@@ -655,18 +668,10 @@ def _threshold_sorted(s, lead, k: int, group: int, capacity: int, impl: str, int
         # impls below fix overflowing rows up in a kernel instead (a GPU conditional syncs with the host)
         idx = jax.lax.cond(jnp.any(n > capacity), lambda _: _grouped_positions(keys, k, group, 8192), order, None)
         return _finite_picks(s, idx, lead)
-    sub = 1024
-    raw_keys, raw_pos, n = _compact_raw(s, keys, tau, capacity, 2048, sub, interpret)
-    raw_keys, raw_pos = exact_rows(s, n, tau, raw_keys, raw_pos, k, capacity, chunk=sub, interpret=interpret)
-    n = jnp.where(n > capacity, k, n)                   # overflow rows now hold exactly their k picks
+    raw_keys, raw_pos, n = _compact_fixed(s, keys, tau, k, capacity, interpret)
     cand_keys, cand_pos = _finish_slots(raw_keys, raw_pos, n, capacity)
     if impl == "pallas":
         # padding slots (>= n) hold INT32_MIN, below -inf's key: their picks are -1
         idx = rank_select(cand_keys, jnp.where(cand_keys > NEG_INF_KEY, cand_pos, -1), n, k, interpret=interpret)
         return _finite_picks(s, idx, lead)
-    # the picked slots' keys say whether their scores are finite (padding slots hold INT32_MIN): no gather of the
-    # scores, unlike _finite_picks
-    key, slot = jax.lax.top_k(cand_keys, k)
-    ok = (key > NEG_INF_KEY) & (key < POS_INF_KEY)
-    idx = jnp.where(ok, jnp.take_along_axis(cand_pos, slot, axis=1), -1)
-    return idx.astype(jnp.int32).reshape(lead + (k,))
+    return _order_slots(cand_keys, cand_pos, k, lead)
