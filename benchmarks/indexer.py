@@ -185,6 +185,11 @@ def main():
                                                                    topk="threshold_select"),
         "pallas_threshold_set": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas",
                                                                 topk="threshold_set"),
+        # session 7: the strided-group maxima written by the scores kernel instead of an XLA pass over the scores
+        # (measured: no gain; off by default; the session-7 log names these columns *_nofuse for the default)
+        "pallas_fused": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", fuse_group_max=True),
+        "pallas_threshold_set_fused": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas",
+                                                                      topk="threshold_set", fuse_group_max=True),
         "pallas_bf16ops": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas",
                                                           precision="bf16" if isinstance(k, F.QuantizedKeys) else None),
         "pallas_lax": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="lax"),

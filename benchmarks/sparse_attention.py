@@ -137,7 +137,7 @@ def main():
     ap.add_argument("--groups", default="decode,prefill,b1",
                     help="comma list: decode (B=16/64/128), prefill (S=4K/16K), b1 (decode at B=1), "
                          "hca8k_fp8 (the HCA-8K FP8 decode rows only), variants (kernel knobs on decode cases), "
-                         "fp8ops / knobs5 / colsplit / prefetch (session 5-6 knob studies)")
+                         "fp8ops / knobs5 / colsplit / prefetch / qreload (session 5-7 knob studies)")
     args = ap.parse_args()
     groups = set(args.groups.split(","))
     rng = np.random.default_rng(0)
@@ -194,7 +194,14 @@ def main():
     if "prefetch" in groups:  # session 6 (not yet run): manual prefetch of the next block's index list / rows
         for kind, b, t, kc, fp8 in [("csa", 64, 1, 512, False), ("csa", 128, 1, 512, False), ("csa", 16, 1, 512, False),
                                     ("csa", 64, 1, 512, True), ("hca", 16, 1, 8192, False), ("csa", 1, 4096, 512, False)]:
-            for o in ({}, dict(prefetch="idx"), dict(prefetch="rows")):
+            for o in ({}, dict(prefetch="idx"), dict(prefetch="rows"), dict(prefetch="rows", num_stages=3)):
+                record(bench_case(rng, ceil, kind, b, t, kc, fp8, opts=o, ref=False,
+                                  **(dict(csa_cap=t // 4) if t > 1 else {})))
+    if "qreload" in groups:  # session 7: q reloaded per step instead of held in registers across the entry loop
+        for kind, b, t, kc, fp8 in [("csa", 64, 1, 512, False), ("csa", 128, 1, 512, False), ("csa", 16, 1, 512, False),
+                                    ("csa", 64, 1, 512, True), ("hca", 16, 1, 8192, False), ("csa", 1, 4096, 512, False),
+                                    ("csa", 1, 4096, 512, True)]:
+            for o in ({}, dict(q_reload=True), dict(q_reload=True, num_warps=4), dict(q_reload=True, block_k=32)):
                 record(bench_case(rng, ceil, kind, b, t, kc, fp8, opts=o, ref=False,
                                   **(dict(csa_cap=t // 4) if t > 1 else {})))
     if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor

@@ -23,6 +23,8 @@ Stages (k = 512, random normal scores [R, T]; each timed as dependent calls in o
   order_k          lax.top_k over k picks + the index gather (the sort left in full_select)
   touch            the chain's own carry update alone (the harness overhead, subtracted from nothing)
 Prints a table of us per call; writes DIR/topk_stages.json. --stages picks a subset (comma list; touch always runs).
+--select-configs 'bound_warps=2,select_warps=2;select_bits=4' times bound / select / full_select / full_set once per
+option set of `topk.SELECT_KERNEL_CONFIG` (rows named like `full_set[select_warps=2]`).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from pallas_kernels.indexer import topk as T_
 K = 512
 
 
-def stages(R, T, k=K, only=None):
+def stages(R, T, k=K, only=None, label=""):
     interp = jax.default_backend() == "cpu"  # CPU smoke runs: Triton kernels in the interpreter
     scores = jax.random.normal(jax.random.key(R * 7 + T), (R, T), jnp.float32)
     group, capacity = T_.threshold_layout(T, k)
@@ -118,7 +120,7 @@ def stages(R, T, k=K, only=None):
         except Exception as e:  # noqa: BLE001 - report and go on
             row[name] = float("nan")
             row[name + "_err"] = repr(e)[:300]
-        print(f"  R={R} T={T} {name:>15}: {row[name]:8.1f} us", flush=True)
+        print(f"  R={R} T={T} {name:>15}{label}: {row[name]:8.1f} us", flush=True)
     return row
 
 
@@ -127,6 +129,9 @@ def main():
     ap.add_argument("--cases", default="1x262144,64x32768,64x262144")
     ap.add_argument("--out", default="/tmp/topk_stages")
     ap.add_argument("--stages", default=None, help="comma list of stage names (default: all)")
+    ap.add_argument("--select-configs", default=None,
+                    help="';'-separated option sets of topk.SELECT_KERNEL_CONFIG (k=v,k=v): the radix-select "
+                         "kernels' stages timed once per set")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     rows = []
@@ -134,6 +139,22 @@ def main():
     for c in a.cases.split(","):
         R, T = (int(x) for x in c.split("x"))
         rows.append(stages(R, T, only=set(a.stages.split(",")) if a.stages else None))
+        for cfg in (a.select_configs.split(";") if a.select_configs else []):
+            opts = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in cfg.split(",") if kv}
+            unknown = set(opts) - set(T_.SELECT_KERNEL_CONFIG)
+            if unknown:
+                raise SystemExit(f"--select-configs: unknown keys {sorted(unknown)}; known: "
+                                 f"{sorted(T_.SELECT_KERNEL_CONFIG)}")
+            saved = dict(T_.SELECT_KERNEL_CONFIG)
+            T_.SELECT_KERNEL_CONFIG.update(opts)  # read at trace time by bound_pallas / select_pallas
+            try:
+                row = stages(R, T, only={"bound", "select", "full_select", "full_set"}, label=f" [{cfg}]")
+            finally:
+                T_.SELECT_KERNEL_CONFIG.clear()
+                T_.SELECT_KERNEL_CONFIG.update(saved)
+            rows.append(dict(R=R, T=T, config=cfg, **{f"{n}[{cfg}]": v for n, v in row.items()
+                                                       if n in ("touch", "bound", "select", "full_select",
+                                                                "full_set")}))
         with open(os.path.join(a.out, "topk_stages.json"), "w") as f:
             json.dump(rows, f, indent=1)
 

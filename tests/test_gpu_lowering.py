@@ -47,6 +47,17 @@ def test_indexer_decode_wide_blocks_lower(fmt):
     lowers_for_cuda(lambda q, w, k, n: indexer_topk_gpu(q, w, k, n, k=512), q, w, keys, nv)
 
 
+@pytest.mark.parametrize("fmt,topk", [("bf16", "threshold"), ("bf16", "threshold_set"), ("fp8", "threshold_select")])
+def test_indexer_fused_group_maxima_lower(fmt, topk):
+    """Decode over a 32768-key cache with few splits: the scores kernel carries the top-k's 1024 strided-group
+    maxima (4 phases of 256-key blocks over bf16 keys, 16 of 64 over fp8) and writes them (kernel name ..._g1024)."""
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+
+    q, w, keys, nv = make_indexer(2, 1, 64, 32768, fmt, fmt == "fp8")
+    fused = lambda q, w, k, n: indexer_topk_gpu(q, w, k, n, k=512, topk=topk, num_splits=8, fuse_group_max=True)
+    lowers_for("cuda", "_g1024", fused, q, w, keys, nv)
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 def test_indexer_f16_operands_lower(fmt):
     from pallas_kernels.indexer.gpu import indexer_topk_gpu

@@ -93,6 +93,35 @@ def test_decode_wide_default_blocks(fmt):
     check_scores(q, w, keys, nv, "pallas", 1e-5, num_splits=4)
 
 
+@pytest.mark.parametrize("fmt,block_t", [("bf16", 64), ("fp8", 128)])
+def test_decode_fused_group_maxima(fmt, block_t):
+    """Decode over a power-of-two key cache: the scores kernel also writes the threshold top-k's strided-group maxima,
+    one partial set per program (several phases per program at block_t 64, one at 128); their max equals the XLA
+    maxima of its scores, and the pipeline's picks equal the reference's. No maxima where the partials would not
+    be under half the row."""
+    from pallas_kernels.indexer.gpu import indexer_scores_gpu
+    from pallas_kernels.indexer.topk import _ordered_i32, _strided_group_max, threshold_layout
+
+    q, w, keys, nv = make(3, 1, 16, 2048, fmt, rotate=fmt == "fp8")
+    k = 64
+    opts = dict(interpret=True, pad_to_block=True, group_max_k=k, block_t=block_t)
+    scores, gmax = indexer_scores_gpu(q, w, keys, nv, num_splits=4, **opts)
+    assert gmax is not None and gmax.shape == (3, 1, 4, 128) and gmax.dtype == jnp.int32
+    ref = _strided_group_max(_ordered_i32(scores.reshape(3, -1)), threshold_layout(2048, k)[0])
+    np.testing.assert_array_equal(np.asarray(jnp.max(gmax, axis=2)).reshape(3, -1), np.asarray(ref))
+    for topk in ("threshold", "threshold_set"):
+        picks = indexer_topk(q, w, keys, nv, k=k, impl="pallas", topk=topk, block_t=block_t, num_splits=4,
+                             fuse_group_max=True)
+        if topk == "threshold_set":  # the set mode's order: ascending index, -1s last
+            ref_picks = indexer_topk_reference(q, w, keys, nv, k=k)
+            big = np.iinfo(np.int32).max
+            ref_set = np.sort(np.where(np.asarray(ref_picks) < 0, big, np.asarray(ref_picks)), axis=-1)
+            np.testing.assert_array_equal(np.asarray(picks), np.where(ref_set == big, -1, ref_set))
+        else:
+            check_picks(picks, q, w, keys, nv, k)
+    assert indexer_scores_gpu(q, w, keys, nv, num_splits=32, **opts)[1] is None
+
+
 @pytest.mark.parametrize("fmt,opts", [("fp4", dict(fp4_scale="reshape", block_t=16, num_splits=3)),
                                       ("fp4", dict(fp4_scale="gather", block_t=32, num_splits=2)),
                                       ("fp8", dict(block_t=16, num_splits=5)), ("bf16", dict(block_t=32, waves=1)),

@@ -279,6 +279,27 @@ def test_threshold_index_set_mode(impl):
         assert (np.diff(row[:m]) > 0).all() and (row[m:] == -1).all()
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas_select"])
+def test_threshold_with_given_group_maxima(impl):
+    """topk_threshold(group_max=partials [.., P, G]) (a producer's partial strided-group maxima, as the indexer
+    scores kernel writes them) == lax.top_k, on fast-path and heavy-tie rows; a wrong layout is refused."""
+    from pallas_kernels.indexer.topk import INT32_MIN, _ordered_i32, threshold_groups, threshold_layout
+
+    rng = np.random.default_rng(next(_SEED))
+    T, k = 5000, 64
+    group, G = threshold_layout(T, k)[0], threshold_groups(T, k)
+    for s in (_fast_rows(6, T, rng), random_scores((4, T), rng)):
+        s = jnp.asarray(s).reshape(2, -1, T)                                   # lead dims (2, R / 2)
+        keys = jnp.pad(_ordered_i32(s), ((0, 0), (0, 0), (0, G * group - T)), constant_values=INT32_MIN)
+        keys = keys.reshape(s.shape[:2] + (group, G))
+        owner = jnp.asarray(rng.integers(0, 2, (1, 1, group, G)))
+        parts = jnp.stack([jnp.max(jnp.where(owner == p, keys, INT32_MIN), axis=2) for p in range(2)], axis=2)
+        got = topk_threshold(s, k, impl=impl, group_max=parts, interpret=impl != "xla")
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(_lax(s, k=k, topk="lax")))
+    with pytest.raises(ValueError, match="group_max"):
+        topk_threshold(s, k, impl=impl, group_max=parts[..., :-1], interpret=impl != "xla")
+
+
 def test_bound_and_select_kernels_match_references():
     """bound_pallas == _threshold (the k-th largest strided group max), and select_pallas == the exact top-k set of
     the valid slots in ascending slot order (heavy ties, n < k, n = 0, +inf keys), both in the interpreter."""
@@ -289,6 +310,13 @@ def test_bound_and_select_kernels_match_references():
     keys = _ordered_i32(jnp.asarray(_fast_rows(8, 3000, rng)))
     for group in (4, 8):  # G = 750 / 375 maxima (not powers of two), ties between maxima (rows of -inf)
         np.testing.assert_array_equal(np.asarray(bound_pallas(_strided_group_max(keys, group), 50, interpret=True)),
+                                      np.asarray(_threshold(keys, 50, group)))
+        # the same from partial maxima [R, P, G] (a random split of each group's entries over P = 3 producers)
+        G = -(-3000 // group)
+        gfull = jnp.pad(keys, ((0, 0), (0, G * group - 3000)), constant_values=INT32_MIN).reshape(8, group, G)
+        owner = jnp.asarray(rng.integers(0, 3, (1, group, G)))
+        parts = jnp.stack([jnp.max(jnp.where(owner == p, gfull, INT32_MIN), axis=1) for p in range(3)], axis=1)
+        np.testing.assert_array_equal(np.asarray(bound_pallas(parts, 50, interpret=True)),
                                       np.asarray(_threshold(keys, 50, group)))
     R, W, cap, k = 5, 320, 256, 40
     keys = rng.integers(-6, 6, (R, W)).astype(np.int32)

@@ -166,10 +166,12 @@ GPU_CASES = [
     # manual prefetch of the next block's index list / rows (ragged ends, empty compressed lists, split-K)
     (2, 1, 16, 512, 24, 40, 8, 20, dict(ragged=True, dupes=True), dict(block_k=16, n_splits=2, prefetch="idx")),
     (2, 2, 4, 512, 24, 40, 8, 20, dict(fp8=True, ragged=True, all_invalid_c=True), dict(block_k=16, prefetch="rows")),
+    # q reloaded in every step of the entry loop
+    (2, 1, 16, 512, 24, 40, 8, 20, dict(fp8=True, ragged=True, dupes=True), dict(block_k=16, n_splits=2, q_reload=True)),
 ]
 
 
-@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"h{c[2]}_d{c[3]}_{'fp8' if c[8].get('fp8') else 'bf16'}{'_vec' if c[9].get('fp8_scales') == 'vector' else ''}{'_dc128' if c[9].get('d_chunk') else ''}{'_f16' if c[9].get('fp8_operands') else ''}{'_cs%d' % c[9]['col_splits'] if 'col_splits' in c[9] else ''}{'_pf' + c[9]['prefetch'] if 'prefetch' in c[9] else ''}{'_ns%d' % c[9]['n_splits'] if 'n_splits' in c[9] else ''}")
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"h{c[2]}_d{c[3]}_{'fp8' if c[8].get('fp8') else 'bf16'}{'_vec' if c[9].get('fp8_scales') == 'vector' else ''}{'_dc128' if c[9].get('d_chunk') else ''}{'_f16' if c[9].get('fp8_operands') else ''}{'_cs%d' % c[9]['col_splits'] if 'col_splits' in c[9] else ''}{'_pf' + c[9]['prefetch'] if 'prefetch' in c[9] else ''}{'_qr' if c[9].get('q_reload') else ''}{'_ns%d' % c[9]['n_splits'] if 'n_splits' in c[9] else ''}")
 def test_gpu_kernel_interpret(case):
     b, t, h, d, n_w, n_c, k_w, k_c, flags, opts = case
     inp = make_inputs(b, t, h, d, n_w, n_c, k_w, k_c, **flags)

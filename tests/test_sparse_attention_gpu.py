@@ -29,6 +29,9 @@ CASES = [
     (4, 1, 64, 128, 300, 128, 512, dict(fp8=False, ragged=True, dupes=True), dict(prefetch="rows")),
     (3, 2, 128, 128, 600, 128, 1024, dict(fp8=True, all_invalid_c=True, ragged=True), dict(prefetch="rows")),
     (1, 256, 64, 2048, 1024, 128, 512, dict(fp8=False, ragged=True, dupes=True), dict(prefetch="idx")),
+    (4, 1, 64, 128, 300, 128, 512, dict(fp8=False, ragged=True, dupes=True), dict(q_reload=True)),
+    (3, 2, 128, 128, 600, 128, 1024, dict(fp8=True, all_invalid_c=True, ragged=True), dict(q_reload=True)),
+    (1, 256, 64, 2048, 1024, 128, 512, dict(fp8=False, ragged=True, dupes=True), dict(q_reload=True)),
     # prefill-like: many queries, each with its own list
     (1, 256, 64, 2048, 1024, 128, 512, dict(fp8=False, ragged=True, dupes=True), {}),
     (1, 256, 64, 2048, 1024, 128, 512, dict(fp8=True, all_invalid_c=True), {}),
@@ -36,7 +39,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}t{c[1]}h{c[2]}k{c[6]}_{'fp8' if c[7].get('fp8') else 'bf16'}{'_vec' if c[8].get('fp8_scales') else ''}{'_dc128' if c[8].get('d_chunk') else ''}{'_f16' if c[8].get('fp8_operands') else ''}{'_cs%d' % c[8]['col_splits'] if 'col_splits' in c[8] else ''}{'_pf' + c[8]['prefetch'] if 'prefetch' in c[8] else ''}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}t{c[1]}h{c[2]}k{c[6]}_{'fp8' if c[7].get('fp8') else 'bf16'}{'_vec' if c[8].get('fp8_scales') else ''}{'_dc128' if c[8].get('d_chunk') else ''}{'_f16' if c[8].get('fp8_operands') else ''}{'_cs%d' % c[8]['col_splits'] if 'col_splits' in c[8] else ''}{'_pf' + c[8]['prefetch'] if 'prefetch' in c[8] else ''}{'_qr' if c[8].get('q_reload') else ''}")
 def test_gpu_kernel(case):
     b, t, h, n_w, n_c, k_w, k_c, flags, opts = case
     inp = make_inputs(b, t, h, 512, n_w, n_c, k_w, k_c, **flags)

@@ -21,7 +21,7 @@ bf16 keys and float queries), "f32" (fp32 FMA dot, no tf32), "f16" (fp8 / fp4 ke
 in one conversion; fp4: `fp4_to_f16_scaled` (5 integer ops per value, e2m1 x 2^-14 exactly), two K=16 dots per 32-channel
 scale group with the group's scale applied to their f32 sum; exact for the keys (fp4: block exponents <= 113),
 fake-quantized q entries outside f16's range (below 2^-24, above 65504) flush / overflow). Defaults: None -> "f32",
-bf16 -> "bf16x2", fp8 -> "f16", fp4 -> "bf16" (fp4 "f16" is not measured on the H200 yet).
+bf16 -> "bf16x2", fp8 -> "f16", fp4 -> "f16" (23% faster than "bf16" on the H200, session 7).
 
 Top-k ("topk" option): "lax" = `lax.top_k` over each query's [T] scores (XLA), "blockwise" = `lax.top_k` per
 `topk_block` candidates then over the concatenated survivors (ties still go to the lower index), "radix" /
@@ -34,8 +34,9 @@ elsewhere), lax.top_k over ~4k slots; a row that overflows the slots gets its ex
 rank-counting kernel instead of the two lax.top_k (no sort; measured slower at batch 64), "threshold_select" = Triton
 kernels for the bound and for picking the k-set among the survivors (`topk_threshold(impl="pallas_select")`; the only
 sort left is over the k picks), "threshold_set" = the same without that sort: the picks as an index set (ascending
-index, -1s last), for consumers that only gather and sum. All others give the same picks (not measured on a GPU yet:
-threshold_select / threshold_set, session 6).
+index, -1s last), for consumers that only gather and sum. All others give the same picks. H200, session 7 (B = 64,
+128K context, bf16 keys, whole pipeline): default 218-224 us, threshold_select 220, threshold_set 210-212 (the only
+one with no sort left).
 Default "threshold": on the H200, 44 us at batch 1 x 262,144 candidates (lax.top_k ~80) and 55-60 us at batch 64 x
 32K (lax ~260), the chain harness included (results/README_indexer_compressor.md, session 5). Scores are
 materialized per query chunk only ([B, query_chunk, T] f32), so prefill memory stays bounded.
@@ -56,11 +57,14 @@ except ImportError:  # pragma: no cover
     plgpu = None
 
 from . import formats
+from .topk import INT32_MIN, _ordered_i32, threshold_groups
 from ..numerics import round_to_bf16
 from ..chunking import map_query_chunks
 
 N_SM_H200 = 132
-DEFAULT_PRECISION = {None: "f32", "bf16": "bf16x2", "fp8": "f16", "fp4": "bf16"}  # fp8 -> f16: measured 18% faster
+# fp8 -> f16: measured 18% faster than bf16 operands (session 5); fp4 -> f16: 222.6 vs 289.5 us for the scores at
+# B = 64, 128K context, 64 x 4 tiles (session 7, results/h200_s7r3_idx_fp4_f16.log), and exact for the keys
+DEFAULT_PRECISION = {None: "f32", "bf16": "bf16x2", "fp8": "f16", "fp4": "f16"}
 
 
 def key_format_of(keys) -> Optional[str]:
@@ -138,11 +142,13 @@ def fp4_to_f16_scaled(byte):
 
 
 def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T, d, precision, op_dtype,
-            blocks_per_split, n_blocks, fp4_scale, heads_major=False):
+            blocks_per_split, n_blocks, fp4_scale, heads_major=False, gmax_groups=0):
     q_refs = refs[:n_qparts]
     rest = refs[n_qparts:]
-    o_ref = rest[-1]
-    key_refs = rest[:-1]
+    n_out = 2 if gmax_groups else 1
+    o_ref = rest[-n_out]
+    g_ref = rest[-1] if gmax_groups else None   # [B, Sp, n_split, G] partial strided-group maxima (ordered keys)
+    key_refs = rest[:-n_out]
     b = pl.program_id(0)
     qi = pl.program_id(1)
     sp = pl.program_id(2)
@@ -199,6 +205,21 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T,
         lo_k, hi_k = fp4_to_bf16(raw & 0xF, sb), fp4_to_bf16(raw >> 4, sb)
         return [lo_k.astype(op_dtype), hi_k.astype(op_dtype)], None
 
+    # Strided-group maxima for the threshold top-k (gmax_groups = G, a multiple of block_t): column t is in group
+    # t % G, so block j's columns are groups (j % P) * block_t + [0, block_t) with P = G / block_t; the program keeps
+    # one running max [block_t] per phase p of j % P and query, and writes them as its partial maxima
+    P = gmax_groups // block_t if gmax_groups else 0
+
+    def track(j, carry, qq, stored):
+        if not P:
+            return carry
+        key = _ordered_i32(stored)
+        if P == 1:
+            accs = (jnp.maximum(carry[qq][0], key),)
+        else:
+            accs = tuple(jnp.where(j % P == p, jnp.maximum(a, key), a) for p, a in enumerate(carry[qq]))
+        return carry[:qq] + (accs,) + carry[qq + 1:]
+
     def body(j, carry):
         rows = j * block_t + jax.lax.iota(jnp.int32, block_t)
         live = rows < lim
@@ -226,18 +247,28 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T,
             if row_scale is not None:
                 s = s * row_scale
             vis = rows < jnp.minimum(nvis_ref[qq], T)   # a ref load: static slices of values don't lower
-            plgpu.store(o_ref.at[b, jnp.full_like(rows, out_rows[qq]), rows], jnp.where(vis, s, -jnp.inf))
+            stored = jnp.where(vis, s, -jnp.inf)
+            plgpu.store(o_ref.at[b, jnp.full_like(rows, out_rows[qq]), rows], stored)
+            carry = track(j, carry, qq, stored)
         return carry
 
     def fill(j, carry):  # blocks past every query's visible range: -inf without reading keys
         rows = j * block_t + jax.lax.iota(jnp.int32, block_t)
         for qq in range(block_q):
-            plgpu.store(o_ref.at[b, jnp.full_like(rows, out_rows[qq]), rows],
-                        jnp.full((block_t,), -jnp.inf, jnp.float32))
+            stored = jnp.full((block_t,), -jnp.inf, jnp.float32)
+            plgpu.store(o_ref.at[b, jnp.full_like(rows, out_rows[qq]), rows], stored)
+            carry = track(j, carry, qq, stored)
         return carry
 
-    jax.lax.fori_loop(lo, live_hi, body, 0)
-    jax.lax.fori_loop(live_hi, hi, fill, 0)
+    init = tuple(tuple(jnp.full((block_t,), INT32_MIN, jnp.int32) for _ in range(P)) for _ in range(block_q))
+    carry = jax.lax.fori_loop(lo, live_hi, body, init if P else 0)
+    carry = jax.lax.fori_loop(live_hi, hi, fill, carry)
+    if P:
+        lanes = jax.lax.iota(jnp.int32, block_t)
+        for qq in range(block_q):
+            for p in range(P):
+                plgpu.store(g_ref.at[b, jnp.full_like(lanes, out_rows[qq]), jnp.full_like(lanes, sp),
+                                     p * block_t + lanes], carry[qq][p])
 
 
 def default_config(S, T, q_bytes, key_bytes=2):
@@ -259,9 +290,15 @@ def default_config(S, T, q_bytes, key_bytes=2):
 
 def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precision=None, block_q=None,
                        block_t=None, num_warps=None, num_stages=None, waves=None, num_splits=None, fp4_scale=None,
-                       heads_major=None, pad_to_block=False):
+                       heads_major=None, pad_to_block=False, group_max_k=None):
     """Scores [B, S, T] (or [B, S, roundup(T, block_t)] with -inf padding if pad_to_block) like
     `reference.indexer_scores`.
+
+    group_max_k (k of a threshold top-k that will consume the scores): returns (scores, group_max) where
+    group_max [B, S, n_split, G] int32 holds each program's maxima of the ordered keys of the threshold top-k's
+    strided groups (G = `topk.threshold_groups(T_out, k)`), or None where that does not pay or fit: G == 0, G not
+    a multiple of block_t, the partials not under half the row (n_split * G > T_out / 2, e.g. batch 1), more than
+    4096 running maxima per program, or T_out (the returned row length) != the padded length.
 
     Grid (batch row, block of `block_q` queries, split of the key blocks); `num_splits` defaults to enough splits
     for `waves` x N_SM programs. heads_major: logits as q K^T [H, block_t] (the keys on the MMA's N side) instead
@@ -292,6 +329,12 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
     n_split = num_splits or max(1, -(-cfg["waves"] * N_SM_H200 // (B * (Sp // bq))))
     bps = -(-nb // min(n_split, nb))
     n_split = -(-nb // bps)
+    G = 0
+    if group_max_k is not None:
+        T_out = Tp if pad_to_block else T
+        G = threshold_groups(T_out, min(int(group_max_k), T_out))
+        if not (G and G % bt == 0 and n_split * G <= T_out // 2 and bq * G <= 4096 and T_out == Tp):
+            G = 0
     qf = q.astype(jnp.float32)
     wf = weights.astype(jnp.float32)
     if hp != H:  # tensor-core dots need >= 16 columns; padded heads have weight 0
@@ -311,18 +354,24 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
     in_specs += [full(p.shape) for p in kparts]
     kernel = functools.partial(_kernel, fmt=fmt, n_qparts=len(qparts), n_terms=n_terms, block_q=bq, block_t=bt,
                                T=T, d=d, precision=precision, op_dtype=op_dtype, blocks_per_split=bps,
-                               n_blocks=nb, fp4_scale=cfg["fp4_scale"], heads_major=bool(cfg["heads_major"]))
+                               n_blocks=nb, fp4_scale=cfg["fp4_scale"], heads_major=bool(cfg["heads_major"]),
+                               gmax_groups=G)
     extra = {}
     if not interpret:
         extra["compiler_params"] = plgpu.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    out = pl.pallas_call(
-        kernel, grid=grid, in_specs=in_specs,
-        out_specs=full((B, Sp, Tp)),
-        out_shape=jax.ShapeDtypeStruct((B, Sp, Tp), jnp.float32), interpret=interpret,
-        name=f"indexer_scores_{fmt}_q{bq}_t{bt}", **extra,
+    out_specs, out_shape = [full((B, Sp, Tp))], [jax.ShapeDtypeStruct((B, Sp, Tp), jnp.float32)]
+    if G:
+        out_specs.append(full((B, Sp, n_split, G)))
+        out_shape.append(jax.ShapeDtypeStruct((B, Sp, n_split, G), jnp.int32))
+    outs = pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, interpret=interpret,
+        name=f"indexer_scores_{fmt}_q{bq}_t{bt}" + (f"_g{G}" if G else ""), **extra,
     )(nv, wf, *qparts, *kparts)
-    out = out[:, :S]
-    return out if pad_to_block else out[..., :T]
+    out = outs[0][:, :S]
+    out = out if pad_to_block else out[..., :T]
+    if group_max_k is None:
+        return out
+    return out, (outs[1][:, :S] if G else None)
 
 
 TOPK_METHODS = ("lax", "blockwise", "radix", "radix4", "grouped", "grouped<N>", "threshold", "threshold_rank",
@@ -343,16 +392,17 @@ def radix_bits_of(topk: str, radix_bits: Optional[int] = None) -> Optional[int]:
     raise ValueError(f"unknown topk method {topk!r}; expected one of {TOPK_METHODS}")
 
 
-def topk_from_scores(scores, k, *, topk="lax", topk_block=4096, radix_bits=None):
+def topk_from_scores(scores, k, *, topk="lax", topk_block=4096, radix_bits=None, group_max=None):
     """scores [..., Tp] (-inf = invalid) -> picks [..., k] int32 sorted by descending score, ties -> lower index,
     -1 where the score is not finite. topk: one of TOPK_METHODS (same results), except "threshold_set": the same
-    picks as an index set (`topk.as_index_set`: ascending index, the -1s last)."""
+    picks as an index set (`topk.as_index_set`: ascending index, the -1s last). group_max: the scores kernel's
+    partial strided-group maxima for the threshold methods (`topk.topk_threshold`), else unused."""
     bits = radix_bits_of(topk, radix_bits)
     if topk in THRESHOLD_METHODS:
         from .topk import topk_threshold
 
         impl = THRESHOLD_METHODS[topk] if jax.default_backend() == "gpu" else "xla"
-        return topk_threshold(scores, k, impl=impl, sorted=topk != "threshold_set")
+        return topk_threshold(scores, k, impl=impl, sorted=topk != "threshold_set", group_max=group_max)
     if topk.startswith("grouped"):
         from .topk import topk_grouped
 
@@ -386,16 +436,25 @@ def topk_over_query_chunks(scores_fn, q, weights, keys, n_visible, *, k: int, qu
 
     def select(args):
         qc, wc, nc = args
-        return topk_from_scores(scores_fn(qc, wc, keys, nc), k, topk=topk, topk_block=topk_block,
-                                radix_bits=radix_bits)
+        out = scores_fn(qc, wc, keys, nc)   # scores, or (scores, partial group maxima or None)
+        scores, gmax = out if isinstance(out, tuple) else (out, None)
+        return topk_from_scores(scores, k, topk=topk, topk_block=topk_block, radix_bits=radix_bits,
+                                group_max=gmax)
 
     return map_query_chunks(select, (q, weights, n_visible), query_chunk)
 
 
 def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256, interpret=False,
                      topk: str = "threshold", topk_block: int = 4096, radix_bits: Optional[int] = None,
-                     **kernel_options):
-    """Pallas GPU implementation of `reference.indexer_topk` (same arguments and results)."""
-    scores = functools.partial(indexer_scores_gpu, interpret=interpret, pad_to_block=True, **kernel_options)
+                     fuse_group_max: bool = False, **kernel_options):
+    """Pallas GPU implementation of `reference.indexer_topk` (same arguments and results). fuse_group_max: with a
+    threshold top-k, the scores kernel also writes the strided-group maxima the top-k bounds with (where that fits:
+    `indexer_scores_gpu(group_max_k=...)`) instead of an XLA pass over the scores. Off by default: on the H200 (B =
+    64, 128K context, bf16 keys) it saved nothing with topk="threshold" (218.3 vs 218.7 us) and cost 5 us with
+    "threshold_set" (215.5 vs 210.3): the XLA reduction is cheap, the heavier kernel is not
+    (results/h200_s7r6_idx_fused_gmax.log)."""
+    fused = fuse_group_max and topk in THRESHOLD_METHODS
+    scores = functools.partial(indexer_scores_gpu, interpret=interpret, pad_to_block=True,
+                               group_max_k=min(k, keys.shape[1]) if fused else None, **kernel_options)
     return topk_over_query_chunks(scores, q, weights, keys, n_visible, k=k, query_chunk=query_chunk, topk=topk,
                                   topk_block=topk_block, radix_bits=radix_bits)

@@ -224,11 +224,19 @@ def _strided_group_max(keys, group: int):
     return jnp.max(keys.reshape(R, group, G), axis=1)
 
 
-def _threshold(keys, k: int, group: int):
+def _threshold(keys, k: int, group: int, gmax=None):
     """keys [R, T] int32 -> tau [R]: the k-th largest of the maxima of G = T / group disjoint groups of keys. The k
     groups whose max is >= tau hold k distinct entries >= tau, so the k-th largest key is >= tau: every top-k entry
-    is >= tau (any partition works; `_strided_group_max` picks one that suits prefix-valid rows)."""
-    return jax.lax.top_k(_strided_group_max(keys, group), k)[0][:, k - 1]
+    is >= tau (any partition works; `_strided_group_max` picks one that suits prefix-valid rows). gmax: the group
+    maxima [R, G] when already known."""
+    return jax.lax.top_k(_strided_group_max(keys, group) if gmax is None else gmax, k)[0][:, k - 1]
+
+
+def threshold_groups(T: int, k: int) -> int:
+    """G, the number of strided groups `topk_threshold` bounds rows of T candidates with (0: it takes its
+    small-row shortcut there, a plain lax.top_k, and needs no group maxima)."""
+    group, capacity = threshold_layout(T, k)
+    return 0 if T <= capacity or group < 4 else -(-T // group)
 
 
 def compact_reference(keys, tau, capacity: int):
@@ -486,30 +494,42 @@ def _radix_select_regs(key, valid, kk, bits: int):
     return kstar, jnp.sum((valid & (key > kstar)).astype(jnp.int32))
 
 
-def _bound_kernel(gmax_ref, tau_ref, *, G, Gp, k, bits):
-    """One program per row: tau = the k-th largest of the row's G group maxima, by radix select in registers (one
-    load of the row; no sort)."""
+def _bound_kernel(gmax_ref, tau_ref, *, P, G, Gp, k, bits):
+    """One program per row: tau = the k-th largest of the row's G group maxima (the max over its P partial maxima
+    first), by radix select in registers (no sort)."""
     r = pl.program_id(0)
     lanes = jax.lax.iota(jnp.int32, Gp)
     real = lanes < G
-    gmax = plgpu.load(gmax_ref.at[r, lanes], mask=real, other=INT32_MIN)
+    load = lambda p: plgpu.load(gmax_ref.at[r, jnp.full_like(lanes, p), lanes], mask=real, other=INT32_MIN)
+    gmax = jax.lax.fori_loop(1, P, lambda p, m: jnp.maximum(m, load(p)), load(0)) if P > 1 else load(0)
     tau, _ = _radix_select_regs(gmax, real, k, bits)
     tau_ref[...] = jnp.full((1,), tau, jnp.int32)
 
 
-def bound_pallas(gmax, k: int, *, bits: int = 2, interpret: bool = False):
-    """gmax [R, G] int32 (group maxima of ordered keys, `_strided_group_max`) -> tau [R] int32 == their k-th largest
-    (`_threshold`'s `lax.top_k`, a sort over G per row), as one Triton kernel (one program per row). The maxima
-    themselves stay an XLA reduction: it spreads the pass over the row across the whole GPU, which one program per
-    row would not (at batch 1 it would read 1 MB alone)."""
-    R, G = gmax.shape
+# Triton launch settings of the two radix-select kernels (one program per row; their time is the latency of
+# 32 / bits dependent passes of block-wide reductions, so fewer warps can be faster: swept by
+# benchmarks/topk_stages.py --select-configs)
+SELECT_KERNEL_CONFIG = dict(bound_warps=8, bound_bits=2, select_warps=8, select_bits=2)
+
+
+def bound_pallas(gmax, k: int, *, bits: int | None = None, num_warps: int | None = None, interpret: bool = False):
+    """gmax [R, G] int32 (group maxima of ordered keys, `_strided_group_max`), or [R, P, G] partial maxima (the
+    group maxima are their max over P: e.g. the indexer scores kernel's per-program maxima) -> tau [R] int32 ==
+    the k-th largest group maximum (`_threshold`'s `lax.top_k`, a sort over G per row), as one Triton kernel (one
+    program per row). Without partials the maxima are one XLA reduction: it spreads the pass over the row across the
+    whole GPU, which one program per row would not (at batch 1 it would read 1 MB alone)."""
+    if gmax.ndim == 2:
+        gmax = gmax[:, None, :]
+    R, P, G = gmax.shape
+    bits = bits or SELECT_KERNEL_CONFIG["bound_bits"]
+    num_warps = num_warps or SELECT_KERNEL_CONFIG["bound_warps"]
     if not 1 <= k <= G or 32 % bits:
         raise ValueError(f"bound_pallas: need 1 <= k ({k}) <= groups ({G}) and bits ({bits}) dividing 32")
     Gp = 1 << (G - 1).bit_length()
-    extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=1))
+    extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1))
     return pl.pallas_call(
-        functools.partial(_bound_kernel, G=G, Gp=Gp, k=k, bits=bits), grid=(R,),
-        in_specs=[pl.BlockSpec((R, G), lambda i: (0, 0))], out_specs=pl.BlockSpec((1,), lambda i: (i,)),
+        functools.partial(_bound_kernel, P=P, G=G, Gp=Gp, k=k, bits=bits), grid=(R,),
+        in_specs=[pl.BlockSpec((R, P, G), lambda i: (0, 0, 0))], out_specs=pl.BlockSpec((1,), lambda i: (i,)),
         out_shape=jax.ShapeDtypeStruct((R,), jnp.int32), interpret=interpret, name="topk_bound", **extra,
     )(gmax.astype(jnp.int32))
 
@@ -544,19 +564,21 @@ def _select_kernel(n_ref, keys_ref, pos_ref, keys_out, pos_out, *, W, Cp, k, kp,
     plgpu.store(pos_out.at[r, pad_lanes], jnp.zeros((kp,), jnp.int32), mask=pad)
 
 
-def select_pallas(cand_keys, cand_pos, n, k: int, capacity: int, *, bits: int = 2, finite_only: bool = False,
-                  interpret: bool = False):
+def select_pallas(cand_keys, cand_pos, n, k: int, capacity: int, *, bits: int | None = None,
+                  num_warps: int | None = None, finite_only: bool = False, interpret: bool = False):
     """Raw slot buffers [R, >= capacity] (valid slots [0, n), n <= capacity, ascending position) -> (keys [R, k],
     pos [R, k]): the exact top-k set among the valid slots (ties -> lower slot) in ascending position, padded with
     (INT32_MIN, 0) past min(n, k) (finite_only: the set's +inf / NaN keys left out, padding after the rest). One
     Triton kernel, no sort."""
     R, W = cand_keys.shape
+    bits = bits or SELECT_KERNEL_CONFIG["select_bits"]
+    num_warps = num_warps or SELECT_KERNEL_CONFIG["select_warps"]
     if not 1 <= k <= capacity <= W or 32 % bits:
         raise ValueError(f"select_pallas: need 1 <= k ({k}) <= capacity ({capacity}) <= slots ({W}), bits | 32")
     Cp = 1 << (capacity - 1).bit_length()
     kp = 1 << (k - 1).bit_length()
     full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
-    extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=1))
+    extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1))
     keys_k, pos_k = pl.pallas_call(
         functools.partial(_select_kernel, W=W, Cp=Cp, k=k, kp=kp, bits=bits, finite_only=finite_only), grid=(R,),
         in_specs=[full((R,)), full((R, W)), full((R, W))], out_specs=[full((R, k + Cp))] * 2,
@@ -577,7 +599,7 @@ THRESHOLD_IMPLS = ("xla", "pallas_compact", "pallas", "pallas_select")
 
 
 def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str = "xla", sorted: bool = True,
-                   interpret: bool = False):
+                   group_max=None, interpret: bool = False):
     """scores [..., T] float32 (-inf = invalid) -> picks [..., min(k, T)] int32, bit-identical to
     `topk_from_scores(scores, min(k, T), topk="lax")`; with sorted=False, the same picks as an index set:
     `as_index_set` of them (ascending index, the -1s last), which is what a gather-and-sum consumer needs.
@@ -598,7 +620,11 @@ def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str 
     no sort at all), "pallas_select" (Triton kernels instead of both sorts: `bound_pallas` for tau (the k-th largest
     group maximum by radix select), the compaction and fix-up, then `select_pallas` picks
     the exact top-k set among the ~1.4k survivors by radix select; the order is a `lax.top_k` over those k only,
-    and none at all with sorted=False); `interpret` runs the Triton kernels in the Pallas interpreter."""
+    and none at all with sorted=False); `interpret` runs the Triton kernels in the Pallas interpreter.
+    group_max: [..., P, G] int32, partial maxima of the ordered keys (`_ordered_i32`) of the scores' strided groups
+    (group g = entries g, g + G, ...; G = `threshold_groups(T, k)`), whose max over P is the group maxima; a
+    producer that already passed over the scores (the indexer scores kernel) saves the XLA pass over the row.
+    Ignored when G == 0 (the small-row shortcut)."""
     if impl not in THRESHOLD_IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {THRESHOLD_IMPLS}")
     s, lead, k = _as_rows(scores, k)
@@ -607,9 +633,16 @@ def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str 
     T = s.shape[1]
     R = s.shape[0]
     group, capacity = threshold_layout(T, k, capacity)
+    gpart = None
+    if group_max is not None and T > capacity and group >= 4:
+        G = -(-T // group)
+        if group_max.shape[:-2] != lead or group_max.shape[-1] != G or group_max.dtype != jnp.int32:
+            raise ValueError(f"group_max must be int32 [*{lead}, P, {G}] (G = threshold_groups({T}, {k})), got "
+                             f"{group_max.dtype} {group_max.shape}")
+        gpart = group_max.reshape(R, group_max.shape[-2], G)
     if impl == "pallas_select" and T > capacity and group >= 4:
-        return _select_path(s, lead, k, group, capacity, sorted, interpret)
-    picks = _threshold_sorted(s, lead, k, group, capacity, impl, interpret)
+        return _select_path(s, lead, k, group, capacity, sorted, interpret, gpart)
+    picks = _threshold_sorted(s, lead, k, group, capacity, impl, interpret, gpart)
     return picks if sorted else as_index_set(picks)
 
 
@@ -632,10 +665,10 @@ def _order_slots(cand_keys, cand_pos, k: int, lead):
     return idx.astype(jnp.int32).reshape(lead + (k,))
 
 
-def _select_path(s, lead, k: int, group: int, capacity: int, sorted: bool, interpret: bool):
-    """topk_threshold(impl="pallas_select") past its small-row shortcut."""
+def _select_path(s, lead, k: int, group: int, capacity: int, sorted: bool, interpret: bool, gpart=None):
+    """topk_threshold(impl="pallas_select") past its small-row shortcut (gpart: partial group maxima [R, P, G])."""
     keys = _ordered_i32(s)
-    tau = bound_pallas(_strided_group_max(keys, group), k, interpret=interpret)
+    tau = bound_pallas(_strided_group_max(keys, group) if gpart is None else gpart, k, interpret=interpret)
     raw_keys, raw_pos, n = _compact_fixed(s, keys, tau, k, capacity, interpret)
     keys_k, pos_k = select_pallas(raw_keys, raw_pos, n, k, capacity, finite_only=not sorted, interpret=interpret)
     if not sorted:  # ascending position, non-finite picks left out, padding (INT32_MIN) after them
@@ -643,20 +676,21 @@ def _select_path(s, lead, k: int, group: int, capacity: int, sorted: bool, inter
     return _order_slots(keys_k, pos_k, k, lead)
 
 
-def _threshold_sorted(s, lead, k: int, group: int, capacity: int, impl: str, interpret: bool):
+def _threshold_sorted(s, lead, k: int, group: int, capacity: int, impl: str, interpret: bool, gpart=None):
     """topk_threshold with sorted picks for the impls "xla", "pallas_compact", "pallas" (and every impl's small
-    rows: T <= capacity or groups of < 4)."""
+    rows: T <= capacity or groups of < 4). gpart: partial group maxima [R, P, G] (reduced over P here)."""
     R, T = s.shape
     keys = _ordered_i32(s)
     if T <= capacity or group < 4:
         return _finite_picks(s, jax.lax.top_k(keys, k)[1], lead)
+    gmax = _strided_group_max(keys, group) if gpart is None else jnp.max(gpart, axis=1)
     if impl == "pallas":
-        G = -(-T // group)
+        G = gmax.shape[1]
         gpad = -(-G // 128) * 128 - G
-        gmax = jnp.pad(_strided_group_max(keys, group), ((0, 0), (0, gpad)), constant_values=INT32_MIN)
+        gmax = jnp.pad(gmax, ((0, 0), (0, gpad)), constant_values=INT32_MIN)
         tau = rank_select(gmax, gmax, jnp.full((R,), G, jnp.int32), k, interpret=interpret)[:, k - 1]
     else:
-        tau = _threshold(keys, k, group)
+        tau = _threshold(keys, k, group, gmax)
     if impl == "xla":
         cand_keys, cand_pos, n = compact_reference(keys, tau, capacity)
 

@@ -57,7 +57,7 @@ def _gather(ref, rows, col0, width, mask, other, interpret):
 
 
 def _kernel(*refs, srcs, block_h, block_k, d, d_chunk, n_splits, blocks_per_split, scale2, out_split, interpret,
-            compute_dtype=jnp.bfloat16, fp8_scales="per_chunk", col_splits=1, prefetch=None):
+            compute_dtype=jnp.bfloat16, fp8_scales="per_chunk", col_splits=1, prefetch=None, q_reload=False):
     # compute_dtype: MMA operand dtype — bf16 for bf16/fp8 inputs, f32 when q is f32 (exact-mode parity).
     # refs: q, sinks, then per source (idx, len, pool parts...), then outputs (o, lse)
     it = iter(refs)
@@ -77,23 +77,28 @@ def _kernel(*refs, srcs, block_h, block_k, d, d_chunk, n_splits, blocks_per_spli
     chunks = _chunks(d, d_chunk, any_fp8)  # [(offset, width)]: FP8 chunks never straddle the 448 | 64 seam
     if col_splits == 1:
         _attend(0, i, s, q_ref, sink_ref, src_refs, o_ref, lse_ref, srcs, chunks, block_h, block_k, d,
-                blocks_per_split, scale2, out_split, interpret, compute_dtype, fp8_scales, 1, prefetch)
+                blocks_per_split, scale2, out_split, interpret, compute_dtype, fp8_scales, 1, prefetch, q_reload)
         return
     cs = pl.program_id(2) % col_splits
     for c in range(col_splits):  # one static copy of the sweep per output column range
         pl.when(cs == c)(functools.partial(
             _attend, c, i, s, q_ref, sink_ref, src_refs, o_ref, lse_ref, srcs, chunks, block_h, block_k, d,
-            blocks_per_split, scale2, out_split, interpret, compute_dtype, fp8_scales, col_splits, prefetch))
+            blocks_per_split, scale2, out_split, interpret, compute_dtype, fp8_scales, col_splits, prefetch,
+            q_reload))
 
 
 def _attend(c, i, s, q_ref, sink_ref, src_refs, o_ref, lse_ref, srcs, chunks, block_h, block_k, d,
-            blocks_per_split, scale2, out_split, interpret, compute_dtype, fp8_scales, col_splits, prefetch):
+            blocks_per_split, scale2, out_split, interpret, compute_dtype, fp8_scales, col_splits, prefetch,
+            q_reload=False):
     """The sweep of one program. Scores use every head_dim chunk; P.V and the output cover the chunks of column
-    range c of `col_splits` ([c * d / col_splits, (c + 1) * d / col_splits)): o_ref holds only that range."""
+    range c of `col_splits` ([c * d / col_splits, (c + 1) * d / col_splits)): o_ref holds only that range.
+    q_reload: q's chunks are loaded again (L1 / L2 hits) in every step instead of living in registers across the
+    loop ([64, 512] bf16 q is 64 registers a thread at 8 warps, next to the 128 of the f32 accumulator)."""
     dcol = d // col_splits
     own = [j for j, (off, _) in enumerate(chunks) if c * dcol <= off < (c + 1) * dcol]
     cdt = compute_dtype
-    qs = [q_ref[:, pl.ds(off, w)].astype(cdt) for off, w in chunks]
+    load_q = lambda j_: q_ref[:, pl.ds(chunks[j_][0], chunks[j_][1])].astype(cdt)
+    qs = None if q_reload else [load_q(j_) for j_ in range(len(chunks))]
     sink2 = sink_ref[...].astype(jnp.float32) * LOG2E  # [block_h]
 
     m = sink2
@@ -154,9 +159,10 @@ def _attend(c, i, s, q_ref, sink_ref, src_refs, o_ref, lse_ref, srcs, chunks, bl
 
         def step(m, l, acc, valid, kvs):
             """Online-softmax update with one block of rows."""
-            sc2 = _dot_nt(qs[0], kvs[0])
+            q_of = load_q if q_reload else qs.__getitem__
+            sc2 = _dot_nt(q_of(0), kvs[0])
             for c_ in range(1, len(chunks)):
-                sc2 += _dot_nt(qs[c_], kvs[c_])
+                sc2 += _dot_nt(q_of(c_), kvs[c_])
             logits = jnp.where(valid[None, :], sc2 * scale2, -jnp.inf)  # [block_h, block_k], log2 units
             m_new = jnp.maximum(m, jnp.max(logits, axis=1))
             alpha = jnp.exp2(m - m_new)
@@ -256,6 +262,7 @@ def sparse_attention_gpu(
     fp8_operands: str = "bf16",
     col_splits: int = 1,
     prefetch: str | None = None,
+    q_reload: bool = False,
     poison: bool = False,
 ):
     """Pallas GPU (Triton) implementation of `reference.sparse_attention` (same arguments and results).
@@ -275,7 +282,9 @@ def sparse_attention_gpu(
     col_splits 2; the repeated row reads mostly hit L2); the column ranges must fall on d_chunk boundaries;
     measured 1.3-2.4x slower on the H200), prefetch (manual software pipelining of the entry loop: None (Triton's
     own pipelining only), "idx" (block j + 1's index list is loaded during block j, so the gather addresses do not
-    wait on it), "rows" (block j + 1's rows are gathered into registers before block j's MMAs; more registers)).
+    wait on it), "rows" (block j + 1's rows are gathered into registers before block j's MMAs; more registers); the default
+    num_stages becomes 2 with "idx" over bf16 pools and 1 with "rows"; both measured slower on the H200, session 7),
+    q_reload (q's head_dim chunks loaded in every step of the entry loop instead of held in registers across it).
     `interpret=True` runs the kernel in the Pallas interpreter (CPU tests). `poison=True` (tests) aliases the
     kernel outputs to NaN-filled buffers so an element the kernel fails to write shows up as NaN."""
     b, t, h, d = common.validate(q, window_kv, window_idx, compressed_kv, compressed_idx, sinks, window_len,
@@ -287,6 +296,12 @@ def sparse_attention_gpu(
     any_fp8 = isinstance(window_kv, Fp8KVPool) or isinstance(compressed_kv, Fp8KVPool)
     total_k = window_idx.shape[-1] + (0 if compressed_idx is None else compressed_idx.shape[-1])
     cfg = default_config(bt, h, total_k, any_fp8, t > 8, col_splits)
+    if prefetch == "idx" and not any_fp8:
+        # with the index list prefetched, Triton's pipeliner also stages the gathered rows: 3 stages of 64 x 512
+        # bf16 rows ask for 256 KB of shared memory (over the H200's 227 KB, seen on the GPU)
+        cfg["num_stages"] = 2
+    elif prefetch == "rows":
+        cfg["num_stages"] = 1  # the loop carries the next block's rows itself
     for k_, v_ in dict(block_h=block_h, block_k=block_k, n_splits=n_splits, num_warps=num_warps,
                        num_stages=num_stages, d_chunk=d_chunk).items():
         if v_ is not None:
@@ -362,7 +377,7 @@ def sparse_attention_gpu(
         scale2=float(scale) * LOG2E, out_split=out_split, interpret=interpret,
         compute_dtype=(jnp.float32 if q.dtype == jnp.float32 else
                        jnp.float16 if any_fp8 and fp8_operands == "f16" else jnp.bfloat16), fp8_scales=fp8_scales,
-        col_splits=CS, prefetch=prefetch)
+        col_splits=CS, prefetch=prefetch, q_reload=bool(q_reload))
     extra = {}
     if not interpret:
         extra["compiler_params"] = plgpu.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
