@@ -63,7 +63,8 @@ def cmd_generate(args) -> int:
 
     ckpt, embedded = _checkpoint_dir(args.checkpoint)
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
-    model = load_pretrained(ckpt, dtype=dtype, attention_impl=args.attention_impl, progress=False)
+    model = load_pretrained(ckpt, dtype=dtype, attention_impl=args.attention_impl, progress=False,
+                            indexer_picks=args.indexer_picks)
     cfg = model.config
     print(f"checkpoint: {ckpt}{' (embedded default, random weights)' if embedded else ''}")
     print(f"model: {cfg.summary()}")
@@ -205,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="untimed runs of the same request before the timed one (default 1; same tokens each run)")
     g.add_argument("--attention-impl", choices=("auto", "reference", "pallas"), default="auto",
                    help="sparse attention implementation (auto: Pallas kernel where available, else reference)")
+    g.add_argument("--indexer-picks", choices=("sorted", "set"), default="sorted",
+                   help="order of the CSA indexer's picks: sorted (best first, as the reference) or set (ascending "
+                        "index; the GPU top-k skips its last sort)")
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", help="config summary and KV-cache bytes")

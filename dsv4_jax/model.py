@@ -26,7 +26,8 @@ from .layers.moe import MoE
 class Block(nnx.Module):
     """One decoder layer: mHC pre-mix -> attn_norm -> attention -> mHC post-mix, then the same around the MoE."""
 
-    def __init__(self, config: DeepseekV4Config, layer_idx: int, *, dtype, attention_impl: str, rngs: nnx.Rngs):
+    def __init__(self, config: DeepseekV4Config, layer_idx: int, *, dtype, attention_impl: str, rngs: nnx.Rngs,
+                 indexer_picks: str = "sorted"):
         c = config
         n_mix, width = (2 + c.hc_mult) * c.hc_mult, c.hc_mult * c.hidden_size
         for site in ("attn", "ffn"):
@@ -35,7 +36,8 @@ class Block(nnx.Module):
             setattr(self, f"hc_{site}_base", param(normal(rngs, (n_mix,), 0.5, jnp.float32), (None,)))
             setattr(self, f"hc_{site}_scale", param(1.0 + normal(rngs, (3,), 0.1, jnp.float32), (None,)))
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, rngs=rngs)
-        self.attn = Attention(c, layer_idx, dtype=dtype, attention_impl=attention_impl, rngs=rngs)
+        self.attn = Attention(c, layer_idx, dtype=dtype, attention_impl=attention_impl, rngs=rngs,
+                              indexer_picks=indexer_picks)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, rngs=rngs)
         self.ffn = MoE(c, layer_idx, dtype=dtype, rngs=rngs)
         self._hc = (c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)  # static (hc, iters, eps, norm_eps)
@@ -67,12 +69,16 @@ class DeepseekV4ForCausalLM(nnx.Module):
     """
 
     def __init__(self, config: DeepseekV4Config, *, dtype=jnp.float32, attention_impl: str = "auto",
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, indexer_picks: str = "sorted"):
+        """indexer_picks: "sorted" (the CSA indexer's picks best first, as the reference) or "set" (ascending
+        index: the kernel path skips its last sort; the attention sums the same entries in another order)."""
         c = config
+        if indexer_picks not in ("sorted", "set"):
+            raise ValueError(f"indexer_picks must be 'sorted' or 'set', got {indexer_picks!r}")
         self.config, self.dtype, self.attention_impl = c, jnp.dtype(dtype), attention_impl
         self.embed = Embedding(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([Block(c, i, dtype=dtype, attention_impl=attention_impl, rngs=rngs)
-                                for i in range(c.num_hidden_layers)])
+        self.layers = nnx.List([Block(c, i, dtype=dtype, attention_impl=attention_impl, rngs=rngs,
+                                      indexer_picks=indexer_picks) for i in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, rngs=rngs)
         width = c.hc_mult * c.hidden_size
         self.hc_head_fn = param(normal(rngs, (c.hc_mult, width), width ** -0.5, jnp.float32), (None, None))

@@ -76,7 +76,8 @@ def test_generate_embedded_default(capsys):
 
 def test_generate_cache_formats(capsys):
     out = run(capsys, "generate", "--prompt", "3 1 4 1 5", "--max-new-tokens", "6", "--indexer-dtype", "fp4",
-              "--indexer-rotate", "--warmup", "0", "--temperature", "0.7", "--top-k", "20", "--seed", "5")
+              "--indexer-rotate", "--warmup", "0", "--temperature", "0.7", "--top-k", "20", "--seed", "5",
+              "--indexer-picks", "set")
     assert re.search(r"^\[0\] new tokens \(6\): (\d+ ){5}\d+$", out, re.M)
     assert "indexer fp4, Hadamard" in out
 

@@ -58,6 +58,16 @@ def test_indexer_fused_group_maxima_lower(fmt, topk):
     lowers_for("cuda", "_g1024", fused, q, w, keys, nv)
 
 
+def test_indexer_fp4_bf16_operands_lower():
+    """fp4 keys with bf16 operands (an option since f16 became the default), both scale broadcasts."""
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+
+    q, w, keys, nv = make_indexer(2, 1, 64, 300, "fp4", True)
+    for fp4_scale in ("gather", "reshape"):
+        lowers_for_cuda(lambda q, w, k, n: indexer_topk_gpu(q, w, k, n, k=64, precision="bf16", fp4_scale=fp4_scale),
+                        q, w, keys, nv)
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 def test_indexer_f16_operands_lower(fmt):
     from pallas_kernels.indexer.gpu import indexer_topk_gpu
@@ -127,7 +137,8 @@ def test_whole_model_lowers_with_gpu_kernels(monkeypatch, quantized):
 
     monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")   # dispatchers resolve "pallas" -> gpu
     cfg = tiny(head_dim=512, qk_rope_head_dim=64, index_head_dim=64) if quantized else tiny()
-    model = DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(0), attention_impl="pallas")
+    model = DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(0), attention_impl="pallas",
+                                  indexer_picks="set" if quantized else "sorted")
     fmt = dict(kv_dtype="fp8", indexer_dtype="fp4", indexer_rotate=True) if quantized else {}
     cache = model.init_cache(2, 24, **fmt)
     graphdef, state = nnx.split(model)

@@ -64,9 +64,10 @@ def _default_factory():
     return DeepseekV4ForCausalLM
 
 
-def model_constructor(config, dtype=jnp.float32, attention_impl="auto", model_factory=None):
+def model_constructor(config, dtype=jnp.float32, attention_impl="auto", model_factory=None, **model_options):
+    """model_options (e.g. indexer_picks) go to the factory as keyword arguments."""
     factory = model_factory or _default_factory()
-    return lambda: factory(config, dtype=dtype, attention_impl=attention_impl, rngs=nnx.Rngs(0))
+    return lambda: factory(config, dtype=dtype, attention_impl=attention_impl, rngs=nnx.Rngs(0), **model_options)
 
 
 def fill_abstract_model(ctor, values_fn):
@@ -259,7 +260,7 @@ def load_config(path) -> DeepseekV4Config:
 
 
 def load_pretrained(path, dtype=jnp.float32, attention_impl: str = "auto", progress: bool = True, *,
-                    config: DeepseekV4Config | None = None, model_factory=None):
+                    config: DeepseekV4Config | None = None, model_factory=None, **model_options):
     """Loads a DeepSeek-V4 checkpoint directory into `DeepseekV4ForCausalLM`.
 
     `path` holds `config.json` (DeepSeek's or transformers' dialect) and either `model.safetensors` or shards with
@@ -269,9 +270,10 @@ def load_pretrained(path, dtype=jnp.float32, attention_impl: str = "auto", progr
     time and cast to the parameter dtype (`dtype` for matmul weights; norms, mHC, sinks, ape, gate bias stay f32).
     `mtp.*` tensors are not loaded; their names are kept in `model.mtp_tensor_names`.
     Raises CheckpointMismatchError (a ValueError) listing every missing / unexpected / mis-shaped tensor.
+    `model_options` go to the model's constructor (`DeepseekV4ForCausalLM`: indexer_picks="sorted" | "set").
     """
     config = config or load_config(path)
-    ctor = model_constructor(config, dtype, attention_impl, model_factory)
+    ctor = model_constructor(config, dtype, attention_impl, model_factory, **model_options)
     mtp_box = []
 
     def values_fn(targets):

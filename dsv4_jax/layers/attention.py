@@ -53,9 +53,11 @@ def write_ring(ring, kv, start, n_valid):
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: DeepseekV4Config, layer_idx: int, *, dtype, attention_impl: str, rngs: nnx.Rngs):
+    def __init__(self, config: DeepseekV4Config, layer_idx: int, *, dtype, attention_impl: str, rngs: nnx.Rngs,
+                 indexer_picks: str = "sorted"):
         c = config
         self.kind = c.layer_types[layer_idx]
+        self.indexer_picks = indexer_picks  # "sorted" | "set": the order of the indexer's picks (see Indexer.select)
         self.ratio = c.compress_ratios[layer_idx]
         self.n_heads, self.head_dim, self.window = c.num_attention_heads, c.head_dim, c.sliding_window
         self.o_groups, self.o_lora_rank, self.eps = c.o_groups, c.o_lora_rank, c.rms_norm_eps
@@ -106,7 +108,7 @@ class Attention(nnx.Module):
                     rotate=fmt.indexer_rotate, impl=self.attention_impl)
                 cache = cache.replace(indexer_keys=keys, indexer=idx_state)
                 picks = self.indexer.select(x, qr, positions, keys, fmt.indexer, fmt.indexer_rotate,
-                                            impl=self.attention_impl)
+                                            impl=self.attention_impl, picks=self.indexer_picks)
                 compressed_idx = jnp.where(picks >= 0, row0 + picks, -1)
                 compressed_len = jnp.sum(picks >= 0, axis=-1, dtype=jnp.int32)  # valid picks come first
             else:

@@ -31,9 +31,10 @@ class Indexer(nnx.Module):
         self.compressor = Compressor(config.hidden_size, self.head_dim, ratio, True, config.rms_norm_eps, inv_freq,
                                      dtype=dtype, rngs=rngs)
 
-    def select(self, x, qr, positions, keys, fmt=None, rotate=False, impl="reference"):
+    def select(self, x, qr, positions, keys, fmt=None, rotate=False, impl="reference", picks="sorted"):
         """x [B, S, D], qr [B, S, q_lora], positions [B, S], keys [B, T, dI] (array or quantized storage in `fmt`)
-        -> picks [B, S, min(topk, T)] int32 entry indices (-1 where not causally visible), best first.
+        -> picks [B, S, min(topk, T)] int32 entry indices (-1 where not causally visible), best first (picks
+        "sorted") or in ascending index order (picks "set"); the -1s come last either way.
         Queries get the keys' rotation and (fake) quantization."""
         B, S = x.shape[:2]
         q = matmul(qr, self.wq_b.weight[...], jnp.float32).reshape(B, S, self.n_heads, self.head_dim)
@@ -43,4 +44,4 @@ class Indexer(nnx.Module):
         if fmt in ("fp8", "fp4"):
             q = formats.fake_quantize(q, fmt)
         w = matmul(x, self.weights_proj.weight[...], jnp.float32) * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
-        return indexer_topk(q, w, keys, (positions + 1) // self.ratio, k=self.topk, impl=impl)
+        return indexer_topk(q, w, keys, (positions + 1) // self.ratio, k=self.topk, impl=impl, picks=picks)

@@ -1,6 +1,7 @@
 """Lightning-indexer scoring + top-k: dispatcher over the jnp reference and the Pallas kernels; key formats.
 
-    indexer_topk(q, weights, keys, n_visible, *, k, query_chunk=256, impl="reference", **kernel_options)
+    indexer_topk(q, weights, keys, n_visible, *, k, query_chunk=256, impl="reference", picks="sorted",
+                 **kernel_options)
     indexer_scores_pallas(q, weights, keys, n_visible, *, impl="pallas", **kernel_options)
 
 impl: "reference" (plain jnp), "pallas" (GPU: Triton-backend Pallas scores kernel + top-k; TPU: Mosaic kernel +
@@ -8,7 +9,10 @@ top-k; CPU: the GPU kernel in the Pallas interpreter, slow, for tests), "auto" (
 CPU). `kernel_options` (precision, block_q, block_t, topk, topk_block, radix_bits, num_warps, ...) go to the
 kernel and are ignored by the reference. topk (every method exact, the same picks as the reference): GPU default
 "threshold" (strided-group bound + Triton compaction + lax.top_k over ~4k survivors, `topk.topk_threshold`), or
-"lax" | "blockwise" | "radix" | "radix4" | "grouped[N]" | "threshold_rank"; TPU default "lax".
+"lax" | "blockwise" | "radix" | "radix4" | "grouped[N]" | "threshold_rank" | "threshold_select"; TPU default "lax".
+picks: "sorted" (best first, ties -> lower index: the reference's order) or "set" (the same entries in ascending
+index order, the -1s last: all a gather-and-sum consumer such as the sparse attention needs; on the kernel paths it
+selects topk="threshold_set", which skips the last sort, unless a topk option is given).
 """
 
 from __future__ import annotations
@@ -27,10 +31,23 @@ def resolve_impl(impl: str) -> str:
     return _resolve(impl, "indexer_topk", extra=("interpret_tpu",))
 
 
+PICKS = ("sorted", "set")
+
+
 def indexer_topk(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256, impl: str = "reference",
-                 **kernel_options):
-    """Same signature and results as :func:`reference.indexer_topk`, plus `impl` and kernel options."""
+                 picks: str = "sorted", **kernel_options):
+    """Same signature and results as :func:`reference.indexer_topk`, plus `impl`, `picks` ("sorted": the
+    reference's order; "set": ascending index, -1s last) and kernel options."""
+    if picks not in PICKS:
+        raise ValueError(f"picks must be one of {PICKS}, got {picks!r}")
     target = resolve_impl(impl)
+    if picks == "set":
+        from .topk import as_index_set
+
+        if target == "reference" or kernel_options.get("topk", "threshold_set") != "threshold_set":
+            return as_index_set(indexer_topk(q, weights, keys, n_visible, k=k, query_chunk=query_chunk, impl=impl,
+                                             **kernel_options))
+        kernel_options = dict(kernel_options, topk="threshold_set")
     if target == "reference":
         return indexer_topk_reference(q, weights, keys, n_visible, k=k, query_chunk=query_chunk)
     if target in ("gpu", "interpret"):
