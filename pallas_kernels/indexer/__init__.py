@@ -11,8 +11,8 @@ kernel and are ignored by the reference. topk (every method exact, the same pick
 "threshold" (strided-group bound + Triton compaction + lax.top_k over ~4k survivors, `topk.topk_threshold`), or
 "lax" | "blockwise" | "radix" | "radix4" | "grouped[N]" | "threshold_rank" | "threshold_select"; TPU default "lax".
 picks: "sorted" (best first, ties -> lower index: the reference's order) or "set" (the same entries in ascending
-index order, the -1s last: all a gather-and-sum consumer such as the sparse attention needs; on the kernel paths it
-selects topk="threshold_set", which skips the last sort, unless a topk option is given).
+index order, the -1s last: all a gather-and-sum consumer such as the sparse attention needs; on the GPU kernel path
+it selects topk="threshold_set", which skips the last sort, unless a topk option is given).
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ def indexer_topk(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256,
     if picks == "set":
         from .topk import as_index_set
 
-        if target == "reference" or kernel_options.get("topk", "threshold_set") != "threshold_set":
+        # the GPU kernel path selects the set directly (sort-free top-k); the reference and the TPU path (default
+        # top-k "lax") convert their sorted picks
+        if target not in ("gpu", "interpret") or kernel_options.get("topk", "threshold_set") != "threshold_set":
             return as_index_set(indexer_topk(q, weights, keys, n_visible, k=k, query_chunk=query_chunk, impl=impl,
                                              **kernel_options))
         kernel_options = dict(kernel_options, topk="threshold_set")
