@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="untimed runs of the same request before the timed one (default 1; same tokens each run)")
     g.add_argument("--attention-impl", choices=("auto", "reference", "pallas"), default="auto",
                    help="sparse attention implementation (auto: Pallas kernel where available, else reference)")
-    g.add_argument("--indexer-picks", choices=("sorted", "set"), default="sorted",
+    g.add_argument("--indexer-picks", choices=("sorted", "set"), default="sorted",  # PICKS; no jax at parse time
                    help="order of the CSA indexer's picks: sorted (best first, as the reference) or set (ascending "
                         "index; the GPU top-k skips its last sort)")
     g.set_defaults(func=cmd_generate)

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.indexer import PICKS
+
 from .cache import CacheFormat, ModelCache, init_cache
 from .config import DeepseekV4Config
 from .layers.attention import Attention
@@ -73,8 +75,8 @@ class DeepseekV4ForCausalLM(nnx.Module):
         """indexer_picks: "sorted" (the CSA indexer's picks best first, as the reference) or "set" (ascending
         index: the kernel path skips its last sort; the attention sums the same entries in another order)."""
         c = config
-        if indexer_picks not in ("sorted", "set"):
-            raise ValueError(f"indexer_picks must be 'sorted' or 'set', got {indexer_picks!r}")
+        if indexer_picks not in PICKS:  # checked here too: at construction, not at the first CSA call
+            raise ValueError(f"indexer_picks must be one of {PICKS}, got {indexer_picks!r}")
         self.config, self.dtype, self.attention_impl = c, jnp.dtype(dtype), attention_impl
         self.embed = Embedding(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List([Block(c, i, dtype=dtype, attention_impl=attention_impl, rngs=rngs,

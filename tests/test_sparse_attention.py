@@ -54,6 +54,14 @@ def make_inputs(b, t, h, d, n_w, n_c, k_w, k_c, *, fp8=False, ragged=False, all_
                 sinks=sinks, window_len=wl, compressed_len=cl)
 
 
+def opts_id(opts):
+    """Test-id suffix naming a case's GPU kernel options (shared by the interpreted and the compiled kernel tests)."""
+    return "".join([
+        "_vec" if opts.get("fp8_scales") == "vector" else "", "_dc128" if opts.get("d_chunk") else "",
+        "_f16" if opts.get("fp8_operands") else "", f"_cs{opts['col_splits']}" if "col_splits" in opts else "",
+        f"_pf{opts['prefetch']}" if "prefetch" in opts else "", "_qr" if opts.get("q_reload") else ""])
+
+
 def call(fn, inp, **kw):
     return fn(inp["q"], inp["window_kv"], inp["window_idx"], inp["compressed_kv"], inp["compressed_idx"],
               inp["sinks"], scale=inp["q"].shape[-1] ** -0.5, window_len=inp["window_len"],
@@ -167,11 +175,13 @@ GPU_CASES = [
     (2, 1, 16, 512, 24, 40, 8, 20, dict(ragged=True, dupes=True), dict(block_k=16, n_splits=2, prefetch="idx")),
     (2, 2, 4, 512, 24, 40, 8, 20, dict(fp8=True, ragged=True, all_invalid_c=True), dict(block_k=16, prefetch="rows")),
     # q reloaded in every step of the entry loop
-    (2, 1, 16, 512, 24, 40, 8, 20, dict(fp8=True, ragged=True, dupes=True), dict(block_k=16, n_splits=2, q_reload=True)),
+    (2, 1, 16, 512, 24, 40, 8, 20, dict(fp8=True, ragged=True, dupes=True),
+     dict(block_k=16, n_splits=2, q_reload=True)),
 ]
 
 
-@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"h{c[2]}_d{c[3]}_{'fp8' if c[8].get('fp8') else 'bf16'}{'_vec' if c[9].get('fp8_scales') == 'vector' else ''}{'_dc128' if c[9].get('d_chunk') else ''}{'_f16' if c[9].get('fp8_operands') else ''}{'_cs%d' % c[9]['col_splits'] if 'col_splits' in c[9] else ''}{'_pf' + c[9]['prefetch'] if 'prefetch' in c[9] else ''}{'_qr' if c[9].get('q_reload') else ''}{'_ns%d' % c[9]['n_splits'] if 'n_splits' in c[9] else ''}")
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"h{c[2]}_d{c[3]}_{'fp8' if c[8].get('fp8') else 'bf16'}"
+                         f"{opts_id(c[9])}{'_ns%d' % c[9]['n_splits'] if 'n_splits' in c[9] else ''}")
 def test_gpu_kernel_interpret(case):
     b, t, h, d, n_w, n_c, k_w, k_c, flags, opts = case
     inp = make_inputs(b, t, h, d, n_w, n_c, k_w, k_c, **flags)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from test_sparse_attention import call, check_close, make_inputs
+from test_sparse_attention import call, check_close, make_inputs, opts_id
 from pallas_kernels.sparse_attention import sparse_attention, sparse_attention_reference
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (compiled Triton Pallas kernel)")
@@ -39,7 +39,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}t{c[1]}h{c[2]}k{c[6]}_{'fp8' if c[7].get('fp8') else 'bf16'}{'_vec' if c[8].get('fp8_scales') else ''}{'_dc128' if c[8].get('d_chunk') else ''}{'_f16' if c[8].get('fp8_operands') else ''}{'_cs%d' % c[8]['col_splits'] if 'col_splits' in c[8] else ''}{'_pf' + c[8]['prefetch'] if 'prefetch' in c[8] else ''}{'_qr' if c[8].get('q_reload') else ''}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}t{c[1]}h{c[2]}k{c[6]}_"
+                         f"{'fp8' if c[7].get('fp8') else 'bf16'}{opts_id(c[8])}")
 def test_gpu_kernel(case):
     b, t, h, n_w, n_c, k_w, k_c, flags, opts = case
     inp = make_inputs(b, t, h, 512, n_w, n_c, k_w, k_c, **flags)

@@ -214,10 +214,7 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T,
         if not P:
             return carry
         key = _ordered_i32(stored)
-        if P == 1:
-            accs = (jnp.maximum(carry[qq][0], key),)
-        else:
-            accs = tuple(jnp.where(j % P == p, jnp.maximum(a, key), a) for p, a in enumerate(carry[qq]))
+        accs = tuple(jnp.where(j % P == p, jnp.maximum(a, key), a) for p, a in enumerate(carry[qq]))
         return carry[:qq] + (accs,) + carry[qq + 1:]
 
     def body(j, carry):

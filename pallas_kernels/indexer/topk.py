@@ -506,9 +506,9 @@ def _bound_kernel(gmax_ref, tau_ref, *, P, G, Gp, k, bits):
     tau_ref[...] = jnp.full((1,), tau, jnp.int32)
 
 
-# Triton launch settings of the two radix-select kernels (one program per row; their time is the latency of
-# 32 / bits dependent passes of block-wide reductions, so fewer warps can be faster: swept by
-# benchmarks/topk_stages.py --select-configs)
+# Triton launch settings of the two radix-select kernels (one program per row). Swept on the H200 in session 7
+# (benchmarks/topk_stages.py --select-configs): 1 / 2 / 4 warps are 1.2-5x slower, 16 warps and 1 or 4 bits per
+# pass no faster; the reductions' throughput, not their latency, sets the time.
 SELECT_KERNEL_CONFIG = dict(bound_warps=8, bound_bits=2, select_warps=8, select_bits=2)
 
 
@@ -633,14 +633,15 @@ def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str 
     T = s.shape[1]
     R = s.shape[0]
     group, capacity = threshold_layout(T, k, capacity)
+    bounded = T > capacity and group >= 4   # else the small-row shortcut: a plain lax.top_k
     gpart = None
-    if group_max is not None and T > capacity and group >= 4:
+    if group_max is not None and bounded:
         G = -(-T // group)
         if group_max.shape[:-2] != lead or group_max.shape[-1] != G or group_max.dtype != jnp.int32:
             raise ValueError(f"group_max must be int32 [*{lead}, P, {G}] (G = threshold_groups({T}, {k})), got "
                              f"{group_max.dtype} {group_max.shape}")
         gpart = group_max.reshape(R, group_max.shape[-2], G)
-    if impl == "pallas_select" and T > capacity and group >= 4:
+    if impl == "pallas_select" and bounded:
         return _select_path(s, lead, k, group, capacity, sorted, interpret, gpart)
     picks = _threshold_sorted(s, lead, k, group, capacity, impl, interpret, gpart)
     return picks if sorted else as_index_set(picks)
