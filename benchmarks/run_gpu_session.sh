@@ -4,7 +4,7 @@
 # Steps: tests4 (sparse-attention GPU tests), tests5 (indexer + compressor + top-k GPU tests), model (model-level
 # pallas-vs-reference parity on the GPU), comp / idx / attn (benchmarks/compressor.py, indexer.py,
 # sparse_attention.py; diag = benchmarks/diag_indexer_prefill.py; topk / topk_cb = benchmarks/topk_stages.py (topk_cb with
-# XLA command buffers incl. conditionals, CB_TYPES); kres = benchmarks/kernel_resources.sh (ptxas registers/spills); compv = compressor kernel variants on COMPV_CASES), decode (benchmarks/decode.py ref vs pallas), breakdown (benchmarks/decode_breakdown.py).
+# XLA command buffers incl. conditionals, CB_TYPES); kres = benchmarks/kernel_resources.sh (ptxas registers/spills); compv = compressor kernel variants on COMPV_CASES), decode (benchmarks/decode.py ref vs pallas), picks (decode.py, Pallas, indexer picks sorted vs set), gather (benchmarks/tma_row_gather_{raw,probe}.py: row-gather producer bandwidth), breakdown (benchmarks/decode_breakdown.py).
 # Per-step limit: T_<step> seconds (defaults below). A test that hangs dumps its Python stack (faulthandler) into
 # the step's log. Logs: $OUT/<step>.log (+ the benchmarks' json).
 set -o pipefail
@@ -40,11 +40,17 @@ for s in ${STEPS:-tests5 model comp idx}; do
           run_step topk_cb 120 $PY benchmarks/topk_stages.py --out "$OUT/cb" ${TOPK_ARGS:-} ;;
     kres) run_step kres 200 bash benchmarks/kernel_resources.sh ;;
     diag) run_step diag 120 $PY benchmarks/diag_indexer_prefill.py ${DIAG_ARGS:-} ;;
+    gather) run_step gather 300 bash -c "$PY benchmarks/tma_row_gather_raw.py $OUT/tma_row_gather_raw.json && \
+          $PY benchmarks/tma_row_gather_probe.py $OUT/tma_row_gather_pallas.json" ;;
     attn) run_step attn 300 $PY benchmarks/sparse_attention.py --out "$OUT" "$@" ${ATTN_ARGS:-} ;;
-    decode) for impl in reference pallas; do
+    decode) for impl in ${DECODE_IMPLS:-reference pallas}; do
         run_step decode_$impl 150 $PY benchmarks/decode.py --preset v4-flash --layers 4 --experts 8 \
           --dtype bfloat16 --batch ${BATCH:-16} --contexts ${CONTEXTS:-4096,32768} --steps 32 --repeats 3 \
           --attention-impl $impl --out "$OUT/decode_$impl.txt"; done ;;
+    picks) for picks in sorted set; do  # the whole decode step, Pallas path, each order of the indexer's picks
+        run_step picks_$picks 150 $PY benchmarks/decode.py --preset v4-flash --layers 4 --experts 8 \
+          --dtype bfloat16 --batch ${BATCH:-16} --contexts ${CONTEXTS:-4096,32768} --steps 32 --repeats 3 \
+          --attention-impl pallas --indexer-picks $picks --out "$OUT/picks_$picks.txt"; done ;;
     breakdown) run_step breakdown 200 $PY benchmarks/decode_breakdown.py --preset v4-flash --layers 4 \
           --experts 8 --dtype bfloat16 --batch ${BATCH:-16} --context 32768 --attention-impl pallas \
           --out "$OUT/decode_breakdown.txt" ;;

@@ -206,9 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="untimed runs of the same request before the timed one (default 1; same tokens each run)")
     g.add_argument("--attention-impl", choices=("auto", "reference", "pallas"), default="auto",
                    help="sparse attention implementation (auto: Pallas kernel where available, else reference)")
-    g.add_argument("--indexer-picks", choices=("sorted", "set"), default="sorted",  # PICKS; no jax at parse time
-                   help="order of the CSA indexer's picks: sorted (best first, as the reference) or set (ascending "
-                        "index; the GPU top-k skips its last sort)")
+    g.add_argument("--indexer-picks", choices=("auto", "sorted", "set"), default="auto",  # PICKS; no jax at parse
+                   help="order of the CSA indexer's picks: sorted (best first, as the reference), set (ascending "
+                        "index; the GPU top-k skips its last sort) or auto (set on the GPU kernel path, else sorted)")
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", help="config summary and KV-cache bytes")

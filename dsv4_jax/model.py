@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.dispatch import resolve_impl
 from pallas_kernels.indexer import PICKS
 
 from .cache import CacheFormat, ModelCache, init_cache
@@ -71,12 +72,17 @@ class DeepseekV4ForCausalLM(nnx.Module):
     """
 
     def __init__(self, config: DeepseekV4Config, *, dtype=jnp.float32, attention_impl: str = "auto",
-                 rngs: nnx.Rngs, indexer_picks: str = "sorted"):
-        """indexer_picks: "sorted" (the CSA indexer's picks best first, as the reference) or "set" (ascending
-        index: the kernel path skips its last sort; the attention sums the same entries in another order)."""
+                 rngs: nnx.Rngs, indexer_picks: str = "auto"):
+        """indexer_picks: "sorted" (the CSA indexer's picks best first, as the reference), "set" (ascending
+        index: the GPU kernel path skips its last sort; the attention sums the same entries in another order) or
+        "auto" (default: "set" where the indexer runs the GPU kernel -- model parity with the reference passes on
+        the H200 in both modes, session 8 -- else "sorted", which the reference and TPU paths produce directly)."""
         c = config
+        if indexer_picks == "auto":
+            indexer_picks = "set" if resolve_impl(attention_impl, "indexer") == "gpu" else "sorted"
         if indexer_picks not in PICKS:  # checked here too: at construction, not at the first CSA call
-            raise ValueError(f"indexer_picks must be one of {PICKS}, got {indexer_picks!r}")
+            raise ValueError(f"indexer_picks must be 'auto' or one of {PICKS}, got {indexer_picks!r}")
+        self.indexer_picks = indexer_picks
         self.config, self.dtype, self.attention_impl = c, jnp.dtype(dtype), attention_impl
         self.embed = Embedding(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List([Block(c, i, dtype=dtype, attention_impl=attention_impl, rngs=rngs,

@@ -33,3 +33,13 @@ def test_pallas_model_matches_reference(ratios):
         out = _run(DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(3), attention_impl="pallas", indexer_picks=picks), ids)
         for r, o in zip(ref, out):
             assert np.abs(o - r).max() / np.abs(r).max() <= 2e-4, picks
+
+
+def test_indexer_picks_auto_and_invalid():
+    """auto = "set" only where the indexer runs the GPU kernel; bad values fail at construction."""
+    cfg = tiny(ratios=[0, 4])
+    expect = "set" if jax.default_backend() in ("gpu", "cuda") else "sorted"
+    assert DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(0), attention_impl="pallas").indexer_picks == expect
+    assert DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(0), attention_impl="reference").indexer_picks == "sorted"
+    with pytest.raises(ValueError, match="indexer_picks"):
+        DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(0), attention_impl="pallas", indexer_picks="best")

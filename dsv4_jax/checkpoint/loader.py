@@ -270,7 +270,7 @@ def load_pretrained(path, dtype=jnp.float32, attention_impl: str = "auto", progr
     time and cast to the parameter dtype (`dtype` for matmul weights; norms, mHC, sinks, ape, gate bias stay f32).
     `mtp.*` tensors are not loaded; their names are kept in `model.mtp_tensor_names`.
     Raises CheckpointMismatchError (a ValueError) listing every missing / unexpected / mis-shaped tensor.
-    `model_options` go to the model's constructor (`DeepseekV4ForCausalLM`: indexer_picks="sorted" | "set").
+    `model_options` go to the model's constructor (`DeepseekV4ForCausalLM`: indexer_picks="auto" | "sorted" | "set").
     """
     config = config or load_config(path)
     ctor = model_constructor(config, dtype, attention_impl, model_factory, **model_options)
