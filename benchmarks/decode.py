@@ -53,7 +53,7 @@ def build_model(args):
             cfg = cfg.replace(n_routed_experts=args.experts,
                               num_experts_per_tok=min(cfg.num_experts_per_tok, args.experts))
         model = DeepseekV4ForCausalLM(cfg, dtype=dtype, attention_impl=args.attention_impl, rngs=nnx.Rngs(0),
-                                      indexer_picks=args.indexer_picks)
+                                      indexer_picks=args.indexer_picks, attention_kernel=args.attention_kernel)
         return model, f"preset {args.preset} (random weights, {cfg.num_hidden_layers} layers)"
     from dsv4_jax.checkpoint import load_pretrained
 
@@ -64,7 +64,7 @@ def build_model(args):
 
         path, name = embedded_checkpoint_path(), "embedded tiny-v4"
     return load_pretrained(path, dtype=dtype, attention_impl=args.attention_impl, progress=False,
-                           indexer_picks=args.indexer_picks), name
+                           indexer_picks=args.indexer_picks, attention_kernel=args.attention_kernel), name
 
 
 def _init_cache(model, batch, capacity, fmt):
@@ -127,6 +127,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--attention-impl", default="reference", choices=("reference", "pallas", "auto"))
+    p.add_argument("--attention-kernel", default="auto", choices=("auto", "mosaic", "triton"),
+                   help="GPU sparse-attention kernel (auto: Mosaic GPU where it applies)")
     p.add_argument("--indexer-picks", default="auto", choices=("auto", "sorted", "set"),
                    help="order of the CSA indexer's picks (auto: set on the GPU kernel path)")
     p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default=None, help="KV cache rows (default: exact)")

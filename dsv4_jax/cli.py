@@ -64,7 +64,7 @@ def cmd_generate(args) -> int:
     ckpt, embedded = _checkpoint_dir(args.checkpoint)
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     model = load_pretrained(ckpt, dtype=dtype, attention_impl=args.attention_impl, progress=False,
-                            indexer_picks=args.indexer_picks)
+                            indexer_picks=args.indexer_picks, attention_kernel=args.attention_kernel)
     cfg = model.config
     print(f"checkpoint: {ckpt}{' (embedded default, random weights)' if embedded else ''}")
     print(f"model: {cfg.summary()}")
@@ -206,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="untimed runs of the same request before the timed one (default 1; same tokens each run)")
     g.add_argument("--attention-impl", choices=("auto", "reference", "pallas"), default="auto",
                    help="sparse attention implementation (auto: Pallas kernel where available, else reference)")
+    g.add_argument("--attention-kernel", choices=("auto", "mosaic", "triton"), default="auto",  # GPU_KERNELS
+                   help="GPU sparse-attention kernel: auto (Mosaic GPU for bf16 models with 64 heads and bf16 "
+                        "caches, else Triton), mosaic, triton")
     g.add_argument("--indexer-picks", choices=("auto", "sorted", "set"), default="auto",  # PICKS; no jax at parse
                    help="order of the CSA indexer's picks: sorted (best first, as the reference), set (ascending "
                         "index; the GPU top-k skips its last sort) or auto (set on the GPU kernel path, else sorted)")

@@ -17,6 +17,7 @@ from flax import nnx
 
 from pallas_kernels.dispatch import resolve_impl
 from pallas_kernels.indexer import PICKS
+from pallas_kernels.sparse_attention import GPU_KERNELS
 
 from .cache import CacheFormat, ModelCache, init_cache
 from .config import DeepseekV4Config
@@ -30,7 +31,7 @@ class Block(nnx.Module):
     """One decoder layer: mHC pre-mix -> attn_norm -> attention -> mHC post-mix, then the same around the MoE."""
 
     def __init__(self, config: DeepseekV4Config, layer_idx: int, *, dtype, attention_impl: str, rngs: nnx.Rngs,
-                 indexer_picks: str = "sorted"):
+                 indexer_picks: str = "sorted", attention_kernel: str = "auto"):
         c = config
         n_mix, width = (2 + c.hc_mult) * c.hc_mult, c.hc_mult * c.hidden_size
         for site in ("attn", "ffn"):
@@ -40,7 +41,7 @@ class Block(nnx.Module):
             setattr(self, f"hc_{site}_scale", param(1.0 + normal(rngs, (3,), 0.1, jnp.float32), (None,)))
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, rngs=rngs)
         self.attn = Attention(c, layer_idx, dtype=dtype, attention_impl=attention_impl, rngs=rngs,
-                              indexer_picks=indexer_picks)
+                              indexer_picks=indexer_picks, attention_kernel=attention_kernel)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, rngs=rngs)
         self.ffn = MoE(c, layer_idx, dtype=dtype, rngs=rngs)
         self._hc = (c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)  # static (hc, iters, eps, norm_eps)
@@ -72,21 +73,30 @@ class DeepseekV4ForCausalLM(nnx.Module):
     """
 
     def __init__(self, config: DeepseekV4Config, *, dtype=jnp.float32, attention_impl: str = "auto",
-                 rngs: nnx.Rngs, indexer_picks: str = "auto"):
+                 rngs: nnx.Rngs, indexer_picks: str = "auto", attention_kernel: str = "auto"):
         """indexer_picks: "sorted" (the CSA indexer's picks best first, as the reference), "set" (ascending
         index: the GPU kernel path skips its last sort; the attention sums the same entries in another order) or
         "auto" (default: "set" where the indexer runs the GPU kernel -- model parity with the reference passes on
-        the H200 in both modes, session 8 -- else "sorted", which the reference and TPU paths produce directly)."""
+        the H200 in both modes, session 8 -- else "sorted", which the reference and TPU paths produce directly).
+        attention_kernel: which GPU sparse-attention kernel (see pallas_kernels.sparse_attention): "auto"
+        (default: the Mosaic GPU kernel for bf16 models with 64 heads and bf16 caches, else Triton), "mosaic",
+        "triton". Ignored off the GPU, except that "mosaic" is refused there."""
         c = config
         if indexer_picks == "auto":
             indexer_picks = "set" if resolve_impl(attention_impl, "indexer") == "gpu" else "sorted"
         if indexer_picks not in PICKS:  # checked here too: at construction, not at the first CSA call
             raise ValueError(f"indexer_picks must be 'auto' or one of {PICKS}, got {indexer_picks!r}")
         self.indexer_picks = indexer_picks
+        if attention_kernel not in GPU_KERNELS:
+            raise ValueError(f"attention_kernel must be one of {GPU_KERNELS}, got {attention_kernel!r}")
+        if attention_kernel == "mosaic" and resolve_impl(attention_impl, "sparse_attention") != "gpu":
+            raise ValueError("attention_kernel='mosaic' needs attention_impl resolving to the GPU kernels")
+        self.attention_kernel = attention_kernel
         self.config, self.dtype, self.attention_impl = c, jnp.dtype(dtype), attention_impl
         self.embed = Embedding(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List([Block(c, i, dtype=dtype, attention_impl=attention_impl, rngs=rngs,
-                                      indexer_picks=indexer_picks) for i in range(c.num_hidden_layers)])
+                                      indexer_picks=indexer_picks, attention_kernel=attention_kernel)
+                                for i in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, rngs=rngs)
         width = c.hc_mult * c.hidden_size
         self.hc_head_fn = param(normal(rngs, (c.hc_mult, width), width ** -0.5, jnp.float32), (None, None))

@@ -146,3 +146,46 @@ def test_whole_model_lowers_with_gpu_kernels(monkeypatch, quantized):
     for S in (9, 1):
         ids = jnp.asarray(np.random.default_rng(S).integers(0, cfg.vocab_size, (2, S)), jnp.int32)
         lowers_for_cuda(step, state, ids, cache, jnp.full((2,), S, jnp.int32))
+
+
+def _mosaic_gpu_lowering_available():
+    try:  # Mosaic GPU's MLIR passes live in jax's CUDA plugin (`pip install jax-cuda12-plugin`; no GPU needed)
+        import jax.experimental.mosaic.gpu  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not _mosaic_gpu_lowering_available(), reason="needs jax's CUDA plugin for Mosaic GPU lowering")
+@pytest.mark.parametrize("b,t,k_c,opts", [(3, 1, 512, {}), (2, 1, 1024, dict(n_splits=1)), (1, 64, 60, {}),
+                                          (2, 1, 8192, {})])
+def test_sparse_attention_mosaic_lowers(b, t, k_c, opts):
+    from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
+
+    inp = make_attention(b, t, 64, 512, 300, 9000, 128, k_c, ragged=True)
+    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
+    lens = dict(window_len=inp["window_len"], compressed_len=inp["compressed_len"])
+    lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, scale=512 ** -0.5, **lens, **opts),
+               *(inp[k] for k in keys))
+
+
+@pytest.mark.skipif(not _mosaic_gpu_lowering_available(), reason="needs jax's CUDA plugin for Mosaic GPU lowering")
+def test_whole_bf16_model_lowers_with_mosaic_attention(monkeypatch):
+    """A bf16 model with 64 heads takes the Mosaic GPU attention kernel in every layer type (prefill and decode)."""
+    import numpy as np
+    from flax import nnx
+
+    import pallas_kernels.dispatch as dispatch
+    from dsv4_jax.config import tiny
+    from dsv4_jax.model import DeepseekV4ForCausalLM, forward_chunk
+
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
+    cfg = tiny(num_attention_heads=64, head_dim=128, qk_rope_head_dim=16, o_groups=8)
+    model = DeepseekV4ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), attention_impl="pallas",
+                                  attention_kernel="mosaic")
+    cache = model.init_cache(2, 24)
+    graphdef, state = nnx.split(model)
+    step = lambda st, ids, c, n: forward_chunk(nnx.merge(graphdef, st), ids, c, n)
+    for S in (9, 1):
+        ids = jnp.asarray(np.random.default_rng(S).integers(0, cfg.vocab_size, (2, S)), jnp.int32)
+        lowers_for("cuda", "mosaic_gpu", step, state, ids, cache, jnp.full((2,), S, jnp.int32))

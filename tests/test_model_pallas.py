@@ -36,10 +36,14 @@ def test_pallas_model_matches_reference(ratios):
 
 
 def test_indexer_picks_auto_and_invalid():
-    """auto = "set" only where the indexer runs the GPU kernel; bad values fail at construction."""
+    """auto = "set" only where the indexer runs the GPU kernel; bad picks / attention kernels fail at construction."""
     cfg = tiny(ratios=[0, 4])
     expect = "set" if jax.default_backend() in ("gpu", "cuda") else "sorted"
     assert DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(0), attention_impl="pallas").indexer_picks == expect
     assert DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(0), attention_impl="reference").indexer_picks == "sorted"
     with pytest.raises(ValueError, match="indexer_picks"):
         DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(0), attention_impl="pallas", indexer_picks="best")
+    with pytest.raises(ValueError, match="attention_kernel"):
+        DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(0), attention_impl="pallas", attention_kernel="cuda")
+    with pytest.raises(ValueError, match="attention_kernel='mosaic'"):
+        DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(0), attention_impl="reference", attention_kernel="mosaic")

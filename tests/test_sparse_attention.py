@@ -233,3 +233,23 @@ def test_tpu_kernel_interpret(case):
     out = call(sparse_attention_tpu, inp, interpret=True, block_k=8)
     ref = call(sparse_attention_reference, inp)
     check_close(out, ref)
+
+
+def test_kernel_option_validation():
+    """`kernel` picks the GPU kernel: bad values and "mosaic" off the GPU fail loudly; on CPU "auto"/"triton" run
+    the Triton kernel in the interpreter (the Mosaic GPU kernel has no interpreter)."""
+    from pallas_kernels.sparse_attention import mosaic_applies
+
+    inp = make_inputs(1, 1, 64, 128, 40, 30, 16, 8)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        call(sparse_attention, inp, impl="pallas", kernel="cuda")
+    if jax.default_backend() == "cpu":
+        with pytest.raises(ValueError, match="runs only on a GPU"):
+            call(sparse_attention, inp, impl="pallas", kernel="mosaic")
+        check_close(call(sparse_attention, inp, impl="pallas", kernel="triton"), call(sparse_attention_reference, inp))
+    # what "auto" would pick on a GPU: bf16 q with 64 heads and bf16 pools, no Triton-only knob, bf16 output
+    assert mosaic_applies(inp["q"], inp["window_kv"], inp["compressed_kv"])
+    assert not mosaic_applies(inp["q"], inp["window_kv"], inp["compressed_kv"], out_dtype=jnp.float32)
+    assert not mosaic_applies(inp["q"], inp["window_kv"], inp["compressed_kv"], kernel_options=dict(d_chunk=64))
+    assert not mosaic_applies(inp["q"].astype(jnp.float32), inp["window_kv"], inp["compressed_kv"])
+    assert not mosaic_applies(inp["q"][:, :, :16], inp["window_kv"], inp["compressed_kv"])

@@ -61,3 +61,33 @@ def test_gpu_out_dtype(out_dtype):
     out = call(sparse_attention, inp, impl="pallas", out_dtype=out_dtype)
     assert out[0].dtype == out_dtype
     check_close(out, call(sparse_attention_reference, inp, out_dtype=out_dtype))
+
+
+# The warp-specialised Mosaic GPU kernel (gpu_mosaic.py): bf16 q with 64 heads, bf16 pools. No `poison` option, but
+# check_close fails on NaN and every CTA writes its whole [64, d] tile with one bulk copy.
+MOSAIC_CASES = [
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), {}),
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True), dict(n_splits=1)),
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True), dict(n_splits=3)),
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True), {}),
+    (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True), {}),   # prefill: each query its own lists
+    (1, 64, 512, 200, 100, 60, dict(ragged=True), {}),                    # K not a multiple of block_k
+]
+
+
+@pytest.mark.parametrize("case", MOSAIC_CASES, ids=lambda c: f"b{c[0]}t{c[1]}k{c[5]}{opts_id(c[7])}")
+def test_gpu_mosaic_kernel(case):
+    b, t, n_w, n_c, k_w, k_c, flags, opts = case
+    inp = make_inputs(b, t, 64, 512, n_w, n_c, k_w, k_c, **flags)
+    out = call(sparse_attention, inp, impl="pallas", kernel="mosaic", **opts)
+    check_close(out, call(sparse_attention_reference, inp))
+
+
+def test_gpu_auto_picks_mosaic_only_where_it_applies():
+    from pallas_kernels.sparse_attention import mosaic_applies
+
+    inp = make_inputs(2, 1, 64, 512, 256, 1024, 128, 512)
+    assert mosaic_applies(inp["q"], inp["window_kv"], inp["compressed_kv"])
+    check_close(jax.jit(lambda i: call(sparse_attention, i, impl="auto"))(inp), call(sparse_attention_reference, inp))
+    fp8 = make_inputs(2, 1, 64, 512, 256, 1024, 128, 512, fp8=True)
+    assert not mosaic_applies(fp8["q"], fp8["window_kv"], fp8["compressed_kv"])

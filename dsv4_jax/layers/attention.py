@@ -54,10 +54,11 @@ def write_ring(ring, kv, start, n_valid):
 
 class Attention(nnx.Module):
     def __init__(self, config: DeepseekV4Config, layer_idx: int, *, dtype, attention_impl: str, rngs: nnx.Rngs,
-                 indexer_picks: str = "sorted"):
+                 indexer_picks: str = "sorted", attention_kernel: str = "auto"):
         c = config
         self.kind = c.layer_types[layer_idx]
         self.indexer_picks = indexer_picks  # "sorted" | "set": the order of the indexer's picks (see Indexer.select)
+        self.attention_kernel = attention_kernel  # GPU sparse-attention kernel: "auto" | "mosaic" | "triton"
         self.ratio = c.compress_ratios[layer_idx]
         self.n_heads, self.head_dim, self.window = c.num_attention_heads, c.head_dim, c.sliding_window
         self.o_groups, self.o_lora_rank, self.eps = c.o_groups, c.o_lora_rank, c.rms_norm_eps
@@ -120,7 +121,7 @@ class Attention(nnx.Module):
 
         o = sparse_attention(q, flatten_rows(window_pool), window_idx, compressed_pool, compressed_idx,
                              self.attn_sink[...], scale=d ** -0.5, compressed_len=compressed_len,
-                             impl=self.attention_impl)
+                             impl=self.attention_impl, kernel=self.attention_kernel)
         o = apply_rope(o, positions, self.inv_freq, inverse=True)                 # [B, S, H, d]
         grouped = o.reshape(B, S, self.o_groups, H * d // self.o_groups)
         wo_a = self.wo_a.weight[...].reshape(self.o_groups, self.o_lora_rank, -1)

@@ -1,0 +1,309 @@
+"""Warp-specialised GPU kernel for sparse shared-KV MQA with a sink, written against Mosaic GPU (bf16 pools).
+
+Why not Pallas: a producer has to gather each block's KV rows into the (8, 64)-tiled, 128 B-swizzled layout the
+tensor cores read, and Hopper has no TMA gather, so one 1 KB row is 8 bulk copies of 128 B. Pallas'
+`copy_gmem_to_smem` makes the warpgroup's 128 threads arrive on the barrier for every copy: 0.77 TB/s for the producer
+alone. With one `arrive_expect_tx` per block and copies that do not arrive, the same gather runs at 3.4-3.9 TB/s
+(benchmarks/tma_row_gather_{probe,raw}.py, NOTES_sparse_attention.md session 8). Pallas does not expose the second
+form, so this kernel uses `jax.experimental.mosaic.gpu` (the layer under Pallas) directly.
+
+CTA = (query row i, split s), 64 heads, three warpgroups:
+* warpgroup 2, the **producer**: copies q [64, d] and the sinks (one bulk copy each), this split's index rows, then
+  for every step gathers `block_k` rows into ring slot g % stages: one thread registers the slot's byte count, lane 0
+  of each of the 4 warps issues the 8 piece copies of every 4th row. Invalid entries (index < 0: the wrapper has
+  already turned out-of-range and past-length entries into -1) copy row 0, which the consumers mask out.
+* warpgroups 0 and 1, the **consumers**: both compute the full scores S = q K^T [64, block_k] (wgmma, both operands
+  in shared memory), the online softmax in exp2 units with the running max initialised at the sink logit (so it is
+  always finite), and P.V for their own half of the d output columns: each holds a [64, d/2] f32 accumulator.
+  After P.V both arrive on the slot's "consumed" barrier, which the producer waits on before refilling it.
+* the q tile becomes the output tile once both consumers are past their last scores (a barrier between them).
+
+Step sequence (the same in all three roles): the window list's valid blocks of this split, then the compressed
+list's; a source's blocks past its valid length are not visited. Outputs as gpu.py: one split -> o with the sink in
+the denominator, lse without it; split-K -> partials normalised by their own sum, merged by `common.combine_splits`.
+
+Not interpretable on CPU; lowers on CPU when jax's CUDA plugin is installed; runs on Hopper (sm_90a) only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from . import common
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+N_SM_H200 = 132
+BLOCK_H = 64          # heads per CTA = the M of one warpgroup's wgmma
+SMEM_BUDGET = 227 * 1024
+
+
+def default_config(bt: int, total_blocks: int):
+    n_splits = max(1, min(N_SM_H200 // max(bt, 1), max(1, total_blocks // 2)))
+    return dict(block_k=64, num_stages=2, n_splits=n_splits)
+
+
+def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split):
+    """The Mosaic GPU kernel as a callable (q, sinks, *[idx, len, pool] per source) -> (o, lse)."""
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mu
+    from jax._src.interpreters import mlir as jax_mlir
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, gpu, memref, nvvm, scf
+
+    n_src = len(srcs)
+    dh = d // 2
+    pieces = d // 64
+    idx_w = max(idx_rows)
+
+    def body(ctx, *refs):
+        q_gmem, sink_gmem = refs[0], refs[1]
+        src_gmem = [refs[2 + 3 * k: 5 + 3 * k] for k in range(n_src)]
+        o_gmem, lse_gmem = refs[2 + 3 * n_src], refs[3 + 3 * n_src]
+        (q_smem, ring, idx_smem, vec_smem), (q_bar, idx_bar, full_bars), (empty_bars, cons_bar) = refs[-1]
+        index, i32, f32, bf16 = ir.IndexType.get(), ir.IntegerType.get_signless(32), ir.F32Type.get(), ir.BF16Type.get()
+        c = lambda v: arith.constant(index, v)
+        ci = lambda v: arith.constant(i32, v)
+        row = gpu.block_id(gpu.Dimension.x)
+        split = gpu.block_id(gpu.Dimension.y)
+        wg = mu.warpgroup_idx(sync=True)
+        one = mu.single_thread_predicate(mu.ThreadSubset.WARPGROUP)
+
+        # per source: this CTA's block range [lo, hi) and the first block held in idx_smem (all roles compute it)
+        ranges = []
+        base = 0
+        for k, s_ in enumerate(srcs):
+            nb = s_["k"] // bk
+            length = arith.index_cast(index, memref.load(src_gmem[k][1], [row]))
+            nb_valid = arith.divui(arith.addi(length, c(bk - 1)), c(bk))
+            first = arith.subi(arith.muli(split, c(bps)), c(base))      # may be "negative" (wraps): clamp as signed
+            clamp = lambda v, hi_: arith.maxsi(c(0), arith.minsi(v, hi_))
+            lo = clamp(first, nb_valid)
+            hi = clamp(arith.addi(first, c(bps)), nb_valid)
+            start = clamp(first, c(nb - idx_rows[k] // bk))
+            ranges.append((lo, hi, start))
+            base += nb
+
+        def steps(fn, carry):
+            """Runs fn(k, j, g, carry) over the step sequence; g counts steps across the sources."""
+            g = c(0)
+            for k in range(n_src):
+                lo, hi, start = ranges[k]
+                n = arith.maxsi(arith.subi(hi, lo), c(0))
+
+                @mu.fori(n, (g, carry))
+                def loop(t, gc, k=k, lo=lo):
+                    g_, cr = gc
+                    return arith.addi(g_, c(1)), fn(k, arith.addi(lo, t), g_, cr)
+
+                g, carry = loop.results
+            return carry
+
+        is_producer = arith.cmpi(arith.CmpIPredicate.eq, wg, ci(2))
+        if_op = scf.IfOp(is_producer, has_else=True)
+        with ir.InsertionPoint(if_op.then_block):   # ---------------- producer ----------------
+            nvvm.setmaxregister(56, nvvm.SetMaxRegisterAction.decrease)
+            q_bytes = BLOCK_H * d * 2 + BLOCK_H * 4
+            q_bar.arrive_expect_tx(q_bytes, predicate=one)
+            ctx.async_copy(src_ref=q_gmem, dst_ref=q_smem, gmem_slice=(row,),
+                           gmem_transform=mgpu.TileTransform((8, 64)), swizzle=128, barrier=q_bar, arrive=False,
+                           predicate=one)
+            ctx.async_copy(src_ref=sink_gmem, dst_ref=mu.memref_slice(vec_smem, mu.ds(0, BLOCK_H)), barrier=q_bar,
+                           arrive=False, predicate=one)
+            idx_bar.arrive_expect_tx(sum(idx_rows) * 4, predicate=one)
+            for k in range(n_src):
+                start = ranges[k][2]
+                for c0 in range(0, idx_rows[k], 256):   # a bulk copy moves <= 256 elements along a dimension
+                    w = min(256, idx_rows[k] - c0)
+                    ctx.async_copy(src_ref=src_gmem[k][0],
+                                   dst_ref=mu.memref_slice(idx_smem, (k, mu.ds(c0, w))),
+                                   gmem_slice=(row, mu.ds(arith.addi(arith.muli(start, c(bk)), c(c0)), w)),
+                                   barrier=idx_bar, arrive=False, predicate=one)
+            idx_bar.wait()
+            lane0 = mu.single_thread_predicate(mu.ThreadSubset.WARP)
+            warp = arith.remui(arith.index_cast(index, mu.warp_idx(sync=True)), c(4))
+
+            def produce(k, j, g, carry):
+                slot = arith.remui(g, c(stages))
+                with mu.when(arith.cmpi(arith.CmpIPredicate.uge, g, c(stages))):
+                    empty_bars[slot].wait()       # both consumers are done with this slot's previous block
+                full = full_bars[slot]
+                full.arrive_expect_tx(bk * d * 2, predicate=one)
+                pool = src_gmem[k][2]
+                off = arith.muli(arith.subi(j, ranges[k][2]), c(bk))
+
+                @mu.fori(c(bk // 4), None)
+                def _(t, _c):
+                    r = arith.addi(arith.muli(t, c(4)), warp)
+                    e = memref.load(idx_smem, [c(k), arith.addi(off, r)])
+                    e = arith.index_cast(index, arith.maxsi(e, ci(0)))      # -1 -> row 0 (masked by consumers)
+                    r_hi, r_lo = arith.divui(r, c(8)), arith.remui(r, c(8))
+                    for p in range(pieces):
+                        ctx.async_copy(src_ref=pool, dst_ref=mu.memref_slice(ring, (slot, r_hi, p, mu.ds(r_lo, 1))),
+                                       gmem_slice=(mu.ds(e, 1), mu.ds(p * 64, 64)), swizzle=128, barrier=full,
+                                       arrive=False, predicate=lane0)
+                    return _c
+
+                return carry
+
+            steps(produce, None)
+            scf.yield_([])
+
+        with ir.InsertionPoint(if_op.else_block):    # ---------------- consumers (wg 0, 1) ----------------
+            nvvm.setmaxregister(224, nvvm.SetMaxRegisterAction.increase)
+            wgi = arith.index_cast(index, wg)
+            q_bar.wait()
+            idx_bar.wait()
+            sink2 = fa.FragmentedArray.load_untiled(mu.memref_slice(vec_smem, mu.ds(0, BLOCK_H)),
+                                                    layout=fa.WGMMA_ROW_LAYOUT, optimized=False) * LOG2E
+            zero_row = fa.FragmentedArray.splat(arith.constant(f32, 0.0), (BLOCK_H,), fa.WGMMA_ROW_LAYOUT)
+            acc0 = fa.FragmentedArray.splat(arith.constant(f32, 0.0), (BLOCK_H, dh), fa.WGMMA_LAYOUT)
+            neg_inf = fa.FragmentedArray.splat(arith.constant(f32, -math.inf), (BLOCK_H, bk), fa.WGMMA_LAYOUT)
+            v_cols = mu.ds(arith.muli(wgi, c(pieces // 2)), pieces // 2)
+
+            def consume(k, j, g, carry):
+                m, l, acc = carry
+                slot = arith.remui(g, c(stages))
+                off = arith.muli(arith.subi(j, ranges[k][2]), c(bk))
+                ids = fa.FragmentedArray.load_untiled(mu.memref_slice(idx_smem, (k, mu.ds(off, bk))),
+                                                      layout=fa.WGMMA_COL_LAYOUT, is_signed=True, optimized=False)
+                valid = (ids >= 0).broadcast_in_dim((BLOCK_H, bk), (1,), fa.WGMMA_LAYOUT)
+                full_bars[slot].wait()
+                kv = mu.memref_slice(ring, slot)                        # [bk/8, d/64, 8, 64]
+                s_acc = mgpu.WGMMAAccumulator.zero(BLOCK_H, bk)
+                s_acc = mgpu.wgmma(s_acc, q_smem, mu.memref_transpose(kv, (1, 0, 3, 2)))
+                nvvm.wgmma_commit_group_sync_aligned()
+                nvvm.wgmma_wait_group_sync_aligned(0)
+                logits = valid.select(s_acc.value * scale2, neg_inf)
+                m_new = m.max(logits.reduce("max", axis=1))
+                alpha = (m - m_new).exp2(approx=True)
+                p = (logits - m_new.broadcast_minor(bk)).exp2(approx=True)
+                l = l * alpha + p.reduce("add", axis=1)
+                acc = acc * alpha.broadcast_minor(dh)
+                o_acc = mgpu.WGMMAAccumulator.from_registers(acc)
+                o_acc = mgpu.wgmma(o_acc, p.astype(bf16), mu.memref_slice(kv, (slice(None), v_cols)))
+                nvvm.wgmma_commit_group_sync_aligned()
+                nvvm.wgmma_wait_group_sync_aligned(0)
+                empty_bars[slot].arrive()
+                return m_new, l, o_acc.value
+
+            m, l, acc = steps(consume, (sink2, zero_row, acc0))
+
+            # finish: lse without the sink; one split divides by l + e^(sink - m), split-K partials by l alone
+            has = l > 0.0
+            one_row = fa.FragmentedArray.splat(arith.constant(f32, 1.0), (BLOCK_H,), fa.WGMMA_ROW_LAYOUT)
+            l_safe = has.select(l, one_row)
+            lse = has.select(m * LN2 + l_safe.log(approx=False),              # m is in log2 units
+                             fa.FragmentedArray.splat(arith.constant(f32, -math.inf), (BLOCK_H,), fa.WGMMA_ROW_LAYOUT))
+            if out_split:
+                inv = has.select(one_row / l_safe, zero_row)
+            else:
+                inv = one_row / (l + (sink2 - m).exp2(approx=True))
+            o = (acc * inv.broadcast_minor(dh)).astype(bf16)
+            cons_bar.arrive()   # both consumers are past their last q.K: q_smem can hold the output
+            cons_bar.wait()
+            o.store_tiled(mu.memref_slice(q_smem, (slice(None), v_cols)), swizzle=128)
+            with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
+                lse.store_untiled(mu.memref_slice(vec_smem, mu.ds(BLOCK_H, BLOCK_H)), optimized=False)
+            mu.commit_shared()
+            cons_bar.arrive()
+            cons_bar.wait()
+            with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
+                o_slice = (row, split) if out_split else (row,)
+                ctx.async_copy(src_ref=q_smem, dst_ref=o_gmem, gmem_slice=o_slice,
+                               gmem_transform=mgpu.TileTransform((8, 64)), swizzle=128, predicate=one)
+                ctx.async_copy(src_ref=mu.memref_slice(vec_smem, mu.ds(BLOCK_H, BLOCK_H)), dst_ref=lse_gmem,
+                               gmem_slice=o_slice, predicate=one)
+                ctx.await_async_copy(0)
+            scf.yield_([])
+
+    in_shape = [jax.ShapeDtypeStruct((bt, BLOCK_H, d), jnp.bfloat16), jax.ShapeDtypeStruct((BLOCK_H,), jnp.float32)]
+    for s_ in srcs:
+        in_shape += [jax.ShapeDtypeStruct((bt, s_["k"]), jnp.int32), jax.ShapeDtypeStruct((bt,), jnp.int32),
+                     jax.ShapeDtypeStruct((s_["n_rows"], d), jnp.bfloat16)]
+    lead = (bt, ns) if out_split else (bt,)
+    out_shape = (jax.ShapeDtypeStruct((*lead, BLOCK_H, d), jnp.bfloat16),
+                 jax.ShapeDtypeStruct((*lead, BLOCK_H), jnp.float32))
+    smem = (
+        (jax.ShapeDtypeStruct((BLOCK_H // 8, d // 64, 8, 64), jnp.bfloat16),         # q, then o
+         jax.ShapeDtypeStruct((stages, bk // 8, d // 64, 8, 64), jnp.bfloat16),     # KV ring
+         jax.ShapeDtypeStruct((n_src, idx_w), jnp.int32),                           # this split's index rows
+         jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32)),                        # sinks | lse
+        (mgpu.TMABarrier(1), mgpu.TMABarrier(1), mgpu.TMABarrier(stages)),
+        (mgpu.Barrier(arrival_count=256, num_barriers=stages), mgpu.Barrier(arrival_count=256)),
+    )
+    with jax_mlir.make_ir_context(), ir.Location.unknown():
+        return mgpu.as_gpu_kernel(body, grid=(bt, ns, 1), block=(384, 1, 1), in_shape=tuple(in_shape),
+                                  out_shape=out_shape, smem_scratch_shape=smem)
+
+
+def sparse_attention_mosaic(
+    q,
+    window_kv,
+    window_idx,
+    compressed_kv,
+    compressed_idx,
+    sinks,
+    *,
+    scale: float,
+    window_len=None,
+    compressed_len=None,
+    out_dtype=None,
+    return_lse: bool = False,
+    block_k: int | None = None,
+    num_stages: int | None = None,
+    n_splits: int | None = None,
+):
+    """Mosaic GPU implementation of `reference.sparse_attention` for bf16 q [B, T, 64, d] and bf16 [rows, d] pools
+    (d a multiple of 128). Knobs: block_k (entries per step, a multiple of 64, <= 256), num_stages (ring depth),
+    n_splits (split-K; default about one CTA per SM)."""
+    b, t, h, d = common.validate(q, window_kv, window_idx, compressed_kv, compressed_idx, sinks, window_len,
+                                 compressed_len, scale)
+    pools = [window_kv] + ([] if compressed_kv is None else [compressed_kv])
+    if q.dtype != jnp.bfloat16 or any(getattr(p_, "dtype", None) != jnp.bfloat16 for p_ in pools):
+        raise ValueError("the Mosaic GPU kernel takes bf16 q and bf16 [rows, head_dim] pools (FP8 pools: gpu.py)")
+    if h != BLOCK_H or d % 128:
+        raise ValueError(f"the Mosaic GPU kernel needs {BLOCK_H} heads and head_dim % 128 == 0, got {h}, {d}")
+    out_dtype = jnp.dtype(out_dtype or q.dtype)
+    bt = b * t
+    bk0 = block_k or 64
+    flat = [common.flatten_source(window_kv, window_idx, window_len, bt, bk0)]
+    if compressed_kv is not None:
+        flat.append(common.flatten_source(compressed_kv, compressed_idx, compressed_len, bt, bk0))
+    total_blocks = sum(s_.k // bk0 for s_ in flat)
+    cfg = default_config(bt, total_blocks)
+    for k_, v_ in dict(block_k=block_k, num_stages=num_stages, n_splits=n_splits).items():
+        if v_ is not None:
+            cfg[k_] = v_
+    bk, stages = cfg["block_k"], cfg["num_stages"]
+    if bk % 64 or bk > 256:  # P.V contracts over block_k in 64-wide (128 B swizzle) groups; S's N is <= 256
+        raise ValueError(f"block_k must be a multiple of 64 and <= 256, got {bk}")
+    ns = max(1, min(int(cfg["n_splits"]), total_blocks))
+    bps = -(-total_blocks // ns)
+    ns = -(-total_blocks // bps)
+    idx_rows = [min(bps, s_.k // bk) * bk for s_ in flat]
+    smem = BLOCK_H * d * 2 + stages * bk * d * 2 + len(flat) * max(idx_rows) * 4 + 2 * BLOCK_H * 4
+    if smem > SMEM_BUDGET:
+        raise ValueError(f"shared memory {smem} B over {SMEM_BUDGET}: lower num_stages / block_k or raise n_splits")
+
+    args = [q.reshape(bt, h, d), sinks.astype(jnp.float32)]
+    meta = []
+    for s_ in flat:
+        # the kernel only tests idx >= 0: out-of-range and past-length entries become -1 here (never read)
+        pos = jnp.arange(s_.k, dtype=jnp.int32)[None, :]
+        idx = jnp.where((s_.idx >= 0) & (s_.idx < s_.n_rows) & (pos < s_.length[:, None]), s_.idx, -1)
+        args += [idx, s_.length, s_.pool]
+        meta.append(dict(k=s_.k, n_rows=s_.n_rows))
+    kernel = _build(bt, ns, d, bk, stages, bps, meta, idx_rows, float(scale) * LOG2E, ns > 1)
+    o, lse = kernel(*args)
+    if ns > 1:
+        o, lse = common.combine_splits(o.astype(jnp.float32), lse, sinks.astype(jnp.float32), out_dtype)
+    o = o.astype(out_dtype).reshape(b, t, h, d)
+    lse = lse.reshape(b, t, h)
+    if return_lse:
+        return o, lse
+    return o
