@@ -137,7 +137,8 @@ def main():
     ap.add_argument("--groups", default="decode,prefill,b1",
                     help="comma list: decode (B=16/64/128), prefill (S=4K/16K), b1 (decode at B=1), "
                          "hca8k_fp8 (the HCA-8K FP8 decode rows only), variants (kernel knobs on decode cases), "
-                         "fp8ops / knobs5 / colsplit / prefetch / qreload (session 5-7 knob studies)")
+                         "fp8ops / knobs5 / colsplit / prefetch / qreload (session 5-7 knob studies), kernels (Triton vs "
+                         "Mosaic GPU on the bf16 cases, session 8)")
     args = ap.parse_args()
     groups = set(args.groups.split(","))
     rng = np.random.default_rng(0)
@@ -203,6 +204,13 @@ def main():
                                     ("csa", 1, 4096, 512, True)]:
             for o in ({}, dict(q_reload=True), dict(q_reload=True, num_warps=4), dict(q_reload=True, block_k=32)):
                 record(bench_case(rng, ceil, kind, b, t, kc, fp8, opts=o, ref=False,
+                                  **(dict(csa_cap=t // 4) if t > 1 else {})))
+    if "kernels" in groups:  # session 8: the two GPU kernels side by side on the bf16 cases (FP8: Triton only)
+        for kind, b, t, kc in [("csa", 16, 1, 512), ("csa", 64, 1, 512), ("csa", 128, 1, 512), ("hca", 16, 1, 1024),
+                               ("hca", 64, 1, 1024), ("hca", 16, 1, 8192), ("csa", 1, 4096, 512),
+                               ("csa", 1, 16384, 512)]:
+            for o in (dict(kernel="triton"), dict(kernel="mosaic")):
+                record(bench_case(rng, ceil, kind, b, t, kc, False, opts=o, ref=False,
                                   **(dict(csa_cap=t // 4) if t > 1 else {})))
     if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor
         for kind, b, kc, fp8 in [("csa", 16, 512, False), ("csa", 64, 512, True), ("hca", 16, 8192, True)]:

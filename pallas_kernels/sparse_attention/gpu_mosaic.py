@@ -47,7 +47,10 @@ def default_config(bt: int, total_blocks: int):
 
 
 def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split):
-    """The Mosaic GPU kernel as a callable (q, sinks, *[idx, len, pool] per source) -> (o, lse)."""
+    """The Mosaic GPU kernel as a callable:
+    (q [BT, 64, d] bf16, sinks [64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
+    pool [rows, d] bf16) -> (o [BT, (ns,) 64, d] bf16, lse [BT, (ns,) 64] f32); the ns axis only with split-K.
+    Shared memory: q/o tile 64 KB (d = 512), `stages` x block_k x d x 2 B ring, this split's index rows, sinks|lse."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mu
