@@ -22,7 +22,7 @@ Step sequence (the same in all three roles): the window list's valid blocks of t
 list's; a source's blocks past its valid length are not visited. Outputs as gpu.py: one split -> o with the sink in
 the denominator, lse without it; split-K -> partials normalised by their own sum, merged by `common.combine_splits`.
 
-Not interpretable on CPU; lowers on CPU when jax's CUDA plugin is installed; runs on Hopper (sm_90a) only.
+Not interpretable on CPU, but it lowers there (CI: tests/test_gpu_lowering.py); runs on Hopper (sm_90a) only.
 """
 
 from __future__ import annotations
