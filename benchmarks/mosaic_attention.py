@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.sparse_attention import D, H, W, make_case
-from benchmarks.timing import measure_ceilings, wall
+from benchmarks.timing import measure_ceilings, wall_net
 from pallas_kernels.sparse_attention import sparse_attention
 from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -55,6 +55,7 @@ def check(rng, b, kc, opts):
 
 
 def per_call(fn, case, u1, u2):
+    """Seconds per call of fn, chained (q_{k+1} = o_k) over the case's rotating index sets, net of dispatch."""
     q, wpool, cpool, sinks, widx, cidx = case
     r = len(widx)
 
@@ -64,9 +65,9 @@ def per_call(fn, case, u1, u2):
             for i in range(u):
                 q = fn(q, wpool, widx[i % r], cpool, cidx[i % r], sinks)
             return q
-        return wall(run, q, wpool, cpool, sinks, widx, cidx, reps=5)
+        return run
 
-    return (chain(u2) - chain(u1)) / (u2 - u1)
+    return wall_net(chain, q, wpool, cpool, sinks, widx, cidx, n1=u1, n2=u2)[0]
 
 
 def main():

@@ -20,6 +20,15 @@ def wall(f, *a, reps=3):
     return float(np.median(ts))
 
 
+def wall_net(build, *args, n1: int, n2: int, reps: int = 5):
+    """Seconds per unit of work net of dispatch: `build(n)` returns a function that does n units (passes, chained
+    calls) in one jitted call; (wall(build(n2)) - wall(build(n1))) / (n2 - n1) cancels the 100-250 us of Python
+    dispatch that one call pays. Returns (seconds per unit, wall of the n1 call)."""
+    t1 = wall(build(n1), *args, reps=reps)
+    t2 = wall(build(n2), *args, reps=reps)
+    return (t2 - t1) / (n2 - n1), t1
+
+
 def timed_chain(step, carry, n_iter, reps=3, unroll=1):
     """Seconds per iteration of `carry = step(carry)` run n_iter times as dependent calls in one jitted scan (so
     XLA can neither hoist nor batch them and Python dispatch is paid once). `unroll` > 1 puts that many dependent

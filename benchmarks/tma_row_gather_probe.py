@@ -22,7 +22,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from benchmarks.timing import measure_ceilings, wall
+from benchmarks.timing import measure_ceilings, wall_net
 
 D = 512
 N_SM = 132
@@ -81,10 +81,7 @@ def main():
     for rows, blocks, piece in [(64, 32, 64), (64, 32, 256)]:
         idx = jnp.asarray(rng.integers(0, n_pool, (N_SM, rows * blocks)).astype(np.int32))
         try:
-            # kernel time net of dispatch: (wall of REPEAT passes - wall of 1) / (REPEAT - 1)
-            t1 = wall(jax.jit(make(rows, blocks, piece, n_pool, 1)), idx, pool, reps=5)
-            tn = wall(jax.jit(make(rows, blocks, piece, n_pool, REPEAT)), idx, pool, reps=5)
-            t = (tn - t1) / (REPEAT - 1)
+            t, t1 = wall_net(lambda n: jax.jit(make(rows, blocks, piece, n_pool, n)), idx, pool, n1=1, n2=REPEAT)
             nbytes = N_SM * rows * blocks * D * 2
             r = dict(rows=rows, blocks=blocks, piece_elems=piece, copies_per_block=rows * D // piece,
                      us_per_pass=t * 1e6, wall_1pass_us=t1 * 1e6,

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.timing import measure_ceilings, wall
+from benchmarks.timing import measure_ceilings, wall_net
 
 D = 512
 N_SM = 132
@@ -154,11 +154,9 @@ def main():
         idx = jnp.asarray(rng.integers(0, n_pool, (N_SM, rows * blocks)).astype(np.int32))
         cfg = dict(rows=rows, blocks=blocks, issuers=issuers, mode=mode, slots=slots, pool_MiB=n_pool * D * 2 >> 20)
         try:
-            # the kernel time net of dispatch: (wall of REPEAT passes - wall of 1 pass) / (REPEAT - 1); the
-            # per-CTA rows (2 MiB) x 132 CTAs exceed L2, so every pass reads HBM again
-            t1 = wall(jax.jit(make(rows, blocks, issuers, mode, slots, n_pool, 1)), idx, pools[n_pool], reps=5)
-            tn = wall(jax.jit(make(rows, blocks, issuers, mode, slots, n_pool, REPEAT)), idx, pools[n_pool], reps=5)
-            t = (tn - t1) / (REPEAT - 1)
+            # per pass, net of dispatch; the per-CTA rows (2 MiB) x 132 CTAs exceed L2, so every pass reads HBM
+            t, t1 = wall_net(lambda n: jax.jit(make(rows, blocks, issuers, mode, slots, n_pool, n)), idx,
+                             pools[n_pool], n1=1, n2=REPEAT)
             nbytes = N_SM * rows * blocks * D * 2
             r = dict(cfg, us_per_pass=t * 1e6, wall_1pass_us=t1 * 1e6, GBps=nbytes / t / 1e9,
                      frac_of_copy_bw=nbytes / t / 1e9 / ceil["copy_GBps"], us_per_block=t * 1e6 / blocks)

@@ -91,7 +91,6 @@ class DeepseekV4ForCausalLM(nnx.Module):
             raise ValueError(f"attention_kernel must be one of {GPU_KERNELS}, got {attention_kernel!r}")
         if attention_kernel == "mosaic" and resolve_impl(attention_impl, "sparse_attention") != "gpu":
             raise ValueError("attention_kernel='mosaic' needs attention_impl resolving to the GPU kernels")
-        self.attention_kernel = attention_kernel
         self.config, self.dtype, self.attention_impl = c, jnp.dtype(dtype), attention_impl
         self.embed = Embedding(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List([Block(c, i, dtype=dtype, attention_impl=attention_impl, rngs=rngs,

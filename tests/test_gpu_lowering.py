@@ -128,35 +128,34 @@ def test_compressor_lowers(r, overlap, d, fmt, rotate, S):
 @pytest.mark.parametrize("quantized", [False, True])
 def test_whole_model_lowers_with_gpu_kernels(monkeypatch, quantized):
     """prefill + decode of a tiny model (sliding, CSA, HCA layers) with every attention op on its GPU kernel."""
-    import numpy as np
     from flax import nnx
 
     import pallas_kernels.dispatch as dispatch
     from dsv4_jax.config import tiny
-    from dsv4_jax.model import DeepseekV4ForCausalLM, forward_chunk
+    from dsv4_jax.model import DeepseekV4ForCausalLM
 
     monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")   # dispatchers resolve "pallas" -> gpu
     cfg = tiny(head_dim=512, qk_rope_head_dim=64, index_head_dim=64) if quantized else tiny()
     model = DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(0), attention_impl="pallas",
                                   indexer_picks="set" if quantized else "sorted")
     fmt = dict(kv_dtype="fp8", indexer_dtype="fp4", indexer_rotate=True) if quantized else {}
-    cache = model.init_cache(2, 24, **fmt)
+    lower_model_steps(model, model.init_cache(2, 24, **fmt), "triton")
+
+
+def lower_model_steps(model, cache, marker):
+    """A prefill chunk (9 tokens) and a decode step of `model` lower for CUDA with a `marker` kernel in them."""
+    import numpy as np
+    from flax import nnx
+
+    from dsv4_jax.model import forward_chunk
+
     graphdef, state = nnx.split(model)
     step = lambda st, ids, c, n: forward_chunk(nnx.merge(graphdef, st), ids, c, n)
     for S in (9, 1):
-        ids = jnp.asarray(np.random.default_rng(S).integers(0, cfg.vocab_size, (2, S)), jnp.int32)
-        lowers_for_cuda(step, state, ids, cache, jnp.full((2,), S, jnp.int32))
+        ids = jnp.asarray(np.random.default_rng(S).integers(0, model.config.vocab_size, (2, S)), jnp.int32)
+        lowers_for("cuda", marker, step, state, ids, cache, jnp.full((2,), S, jnp.int32))
 
 
-def _mosaic_gpu_lowering_available():
-    try:  # jaxlib ships Mosaic GPU's MLIR passes: lowering needs no GPU (skip only if a build lacks them)
-        import jax.experimental.mosaic.gpu  # noqa: F401
-        return True
-    except Exception:
-        return False
-
-
-@pytest.mark.skipif(not _mosaic_gpu_lowering_available(), reason="this jaxlib cannot lower Mosaic GPU kernels")
 @pytest.mark.parametrize("b,t,k_c,opts", [(3, 1, 512, {}), (2, 1, 1024, dict(n_splits=1)), (1, 64, 60, {}),
                                           (2, 1, 8192, {})])
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts):
@@ -169,23 +168,16 @@ def test_sparse_attention_mosaic_lowers(b, t, k_c, opts):
                *(inp[k] for k in keys))
 
 
-@pytest.mark.skipif(not _mosaic_gpu_lowering_available(), reason="this jaxlib cannot lower Mosaic GPU kernels")
 def test_whole_bf16_model_lowers_with_mosaic_attention(monkeypatch):
     """A bf16 model with 64 heads takes the Mosaic GPU attention kernel in every layer type (prefill and decode)."""
-    import numpy as np
     from flax import nnx
 
     import pallas_kernels.dispatch as dispatch
     from dsv4_jax.config import tiny
-    from dsv4_jax.model import DeepseekV4ForCausalLM, forward_chunk
+    from dsv4_jax.model import DeepseekV4ForCausalLM
 
     monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
     cfg = tiny(num_attention_heads=64, head_dim=128, qk_rope_head_dim=16, o_groups=8)
     model = DeepseekV4ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), attention_impl="pallas",
                                   attention_kernel="mosaic")
-    cache = model.init_cache(2, 24)
-    graphdef, state = nnx.split(model)
-    step = lambda st, ids, c, n: forward_chunk(nnx.merge(graphdef, st), ids, c, n)
-    for S in (9, 1):
-        ids = jnp.asarray(np.random.default_rng(S).integers(0, cfg.vocab_size, (2, S)), jnp.int32)
-        lowers_for("cuda", "mosaic_gpu", step, state, ids, cache, jnp.full((2,), S, jnp.int32))
+    lower_model_steps(model, model.init_cache(2, 24), "mosaic_gpu")
