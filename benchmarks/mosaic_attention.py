@@ -24,17 +24,20 @@ import numpy as np
 
 from benchmarks.sparse_attention import D, H, W, make_case
 from benchmarks.timing import measure_ceilings, wall_net
-from pallas_kernels.sparse_attention import sparse_attention
+from pallas_kernels.sparse_attention.fp8_layout import ROW_BYTES
+from pallas_kernels.sparse_attention import quantize_kv_fp8, sparse_attention
 from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
 
-def check(rng, b, kc, opts):
+def check(rng, b, kc, opts, fp8=False):
     k = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 4)
     nw, nc = 300, 2000
     wpool = jax.random.normal(k[0], (nw, D), jnp.bfloat16)
     cpool = jax.random.normal(k[1], (nc, D), jnp.bfloat16)
     q = jax.random.normal(k[2], (b, 1, H, D), jnp.bfloat16)
     sinks = jax.random.normal(k[3], (H,), jnp.float32)
+    if fp8:
+        wpool, cpool = quantize_kv_fp8(wpool), quantize_kv_fp8(cpool)
     widx = rng.integers(-1, nw, (b, 1, W)).astype(np.int32)
     widx[:, :, 5] = widx[:, :, 6]                                    # a duplicate entry
     cidx = rng.integers(-1, nc + 5, (b, 1, kc)).astype(np.int32)     # -1 and out-of-range entries
@@ -50,7 +53,7 @@ def check(rng, b, kc, opts):
     l_r, l_m = np.asarray(l_r), np.asarray(l_m)
     fin = np.isfinite(l_r)
     lerr = float(np.max(np.abs(l_m[fin] - l_r[fin]))) if fin.any() else 0.0
-    return dict(b=b, kc=kc, opts=opts, rel_err=err, lse_max_abs_err=lerr, nan=bool(np.isnan(o_m).any()),
+    return dict(b=b, kc=kc, opts=opts, kv="fp8" if fp8 else "bf16", rel_err=err, lse_max_abs_err=lerr, nan=bool(np.isnan(o_m).any()),
                 lse_inf_match=bool(np.array_equal(np.isfinite(l_m), fin)), ok=err < 1e-2 and lerr < 1e-2)
 
 
@@ -74,15 +77,20 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--cases", default="decode", help="decode | prefill (CSA S=4096, B=1) | splits (B=64 n_splits)")
+    ap.add_argument("--cases", default="decode",
+                    help="decode | prefill (CSA S=4096, B=1) | splits (B=64 n_splits) | fp8 (FP8 pools: decode + prefill)")
+    ap.add_argument("--rounds", type=int, default=1, help="time the variants this many times, interleaved")
+    ap.add_argument("--no-checks", action="store_true", help="skip the correctness checks (pytest covers them)")
+    ap.add_argument("--diag", action="store_true",
+                    help="fp8: also time the kernel without dequantization / without scale copies (wrong output)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     res = dict(checks=[], timings=[])
     for b, kc, opts in [(2, 512, dict(n_splits=1)), (3, 512, dict(n_splits=3)), (2, 1024, {}),
-                        (5, 256, dict(n_splits=2))][:(4 if args.cases == "decode" else 0)]:
+                        (5, 256, dict(n_splits=2))][:(4 if args.cases in ("decode", "fp8") and not args.no_checks else 0)]:
         t0 = time.time()
         try:
-            r = check(rng, b, kc, opts)
+            r = check(rng, b, kc, opts, fp8=args.cases == "fp8")
         except Exception as e:
             r = dict(b=b, kc=kc, opts=opts, ok=False, error=f"{type(e).__name__}: {str(e)[:800]}")
         r["s"] = round(time.time() - t0, 1)
@@ -91,27 +99,37 @@ def main():
     ceil = measure_ceilings(quick=True)
     print("ceilings", ceil, flush=True)
     cases = {"decode": [("csa", 64, 512, 1), ("csa", 16, 512, 1), ("csa", 128, 512, 1), ("hca", 16, 8192, 1)],
-             "prefill": [("csa", 1, 512, 4096)], "splits": [("csa", 64, 512, 1)]}[args.cases]
+             "prefill": [("csa", 1, 512, 4096)], "splits": [("csa", 64, 512, 1)],
+             "fp8": [("csa", 64, 512, 1), ("csa", 16, 512, 1), ("csa", 128, 512, 1), ("hca", 16, 8192, 1),
+                     ("csa", 1, 512, 4096)]}[args.cases]
+    fp8 = args.cases == "fp8"
+    if fp8 and args.diag:
+        cases = cases[:1] + cases[2:3]   # CSA B=64 and B=128
     if args.quick:
         cases = cases[:1]
     for kind, b, kc, t_q in cases:
         entries = b * t_q * (W + kc)
-        floor_bytes = entries * 2 * D + 2 * b * t_q * H * D * 2
+        floor_bytes = entries * (ROW_BYTES if fp8 else 2 * D) + 2 * b * t_q * H * D * 2
         flops = 4 * H * D * entries
         floor_s = max(floor_bytes / (ceil["copy_GBps"] * 1e9), flops / (ceil["bf16_TFLOPs"] * 1e12))
         n_copies = int(min(16, max(1, math.ceil(256e6 / (entries * 2 * D))))) if t_q == 1 else 1
-        case = make_case(rng, kind, b, t_q, kc, 4096, False, n_copies)
-        variants = [("triton", lambda *a: sparse_attention(*a, scale=D ** -0.5, impl="pallas")),
+        case = make_case(rng, kind, b, t_q, kc, 4096, fp8, n_copies)
+        variants = [("triton", lambda *a: sparse_attention(*a, scale=D ** -0.5, impl="pallas", kernel="triton")),
                     ("mosaic", lambda *a: sparse_attention_mosaic(*a, scale=D ** -0.5))]
         if args.cases == "splits":
             variants = [(f"mosaic_ns{n}", lambda *a, n=n: sparse_attention_mosaic(*a, scale=D ** -0.5, n_splits=n))
                         for n in (2, 3, 4)]
+        elif fp8 and args.diag and t_q == 1:
+            variants += [(f"mosaic_{dg}", lambda *a, dg=dg: sparse_attention_mosaic(*a, scale=D ** -0.5, _diag=dg))
+                         for dg in ("no_convert", "no_dequant", "no_scales")]
+        elif fp8 and kind == "csa" and b == 64:
+            variants += [("mosaic_bits", lambda *a: sparse_attention_mosaic(*a, scale=D ** -0.5, _diag="bits"))]
         elif kind == "csa" and b == 64:
             variants += [("mosaic_ns1", lambda *a: sparse_attention_mosaic(*a, scale=D ** -0.5, n_splits=1))]
-        for name, fn in variants:
+        for rnd, (name, fn) in [(i, v) for i in range(args.rounds) for v in variants]:
             try:
                 t = per_call(fn, case, 8, 8 + 4 * max(8, n_copies)) if t_q == 1 else per_call(fn, case, 1, 3)
-                r = dict(kind=kind, B=b, T=t_q, Kc=kc, variant=name, us=t * 1e6, floor_us=floor_s * 1e6,
+                r = dict(kind=kind, B=b, T=t_q, Kc=kc, kv="fp8" if fp8 else "bf16", variant=name, round=rnd, us=t * 1e6, floor_us=floor_s * 1e6,
                          ratio=t / floor_s, GBps=floor_bytes / t / 1e9, TFLOPs=flops / t / 1e12)
             except Exception as e:
                 r = dict(kind=kind, B=b, Kc=kc, variant=name, error=f"{type(e).__name__}: {str(e)[:600]}")

@@ -156,20 +156,23 @@ def lower_model_steps(model, cache, marker):
         lowers_for("cuda", marker, step, state, ids, cache, jnp.full((2,), S, jnp.int32))
 
 
-@pytest.mark.parametrize("b,t,k_c,opts", [(3, 1, 512, {}), (2, 1, 1024, dict(n_splits=1)), (1, 64, 60, {}),
-                                          (2, 1, 8192, {})])
-def test_sparse_attention_mosaic_lowers(b, t, k_c, opts):
+@pytest.mark.parametrize("b,t,k_c,opts,fp8", [(3, 1, 512, {}, False), (2, 1, 1024, dict(n_splits=1), False),
+                                              (1, 64, 60, {}, False), (2, 1, 8192, {}, False), (3, 1, 512, {}, True),
+                                              (2, 1, 8192, dict(n_splits=3), True), (1, 64, 60, {}, True)])
+def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
-    inp = make_attention(b, t, 64, 512, 300, 9000, 128, k_c, ragged=True)
+    inp = make_attention(b, t, 64, 512, 300, 9000, 128, k_c, ragged=True, fp8=fp8)
     keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
     lens = dict(window_len=inp["window_len"], compressed_len=inp["compressed_len"])
     lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, scale=512 ** -0.5, **lens, **opts),
                *(inp[k] for k in keys))
 
 
-def test_whole_bf16_model_lowers_with_mosaic_attention(monkeypatch):
-    """A bf16 model with 64 heads takes the Mosaic GPU attention kernel in every layer type (prefill and decode)."""
+@pytest.mark.parametrize("kv_dtype", [None, "fp8"])
+def test_whole_bf16_model_lowers_with_mosaic_attention(monkeypatch, kv_dtype):
+    """A bf16 model with 64 heads takes the Mosaic GPU attention kernel in every layer type (prefill and decode),
+    with exact caches and with FP8 KV caches (head_dim 512, the FP8 row layout's)."""
     from flax import nnx
 
     import pallas_kernels.dispatch as dispatch
@@ -177,7 +180,11 @@ def test_whole_bf16_model_lowers_with_mosaic_attention(monkeypatch):
     from dsv4_jax.model import DeepseekV4ForCausalLM
 
     monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
-    cfg = tiny(num_attention_heads=64, head_dim=128, qk_rope_head_dim=16, o_groups=8)
+    if kv_dtype:
+        cfg = tiny(num_attention_heads=64, head_dim=512, qk_rope_head_dim=64, o_groups=8, index_head_dim=64)
+    else:
+        cfg = tiny(num_attention_heads=64, head_dim=128, qk_rope_head_dim=16, o_groups=8)
     model = DeepseekV4ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), attention_impl="pallas",
                                   attention_kernel="mosaic")
-    lower_model_steps(model, model.init_cache(2, 24), "mosaic_gpu")
+    cache = model.init_cache(2, 24, **(dict(kv_dtype=kv_dtype) if kv_dtype else {}))
+    lower_model_steps(model, cache, "mosaic_gpu")

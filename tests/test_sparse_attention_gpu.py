@@ -72,10 +72,17 @@ MOSAIC_CASES = [
     (2, 1, 128, 9000, 128, 8192, dict(ragged=True), {}),
     (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True), {}),   # prefill: each query its own lists
     (1, 64, 512, 200, 100, 60, dict(ragged=True), {}),                    # K not a multiple of block_k
+    # FP8 pools (spec §4.2 rows, dequantized in shared memory by the consumers)
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True, fp8=True), {}),
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, fp8=True), dict(n_splits=3)),
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True, fp8=True), {}),
+    (1, 256, 2048, 1024, 128, 512, dict(dupes=True, fp8=True), {}),
+    (1, 64, 512, 200, 100, 60, dict(ragged=True, fp8=True), {}),
 ]
 
 
-@pytest.mark.parametrize("case", MOSAIC_CASES, ids=lambda c: f"b{c[0]}t{c[1]}k{c[5]}{opts_id(c[7])}")
+@pytest.mark.parametrize("case", MOSAIC_CASES,
+                         ids=lambda c: f"b{c[0]}t{c[1]}k{c[5]}{'_fp8' if c[6].get('fp8') else ''}{opts_id(c[7])}")
 def test_gpu_mosaic_kernel(case):
     b, t, n_w, n_c, k_w, k_c, flags, opts = case
     inp = make_inputs(b, t, 64, 512, n_w, n_c, k_w, k_c, **flags)

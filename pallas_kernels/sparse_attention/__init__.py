@@ -7,9 +7,11 @@
 impl: "reference" (plain jnp), "pallas" (GPU: one of the two GPU kernels below; TPU: Mosaic TPU kernel; CPU: the
 Triton GPU kernel in the Pallas interpreter, slow, for tests), "auto" (pallas on GPU/TPU, reference on CPU).
 kernel (GPU only): "mosaic" (gpu_mosaic.py: warp-specialised, written against Mosaic GPU; bf16 q with 64 heads,
-bf16 pools, bf16 output), "triton" (gpu.py: every dtype, head count and FP8 pool, plus its tuning knobs), "auto"
-(default: mosaic where it applies and no Triton-only option is given, else triton). Measured on the H200 (session
-8, benchmarks/mosaic_attention.py): mosaic 1.2-1.6x faster for CSA/HCA decode at B >= 16 and CSA prefill.
+bf16 or FP8 pools, bf16 output), "triton" (gpu.py: every dtype, head count and pool, plus its tuning knobs), "auto"
+(default: mosaic where it is the faster one and no Triton-only option is given, else triton). Measured on the H200
+(sessions 8-9, benchmarks/mosaic_attention.py, sparse_attention.py --groups kernels): with bf16 pools mosaic is
+1.0-1.6x faster for CSA/HCA decode at B >= 64 and 1.3x for CSA prefill; with FP8 pools it is 1.1-1.2x slower, so
+auto keeps FP8 pools on Triton.
 Pools may be plain [rows, 512] arrays or `Fp8KVPool` (spec §4.2 FP8 rows; see `fp8_layout`).
 `kernel_options` (tuning knobs such as block_k, n_splits) go to the kernel and are ignored by the reference.
 """
@@ -43,7 +45,8 @@ MOSAIC_OPTIONS = frozenset({"block_k", "num_stages", "n_splits"})  # the knobs b
 
 def mosaic_applies(q, window_kv, compressed_kv, out_dtype=None, kernel_options=None) -> bool:
     """Whether kernel="auto" picks the Mosaic GPU kernel: bf16 q with 64 heads and head_dim % 128 == 0, bf16
-    [rows, head_dim] pools (FP8 pools go to the Triton kernel), bf16 output, only knobs it understands."""
+    [rows, head_dim] pools, bf16 output, only knobs it understands. FP8 pools go to the Triton kernel: the Mosaic
+    kernel takes them (kernel="mosaic") but measured slower (session 9)."""
     import jax.numpy as jnp
 
     from .gpu_mosaic import BLOCK_H

@@ -1,4 +1,4 @@
-"""Warp-specialised GPU kernel for sparse shared-KV MQA with a sink, written against Mosaic GPU (bf16 pools).
+"""Warp-specialised GPU kernel for sparse shared-KV MQA with a sink, written against Mosaic GPU (bf16 or FP8 pools).
 
 Why not Pallas: a producer has to gather each block's KV rows into the (8, 64)-tiled, 128 B-swizzled layout the
 tensor cores read, and Hopper has no TMA gather, so one 1 KB row is 8 bulk copies of 128 B. Pallas'
@@ -18,6 +18,15 @@ CTA = (query row i, split s), 64 heads, three warpgroups:
   After P.V both arrive on the slot's "consumed" barrier, which the producer waits on before refilling it.
 * the q tile becomes the output tile once both consumers are past their last scores (a barrier between them).
 
+FP8 pools (spec §4.2 rows, `Fp8KVPool`; both sources FP8, block_k 64): the producer stages each block's raw rows
+(nope: 2 bulk copies of 256 + 192 B into 512 B-strided rows, rope: 1 bulk copy, the 8 scale bytes: one `cp.async`
+tracked by the slot barrier through `cp.async.mbarrier.arrive.noinc`, so that barrier counts 1 + 4 arrivals). The
+256 consumer threads dequantize the staged block into one bf16 tile in the swizzled layout (named barrier 8 before,
+so the previous block's P.V is done with the tile, and after, so the tile is complete), release the staging slot,
+then run the same wgmma steps on the tile. Correct on the H200 but slower than the Triton kernel's FP8 path (70 vs
+60 us at CSA B=64, session 9): the dequantization pass and the tensor-core work cannot overlap with one tile, and a
+second 64 KB tile does not fit next to the q tile and the staging ring. So kernel="auto" keeps FP8 on Triton.
+
 Step sequence (the same in all three roles): the window list's valid blocks of this split, then the compressed
 list's; a source's blocks past its valid length are not visited. Outputs as gpu.py: one split -> o with the sink in
 the denominator, lse without it; split-K -> partials normalised by their own sum, merged by `common.combine_splits`.
@@ -33,12 +42,51 @@ import jax
 import jax.numpy as jnp
 
 from . import common
+from .fp8_layout import NOPE_DIM, ROPE_DIM, SCALE_BYTES, Fp8KVPool
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 N_SM_H200 = 132
 BLOCK_H = 64          # heads per CTA = the M of one warpgroup's wgmma
 SMEM_BUDGET = 227 * 1024
+NOPE_STRIDE = 512     # staged FP8 nope row: 448 B padded so every row's bulk copies land 128 B aligned
+
+
+# Dequantizing one e4m3 pair with the hardware conversions (the default): $1 = 2 e4m3 bytes, $2 = 2^k as f32,
+# $0 = the bf16 pair (low half = lower byte). e4m3 -> f16 -> f32 is exact, x 2^k exact, and the product has 4
+# significant bits, so the bf16 rounding is exact too.
+CVT_ASM = """{ .reg .b32 h; .reg .b16 a, b; .reg .f32 fa, fb;
+cvt.rn.f16x2.e4m3x2 h, $1;
+mov.b32 {a, b}, h;
+cvt.f32.f16 fa, a;
+cvt.f32.f16 fb, b;
+mul.f32 fa, fa, $2;
+mul.f32 fb, fb, $2;
+cvt.rn.bf16x2.f32 $0, fb, fa; }"""
+# The alternative without conversion instructions (`_diag="bits"`; correct on the H200 but measured 17% slower,
+# session 9): byte b = s eeee mmm placed as bf16 bits s 0000eeee mmm0000 is the e4m3 value x 2^-120 exactly,
+# subnormals included (both formats' subnormals are 0.m x 2^(1 - bias)); exact bf16 multiplies by 2^120 and by the
+# block scale 2^k give value x 2^k. $2 = 4 e4m3 bytes, $3 = 2^k as a bf16 pair; $0 = bf16 of bytes 0, 1, $1 = 2, 3.
+# (e4m3 NaN bytes come out finite; the quantizer never writes them.)
+BITS_ASM = """{ .reg .b32 z, c, x0, x1, t0, t1, u0, u1;
+mov.b32 z, 0;
+mov.b32 c, 0x7B807B80;
+prmt.b32 x0, $2, z, 0x4140;
+prmt.b32 x1, $2, z, 0x4342;
+shl.b32 t0, x0, 8;
+and.b32 t0, t0, 0x80008000;
+shl.b32 u0, x0, 4;
+and.b32 u0, u0, 0x07F007F0;
+or.b32 t0, t0, u0;
+shl.b32 t1, x1, 8;
+and.b32 t1, t1, 0x80008000;
+shl.b32 u1, x1, 4;
+and.b32 u1, u1, 0x07F007F0;
+or.b32 t1, t1, u1;
+mul.rn.bf16x2 t0, t0, c;
+mul.rn.bf16x2 t1, t1, c;
+mul.rn.bf16x2 $0, t0, $3;
+mul.rn.bf16x2 $1, t1, $3; }"""
 
 
 def default_config(bt: int, total_blocks: int):
@@ -46,29 +94,39 @@ def default_config(bt: int, total_blocks: int):
     return dict(block_k=64, num_stages=2, n_splits=n_splits)
 
 
-def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split):
+def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=False, diag=None):
     """The Mosaic GPU kernel as a callable:
     (q [BT, 64, d] bf16, sinks [64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
-    pool [rows, d] bf16) -> (o [BT, (ns,) 64, d] bf16, lse [BT, (ns,) 64] f32); the ns axis only with split-K.
-    Shared memory: q/o tile 64 KB (d = 512), `stages` x block_k x d x 2 B ring, this split's index rows, sinks|lse."""
+    pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
+    scale [rows, 8] uint8) -> (o [BT, (ns,) 64, d] bf16, lse [BT, (ns,) 64] f32); the ns axis only with split-K.
+    Shared memory, bf16: q/o tile 64 KB (d = 512), `stages` x block_k x d x 2 B ring, this split's index rows,
+    sinks|lse. fp8: q/o tile, one bf16 KV tile (block_k x d, the consumers' dequantized block), and a staging ring of
+    `stages` x block_k raw rows (nope padded to 512 B, as a bulk copy's shared address must be 128 B aligned; rope
+    128 B; scales 8 B)."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mu
     from jax._src.interpreters import mlir as jax_mlir
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, gpu, memref, nvvm, scf
+    from jax._src.lib.mlir.dialects import arith, gpu, llvm, memref, nvvm, scf, vector
 
     n_src = len(srcs)
+    n_in = 5 if fp8 else 3      # gmem refs per source
     dh = d // 2
     pieces = d // 64
-    idx_w = max(idx_rows)
+    idx_base = [sum(idx_rows[:k]) for k in range(len(idx_rows))]   # source k's rows in the flat idx_smem
 
     def body(ctx, *refs):
         q_gmem, sink_gmem = refs[0], refs[1]
-        src_gmem = [refs[2 + 3 * k: 5 + 3 * k] for k in range(n_src)]
-        o_gmem, lse_gmem = refs[2 + 3 * n_src], refs[3 + 3 * n_src]
-        (q_smem, ring, idx_smem, vec_smem), (q_bar, idx_bar, full_bars), (empty_bars, cons_bar) = refs[-1]
+        src_gmem = [refs[2 + n_in * k: 2 + n_in * (k + 1)] for k in range(n_src)]
+        o_gmem, lse_gmem = refs[2 + n_in * n_src], refs[3 + n_in * n_src]
+        if fp8:
+            (q_smem, tile, nope_st, rope_st, scale_st, idx_smem, vec_smem), (q_bar, idx_bar), \
+                (full_bars, empty_bars, cons_bar) = refs[-1]
+        else:
+            (q_smem, ring, idx_smem, vec_smem), (q_bar, idx_bar, full_bars), (empty_bars, cons_bar) = refs[-1]
         index, i32, f32, bf16 = ir.IndexType.get(), ir.IntegerType.get_signless(32), ir.F32Type.get(), ir.BF16Type.get()
+        i8, i16, i64 = (ir.IntegerType.get_signless(n) for n in (8, 16, 64))
         c = lambda v: arith.constant(index, v)
         ci = lambda v: arith.constant(i32, v)
         row = gpu.block_id(gpu.Dimension.x)
@@ -123,12 +181,51 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split):
                 for c0 in range(0, idx_rows[k], 256):   # a bulk copy moves <= 256 elements along a dimension
                     w = min(256, idx_rows[k] - c0)
                     ctx.async_copy(src_ref=src_gmem[k][0],
-                                   dst_ref=mu.memref_slice(idx_smem, (k, mu.ds(c0, w))),
+                                   dst_ref=mu.memref_slice(idx_smem, mu.ds(idx_base[k] + c0, w)),
                                    gmem_slice=(row, mu.ds(arith.addi(arith.muli(start, c(bk)), c(c0)), w)),
                                    barrier=idx_bar, arrive=False, predicate=one)
             idx_bar.wait()
             lane0 = mu.single_thread_predicate(mu.ThreadSubset.WARP)
             warp = arith.remui(arith.index_cast(index, mu.warp_idx(sync=True)), c(4))
+
+            if fp8:
+                scale_st_ptr = mu.memref_ptr(scale_st)
+                scale_gptrs = [llvm.addrspacecast(llvm.PointerType.get(address_space=1), mu.memref_ptr(src_gmem[k][4]))
+                               for k in range(n_src)]
+
+            def produce_fp8(k, j, g, carry):
+                """Raw rows into staging slot g % stages: nope (2 bulk copies, 256 + 192 B), rope (1 bulk copy) and the
+                8 scale bytes (cp.async, tracked by the slot's barrier through cp.async.mbarrier.arrive.noinc)."""
+                slot = arith.remui(g, c(stages))
+                with mu.when(arith.cmpi(arith.CmpIPredicate.uge, g, c(stages))):
+                    empty_bars[slot].wait()       # both consumers have dequantized this slot's previous block
+                full = full_bars[slot]
+                full.arrive_expect_tx(bk * (NOPE_DIM + 2 * ROPE_DIM), predicate=one)
+                nope_g, rope_g = src_gmem[k][2], src_gmem[k][3]
+                off = arith.muli(arith.subi(j, ranges[k][2]), c(bk))
+
+                @mu.fori(c(bk // 4), None)
+                def _(t, _c):
+                    r = arith.addi(arith.muli(t, c(4)), warp)
+                    e = memref.load(idx_smem, [arith.addi(c(idx_base[k]), arith.addi(off, r))])
+                    e = arith.index_cast(index, arith.maxsi(e, ci(0)))      # -1 -> row 0 (masked by consumers)
+                    for c0, w in ((0, 256), (256, NOPE_DIM - 256)):         # a bulk copy moves <= 256 elements
+                        ctx.async_copy(src_ref=nope_g, dst_ref=mu.memref_slice(nope_st, (slot, mu.ds(r, 1), mu.ds(c0, w))),
+                                       gmem_slice=(mu.ds(e, 1), mu.ds(c0, w)), barrier=full, arrive=False,
+                                       predicate=lane0)
+                    ctx.async_copy(src_ref=rope_g, dst_ref=mu.memref_slice(rope_st, (slot, mu.ds(r, 1))),
+                                   gmem_slice=(mu.ds(e, 1), mu.ds(0, ROPE_DIM)), barrier=full, arrive=False,
+                                   predicate=lane0)
+                    with mu.when(arith.andi(lane0, arith.constant(ir.IntegerType.get_signless(1), diag != "no_scales"))):
+                        dst = mu.getelementptr(scale_st_ptr, [arith.index_cast(i32, arith.addi(
+                            arith.muli(slot, c(bk * 8)), arith.muli(r, c(8))))], i8)
+                        src = mu.getelementptr(scale_gptrs[k], [arith.index_cast(i64, arith.muli(e, c(8)))], i8)
+                        nvvm.cp_async_shared_global(dst, src, 8, nvvm.LoadCacheModifierKind.CA)
+                    return _c
+
+                with mu.when(lane0):   # one of the slot's 4 counted arrivals, once this thread's scale copies land
+                    nvvm.cp_async_mbarrier_arrive(full.get_ptr(), noinc=True)
+                return carry
 
             def produce(k, j, g, carry):
                 slot = arith.remui(g, c(stages))
@@ -142,7 +239,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split):
                 @mu.fori(c(bk // 4), None)
                 def _(t, _c):
                     r = arith.addi(arith.muli(t, c(4)), warp)
-                    e = memref.load(idx_smem, [c(k), arith.addi(off, r)])
+                    e = memref.load(idx_smem, [arith.addi(c(idx_base[k]), arith.addi(off, r))])
                     e = arith.index_cast(index, arith.maxsi(e, ci(0)))      # -1 -> row 0 (masked by consumers)
                     r_hi, r_lo = arith.divui(r, c(8)), arith.remui(r, c(8))
                     for p in range(pieces):
@@ -153,7 +250,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split):
 
                 return carry
 
-            steps(produce, None)
+            steps(produce_fp8 if fp8 else produce, None)
             scf.yield_([])
 
         with ir.InsertionPoint(if_op.else_block):    # ---------------- consumers (wg 0, 1) ----------------
@@ -168,15 +265,73 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split):
             neg_inf = fa.FragmentedArray.splat(arith.constant(f32, -math.inf), (BLOCK_H, bk), fa.WGMMA_LAYOUT)
             v_cols = mu.ds(arith.muli(wgi, c(pieces // 2)), pieces // 2)
 
+            def consumers_barrier():   # named barrier 8 (Mosaic uses 0 and 1-4), the 256 consumer threads
+                llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "bar.sync 8, 256;", "", has_side_effects=True)
+
+            def dequantize(slot):
+                """Staging slot -> the bf16 KV tile, in the 128 B-swizzled (8, 64) tiling wgmma reads. Thread t of the
+                256 consumer threads converts the 16-byte nope chunks v = t + 256 i (row v // 28, chunk v % 28, scale
+                block chunk // 4) and copies the 16-byte rope chunks t + 256 i. The tile is free once both consumers
+                are past the previous block's P.V (first barrier); it is complete after the second."""
+                tid = arith.index_cast(index, mu.thread_idx())
+                consumers_barrier()
+                f8_16 = ir.VectorType.get((16,), ir.Float8E4M3FNType.get())
+                n_nope, n_rope = bk * (NOPE_DIM // 16) // 256, bk * 8 // 256
+                if diag == "no_dequant":   # timing diagnostic only (wrong values): the barriers, no data movement
+                    n_nope = n_rope = 0
+                for i in range(n_nope):
+                    v = arith.addi(tid, c(256 * i))
+                    r, cb = arith.divui(v, c(NOPE_DIM // 16)), arith.remui(v, c(NOPE_DIM // 16))
+                    blk, c4 = arith.divui(cb, c(4)), arith.remui(cb, c(4))
+                    raw = vector.bitcast(ir.VectorType.get((4,), i32),
+                                         vector.load(f8_16, nope_st, [slot, r, arith.muli(cb, c(16))], alignment=16))
+                    sbyte = arith.extui(i32, memref.load(scale_st, [slot, r, blk]))
+                    words = []
+                    if diag == "no_convert":   # timing diagnostic only (wrong values): raw bytes stored as if bf16
+                        words = [vector.extract(raw, [], [w % 4]) for w in range(8)]
+                    elif diag == "bits":       # integer bit placement + 2 bf16 multiplies: exact, measured slower
+                        # 2^k as a bf16 pair: the ue8m0 byte is the bf16 exponent field
+                        s2 = arith.ori(arith.shli(sbyte, ci(23)), arith.shli(sbyte, ci(7)))
+                        for w in range(4):
+                            pair = llvm.inline_asm(ir.Type.parse("!llvm.struct<(i32, i32)>"),
+                                                   [vector.extract(raw, [], [w]), s2], BITS_ASM, "=r,=r,r,r")
+                            words += [llvm.extractvalue(i32, pair, [0]), llvm.extractvalue(i32, pair, [1])]
+                    else:                      # hardware conversions: e4m3x2 -> f16x2 -> 2 x f32, x 2^k, -> bf16x2
+                        sf = arith.bitcast(f32, arith.shli(sbyte, ci(23)))   # ue8m0 byte b -> 2^(b - 127)
+                        for w in range(4):
+                            word = vector.extract(raw, [], [w])
+                            for half in (word, arith.shrui(word, ci(16))):
+                                words.append(llvm.inline_asm(i32, [arith.trunci(i16, half), sf], CVT_ASM, "=r,h,f"))
+                    r8 = arith.remui(r, c(8))
+                    for h in range(2):   # 16 bf16 = two 16-byte chunks 2 c4, 2 c4 + 1 of the row's 128 B piece `blk`
+                        val = vector.bitcast(ir.VectorType.get((8,), bf16),
+                                             vector.from_elements(ir.VectorType.get((4,), i32), words[4 * h: 4 * h + 4]))
+                        chunk = arith.xori(arith.addi(arith.muli(c4, c(2)), c(h)), r8)
+                        vector.store(val, tile, [arith.divui(r, c(8)), blk, r8, arith.muli(chunk, c(8))], alignment=16)
+                for i in range(n_rope):    # rope: 8 16-byte chunks per row, already bf16
+                    v = arith.addi(tid, c(256 * i))
+                    r, ch = arith.divui(v, c(8)), arith.remui(v, c(8))
+                    r8 = arith.remui(r, c(8))
+                    val = vector.load(ir.VectorType.get((8,), bf16), rope_st, [slot, r, arith.muli(ch, c(8))], alignment=16)
+                    vector.store(val, tile, [arith.divui(r, c(8)), c(pieces - 1), r8, arith.muli(arith.xori(ch, r8), c(8))],
+                                 alignment=16)
+                nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)  # st.shared -> wgmma
+                consumers_barrier()
+
             def consume(k, j, g, carry):
                 m, l, acc = carry
                 slot = arith.remui(g, c(stages))
                 off = arith.muli(arith.subi(j, ranges[k][2]), c(bk))
-                ids = fa.FragmentedArray.load_untiled(mu.memref_slice(idx_smem, (k, mu.ds(off, bk))),
+                ids = fa.FragmentedArray.load_untiled(mu.memref_slice(idx_smem, mu.ds(arith.addi(c(idx_base[k]), off), bk)),
                                                       layout=fa.WGMMA_COL_LAYOUT, is_signed=True, optimized=False)
                 valid = (ids >= 0).broadcast_in_dim((BLOCK_H, bk), (1,), fa.WGMMA_LAYOUT)
                 full_bars[slot].wait()
-                kv = mu.memref_slice(ring, slot)                        # [bk/8, d/64, 8, 64]
+                if fp8:
+                    dequantize(slot)
+                    empty_bars[slot].arrive()                           # the staging slot can be refilled
+                    kv = tile
+                else:
+                    kv = mu.memref_slice(ring, slot)                    # [bk/8, d/64, 8, 64]
                 s_acc = mgpu.WGMMAAccumulator.zero(BLOCK_H, bk)
                 s_acc = mgpu.wgmma(s_acc, q_smem, mu.memref_transpose(kv, (1, 0, 3, 2)))
                 nvvm.wgmma_commit_group_sync_aligned()
@@ -191,7 +346,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split):
                 o_acc = mgpu.wgmma(o_acc, p.astype(bf16), mu.memref_slice(kv, (slice(None), v_cols)))
                 nvvm.wgmma_commit_group_sync_aligned()
                 nvvm.wgmma_wait_group_sync_aligned(0)
-                empty_bars[slot].arrive()
+                if not fp8:
+                    empty_bars[slot].arrive()
                 return m_new, l, o_acc.value
 
             m, l, acc = steps(consume, (sink2, zero_row, acc0))
@@ -226,19 +382,39 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split):
 
     in_shape = [jax.ShapeDtypeStruct((bt, BLOCK_H, d), jnp.bfloat16), jax.ShapeDtypeStruct((BLOCK_H,), jnp.float32)]
     for s_ in srcs:
-        in_shape += [jax.ShapeDtypeStruct((bt, s_["k"]), jnp.int32), jax.ShapeDtypeStruct((bt,), jnp.int32),
-                     jax.ShapeDtypeStruct((s_["n_rows"], d), jnp.bfloat16)]
+        in_shape += [jax.ShapeDtypeStruct((bt, s_["k"]), jnp.int32), jax.ShapeDtypeStruct((bt,), jnp.int32)]
+        if fp8:
+            in_shape += [jax.ShapeDtypeStruct((s_["n_rows"], NOPE_DIM), jnp.float8_e4m3fn),
+                         jax.ShapeDtypeStruct((s_["n_rows"], ROPE_DIM), jnp.bfloat16),
+                         jax.ShapeDtypeStruct((s_["n_rows"], SCALE_BYTES), jnp.uint8)]
+        else:
+            in_shape += [jax.ShapeDtypeStruct((s_["n_rows"], d), jnp.bfloat16)]
     lead = (bt, ns) if out_split else (bt,)
     out_shape = (jax.ShapeDtypeStruct((*lead, BLOCK_H, d), jnp.bfloat16),
                  jax.ShapeDtypeStruct((*lead, BLOCK_H), jnp.float32))
-    smem = (
-        (jax.ShapeDtypeStruct((BLOCK_H // 8, d // 64, 8, 64), jnp.bfloat16),         # q, then o
-         jax.ShapeDtypeStruct((stages, bk // 8, d // 64, 8, 64), jnp.bfloat16),     # KV ring
-         jax.ShapeDtypeStruct((n_src, idx_w), jnp.int32),                           # this split's index rows
-         jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32)),                        # sinks | lse
-        (mgpu.TMABarrier(1), mgpu.TMABarrier(1), mgpu.TMABarrier(stages)),
-        (mgpu.Barrier(arrival_count=256, num_barriers=stages), mgpu.Barrier(arrival_count=256)),
-    )
+    if fp8:
+        smem = (
+            (jax.ShapeDtypeStruct((BLOCK_H // 8, d // 64, 8, 64), jnp.bfloat16),     # q, then o
+             jax.ShapeDtypeStruct((bk // 8, d // 64, 8, 64), jnp.bfloat16),          # the dequantized KV block
+             jax.ShapeDtypeStruct((stages, bk, NOPE_STRIDE), jnp.float8_e4m3fn),     # staging: nope
+             jax.ShapeDtypeStruct((stages, bk, ROPE_DIM), jnp.bfloat16),             # staging: rope
+             jax.ShapeDtypeStruct((stages, bk, SCALE_BYTES), jnp.uint8),             # staging: scales
+             jax.ShapeDtypeStruct((sum(idx_rows),), jnp.int32),
+             jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32)),
+            (mgpu.TMABarrier(1), mgpu.TMABarrier(1)),
+            # full: the expect_tx arrival + one cp.async arrival per producer warp; empty / cons: 256 consumer threads
+            (mgpu.Barrier(arrival_count=5, num_barriers=stages), mgpu.Barrier(arrival_count=256, num_barriers=stages),
+             mgpu.Barrier(arrival_count=256)),
+        )
+    else:
+        smem = (
+            (jax.ShapeDtypeStruct((BLOCK_H // 8, d // 64, 8, 64), jnp.bfloat16),     # q, then o
+             jax.ShapeDtypeStruct((stages, bk // 8, d // 64, 8, 64), jnp.bfloat16),  # KV ring
+             jax.ShapeDtypeStruct((sum(idx_rows),), jnp.int32),                        # this split's index rows
+             jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32)),                     # sinks | lse
+            (mgpu.TMABarrier(1), mgpu.TMABarrier(1), mgpu.TMABarrier(stages)),
+            (mgpu.Barrier(arrival_count=256, num_barriers=stages), mgpu.Barrier(arrival_count=256)),
+        )
     with jax_mlir.make_ir_context(), ir.Location.unknown():
         return mgpu.as_gpu_kernel(body, grid=(bt, ns, 1), block=(384, 1, 1), in_shape=tuple(in_shape),
                                   out_shape=out_shape, smem_scratch_shape=smem)
@@ -260,17 +436,28 @@ def sparse_attention_mosaic(
     block_k: int | None = None,
     num_stages: int | None = None,
     n_splits: int | None = None,
+    _diag: str | None = None,
 ):
-    """Mosaic GPU implementation of `reference.sparse_attention` for bf16 q [B, T, 64, d] and bf16 [rows, d] pools
-    (d a multiple of 128). Knobs: block_k (entries per step, a multiple of 64, <= 256), num_stages (ring depth),
-    n_splits (split-K; default about one CTA per SM)."""
+    """Mosaic GPU implementation of `reference.sparse_attention` for bf16 q [B, T, 64, d] and either bf16 [rows, d]
+    pools (d a multiple of 128) or FP8 pools (`Fp8KVPool`, d = 512; both sources FP8, dequantized in shared memory
+    by the consumers). Knobs: block_k (entries per step, a multiple of 64, <= 256; FP8: 64), num_stages (ring depth),
+    n_splits (split-K; default about one CTA per SM). `_diag` (FP8, timing diagnostics, wrong output):
+    "bits" dequantizes without conversion instructions (correct, slower), "no_convert" stores the raw bytes instead of
+    dequantizing, "no_dequant" skips the staging -> tile pass (only its
+    barriers remain), "no_scales" skips the scale copies."""
     b, t, h, d = common.validate(q, window_kv, window_idx, compressed_kv, compressed_idx, sinks, window_len,
                                  compressed_len, scale)
     pools = [window_kv] + ([] if compressed_kv is None else [compressed_kv])
-    if q.dtype != jnp.bfloat16 or any(getattr(p_, "dtype", None) != jnp.bfloat16 for p_ in pools):
-        raise ValueError("the Mosaic GPU kernel takes bf16 q and bf16 [rows, head_dim] pools (FP8 pools: gpu.py)")
+    fp8 = isinstance(window_kv, Fp8KVPool)
+    if any(isinstance(p_, Fp8KVPool) != fp8 for p_ in pools):
+        raise ValueError("the Mosaic GPU kernel takes both pools bf16 or both FP8 (mixed pools: gpu.py)")
+    if q.dtype != jnp.bfloat16 or (not fp8 and any(p_.dtype != jnp.bfloat16 for p_ in pools)):
+        raise ValueError("the Mosaic GPU kernel takes bf16 q and bf16 [rows, head_dim] or Fp8KVPool pools "
+                         "(other dtypes: gpu.py)")
     if h != BLOCK_H or d % 128:
         raise ValueError(f"the Mosaic GPU kernel needs {BLOCK_H} heads and head_dim % 128 == 0, got {h}, {d}")
+    if fp8 and (block_k or 64) != 64:
+        raise ValueError(f"with FP8 pools the Mosaic GPU kernel takes block_k=64 (shared memory), got {block_k}")
     out_dtype = jnp.dtype(out_dtype or q.dtype)
     bt = b * t
     bk0 = block_k or 64
@@ -285,11 +472,16 @@ def sparse_attention_mosaic(
     bk, stages = cfg["block_k"], cfg["num_stages"]
     if bk % 64 or bk > 256:  # P.V contracts over block_k in 64-wide (128 B swizzle) groups; S's N is <= 256
         raise ValueError(f"block_k must be a multiple of 64 and <= 256, got {bk}")
+    ring = stages * bk * (NOPE_STRIDE + 2 * ROPE_DIM + SCALE_BYTES) + bk * d * 2 if fp8 else stages * bk * d * 2
     ns = max(1, min(int(cfg["n_splits"]), total_blocks))
-    bps = -(-total_blocks // ns)
-    ns = -(-total_blocks // bps)
-    idx_rows = [min(bps, s_.k // bk) * bk for s_ in flat]
-    smem = BLOCK_H * d * 2 + stages * bk * d * 2 + len(flat) * max(idx_rows) * 4 + 2 * BLOCK_H * 4
+    while True:   # a CTA holds its split's index rows: with the default n_splits, split further until they fit
+        bps = -(-total_blocks // ns)
+        ns = -(-total_blocks // bps)
+        idx_rows = [min(bps, s_.k // bk) * bk for s_ in flat]
+        smem = BLOCK_H * d * 2 + ring + sum(idx_rows) * 4 + 2 * BLOCK_H * 4
+        if smem <= SMEM_BUDGET or n_splits is not None or bps == 1:
+            break
+        ns += 1
     if smem > SMEM_BUDGET:
         raise ValueError(f"shared memory {smem} B over {SMEM_BUDGET}: lower num_stages / block_k or raise n_splits")
 
@@ -299,9 +491,9 @@ def sparse_attention_mosaic(
         # the kernel only tests idx >= 0: out-of-range and past-length entries become -1 here (never read)
         pos = jnp.arange(s_.k, dtype=jnp.int32)[None, :]
         idx = jnp.where((s_.idx >= 0) & (s_.idx < s_.n_rows) & (pos < s_.length[:, None]), s_.idx, -1)
-        args += [idx, s_.length, s_.pool]
+        args += [idx, s_.length] + ([s_.pool.nope, s_.pool.rope, s_.pool.scale] if fp8 else [s_.pool])
         meta.append(dict(k=s_.k, n_rows=s_.n_rows))
-    kernel = _build(bt, ns, d, bk, stages, bps, meta, idx_rows, float(scale) * LOG2E, ns > 1)
+    kernel = _build(bt, ns, d, bk, stages, bps, meta, idx_rows, float(scale) * LOG2E, ns > 1, fp8, _diag)
     o, lse = kernel(*args)
     if ns > 1:
         o, lse = common.combine_splits(o.astype(jnp.float32), lse, sinks.astype(jnp.float32), out_dtype)
