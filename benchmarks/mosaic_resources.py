@@ -20,7 +20,7 @@ import numpy as np
 from benchmarks.sparse_attention import D, make_case
 from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
-VARIANTS = [("bf16", False, None), ("fp8_cvt", True, None), ("fp8_bits", True, "bits"),
+VARIANTS = [("bf16", False, None), ("fp8_cvt", True, None), ("fp8_bits", True, "bits"), ("fp8_loop", True, "loop"),
             ("fp8_no_convert", True, "no_convert"), ("fp8_no_dequant", True, "no_dequant")]
 
 

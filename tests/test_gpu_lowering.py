@@ -158,7 +158,10 @@ def lower_model_steps(model, cache, marker):
 
 @pytest.mark.parametrize("b,t,k_c,opts,fp8", [(3, 1, 512, {}, False), (2, 1, 1024, dict(n_splits=1), False),
                                               (1, 64, 60, {}, False), (2, 1, 8192, {}, False), (3, 1, 512, {}, True),
-                                              (2, 1, 8192, dict(n_splits=3), True), (1, 64, 60, {}, True)])
+                                              (2, 1, 8192, dict(n_splits=3), True), (1, 64, 60, {}, True),
+                                              (3, 1, 512, dict(split_scores=True), False),
+                                              (1, 64, 60, dict(split_scores=True), False),
+                                              (3, 1, 512, dict(_diag="loop"), True)])
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 

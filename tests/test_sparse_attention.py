@@ -59,7 +59,8 @@ def opts_id(opts):
     return "".join([
         "_vec" if opts.get("fp8_scales") == "vector" else "", "_dc128" if opts.get("d_chunk") else "",
         "_f16" if opts.get("fp8_operands") else "", f"_cs{opts['col_splits']}" if "col_splits" in opts else "",
-        f"_pf{opts['prefetch']}" if "prefetch" in opts else "", "_qr" if opts.get("q_reload") else ""])
+        f"_pf{opts['prefetch']}" if "prefetch" in opts else "", "_qr" if opts.get("q_reload") else "",
+        "_ss" if opts.get("split_scores") else "", f"_{opts['_diag']}" if "_diag" in opts else ""])
 
 
 def call(fn, inp, **kw):
@@ -253,3 +254,27 @@ def test_kernel_option_validation():
     assert not mosaic_applies(inp["q"], inp["window_kv"], inp["compressed_kv"], kernel_options=dict(d_chunk=64))
     assert not mosaic_applies(inp["q"].astype(jnp.float32), inp["window_kv"], inp["compressed_kv"])
     assert not mosaic_applies(inp["q"][:, :, :16], inp["window_kv"], inp["compressed_kv"])
+
+
+def test_mosaic_kernel_input_errors():
+    """The Mosaic GPU kernel's wrapper refuses what it cannot run, with a reason, before building anything (so this
+    runs on CPU): mixed bf16 / FP8 pools, split_scores or block_k != 64 with FP8 pools, shared memory over budget
+    with an explicit n_splits. "auto" never picks it for FP8 pools (measured slower than Triton, session 9)."""
+    from pallas_kernels.sparse_attention import Fp8KVPool, mosaic_applies
+    from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
+
+    inp = make_inputs(2, 1, 64, 512, 300, 9000, 128, 8192, fp8=True)
+    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
+    args = [inp[k] for k in keys]
+    assert isinstance(args[1], Fp8KVPool)
+    assert not mosaic_applies(inp["q"], inp["window_kv"], inp["compressed_kv"])
+    mixed = list(args)
+    mixed[3] = jnp.zeros((64, 512), jnp.bfloat16)
+    with pytest.raises(ValueError, match="both pools bf16 or both FP8"):
+        sparse_attention_mosaic(*mixed, scale=0.1)
+    with pytest.raises(ValueError, match="split_scores does not fit"):
+        sparse_attention_mosaic(*args, scale=0.1, split_scores=True)
+    with pytest.raises(ValueError, match="block_k=64"):
+        sparse_attention_mosaic(*args, scale=0.1, block_k=128)
+    with pytest.raises(ValueError, match="shared memory .* over"):
+        sparse_attention_mosaic(*args, scale=0.1, n_splits=1)   # 8320 index rows of one CTA do not fit
