@@ -202,64 +202,55 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 scale_gptrs = [llvm.addrspacecast(llvm.PointerType.get(address_space=1), mu.memref_ptr(src_gmem[k][4]))
                                for k in range(n_src)]
 
-            def produce_fp8(k, j, g, carry):
-                """Raw rows into staging slot g % stages: nope (2 bulk copies, 256 + 192 B), rope (1 bulk copy) and the
-                8 scale bytes (cp.async, tracked by the slot's barrier through cp.async.mbarrier.arrive.noinc)."""
-                slot = arith.remui(g, c(stages))
-                with mu.when(arith.cmpi(arith.CmpIPredicate.uge, g, c(stages))):
-                    empty_bars[slot].wait()       # both consumers have dequantized this slot's previous block
-                full = full_bars[slot]
-                full.arrive_expect_tx(bk * (NOPE_DIM + 2 * ROPE_DIM), predicate=one)
-                nope_g, rope_g = src_gmem[k][2], src_gmem[k][3]
-                off = arith.muli(arith.subi(j, ranges[k][2]), c(bk))
-
-                @mu.fori(c(bk // 4), None)
-                def _(t, _c):
-                    r = arith.addi(arith.muli(t, c(4)), warp)
-                    e = memref.load(idx_smem, [arith.addi(c(idx_base[k]), arith.addi(off, r))])
-                    e = arith.index_cast(index, arith.maxsi(e, ci(0)))      # -1 -> row 0 (masked by consumers)
-                    for c0, w in ((0, 256), (256, NOPE_DIM - 256)):         # a bulk copy moves <= 256 elements
-                        ctx.async_copy(src_ref=nope_g, dst_ref=mu.memref_slice(nope_st, (slot, mu.ds(r, 1), mu.ds(c0, w))),
-                                       gmem_slice=(mu.ds(e, 1), mu.ds(c0, w)), barrier=full, arrive=False,
-                                       predicate=lane0)
-                    ctx.async_copy(src_ref=rope_g, dst_ref=mu.memref_slice(rope_st, (slot, mu.ds(r, 1))),
-                                   gmem_slice=(mu.ds(e, 1), mu.ds(0, ROPE_DIM)), barrier=full, arrive=False,
-                                   predicate=lane0)
-                    with mu.when(arith.andi(lane0, arith.constant(ir.IntegerType.get_signless(1), diag != "no_scales"))):
-                        dst = mu.getelementptr(scale_st_ptr, [arith.index_cast(i32, arith.addi(
-                            arith.muli(slot, c(bk * 8)), arith.muli(r, c(8))))], i8)
-                        src = mu.getelementptr(scale_gptrs[k], [arith.index_cast(i64, arith.muli(e, c(8)))], i8)
-                        nvvm.cp_async_shared_global(dst, src, 8, nvvm.LoadCacheModifierKind.CA)
-                    return _c
-
-                with mu.when(lane0):   # one of the slot's 4 counted arrivals, once this thread's scale copies land
-                    nvvm.cp_async_mbarrier_arrive(full.get_ptr(), noinc=True)
-                return carry
-
-            def produce(k, j, g, carry):
-                slot = arith.remui(g, c(stages))
-                with mu.when(arith.cmpi(arith.CmpIPredicate.uge, g, c(stages))):
-                    empty_bars[slot].wait()       # both consumers are done with this slot's previous block
-                full = full_bars[slot]
-                full.arrive_expect_tx(bk * d * 2, predicate=one)
-                pool = src_gmem[k][2]
-                off = arith.muli(arith.subi(j, ranges[k][2]), c(bk))
-
-                @mu.fori(c(bk // 4), None)
-                def _(t, _c):
-                    r = arith.addi(arith.muli(t, c(4)), warp)
-                    e = memref.load(idx_smem, [arith.addi(c(idx_base[k]), arith.addi(off, r))])
-                    e = arith.index_cast(index, arith.maxsi(e, ci(0)))      # -1 -> row 0 (masked by consumers)
+            def copy_row(k, slot, full, r, e):
+                """Issue row e of source k's pool into row r of ring / staging slot `slot` (lane 0 of each warp)."""
+                if not fp8:   # 8 pieces of 128 B into the (8, 64)-tiled, 128 B-swizzled ring
                     r_hi, r_lo = arith.divui(r, c(8)), arith.remui(r, c(8))
                     for p in range(pieces):
-                        ctx.async_copy(src_ref=pool, dst_ref=mu.memref_slice(ring, (slot, r_hi, p, mu.ds(r_lo, 1))),
+                        ctx.async_copy(src_ref=src_gmem[k][2],
+                                       dst_ref=mu.memref_slice(ring, (slot, r_hi, p, mu.ds(r_lo, 1))),
                                        gmem_slice=(mu.ds(e, 1), mu.ds(p * 64, 64)), swizzle=128, barrier=full,
                                        arrive=False, predicate=lane0)
+                    return
+                # FP8 raw row: nope (2 bulk copies, 256 + 192 B), rope (1 bulk copy), and the 8 scale bytes (cp.async,
+                # tracked by the slot's barrier through cp.async.mbarrier.arrive.noinc after the row loop)
+                for c0, w in ((0, 256), (256, NOPE_DIM - 256)):         # a bulk copy moves <= 256 elements
+                    ctx.async_copy(src_ref=src_gmem[k][2],
+                                   dst_ref=mu.memref_slice(nope_st, (slot, mu.ds(r, 1), mu.ds(c0, w))),
+                                   gmem_slice=(mu.ds(e, 1), mu.ds(c0, w)), barrier=full, arrive=False,
+                                   predicate=lane0)
+                ctx.async_copy(src_ref=src_gmem[k][3], dst_ref=mu.memref_slice(rope_st, (slot, mu.ds(r, 1))),
+                               gmem_slice=(mu.ds(e, 1), mu.ds(0, ROPE_DIM)), barrier=full, arrive=False,
+                               predicate=lane0)
+                with mu.when(arith.andi(lane0, arith.constant(ir.IntegerType.get_signless(1), diag != "no_scales"))):
+                    dst = mu.getelementptr(scale_st_ptr, [arith.index_cast(i32, arith.addi(
+                        arith.muli(slot, c(bk * 8)), arith.muli(r, c(8))))], i8)
+                    src = mu.getelementptr(scale_gptrs[k], [arith.index_cast(i64, arith.muli(e, c(8)))], i8)
+                    nvvm.cp_async_shared_global(dst, src, 8, nvvm.LoadCacheModifierKind.CA)
+
+            def produce(k, j, g, carry):
+                """Block j of source k into ring / staging slot g % stages, once both consumers are done with it."""
+                slot = arith.remui(g, c(stages))
+                with mu.when(arith.cmpi(arith.CmpIPredicate.uge, g, c(stages))):
+                    empty_bars[slot].wait()
+                full = full_bars[slot]
+                full.arrive_expect_tx(bk * (NOPE_DIM + 2 * ROPE_DIM if fp8 else d * 2), predicate=one)
+                off = arith.muli(arith.subi(j, ranges[k][2]), c(bk))
+
+                @mu.fori(c(bk // 4), None)
+                def _(t, _c):
+                    r = arith.addi(arith.muli(t, c(4)), warp)
+                    e = memref.load(idx_smem, [arith.addi(c(idx_base[k]), arith.addi(off, r))])
+                    e = arith.index_cast(index, arith.maxsi(e, ci(0)))      # -1 -> row 0 (masked by consumers)
+                    copy_row(k, slot, full, r, e)
                     return _c
 
+                if fp8:
+                    with mu.when(lane0):   # one of the slot's 4 counted arrivals, once this thread's scale copies land
+                        nvvm.cp_async_mbarrier_arrive(full.get_ptr(), noinc=True)
                 return carry
 
-            steps(produce_fp8 if fp8 else produce, None)
+            steps(produce, None)
             scf.yield_([])
 
         with ir.InsertionPoint(if_op.else_block):    # ---------------- consumers (wg 0, 1) ----------------
@@ -369,7 +360,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 l = l * (m - m_new).exp2(approx=True) + \
                     p_own.reduce("add", axis=1) * (m_own - m_new).exp2(approx=True)
                 p = fa.FragmentedArray.splat(arith.constant(bf16, 0.0), (BLOCK_H, bk), fa.WGMMA_LAYOUT)
-                for i in range(2):
+                for i in range(2):   # both halves from shared memory: register slices need static column offsets
                     p_h = fa.FragmentedArray.load_untiled(mu.memref_slice(x_p, (par, c(i))), layout=fa.WGMMA_LAYOUT,
                                                           optimized=False)
                     p[:, i * half:(i + 1) * half] = \
@@ -553,14 +544,14 @@ def sparse_attention_mosaic(
     bk, stages = cfg["block_k"], cfg["num_stages"]
     if bk % 64 or bk > 256:  # P.V contracts over block_k in 64-wide (128 B swizzle) groups; S's N is <= 256
         raise ValueError(f"block_k must be a multiple of 64 and <= 256, got {bk}")
-    ring = stages * bk * (NOPE_STRIDE + 2 * ROPE_DIM + SCALE_BYTES) + bk * d * 2 if fp8 else stages * bk * d * 2
+    ring_bytes = stages * bk * (NOPE_STRIDE + 2 * ROPE_DIM + SCALE_BYTES) + bk * d * 2 if fp8 else stages * bk * d * 2
     exchange = (4 * BLOCK_H * (bk // 2) * 2 + 4 * BLOCK_H * 4 + 2 * BLOCK_H * 4) if split_scores else 0
     ns = max(1, min(int(cfg["n_splits"]), total_blocks))
     bps = -(-total_blocks // ns)
     while True:   # a CTA holds its split's index rows: with the default n_splits, split further until they fit
         ns = -(-total_blocks // bps)
         idx_rows = [min(bps, s_.k // bk) * bk for s_ in flat]
-        smem = BLOCK_H * d * 2 + ring + sum(idx_rows) * 4 + 2 * BLOCK_H * 4 + exchange
+        smem = BLOCK_H * d * 2 + ring_bytes + sum(idx_rows) * 4 + 2 * BLOCK_H * 4 + exchange
         if smem <= SMEM_BUDGET or n_splits is not None or bps == 1:
             break
         bps -= 1
