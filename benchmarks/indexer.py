@@ -11,7 +11,8 @@ max(bytes / copy BW, FLOPs / bf16 rate) with bytes = keys read once + q read + p
 default top-k, "threshold"), pallas_lax / _blockwise / _radix / _radix4 / _grouped / _threshold_rank / _threshold_select /
 _threshold_set (other top-k methods; _set returns the picks as an index set), pallas_bf16ops / scores_bf16ops (fp8 / fp4 keys through bf16 operands: the fp8 default before session 4,
 whose call 3 measured the f16 default as "scores_f16"), pallas_f16ops / scores_f16ops (fp8 / fp4 keys through f16
-operands: fp8's default; for fp4 the bit-trick nibble decode, not the default yet), scores_only / scores_bt128 /
+operands: fp8's default; for fp4 the bit-trick nibble decode, not the default yet), pallas_fp8ops / pallas_fp8ops_set /
+scores_fp8ops (fp8 tensor-core operands, session 10), scores_only / scores_bt128 /
 scores_fp4reshape (the scores kernel alone and its knobs: top-k cost = difference), xla_ref.
 Note: caches smaller than L2 (8K context, batch 1) are re-read from L2 across iterations.
 
@@ -54,7 +55,12 @@ def case(B, S, ctx, fmt, ceil, n_iter, variants):
     if fmt in ("fp8", "fp4"):
         q = F.fake_quantize(q, fmt)
     w = jax.random.normal(k2, (B, S, H), jnp.float32) * (H ** -0.5 * D ** -0.5)
-    keys = F.quantize(jax.random.normal(k3, (B, T, D), jnp.float32), fmt)
+    # keys in chunks of batch rows: one [64, 262144, 128] float32 draw is 2^31 elements / 8.6 GB (the B=64 x 1M
+    # context fp8 case crashed in sessions 3 and 10 and, run alone, printed nothing within 60 s; not yet re-run)
+    rows_per = max(1, (1 << 27) // (T * D))
+    parts = [F.quantize(jax.random.normal(jax.random.fold_in(k3, i), (min(rows_per, B - i), T, D), jnp.float32), fmt)
+             for i in range(0, B, rows_per)]
+    keys = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *parts) if len(parts) > 1 else parts[0]
     if S == 1:
         nv = jnp.full((B, 1), T, jnp.int32)
     else:  # the chunk's last S queries of a ctx-token prefix: causal
@@ -63,7 +69,9 @@ def case(B, S, ctx, fmt, ceil, n_iter, variants):
     bytes_ = B * T * F.BYTES_PER_KEY[fmt](D) + q.size * 4 + w.size * 4 + B * S * min(TOPK, T) * 4
     flops = 2 * H * D * visible
     fl = floor_s(bytes_, flops, ceil)
-    row = dict(B=B, S=S, ctx=ctx, fmt=fmt, floor_us=fl * 1e6, bytes=bytes_, flops=flops)
+    # mem_floor: the bytes alone (the issue's "memory floor"); floor also bounds the FLOPs at the bf16 rate
+    row = dict(B=B, S=S, ctx=ctx, fmt=fmt, floor_us=fl * 1e6, mem_floor_us=bytes_ / ceil["copy_Bps"] * 1e6,
+               bytes=bytes_, flops=flops)
     for name, fn in variants.items():
         def step(c, fn=fn):
             qq, acc = c
@@ -200,6 +208,14 @@ def main():
                                                          precision="f16" if isinstance(k, F.QuantizedKeys) else None),
         "scores_f16ops": lambda q, w, k, n: indexer_scores_pallas(
             q, w, k, n, impl="pallas", precision="f16" if isinstance(k, F.QuantizedKeys) else None),
+        # session 10: fp8 tensor-core operands (fp8 keys as e4m3, fp4 keys moved to e5m2; q quantized like the keys)
+        "pallas_fp8ops": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas",
+                                                         precision="fp8" if isinstance(k, F.QuantizedKeys) else None),
+        "pallas_fp8ops_set": lambda q, w, k, n: indexer_topk(
+            q, w, k, n, k=TOPK, impl="pallas", topk="threshold_set",
+            precision="fp8" if isinstance(k, F.QuantizedKeys) else None),
+        "scores_fp8ops": lambda q, w, k, n: indexer_scores_pallas(
+            q, w, k, n, impl="pallas", precision="fp8" if isinstance(k, F.QuantizedKeys) else None),
         "scores_bt128": lambda q, w, k, n: indexer_scores_pallas(q, w, k, n, impl="pallas", block_t=128),
         "scores_fp4reshape": lambda q, w, k, n: indexer_scores_pallas(q, w, k, n, impl="pallas",
                                                                       fp4_scale="reshape"),
@@ -231,14 +247,14 @@ def main():
     if a.cases:
         cases = [(int(b), int(s_), int(c), f) for b, s_, c, f in (x.split("x") for x in a.cases.split(","))]
     rows = result["rows"]
-    hdr = f"{'B':>3} {'S':>5} {'ctx':>8} {'fmt':>5} {'floor':>9} " + " ".join(f"{v:>17}" for v in variants)
+    hdr = f"{'B':>3} {'S':>5} {'ctx':>8} {'fmt':>5} {'floor':>9} {'memfloor':>9} " + " ".join(f"{v:>17}" for v in variants)
     print(hdr, flush=True)
     for B, S, ctx, f in cases:
         n_iter = 2 if a.tiny else 100 if B * ctx * S <= (1 << 24) else 10  # dispatch < ~2 us per iteration
         r = case(B, S, ctx, f, ceil, n_iter, variants)
         rows.append(r)
         cells = " ".join(f"{r[v + '_us']:9.1f} ({r[v + '_us'] / r['floor_us']:5.1f}x)" for v in variants)
-        print(f"{B:>3} {S:>5} {ctx:>8} {f:>5} {r['floor_us']:8.1f}u {cells}", flush=True)
+        print(f"{B:>3} {S:>5} {ctx:>8} {f:>5} {r['floor_us']:8.1f}u {r['mem_floor_us']:8.1f}u {cells}", flush=True)
         dump()
 
 

@@ -81,6 +81,9 @@ def main():
                     help="decode | prefill (CSA S=4096, B=1) | splits (B=64 n_splits) | fp8 (FP8 pools: decode + prefill)")
     ap.add_argument("--rounds", type=int, default=1, help="time the variants this many times, interleaved")
     ap.add_argument("--no-checks", action="store_true", help="skip the correctness checks (pytest covers them)")
+    ap.add_argument("--variants", default=None, help="comma-separated variant names to time (default: all)")
+    ap.add_argument("--regs", default=None,
+                    help="also time the Mosaic kernel with these setmaxnreg splits, e.g. '40,232;24,240'")
     ap.add_argument("--diag", action="store_true",
                     help="fp8: also time the kernel without dequantization / without scale copies (wrong output)")
     args = ap.parse_args()
@@ -99,7 +102,7 @@ def main():
     ceil = measure_ceilings(quick=True)
     print("ceilings", ceil, flush=True)
     cases = {"decode": [("csa", 64, 512, 1), ("csa", 16, 512, 1), ("csa", 128, 512, 1), ("hca", 16, 8192, 1)],
-             "prefill": [("csa", 1, 512, 4096)], "splits": [("csa", 64, 512, 1)],
+             "prefill": [("csa", 1, 512, 4096), ("csa", 1, 512, 16384)], "splits": [("csa", 64, 512, 1)],
              "fp8": [("csa", 64, 512, 1), ("csa", 16, 512, 1), ("csa", 128, 512, 1), ("hca", 16, 8192, 1),
                      ("csa", 1, 512, 4096)]}[args.cases]
     fp8 = args.cases == "fp8"
@@ -116,8 +119,6 @@ def main():
         case = make_case(rng, kind, b, t_q, kc, 4096, fp8, n_copies)
         variants = [("triton", lambda *a: sparse_attention(*a, scale=D ** -0.5, impl="pallas", kernel="triton")),
                     ("mosaic", lambda *a: sparse_attention_mosaic(*a, scale=D ** -0.5))]
-        if not fp8 and args.cases in ("decode", "prefill"):   # session 9, not yet timed: scores split over consumers
-            variants += [("mosaic_split", lambda *a: sparse_attention_mosaic(*a, scale=D ** -0.5, split_scores=True))]
         if args.cases == "splits":
             variants = [(f"mosaic_ns{n}", lambda *a, n=n: sparse_attention_mosaic(*a, scale=D ** -0.5, n_splits=n))
                         for n in (2, 3, 4)]
@@ -128,6 +129,12 @@ def main():
             variants += [("mosaic_bits", lambda *a: sparse_attention_mosaic(*a, scale=D ** -0.5, _diag="bits"))]
         elif kind == "csa" and b == 64:
             variants += [("mosaic_ns1", lambda *a: sparse_attention_mosaic(*a, scale=D ** -0.5, n_splits=1))]
+        for rg in (args.regs.split(";") if args.regs else []):
+            p_, c_ = (int(x) for x in rg.split(","))
+            variants += [(f"mosaic_r{p_}_{c_}", lambda *a, rg=(p_, c_): sparse_attention_mosaic(*a, scale=D ** -0.5,
+                                                                                             regs=rg))]
+        if args.variants:
+            variants = [v for v in variants if v[0] in args.variants.split(",")]
         for rnd, (name, fn) in [(i, v) for i in range(args.rounds) for v in variants]:
             try:
                 t = per_call(fn, case, 8, 8 + 4 * max(8, n_copies)) if t_q == 1 else per_call(fn, case, 1, 3)

@@ -1,6 +1,8 @@
 """ptxas resources (registers, spills, shared memory) of the Mosaic GPU attention kernel's variants, on the GPU.
 
-    MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=DIR PYTHONPATH=. python benchmarks/mosaic_resources.py DIR
+    MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=DIR PYTHONPATH=. python benchmarks/mosaic_resources.py DIR [NAMES]
+
+NAMES: comma-separated variant names (default: all).
 
 Mosaic GPU compiles a kernel when it is first called; with MOSAIC_GPU_DUMP_PTXAS set it writes ptxas' verbose log
 (one file per kernel) into MOSAIC_GPU_DUMP_TO. This compiles and runs each variant once on a small CSA decode case,
@@ -20,18 +22,27 @@ import numpy as np
 from benchmarks.sparse_attention import D, make_case
 from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
-VARIANTS = [("bf16", False, None), ("fp8_cvt", True, None), ("fp8_bits", True, "bits"), ("fp8_loop", True, "loop"),
-            ("fp8_no_convert", True, "no_convert"), ("fp8_no_dequant", True, "no_dequant")]
+VARIANTS = [("bf16", False, None, None), ("fp8_cvt", True, None, None), ("fp8_bits", True, "bits", None),
+            ("fp8_loop", True, "loop", None), ("fp8_no_convert", True, "no_convert", None),
+            ("fp8_no_dequant", True, "no_dequant", None)]
+# session 10: every variant above spilled (bf16 184 B, FP8 1.2-1.4 KB) at the default (56, 224) split; these move
+# registers from the producer to the consumers
+VARIANTS += [(f"{n}_r{p}_{c}", f, None, (p, c)) for n, f in (("bf16", False), ("fp8_cvt", True))
+             for p, c in ((40, 232), (24, 240))]
 
 
 def main(out_dir: str):
     if not os.environ.get("MOSAIC_GPU_DUMP_PTXAS") or not os.environ.get("MOSAIC_GPU_DUMP_TO"):
         raise SystemExit("set MOSAIC_GPU_DUMP_PTXAS=1 and MOSAIC_GPU_DUMP_TO=<existing dir>")
     rng = np.random.default_rng(0)
-    for name, fp8, diag in VARIANTS:
+    only = sys.argv[2].split(",") if len(sys.argv) > 2 else None
+    for name, fp8, diag, regs in VARIANTS:
+        if only and name not in only:
+            continue
         before = set(glob.glob(os.path.join(out_dir, "*")))
         q, wpool, cpool, sinks, widx, cidx = make_case(rng, "csa", 4, 1, 512, 4096, fp8, 1)
-        fn = jax.jit(lambda *a, diag=diag: sparse_attention_mosaic(*a, scale=D ** -0.5, _diag=diag))
+        fn = jax.jit(lambda *a, diag=diag, regs=regs: sparse_attention_mosaic(*a, scale=D ** -0.5, _diag=diag,
+                                                                              regs=regs))
         jax.block_until_ready(fn(q, wpool, widx[0], cpool, cidx[0], sinks))
         new = sorted(set(glob.glob(os.path.join(out_dir, "*"))) - before)
         print(f"== {name}: {len(new)} new dump files", flush=True)

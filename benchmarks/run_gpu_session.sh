@@ -42,7 +42,7 @@ for s in ${STEPS:-tests5 model comp idx}; do
     diag) run_step diag 120 $PY benchmarks/diag_indexer_prefill.py ${DIAG_ARGS:-} ;;
     mosaic) run_step mosaic 300 $PY benchmarks/mosaic_attention.py --out "$OUT" ${MOSAIC_ARGS:-} ;;
     mres) mkdir -p "$OUT/mgpu_dump" && MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/mgpu_dump" \
-          run_step mres 150 $PY benchmarks/mosaic_resources.py "$OUT/mgpu_dump" ;;
+          run_step mres 150 $PY benchmarks/mosaic_resources.py "$OUT/mgpu_dump" ${MRES_NAMES:-} ;;
     gather) run_step gather 300 bash -c "$PY benchmarks/tma_row_gather_raw.py $OUT/tma_row_gather_raw.json && \
           $PY benchmarks/tma_row_gather_probe.py $OUT/tma_row_gather_pallas.json" ;;
     attn) run_step attn 300 $PY benchmarks/sparse_attention.py --out "$OUT" "$@" ${ATTN_ARGS:-} ;;

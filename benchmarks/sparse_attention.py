@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.timing import measure_ceilings, wall
+from benchmarks.timing import measure_ceilings, wall, wall_net
 from pallas_kernels.sparse_attention import quantize_kv_fp8, sparse_attention
 from pallas_kernels.sparse_attention.fp8_layout import ROW_BYTES
 
@@ -79,6 +79,24 @@ def time_impl(impl, q, wpool, cpool, sinks, widx, cidx, unroll, opts):
     return wall(run, q, wpool, cpool, sinks, widx, cidx, reps=5) / unroll, first
 
 
+def time_impl_net(impl, q, wpool, cpool, sinks, widx, cidx, n, opts):
+    """Seconds per call net of dispatch: chains of 1 and 1 + n dependent calls, (wall_{1+n} - wall_1) / n. Prefill
+    (session 10): `time_impl` divides one dispatch (100-250 us) by its 4 calls, a few % of a ~1.2 ms call."""
+    r = len(widx)
+    one = jax.jit(lambda q, wpool, widx, cpool, cidx, sinks: sparse_attention(
+        q, wpool, widx, cpool, cidx, sinks, scale=D**-0.5, impl=impl, **opts))
+
+    def chain(u):
+        @jax.jit
+        def run(q, wpool, cpool, sinks, widx, cidx):
+            for i in range(u):
+                q = one(q, wpool, widx[i % r], cpool, cidx[i % r], sinks)
+            return q
+        return run
+
+    return wall_net(chain, q, wpool, cpool, sinks, widx, cidx, n1=1, n2=1 + n)[0]
+
+
 def bench_case(rng, ceil, kind, b, t, kc, fp8, opts=None, ref=True, csa_cap=4096):
     opts = opts or {}
     row_b = ROW_BYTES if fp8 else 2 * D
@@ -98,6 +116,9 @@ def bench_case(rng, ceil, kind, b, t, kc, fp8, opts=None, ref=True, csa_cap=4096
     try:
         tp, o_p = time_impl("pallas", *case, unroll, opts)
         res.update(pallas_us=tp * 1e6, ratio_floor=tp / floor_s, GBps=floor_bytes / tp / 1e9, TFLOPs=flops / tp / 1e12)
+        if t > 1:   # prefill: also net of dispatch
+            tn = time_impl_net("pallas", *case, 4, opts)
+            res.update(pallas_net_us=tn * 1e6, TFLOPs_net=flops / tn / 1e12)
     except Exception as e:  # report, keep going
         res["pallas_error"] = f"{type(e).__name__}: {str(e)[:400]}"
     if ref:
@@ -121,6 +142,8 @@ def fmt(r):
         return f"{r['kind']:5s} B={r['B']:<3d} T={r['T']:<5d} Kc={r['Kc']:<5d} {r['kv']:4s} ERROR {r.get('pallas_error', '')[:120]}"
     s = (f"{r['kind']:5s} B={r['B']:<3d} T={r['T']:<5d} Kc={r['Kc']:<5d} {r['kv']:4s} {r['pallas_us']:9.1f}us "
          f"floor {r['floor_us']:8.1f}us x{r['ratio_floor']:5.2f} {r['GBps']:6.0f}GB/s {r['TFLOPs']:6.1f}TF")
+    if "pallas_net_us" in r:
+        s += f" | net of dispatch {r['pallas_net_us']:9.1f}us {r['TFLOPs_net']:6.1f}TF"
     if "ref_us" in r:
         s += f" | ref {r['ref_us']:9.1f}us x{r.get('speedup_vs_ref', 0):5.1f} err {r.get('rel_err_vs_ref', -1):.1e}"
     if r["opts"]:

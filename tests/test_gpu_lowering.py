@@ -68,12 +68,13 @@ def test_indexer_fp4_bf16_operands_lower():
                         q, w, keys, nv)
 
 
+@pytest.mark.parametrize("precision", ["f16", "fp8"])
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
-def test_indexer_f16_operands_lower(fmt):
+def test_indexer_f16_and_fp8_operands_lower(fmt, precision):
     from pallas_kernels.indexer.gpu import indexer_topk_gpu
 
     q, w, keys, nv = make_indexer(2, 1, 64, 300, fmt, True)
-    lowers_for_cuda(lambda q, w, k, n: indexer_topk_gpu(q, w, k, n, k=64, precision="f16"), q, w, keys, nv)
+    lowers_for_cuda(lambda q, w, k, n: indexer_topk_gpu(q, w, k, n, k=64, precision=precision), q, w, keys, nv)
 
 
 def test_topk_compact_kernel_lowers():
@@ -159,8 +160,8 @@ def lower_model_steps(model, cache, marker):
 @pytest.mark.parametrize("b,t,k_c,opts,fp8", [(3, 1, 512, {}, False), (2, 1, 1024, dict(n_splits=1), False),
                                               (1, 64, 60, {}, False), (2, 1, 8192, {}, False), (3, 1, 512, {}, True),
                                               (2, 1, 8192, dict(n_splits=3), True), (1, 64, 60, {}, True),
-                                              (3, 1, 512, dict(split_scores=True), False),
-                                              (1, 64, 60, dict(split_scores=True), False),
+                                              (3, 1, 512, dict(regs=(40, 232)), False),
+                                              (1, 64, 60, dict(regs=(24, 240)), True),
                                               (3, 1, 512, dict(_diag="loop"), True)])
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic

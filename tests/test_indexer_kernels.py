@@ -146,7 +146,9 @@ def test_decode_fused_group_maxima(fmt, block_t):
                                       ("fp4", dict(fp4_scale="gather", block_t=32, num_splits=2, precision="bf16")),
                                       ("fp8", dict(block_t=16, num_splits=5)), ("bf16", dict(block_t=32, waves=1)),
                                       ("bf16", dict(block_t=32, heads_major=True, num_splits=2)),
-                                      ("fp4", dict(block_t=16, heads_major=True, precision="f16"))])
+                                      ("fp4", dict(block_t=16, heads_major=True, precision="f16")),
+                                      ("fp4", dict(block_t=16, num_splits=3, precision="fp8")),
+                                      ("fp8", dict(block_t=32, num_splits=2, precision="fp8"))])
 def test_split_sweep_options(fmt, opts):
     """Several key blocks per split (the pipelined sweep), splits that end past the last visible block (the -inf
     fill loop), both fp4 scale-broadcast variants; decode and causal prefill."""
@@ -180,6 +182,29 @@ def test_precision_options():
     check_scores(q, w, keys, nv, "pallas", 1e-5, precision="f16")
     with pytest.raises(ValueError, match="f16"):
         indexer_scores_pallas(*make(1, 1, 16, 40, "bf16"), precision="f16")
+    with pytest.raises(ValueError, match="fp8"):
+        indexer_scores_pallas(*make(1, 1, 16, 40, "bf16"), precision="fp8")
+    with pytest.raises(ValueError, match="unknown precision"):
+        indexer_scores_pallas(*make(1, 1, 16, 40, "bf16"), precision="tf32")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_fp8_operands_exact(fmt):
+    """precision="fp8": the key codes go to the tensor cores as fp8 (fp4 nibbles moved to e5m2 by bit arithmetic,
+    checked here for all 256 bytes) and a q fake-quantized like the keys is reproduced exactly by its fp8 operand
+    times the scale folded into the weights, so the scores equal the reference up to f32 summation order."""
+    from pallas_kernels.indexer.gpu import e2m1_value, fp4_to_e5m2_scaled, quantize_q_fp8
+
+    byte = jnp.arange(256, dtype=jnp.int32)[None, :]
+    got = np.asarray(fp4_to_e5m2_scaled(byte).astype(jnp.float32))[0]
+    want = np.stack([np.asarray(e2m1_value(byte[0] & 15)), np.asarray(e2m1_value(byte[0] >> 4))], -1).reshape(-1)
+    np.testing.assert_array_equal(got, want * 2.0 ** -14)
+    q, w, keys, nv = make(2, 3, 64, 130, fmt, rotate=True)
+    q8, s = quantize_q_fp8(q, fmt)
+    np.testing.assert_array_equal(np.asarray(q8.astype(jnp.float32) * s[..., None]), np.asarray(q))
+    check_scores(q, w, keys, nv, "pallas", 1e-6, precision="fp8", block_t=32)
+    q, w, keys, nv = make(1, 9, 16, 120, fmt, rotate=True, causal=True)
+    check_scores(q, w, keys, nv, "pallas", 1e-6, precision="fp8", block_t=16, num_splits=2)
 
 
 def test_dispatch():
@@ -206,12 +231,14 @@ def test_gpu_kernel(fmt, rotate, B, S, T, k, causal):
 
 
 @gpu
+@pytest.mark.parametrize("precision", ["f16", "fp8"])
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 @pytest.mark.parametrize("B,S,T,causal", [(4, 1, 5000, False), (2, 300, 700, True)])
-def test_gpu_f16_operands(fmt, B, S, T, causal):
+def test_gpu_f16_operands(fmt, B, S, T, causal, precision):
+    """f16 and fp8 tensor-core operands for fp8 / fp4 keys (fp8: fp4 via e5m2 bit moves, fp8 keys as e4m3)."""
     q, w, keys, nv = make(B, S, 64, T, fmt, True, causal=causal)
-    check_scores(q, w, keys, nv, "pallas", 1e-4, precision="f16")
-    check_picks(indexer_topk(q, w, keys, nv, k=512, impl="pallas", precision="f16"), q, w, keys, nv, 512)
+    check_scores(q, w, keys, nv, "pallas", 1e-4, precision=precision)
+    check_picks(indexer_topk(q, w, keys, nv, k=512, impl="pallas", precision=precision), q, w, keys, nv, 512)
 
 
 @gpu

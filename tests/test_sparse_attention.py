@@ -60,7 +60,7 @@ def opts_id(opts):
         "_vec" if opts.get("fp8_scales") == "vector" else "", "_dc128" if opts.get("d_chunk") else "",
         "_f16" if opts.get("fp8_operands") else "", f"_cs{opts['col_splits']}" if "col_splits" in opts else "",
         f"_pf{opts['prefetch']}" if "prefetch" in opts else "", "_qr" if opts.get("q_reload") else "",
-        "_ss" if opts.get("split_scores") else "", f"_{opts['_diag']}" if "_diag" in opts else ""])
+        f"_r{opts['regs'][0]}" if "regs" in opts else "", f"_{opts['_diag']}" if "_diag" in opts else ""])
 
 
 def call(fn, inp, **kw):
@@ -258,8 +258,8 @@ def test_kernel_option_validation():
 
 def test_mosaic_kernel_input_errors():
     """The Mosaic GPU kernel's wrapper refuses what it cannot run, with a reason, before building anything (so this
-    runs on CPU): mixed bf16 / FP8 pools, split_scores or block_k != 64 with FP8 pools, shared memory over budget
-    with an explicit n_splits. "auto" never picks it for FP8 pools (measured slower than Triton, session 9)."""
+    runs on CPU): mixed bf16 / FP8 pools, block_k != 64 with FP8 pools, shared memory over budget with an
+    explicit n_splits, register splits that do not fit the SM. "auto" never picks it for FP8 pools (measured slower than Triton, session 9)."""
     from pallas_kernels.sparse_attention import Fp8KVPool, mosaic_applies
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -272,8 +272,9 @@ def test_mosaic_kernel_input_errors():
     mixed[3] = jnp.zeros((64, 512), jnp.bfloat16)
     with pytest.raises(ValueError, match="both pools bf16 or both FP8"):
         sparse_attention_mosaic(*mixed, scale=0.1)
-    with pytest.raises(ValueError, match="split_scores does not fit"):
-        sparse_attention_mosaic(*args, scale=0.1, split_scores=True)
+    for regs in ((56, 232), (60, 224), (16, 248), (176, 168)):
+        with pytest.raises(ValueError, match="regs must be"):
+            sparse_attention_mosaic(*args, scale=0.1, regs=regs)
     with pytest.raises(ValueError, match="block_k=64"):
         sparse_attention_mosaic(*args, scale=0.1, block_k=128)
     with pytest.raises(ValueError, match="shared memory .* over"):

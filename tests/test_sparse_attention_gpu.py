@@ -79,11 +79,9 @@ MOSAIC_CASES = [
     (1, 256, 2048, 1024, 128, 512, dict(dupes=True, fp8=True), {}),
     (1, 64, 512, 200, 100, 60, dict(ragged=True, fp8=True), {}),
     (3, 2, 128, 600, 128, 1024, dict(ragged=True, fp8=True), dict(_diag="loop")),   # the rolled dequantization
-    # split_scores: each consumer scores half the entries, the two exchange P halves (not yet run on a GPU)
-    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(split_scores=True)),
-    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True), dict(split_scores=True, n_splits=3)),
-    (2, 1, 128, 9000, 128, 8192, dict(ragged=True), dict(split_scores=True)),
-    (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True), dict(split_scores=True)),
+    # registers moved from the producer to the consumers (setmaxnreg)
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(regs=(40, 232))),
+    (3, 2, 128, 600, 128, 1024, dict(ragged=True, fp8=True), dict(regs=(24, 240))),
 ]
 
 

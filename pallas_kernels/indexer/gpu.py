@@ -20,8 +20,13 @@ fake-quantized queries, which are bf16-representable), "bf16x2" (q split into bf
 bf16 keys and float queries), "f32" (fp32 FMA dot, no tf32), "f16" (fp8 / fp4 keys: f16 operands. fp8: e4m3 -> f16
 in one conversion; fp4: `fp4_to_f16_scaled` (5 integer ops per value, e2m1 x 2^-14 exactly), two K=16 dots per 32-channel
 scale group with the group's scale applied to their f32 sum; exact for the keys (fp4: block exponents <= 113),
-fake-quantized q entries outside f16's range (below 2^-24, above 65504) flush / overflow). Defaults: None -> "f32",
-bf16 -> "bf16x2", fp8 -> "f16", fp4 -> "f16" (23% faster than "bf16" on the H200, session 7).
+fake-quantized q entries outside f16's range (below 2^-24, above 65504) flush / overflow), "fp8" (fp8 / fp4 keys: fp8
+tensor-core operands with q quantized like the keys (`quantize_q_fp8`, its scale folded into the head weights): fp8
+keys go to the MMA as stored (e4m3), fp4 nibbles are moved to e5m2 by bit arithmetic (`fp4_to_e5m2_scaled`) and
+re-interleaved by a join, one K=32 dot per scale group; exact for q fake-quantized like the keys. Correct on the
+H200 but slower there (session 10, B = 64, 128K context, scores kernel: fp8 keys 203.9 vs 131.2 us with "f16",
+fp4 keys 266.5 vs 222.4), so not a default). Defaults: None -> "f32", bf16 -> "bf16x2", fp8 -> "f16", fp4 -> "f16"
+(23% faster than "bf16" on the H200, session 7).
 
 Top-k ("topk" option): "lax" = `lax.top_k` over each query's [T] scores (XLA), "blockwise" = `lax.top_k` per
 `topk_block` candidates then over the concatenated survivors (ties still go to the lower index), "radix" /
@@ -73,12 +78,42 @@ def key_format_of(keys) -> Optional[str]:
     return "bf16" if keys.dtype == jnp.bfloat16 else None
 
 
-N_TERMS = {"f32": 1, "bf16": 1, "bf16x2": 2, "f16": 1}  # q operand terms per precision (bf16x2: hi + lo)
-OP_DTYPE = {"f32": jnp.float32, "bf16": jnp.bfloat16, "bf16x2": jnp.bfloat16, "f16": jnp.float16}
+N_TERMS = {"f32": 1, "bf16": 1, "bf16x2": 2, "f16": 1, "fp8": 1}  # q operand terms per precision (bf16x2: hi + lo)
+OP_DTYPE = {"f32": jnp.float32, "bf16": jnp.bfloat16, "bf16x2": jnp.bfloat16, "f16": jnp.float16,
+            "fp8": jnp.float8_e4m3fn}
+FP4_Q_SHIFT = 13   # precision="fp8", fp4 keys: q / 2^(e_max - 13) puts a head's largest code at <= 6 * 2^13 < 57344
+
+
+def fp8_operand_dtype(fmt):
+    """precision="fp8": fp8 keys stay e4m3; fp4 keys become e5m2 (the bit move of `fp4_to_e5m2_scaled`)."""
+    return jnp.float8_e5m2 if fmt == "fp4" else jnp.float8_e4m3fn
+
+
+def quantize_q_fp8(q, fmt):
+    """precision="fp8": q [..., H, d] float32 -> (fp8 operand [..., H, d], per-(token, head) power-of-two scale
+    [..., H] that the caller folds into the head weights; ReLU(s x) = s ReLU(x) for s > 0).
+
+    fp8 keys: q's own fp8 quantization (formats.quantize, e4m3 + one scale per (token, head)), which reproduces a
+    fp8-fake-quantized q exactly. fp4 keys: q / 2^(e - 13) in e5m2, e = the fp4 rule's exponent of the head's amax
+    (= its largest group exponent). A fp4-fake-quantized q is code_g x 2^e_g with e2m1 codes (<= 2 significant bits),
+    so every value is exact in e5m2 as long as the head's group exponents span <= 28 binades. Other q are rounded to
+    the operand format (the error of vLLM's fp8 indexer q)."""
+    if fmt == "fp8":
+        qk = formats.quantize(q, "fp8")
+        return qk.values, qk.scale[..., 0]
+    amax = jnp.max(jnp.abs(q), axis=-1)
+    e = jnp.clip(formats._pow2_exponent(amax, formats.E2M1_MAX, formats.E2M1_MAX * 2.0 ** -126), -100, 127)
+    s = formats._exp2(e - FP4_Q_SHIFT)
+    return (q / s[..., None]).astype(jnp.float8_e5m2), s
 
 
 def split_q(q, fmt, precision):
-    """q [..., H, dI] float32 -> list of operand arrays (bf16 / f32), fp4: even/odd channels interleave undone."""
+    """q [..., H, dI] float32 -> list of operand arrays (bf16 / f32), fp4: even/odd channels interleave undone.
+    precision="fp8": q is already the fp8 operand (`quantize_q_fp8`); fp4 keys: one [.., 32] part per scale group
+    in natural channel order (the kernel re-interleaves the key nibbles)."""
+    if precision == "fp8":
+        parts = [q[..., 32 * g:32 * g + 32] for g in range(q.shape[-1] // 32)] if fmt == "fp4" else [q]
+        return parts, 1
     if fmt == "fp4" and precision == "f16":  # per 32-channel scale group g: its even and odd channels
         ev, od = q[..., 0::2], q[..., 1::2]
         parts = [x for g in range(q.shape[-1] // 32)
@@ -141,6 +176,19 @@ def fp4_to_f16_scaled(byte):
     return cast(lo), cast(hi)
 
 
+def fp4_to_e5m2_scaled(byte):
+    """Packed e2m1 bytes (int32 0..255) -> [..., 2 x n] float8_e5m2 in natural element order (low nibble first), each
+    = e2m1 value x 2^-14 EXACTLY: the nibble's 3 magnitude bits land on e5m2 bits 3..1 (exponent field = the e2m1
+    exponent, mantissa bit = its mantissa bit; the e2m1 subnormal 0.5 becomes e5m2's subnormal 2^-15), the sign on
+    bit 7. 3-4 integer ops per value, no conversion instruction; the two nibbles of a byte are re-interleaved by a
+    join (stack on the last axis + reshape)."""
+    lo = ((byte & 0x7) << 1) | ((byte & 0x8) << 4)
+    hi = ((byte >> 3) & 0xE) | (byte & 0x80)
+    both = jnp.stack([lo.astype(jnp.uint8), hi.astype(jnp.uint8)], axis=-1)
+    both = both.reshape(byte.shape[:-1] + (2 * byte.shape[-1],))
+    return jax.lax.bitcast_convert_type(both, jnp.float8_e5m2)
+
+
 def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T, d, precision, op_dtype,
             blocks_per_split, n_blocks, fp4_scale, heads_major=False, gmax_groups=0):
     q_refs = refs[:n_qparts]
@@ -159,10 +207,12 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T,
     hi = jnp.minimum(lo + blocks_per_split, n_blocks)
     live_hi = jnp.clip(nb_live, lo, hi)
     per = 2 if fmt == "fp4" else 1
-    fp4_groups = fmt == "fp4" and op_dtype == jnp.float16   # per-32-channel-group dots, scales on their results
+    fp8_ops = precision == "fp8"                            # fp8 tensor-core operands (no key conversion for fp8)
+    fp4_groups = fmt == "fp4" and (op_dtype == jnp.float16 or fp8_ops)  # per-32-channel-group dots, scales on results
     # q and w of the block stay in registers / shared memory for the whole sweep over this split's key blocks
     # (block_q is sized so that is <= 128 KB: see default_config)
-    hoisted = [[q_ref[qq, :, :].astype(op_dtype) for q_ref in q_refs] for qq in range(block_q)]
+    hoisted = [[q_ref[qq, :, :] if fp8_ops else q_ref[qq, :, :].astype(op_dtype) for q_ref in q_refs]
+               for qq in range(block_q)]
     ws = [w_ref[qq, :].astype(jnp.float32) for qq in range(block_q)]
     out_rows = [qi * block_q + qq for qq in range(block_q)]
 
@@ -177,6 +227,8 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T,
             cols = jax.lax.broadcasted_iota(jnp.int32, (1, d), 1)
             k = plgpu.load(key_refs[0].at[b, rows[:, None], cols], mask=live2)
             sc = plgpu.load(key_refs[1].at[b, rows, jnp.zeros_like(rows)], mask=live, other=0.0)
+            if fp8_ops:                  # e4m3 keys straight into the e4m3 x e4m3 MMA
+                return [k.astype(jnp.float8_e4m3fn)], sc
             if op_dtype == jnp.float16:  # e4m3 is exact in f16: one conversion instead of e4m3 -> f32 -> bf16
                 return [k.astype(jnp.float16)], sc
             return [k.astype(jnp.float32).astype(op_dtype)], sc
@@ -185,7 +237,10 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T,
             cols16 = jax.lax.broadcasted_iota(jnp.int32, (1, 16), 1)
             for g in range(d // 32):
                 raw = plgpu.load(key_refs[0].at[b, rows[:, None], 16 * g + cols16], mask=live2, other=0)
-                kops += list(fp4_to_f16_scaled(raw.astype(jnp.int32)))
+                if fp8_ops:   # one [block_t, 32] e5m2 operand per group (= value x 2^-14, like the f16 route)
+                    kops.append(fp4_to_e5m2_scaled(raw.astype(jnp.int32)))
+                else:
+                    kops += list(fp4_to_f16_scaled(raw.astype(jnp.int32)))
                 sb = plgpu.load(key_refs[1].at[b, rows, jnp.full_like(rows, g)], mask=live, other=127)
                 # 2^(sb - 127) x 2^14 (undoing the decode's 2^-14); sb = 0 only for all-zero blocks (codes 0)
                 scales.append(jax.lax.bitcast_convert_type(jnp.maximum(sb.astype(jnp.int32), 1) << 23, jnp.float32)
@@ -231,9 +286,12 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T,
         for qq in range(block_q):
             qv, wv = hoisted[qq], ws[qq]
             logits = None
-            if fp4_groups:  # sum_g s_g[t] (lo_g . q_even_g + hi_g . q_odd_g); n_terms == 1
+            if fp4_groups:  # sum_g s_g[t] (lo_g . q_even_g + hi_g . q_odd_g), fp8: s_g[t] (k_g . q_g); n_terms == 1
                 for g, sg in enumerate(group_scales):
-                    x = kdot(kops[2 * g], qv[2 * g]) + kdot(kops[2 * g + 1], qv[2 * g + 1])
+                    if fp8_ops:
+                        x = kdot(kops[g], qv[g])
+                    else:
+                        x = kdot(kops[2 * g], qv[2 * g]) + kdot(kops[2 * g + 1], qv[2 * g + 1])
                     x = x * per_key(sg)
                     logits = x if logits is None else logits + x
             for t in range(0 if fp4_groups else n_terms):
@@ -305,14 +363,16 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
     fmt = key_format_of(keys)
     precision = precision or DEFAULT_PRECISION[fmt]
     hp = max(16, H)
-    n_terms = N_TERMS[precision]
     if precision not in N_TERMS:
         raise ValueError(f"unknown precision {precision!r}; expected one of {tuple(N_TERMS)}")
+    n_terms = N_TERMS[precision]
     if precision == "f16" and fmt not in ("fp8", "fp4"):
         raise ValueError("precision='f16' is for fp8 / fp4 keys (their codes convert to f16 exactly)")
-    if precision == "f16" and fmt == "fp4" and d % 32:
+    if precision == "fp8" and fmt not in ("fp8", "fp4"):
+        raise ValueError("precision='fp8' is for fp8 / fp4 keys (fp8 tensor-core operands; q quantized like the keys)")
+    if precision in ("f16", "fp8") and fmt == "fp4" and d % 32:
         raise ValueError(f"fp4 keys need index_head_dim % 32 == 0, got {d}")
-    op_dtype = OP_DTYPE[precision]
+    op_dtype = fp8_operand_dtype(fmt) if precision == "fp8" else OP_DTYPE[precision]
     key_bytes = {"bf16": 2, "fp8": 1, "fp4": 0.5}[fmt] if fmt else keys.dtype.itemsize
     cfg = default_config(S, T, q_bytes=hp * d * n_terms * jnp.dtype(op_dtype).itemsize, key_bytes=key_bytes)
     for k_, v_ in dict(block_q=block_q, block_t=block_t, num_warps=num_warps, num_stages=num_stages,
@@ -342,6 +402,9 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
         qf = jnp.pad(qf, ((0, 0), (0, Sp - S), (0, 0), (0, 0)))
         wf = jnp.pad(wf, ((0, 0), (0, Sp - S), (0, 0)))
         nv = jnp.pad(nv, ((0, 0), (0, Sp - S)))
+    if precision == "fp8":   # q as an fp8 operand, its per-(token, head) scale folded into the head weights
+        qf, q_scale = quantize_q_fp8(qf, fmt)
+        wf = wf * q_scale
     qparts, _ = split_q(qf, fmt, precision)
     kparts = (keys,) if not isinstance(keys, formats.QuantizedKeys) else (keys.values, keys.scale)
     grid = (B, Sp // bq, n_split)
