@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.sparse_attention import D, H, W, make_case
-from benchmarks.timing import measure_ceilings, wall_net
+from benchmarks.sparse_attention import D, H, W, make_case, per_call
+from benchmarks.timing import measure_ceilings
 from pallas_kernels.sparse_attention.fp8_layout import ROW_BYTES
 from pallas_kernels.sparse_attention import quantize_kv_fp8, sparse_attention
 from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
@@ -55,22 +55,6 @@ def check(rng, b, kc, opts, fp8=False):
     lerr = float(np.max(np.abs(l_m[fin] - l_r[fin]))) if fin.any() else 0.0
     return dict(b=b, kc=kc, opts=opts, kv="fp8" if fp8 else "bf16", rel_err=err, lse_max_abs_err=lerr, nan=bool(np.isnan(o_m).any()),
                 lse_inf_match=bool(np.array_equal(np.isfinite(l_m), fin)), ok=err < 1e-2 and lerr < 1e-2)
-
-
-def per_call(fn, case, u1, u2):
-    """Seconds per call of fn, chained (q_{k+1} = o_k) over the case's rotating index sets, net of dispatch."""
-    q, wpool, cpool, sinks, widx, cidx = case
-    r = len(widx)
-
-    def chain(u):
-        @jax.jit
-        def run(q, wpool, cpool, sinks, widx, cidx):
-            for i in range(u):
-                q = fn(q, wpool, widx[i % r], cpool, cidx[i % r], sinks)
-            return q
-        return run
-
-    return wall_net(chain, q, wpool, cpool, sinks, widx, cidx, n1=u1, n2=u2)[0]
 
 
 def main():

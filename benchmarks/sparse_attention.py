@@ -79,22 +79,29 @@ def time_impl(impl, q, wpool, cpool, sinks, widx, cidx, unroll, opts):
     return wall(run, q, wpool, cpool, sinks, widx, cidx, reps=5) / unroll, first
 
 
-def time_impl_net(impl, q, wpool, cpool, sinks, widx, cidx, n, opts):
-    """Seconds per call net of dispatch: chains of 1 and 1 + n dependent calls, (wall_{1+n} - wall_1) / n. Prefill
-    (session 10): `time_impl` divides one dispatch (100-250 us) by its 4 calls, a few % of a ~1.2 ms call."""
+def per_call(fn, case, u1, u2):
+    """Seconds per call of fn, chained (q_{k+1} = o_k) over the case's rotating index sets, net of dispatch:
+    (wall of u2 chained calls - wall of u1) / (u2 - u1)."""
+    q, wpool, cpool, sinks, widx, cidx = case
     r = len(widx)
-    one = jax.jit(lambda q, wpool, widx, cpool, cidx, sinks: sparse_attention(
-        q, wpool, widx, cpool, cidx, sinks, scale=D**-0.5, impl=impl, **opts))
 
     def chain(u):
         @jax.jit
         def run(q, wpool, cpool, sinks, widx, cidx):
             for i in range(u):
-                q = one(q, wpool, widx[i % r], cpool, cidx[i % r], sinks)
+                q = fn(q, wpool, widx[i % r], cpool, cidx[i % r], sinks)
             return q
         return run
 
-    return wall_net(chain, q, wpool, cpool, sinks, widx, cidx, n1=1, n2=1 + n)[0]
+    return wall_net(chain, q, wpool, cpool, sinks, widx, cidx, n1=u1, n2=u2)[0]
+
+
+def time_impl_net(impl, case, n, opts):
+    """`per_call` of the dispatcher over chains of 1 and 1 + n calls. Prefill (session 10): `time_impl` divides one
+    dispatch (100-250 us) by its 4 calls, a few % of a ~1.2 ms call."""
+    one = jax.jit(lambda q, wpool, widx, cpool, cidx, sinks: sparse_attention(
+        q, wpool, widx, cpool, cidx, sinks, scale=D**-0.5, impl=impl, **opts))
+    return per_call(one, case, 1, 1 + n)
 
 
 def bench_case(rng, ceil, kind, b, t, kc, fp8, opts=None, ref=True, csa_cap=4096):
@@ -117,7 +124,7 @@ def bench_case(rng, ceil, kind, b, t, kc, fp8, opts=None, ref=True, csa_cap=4096
         tp, o_p = time_impl("pallas", *case, unroll, opts)
         res.update(pallas_us=tp * 1e6, ratio_floor=tp / floor_s, GBps=floor_bytes / tp / 1e9, TFLOPs=flops / tp / 1e12)
         if t > 1:   # prefill: also net of dispatch
-            tn = time_impl_net("pallas", *case, 4, opts)
+            tn = time_impl_net("pallas", case, 4, opts)
             res.update(pallas_net_us=tn * 1e6, TFLOPs_net=flops / tn / 1e12)
     except Exception as e:  # report, keep going
         res["pallas_error"] = f"{type(e).__name__}: {str(e)[:400]}"
