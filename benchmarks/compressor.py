@@ -4,7 +4,8 @@
 
 Compressors: main CSA (ratio 4, overlap, d = 512, bf16 entries), main HCA (ratio 128, d = 512, bf16 entries),
 indexer (ratio 4, overlap, d = 128, fp4 rotated / fp8 rotated entries). Decode: batch 64, S = 1, every row closing
-a window (the worst case: one entry written per row). Prefill: batch 1, S = 8192 from position 0.
+a window (the worst case: one entry written per row). Prefill: batch 1, S = 8192 from position 0, and the
+--prefill shapes (default also 4 x 16384: a floor of 60-150 us, which the chain's ~10 us harness cannot dominate).
 Per case: time per call as dependent calls in one jitted lax.scan (call i + 1's `start` depends, through a scalar
 float add, on call i's written entries and new state, so nothing is hoisted and no array is copied for it), the
 floor = bytes / copy BW with bytes = kv + gate read + state read / written + entries written (the FLOPs,
@@ -52,6 +53,19 @@ VARIANTS_SMALL = {
     "2p_wb32": dict(two_pass=True, windows_per_block=32),
     "2p_wb16_w4": dict(two_pass=True, windows_per_block=16, num_warps=4),
     "2p_wb32_dc32": dict(two_pass=True, windows_per_block=32, dc=32),
+    "2p_wb8_dc32": dict(two_pass=True, windows_per_block=8, dc=32),
+    "2p_wb16_dc32": dict(two_pass=True, windows_per_block=16, dc=32),
+    "2p_wb64_dc32": dict(two_pass=True, windows_per_block=64, dc=32),
+    "2p_wb32_dc16": dict(two_pass=True, windows_per_block=32, dc=16),
+    "2p_wb64_dc16": dict(two_pass=True, windows_per_block=64, dc=16),
+    "f_wb8_dc32": dict(two_pass=False, windows_per_block=8, dc=32),
+    "f_wb16_dc32": dict(two_pass=False, windows_per_block=16, dc=32),
+    "f_wb32_dc32": dict(two_pass=False, windows_per_block=32, dc=32),
+    "2p_wb4_dc32": dict(two_pass=True, windows_per_block=4, dc=32),
+    "2p_wb8_dc32_w2": dict(two_pass=True, windows_per_block=8, dc=32, num_warps=2),
+    "2p_wb8_dc32_w8": dict(two_pass=True, windows_per_block=8, dc=32, num_warps=8),
+    "2p_wb8_dc32_fw2": dict(two_pass=True, windows_per_block=8, dc=32, finish_num_warps=2),
+    "2p_wb8_dc32_fw8": dict(two_pass=True, windows_per_block=8, dc=32, finish_num_warps=8),
     "nofuse": dict(fuse_state=False),
 }
 VARIANTS_ROT = {"dot": dict(mix="dot")}
@@ -77,7 +91,7 @@ def variants_for(name):
     return {**VARIANTS_SMALL, **(VARIANTS_ROT if rotate else {})}
 
 
-def case(name, B, S, ceil, n_iter, with_variants=False, unroll=1):
+def case(name, B, S, ceil, n_iter, with_variants=False, unroll=1, only=None):
     r, overlap, d, fmt, rotate, ebytes = COMPRESSORS[name]
     c = 2 if overlap else 1
     ks = jax.random.split(jax.random.key(hash((name, B, S)) % 1000), 6)
@@ -104,13 +118,13 @@ def case(name, B, S, ceil, n_iter, with_variants=False, unroll=1):
         + n_entries * ebytes
     fl = floor_s(bytes_, 0, ceil)
     row = dict(name=name, B=B, S=S, floor_us=fl * 1e6, bytes=bytes_, unroll=unroll,
-               default_config=default_config(B, S, r, d, overlap))
+               default_config=default_config(B, S, r, d, overlap, fmt))
     # "harness": the chain's own iteration without a compressor call, included in every other column
     runs = [("harness", None, {}), ("pallas", "pallas", {}), ("reference", "reference", {})]
     if with_variants:
-        runs += [("v:" + k, "pallas", opts) for k, opts in variants_for(name).items()]
+        runs += [("v:" + k, "pallas", opts) for k, opts in variants_for(name).items() if not only or k in only]
     for key, impl, opts in runs:
-        def step(carry, impl=impl, opts=opts):
+        def step(carry, kv, gate, skv, sg, pk, pg, impl=impl, opts=opts):
             st, ent = carry
             if impl is None:
                 dep = jax.tree_util.tree_leaves(ent)[0][0, 0, 0].astype(jnp.float32)
@@ -120,7 +134,8 @@ def case(name, B, S, ceil, n_iter, with_variants=False, unroll=1):
             dep = leaf[0, 0, 0].astype(jnp.float32) + out[1][0, 0, 0]
             return (st.astype(jnp.float32) + 0.0 * dep).astype(jnp.int32), out[0]
         try:
-            row[key + "_us"] = timed_chain(step, (start, entries), n_iter, unroll=unroll) * 1e6
+            row[key + "_us"] = timed_chain(step, (start, entries), n_iter, unroll=unroll,
+                                           args=(kv, gate, skv, sg, pk, pg)) * 1e6
         except Exception as e:  # noqa: BLE001
             row[key + "_us"] = float("nan")
             row[key + "_err"] = repr(e)[:300]
@@ -132,7 +147,10 @@ def main():
     ap.add_argument("--out", default="/tmp/comp_bench")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--variants", action="store_true", help="also time the kernel configurations of VARIANTS_*")
-    ap.add_argument("--cases", default="", help="decode | prefill | comma-separated compressor names (default all)")
+    ap.add_argument("--cases", default="",
+                    help="comma-separated: decode and / or prefill, and / or compressor names (default all)")
+    ap.add_argument("--only-variants", default="", help="with --variants: time only these (comma-separated)")
+    ap.add_argument("--prefill", default="1x8192,4x16384", help="prefill shapes BxS, comma-separated")
     ap.add_argument("--unroll", type=int, default=1,
                     help="dependent calls per scan iteration (timing.timed_chain): > 1 shares the loop's own "
                          "per-iteration cost (part of the 'harness' column) among that many calls")
@@ -142,16 +160,21 @@ def main():
     print(f"ceilings: copy {ceil['copy_Bps'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flops'] / 1e12:.0f} TFLOP/s", flush=True)
     names = list(COMPRESSORS)
     sel = [c for c in a.cases.split(",") if c]
-    cases = [(n, 64, 1) for n in names] + [(n, 1, 8192) for n in names]
-    if sel:
-        cases = [(n, B, S) for n, B, S in cases
-                 if n in sel or ("decode" in sel and S == 1) or ("prefill" in sel and S > 1)]
+    shapes = [tuple(int(x) for x in bs.split("x")) for bs in a.prefill.split(",") if bs]
+    cases = [(n, 64, 1) for n in names] + [(n, B, S) for B, S in shapes for n in names]
+    sel_names = [c for c in sel if c in COMPRESSORS]
+    sel_kinds = [c for c in sel if c in ("decode", "prefill")]
+    if set(sel) - set(sel_names) - set(sel_kinds):
+        raise SystemExit(f"unknown --cases {sorted(set(sel) - set(sel_names) - set(sel_kinds))}")
+    cases = [(n, B, S) for n, B, S in cases if (not sel_names or n in sel_names)
+             and (not sel_kinds or ("decode" if S == 1 else "prefill") in sel_kinds)]
     print(f"{'compressor':>10} {'B':>3} {'S':>5} {'floor':>9} {'harness':>17} {'pallas':>17} {'xla_ref':>17}",
           flush=True)
     rows = []
     for n, B, S in cases:
         # enough dependent calls per timed program that its one dispatch (100-250 us) adds < ~1-2 us per call
-        r = case(n, B, S, ceil, 200 if S == 1 else 100, a.variants, a.unroll)
+        r = case(n, B, S, ceil, 200 if S == 1 else 100, a.variants, a.unroll,
+                 [v for v in a.only_variants.split(",") if v])
         rows.append(r)
         cells = " ".join(f"{r[k]:9.1f} ({r[k] / r['floor_us']:5.1f}x)" for k in ("harness_us", "pallas_us", "reference_us"))
         print(f"{n:>10} {B:>3} {S:>5} {r['floor_us']:8.2f}u {cells}", flush=True)

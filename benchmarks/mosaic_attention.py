@@ -62,7 +62,8 @@ def main():
     ap.add_argument("--out", default="/tmp")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--cases", default="decode",
-                    help="decode | prefill (CSA S=4096, B=1) | splits (B=64 n_splits) | fp8 (FP8 pools: decode + prefill)")
+                    help="decode | prefill (CSA S=4096, B=1) | splits (B=64 n_splits) | fp8 (FP8 pools: decode + prefill) "
+                         "| heads128 (V4-Pro's 128 heads: decode + prefill, bf16 pools)")
     ap.add_argument("--rounds", type=int, default=1, help="time the variants this many times, interleaved")
     ap.add_argument("--no-checks", action="store_true", help="skip the correctness checks (pytest covers them)")
     ap.add_argument("--variants", default=None, help="comma-separated variant names to time (default: all)")
@@ -88,19 +89,22 @@ def main():
     cases = {"decode": [("csa", 64, 512, 1), ("csa", 16, 512, 1), ("csa", 128, 512, 1), ("hca", 16, 8192, 1)],
              "prefill": [("csa", 1, 512, 4096), ("csa", 1, 512, 16384)], "splits": [("csa", 64, 512, 1)],
              "fp8": [("csa", 64, 512, 1), ("csa", 16, 512, 1), ("csa", 128, 512, 1), ("hca", 16, 8192, 1),
-                     ("csa", 1, 512, 4096)]}[args.cases]
+                     ("csa", 1, 512, 4096)],
+             "heads128": [("csa", 64, 512, 1, 128), ("csa", 16, 512, 1, 128), ("csa", 128, 512, 1, 128),
+                          ("hca", 16, 8192, 1, 128), ("csa", 1, 512, 4096, 128)]}[args.cases]
     fp8 = args.cases == "fp8"
     if fp8 and args.diag:
         cases = cases[:1] + cases[2:3]   # CSA B=64 and B=128
     if args.quick:
         cases = cases[:1]
-    for kind, b, kc, t_q in cases:
+    for kind, b, kc, t_q, *hh in cases:
+        heads = hh[0] if hh else H
         entries = b * t_q * (W + kc)
-        floor_bytes = entries * (ROW_BYTES if fp8 else 2 * D) + 2 * b * t_q * H * D * 2
-        flops = 4 * H * D * entries
+        floor_bytes = entries * (ROW_BYTES if fp8 else 2 * D) + 2 * b * t_q * heads * D * 2
+        flops = 4 * heads * D * entries
         floor_s = max(floor_bytes / (ceil["copy_GBps"] * 1e9), flops / (ceil["bf16_TFLOPs"] * 1e12))
         n_copies = int(min(16, max(1, math.ceil(256e6 / (entries * 2 * D))))) if t_q == 1 else 1
-        case = make_case(rng, kind, b, t_q, kc, 4096, fp8, n_copies)
+        case = make_case(rng, kind, b, t_q, kc, 4096, fp8, n_copies, heads)
         variants = [("triton", lambda *a: sparse_attention(*a, scale=D ** -0.5, impl="pallas", kernel="triton")),
                     ("mosaic", lambda *a: sparse_attention_mosaic(*a, scale=D ** -0.5))]
         if args.cases == "splits":
@@ -122,7 +126,7 @@ def main():
         for rnd, (name, fn) in [(i, v) for i in range(args.rounds) for v in variants]:
             try:
                 t = per_call(fn, case, 8, 8 + 4 * max(8, n_copies)) if t_q == 1 else per_call(fn, case, 1, 3)
-                r = dict(kind=kind, B=b, T=t_q, Kc=kc, kv="fp8" if fp8 else "bf16", variant=name, round=rnd, us=t * 1e6, floor_us=floor_s * 1e6,
+                r = dict(kind=kind, B=b, T=t_q, Kc=kc, H=heads, kv="fp8" if fp8 else "bf16", variant=name, round=rnd, us=t * 1e6, floor_us=floor_s * 1e6,
                          ratio=t / floor_s, GBps=floor_bytes / t / 1e9, TFLOPs=flops / t / 1e12)
             except Exception as e:
                 r = dict(kind=kind, B=b, Kc=kc, variant=name, error=f"{type(e).__name__}: {str(e)[:600]}")

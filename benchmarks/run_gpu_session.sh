@@ -33,7 +33,7 @@ for s in ${STEPS:-tests5 model comp idx}; do
           tests/test_indexer_topk.py -k "${GPU_TEST_K:-gpu or matches_lax or edge_values}" ;;
     model) run_step model 200 $PYT tests/test_model_pallas.py tests/test_model_pallas_quantized.py ${MODEL_K:+-k "$MODEL_K"} ;;
     comp) run_step comp 120 $PY benchmarks/compressor.py --out "$OUT" "$@" ${COMP_ARGS:-} ;;
-    compv) run_step compv 120 $PY benchmarks/compressor.py --out "$OUT/variants" --variants --cases ${COMPV_CASES:-prefill} ;;
+    compv) run_step compv 120 $PY benchmarks/compressor.py --out "$OUT/variants" --variants --cases ${COMPV_CASES:-prefill} ${COMPV_ARGS:-} ;;
     idx) run_step idx 180 $PY benchmarks/indexer.py --out "$OUT" "$@" ${IDX_ARGS:-} ;;
     topk) run_step topk 120 $PY benchmarks/topk_stages.py --out "$OUT" ${TOPK_ARGS:-} ;;
     topk_cb) XLA_FLAGS="--xla_gpu_enable_command_buffer=${CB_TYPES:-FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE}" \

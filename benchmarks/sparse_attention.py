@@ -32,8 +32,8 @@ H = 64
 W = 128
 
 
-def make_case(rng, kind, b, t, kc, csa_cap, fp8, n_copies):
-    """Pools with n_copies disjoint copies; index lists for each copy."""
+def make_case(rng, kind, b, t, kc, csa_cap, fp8, n_copies, heads=H):
+    """Pools with n_copies disjoint copies; index lists for each copy; q [b, t, heads, D]."""
     cap = csa_cap if kind == "csa" else kc  # compressed rows per sequence
     n_w = n_copies * b * W
     n_c = n_copies * b * cap
@@ -43,8 +43,8 @@ def make_case(rng, kind, b, t, kc, csa_cap, fp8, n_copies):
     cpool = jax.random.normal(k2, (n_c, D), jnp.bfloat16)
     if fp8:
         wpool, cpool = quantize_kv_fp8(wpool), quantize_kv_fp8(cpool)
-    q = jax.random.normal(k3, (b, t, H, D), jnp.bfloat16)
-    sinks = jax.random.normal(k4, (H,), jnp.float32)
+    q = jax.random.normal(k3, (b, t, heads, D), jnp.bfloat16)
+    sinks = jax.random.normal(k4, (heads,), jnp.float32)
     widx, cidx = [], []
     for r in range(n_copies):
         if t == 1:

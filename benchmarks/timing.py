@@ -29,15 +29,22 @@ def wall_net(build, *args, n1: int, n2: int, reps: int = 5):
     return (t2 - t1) / (n2 - n1), t1
 
 
-def timed_chain(step, carry, n_iter, reps=3, unroll=1):
+def timed_chain(step, carry, n_iter, reps=3, unroll=1, args=None):
     """Seconds per iteration of `carry = step(carry)` run n_iter times as dependent calls in one jitted scan (so
     XLA can neither hoist nor batch them and Python dispatch is paid once). `unroll` > 1 puts that many dependent
     steps in each loop iteration, so the loop's own per-iteration cost (on the GPU a while loop's trip) is shared
-    by `unroll` calls; n_iter is rounded up to a multiple of it."""
+    by `unroll` calls; n_iter is rounded up to a multiple of it. `args` (a tuple of arrays): the step is called as
+    step(carry, *args) and they are passed to the jitted program as arguments. Large inputs must come this way: an
+    array the step closes over is a constant of the compiled program (the B=64 x 1M-context indexer keys, 2.2 GB,
+    crashed XLA's compiler that way, session 11)."""
     unroll = max(1, int(unroll))
     n_iter = -(-n_iter // unroll) * unroll
-    f = jax.jit(lambda c: jax.lax.scan(lambda c, _: (step(c), None), c, None, length=n_iter, unroll=unroll)[0])
-    return wall(f, carry, reps=reps) / n_iter
+    if args is None:
+        f = jax.jit(lambda c: jax.lax.scan(lambda c, _: (step(c), None), c, None, length=n_iter, unroll=unroll)[0])
+        return wall(f, carry, reps=reps) / n_iter
+    f = jax.jit(lambda c, a: jax.lax.scan(lambda c, _: (step(c, *a), None), c, None, length=n_iter,
+                                          unroll=unroll)[0])
+    return wall(f, carry, tuple(args), reps=reps) / n_iter
 
 
 def measure_ceilings(quick=False):

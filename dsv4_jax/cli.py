@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--attention-impl", choices=("auto", "reference", "pallas"), default="auto",
                    help="sparse attention implementation (auto: Pallas kernel where available, else reference)")
     g.add_argument("--attention-kernel", choices=("auto", "mosaic", "triton"), default="auto",  # GPU_KERNELS
-                   help="GPU sparse-attention kernel: auto (Mosaic GPU for bf16 models with 64 heads and bf16 "
+                   help="GPU sparse-attention kernel: auto (Mosaic GPU for bf16 models with 64 or 128 heads and bf16 "
                         "caches, else Triton), mosaic, triton")
     g.add_argument("--indexer-picks", choices=("auto", "sorted", "set"), default="auto",  # PICKS; no jax at parse
                    help="order of the CSA indexer's picks: sorted (best first, as the reference), set (ascending "

@@ -230,7 +230,7 @@ def test_gpu_kernel_options(r, overlap, opts):
 
 
 @pytest.mark.parametrize("impl", ["pallas", "interpret_tpu"])
-@pytest.mark.parametrize("ratio, overlap, S", [(4, True, 9), (4, True, 1), (128, False, 130)])
+@pytest.mark.parametrize("ratio, overlap, S", [(4, True, 9), (4, True, 1), (128, False, 130), (4, True, 70)])
 def test_main_kv_fp8_rows(ratio, overlap, S, impl):
     """The main compressor writing the 584-B FP8 KV rows (Fp8KVPool entries), interpreted GPU / TPU kernel vs
     reference: same rows written, the rest untouched, dequantized entries equal up to an e4m3 rounding step."""

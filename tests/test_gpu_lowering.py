@@ -162,11 +162,14 @@ def lower_model_steps(model, cache, marker):
                                               (2, 1, 8192, dict(n_splits=3), True), (1, 64, 60, {}, True),
                                               (3, 1, 512, dict(regs=(40, 232)), False),
                                               (1, 64, 60, dict(regs=(24, 240)), True),
-                                              (3, 1, 512, dict(_diag="loop"), True)])
+                                              (3, 1, 512, dict(_diag="loop"), True),
+                                              (3, 1, 512, dict(heads=128), False),
+                                              (2, 1, 1024, dict(heads=128, n_splits=2), True)])
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
-    inp = make_attention(b, t, 64, 512, 300, 9000, 128, k_c, ragged=True, fp8=fp8)
+    opts = dict(opts)
+    inp = make_attention(b, t, opts.pop("heads", 64), 512, 300, 9000, 128, k_c, ragged=True, fp8=fp8)
     keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
     lens = dict(window_len=inp["window_len"], compressed_len=inp["compressed_len"])
     lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, scale=512 ** -0.5, **lens, **opts),

@@ -254,6 +254,9 @@ def test_kernel_option_validation():
     assert not mosaic_applies(inp["q"], inp["window_kv"], inp["compressed_kv"], kernel_options=dict(d_chunk=64))
     assert not mosaic_applies(inp["q"].astype(jnp.float32), inp["window_kv"], inp["compressed_kv"])
     assert not mosaic_applies(inp["q"][:, :, :16], inp["window_kv"], inp["compressed_kv"])
+    q128 = jnp.concatenate([inp["q"], inp["q"]], axis=2)        # 128 heads: two CTAs of 64 per query row
+    assert mosaic_applies(q128, inp["window_kv"], inp["compressed_kv"])
+    assert not mosaic_applies(q128[:, :, :96], inp["window_kv"], inp["compressed_kv"])
 
 
 def test_mosaic_kernel_input_errors():
@@ -279,3 +282,6 @@ def test_mosaic_kernel_input_errors():
         sparse_attention_mosaic(*args, scale=0.1, block_k=128)
     with pytest.raises(ValueError, match="shared memory .* over"):
         sparse_attention_mosaic(*args, scale=0.1, n_splits=1)   # 8320 index rows of one CTA do not fit
+    q96 = jnp.concatenate([args[0], args[0][:, :, :32]], axis=2)
+    with pytest.raises(ValueError, match="multiple of 64 heads"):
+        sparse_attention_mosaic(q96, *args[1:5], jnp.zeros((96,), jnp.float32), scale=0.1)

@@ -82,14 +82,21 @@ MOSAIC_CASES = [
     # registers moved from the producer to the consumers (setmaxnreg)
     (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(regs=(40, 232))),
     (3, 2, 128, 600, 128, 1024, dict(ragged=True, fp8=True), dict(regs=(24, 240))),
+    # 128 heads (V4-Pro): two head groups of 64, one CTA each; with and without split-K, prefill, FP8
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True, heads=128), {}),
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, heads=128), dict(n_splits=3)),
+    (1, 64, 512, 200, 100, 60, dict(ragged=True, heads=128), {}),
+    (3, 2, 128, 600, 128, 1024, dict(ragged=True, fp8=True, heads=128), dict(n_splits=2)),
 ]
 
 
 @pytest.mark.parametrize("case", MOSAIC_CASES,
-                         ids=lambda c: f"b{c[0]}t{c[1]}k{c[5]}{'_fp8' if c[6].get('fp8') else ''}{opts_id(c[7])}")
+                         ids=lambda c: f"b{c[0]}t{c[1]}k{c[5]}{'_fp8' if c[6].get('fp8') else ''}"
+                                       f"{'_h%d' % c[6]['heads'] if 'heads' in c[6] else ''}{opts_id(c[7])}")
 def test_gpu_mosaic_kernel(case):
     b, t, n_w, n_c, k_w, k_c, flags, opts = case
-    inp = make_inputs(b, t, 64, 512, n_w, n_c, k_w, k_c, **flags)
+    flags = dict(flags)
+    inp = make_inputs(b, t, flags.pop("heads", 64), 512, n_w, n_c, k_w, k_c, **flags)
     out = call(sparse_attention, inp, impl="pallas", kernel="mosaic", **opts)
     check_close(out, call(sparse_attention_reference, inp))
 

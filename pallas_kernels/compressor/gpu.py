@@ -38,7 +38,7 @@ Invariants: every in-kernel array shape is a power of two (wb, sb, dc; sb must d
 index arrays ([n, 1] rows x [1, m] columns) with masks, never array and slice indexers mixed; row b reads only row
 b; nothing is stored for incomplete windows or dest >= cap; no Python control flow on traced values (fori_loop,
 pl.when). Results equal the reference's up to float32 summation order in the pooling and the RMS statistic.
-Options (None: `default_config(B, S, ratio, d)`): windows_per_block, slot_block, two_pass, dc, fuse_state, mix,
+Options (None: `default_config(B, S, ratio, d, overlap, key_format)`): windows_per_block, slot_block, two_pass, dc, fuse_state, mix,
 num_warps, num_stages, finish_num_warps.
 
 Formats (`key_format`): None -> cast to the cache dtype; "bf16"; "fp8" (indexer 132 B: e4m3 + f32 pow2 scale per
@@ -190,13 +190,16 @@ def _warps_for(cfg: dict, d: int, overlap: bool) -> tuple:
     return (_default_warps(pool) if cfg["two_pass"] else max(_default_warps(pool), finish)), finish
 
 
-def default_config(B: int, S: int, ratio: int, d: int, overlap: Optional[bool] = None) -> dict:
+def default_config(B: int, S: int, ratio: int, d: int, overlap: Optional[bool] = None,
+                   key_format: Optional[str] = None) -> dict:
     """Kernel options for a [B, S] chunk of a ratio-`ratio` compressor with d output channels (overlap: the
-    ratio-4 compressor's two halves; default ratio == 4).
+    ratio-4 compressor's two halves; default ratio == 4) writing `key_format` entries.
 
-    Small ratio: fused layout; decode-sized chunks (<= 4 windows per row) take all windows of a row in one block,
-    prefill blocks of 8 windows when d <= 128, else the two-pass layout with 16-window blocks (a fused program
-    with d = 512 keeps too many tiles live: spills). Large ratio: two-pass, one window per block, the slots walked
+    Small ratio: decode-sized chunks (<= 4 windows per row) take all windows of a row in one fused block; prefill
+    takes the two-pass layout with 8-window blocks and 32-channel chunks (64 for the FP8 KV rows, whose scale blocks
+    are 64 wide). H200, B=4 x S=16384 (session 11, results/h200_s11r3_compv.log): main CSA 179.6 us = 80% of HBM
+    bandwidth (was 240.0, 60%: two-pass, 16 windows, 64 channels), indexer fp4 / fp8 61.8 / 60.2 us = 57% / 59%
+    (was 97, 36%: fused, 8 windows). Large ratio: two-pass, one window per block, the slots walked
     in 16-row (prefill) / 32-row (decode) sub-blocks (online softmax, loads pipelined over 2 stages); at decode the
     new state comes from the XLA epilogue (fuse_state=False), which measured faster there.
     num_warps / finish_num_warps: `_warps_for` (compress_chunk_gpu recomputes them from the effective block sizes
@@ -209,10 +212,10 @@ def default_config(B: int, S: int, ratio: int, d: int, overlap: Optional[bool] =
         sb = _pow2_divisor(ratio)
         if nw <= 4:
             cfg = dict(windows_per_block=_pow2_ceil(nw), two_pass=False)
-        elif d // dc <= 2:
-            cfg = dict(windows_per_block=8, two_pass=False)
         else:
-            cfg = dict(windows_per_block=16, two_pass=True)
+            cfg = dict(windows_per_block=8, two_pass=True)
+            if key_format != "kv_fp8" and d % 32 == 0:
+                dc = 32
         num_stages = 1
     else:  # H200 variants (results/h200_s3r3_compv.log, hca B=1 S=8192 / B=64 S=1): 16-slot sub-blocks 31 vs
         # 39-41 us for prefill; decode with the state update left to the XLA epilogue 34.5 vs 44.9 us
@@ -564,7 +567,7 @@ def compress_chunk_gpu(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, 
     d = cd // 2 if overlap else cd
     inv_freq = np.asarray(inv_freq, np.float32)
     rd = 2 * inv_freq.shape[0]
-    cfg = default_config(B, S, r, d, overlap)
+    cfg = default_config(B, S, r, d, overlap, key_format)
     if dc is None:   # the rope channels must be whole chunks
         while cfg["dc"] > 2 and (rd % cfg["dc"] or (d - rd) % cfg["dc"]):
             cfg["dc"] //= 2

@@ -6,7 +6,7 @@
 
 impl: "reference" (plain jnp), "pallas" (GPU: one of the two GPU kernels below; TPU: Mosaic TPU kernel; CPU: the
 Triton GPU kernel in the Pallas interpreter, slow, for tests), "auto" (pallas on GPU/TPU, reference on CPU).
-kernel (GPU only): "mosaic" (gpu_mosaic.py: warp-specialised, written against Mosaic GPU; bf16 q with 64 heads,
+kernel (GPU only): "mosaic" (gpu_mosaic.py: warp-specialised, written against Mosaic GPU; bf16 q with 64 or 128 heads,
 bf16 or FP8 pools, bf16 output), "triton" (gpu.py: every dtype, head count and pool, plus its tuning knobs), "auto"
 (default: mosaic where it is the faster one and no Triton-only option is given, else triton). Measured on the H200
 (sessions 8-9, benchmarks/mosaic_attention.py, sparse_attention.py --groups kernels): with bf16 pools mosaic is
@@ -44,7 +44,8 @@ MOSAIC_OPTIONS = frozenset({"block_k", "num_stages", "n_splits"})  # the knobs b
 
 
 def mosaic_applies(q, window_kv, compressed_kv, out_dtype=None, kernel_options=None) -> bool:
-    """Whether kernel="auto" picks the Mosaic GPU kernel: bf16 q with 64 heads and head_dim % 128 == 0, bf16
+    """Whether kernel="auto" picks the Mosaic GPU kernel: bf16 q with a multiple of 64 heads (one CTA per 64) and
+    head_dim % 128 == 0, bf16
     [rows, head_dim] pools, bf16 output, only knobs it understands. FP8 pools go to the Triton kernel: the Mosaic
     kernel takes them (kernel="mosaic") but measured slower (session 9)."""
     import jax.numpy as jnp
@@ -52,7 +53,7 @@ def mosaic_applies(q, window_kv, compressed_kv, out_dtype=None, kernel_options=N
     from .gpu_mosaic import BLOCK_H
 
     pools = [window_kv] + ([] if compressed_kv is None else [compressed_kv])
-    return (q.dtype == jnp.bfloat16 and q.shape[2] == BLOCK_H and q.shape[3] % 128 == 0
+    return (q.dtype == jnp.bfloat16 and q.shape[2] % BLOCK_H == 0 and q.shape[3] % 128 == 0
             and all(not isinstance(p_, Fp8KVPool) and p_.dtype == jnp.bfloat16 for p_ in pools)
             and jnp.dtype(out_dtype or q.dtype) == jnp.bfloat16
             and set(kernel_options or ()) <= MOSAIC_OPTIONS)

@@ -7,7 +7,9 @@ alone. With one `arrive_expect_tx` per block and copies that do not arrive, the 
 (benchmarks/tma_row_gather_{probe,raw}.py, NOTES_sparse_attention.md session 8). Pallas does not expose the second
 form, so this kernel uses `jax.experimental.mosaic.gpu` (the layer under Pallas) directly.
 
-CTA = (query row i, split s), 64 heads, three warpgroups:
+CTA = (query row i, head group h, split s), 64 heads (one wgmma M), three warpgroups. More heads (V4-Pro's 128) are
+G = H / 64 head groups, one CTA each, like FlashMLA's 64-head blocks: CTA x = i * G + h, so the groups of a row run
+side by side and the second group's gathers of the same KV rows mostly hit L2.
 * warpgroup 2, the **producer**: copies q [64, d] and the sinks (one bulk copy each), this split's index rows, then
   for every step gathers `block_k` rows into ring slot g % stages: one thread registers the slot's byte count, lane 0
   of each of the 4 warps issues the 8 piece copies of every 4th row. Invalid entries (index < 0: the wrapper has
@@ -95,11 +97,13 @@ def default_config(bt: int, total_blocks: int):
 
 
 def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=False, diag=None,
-           regs=None):
+           regs=None, n_hg=1):
     """The Mosaic GPU kernel as a callable:
-    (q [BT, 64, d] bf16, sinks [64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
+    (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
-    scale [rows, 8] uint8) -> (o [BT, (ns,) 64, d] bf16, lse [BT, (ns,) 64] f32); the ns axis only with split-K.
+    scale [rows, 8] uint8) -> (o [BT, (ns,) G, 64, d] bf16, lse [BT, (ns,) G, 64] f32); the ns axis only with
+    split-K. G = n_hg head groups of 64: CTA x = row * G + group, so a row's groups run side by side and the second
+    group's gathers of the same KV rows mostly hit L2.
     Shared memory, bf16: q/o tile 64 KB (d = 512), `stages` x block_k x d x 2 B ring, this split's index rows,
     sinks|lse. fp8: q/o tile, one bf16 KV tile (block_k x d, the consumers' dequantized block), and a staging ring of
     `stages` x block_k raw rows (nope padded to 512 B, as a bulk copy's shared address must be 128 B aligned; rope
@@ -131,7 +135,11 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
         i8, i16, i64 = (ir.IntegerType.get_signless(n) for n in (8, 16, 64))
         c = lambda v: arith.constant(index, v)
         ci = lambda v: arith.constant(i32, v)
-        row = gpu.block_id(gpu.Dimension.x)
+        cta_x = gpu.block_id(gpu.Dimension.x)
+        if n_hg == 1:
+            row, hg = cta_x, c(0)
+        else:
+            row, hg = arith.divui(cta_x, c(n_hg)), arith.remui(cta_x, c(n_hg))
         split = gpu.block_id(gpu.Dimension.y)
         wg = mu.warpgroup_idx(sync=True)
         one = mu.single_thread_predicate(mu.ThreadSubset.WARPGROUP)
@@ -172,10 +180,11 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             nvvm.setmaxregister(regs[0], nvvm.SetMaxRegisterAction.decrease)
             q_bytes = BLOCK_H * d * 2 + BLOCK_H * 4
             q_bar.arrive_expect_tx(q_bytes, predicate=one)
-            ctx.async_copy(src_ref=q_gmem, dst_ref=q_smem, gmem_slice=(row,),
+            ctx.async_copy(src_ref=q_gmem, dst_ref=q_smem, gmem_slice=(row, hg),
                            gmem_transform=mgpu.TileTransform((8, 64)), swizzle=128, barrier=q_bar, arrive=False,
                            predicate=one)
-            ctx.async_copy(src_ref=sink_gmem, dst_ref=mu.memref_slice(vec_smem, mu.ds(0, BLOCK_H)), barrier=q_bar,
+            ctx.async_copy(src_ref=sink_gmem, dst_ref=mu.memref_slice(vec_smem, mu.ds(0, BLOCK_H)), gmem_slice=(hg,),
+                           barrier=q_bar,
                            arrive=False, predicate=one)
             idx_bar.arrive_expect_tx(sum(idx_rows) * 4, predicate=one)
             for k in range(n_src):
@@ -375,7 +384,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             cons_bar.arrive()
             cons_bar.wait()
             with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
-                o_slice = (row, split) if out_split else (row,)
+                o_slice = (row, split, hg) if out_split else (row, hg)
                 ctx.async_copy(src_ref=q_smem, dst_ref=o_gmem, gmem_slice=o_slice,
                                gmem_transform=mgpu.TileTransform((8, 64)), swizzle=128, predicate=one)
                 ctx.async_copy(src_ref=mu.memref_slice(vec_smem, mu.ds(BLOCK_H, BLOCK_H)), dst_ref=lse_gmem,
@@ -383,7 +392,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 ctx.await_async_copy(0)
             scf.yield_([])
 
-    in_shape = [jax.ShapeDtypeStruct((bt, BLOCK_H, d), jnp.bfloat16), jax.ShapeDtypeStruct((BLOCK_H,), jnp.float32)]
+    in_shape = [jax.ShapeDtypeStruct((bt, n_hg, BLOCK_H, d), jnp.bfloat16),
+                jax.ShapeDtypeStruct((n_hg, BLOCK_H), jnp.float32)]
     for s_ in srcs:
         in_shape += [jax.ShapeDtypeStruct((bt, s_["k"]), jnp.int32), jax.ShapeDtypeStruct((bt,), jnp.int32)]
         if fp8:
@@ -392,7 +402,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                          jax.ShapeDtypeStruct((s_["n_rows"], SCALE_BYTES), jnp.uint8)]
         else:
             in_shape += [jax.ShapeDtypeStruct((s_["n_rows"], d), jnp.bfloat16)]
-    lead = (bt, ns) if out_split else (bt,)
+    lead = ((bt, ns) if out_split else (bt,)) + (n_hg,)
     out_shape = (jax.ShapeDtypeStruct((*lead, BLOCK_H, d), jnp.bfloat16),
                  jax.ShapeDtypeStruct((*lead, BLOCK_H), jnp.float32))
     if fp8:
@@ -419,7 +429,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             (mgpu.Barrier(arrival_count=256, num_barriers=stages), mgpu.Barrier(arrival_count=256)),
         )
     with jax_mlir.make_ir_context(), ir.Location.unknown():
-        return mgpu.as_gpu_kernel(body, grid=(bt, ns, 1), block=(384, 1, 1), in_shape=tuple(in_shape),
+        return mgpu.as_gpu_kernel(body, grid=(bt * n_hg, ns, 1), block=(384, 1, 1), in_shape=tuple(in_shape),
                                   out_shape=out_shape, smem_scratch_shape=smem)
 
 
@@ -455,9 +465,9 @@ def sparse_attention_mosaic(
     regs: tuple[int, int] | None = None,
     _diag: str | None = None,
 ):
-    """Mosaic GPU implementation of `reference.sparse_attention` for bf16 q [B, T, 64, d] and either bf16 [rows, d]
-    pools (d a multiple of 128) or FP8 pools (`Fp8KVPool`, d = 512; both sources FP8, dequantized in shared memory
-    by the consumers). Knobs: block_k (entries per step, a multiple of 64, <= 256; FP8: 64), num_stages (ring depth),
+    """Mosaic GPU implementation of `reference.sparse_attention` for bf16 q [B, T, H, d] (H a multiple of 64: one
+    CTA per group of 64 heads) and either bf16 [rows, d] pools (d a multiple of 128) or FP8 pools (`Fp8KVPool`,
+    d = 512; both sources FP8, dequantized in shared memory by the consumers). Knobs: block_k (entries per step, a multiple of 64, <= 256; FP8: 64), num_stages (ring depth),
     n_splits (split-K; default about one CTA per SM), regs ((producer, consumer) registers per thread set by
     `setmaxnreg`; default DEFAULT_REGS; (40, 232) and (24, 240) measured within the run-to-run noise, session 10).
     `_diag` (FP8, timing diagnostics, wrong output unless noted):
@@ -474,8 +484,10 @@ def sparse_attention_mosaic(
     if q.dtype != jnp.bfloat16 or (not fp8 and any(p_.dtype != jnp.bfloat16 for p_ in pools)):
         raise ValueError("the Mosaic GPU kernel takes bf16 q and bf16 [rows, head_dim] or Fp8KVPool pools "
                          "(other dtypes: gpu.py)")
-    if h != BLOCK_H or d % 128:
-        raise ValueError(f"the Mosaic GPU kernel needs {BLOCK_H} heads and head_dim % 128 == 0, got {h}, {d}")
+    if h % BLOCK_H or d % 128:
+        raise ValueError(f"the Mosaic GPU kernel needs a multiple of {BLOCK_H} heads and head_dim % 128 == 0, "
+                         f"got {h}, {d}")
+    n_hg = h // BLOCK_H   # head groups: one CTA per (row, group, split)
     if fp8 and (block_k or 64) != 64:
         raise ValueError(f"with FP8 pools the Mosaic GPU kernel takes block_k=64 (shared memory), got {block_k}")
     out_dtype = jnp.dtype(out_dtype or q.dtype)
@@ -485,7 +497,7 @@ def sparse_attention_mosaic(
     if compressed_kv is not None:
         flat.append(common.flatten_source(compressed_kv, compressed_idx, compressed_len, bt, bk0))
     total_blocks = sum(s_.k // bk0 for s_ in flat)
-    cfg = default_config(bt, total_blocks)
+    cfg = default_config(bt * n_hg, total_blocks)
     for k_, v_ in dict(block_k=block_k, num_stages=num_stages, n_splits=n_splits).items():
         if v_ is not None:
             cfg[k_] = v_
@@ -505,7 +517,7 @@ def sparse_attention_mosaic(
     if smem > SMEM_BUDGET:
         raise ValueError(f"shared memory {smem} B over {SMEM_BUDGET}: lower num_stages / block_k or raise n_splits")
 
-    args = [q.reshape(bt, h, d), sinks.astype(jnp.float32)]
+    args = [q.reshape(bt, n_hg, BLOCK_H, d), sinks.astype(jnp.float32).reshape(n_hg, BLOCK_H)]
     meta = []
     for s_ in flat:
         # the kernel only tests idx >= 0: out-of-range and past-length entries become -1 here (never read)
@@ -514,10 +526,11 @@ def sparse_attention_mosaic(
         args += [idx, s_.length] + ([s_.pool.nope, s_.pool.rope, s_.pool.scale] if fp8 else [s_.pool])
         meta.append(dict(k=s_.k, n_rows=s_.n_rows))
     kernel = _build(bt, ns, d, bk, stages, bps, meta, idx_rows, float(scale) * LOG2E, ns > 1, fp8, _diag,
-                    check_regs(regs))
-    o, lse = kernel(*args)
+                    check_regs(regs), n_hg)
+    o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1:
-        o, lse = common.combine_splits(o.astype(jnp.float32), lse, sinks.astype(jnp.float32), out_dtype)
+        o, lse = common.combine_splits(o.astype(jnp.float32).reshape(bt, ns, h, d), lse.reshape(bt, ns, h),
+                                       sinks.astype(jnp.float32), out_dtype)
     o = o.astype(out_dtype).reshape(b, t, h, d)
     lse = lse.reshape(b, t, h)
     if return_lse:
