@@ -63,7 +63,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--cases", default="decode",
                     help="decode | prefill (CSA S=4096, B=1) | splits (B=64 n_splits) | fp8 (FP8 pools: decode + prefill) "
-                         "| heads128 (V4-Pro's 128 heads: decode + prefill, bf16 pools)")
+                         "| heads128 (V4-Pro's 128 heads: decode + prefill, bf16 pools) "
+                         "| ss (split_scores vs the default: CSA decode B=64 / 128, prefill S=4K)")
     ap.add_argument("--rounds", type=int, default=1, help="time the variants this many times, interleaved")
     ap.add_argument("--no-checks", action="store_true", help="skip the correctness checks (pytest covers them)")
     ap.add_argument("--variants", default=None, help="comma-separated variant names to time (default: all)")
@@ -90,6 +91,7 @@ def main():
              "prefill": [("csa", 1, 512, 4096), ("csa", 1, 512, 16384)], "splits": [("csa", 64, 512, 1)],
              "fp8": [("csa", 64, 512, 1), ("csa", 16, 512, 1), ("csa", 128, 512, 1), ("hca", 16, 8192, 1),
                      ("csa", 1, 512, 4096)],
+             "ss": [("csa", 64, 512, 1), ("csa", 128, 512, 1), ("csa", 1, 512, 4096)],
              "heads128": [("csa", 64, 512, 1, 128), ("csa", 16, 512, 1, 128), ("csa", 128, 512, 1, 128),
                           ("hca", 16, 8192, 1, 128), ("csa", 1, 512, 4096, 128)]}[args.cases]
     fp8 = args.cases == "fp8"
@@ -107,6 +109,8 @@ def main():
         case = make_case(rng, kind, b, t_q, kc, 4096, fp8, n_copies, heads)
         variants = [("triton", lambda *a: sparse_attention(*a, scale=D ** -0.5, impl="pallas", kernel="triton")),
                     ("mosaic", lambda *a: sparse_attention_mosaic(*a, scale=D ** -0.5))]
+        if not fp8:
+            variants += [("mosaic_ss", lambda *a: sparse_attention_mosaic(*a, scale=D ** -0.5, split_scores=True))]
         if args.cases == "splits":
             variants = [(f"mosaic_ns{n}", lambda *a, n=n: sparse_attention_mosaic(*a, scale=D ** -0.5, n_splits=n))
                         for n in (2, 3, 4)]

@@ -164,7 +164,11 @@ def lower_model_steps(model, cache, marker):
                                               (1, 64, 60, dict(regs=(24, 240)), True),
                                               (3, 1, 512, dict(_diag="loop"), True),
                                               (3, 1, 512, dict(heads=128), False),
-                                              (2, 1, 1024, dict(heads=128, n_splits=2), True)])
+                                              (2, 1, 1024, dict(heads=128, n_splits=2), True),
+                                              (3, 1, 512, dict(split_scores=True), False),
+                                              (1, 64, 60, dict(split_scores=True, heads=128), False),
+                                              (2, 1, 8192, dict(split_scores=True, _diag="ss_tail"), False),
+                                              (3, 1, 512, dict(split_scores=True, _diag="ss_noexchange"), False)])
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -176,10 +180,11 @@ def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
                *(inp[k] for k in keys))
 
 
-@pytest.mark.parametrize("kv_dtype", [None, "fp8"])
-def test_whole_bf16_model_lowers_with_mosaic_attention(monkeypatch, kv_dtype):
-    """A bf16 model with 64 heads takes the Mosaic GPU attention kernel in every layer type (prefill and decode),
-    with exact caches and with FP8 KV caches (head_dim 512, the FP8 row layout's)."""
+@pytest.mark.parametrize("kv_dtype,heads", [(None, 64), ("fp8", 64), (None, 128)])
+def test_whole_bf16_model_lowers_with_mosaic_attention(monkeypatch, kv_dtype, heads):
+    """A bf16 model with 64 heads (128: V4-Pro's, two head groups per query row) takes the Mosaic GPU attention
+    kernel in every layer type (prefill and decode), with exact caches and with FP8 KV caches (head_dim 512, the FP8
+    row layout's); with attention_kernel="auto" too for 128 heads."""
     from flax import nnx
 
     import pallas_kernels.dispatch as dispatch
@@ -190,8 +195,8 @@ def test_whole_bf16_model_lowers_with_mosaic_attention(monkeypatch, kv_dtype):
     if kv_dtype:
         cfg = tiny(num_attention_heads=64, head_dim=512, qk_rope_head_dim=64, o_groups=8, index_head_dim=64)
     else:
-        cfg = tiny(num_attention_heads=64, head_dim=128, qk_rope_head_dim=16, o_groups=8)
+        cfg = tiny(num_attention_heads=heads, head_dim=128, qk_rope_head_dim=16, o_groups=8)
     model = DeepseekV4ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), attention_impl="pallas",
-                                  attention_kernel="mosaic")
+                                  attention_kernel="mosaic" if heads == 64 else "auto")
     cache = model.init_cache(2, 24, **(dict(kv_dtype=kv_dtype) if kv_dtype else {}))
     lower_model_steps(model, cache, "mosaic_gpu")

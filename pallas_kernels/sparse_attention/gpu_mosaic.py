@@ -19,6 +19,9 @@ side by side and the second group's gathers of the same KV rows mostly hit L2.
   always finite), and P.V for their own half of the d output columns: each holds a [64, d/2] f32 accumulator.
   After P.V both arrive on the slot's "consumed" barrier, which the producer waits on before refilling it.
 * the q tile becomes the output tile once both consumers are past their last scores (a barrier between them).
+* `split_scores=True` (bf16 pools, off by default): each consumer computes the scores of its half of the block's
+  entries only and the two exchange bf16 P halves and integer row maxima through shared memory (one named barrier
+  per block, buffers alternating with the step's parity); l is summed per consumer and combined at the end.
 
 FP8 pools (spec §4.2 rows, `Fp8KVPool`; both sources FP8, block_k 64): the producer stages each block's raw rows
 (nope: 2 bulk copies of 256 + 192 B into 512 B-strided rows, rope: 1 bulk copy, the 8 scale bytes: one `cp.async`
@@ -97,7 +100,7 @@ def default_config(bt: int, total_blocks: int):
 
 
 def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=False, diag=None,
-           regs=None, n_hg=1):
+           regs=None, n_hg=1, split_scores=False):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -129,6 +132,12 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
         if fp8:
             (q_smem, tile, nope_st, rope_st, scale_st, idx_smem, vec_smem), (q_bar, idx_bar), \
                 (full_bars, empty_bars, cons_bar) = scratch
+        elif split_scores and diag == "ss_tail":   # the session-10 layout: exchange buffers after the barriers
+            (q_smem, ring, idx_smem, vec_smem), (q_bar, idx_bar, full_bars), (empty_bars, cons_bar), \
+                (x_p, x_m, x_l) = scratch
+        elif split_scores:
+            (q_smem, ring, x_p, x_m, x_l, idx_smem, vec_smem), (q_bar, idx_bar, full_bars), \
+                (empty_bars, cons_bar) = scratch
         else:
             (q_smem, ring, idx_smem, vec_smem), (q_bar, idx_bar, full_bars), (empty_bars, cons_bar) = scratch
         index, i32, f32, bf16 = ir.IndexType.get(), ir.IntegerType.get_signless(32), ir.F32Type.get(), ir.BF16Type.get()
@@ -329,14 +338,60 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)  # st.shared -> wgmma
                 consumers_barrier()
 
+            half = bk // 2
+            neg_inf_h = fa.FragmentedArray.splat(arith.constant(f32, -math.inf), (BLOCK_H, half), fa.WGMMA_LAYOUT)
+
+            def split_softmax(k, off, kv, g, m, l):
+                """split_scores: this consumer computes the scores of its half of the block's entries only (half the
+                tensor work of both computing all of them), then the two exchange their bf16 P halves and row maxima
+                through shared memory (one named barrier per block; buffers alternate with the step's parity, so a
+                fast consumer never overwrites what the other has yet to read: it must first pass the next step's
+                barrier, which the other reaches only after reading). Running maxima are integers (log2 units), so
+                rescaling the other half's P by 2^(m_half - m_new) is exact. l is this consumer's partial sum (its own
+                entries), combined once at the end. Returns (m_new, l, P [64, bk] bf16)."""
+                ids = fa.FragmentedArray.load_untiled(
+                    mu.memref_slice(idx_smem, mu.ds(arith.addi(arith.addi(c(idx_base[k]), off), arith.muli(wgi, c(half))),
+                                                    half)),
+                    layout=fa.WGMMA_COL_LAYOUT, is_signed=True, optimized=False)
+                valid = (ids >= 0).broadcast_in_dim((BLOCK_H, half), (1,), fa.WGMMA_LAYOUT)
+                rows = mu.memref_slice(kv, mu.ds(arith.muli(wgi, c(half // 8)), half // 8))   # [half/8, d/64, 8, 64]
+                s_acc = mgpu.WGMMAAccumulator.zero(BLOCK_H, half)
+                s_acc = mgpu.wgmma(s_acc, q_smem, mu.memref_transpose(rows, (1, 0, 3, 2)))
+                nvvm.wgmma_commit_group_sync_aligned()
+                nvvm.wgmma_wait_group_sync_aligned(0)
+                logits = valid.select(s_acc.value * scale2, neg_inf_h)
+                m_own = m.max(logits.reduce("max", axis=1).round())     # integer, >= m (an integer too)
+                p_own = (logits - m_own.broadcast_minor(half)).exp2(approx=True)
+                par = arith.remui(g, c(2))
+                if diag != "ss_noexchange":
+                    p_own.astype(bf16).store_untiled(mu.memref_slice(x_p, (par, wgi)), optimized=False)
+                m_own.store_untiled(mu.memref_slice(x_m, (par, wgi)), optimized=False)
+                consumers_barrier()
+                m_h = [fa.FragmentedArray.load_untiled(mu.memref_slice(x_m, (par, c(i))), layout=fa.WGMMA_ROW_LAYOUT,
+                                                       optimized=False) for i in range(2)]
+                m_new = m_h[0].max(m_h[1])
+                l = l * (m - m_new).exp2(approx=True) + \
+                    p_own.reduce("add", axis=1) * (m_own - m_new).exp2(approx=True)
+                p = fa.FragmentedArray.splat(arith.constant(bf16, 0.0), (BLOCK_H, bk), fa.WGMMA_LAYOUT)
+                for i in range(2):
+                    if diag == "ss_noexchange":   # diagnostic (wrong output): own half only, no P through smem
+                        p_h = p_own
+                    else:
+                        p_h = fa.FragmentedArray.load_untiled(mu.memref_slice(x_p, (par, c(i))),
+                                                              layout=fa.WGMMA_LAYOUT, optimized=False).astype(f32)
+                    p[:, i * half:(i + 1) * half] = \
+                        (p_h * (m_h[i] - m_new).exp2(approx=True).broadcast_minor(half)).astype(bf16)
+                return m_new, l, p
+
             def consume(k, j, g, carry):
                 m, l, acc = carry
                 slot = arith.remui(g, c(stages))
                 off = arith.muli(arith.subi(j, ranges[k][2]), c(bk))
-                ids = fa.FragmentedArray.load_untiled(
-                    mu.memref_slice(idx_smem, mu.ds(arith.addi(c(idx_base[k]), off), bk)),
-                    layout=fa.WGMMA_COL_LAYOUT, is_signed=True, optimized=False)
-                valid = (ids >= 0).broadcast_in_dim((BLOCK_H, bk), (1,), fa.WGMMA_LAYOUT)
+                if not split_scores:
+                    ids = fa.FragmentedArray.load_untiled(
+                        mu.memref_slice(idx_smem, mu.ds(arith.addi(c(idx_base[k]), off), bk)),
+                        layout=fa.WGMMA_COL_LAYOUT, is_signed=True, optimized=False)
+                    valid = (ids >= 0).broadcast_in_dim((BLOCK_H, bk), (1,), fa.WGMMA_LAYOUT)
                 full_bars[slot].wait()
                 if fp8:
                     dequantize(slot)
@@ -344,16 +399,20 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     kv = tile
                 else:
                     kv = mu.memref_slice(ring, slot)                    # [bk/8, d/64, 8, 64]
-                s_acc = mgpu.WGMMAAccumulator.zero(BLOCK_H, bk)
-                s_acc = mgpu.wgmma(s_acc, q_smem, mu.memref_transpose(kv, (1, 0, 3, 2)))
-                nvvm.wgmma_commit_group_sync_aligned()
-                nvvm.wgmma_wait_group_sync_aligned(0)
-                logits = valid.select(s_acc.value * scale2, neg_inf)
-                m_new = m.max(logits.reduce("max", axis=1))
-                alpha = (m - m_new).exp2(approx=True)
-                p = (logits - m_new.broadcast_minor(bk)).exp2(approx=True)
-                l = l * alpha + p.reduce("add", axis=1)
-                p = p.astype(bf16)
+                if split_scores:
+                    m_new, l, p = split_softmax(k, off, kv, g, m, l)
+                    alpha = (m - m_new).exp2(approx=True)
+                else:
+                    s_acc = mgpu.WGMMAAccumulator.zero(BLOCK_H, bk)
+                    s_acc = mgpu.wgmma(s_acc, q_smem, mu.memref_transpose(kv, (1, 0, 3, 2)))
+                    nvvm.wgmma_commit_group_sync_aligned()
+                    nvvm.wgmma_wait_group_sync_aligned(0)
+                    logits = valid.select(s_acc.value * scale2, neg_inf)
+                    m_new = m.max(logits.reduce("max", axis=1))
+                    alpha = (m - m_new).exp2(approx=True)
+                    p = (logits - m_new.broadcast_minor(bk)).exp2(approx=True)
+                    l = l * alpha + p.reduce("add", axis=1)
+                    p = p.astype(bf16)
                 acc = acc * alpha.broadcast_minor(dh)
                 o_acc = mgpu.WGMMAAccumulator.from_registers(acc)
                 o_acc = mgpu.wgmma(o_acc, p, mu.memref_slice(kv, (slice(None), v_cols)))
@@ -363,7 +422,14 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     empty_bars[slot].arrive()
                 return m_new, l, o_acc.value
 
-            m, l, acc = steps(consume, (sink2, zero_row, acc0))
+            m0 = sink2.round() if split_scores else sink2   # split_scores keeps the running max an integer
+            m, l, acc = steps(consume, (m0, zero_row, acc0))
+            if split_scores:   # l = the two consumers' partial sums (both hold the same m)
+                l.store_untiled(mu.memref_slice(x_l, wgi), optimized=False)
+                consumers_barrier()
+                l_h = [fa.FragmentedArray.load_untiled(mu.memref_slice(x_l, c(i)), layout=fa.WGMMA_ROW_LAYOUT,
+                                                       optimized=False) for i in range(2)]
+                l = l_h[0] + l_h[1]
             # finish: lse without the sink; one split divides by l + e^(sink - m), split-K partials by l alone
             has = l > 0.0
             one_row = fa.FragmentedArray.splat(arith.constant(f32, 1.0), (BLOCK_H,), fa.WGMMA_ROW_LAYOUT)
@@ -420,13 +486,22 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
              mgpu.Barrier(arrival_count=256)),
         )
     else:
+        # split_scores: P halves and row maxima per (step parity, consumer), the final partial sums. Mosaic packs the
+        # scratch buffers back to back with no padding, so they go right after the ring (1 KB aligned), not after
+        # the barriers (8 mod 16 B: the session-10 layout, kept as _diag="ss_tail")
+        exch = (jax.ShapeDtypeStruct((2, 2, BLOCK_H, bk // 2), jnp.bfloat16),
+                jax.ShapeDtypeStruct((2, 2, BLOCK_H), jnp.float32),
+                jax.ShapeDtypeStruct((2, BLOCK_H), jnp.float32)) if split_scores else ()
+        tail = split_scores and diag == "ss_tail"
         smem = (
             (jax.ShapeDtypeStruct((BLOCK_H // 8, d // 64, 8, 64), jnp.bfloat16),     # q, then o
              jax.ShapeDtypeStruct((stages, bk // 8, d // 64, 8, 64), jnp.bfloat16),  # KV ring
+             *(() if tail else exch),
              jax.ShapeDtypeStruct((sum(idx_rows),), jnp.int32),                        # this split's index rows
              jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32)),                     # sinks | lse
             (mgpu.TMABarrier(1), mgpu.TMABarrier(1), mgpu.TMABarrier(stages)),
             (mgpu.Barrier(arrival_count=256, num_barriers=stages), mgpu.Barrier(arrival_count=256)),
+            *((exch,) if tail else ()),
         )
     with jax_mlir.make_ir_context(), ir.Location.unknown():
         return mgpu.as_gpu_kernel(body, grid=(bt * n_hg, ns, 1), block=(384, 1, 1), in_shape=tuple(in_shape),
@@ -463,6 +538,7 @@ def sparse_attention_mosaic(
     num_stages: int | None = None,
     n_splits: int | None = None,
     regs: tuple[int, int] | None = None,
+    split_scores: bool = False,
     _diag: str | None = None,
 ):
     """Mosaic GPU implementation of `reference.sparse_attention` for bf16 q [B, T, H, d] (H a multiple of 64: one
@@ -474,7 +550,12 @@ def sparse_attention_mosaic(
     "bits" dequantizes without conversion instructions (correct, slower), "loop" converts in a rolled loop (correct
     on the H200, ptxas spills 1264 instead of 1416 B; not timed), "no_convert" stores the raw bytes instead of
     dequantizing, "no_dequant" skips the staging -> tile pass (only its
-    barriers remain), "no_scales" skips the scale copies."""
+    barriers remain), "no_scales" skips the scale copies.
+    split_scores (bf16 pools): each consumer computes the scores of half the block's entries and the two exchange
+    bf16 P halves through shared memory: 2/3 of the tensor work, one more barrier per block. Session 10's first GPU
+    run faulted (misaligned address) with the exchange buffers after the barriers, at 8 mod 16 B; they now follow
+    the ring. Diagnostics: "ss_tail" (the session-10 placement), "ss_noexchange" (each consumer uses only its own
+    P half: wrong output, isolates the N = bk/2 score wgmma)."""
     b, t, h, d = common.validate(q, window_kv, window_idx, compressed_kv, compressed_idx, sinks, window_len,
                                  compressed_len, scale)
     pools = [window_kv] + ([] if compressed_kv is None else [compressed_kv])
@@ -488,6 +569,8 @@ def sparse_attention_mosaic(
         raise ValueError(f"the Mosaic GPU kernel needs a multiple of {BLOCK_H} heads and head_dim % 128 == 0, "
                          f"got {h}, {d}")
     n_hg = h // BLOCK_H   # head groups: one CTA per (row, group, split)
+    if fp8 and split_scores:
+        raise ValueError("split_scores does not fit in shared memory next to the FP8 staging ring (bf16 pools only)")
     if fp8 and (block_k or 64) != 64:
         raise ValueError(f"with FP8 pools the Mosaic GPU kernel takes block_k=64 (shared memory), got {block_k}")
     out_dtype = jnp.dtype(out_dtype or q.dtype)
@@ -504,13 +587,14 @@ def sparse_attention_mosaic(
     bk, stages = cfg["block_k"], cfg["num_stages"]
     if bk % 64 or bk > 256:  # P.V contracts over block_k in 64-wide (128 B swizzle) groups; S's N is <= 256
         raise ValueError(f"block_k must be a multiple of 64 and <= 256, got {bk}")
+    exchange = (4 * BLOCK_H * (bk // 2) * 2 + 4 * BLOCK_H * 4 + 2 * BLOCK_H * 4) if split_scores else 0
     ring_bytes = stages * bk * (NOPE_STRIDE + 2 * ROPE_DIM + SCALE_BYTES) + bk * d * 2 if fp8 else stages * bk * d * 2
     ns = max(1, min(int(cfg["n_splits"]), total_blocks))
     bps = -(-total_blocks // ns)
     while True:   # a CTA holds its split's index rows: with the default n_splits, split further until they fit
         ns = -(-total_blocks // bps)
         idx_rows = [min(bps, s_.k // bk) * bk for s_ in flat]
-        smem = BLOCK_H * d * 2 + ring_bytes + sum(idx_rows) * 4 + 2 * BLOCK_H * 4
+        smem = BLOCK_H * d * 2 + ring_bytes + sum(idx_rows) * 4 + 2 * BLOCK_H * 4 + exchange
         if smem <= SMEM_BUDGET or n_splits is not None or bps == 1:
             break
         bps -= 1
@@ -526,7 +610,7 @@ def sparse_attention_mosaic(
         args += [idx, s_.length] + ([s_.pool.nope, s_.pool.rope, s_.pool.scale] if fp8 else [s_.pool])
         meta.append(dict(k=s_.k, n_rows=s_.n_rows))
     kernel = _build(bt, ns, d, bk, stages, bps, meta, idx_rows, float(scale) * LOG2E, ns > 1, fp8, _diag,
-                    check_regs(regs), n_hg)
+                    check_regs(regs), n_hg, bool(split_scores))
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1:
         o, lse = common.combine_splits(o.astype(jnp.float32).reshape(bt, ns, h, d), lse.reshape(bt, ns, h),
