@@ -339,7 +339,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 consumers_barrier()
 
             half = bk // 2
-            neg_inf_h = fa.FragmentedArray.splat(arith.constant(f32, -math.inf), (BLOCK_H, half), fa.WGMMA_LAYOUT)
+            if split_scores:   # (only then: the default kernel's IR stays as before)
+                neg_inf_h = fa.FragmentedArray.splat(arith.constant(f32, -math.inf), (BLOCK_H, half), fa.WGMMA_LAYOUT)
 
             def split_softmax(k, off, kv, g, m, l):
                 """split_scores: this consumer computes the scores of its half of the block's entries only (half the
