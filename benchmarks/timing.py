@@ -29,7 +29,7 @@ def wall_net(build, *args, n1: int, n2: int, reps: int = 5):
     return (t2 - t1) / (n2 - n1), t1
 
 
-def timed_chain(step, carry, n_iter, reps=3, unroll=1, args=None):
+def timed_chain(step, carry, n_iter, reps=3, unroll=1, args=()):
     """Seconds per iteration of `carry = step(carry)` run n_iter times as dependent calls in one jitted scan (so
     XLA can neither hoist nor batch them and Python dispatch is paid once). `unroll` > 1 puts that many dependent
     steps in each loop iteration, so the loop's own per-iteration cost (on the GPU a while loop's trip) is shared
@@ -39,9 +39,6 @@ def timed_chain(step, carry, n_iter, reps=3, unroll=1, args=None):
     crashed XLA's compiler that way, session 11)."""
     unroll = max(1, int(unroll))
     n_iter = -(-n_iter // unroll) * unroll
-    if args is None:
-        f = jax.jit(lambda c: jax.lax.scan(lambda c, _: (step(c), None), c, None, length=n_iter, unroll=unroll)[0])
-        return wall(f, carry, reps=reps) / n_iter
     f = jax.jit(lambda c, a: jax.lax.scan(lambda c, _: (step(c, *a), None), c, None, length=n_iter,
                                           unroll=unroll)[0])
     return wall(f, carry, tuple(args), reps=reps) / n_iter

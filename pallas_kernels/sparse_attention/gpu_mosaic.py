@@ -273,7 +273,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                                                     layout=fa.WGMMA_ROW_LAYOUT, optimized=False) * LOG2E
             zero_row = fa.FragmentedArray.splat(arith.constant(f32, 0.0), (BLOCK_H,), fa.WGMMA_ROW_LAYOUT)
             acc0 = fa.FragmentedArray.splat(arith.constant(f32, 0.0), (BLOCK_H, dh), fa.WGMMA_LAYOUT)
-            neg_inf = fa.FragmentedArray.splat(arith.constant(f32, -math.inf), (BLOCK_H, bk), fa.WGMMA_LAYOUT)
+            half = bk // 2
+            n_scored = half if split_scores else bk   # entries whose scores this consumer computes per block
+            neg_inf = fa.FragmentedArray.splat(arith.constant(f32, -math.inf), (BLOCK_H, n_scored), fa.WGMMA_LAYOUT)
             v_cols = mu.ds(arith.muli(wgi, c(pieces // 2)), pieces // 2)
 
             def consumers_barrier():   # named barrier 8 (Mosaic uses 0 and 1-4), the 256 consumer threads
@@ -338,29 +340,21 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)  # st.shared -> wgmma
                 consumers_barrier()
 
-            half = bk // 2
-            if split_scores:   # (only then: the default kernel's IR stays as before)
-                neg_inf_h = fa.FragmentedArray.splat(arith.constant(f32, -math.inf), (BLOCK_H, half), fa.WGMMA_LAYOUT)
-
-            def split_softmax(k, off, kv, g, m, l):
+            def split_softmax(valid, kv, g, m, l):
                 """split_scores: this consumer computes the scores of its half of the block's entries only (half the
                 tensor work of both computing all of them), then the two exchange their bf16 P halves and row maxima
                 through shared memory (one named barrier per block; buffers alternate with the step's parity, so a
                 fast consumer never overwrites what the other has yet to read: it must first pass the next step's
                 barrier, which the other reaches only after reading). Running maxima are integers (log2 units), so
                 rescaling the other half's P by 2^(m_half - m_new) is exact. l is this consumer's partial sum (its own
-                entries), combined once at the end. Returns (m_new, l, P [64, bk] bf16)."""
-                ids = fa.FragmentedArray.load_untiled(
-                    mu.memref_slice(idx_smem, mu.ds(arith.addi(arith.addi(c(idx_base[k]), off), arith.muli(wgi, c(half))),
-                                                    half)),
-                    layout=fa.WGMMA_COL_LAYOUT, is_signed=True, optimized=False)
-                valid = (ids >= 0).broadcast_in_dim((BLOCK_H, half), (1,), fa.WGMMA_LAYOUT)
+                entries), combined once at the end. valid [64, bk/2]: this consumer's entries. Returns
+                (m_new, l, P [64, bk] bf16)."""
                 rows = mu.memref_slice(kv, mu.ds(arith.muli(wgi, c(half // 8)), half // 8))   # [half/8, d/64, 8, 64]
                 s_acc = mgpu.WGMMAAccumulator.zero(BLOCK_H, half)
                 s_acc = mgpu.wgmma(s_acc, q_smem, mu.memref_transpose(rows, (1, 0, 3, 2)))
                 nvvm.wgmma_commit_group_sync_aligned()
                 nvvm.wgmma_wait_group_sync_aligned(0)
-                logits = valid.select(s_acc.value * scale2, neg_inf_h)
+                logits = valid.select(s_acc.value * scale2, neg_inf)
                 m_own = m.max(logits.reduce("max", axis=1).round())     # integer, >= m (an integer too)
                 p_own = (logits - m_own.broadcast_minor(half)).exp2(approx=True)
                 par = arith.remui(g, c(2))
@@ -388,11 +382,12 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 m, l, acc = carry
                 slot = arith.remui(g, c(stages))
                 off = arith.muli(arith.subi(j, ranges[k][2]), c(bk))
-                if not split_scores:
-                    ids = fa.FragmentedArray.load_untiled(
-                        mu.memref_slice(idx_smem, mu.ds(arith.addi(c(idx_base[k]), off), bk)),
-                        layout=fa.WGMMA_COL_LAYOUT, is_signed=True, optimized=False)
-                    valid = (ids >= 0).broadcast_in_dim((BLOCK_H, bk), (1,), fa.WGMMA_LAYOUT)
+                first = arith.addi(c(idx_base[k]), off)   # this consumer's entries: all, or its half with split_scores
+                if split_scores:
+                    first = arith.addi(first, arith.muli(wgi, c(half)))
+                ids = fa.FragmentedArray.load_untiled(mu.memref_slice(idx_smem, mu.ds(first, n_scored)),
+                                                      layout=fa.WGMMA_COL_LAYOUT, is_signed=True, optimized=False)
+                valid = (ids >= 0).broadcast_in_dim((BLOCK_H, n_scored), (1,), fa.WGMMA_LAYOUT)
                 full_bars[slot].wait()
                 if fp8:
                     dequantize(slot)
@@ -401,7 +396,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 else:
                     kv = mu.memref_slice(ring, slot)                    # [bk/8, d/64, 8, 64]
                 if split_scores:
-                    m_new, l, p = split_softmax(k, off, kv, g, m, l)
+                    m_new, l, p = split_softmax(valid, kv, g, m, l)
                     alpha = (m - m_new).exp2(approx=True)
                 else:
                     s_acc = mgpu.WGMMAAccumulator.zero(BLOCK_H, bk)
