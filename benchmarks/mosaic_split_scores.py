@@ -63,8 +63,10 @@ def main():
             status = "exit %d" % p.returncode
             tail = "" if p.returncode == 0 else "\n".join(
                 l for l in p.stderr.splitlines() if "arning" not in l)[-1500:]
-        except subprocess.TimeoutExpired:
-            rows, status, tail = [], "timeout", ""
+        except subprocess.TimeoutExpired as e:   # keep what the child printed before the limit
+            out_txt = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            rows = [json.loads(l[7:]) for l in out_txt.splitlines() if l.startswith("RESULT ")]
+            status, tail = "timeout", ""
         rec = dict(variant=name, status=status, s=round(time.time() - t0, 1), rows=rows, stderr_tail=tail)
         print(f"[{name}] {status} in {rec['s']} s", flush=True)
         for r in rows:

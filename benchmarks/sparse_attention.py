@@ -168,7 +168,7 @@ def main():
                     help="comma list: decode (B=16/64/128), prefill (S=4K/16K), b1 (decode at B=1), "
                          "hca8k_fp8 (the HCA-8K FP8 decode rows only), variants (kernel knobs on decode cases), "
                          "fp8ops / knobs5 / colsplit / prefetch / qreload (session 5-7 knob studies), kernels (Triton vs "
-                         "Mosaic GPU on the bf16 cases, session 8)")
+                         "Mosaic GPU on the bf16 cases, session 8), ss (Mosaic default vs split_scores, session 12)")
     args = ap.parse_args()
     groups = set(args.groups.split(","))
     rng = np.random.default_rng(0)
@@ -240,6 +240,13 @@ def main():
                                ("hca", 64, 1, 1024), ("hca", 16, 1, 8192), ("csa", 1, 4096, 512),
                                ("csa", 1, 16384, 512)]:
             for o in (dict(kernel="triton"), dict(kernel="mosaic")):
+                record(bench_case(rng, ceil, kind, b, t, kc, False, opts=o, ref=False,
+                                  **(dict(csa_cap=t // 4) if t > 1 else {})))
+    if "ss" in groups:  # session 12: the Mosaic kernel's default vs split_scores (64 heads, bf16), each timed twice
+        for kind, b, t, kc in [("csa", 16, 1, 512), ("csa", 64, 1, 512), ("csa", 128, 1, 512), ("hca", 16, 1, 1024),
+                               ("hca", 64, 1, 1024), ("hca", 16, 1, 8192), ("csa", 1, 4096, 512),
+                               ("csa", 1, 16384, 512)]:
+            for o in (dict(kernel="mosaic"), dict(kernel="mosaic", split_scores=True)) * 2:
                 record(bench_case(rng, ceil, kind, b, t, kc, False, opts=o, ref=False,
                                   **(dict(csa_cap=t // 4) if t > 1 else {})))
     if "s9" in groups:  # session 9: the rows of the issue table the decode group's CSA rows did not reach, with XLA

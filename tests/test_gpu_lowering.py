@@ -68,6 +68,16 @@ def test_indexer_fp4_bf16_operands_lower():
                         q, w, keys, nv)
 
 
+@pytest.mark.parametrize("S", [1, 19])
+def test_indexer_fp4_asm_decode_lowers(S):
+    """fp4 keys decoded by the packed inline PTX (fp4_decode="asm"): the asm is in the lowered Triton kernel."""
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+
+    q, w, keys, nv = make_indexer(2, S, 64, 3000, "fp4", True, causal=S > 1)
+    lowers_for("cuda", "triton", lambda q, w, k, n: indexer_topk_gpu(q, w, k, n, k=64, fp4_decode="asm"),
+               q, w, keys, nv)
+
+
 @pytest.mark.parametrize("precision", ["f16", "fp8"])
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 def test_indexer_f16_and_fp8_operands_lower(fmt, precision):
@@ -165,8 +175,9 @@ def lower_model_steps(model, cache, marker):
                                               (3, 1, 512, dict(_diag="loop"), True),
                                               (3, 1, 512, dict(heads=128), False),
                                               (2, 1, 1024, dict(heads=128, n_splits=2), True),
-                                              (3, 1, 512, dict(split_scores=True), False),
-                                              (1, 64, 60, dict(split_scores=True, heads=128), False),
+                                              (3, 1, 512, dict(split_scores=False), False),
+                                              (1, 64, 60, dict(split_scores=False, heads=128), False),
+                                              (3, 1, 512, dict(split_scores=True, heads=128), False),
                                               (2, 1, 8192, dict(split_scores=True, _diag="ss_tail"), False),
                                               (3, 1, 512, dict(split_scores=True, _diag="ss_noexchange"), False)])
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):

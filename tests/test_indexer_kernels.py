@@ -242,6 +242,36 @@ def test_gpu_f16_operands(fmt, B, S, T, causal, precision):
 
 
 @gpu
+@pytest.mark.parametrize("B,S,T,causal,opts", [(4, 1, 5000, False, {}), (2, 300, 700, True, {}),
+                                               (3, 1, 9000, False, dict(heads_major=True, block_t=64))])
+def test_gpu_fp4_asm_decode(B, S, T, causal, opts):
+    """fp4_decode="asm" (packed inline PTX nibble decode) gives the integer route's scores bit for bit (both decode
+    exactly to e2m1 x 2^-14 in f16) and the reference's within tolerance; the picks match."""
+    from pallas_kernels.indexer.gpu import indexer_scores_gpu
+
+    q, w, keys, nv = make(B, S, 64, T, "fp4", True, causal=causal)
+    asm = indexer_scores_gpu(q, w, keys, nv, fp4_decode="asm", **opts)
+    alu = indexer_scores_gpu(q, w, keys, nv, fp4_decode="alu", **opts)
+    np.testing.assert_array_equal(np.asarray(asm), np.asarray(alu))
+    check_scores(q, w, keys, nv, "pallas", 1e-4, fp4_decode="asm", **opts)
+    check_picks(indexer_topk(q, w, keys, nv, k=512, impl="pallas", fp4_decode="asm"), q, w, keys, nv, 512)
+
+
+def test_fp4_asm_decode_errors():
+    """The inline-PTX decode has no interpreter and only applies to fp4 keys with f16 operands."""
+    from pallas_kernels.indexer.gpu import indexer_scores_gpu
+
+    q, w, keys, nv = make(1, 1, 16, 64, "fp4", True)
+    with pytest.raises(ValueError, match="no interpret mode"):
+        indexer_scores_gpu(q, w, keys, nv, interpret=True, fp4_decode="asm")
+    with pytest.raises(ValueError, match="fp4_decode must be one of"):
+        indexer_scores_gpu(q, w, keys, nv, interpret=True, fp4_decode="lut")
+    q8, w8, keys8, nv8 = make(1, 1, 16, 64, "fp8", True)
+    with pytest.raises(ValueError, match="applies to fp4 keys"):
+        indexer_scores_gpu(q8, w8, keys8, nv8, fp4_decode="asm")
+
+
+@gpu
 def test_gpu_auto_jits():
     q, w, keys, nv = make(2, 1, 64, 3000, "fp4", True)
     f = jax.jit(lambda *a: indexer_topk(*a, k=512, impl="auto"))
