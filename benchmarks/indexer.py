@@ -151,7 +151,8 @@ def main():
     ap.add_argument("--variants", default=None, help="comma-separated subset of the variants (default: all)")
     ap.add_argument("--topk-methods", default=None, help="comma-separated subset of the topk_only methods")
     ap.add_argument("--skip-topk-only", action="store_true")
-    ap.add_argument("--cases", default=None, help="comma-separated BxSxCTXxFMT cases, e.g. 64x1x131072xfp8")
+    ap.add_argument("--cases", default=None, help="comma-separated BxSxCTXxFMT cases, e.g. 64x1x131072xfp8 (without "
+                    "--topk-methods, skips the topk_only part: session 12 lost a device call to it)")
     ap.add_argument("--scores-configs", default=None,
                     help="';'-separated scores-kernel option sets, each timed as a variant 'scores[<set>]', e.g. "
                          "'block_t=128,num_warps=8;waves=2;precision=bf16' (options of indexer_scores_gpu)")
@@ -179,7 +180,7 @@ def main():
     methods = {m: o for m, o in TOPK_ONLY_METHODS.items() if not (a.quick and m in QUICK_DROP)}
     if a.topk_methods:
         methods = {m: TOPK_ONLY_METHODS[m] for m in a.topk_methods.split(",")}
-    if not a.skip_topk_only:
+    if not a.skip_topk_only and (a.topk_methods or not a.cases):   # --cases alone: just those indexer cases
         run_topk_only(topk_shapes, ceil, n_iter_topk, result["topk_only"], dump, methods)
 
     variants = {

@@ -175,8 +175,8 @@ def lower_model_steps(model, cache, marker):
                                               (3, 1, 512, dict(_diag="loop"), True),
                                               (3, 1, 512, dict(heads=128), False),
                                               (2, 1, 1024, dict(heads=128, n_splits=2), True),
-                                              (3, 1, 512, dict(split_scores=False), False),
-                                              (1, 64, 60, dict(split_scores=False, heads=128), False),
+                                              (3, 1, 512, dict(split_scores=True), False),
+                                              (1, 64, 60, dict(split_scores=True, heads=128), False),
                                               (3, 1, 512, dict(split_scores=True, heads=128), False),
                                               (2, 1, 8192, dict(split_scores=True, _diag="ss_tail"), False),
                                               (3, 1, 512, dict(split_scores=True, _diag="ss_noexchange"), False)])

@@ -87,13 +87,12 @@ MOSAIC_CASES = [
     (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, heads=128), dict(n_splits=3)),
     (1, 64, 512, 200, 100, 60, dict(ragged=True, heads=128), {}),
     (3, 2, 128, 600, 128, 1024, dict(ragged=True, fp8=True, heads=128), dict(n_splits=2)),
-    # split_scores (each consumer scores half the entries, the two exchange P halves through shared memory) is the
-    # default for 64 heads and for prefill, so the cases above run it there; here the other setting of each
-    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(split_scores=False)),
-    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True), dict(split_scores=False, n_splits=3)),
-    (2, 1, 128, 9000, 128, 8192, dict(ragged=True), dict(split_scores=False)),
-    (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True), dict(split_scores=False)),
-    (1, 64, 512, 200, 100, 60, dict(ragged=True, heads=128), dict(split_scores=False)),
+    # split_scores (opt-in): each consumer scores half the entries, the two exchange P halves through shared memory
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(split_scores=True)),
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True), dict(split_scores=True, n_splits=3)),
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True), dict(split_scores=True)),
+    (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True), dict(split_scores=True)),
+    (1, 64, 512, 200, 100, 60, dict(ragged=True, heads=128), dict(split_scores=True)),
     (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True, heads=128), dict(split_scores=True)),
 ]
 
