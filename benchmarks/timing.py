@@ -9,23 +9,43 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def wall(f, *a, reps=3):
-    """Median wall time (s) of f(*a), dispatch to block_until_ready; the first call (compile, warm-up) excluded."""
-    jax.block_until_ready(f(*a))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+WARM_S = 0.05   # seconds of repeated calls before timing: the H200 idles at a 345 MHz SM clock (env.log)
+
+
+def _warm(*fa, warm_s=WARM_S):
+    """Call each (f, args) once (compile), then round-robin until warm_s has passed, so the timed calls find the
+    clocks up and the caches in their steady state."""
+    for f, a in fa:
         jax.block_until_ready(f(*a))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < warm_s:
+        for f, a in fa:
+            jax.block_until_ready(f(*a))
+
+
+def _timed(f, a):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*a))
+    return time.perf_counter() - t0
+
+
+def wall(f, *a, reps=3):
+    """Median wall time (s) of f(*a), dispatch to block_until_ready; compile and warm-up (`_warm`) excluded."""
+    _warm((f, a))
+    return float(np.median([_timed(f, a) for _ in range(reps)]))
 
 
 def wall_net(build, *args, n1: int, n2: int, reps: int = 5):
     """Seconds per unit of work net of dispatch: `build(n)` returns a function that does n units (passes, chained
     calls) in one jitted call; (wall(build(n2)) - wall(build(n1))) / (n2 - n1) cancels the 100-250 us of Python
     dispatch that one call pays. Returns (seconds per unit, wall of the n1 call)."""
-    t1 = wall(build(n1), *args, reps=reps)
-    t2 = wall(build(n2), *args, reps=reps)
+    f1, f2 = build(n1), build(n2)
+    _warm((f1, args), (f2, args))
+    t1, t2 = [], []
+    for _ in range(reps):   # interleaved, so a clock or thermal drift during the measurement hits both alike
+        t1.append(_timed(f1, args))
+        t2.append(_timed(f2, args))
+    t1, t2 = float(np.median(t1)), float(np.median(t2))
     return (t2 - t1) / (n2 - n1), t1
 
 
