@@ -269,6 +269,8 @@ def test_fp4_asm_decode_errors():
     q8, w8, keys8, nv8 = make(1, 1, 16, 64, "fp8", True)
     with pytest.raises(ValueError, match="applies to fp4 keys"):
         indexer_scores_gpu(q8, w8, keys8, nv8, fp4_decode="asm")
+    with pytest.raises(ValueError, match="needs block_t >= 32"):   # 4 bytes per thread per asm instance
+        indexer_scores_gpu(q, w, keys, nv, fp4_decode="asm", block_t=16, num_warps=4)
 
 
 @gpu

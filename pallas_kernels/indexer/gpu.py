@@ -413,6 +413,11 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
         raise ValueError("fp4_decode='asm' is inline PTX: compiled GPU kernels only (no interpret mode)")
     if cfg["fp4_decode"] == "asm" and not (fmt == "fp4" and precision == "f16"):
         raise ValueError(f"fp4_decode='asm' applies to fp4 keys with precision='f16', got {fmt} / {precision}")
+    if cfg["fp4_decode"] == "asm" and cfg["block_t"] * 16 < 4 * 32 * cfg["num_warps"]:
+        # each asm instance takes 4 bytes from one thread's registers: a [block_t, 16] byte tile must give every
+        # thread at least 4 (the GPU tests ran 64-key blocks on 4 warps: 8 per thread)
+        raise ValueError(f"fp4_decode='asm' needs block_t >= {8 * cfg['num_warps']} with {cfg['num_warps']} warps, "
+                         f"got block_t={cfg['block_t']}")
     bq, bt = cfg["block_q"], cfg["block_t"]
     Sp = -(-S // bq) * bq
     nb = -(-T // bt)
