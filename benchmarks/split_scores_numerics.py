@@ -92,18 +92,13 @@ def emulate(q, window_kv, window_idx, compressed_kv, compressed_idx, sinks, *, s
 
 
 def reference64(inp):
-    """float64 reference (numpy) of the op on the same inputs: o [B,T,H,D]."""
+    """float64 reference of the op on the same inputs: o [B,T,H,D]. The gathered rows are the emulator's own
+    (`_source_blocks` with 1-entry blocks: the same masking, bf16 values exact in f32), the arithmetic float64."""
+    names = (("window_kv", "window_idx", "window_len"), ("compressed_kv", "compressed_idx", "compressed_len"))
+    srcs = [_source_blocks(inp[p], inp[i], inp[n], 1) for p, i, n in names]
+    rows = np.concatenate([np.asarray(r, np.float64) for r, _ in srcs], 2)
+    valid = np.concatenate([np.asarray(v) for _, v in srcs], 2)
     q = np.asarray(inp["q"], np.float64)
-    parts = []
-    for pool, idx, ln in ((inp["window_kv"], inp["window_idx"], inp["window_len"]),
-                          (inp["compressed_kv"], inp["compressed_idx"], inp["compressed_len"])):
-        pool, idx = np.asarray(pool, np.float64), np.asarray(idx)
-        valid = (idx >= 0) & (idx < pool.shape[0])
-        if ln is not None:
-            valid &= np.arange(idx.shape[-1])[None, None] < np.asarray(ln)[..., None]
-        parts.append((pool[np.where(valid, idx, 0)], valid))
-    rows = np.concatenate([r for r, _ in parts], 2)
-    valid = np.concatenate([v for _, v in parts], 2)
     s = np.einsum("bthd,btkd->bthk", q, rows) * q.shape[-1] ** -0.5
     s = np.where(valid[:, :, None], s, -np.inf)
     sink = np.asarray(inp["sinks"], np.float64)[None, None, :]

@@ -60,7 +60,8 @@ def opts_id(opts):
         "_vec" if opts.get("fp8_scales") == "vector" else "", "_dc128" if opts.get("d_chunk") else "",
         "_f16" if opts.get("fp8_operands") else "", f"_cs{opts['col_splits']}" if "col_splits" in opts else "",
         f"_pf{opts['prefetch']}" if "prefetch" in opts else "", "_qr" if opts.get("q_reload") else "",
-        f"_r{opts['regs'][0]}" if "regs" in opts else "", {True: "_ss", False: "_noss"}.get(opts.get("split_scores"), ""),
+        f"_r{opts['regs'][0]}" if "regs" in opts else "",
+        {True: "_ss", False: "_noss"}.get(opts.get("split_scores"), ""),
         f"_{opts['_diag']}" if "_diag" in opts else ""])
 
 

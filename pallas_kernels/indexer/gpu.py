@@ -265,7 +265,7 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T,
                 if fp8_ops:   # one [block_t, 32] e5m2 operand per group (= value x 2^-14, like the f16 route)
                     kops.append(fp4_to_e5m2_scaled(raw.astype(jnp.int32)))
                 elif fp4_decode == "asm":
-                    kops += list(fp4_to_f16_scaled_asm(raw.astype(jnp.uint8)))
+                    kops += list(fp4_to_f16_scaled_asm(raw))   # the stored uint8 bytes, 4 per register
                 else:
                     kops += list(fp4_to_f16_scaled(raw.astype(jnp.int32)))
                 sb = plgpu.load(key_refs[1].at[b, rows, jnp.full_like(rows, g)], mask=live, other=127)
@@ -409,15 +409,16 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
             cfg[k_] = v_
     if cfg["fp4_decode"] not in FP4_DECODES:
         raise ValueError(f"fp4_decode must be one of {FP4_DECODES}, got {cfg['fp4_decode']!r}")
-    if cfg["fp4_decode"] == "asm" and interpret:
-        raise ValueError("fp4_decode='asm' is inline PTX: compiled GPU kernels only (no interpret mode)")
-    if cfg["fp4_decode"] == "asm" and not (fmt == "fp4" and precision == "f16"):
-        raise ValueError(f"fp4_decode='asm' applies to fp4 keys with precision='f16', got {fmt} / {precision}")
-    if cfg["fp4_decode"] == "asm" and cfg["block_t"] * 16 < 4 * 32 * cfg["num_warps"]:
-        # each asm instance takes 4 bytes from one thread's registers: a [block_t, 16] byte tile must give every
-        # thread at least 4 (the GPU tests ran 64-key blocks on 4 warps: 8 per thread)
-        raise ValueError(f"fp4_decode='asm' needs block_t >= {8 * cfg['num_warps']} with {cfg['num_warps']} warps, "
-                         f"got block_t={cfg['block_t']}")
+    if cfg["fp4_decode"] == "asm":
+        if interpret:
+            raise ValueError("fp4_decode='asm' is inline PTX: compiled GPU kernels only (no interpret mode)")
+        if not (fmt == "fp4" and precision == "f16"):
+            raise ValueError(f"fp4_decode='asm' applies to fp4 keys with precision='f16', got {fmt} / {precision}")
+        if cfg["block_t"] * 16 < 4 * 32 * cfg["num_warps"]:
+            # each asm instance takes 4 bytes from one thread's registers: a [block_t, 16] byte tile must give
+            # every thread at least 4 (the GPU tests ran 64-key blocks on 4 warps: 8 per thread)
+            raise ValueError(f"fp4_decode='asm' needs block_t >= {8 * cfg['num_warps']} with {cfg['num_warps']} "
+                             f"warps, got block_t={cfg['block_t']}")
     bq, bt = cfg["block_q"], cfg["block_t"]
     Sp = -(-S // bq) * bq
     nb = -(-T // bt)

@@ -15,8 +15,8 @@ side by side and the second group's gathers of the same KV rows mostly hit L2.
   of each of the 4 warps issues the 8 piece copies of every 4th row. Invalid entries (index < 0: the wrapper has
   already turned out-of-range and past-length entries into -1) copy row 0, which the consumers mask out.
 * warpgroups 0 and 1, the **consumers**: both compute the scores S = q K^T [64, block_k] (wgmma, both operands
-  in shared memory; with split_scores each computes half the columns and they swap), the online softmax in exp2 units with the running max initialised at the sink logit (so it is
-  always finite), and P.V for their own half of the d output columns: each holds a [64, d/2] f32 accumulator.
+  in shared memory; with split_scores each computes half the columns and they swap), the online softmax in exp2
+  units with the running max initialised at the sink logit (so it is always finite), and P.V for their own half of the d output columns: each holds a [64, d/2] f32 accumulator.
   After P.V both arrive on the slot's "consumed" barrier, which the producer waits on before refilling it.
 * the q tile becomes the output tile once both consumers are past their last scores (a barrier between them).
 * `split_scores=True` (bf16 pools, opt-in): each consumer computes the scores of its half of the block's entries
@@ -554,8 +554,9 @@ def sparse_attention_mosaic(
     barriers remain), "no_scales" skips the scale copies.
     split_scores (bf16 pools, opt-in: see the module docstring for why it is not the default): each consumer
     computes the scores of half the block's entries and the two exchange bf16 P halves through shared memory: 2/3 of
-    the tensor work, one more barrier per block. The exchange buffers follow the KV ring: after the barriers (8 mod 16 B, Mosaic packs scratch without
-    padding) the kernel faults with a misaligned address (sessions 10 and 12, diagnostic "ss_tail"). Diagnostic
+    the tensor work, one more barrier per block. The exchange buffers follow the KV ring: after the barriers (8 mod
+    16 B, Mosaic packs scratch without padding) the kernel faults with a misaligned address (sessions 10 and 12,
+    diagnostic "ss_tail"). Diagnostic
     "ss_noexchange": each consumer uses only its own P half (wrong output; isolates the N = bk/2 score wgmma)."""
     b, t, h, d = common.validate(q, window_kv, window_idx, compressed_kv, compressed_idx, sinks, window_len,
                                  compressed_len, scale)
