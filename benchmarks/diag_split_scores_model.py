@@ -1,4 +1,10 @@
-"""GPU diagnostic (not run yet, session 12): where does `split_scores=True` go wrong inside the tiny model?
+"""GPU diagnostic (session 12; run in session 13): where does `split_scores=True` go wrong inside the tiny model?
+
+Result (H200, session 13, results/h200_s13r1_ssdiag.log): nowhere. Every call's error is 1.2-1.4x the default's
+(2.3-2.8e-3 vs 1.8-2.1e-3), yet the logits move 0.113 when the model continues with split_scores' outputs and
+0.0074 with the default's. The toy model's learned MoE router has a near-tie that attention-sized noise flips
+(benchmarks/attention_noise_model.py); the model test now routes by hash. This script keeps the old configuration
+(num_hash_layers = 1), which reproduces the flip.
 
 On the H200 the 64-head bf16 tiny model on the Mosaic kernel with split_scores as default missed the model check
 (max logit error 0.113 vs Triton's 0.0074), while the kernel tests passed and the CPU emulation of the path's

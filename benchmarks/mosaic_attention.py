@@ -111,7 +111,7 @@ def main():
                     ("mosaic", lambda *a: sparse_attention_mosaic(*a, scale=D ** -0.5))]
         if not fp8:
             variants += [(f"mosaic_{n}", lambda *a, v=v: sparse_attention_mosaic(*a, scale=D ** -0.5, split_scores=v))
-                         for n, v in (("ss", True), ("noss", False))]   # "mosaic": the default (split_scores off)
+                         for n, v in (("ss", True), ("noss", False))]   # "mosaic": the default (split_scores on from T = 64)
         if args.cases == "splits":
             variants = [(f"mosaic_ns{n}", lambda *a, n=n: sparse_attention_mosaic(*a, scale=D ** -0.5, n_splits=n))
                         for n in (2, 3, 4)]

@@ -15,7 +15,7 @@ python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__versi
 cat "$OUT/env.log"
 # tests: XLA's GEMM autotuning off (compile time, not kernel speed, dominates the tiny test models); -rf lists
 # failures at the end, --tb=short keeps them readable
-PYT="env XLA_FLAGS=--xla_gpu_autotune_level=0 python3 -m pytest -v -rf --tb=short -p no:cacheprovider -o faulthandler_timeout=${FAULT_T:-100} --durations=8"
+PYT="env XLA_FLAGS=--xla_gpu_autotune_level=0 python3 -m pytest -v -rfP --tb=short -p no:cacheprovider -o faulthandler_timeout=${FAULT_T:-100} --durations=8"
 PY="python3 -X faulthandler"
 run_step() {  # name, default limit, command...
   local name=$1 lim=$2; shift 2

@@ -246,7 +246,7 @@ def main():
         for kind, b, t, kc in [("csa", 16, 1, 512), ("csa", 64, 1, 512), ("csa", 128, 1, 512), ("hca", 16, 1, 1024),
                                ("hca", 64, 1, 1024), ("hca", 16, 1, 8192), ("csa", 1, 4096, 512),
                                ("csa", 1, 16384, 512)]:
-            for o in (dict(kernel="mosaic"), dict(kernel="mosaic", split_scores=True)) * 2:
+            for o in (dict(kernel="mosaic", split_scores=False), dict(kernel="mosaic", split_scores=True)) * 2:
                 record(bench_case(rng, ceil, kind, b, t, kc, False, opts=o, ref=False,
                                   **(dict(csa_cap=t // 4) if t > 1 else {})))
     if "s9" in groups:  # session 9: the rows of the issue table the decode group's CSA rows did not reach, with XLA

@@ -70,12 +70,17 @@ def test_indexer_fp4_bf16_operands_lower():
 
 @pytest.mark.parametrize("S", [1, 19])
 def test_indexer_fp4_asm_decode_lowers(S):
-    """fp4 keys decoded by the packed inline PTX (fp4_decode="asm"): the asm is in the lowered Triton kernel."""
-    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+    """fp4 keys decoded by the packed inline PTX (fp4_decode="asm", the compiled default for fp4 / f16) lower."""
+    from pallas_kernels.indexer.gpu import default_config, default_fp4_decode, indexer_topk_gpu
 
     q, w, keys, nv = make_indexer(2, S, 64, 3000, "fp4", True, causal=S > 1)
     lowers_for("cuda", "triton", lambda q, w, k, n: indexer_topk_gpu(q, w, k, n, k=64, fp4_decode="asm"),
                q, w, keys, nv)
+    cfg = default_config(S, 3000, q_bytes=64 * 64 * 2, key_bytes=0.5)   # the default picks asm for these shapes
+    assert default_fp4_decode("fp4", "f16", cfg["block_t"], cfg["num_warps"], interpret=False) == "asm"
+    assert default_fp4_decode("fp4", "f16", cfg["block_t"], cfg["num_warps"], interpret=True) == "alu"
+    assert default_fp4_decode("fp8", "f16", cfg["block_t"], cfg["num_warps"], interpret=False) == "alu"
+    assert default_fp4_decode("fp4", "f16", 16, 4, interpret=False) == "alu"
 
 
 @pytest.mark.parametrize("precision", ["f16", "fp8"])

@@ -50,18 +50,33 @@ def test_indexer_picks_auto_and_invalid():
 
 
 @pytest.mark.skipif(jax.default_backend() not in ("gpu", "cuda"), reason="the Mosaic GPU kernel runs only on a GPU")
-def test_bf16_model_on_mosaic_attention_matches_triton_and_reference():
-    """A bf16 model with 64 heads (the shape the Mosaic GPU kernel takes) on each GPU attention kernel: its logits
-    are as close to the reference path as the Triton kernel's (both differ from it only by bf16 rounding order)."""
+def test_bf16_model_on_mosaic_attention_matches_triton_and_reference(monkeypatch):
+    """A bf16 model with 64 heads (the shape the Mosaic GPU kernel takes) on each GPU attention kernel, and on the
+    Mosaic kernel's split_scores schedule (its prefill default, forced on for every call here): its logits are as
+    close to the reference path as the Triton kernel's (all differ from it only by bf16 rounding order).
+
+    Every MoE layer routes by hash (num_hash_layers = 2): with the learned router in layer 2 the top-2 choice of one
+    prefill token sits 2.1e-3 (relative) from a flip, and on the CPU random noise of the kernels' size (relative norm
+    1.9e-3 on each attention output) flipped it in 2 of 6 seeds, a logit error of 0.11 (session 13,
+    benchmarks/attention_noise_model.py). That is a property of the toy model, not of a kernel; with hash routing
+    no output depends on a near-tie."""
     import jax.numpy as jnp
 
-    cfg = tiny(ratios=[4, 8], num_attention_heads=64, head_dim=128, qk_rope_head_dim=16, o_groups=8)
+    from pallas_kernels.sparse_attention import gpu_mosaic
+
+    cfg = tiny(ratios=[4, 8], num_attention_heads=64, head_dim=128, qk_rope_head_dim=16, o_groups=8,
+               num_hash_layers=2)
     ids = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 18))
     make = lambda **kw: DeepseekV4ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(4), **kw)
     ref = _run(make(attention_impl="reference"), ids)
     outs = {k: _run(make(attention_impl="pallas", attention_kernel=k), ids) for k in ("triton", "mosaic")}
+    monkeypatch.setattr(gpu_mosaic, "SPLIT_SCORES_MIN_T", 1)
+    jax.clear_caches()
+    outs["mosaic_split_scores"] = _run(make(attention_impl="pallas", attention_kernel="mosaic"), ids)
     rel = lambda a, b: max(np.abs(x.astype(np.float32) - y.astype(np.float32)).max()
                            / np.abs(y.astype(np.float32)).max() for x, y in zip(a, b))
     err = {k: rel(o, ref) for k, o in outs.items()}
-    assert err["mosaic"] <= max(2 * err["triton"], 2e-2), err
-    assert rel(outs["mosaic"], outs["triton"]) <= 2e-2, err
+    print("max logit error against the reference path:", {k: round(float(v), 4) for k, v in err.items()})
+    for k in ("mosaic", "mosaic_split_scores"):
+        assert err[k] <= max(2 * err["triton"], 2e-2), err
+        assert rel(outs[k], outs["triton"]) <= 2e-2, err
