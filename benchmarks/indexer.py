@@ -13,7 +13,8 @@ _threshold_set (other top-k methods; _set returns the picks as an index set), pa
 whose call 3 measured the f16 default as "scores_f16"), pallas_f16ops / scores_f16ops (fp8 / fp4 keys through f16
 operands: fp8's default; for fp4 the bit-trick nibble decode, not the default yet), pallas_fp8ops / pallas_fp8ops_set /
 scores_fp8ops (fp8 tensor-core operands, session 10), pallas_fp4asm / pallas_fp4asm_set / scores_fp4asm (fp4 keys
-decoded by packed inline PTX, session 12; fp4 cases only), scores_only / scores_bt128 /
+decoded by packed inline PTX, session 12, the fp4 default since session 13; fp4 cases only), pallas_fp4op /
+pallas_fp4op_set / scores_fp4op (fp4 group scales on the f16 key operands, session 13; fp4 cases only), scores_only / scores_bt128 /
 scores_fp4reshape (the scores kernel alone and its knobs: top-k cost = difference), xla_ref.
 Note: caches smaller than L2 (8K context, batch 1) are re-read from L2 across iterations.
 
@@ -223,6 +224,11 @@ def main():
         "pallas_fp4asm_set": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", fp4_decode="asm",
                                                              topk="threshold_set"),
         "scores_fp4asm": lambda q, w, k, n: indexer_scores_pallas(q, w, k, n, impl="pallas", fp4_decode="asm"),
+        # session 13: fp4 group scales on the f16 key operands instead of the logits (fp4 cases only)
+        "scores_fp4op": lambda q, w, k, n: indexer_scores_pallas(q, w, k, n, impl="pallas", fp4_scale_at="operand"),
+        "pallas_fp4op": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", fp4_scale_at="operand"),
+        "pallas_fp4op_set": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", fp4_scale_at="operand",
+                                                            topk="threshold_set"),
         "scores_bt128": lambda q, w, k, n: indexer_scores_pallas(q, w, k, n, impl="pallas", block_t=128),
         "scores_fp4reshape": lambda q, w, k, n: indexer_scores_pallas(q, w, k, n, impl="pallas",
                                                                       fp4_scale="reshape"),

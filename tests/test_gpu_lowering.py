@@ -83,6 +83,16 @@ def test_indexer_fp4_asm_decode_lowers(S):
     assert default_fp4_decode("fp4", "f16", 16, 4, interpret=False) == "alu"
 
 
+@pytest.mark.parametrize("S,decode", [(1, "asm"), (19, "asm"), (1, "alu")])
+def test_indexer_fp4_scales_on_operands_lower(S, decode):
+    """fp4_scale_at="operand": the group scales on the f16 key operands (either nibble decode)."""
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+
+    q, w, keys, nv = make_indexer(2, S, 64, 3000, "fp4", True, causal=S > 1)
+    lowers_for_cuda(lambda q, w, k, n: indexer_topk_gpu(q, w, k, n, k=64, fp4_decode=decode, fp4_scale_at="operand"),
+                    q, w, keys, nv)
+
+
 @pytest.mark.parametrize("precision", ["f16", "fp8"])
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 def test_indexer_f16_and_fp8_operands_lower(fmt, precision):

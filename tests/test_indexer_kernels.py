@@ -147,6 +147,8 @@ def test_decode_fused_group_maxima(fmt, block_t):
                                       ("fp8", dict(block_t=16, num_splits=5)), ("bf16", dict(block_t=32, waves=1)),
                                       ("bf16", dict(block_t=32, heads_major=True, num_splits=2)),
                                       ("fp4", dict(block_t=16, heads_major=True, precision="f16")),
+                                      ("fp4", dict(block_t=16, num_splits=3, fp4_scale_at="operand")),
+                                      ("fp4", dict(block_t=16, heads_major=True, fp4_scale_at="operand")),
                                       ("fp4", dict(block_t=16, num_splits=3, precision="fp8")),
                                       ("fp8", dict(block_t=32, num_splits=2, precision="fp8"))])
 def test_split_sweep_options(fmt, opts):
@@ -157,6 +159,42 @@ def test_split_sweep_options(fmt, opts):
     check_scores(q, w, keys, nv, "pallas", 1e-5, **opts)
     q, w, keys, nv = make(1, 9, 16, 120, fmt, rotate=fmt != "bf16", causal=True)
     check_scores(q, w, keys, nv, "pallas", 1e-5, **opts)
+
+
+def test_fp4_scales_on_operands_wide_group_range():
+    """fp4_scale_at="operand": each 32-channel group's scale goes onto its f16 operands relative to the key's largest
+    group scale. Keys whose groups span 2^-30 .. 2^12 (scale bytes far apart, some groups all zero) still match the
+    reference's scores within f32 rounding of each row's scale; the decode and prefill paths both."""
+    rng = np.random.default_rng(next(_SEED))
+    for S, causal in ((1, False), (7, True)):
+        q, w, _, nv = make(2, S, 16, 90, "fp4", rotate=True, causal=causal)
+        keys = rng.standard_normal((2, 90, 128)).astype(np.float32)
+        group_gain = 2.0 ** rng.integers(-30, 13, (2, 90, 4)).astype(np.float32)
+        group_gain[0, :5, 1] = 0.0                                    # all-zero groups (scale byte 0)
+        keys = keys * np.repeat(group_gain, 32, axis=-1)
+        keys = F.quantize(jnp.asarray(keys), "fp4")
+        out = np.asarray(indexer_scores_pallas(q, w, keys, nv, impl="pallas", fp4_scale_at="operand"))
+        ref = np.asarray(indexer_scores(q, w, keys, nv))
+        np.testing.assert_array_equal(np.isfinite(out), np.isfinite(ref))
+        # per score, against a bound on its own magnitude: sum_h |w_h| |q_h| |k_t| (keys span 2^42 within a block)
+        kf = np.asarray(F.dequantize(keys))
+        bound = np.einsum("bsh,bt->bst", np.abs(np.asarray(w)) * np.linalg.norm(np.asarray(q), axis=-1),
+                          np.linalg.norm(kf, axis=-1))
+        fin = np.isfinite(ref)
+        np.testing.assert_array_less(np.abs(out[fin] - ref[fin]), 1e-5 * bound[fin] + 1e-30)
+
+
+def test_fp4_scale_at_errors():
+    from pallas_kernels.indexer.gpu import indexer_scores_gpu
+
+    q, w, keys, nv = make(1, 1, 16, 40, "fp4", rotate=True)
+    with pytest.raises(ValueError, match="fp4_scale_at must be one of"):
+        indexer_scores_gpu(q, w, keys, nv, interpret=True, fp4_scale_at="keys")
+    with pytest.raises(ValueError, match="fp4_scale_at='operand' applies to fp4 keys with precision='f16'"):
+        indexer_scores_gpu(q, w, keys, nv, interpret=True, fp4_scale_at="operand", precision="bf16")
+    q8, w8, keys8, nv8 = make(1, 1, 16, 40, "fp8")
+    with pytest.raises(ValueError, match="fp4_scale_at='operand' applies"):
+        indexer_scores_gpu(q8, w8, keys8, nv8, interpret=True, fp4_scale_at="operand")
 
 
 def test_topk_larger_than_cache_and_blockwise():
@@ -255,6 +293,19 @@ def test_gpu_fp4_asm_decode(B, S, T, causal, opts):
     np.testing.assert_array_equal(np.asarray(asm), np.asarray(alu))
     check_scores(q, w, keys, nv, "pallas", 1e-4, fp4_decode="asm", **opts)
     check_picks(indexer_topk(q, w, keys, nv, k=512, impl="pallas", fp4_decode="asm"), q, w, keys, nv, 512)
+
+
+@gpu
+@pytest.mark.parametrize("B,S,T,causal,opts", [(4, 1, 5000, False, {}), (2, 300, 700, True, {}),
+                                               (3, 1, 9000, False, dict(heads_major=True, block_t=64)),
+                                               (4, 1, 5000, False, dict(fp4_decode="alu"))])
+def test_gpu_fp4_scales_on_operands(B, S, T, causal, opts):
+    """fp4_scale_at="operand" (group scales on the f16 key operands, the key's largest on its score): the reference's
+    scores within tolerance and its picks, with the asm (default) and the integer decode."""
+    q, w, keys, nv = make(B, S, 64, T, "fp4", True, causal=causal)
+    check_scores(q, w, keys, nv, "pallas", 1e-4, fp4_scale_at="operand", **opts)
+    check_picks(indexer_topk(q, w, keys, nv, k=512, impl="pallas", fp4_scale_at="operand", **opts),
+                q, w, keys, nv, 512)
 
 
 def test_fp4_asm_decode_errors():

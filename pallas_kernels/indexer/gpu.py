@@ -191,6 +191,7 @@ shl.b32 a, t1, {m};  and.b32 a, a, 0x0E000E00; shl.b32 b, t1, {s}; and.b32 b, b,
 }}"""
 FP4_F16X2_ASM = dict(lo=_FP4_F16X2_ASM.format(m=9, s=12), hi=_FP4_F16X2_ASM.format(m=5, s=8))
 FP4_DECODES = ("alu", "asm")
+FP4_SCALE_AT = ("result", "operand")
 
 
 def fp4_to_f16_scaled_asm(raw):
@@ -215,7 +216,8 @@ def fp4_to_e5m2_scaled(byte):
 
 
 def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T, d, precision, op_dtype,
-            blocks_per_split, n_blocks, fp4_scale, heads_major=False, gmax_groups=0, fp4_decode="alu"):
+            blocks_per_split, n_blocks, fp4_scale, heads_major=False, gmax_groups=0, fp4_decode="alu",
+            fp4_scale_at="result"):
     q_refs = refs[:n_qparts]
     rest = refs[n_qparts:]
     n_out = 2 if gmax_groups else 1
@@ -234,6 +236,7 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T,
     per = 2 if fmt == "fp4" else 1
     fp8_ops = precision == "fp8"                            # fp8 tensor-core operands (no key conversion for fp8)
     fp4_groups = fmt == "fp4" and (op_dtype == jnp.float16 or fp8_ops)  # per-32-channel-group dots, scales on results
+    fp4_on_operand = fp4_groups and fp4_scale_at == "operand"   # or: scales on the f16 operands, one per-key scale
     # q and w of the block stay in registers / shared memory for the whole sweep over this split's key blocks
     # (block_q is sized so that is <= 128 KB: see default_config)
     hoisted = [[q_ref[qq, :, :] if fp8_ops else q_ref[qq, :, :].astype(op_dtype) for q_ref in q_refs]
@@ -257,6 +260,25 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T,
             if op_dtype == jnp.float16:  # e4m3 is exact in f16: one conversion instead of e4m3 -> f32 -> bf16
                 return [k.astype(jnp.float16)], sc
             return [k.astype(jnp.float32).astype(op_dtype)], sc
+        if fp4_on_operand:
+            # per key, its largest group scale byte `top`; group g's f16 operands (e2m1 x 2^-14) times
+            # 2^(sb_g - top + 14) <= 2^14 = e2m1 x 2^(sb_g - top), exact down to f16's subnormals (a group 2^23 or
+            # more below its key's largest group loses bits: its share of the score is under f32 rounding anyway);
+            # the key's 2^(top - 127) multiplies its score after the head sum (ReLU(s x) = s ReLU(x), s > 0). One
+            # multiply per operand value instead of one per [block_t, H] logit and group.
+            n_g = d // 32
+            sbs = [plgpu.load(key_refs[1].at[b, rows, jnp.full_like(rows, g)], mask=live, other=0).astype(jnp.int32)
+                   for g in range(n_g)]
+            top = functools.reduce(jnp.maximum, sbs)
+            cols16 = jax.lax.broadcasted_iota(jnp.int32, (1, 16), 1)
+            kops = []
+            for g in range(n_g):
+                raw = plgpu.load(key_refs[0].at[b, rows[:, None], 16 * g + cols16], mask=live2, other=0)
+                pair = fp4_to_f16_scaled_asm(raw) if fp4_decode == "asm" else fp4_to_f16_scaled(raw.astype(jnp.int32))
+                e = jnp.clip(sbs[g] - top + 14 + 127, 0, 255)            # f32 exponent field of 2^(sb_g - top + 14)
+                factor = jax.lax.bitcast_convert_type(e << 23, jnp.float32).astype(jnp.float16)[:, None]
+                kops += [v * factor for v in pair]
+            return kops, jax.lax.bitcast_convert_type(jnp.maximum(top, 1) << 23, jnp.float32)
         if fp4_groups:  # fp4 via f16: per 32-channel group, its 16 bytes and one scale per key (a list)
             kops, scales = [], []
             cols16 = jax.lax.broadcasted_iota(jnp.int32, (1, 16), 1)
@@ -303,7 +325,7 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T,
         rows = j * block_t + jax.lax.iota(jnp.int32, block_t)
         live = rows < lim
         kops, scale = load_keys(rows, live)
-        group_scales, row_scale = (scale, None) if fp4_groups else (None, scale)
+        group_scales, row_scale = (scale, None) if fp4_groups and not fp4_on_operand else (None, scale)
         # logits [block_t, H] = K q^T (keys on the MMA's M side), or [H, block_t] = q K^T with heads_major (the
         # keys on the N side: one m64 x n<block_t> tile per warpgroup instead of n64 tiles)
         kdot = (lambda k_, q_: _dot_nt(q_, k_, precision)) if heads_major else (
@@ -313,7 +335,11 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T,
         for qq in range(block_q):
             qv, wv = hoisted[qq], ws[qq]
             logits = None
-            if fp4_groups:  # sum_g s_g[t] (lo_g . q_even_g + hi_g . q_odd_g), fp8: s_g[t] (k_g . q_g); n_terms == 1
+            if fp4_on_operand:  # sum_g (lo_g' . q_even_g + hi_g' . q_odd_g), the scales already in the operands
+                for kop, qop in zip(kops, qv):
+                    x = kdot(kop, qop)
+                    logits = x if logits is None else logits + x
+            elif fp4_groups:  # sum_g s_g[t] (lo_g . q_even_g + hi_g . q_odd_g), fp8: s_g[t] (k_g . q_g); n_terms == 1
                 for g, sg in enumerate(group_scales):
                     if fp8_ops:
                         x = kdot(kops[g], qv[g])
@@ -367,7 +393,7 @@ def default_config(S, T, q_bytes, key_bytes=2):
     block_t = 256 if wide else 64
     block_t = min(block_t, max(16, 1 << (max(T, 1) - 1).bit_length()))
     return dict(block_q=block_q, block_t=max(16, block_t), num_warps=8 if wide else 4, num_stages=3, waves=4,
-                fp4_scale="gather", heads_major=False, fp4_decode=None)
+                fp4_scale="gather", heads_major=False, fp4_decode=None, fp4_scale_at="result")
 
 
 def default_fp4_decode(fmt, precision, block_t, num_warps, interpret):
@@ -379,7 +405,7 @@ def default_fp4_decode(fmt, precision, block_t, num_warps, interpret):
 
 def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precision=None, block_q=None,
                        block_t=None, num_warps=None, num_stages=None, waves=None, num_splits=None, fp4_scale=None,
-                       heads_major=None, pad_to_block=False, group_max_k=None, fp4_decode=None):
+                       heads_major=None, pad_to_block=False, group_max_k=None, fp4_decode=None, fp4_scale_at=None):
     """Scores [B, S, T] (or [B, S, roundup(T, block_t)] with -inf padding if pad_to_block) like
     `reference.indexer_scores`.
 
@@ -394,7 +420,11 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
     of K q^T [block_t, H]; same values. fp4_decode ("alu", "asm"): how fp4 keys with precision="f16" become
     f16 operands, jnp integer ops or the packed inline PTX of `FP4_F16X2_ASM` (compiled GPU kernels only; bit-identical
     scores). Default: "asm" wherever it applies (compiled, fp4 / f16, block_t >= 8 x num_warps), else "alu"; on the
-    H200 it cut the fp4 scores kernel 7-9% (B = 64: 221 -> 206 us at 128K, 1690 -> 1551 us at 1M; session 13)."""
+    H200 it cut the fp4 scores kernel 7-9% (B = 64: 221 -> 206 us at 128K, 1690 -> 1551 us at 1M; session 13).
+    fp4_scale_at ("result" default, "operand"; fp4 keys with precision="f16"): where the 32-channel groups' scales
+    go: onto each group's [block_t, H] logits (4 f32 multiply-adds per logit and group), or onto the f16 key
+    operands (one multiply per value, relative to the key's largest group scale, which multiplies the score after
+    the head sum). Not yet timed on a GPU (session 13)."""
     B, S, H, d = q.shape
     T = keys.shape[1]
     fmt = key_format_of(keys)
@@ -413,11 +443,16 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
     key_bytes = {"bf16": 2, "fp8": 1, "fp4": 0.5}[fmt] if fmt else keys.dtype.itemsize
     cfg = default_config(S, T, q_bytes=hp * d * n_terms * jnp.dtype(op_dtype).itemsize, key_bytes=key_bytes)
     for k_, v_ in dict(block_q=block_q, block_t=block_t, num_warps=num_warps, num_stages=num_stages,
-                       waves=waves, fp4_scale=fp4_scale, heads_major=heads_major, fp4_decode=fp4_decode).items():
+                       waves=waves, fp4_scale=fp4_scale, heads_major=heads_major, fp4_decode=fp4_decode,
+                       fp4_scale_at=fp4_scale_at).items():
         if v_ is not None:
             cfg[k_] = v_
     if cfg["fp4_decode"] is None:
         cfg["fp4_decode"] = default_fp4_decode(fmt, precision, cfg["block_t"], cfg["num_warps"], interpret)
+    if cfg["fp4_scale_at"] not in FP4_SCALE_AT:
+        raise ValueError(f"fp4_scale_at must be one of {FP4_SCALE_AT}, got {cfg['fp4_scale_at']!r}")
+    if cfg["fp4_scale_at"] == "operand" and not (fmt == "fp4" and precision == "f16"):
+        raise ValueError(f"fp4_scale_at='operand' applies to fp4 keys with precision='f16', got {fmt} / {precision}")
     if cfg["fp4_decode"] not in FP4_DECODES:
         raise ValueError(f"fp4_decode must be one of {FP4_DECODES}, got {cfg['fp4_decode']!r}")
     if cfg["fp4_decode"] == "asm":
@@ -466,7 +501,7 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
     kernel = functools.partial(_kernel, fmt=fmt, n_qparts=len(qparts), n_terms=n_terms, block_q=bq, block_t=bt,
                                T=T, d=d, precision=precision, op_dtype=op_dtype, blocks_per_split=bps,
                                n_blocks=nb, fp4_scale=cfg["fp4_scale"], heads_major=bool(cfg["heads_major"]),
-                               gmax_groups=G, fp4_decode=cfg["fp4_decode"])
+                               gmax_groups=G, fp4_decode=cfg["fp4_decode"], fp4_scale_at=cfg["fp4_scale_at"])
     extra = {}
     if not interpret:
         extra["compiler_params"] = plgpu.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
