@@ -19,7 +19,8 @@ Precision ("precision" option): "bf16" (bf16 operands, f32 accumulate; exact pro
 fake-quantized queries, which are bf16-representable), "bf16x2" (q split into bf16 hi + lo: ~16-bit mantissa, for
 bf16 keys and float queries), "f32" (fp32 FMA dot, no tf32), "f16" (fp8 / fp4 keys: f16 operands. fp8: e4m3 -> f16
 in one conversion; fp4: `fp4_to_f16_scaled` (5 integer ops per value, e2m1 x 2^-14 exactly), two K=16 dots per 32-channel
-scale group with the group's scale applied to their f32 sum; exact for the keys (fp4: block exponents <= 113),
+scale group with the group's scale applied to their f32 sum (or, `fp4_scale_at="operand"`, on the f16 operands
+relative to the key's largest group scale, which multiplies the score); exact for the keys (fp4: block exponents <= 113),
 fake-quantized q entries outside f16's range (below 2^-24, above 65504) flush / overflow), "fp8" (fp8 / fp4 keys: fp8
 tensor-core operands with q quantized like the keys (`quantize_q_fp8`, its scale folded into the head weights): fp8
 keys go to the MMA as stored (e4m3), fp4 nibbles are moved to e5m2 by bit arithmetic (`fp4_to_e5m2_scaled`) and
