@@ -206,6 +206,22 @@ def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
                *(inp[k] for k in keys))
 
 
+@pytest.mark.parametrize("b,t,k_c,opts,fp8", [(3, 1, 512, {}, False), (1, 64, 60, {}, False), (3, 1, 512, {}, True),
+                                              (2, 1, 1024, dict(n_splits=2, heads=128), False)])
+def test_sparse_attention_mosaic_profiled_builds(b, t, k_c, opts, fp8):
+    """With `_profile` the kernel records its phases through Mosaic GPU's profiler: its module builds (tracing the
+    call builds it; the per-call trace dump is a host callback, which does not lower for another platform)."""
+    from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
+
+    opts = dict(opts)
+    inp = make_attention(b, t, opts.pop("heads", 64), 512, 300, 9000, 128, k_c, ragged=True, fp8=fp8)
+    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
+    lens = dict(window_len=inp["window_len"], compressed_len=inp["compressed_len"])
+    fn = lambda *a: sparse_attention_mosaic(*a, scale=512 ** -0.5, **lens, _profile="/tmp", **opts)
+    jaxpr = str(jax.jit(fn).trace(*(inp[k] for k in keys)).jaxpr)
+    assert "mosaic_gpu" in jaxpr and "callback" in jaxpr   # the kernel, and the dump of its profile buffer
+
+
 @pytest.mark.parametrize("kv_dtype,heads", [(None, 64), ("fp8", 64), (None, 128)])
 def test_whole_bf16_model_lowers_with_mosaic_attention(monkeypatch, kv_dtype, heads):
     """A bf16 model with 64 heads (128: V4-Pro's, two head groups per query row) takes the Mosaic GPU attention

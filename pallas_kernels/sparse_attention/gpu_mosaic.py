@@ -109,7 +109,7 @@ def default_config(bt: int, total_blocks: int):
 
 
 def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=False, diag=None,
-           regs=None, n_hg=1, split_scores=False):
+           regs=None, n_hg=1, split_scores=False, profile=None):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -119,7 +119,11 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     Shared memory, bf16: q/o tile 64 KB (d = 512), `stages` x block_k x d x 2 B ring, this split's index rows,
     sinks|lse. fp8: q/o tile, one bf16 KV tile (block_k x d, the consumers' dequantized block), and a staging ring of
     `stages` x block_k raw rows (nope padded to 512 B, as a bulk copy's shared address must be 128 B aligned; rope
-    128 B; scales 8 B)."""
+    128 B; scales 8 B).
+    profile ((entries per warpgroup, dump directory) or None): Mosaic GPU's on-device profiler records each
+    warpgroup's named regions (thread 0 of the warpgroup: SM clock at entry and exit) and the wrapper dumps a Chrome
+    trace per call into the directory (benchmarks/mosaic_phase_profile.py reads it). Without it the regions emit
+    nothing."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mu
@@ -162,6 +166,14 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
         wg = mu.warpgroup_idx(sync=True)
         one = mu.single_thread_predicate(mu.ThreadSubset.WARPGROUP)
 
+        def begin(name):   # a profiler region, open until end(); emits nothing unless the kernel is profiled
+            region = ctx.named_region(name)
+            region.__enter__()
+            return region
+
+        def end(region):
+            region.__exit__(None, None, None)
+
         # per source: this CTA's block range [lo, hi) and the first block held in idx_smem (all roles compute it)
         ranges = []
         base = 0
@@ -196,6 +208,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
         if_op = scf.IfOp(is_producer, has_else=True)
         with ir.InsertionPoint(if_op.then_block):   # ---------------- producer ----------------
             nvvm.setmaxregister(regs[0], nvvm.SetMaxRegisterAction.decrease)
+            region = begin("p_setup")   # q, sinks and this split's index rows in flight; until the rows landed
             q_bytes = BLOCK_H * d * 2 + BLOCK_H * 4
             q_bar.arrive_expect_tx(q_bytes, predicate=one)
             ctx.async_copy(src_ref=q_gmem, dst_ref=q_smem, gmem_slice=(row, hg),
@@ -214,6 +227,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                                    gmem_slice=(row, mu.ds(arith.addi(arith.muli(start, c(bk)), c(c0)), w)),
                                    barrier=idx_bar, arrive=False, predicate=one)
             idx_bar.wait()
+            end(region)
             lane0 = mu.single_thread_predicate(mu.ThreadSubset.WARP)
             warp = arith.remui(arith.index_cast(index, mu.warp_idx(sync=True)), c(4))
 
@@ -251,8 +265,11 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             def produce(k, j, g, carry):
                 """Block j of source k into ring / staging slot g % stages, once both consumers are done with it."""
                 slot = arith.remui(g, c(stages))
+                region = begin("p_wait_empty")
                 with mu.when(arith.cmpi(arith.CmpIPredicate.uge, g, c(stages))):
                     empty_bars[slot].wait()
+                end(region)
+                region = begin("p_issue")
                 full = full_bars[slot]
                 full.arrive_expect_tx(bk * (NOPE_DIM + 2 * ROPE_DIM if fp8 else d * 2), predicate=one)
                 off = arith.muli(arith.subi(j, ranges[k][2]), c(bk))
@@ -268,6 +285,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 if fp8:
                     with mu.when(lane0):   # one of the slot's 4 counted arrivals, once this thread's scale copies land
                         nvvm.cp_async_mbarrier_arrive(full.get_ptr(), noinc=True)
+                end(region)
                 return carry
 
             steps(produce, None)
@@ -276,8 +294,10 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
         with ir.InsertionPoint(if_op.else_block):    # ---------------- consumers (wg 0, 1) ----------------
             nvvm.setmaxregister(regs[1], nvvm.SetMaxRegisterAction.increase)
             wgi = arith.index_cast(index, wg)
+            region = begin("c_wait_q")
             q_bar.wait()
             idx_bar.wait()
+            end(region)
             sink2 = fa.FragmentedArray.load_untiled(mu.memref_slice(vec_smem, mu.ds(0, BLOCK_H)),
                                                     layout=fa.WGMMA_ROW_LAYOUT, optimized=False) * LOG2E
             zero_row = fa.FragmentedArray.splat(arith.constant(f32, 0.0), (BLOCK_H,), fa.WGMMA_ROW_LAYOUT)
@@ -397,27 +417,38 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 ids = fa.FragmentedArray.load_untiled(mu.memref_slice(idx_smem, mu.ds(first, n_scored)),
                                                       layout=fa.WGMMA_COL_LAYOUT, is_signed=True, optimized=False)
                 valid = (ids >= 0).broadcast_in_dim((BLOCK_H, n_scored), (1,), fa.WGMMA_LAYOUT)
+                region = begin("c_wait_full")
                 full_bars[slot].wait()
+                end(region)
                 if fp8:
+                    region = begin("c_dequant")
                     dequantize(slot)
                     empty_bars[slot].arrive()                           # the staging slot can be refilled
+                    end(region)
                     kv = tile
                 else:
                     kv = mu.memref_slice(ring, slot)                    # [bk/8, d/64, 8, 64]
                 if split_scores:
+                    region = begin("c_split_softmax")   # half the scores, the exchange, the softmax
                     m_new, l, p = split_softmax(valid, kv, g, m, l)
                     alpha = (m - m_new).exp2(approx=True)
+                    end(region)
                 else:
+                    region = begin("c_scores")
                     s_acc = mgpu.WGMMAAccumulator.zero(BLOCK_H, bk)
                     s_acc = mgpu.wgmma(s_acc, q_smem, mu.memref_transpose(kv, (1, 0, 3, 2)))
                     nvvm.wgmma_commit_group_sync_aligned()
                     nvvm.wgmma_wait_group_sync_aligned(0)
+                    end(region)
+                    region = begin("c_softmax")
                     logits = valid.select(s_acc.value * scale2, neg_inf)
                     m_new = m.max(logits.reduce("max", axis=1))
                     alpha = (m - m_new).exp2(approx=True)
                     p = (logits - m_new.broadcast_minor(bk)).exp2(approx=True)
                     l = l * alpha + p.reduce("add", axis=1)
                     p = p.astype(bf16)
+                    end(region)
+                region = begin("c_pv")
                 acc = acc * alpha.broadcast_minor(dh)
                 o_acc = mgpu.WGMMAAccumulator.from_registers(acc)
                 o_acc = mgpu.wgmma(o_acc, p, mu.memref_slice(kv, (slice(None), v_cols)))
@@ -425,10 +456,12 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 nvvm.wgmma_wait_group_sync_aligned(0)
                 if not fp8:
                     empty_bars[slot].arrive()
+                end(region)
                 return m_new, l, o_acc.value
 
             m0 = sink2.round() if split_scores else sink2   # split_scores keeps the running max an integer
             m, l, acc = steps(consume, (m0, zero_row, acc0))
+            region = begin("c_epilogue")   # the final sums, the output tile and its store
             if split_scores:   # l = the two consumers' partial sums (both hold the same m)
                 l.store_untiled(mu.memref_slice(x_l, wgi), optimized=False)
                 consumers_barrier()
@@ -461,6 +494,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 ctx.async_copy(src_ref=mu.memref_slice(vec_smem, mu.ds(BLOCK_H, BLOCK_H)), dst_ref=lse_gmem,
                                gmem_slice=o_slice, predicate=one)
                 ctx.await_async_copy(0)
+            end(region)
             scf.yield_([])
 
     in_shape = [jax.ShapeDtypeStruct((bt, n_hg, BLOCK_H, d), jnp.bfloat16),
@@ -508,12 +542,19 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             (mgpu.Barrier(arrival_count=256, num_barriers=stages), mgpu.Barrier(arrival_count=256)),
             *((exch,) if tail else ()),
         )
+    prof = None if profile is None else mgpu.profiler.ProfilerSpec(profile[0], dump_path=profile[1])
     with jax_mlir.make_ir_context(), ir.Location.unknown():
         return mgpu.as_gpu_kernel(body, grid=(bt * n_hg, ns, 1), block=(384, 1, 1), in_shape=tuple(in_shape),
-                                  out_shape=out_shape, smem_scratch_shape=smem)
+                                  out_shape=out_shape, smem_scratch_shape=smem, prof_spec=prof)
 
 
 DEFAULT_REGS = (56, 224)   # setmaxnreg: (producer, each consumer) registers per thread
+
+
+def profile_entries(max_steps):
+    """i32 entries per warpgroup for the profiler: 3 header words, then 4 per region (enter and exit, each a name and
+    a clock); at most 5 regions per step (consumers, FP8) plus 2 outside the loop, and a margin."""
+    return 3 + 4 * (5 * max_steps + 2) + 16
 
 
 def check_regs(regs):
@@ -545,6 +586,7 @@ def sparse_attention_mosaic(
     regs: tuple[int, int] | None = None,
     split_scores: bool | None = None,
     _diag: str | None = None,
+    _profile: str | None = None,
 ):
     """Mosaic GPU implementation of `reference.sparse_attention` for bf16 q [B, T, H, d] (H a multiple of 64: one
     CTA per group of 64 heads) and either bf16 [rows, d] pools (d a multiple of 128) or FP8 pools (`Fp8KVPool`,
@@ -561,7 +603,10 @@ def sparse_attention_mosaic(
     memory: 2/3 of the tensor work, one more barrier per block. The exchange buffers follow the KV ring: after the
     barriers (8 mod 16 B, Mosaic packs scratch without padding) the kernel faults with a misaligned address
     (sessions 10 and 12, diagnostic "ss_tail"). Diagnostic
-    "ss_noexchange": each consumer uses only its own P half (wrong output; isolates the N = bk/2 score wgmma)."""
+    "ss_noexchange": each consumer uses only its own P half (wrong output; isolates the N = bk/2 score wgmma).
+    `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
+    on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
+    records cost a few cycles each and the dump is a host callback per call."""
     b, t, h, d = common.validate(q, window_kv, window_idx, compressed_kv, compressed_idx, sinks, window_len,
                                  compressed_len, scale)
     pools = [window_kv] + ([] if compressed_kv is None else [compressed_kv])
@@ -602,7 +647,8 @@ def sparse_attention_mosaic(
     while True:   # a CTA holds its split's index rows: with the default n_splits, split further until they fit
         ns = -(-total_blocks // bps)
         idx_rows = [min(bps, s_.k // bk) * bk for s_ in flat]
-        smem = BLOCK_H * d * 2 + ring_bytes + sum(idx_rows) * 4 + 2 * BLOCK_H * 4 + exchange
+        smem = BLOCK_H * d * 2 + ring_bytes + sum(idx_rows) * 4 + 2 * BLOCK_H * 4 + exchange + \
+            (3 * 4 * profile_entries(sum(idx_rows) // bk) + 1024 if _profile else 0)   # + alignment
         if smem <= SMEM_BUDGET or n_splits is not None or bps == 1:
             break
         bps -= 1
@@ -617,8 +663,9 @@ def sparse_attention_mosaic(
         idx = jnp.where((s_.idx >= 0) & (s_.idx < s_.n_rows) & (pos < s_.length[:, None]), s_.idx, -1)
         args += [idx, s_.length] + ([s_.pool.nope, s_.pool.rope, s_.pool.scale] if fp8 else [s_.pool])
         meta.append(dict(k=s_.k, n_rows=s_.n_rows))
+    profile = None if _profile is None else (profile_entries(sum(idx_rows) // bk), str(_profile))
     kernel = _build(bt, ns, d, bk, stages, bps, meta, idx_rows, float(scale) * LOG2E, ns > 1, fp8, _diag,
-                    check_regs(regs), n_hg, bool(split_scores))
+                    check_regs(regs), n_hg, bool(split_scores), profile)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1:
         o, lse = common.combine_splits(o.astype(jnp.float32).reshape(bt, ns, h, d), lse.reshape(bt, ns, h),

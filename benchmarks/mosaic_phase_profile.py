@@ -1,0 +1,169 @@
+"""Where does the Mosaic attention kernel's time go? Each warpgroup's phases, from Mosaic GPU's on-device profiler.
+
+Decode sits at 2-3x its memory floor (CSA B=64 / 128) and neither the gather bandwidth (the producer alone moves
+3.4-3.9 TB/s, session 8) nor the consumers' MMA (split_scores cut a third of it and changed nothing, session 12)
+explains it by measurement. This runs the kernel with `_profile` (gpu_mosaic.py): thread 0 of each warpgroup
+stamps the SM clock at the entry and exit of named regions,
+
+  producer   p_setup (q, sinks, index rows until landed), per step p_wait_empty (slot free) and p_issue
+  consumers  c_wait_q, per step c_wait_full (the block landed), c_scores (q K^T wgmma), c_softmax, c_pv (P.V
+             wgmma; c_split_softmax with split_scores, c_dequant with FP8 pools), then c_epilogue
+
+and prints, per role and region, cycles per occurrence and per CTA, the share of the CTA's span, and how the CTAs'
+start times spread over the launch (waves). Reading: if c_wait_full dominates the consumers, the gathers bind
+(latency: too few slots in flight); if p_wait_empty dominates the producer, the consumers do; a large p_setup /
+c_wait_q or c_epilogue next to few steps per CTA is the fixed per-CTA cost.
+
+    PYTHONPATH=. python benchmarks/mosaic_phase_profile.py --out DIR [--cases csa64,csa128,...] [--clock-ghz 1.98]
+
+The raw traces (Chrome / Perfetto JSON, one track per warpgroup) stay under --dump (default /tmp/...).
+
+Needs a Hopper GPU. `summarize` (the trace reader) is tested on the CPU with a synthetic trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+import numpy as np
+
+WARPGROUPS = 3          # the kernel's block: consumers 0 and 1, producer 2
+ROLE = {0: "consumer", 1: "consumer", 2: "producer"}
+
+# name -> (kind, B, T, K_c, kv, options)
+CASES = {
+    "csa16": ("csa", 16, 1, 512, "bf16", {}),
+    "csa64": ("csa", 64, 1, 512, "bf16", {}),
+    "csa128": ("csa", 128, 1, 512, "bf16", {}),
+    "csa64_ns1": ("csa", 64, 1, 512, "bf16", dict(n_splits=1)),
+    "hca1k64": ("hca", 64, 1, 1024, "bf16", {}),
+    "hca8k16": ("hca", 16, 1, 8192, "bf16", {}),
+    "csa64_fp8": ("csa", 64, 1, 512, "fp8", {}),
+    "prefill2k": ("csa", 1, 2048, 512, "bf16", {}),                        # split_scores (the prefill default)
+    "prefill2k_noss": ("csa", 1, 2048, 512, "bf16", dict(split_scores=False)),
+}
+
+
+def summarize(trace, clock_ghz=1.98):
+    """A Mosaic GPU profiler trace (the dumped JSON as a dict) -> per role and region statistics.
+
+    Event times are SM clock cycles since the warpgroup's first record, plus the CTA's globaltimer start (ns), all
+    divided by 1e3; within one warpgroup a difference of two times x 1e3 is cycles. Returns dict(roles={role:
+    {region: dict(per_cta_cycles, count_per_cta, cycles_each, share)}, span_cycles}, n_ctas, start_spread_us)."""
+    by_trace = defaultdict(list)
+    for ev in trace["traceEvents"]:
+        by_trace[int(ev["tid"]) - 1].append(ev)
+    roles = {}
+    spans = defaultdict(list)
+    totals = defaultdict(lambda: defaultdict(float))
+    counts = defaultdict(lambda: defaultdict(int))
+    starts = {}
+    n_traces = defaultdict(int)
+    for t, evs in by_trace.items():
+        wg, cta = t % WARPGROUPS, t // WARPGROUPS
+        role = ROLE[wg]
+        # in the dump's order, which is the record order within a warpgroup (a region's entry and exit can carry
+        # the same time after the dump's overhead correction, so a sort could put the exit first)
+        open_at = {}
+        for ev in evs:
+            if ev["ph"] == "B":
+                open_at[ev["name"]] = ev["ts"]
+            elif ev["name"] in open_at:
+                totals[role][ev["name"]] += (ev["ts"] - open_at.pop(ev["name"])) * 1e3
+                counts[role][ev["name"]] += 1
+        spans[role].append((evs[-1]["ts"] - evs[0]["ts"]) * 1e3)
+        n_traces[role] += 1
+        starts[cta] = min(starts.get(cta, np.inf), evs[0]["ts"])
+    for role in totals:
+        n = n_traces[role]
+        span = float(np.mean(spans[role]))
+        regions = {}
+        for name in sorted(totals[role], key=lambda k: -totals[role][k]):
+            per_cta = totals[role][name] / n
+            regions[name] = dict(per_cta_cycles=per_cta, count_per_cta=counts[role][name] / n,
+                                 cycles_each=totals[role][name] / max(counts[role][name], 1), share=per_cta / span)
+        regions["(outside regions)"] = dict(per_cta_cycles=span - sum(r["per_cta_cycles"] for r in regions.values()),
+                                            count_per_cta=0.0, cycles_each=0.0, share=0.0)
+        regions["(outside regions)"]["share"] = regions["(outside regions)"]["per_cta_cycles"] / span
+        roles[role] = dict(regions=regions, span_cycles=span, span_cycles_max=float(np.max(spans[role])),
+                           span_us=span / (clock_ghz * 1e3))
+    st = np.array(sorted(starts.values()))   # the first record's time: globaltimer start (ns) / 1e3 = us
+    return dict(roles=roles, n_ctas=len(starts), start_spread_us=float(st[-1] - st[0]) if len(st) else 0.0,
+                clock_ghz=clock_ghz)
+
+
+def print_summary(name, s):
+    print(f"== {name}: {s['n_ctas']} CTAs, CTA starts spread over {s['start_spread_us']:.1f} us "
+          f"(cycles -> us at {s['clock_ghz']} GHz)", flush=True)
+    for role in ("producer", "consumer"):
+        if role not in s["roles"]:
+            continue
+        r = s["roles"][role]
+        print(f"  {role}: span {r['span_cycles']:.0f} cycles ({r['span_us']:.2f} us) per CTA, max "
+              f"{r['span_cycles_max']:.0f}", flush=True)
+        for reg, v in r["regions"].items():
+            print(f"    {reg:18s} {v['per_cta_cycles']:9.0f} cyc/CTA {100 * v['share']:5.1f}%   "
+                  f"x{v['count_per_cta']:5.1f} of {v['cycles_each']:7.0f}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".", help="the summary: DIR/mosaic_phase_profile.json")
+    ap.add_argument("--dump", default="/tmp/mosaic_profile_traces", help="the raw Chrome traces (large), per case")
+    ap.add_argument("--cases", default="csa64,csa128,csa16,hca8k16,csa64_ns1,prefill2k,prefill2k_noss,csa64_fp8")
+    ap.add_argument("--clock-ghz", type=float, default=1.98)
+    ap.add_argument("--warm-ms", type=float, default=200.0, help="unprofiled calls first, so the SM clock has risen")
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.sparse_attention import D, make_case
+    from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
+
+    rng = np.random.default_rng(0)
+    results = {}
+    for name in args.cases.split(","):
+        kind, b, t_q, kc, kv, opts = CASES[name]
+        dump = os.path.join(args.dump, name)
+        os.makedirs(dump, exist_ok=True)
+        q, wpool, cpool, sinks, widx, cidx = make_case(rng, kind, b, t_q, kc, max(4096, t_q // 4), kv == "fp8", 1)
+        a = (q, wpool, widx[0], cpool, cidx[0], sinks)
+        plain = jax.jit(lambda *x: sparse_attention_mosaic(*x, scale=D ** -0.5, **opts))
+        profiled = jax.jit(lambda *x: sparse_attention_mosaic(*x, scale=D ** -0.5, _profile=dump, **opts))
+        try:
+            t0 = time.time()
+            jax.block_until_ready(plain(*a))
+            n = 0
+            t1 = time.time()
+            while (time.time() - t1) * 1e3 < args.warm_ms:
+                jax.block_until_ready(plain(*a))
+                n += 1
+            for _ in range(3):
+                jax.block_until_ready(profiled(*a))
+            jax.effects_barrier()
+            traces = sorted(glob.glob(os.path.join(dump, "*-trace.json")))
+            with open(traces[-1]) as f:
+                s = summarize(json.load(f), args.clock_ghz)
+            s["case"] = dict(kind=kind, B=b, T=t_q, Kc=kc, kv=kv, opts=opts, warm_calls=n,
+                             seconds=round(time.time() - t0, 1))
+            print_summary(name, s)
+            for tr in traces[:-1]:
+                os.remove(tr)
+        except Exception as e:   # one case's failure should not lose the others
+            s = dict(error=f"{type(e).__name__}: {str(e)[:800]}")
+            print(f"== {name}: {s['error']}", flush=True)
+        results[name] = s
+        with open(os.path.join(args.out, "mosaic_phase_profile.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.path[:0] = ["."]
+    main()

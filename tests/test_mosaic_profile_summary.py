@@ -1,0 +1,43 @@
+"""The Mosaic attention kernel's phase-profile reader (benchmarks/mosaic_phase_profile.py) on a synthetic trace in
+the format of Mosaic GPU's profiler dump (CPU only; the kernel's profiled build is checked in test_gpu_lowering)."""
+
+import numpy as np
+import pytest
+
+from benchmarks.mosaic_phase_profile import summarize
+
+
+def _trace(rng):
+    """2 CTAs x 3 warpgroups; tid = 1 + warpgroup + 3 x CTA; ts = (start_ns + cycles) / 1e3 as the dump writes."""
+    tracks = []
+    plan = {0: [("c_wait_q", 300), ("c_wait_full", 50), ("c_scores", 200), ("c_pv", 100), ("c_wait_full", 70),
+                ("c_scores", 200), ("c_pv", 100), ("c_epilogue", 400)],
+            2: [("p_setup", 250), ("p_wait_empty", 0), ("p_issue", 600), ("p_wait_empty", 80), ("p_issue", 600)]}
+    plan[1] = plan[0]
+    for cta, start_ns in ((0, 1000.0), (1, 5000.0)):
+        for wg, regions in plan.items():
+            t, events = 0.0, []
+            for name, cyc in regions:
+                events.append(dict(name=name, ph="B", ts=(start_ns + t) / 1e3, pid=1 + cta, tid=1 + wg + 3 * cta))
+                t += cyc
+                events.append(dict(name=name, ph="E", ts=(start_ns + t) / 1e3, pid=1 + cta, tid=1 + wg + 3 * cta))
+                t += 10   # 10 cycles between regions (outside every region)
+            tracks.append(events)
+    rng.shuffle(tracks)   # tracks in any order, each in its record order (as the dump writes them)
+    return {"displayTimeUnit": "ns", "traceEvents": [e for tr in tracks for e in tr]}
+
+
+def test_summarize_phase_profile():
+    s = summarize(_trace(np.random.default_rng(0)), clock_ghz=2.0)
+    assert s["n_ctas"] == 2 and s["start_spread_us"] == pytest.approx(4.0)
+    cons, prod = s["roles"]["consumer"], s["roles"]["producer"]
+    assert cons["regions"]["c_wait_full"]["per_cta_cycles"] == pytest.approx(120)
+    assert cons["regions"]["c_wait_full"]["count_per_cta"] == pytest.approx(2)
+    assert cons["regions"]["c_scores"]["cycles_each"] == pytest.approx(200)
+    span = 300 + 50 + 200 + 100 + 70 + 200 + 100 + 400 + 7 * 10
+    assert cons["span_cycles"] == pytest.approx(span) and cons["span_us"] == pytest.approx(span / 2000)
+    assert cons["regions"]["(outside regions)"]["per_cta_cycles"] == pytest.approx(70)
+    assert sum(r["share"] for r in cons["regions"].values()) == pytest.approx(1.0)
+    assert prod["regions"]["p_issue"]["per_cta_cycles"] == pytest.approx(1200)
+    assert prod["regions"]["p_wait_empty"]["count_per_cta"] == pytest.approx(2)
+    assert list(prod["regions"])[0] == "p_issue"   # regions largest first
