@@ -423,7 +423,7 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
     scores). Default: "asm" wherever it applies (compiled, fp4 / f16, block_t >= 8 x num_warps), else "alu"; on the
     H200 it cut the fp4 scores kernel 7-9% (B = 64: 221 -> 206 us at 128K, 1690 -> 1551 us at 1M; session 13).
     fp4_scale_at ("result" default, "operand"; fp4 keys with precision="f16"): where the 32-channel groups' scales
-    go: onto each group's [block_t, H] logits (4 f32 multiply-adds per logit and group), or onto the f16 key
+    go: onto each group's [block_t, H] logits (a multiply and an add per logit and group), or onto the f16 key
     operands (one multiply per value, relative to the key's largest group scale, which multiplies the score after
     the head sum). Not yet timed on a GPU (session 13)."""
     B, S, H, d = q.shape
