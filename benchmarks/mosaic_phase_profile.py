@@ -88,9 +88,9 @@ def summarize(trace, clock_ghz=1.98):
             per_cta = totals[role][name] / n
             regions[name] = dict(per_cta_cycles=per_cta, count_per_cta=counts[role][name] / n,
                                  cycles_each=totals[role][name] / max(counts[role][name], 1), share=per_cta / span)
-        regions["(outside regions)"] = dict(per_cta_cycles=span - sum(r["per_cta_cycles"] for r in regions.values()),
-                                            count_per_cta=0.0, cycles_each=0.0, share=0.0)
-        regions["(outside regions)"]["share"] = regions["(outside regions)"]["per_cta_cycles"] / span
+        outside = span - sum(r["per_cta_cycles"] for r in regions.values())
+        regions["(outside regions)"] = dict(per_cta_cycles=outside, count_per_cta=0.0, cycles_each=0.0,
+                                            share=outside / span)
         roles[role] = dict(regions=regions, span_cycles=span, span_cycles_max=float(np.max(spans[role])),
                            span_us=span / (clock_ghz * 1e3))
     st = np.array(sorted(starts.values()))   # the first record's time: globaltimer start (ns) / 1e3 = us

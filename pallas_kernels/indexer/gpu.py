@@ -261,41 +261,34 @@ def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, T,
             if op_dtype == jnp.float16:  # e4m3 is exact in f16: one conversion instead of e4m3 -> f32 -> bf16
                 return [k.astype(jnp.float16)], sc
             return [k.astype(jnp.float32).astype(op_dtype)], sc
-        if fp4_on_operand:
-            # per key, its largest group scale byte `top`; group g's f16 operands (e2m1 x 2^-14) times
-            # 2^(sb_g - top + 14) <= 2^14 = e2m1 x 2^(sb_g - top), exact down to f16's subnormals (a group 2^23 or
-            # more below its key's largest group loses bits: its share of the score is under f32 rounding anyway);
-            # the key's 2^(top - 127) multiplies its score after the head sum (ReLU(s x) = s ReLU(x), s > 0). One
-            # multiply per operand value instead of one per [block_t, H] logit and group.
-            n_g = d // 32
-            sbs = [plgpu.load(key_refs[1].at[b, rows, jnp.full_like(rows, g)], mask=live, other=0).astype(jnp.int32)
-                   for g in range(n_g)]
-            top = functools.reduce(jnp.maximum, sbs)
-            cols16 = jax.lax.broadcasted_iota(jnp.int32, (1, 16), 1)
-            kops = []
-            for g in range(n_g):
-                raw = plgpu.load(key_refs[0].at[b, rows[:, None], 16 * g + cols16], mask=live2, other=0)
-                pair = fp4_to_f16_scaled_asm(raw) if fp4_decode == "asm" else fp4_to_f16_scaled(raw.astype(jnp.int32))
-                e = jnp.clip(sbs[g] - top + 14 + 127, 0, 255)            # f32 exponent field of 2^(sb_g - top + 14)
-                factor = jax.lax.bitcast_convert_type(e << 23, jnp.float32).astype(jnp.float16)[:, None]
-                kops += [v * factor for v in pair]
-            return kops, jax.lax.bitcast_convert_type(jnp.maximum(top, 1) << 23, jnp.float32)
-        if fp4_groups:  # fp4 via f16: per 32-channel group, its 16 bytes and one scale per key (a list)
-            kops, scales = [], []
+        if fp4_groups:  # fp4 via f16 / e5m2: per 32-channel group, its 16 bytes and one scale byte per key
+            ops, sbs = [], []
             cols16 = jax.lax.broadcasted_iota(jnp.int32, (1, 16), 1)
             for g in range(d // 32):
                 raw = plgpu.load(key_refs[0].at[b, rows[:, None], 16 * g + cols16], mask=live2, other=0)
                 if fp8_ops:   # one [block_t, 32] e5m2 operand per group (= value x 2^-14, like the f16 route)
-                    kops.append(fp4_to_e5m2_scaled(raw.astype(jnp.int32)))
+                    ops.append([fp4_to_e5m2_scaled(raw.astype(jnp.int32))])
                 elif fp4_decode == "asm":
-                    kops += list(fp4_to_f16_scaled_asm(raw))   # the stored uint8 bytes, 4 per register
+                    ops.append(list(fp4_to_f16_scaled_asm(raw)))   # the stored uint8 bytes, 4 per register
                 else:
-                    kops += list(fp4_to_f16_scaled(raw.astype(jnp.int32)))
-                sb = plgpu.load(key_refs[1].at[b, rows, jnp.full_like(rows, g)], mask=live, other=127)
-                # 2^(sb - 127) x 2^14 (undoing the decode's 2^-14); sb = 0 only for all-zero blocks (codes 0)
-                scales.append(jax.lax.bitcast_convert_type(jnp.maximum(sb.astype(jnp.int32), 1) << 23, jnp.float32)
-                              * 16384.0)
-            return kops, scales
+                    ops.append(list(fp4_to_f16_scaled(raw.astype(jnp.int32))))
+                sbs.append(plgpu.load(key_refs[1].at[b, rows, jnp.full_like(rows, g)], mask=live,
+                                      other=127).astype(jnp.int32))
+            pow2 = lambda e: jax.lax.bitcast_convert_type(e << 23, jnp.float32)   # f32 exponent field e -> 2^(e-127)
+            if fp4_on_operand:
+                # per key, its largest group scale byte `top`; group g's f16 operands (e2m1 x 2^-14) times
+                # 2^(sb_g - top + 14) <= 2^14 = e2m1 x 2^(sb_g - top), exact down to f16's subnormals (a group 2^23
+                # or more below its key's largest group loses bits: its share of the score is under f32 rounding
+                # anyway); the key's 2^(top - 127) multiplies its score after the head sum (ReLU(s x) = s ReLU(x),
+                # s > 0). One multiply per operand value instead of one per [block_t, H] logit and group.
+                top = functools.reduce(jnp.maximum, sbs)
+                kops = []
+                for ops_g, sb in zip(ops, sbs):
+                    factor = pow2(jnp.clip(sb - top + 14 + 127, 0, 255)).astype(jnp.float16)[:, None]
+                    kops += [v * factor for v in ops_g]
+                return kops, pow2(jnp.maximum(top, 1))
+            # 2^(sb - 127) x 2^14 (undoing the decode's 2^-14); sb = 0 only for all-zero blocks (codes 0)
+            return [v for ops_g in ops for v in ops_g], [pow2(jnp.maximum(sb, 1)) * 16384.0 for sb in sbs]
         half = d // 2                                      # fp4: byte j = elements 2j (low) and 2j+1 (high)
         cols = jax.lax.broadcasted_iota(jnp.int32, (1, half), 1)
         raw = plgpu.load(key_refs[0].at[b, rows[:, None], cols], mask=live2, other=0).astype(jnp.int32)

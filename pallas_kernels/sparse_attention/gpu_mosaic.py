@@ -647,8 +647,9 @@ def sparse_attention_mosaic(
     while True:   # a CTA holds its split's index rows: with the default n_splits, split further until they fit
         ns = -(-total_blocks // bps)
         idx_rows = [min(bps, s_.k // bk) * bk for s_ in flat]
+        prof_entries = profile_entries(sum(idx_rows) // bk)   # per warpgroup, if profiled
         smem = BLOCK_H * d * 2 + ring_bytes + sum(idx_rows) * 4 + 2 * BLOCK_H * 4 + exchange + \
-            (3 * 4 * profile_entries(sum(idx_rows) // bk) + 1024 if _profile else 0)   # + alignment
+            (3 * 4 * prof_entries + 1024 if _profile else 0)   # + the profiler buffer's alignment
         if smem <= SMEM_BUDGET or n_splits is not None or bps == 1:
             break
         bps -= 1
@@ -663,7 +664,7 @@ def sparse_attention_mosaic(
         idx = jnp.where((s_.idx >= 0) & (s_.idx < s_.n_rows) & (pos < s_.length[:, None]), s_.idx, -1)
         args += [idx, s_.length] + ([s_.pool.nope, s_.pool.rope, s_.pool.scale] if fp8 else [s_.pool])
         meta.append(dict(k=s_.k, n_rows=s_.n_rows))
-    profile = None if _profile is None else (profile_entries(sum(idx_rows) // bk), str(_profile))
+    profile = None if _profile is None else (prof_entries, str(_profile))
     kernel = _build(bt, ns, d, bk, stages, bps, meta, idx_rows, float(scale) * LOG2E, ns > 1, fp8, _diag,
                     check_regs(regs), n_hg, bool(split_scores), profile)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
