@@ -63,6 +63,7 @@ def summarize(trace, clock_ghz=1.98):
     spans = defaultdict(list)
     totals = defaultdict(lambda: defaultdict(float))
     counts = defaultdict(lambda: defaultdict(int))
+    gaps = defaultdict(lambda: defaultdict(float))   # role -> "region -> next region" -> cycles between them
     starts = {}
     n_traces = defaultdict(int)
     for t, evs in by_trace.items():
@@ -71,10 +72,15 @@ def summarize(trace, clock_ghz=1.98):
         # in the dump's order, which is the record order within a warpgroup (a region's entry and exit can carry
         # the same time after the dump's overhead correction, so a sort could put the exit first)
         open_at = {}
+        last_exit = None   # (name, ts) of the latest closed region: the time from it to the next entry is a gap
         for ev in evs:
             if ev["ph"] == "B":
                 open_at[ev["name"]] = ev["ts"]
+                if last_exit is not None and len(open_at) == 1:   # not inside another region
+                    gaps[role][f"{last_exit[0]} -> {ev['name']}"] += (ev["ts"] - last_exit[1]) * 1e3
+                last_exit = None
             elif ev["name"] in open_at:
+                last_exit = (ev["name"], ev["ts"])
                 totals[role][ev["name"]] += (ev["ts"] - open_at.pop(ev["name"])) * 1e3
                 counts[role][ev["name"]] += 1
         spans[role].append((evs[-1]["ts"] - evs[0]["ts"]) * 1e3)
@@ -91,7 +97,8 @@ def summarize(trace, clock_ghz=1.98):
         outside = span - sum(r["per_cta_cycles"] for r in regions.values())
         regions["(outside regions)"] = dict(per_cta_cycles=outside, count_per_cta=0.0, cycles_each=0.0,
                                             share=outside / span)
-        roles[role] = dict(regions=regions, span_cycles=span, span_cycles_max=float(np.max(spans[role])),
+        top = sorted(gaps[role].items(), key=lambda kv: -kv[1])[:6]
+        roles[role] = dict(regions=regions, gaps={k: v / n for k, v in top}, span_cycles=span, span_cycles_max=float(np.max(spans[role])),
                            span_us=span / (clock_ghz * 1e3))
     st = np.array(sorted(starts.values()))   # the first record's time: globaltimer start (ns) / 1e3 = us
     return dict(roles=roles, n_ctas=len(starts), start_spread_us=float(st[-1] - st[0]) if len(st) else 0.0,
@@ -110,6 +117,8 @@ def print_summary(name, s):
         for reg, v in r["regions"].items():
             print(f"    {reg:18s} {v['per_cta_cycles']:9.0f} cyc/CTA {100 * v['share']:5.1f}%   "
                   f"x{v['count_per_cta']:5.1f} of {v['cycles_each']:7.0f}", flush=True)
+        for gap, cyc in r.get("gaps", {}).items():   # where the outside-regions time lies
+            print(f"    gap {gap:32s} {cyc:9.0f} cyc/CTA", flush=True)
 
 
 def main():

@@ -4,7 +4,7 @@
 # Steps: tests4 (sparse-attention GPU tests), tests5 (indexer + compressor + top-k GPU tests), model (model-level
 # pallas-vs-reference parity on the GPU), comp / idx / attn (benchmarks/compressor.py, indexer.py,
 # sparse_attention.py; diag = benchmarks/diag_indexer_prefill.py; topk / topk_cb = benchmarks/topk_stages.py (topk_cb with
-# XLA command buffers incl. conditionals, CB_TYPES); kres = benchmarks/kernel_resources.sh (ptxas registers/spills); compv = compressor kernel variants on COMPV_CASES), decode (benchmarks/decode.py ref vs pallas), picks (decode.py, Pallas, indexer picks sorted vs set), gather (benchmarks/tma_row_gather_{raw,probe}.py: row-gather producer bandwidth), mosaic (benchmarks/mosaic_attention.py: Mosaic vs Triton attention; MOSAIC_ARGS='--cases prefill|splits'), breakdown (benchmarks/decode_breakdown.py), mres (benchmarks/mosaic_resources.py: ptxas registers / spills of the Mosaic attention kernel's variants), ss (benchmarks/mosaic_split_scores.py: split_scores checked per variant in its own process, then timed), ssdiag (benchmarks/diag_split_scores_model.py: the tiny model's attention calls, default vs split_scores vs the reference op, per call), mprof (benchmarks/mosaic_phase_profile.py: the Mosaic attention kernel's per-warpgroup phases from Mosaic GPU's on-device profiler; MPROF_ARGS='--cases ...').
+# XLA command buffers incl. conditionals, CB_TYPES); kres = benchmarks/kernel_resources.sh (ptxas registers/spills); compv = compressor kernel variants on COMPV_CASES), decode (benchmarks/decode.py ref vs pallas), picks (decode.py, Pallas, indexer picks sorted vs set), gather (benchmarks/tma_row_gather_{raw,probe}.py: row-gather producer bandwidth), mosaic (benchmarks/mosaic_attention.py: Mosaic vs Triton attention; MOSAIC_ARGS='--cases prefill|splits'), breakdown (benchmarks/decode_breakdown.py), mres (benchmarks/mosaic_resources.py: ptxas registers / spills of the Mosaic attention kernel's variants), ss (benchmarks/mosaic_split_scores.py: split_scores checked per variant in its own process, then timed), ssdiag (benchmarks/diag_split_scores_model.py: the tiny model's attention calls, default vs split_scores vs the reference op, per call), mprof (benchmarks/mosaic_phase_profile.py: the Mosaic attention kernel's per-warpgroup phases from Mosaic GPU's on-device profiler; MPROF_ARGS='--cases ...'), dk (benchmarks/decode_kernels.py: the kernels one decode call launches, CUPTI durations vs wall; DK_ARGS).
 # Per-step limit: T_<step> seconds (defaults below). A test that hangs dumps its Python stack (faulthandler) into
 # the step's log. Logs: $OUT/<step>.log (+ the benchmarks' json).
 set -o pipefail
@@ -47,6 +47,7 @@ for s in ${STEPS:-tests5 model comp idx}; do
           $PY benchmarks/tma_row_gather_probe.py $OUT/tma_row_gather_pallas.json" ;;
     ss) run_step ss 220 $PY benchmarks/mosaic_split_scores.py --out "$OUT" ${SS_ARGS:-} ;;
     ssdiag) run_step ssdiag 240 $PY benchmarks/diag_split_scores_model.py ;;
+    dk) run_step dk 200 $PY benchmarks/decode_kernels.py --out "$OUT" ${DK_ARGS:-} ;;
     mprof) run_step mprof 240 $PY benchmarks/mosaic_phase_profile.py --out "$OUT" ${MPROF_ARGS:-} ;;
     attn) run_step attn 300 $PY benchmarks/sparse_attention.py --out "$OUT" "$@" ${ATTN_ARGS:-} ;;
     decode) for impl in ${DECODE_IMPLS:-reference pallas}; do

@@ -81,6 +81,9 @@ def test_indexer_fp4_asm_decode_lowers(S):
     assert default_fp4_decode("fp4", "f16", cfg["block_t"], cfg["num_warps"], interpret=True) == "alu"
     assert default_fp4_decode("fp8", "f16", cfg["block_t"], cfg["num_warps"], interpret=False) == "alu"
     assert default_fp4_decode("fp4", "f16", 16, 4, interpret=False) == "alu"
+    from pallas_kernels.indexer.gpu import default_fp4_scale_at   # the scales ride on the operands where they can
+    assert [default_fp4_scale_at(f, p) for f, p in [("fp4", "f16"), ("fp4", "fp8"), ("fp4", "bf16"), ("fp8", "f16")]] \
+        == ["operand", "result", "result", "result"]
 
 
 @pytest.mark.parametrize("S,decode", [(1, "asm"), (19, "asm"), (1, "alu")])
@@ -194,7 +197,10 @@ def lower_model_steps(model, cache, marker):
                                               (1, 64, 60, dict(split_scores=True, heads=128), False),
                                               (3, 1, 512, dict(split_scores=True, heads=128), False),
                                               (2, 1, 8192, dict(split_scores=True, _diag="ss_tail"), False),
-                                              (3, 1, 512, dict(split_scores=True, _diag="ss_noexchange"), False)])
+                                              (3, 1, 512, dict(split_scores=True, _diag="ss_noexchange"), False),
+                                              (3, 1, 512, dict(producer="cp_async"), False),
+                                              (2, 1, 8192, dict(producer="cp_async", heads=128), False),
+                                              (1, 64, 60, dict(producer="cp_async", split_scores=True), False)])
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 

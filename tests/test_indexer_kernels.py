@@ -147,7 +147,7 @@ def test_decode_fused_group_maxima(fmt, block_t):
                                       ("fp8", dict(block_t=16, num_splits=5)), ("bf16", dict(block_t=32, waves=1)),
                                       ("bf16", dict(block_t=32, heads_major=True, num_splits=2)),
                                       ("fp4", dict(block_t=16, heads_major=True, precision="f16")),
-                                      ("fp4", dict(block_t=16, num_splits=3, fp4_scale_at="operand")),
+                                      ("fp4", dict(block_t=16, num_splits=3, fp4_scale_at="result")),
                                       ("fp4", dict(block_t=16, heads_major=True, fp4_scale_at="operand")),
                                       ("fp4", dict(block_t=16, num_splits=3, precision="fp8")),
                                       ("fp8", dict(block_t=32, num_splits=2, precision="fp8"))])
@@ -299,12 +299,14 @@ def test_gpu_fp4_asm_decode(B, S, T, causal, opts):
 @pytest.mark.parametrize("B,S,T,causal,opts", [(4, 1, 5000, False, {}), (2, 300, 700, True, {}),
                                                (3, 1, 9000, False, dict(heads_major=True, block_t=64)),
                                                (4, 1, 5000, False, dict(fp4_decode="alu"))])
-def test_gpu_fp4_scales_on_operands(B, S, T, causal, opts):
-    """fp4_scale_at="operand" (group scales on the f16 key operands, the key's largest on its score): the reference's
-    scores within tolerance and its picks, with the asm (default) and the integer decode."""
+@pytest.mark.parametrize("at", ["operand", "result"])
+def test_gpu_fp4_scale_placements(B, S, T, causal, opts, at):
+    """fp4_scale_at: "operand" (the default: group scales on the f16 key operands, the key's largest on its score)
+    and "result" (each group's scale on its logits): the reference's scores within tolerance and its picks, with the
+    asm (default) and the integer decode."""
     q, w, keys, nv = make(B, S, 64, T, "fp4", True, causal=causal)
-    check_scores(q, w, keys, nv, "pallas", 1e-4, fp4_scale_at="operand", **opts)
-    check_picks(indexer_topk(q, w, keys, nv, k=512, impl="pallas", fp4_scale_at="operand", **opts),
+    check_scores(q, w, keys, nv, "pallas", 1e-4, fp4_scale_at=at, **opts)
+    check_picks(indexer_topk(q, w, keys, nv, k=512, impl="pallas", fp4_scale_at=at, **opts),
                 q, w, keys, nv, 512)
 
 

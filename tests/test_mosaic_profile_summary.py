@@ -41,3 +41,29 @@ def test_summarize_phase_profile():
     assert prod["regions"]["p_issue"]["per_cta_cycles"] == pytest.approx(1200)
     assert prod["regions"]["p_wait_empty"]["count_per_cta"] == pytest.approx(2)
     assert list(prod["regions"])[0] == "p_issue"   # regions largest first
+    # the outside-regions time by where it lies: 10 cycles after each region but the last
+    assert cons["gaps"]["c_pv -> c_wait_full"] == pytest.approx(10)
+    assert cons["gaps"]["c_wait_full -> c_scores"] == pytest.approx(20)
+    assert sum(cons["gaps"].values()) == pytest.approx(70) and sum(prod["gaps"].values()) == pytest.approx(40)
+
+
+@pytest.mark.parametrize("max_steps", [1, 2, 7, 64, 65])
+def test_profile_entries_keep_warpgroup_slices_aligned(max_steps):
+    """Each warpgroup's profiler slice starts at wg x entries i32 words and is written with 8 B stores: the count must
+    be even (an odd one faulted on the H200 with "misaligned address"), and it must hold every region of the loop."""
+    from pallas_kernels.sparse_attention.gpu_mosaic import profile_entries
+
+    n = profile_entries(max_steps)
+    assert n % 64 == 0 and n >= 3 + 4 * (5 * max_steps + 2)
+
+
+def test_decode_kernels_grouping_and_case_specs():
+    """benchmarks/decode_kernels.py: CUPTI's kernel list over a chain of U calls -> launches and us per call."""
+    from benchmarks.decode_kernels import group_kernels, parse_case
+
+    g = group_kernels([("attn", 0.020), ("combine", 0.003), ("attn", 0.022), ("combine", 0.005)], unroll=2)
+    assert list(g) == ["attn", "combine"]
+    assert g["attn"]["per_call"] == 1 and g["attn"]["us_each"] == pytest.approx(21)
+    assert g["combine"]["us_per_call"] == pytest.approx(4)
+    assert parse_case("csa64:n_splits=1+split_scores=true") == ("csa64", dict(n_splits=1, split_scores=True))
+    assert parse_case("csa16") == ("csa16", {})

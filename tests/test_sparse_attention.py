@@ -62,7 +62,7 @@ def opts_id(opts):
         f"_pf{opts['prefetch']}" if "prefetch" in opts else "", "_qr" if opts.get("q_reload") else "",
         f"_r{opts['regs'][0]}" if "regs" in opts else "",
         {True: "_ss", False: "_noss"}.get(opts.get("split_scores"), ""),
-        f"_{opts['_diag']}" if "_diag" in opts else ""])
+        f"_{opts['_diag']}" if "_diag" in opts else "", "_cpa" if opts.get("producer") == "cp_async" else ""])
 
 
 def call(fn, inp, **kw):
@@ -284,6 +284,41 @@ def test_mosaic_kernel_input_errors():
         sparse_attention_mosaic(*args, scale=0.1, block_k=128)
     with pytest.raises(ValueError, match="shared memory .* over"):
         sparse_attention_mosaic(*args, scale=0.1, n_splits=1)   # 8320 index rows of one CTA do not fit
+    with pytest.raises(ValueError, match="producer='cp_async' gathers bf16 rows"):
+        sparse_attention_mosaic(*args, scale=0.1, producer="cp_async")
+    with pytest.raises(ValueError, match="producer must be 'tma' or 'cp_async'"):
+        sparse_attention_mosaic(*args, scale=0.1, producer="ldg")
     q96 = jnp.concatenate([args[0], args[0][:, :, :32]], axis=2)
     with pytest.raises(ValueError, match="multiple of 64 heads"):
         sparse_attention_mosaic(q96, *args[1:5], jnp.zeros((96,), jnp.float32), scale=0.1)
+
+
+@pytest.mark.parametrize("n_splits", [1, 2, 5])
+def test_combine_splits_matches_one_softmax(n_splits):
+    """Split-K partials (each normalised by its own sum, with its log-sum-exp) merge into the softmax over all the
+    splits' entries plus the sink; an empty split (lse -inf, any o) contributes nothing; bf16 partials are taken as
+    stored."""
+    from pallas_kernels.sparse_attention.common import combine_splits
+
+    rng = np.random.default_rng(n_splits)
+    bt, h, d, per = 3, 4, 8, 6
+    logits = rng.normal(size=(bt, n_splits, h, per)) * 2
+    v = rng.normal(size=(bt, n_splits, per, d))
+    sinks = rng.normal(size=h)
+    if n_splits > 1:
+        logits[1, -1] = -np.inf                       # row 1's last split saw no entry
+    with np.errstate(invalid="ignore", divide="ignore"):
+        lse = np.log(np.exp(logits).sum(-1))           # [bt, S, H]
+        p = np.exp(logits - lse[..., None])
+    o_parts = np.nan_to_num(np.einsum("bshk,bskd->bshd", p, v), nan=7.0)   # garbage where the split is empty
+    o, lse_all = combine_splits(jnp.asarray(o_parts, jnp.float32), jnp.asarray(lse, jnp.float32),
+                                jnp.asarray(sinks, jnp.float32), jnp.float32)
+    flat = logits.transpose(0, 2, 1, 3).reshape(bt, h, -1)
+    vv = np.broadcast_to(v[:, None], (bt, h) + v.shape[1:]).reshape(bt, h, -1, d)
+    den = np.exp(flat).sum(-1) + np.exp(sinks)
+    want = np.einsum("bhk,bhkd->bhd", np.exp(flat), vv) / den[..., None]
+    np.testing.assert_allclose(np.asarray(o), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse_all), np.log(np.exp(flat).sum(-1)), rtol=1e-5)
+    o16, _ = combine_splits(jnp.asarray(o_parts, jnp.bfloat16), jnp.asarray(lse, jnp.float32),
+                            jnp.asarray(sinks, jnp.float32), jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(o16, np.float32), want, rtol=2e-2, atol=2e-2)

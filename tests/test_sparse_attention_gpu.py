@@ -97,6 +97,13 @@ MOSAIC_CASES = [
     (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True), dict(split_scores=True)),
     (1, 64, 512, 200, 100, 60, dict(ragged=True, heads=128), dict(split_scores=True)),
     (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True, heads=128), dict(split_scores=True)),
+    # the cp.async producer (16 B per thread at the swizzled addresses instead of 128 B bulk copies)
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(producer="cp_async")),
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True), dict(producer="cp_async", n_splits=3)),
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True), dict(producer="cp_async")),
+    (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True), dict(producer="cp_async")),
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True, heads=128), dict(producer="cp_async",
+                                                                              split_scores=True)),
 ]
 
 
@@ -108,6 +115,18 @@ def test_gpu_mosaic_kernel(case):
     flags = dict(flags)
     inp = make_inputs(b, t, flags.pop("heads", 64), 512, n_w, n_c, k_w, k_c, **flags)
     out = call(sparse_attention, inp, impl="pallas", kernel="mosaic", **opts)
+    check_close(out, call(sparse_attention_reference, inp))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_mosaic_lengths_and_indices_as_given(fp8):
+    """The Mosaic kernel takes the lists and lengths as given and cleans them itself (no XLA pass before it):
+    negative lengths, lengths past K, indices past the pools' rows."""
+    inp = make_inputs(3, 2, 64, 512, 300, 600, 128, 512, fp8=fp8, ragged=True, dupes=True)
+    inp["window_len"] = inp["window_len"].at[0, 0].set(-5).at[1, 1].set(10 ** 6)
+    inp["compressed_len"] = inp["compressed_len"].at[0, 1].set(-1).at[2, 0].set(513)
+    inp["compressed_idx"] = inp["compressed_idx"].at[1, 0, :40].set(600 + 2 ** 20)
+    out = call(sparse_attention, inp, impl="pallas", kernel="mosaic")
     check_close(out, call(sparse_attention_reference, inp))
 
 

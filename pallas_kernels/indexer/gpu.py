@@ -19,8 +19,9 @@ Precision ("precision" option): "bf16" (bf16 operands, f32 accumulate; exact pro
 fake-quantized queries, which are bf16-representable), "bf16x2" (q split into bf16 hi + lo: ~16-bit mantissa, for
 bf16 keys and float queries), "f32" (fp32 FMA dot, no tf32), "f16" (fp8 / fp4 keys: f16 operands. fp8: e4m3 -> f16
 in one conversion; fp4: `fp4_to_f16_scaled` (5 integer ops per value, e2m1 x 2^-14 exactly), two K=16 dots per 32-channel
-scale group with the group's scale applied to their f32 sum (or, `fp4_scale_at="operand"`, on the f16 operands
-relative to the key's largest group scale, which multiplies the score); exact for the keys (fp4: block exponents <= 113),
+scale group with the group's scale applied to their f32 sum (or, `fp4_scale_at="operand"`, the default, on the f16
+operands relative to the key's largest group scale, which multiplies the score; a group 2^23 or more below its key's
+largest loses bits there); exact for the keys (fp4: block exponents <= 113),
 fake-quantized q entries outside f16's range (below 2^-24, above 65504) flush / overflow), "fp8" (fp8 / fp4 keys: fp8
 tensor-core operands with q quantized like the keys (`quantize_q_fp8`, its scale folded into the head weights): fp8
 keys go to the MMA as stored (e4m3), fp4 nibbles are moved to e5m2 by bit arithmetic (`fp4_to_e5m2_scaled`) and
@@ -387,7 +388,7 @@ def default_config(S, T, q_bytes, key_bytes=2):
     block_t = 256 if wide else 64
     block_t = min(block_t, max(16, 1 << (max(T, 1) - 1).bit_length()))
     return dict(block_q=block_q, block_t=max(16, block_t), num_warps=8 if wide else 4, num_stages=3, waves=4,
-                fp4_scale="gather", heads_major=False, fp4_decode=None, fp4_scale_at="result")
+                fp4_scale="gather", heads_major=False, fp4_decode=None, fp4_scale_at=None)
 
 
 def default_fp4_decode(fmt, precision, block_t, num_warps, interpret):
@@ -395,6 +396,12 @@ def default_fp4_decode(fmt, precision, block_t, num_warps, interpret):
     tile giving each thread the 4 bytes an asm instance takes), else "alu"."""
     fits = fmt == "fp4" and precision == "f16" and block_t * 16 >= 4 * 32 * num_warps
     return "asm" if fits and not interpret else "alu"
+
+
+def default_fp4_scale_at(fmt, precision):
+    """"operand" for fp4 keys as f16 operands (the group scales ride on the key operands: 16-18% faster than on the
+    logits on the H200, session 14), else "result" (the only placement other formats / precisions have)."""
+    return "operand" if fmt == "fp4" and precision == "f16" else "result"
 
 
 def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precision=None, block_q=None,
@@ -415,10 +422,11 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
     f16 operands, jnp integer ops or the packed inline PTX of `FP4_F16X2_ASM` (compiled GPU kernels only; bit-identical
     scores). Default: "asm" wherever it applies (compiled, fp4 / f16, block_t >= 8 x num_warps), else "alu"; on the
     H200 it cut the fp4 scores kernel 7-9% (B = 64: 221 -> 206 us at 128K, 1690 -> 1551 us at 1M; session 13).
-    fp4_scale_at ("result" default, "operand"; fp4 keys with precision="f16"): where the 32-channel groups' scales
-    go: onto each group's [block_t, H] logits (a multiply and an add per logit and group), or onto the f16 key
-    operands (one multiply per value, relative to the key's largest group scale, which multiplies the score after
-    the head sum). Not yet timed on a GPU (session 13)."""
+    fp4_scale_at ("result", "operand"; the default `default_fp4_scale_at`: "operand" for fp4 keys with
+    precision="f16", the only case it applies to): where the 32-channel groups' scales go: onto each group's
+    [block_t, H] logits (a multiply and an add per logit and group), or onto the f16 key operands (one multiply per
+    value, relative to the key's largest group scale, which multiplies the score after the head sum). On the H200,
+    B = 64: scores 202.7 -> 170.4 us at 128K, 1550 -> 1277 us at 1M (session 14)."""
     B, S, H, d = q.shape
     T = keys.shape[1]
     fmt = key_format_of(keys)
@@ -441,6 +449,8 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
                        fp4_scale_at=fp4_scale_at).items():
         if v_ is not None:
             cfg[k_] = v_
+    if cfg["fp4_scale_at"] is None:
+        cfg["fp4_scale_at"] = default_fp4_scale_at(fmt, precision)
     if cfg["fp4_decode"] is None:
         cfg["fp4_decode"] = default_fp4_decode(fmt, precision, cfg["block_t"], cfg["num_warps"], interpret)
     if cfg["fp4_scale_at"] not in FP4_SCALE_AT:

@@ -70,8 +70,9 @@ def validate(q, window_kv, window_idx, compressed_kv, compressed_idx, sinks, win
     return b, t, h, d
 
 
-def flatten_source(pool, idx, length, bt: int, pad_to: int) -> Source:
-    """idx [B,T,K] -> [BT, Kpad] int32 (padded with -1 to a multiple of pad_to); len -> [BT] int32 clipped to [0, K]."""
+def flatten_source(pool, idx, length, bt: int, pad_to: int, clip: bool = True) -> Source:
+    """idx [B,T,K] -> [BT, Kpad] int32 (padded with -1 to a multiple of pad_to); len -> [BT] int32 clipped to [0, K]
+    (clip=False: as given, for a kernel that clamps them itself)."""
     k = idx.shape[-1]
     idx2 = idx.reshape(bt, k).astype(jnp.int32)
     kp = -(-k // pad_to) * pad_to
@@ -80,18 +81,32 @@ def flatten_source(pool, idx, length, bt: int, pad_to: int) -> Source:
     if length is None:
         len2 = jnp.full((bt,), k, jnp.int32)
     else:
-        len2 = jnp.clip(length.reshape(bt).astype(jnp.int32), 0, k)
+        len2 = length.reshape(bt).astype(jnp.int32)
+        if clip:
+            len2 = jnp.clip(len2, 0, k)
     n_rows = pool.nope.shape[0] if isinstance(pool, Fp8KVPool) else pool.shape[0]
     return Source(pool, idx2, len2, n_rows, kp, isinstance(pool, Fp8KVPool))
 
 
 def combine_splits(o_parts, lse_parts, sinks, out_dtype):
-    """Merge split-K partials. o_parts [..., S, H, D] f32 (each normalised by its own sum), lse_parts [..., S, H]
-    (natural log, -inf = empty); sinks [H]. Returns (o [..., H, D] out_dtype, lse [..., H])."""
+    """Merge split-K partials. o_parts [..., S, H, D] (any float dtype; each normalised by its own sum), lse_parts
+    [..., S, H] (natural log, -inf = empty); sinks [H]. Returns (o [..., H, D] out_dtype, lse [..., H]).
+
+    Two XLA kernels on the GPU: the per-(row, head) weights w_s = exp(lse_s - m) / (sum_s exp(lse_s - m) +
+    exp(sink - m)), then one elementwise pass o = sum_s w_s o_s over the partials as stored. The split axis S is
+    static and small, so both are unrolled over it: written with reductions over S and an einsum (up to session
+    13), XLA emitted three kernels, an f32 copy of the partials included (CSA B=64 decode: 5.8 us of kernels next
+    to the attention kernel's 26.5, session 14's benchmarks/decode_kernels.py)."""
     sinks = sinks.astype(jnp.float32)
-    m = jnp.maximum(jnp.max(lse_parts, axis=-2), sinks)  # [..., H] finite
-    w = jnp.exp(lse_parts - m[..., None, :])  # [..., S, H]; 0 for empty splits
-    sw = jnp.sum(w, axis=-2)
-    o = jnp.einsum("...sh,...shd->...hd", w, o_parts) / (sw + jnp.exp(sinks - m))[..., None]
+    n = lse_parts.shape[-2]
+    lse_s = [lse_parts[..., i, :].astype(jnp.float32) for i in range(n)]
+    m = sinks
+    for x in lse_s:
+        m = jnp.maximum(m, x)                      # [..., H] finite (the sink is)
+    w = [jnp.exp(x - m) for x in lse_s]            # 0 for empty splits
+    sw = sum(w[1:], w[0])
+    inv = 1.0 / (sw + jnp.exp(sinks - m))
+    wn = jnp.stack([x * inv for x in w], axis=-2)  # [..., S, H]: one small array, so one small kernel
+    o = sum(wn[..., i, :, None] * o_parts[..., i, :, :].astype(jnp.float32) for i in range(n))
     lse = jnp.where(sw > 0, jnp.log(sw) + m, -jnp.inf)
     return o.astype(out_dtype), lse

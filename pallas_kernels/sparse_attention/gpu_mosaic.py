@@ -109,7 +109,7 @@ def default_config(bt: int, total_blocks: int):
 
 
 def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=False, diag=None,
-           regs=None, n_hg=1, split_scores=False, profile=None):
+           regs=None, n_hg=1, split_scores=False, profile=None, cp_async=False):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -175,11 +175,14 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             region.__exit__(None, None, None)
 
         # per source: this CTA's block range [lo, hi) and the first block held in idx_smem (all roles compute it)
-        ranges = []
+        ranges, lengths = [], []
         base = 0
         for k, s_ in enumerate(srcs):
             nb = s_["k"] // bk
-            length = arith.index_cast(index, memref.load(src_gmem[k][1], [row]))
+            # the row's valid length as given (any int32): clamped to [0, K] here, not by an XLA pass
+            length = arith.maxsi(c(0), arith.minsi(arith.index_cast(index, memref.load(src_gmem[k][1], [row])),
+                                                   c(s_["k"])))
+            lengths.append(length)
             nb_valid = arith.divui(arith.addi(length, c(bk - 1)), c(bk))
             first = arith.subi(arith.muli(split, c(bps)), c(base))      # may be "negative" (wraps): clamp as signed
             clamp = lambda v, hi_: arith.maxsi(c(0), arith.minsi(v, hi_))
@@ -188,6 +191,12 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             start = clamp(first, c(nb - idx_rows[k] // bk))
             ranges.append((lo, hi, start))
             base += nb
+
+        def entry_ok(k, e, pos):
+            """Source k's index e (i32) at position pos (index) of the row's list names a row to attend to."""
+            return arith.andi(arith.andi(arith.cmpi(arith.CmpIPredicate.sge, e, ci(0)),
+                                         arith.cmpi(arith.CmpIPredicate.slt, e, ci(srcs[k]["n_rows"]))),
+                              arith.cmpi(arith.CmpIPredicate.slt, pos, lengths[k]))
 
         def steps(fn, carry):
             """Runs fn(k, j, g, carry) over the step sequence; g counts steps across the sources."""
@@ -227,6 +236,22 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                                    gmem_slice=(row, mu.ds(arith.addi(arith.muli(start, c(bk)), c(c0)), w)),
                                    barrier=idx_bar, arrive=False, predicate=one)
             idx_bar.wait()
+            # the index lists as given: entries outside [0, n_rows) or at positions >= the row's length become -1
+            # here, in shared memory, for the consumers' masks (one pass of the 128 producer threads, no XLA kernel
+            # before the call); then named barrier 9 (the 384 threads) releases the consumers. The issue loop
+            # below tests the entries itself, so the producer needs no barrier of its own.
+            ptid = arith.remui(arith.index_cast(index, mu.thread_idx()), c(128))
+            for k in range(n_src):
+                @mu.fori(c(-(-idx_rows[k] // 128)), None)
+                def _(it, _c, k=k):
+                    i = arith.addi(arith.muli(it, c(128)), ptid)
+                    with mu.when(arith.cmpi(arith.CmpIPredicate.ult, i, c(idx_rows[k]))):
+                        at = arith.addi(c(idx_base[k]), i)
+                        e = memref.load(idx_smem, [at])
+                        pos = arith.addi(arith.muli(ranges[k][2], c(bk)), i)
+                        memref.store(arith.select(entry_ok(k, e, pos), e, ci(-1)), idx_smem, [at])
+                    return _c
+            llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "bar.arrive 9, 384;", "", has_side_effects=True)
             end(region)
             lane0 = mu.single_thread_predicate(mu.ThreadSubset.WARP)
             warp = arith.remui(arith.index_cast(index, mu.warp_idx(sync=True)), c(4))
@@ -262,6 +287,41 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     src = mu.getelementptr(scale_gptrs[k], [arith.index_cast(i64, arith.muli(e, c(8)))], i8)
                     nvvm.cp_async_shared_global(dst, src, 8, nvvm.LoadCacheModifierKind.CA)
 
+            if cp_async:
+                ring_ptr = mu.memref_ptr(ring)
+                pool_gptrs = [llvm.addrspacecast(llvm.PointerType.get(address_space=1), mu.memref_ptr(src_gmem[k][2]))
+                              for k in range(n_src)]
+                chunk = arith.remui(ptid, c(64))     # this thread's 16 B chunk of a row: piece chunk // 8, j = chunk % 8
+                row_half = arith.divui(ptid, c(64))  # and its rows: 2 i + row_half
+                piece_off = arith.muli(arith.divui(chunk, c(8)), c(1024))
+                j16 = arith.remui(chunk, c(8))
+
+            def issue_cp_async(k, slot, full, off):
+                """Block rows -> ring slot with 16 B cp.async per thread (128 threads: 2 rows per step, 64 chunks
+                each), written in the (8, 64)-tiled 128 B-swizzled layout wgmma reads: row r, chunk j of piece p at
+                ((r // 8) (d / 64) + p) KB + (r % 8) 128 B + (j ^ (r % 8)) 16 B. Each thread's copies complete on
+                the slot's barrier (cp.async.mbarrier.arrive.noinc: 128 arrivals)."""
+                slot_base = arith.muli(slot, c(bk * d * 2))
+
+                @mu.fori(c(bk // 2), None)
+                def _(i, _c):
+                    r = arith.addi(arith.muli(i, c(2)), row_half)
+                    pos = arith.addi(off, r)
+                    e = memref.load(idx_smem, [arith.addi(c(idx_base[k]), pos)])
+                    pos = arith.addi(arith.muli(ranges[k][2], c(bk)), pos)
+                    e = arith.index_cast(index, arith.select(entry_ok(k, e, pos), e, ci(0)))   # -1 -> row 0
+                    r8 = arith.remui(r, c(8))
+                    dst = arith.addi(arith.addi(slot_base, arith.muli(arith.divui(r, c(8)), c(d // 64 * 1024))),
+                                     arith.addi(piece_off, arith.addi(arith.muli(r8, c(128)),
+                                                                      arith.muli(arith.xori(j16, r8), c(16)))))
+                    src = arith.addi(arith.muli(e, c(d * 2)), arith.muli(chunk, c(16)))
+                    nvvm.cp_async_shared_global(mu.getelementptr(ring_ptr, [arith.index_cast(i32, dst)], i8),
+                                                mu.getelementptr(pool_gptrs[k], [arith.index_cast(i64, src)], i8),
+                                                16, nvvm.LoadCacheModifierKind.CG)
+                    return _c
+
+                nvvm.cp_async_mbarrier_arrive(full.get_ptr(), noinc=True)
+
             def produce(k, j, g, carry):
                 """Block j of source k into ring / staging slot g % stages, once both consumers are done with it."""
                 slot = arith.remui(g, c(stages))
@@ -271,14 +331,21 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 end(region)
                 region = begin("p_issue")
                 full = full_bars[slot]
-                full.arrive_expect_tx(bk * (NOPE_DIM + 2 * ROPE_DIM if fp8 else d * 2), predicate=one)
                 off = arith.muli(arith.subi(j, ranges[k][2]), c(bk))
+                if cp_async:
+                    issue_cp_async(k, slot, full, off)
+                    end(region)
+                    return carry
+                full.arrive_expect_tx(bk * (NOPE_DIM + 2 * ROPE_DIM if fp8 else d * 2), predicate=one)
 
                 @mu.fori(c(bk // 4), None)
                 def _(t, _c):
                     r = arith.addi(arith.muli(t, c(4)), warp)
-                    e = memref.load(idx_smem, [arith.addi(c(idx_base[k]), arith.addi(off, r))])
-                    e = arith.index_cast(index, arith.maxsi(e, ci(0)))      # -1 -> row 0 (masked by consumers)
+                    pos = arith.addi(off, r)
+                    e = memref.load(idx_smem, [arith.addi(c(idx_base[k]), pos)])
+                    pos = arith.addi(arith.muli(ranges[k][2], c(bk)), pos)   # the entry's position in the row's list
+                    # invalid entries -> row 0 (never out of bounds; masked by the consumers)
+                    e = arith.index_cast(index, arith.select(entry_ok(k, e, pos), e, ci(0)))
                     copy_row(k, slot, full, r, e)
                     return _c
 
@@ -296,7 +363,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             wgi = arith.index_cast(index, wg)
             region = begin("c_wait_q")
             q_bar.wait()
-            idx_bar.wait()
+            # the producer has cleaned this split's index rows (named barrier 9: 128 producer arrivals + us)
+            llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "bar.sync 9, 384;", "", has_side_effects=True)
             end(region)
             sink2 = fa.FragmentedArray.load_untiled(mu.memref_slice(vec_smem, mu.ds(0, BLOCK_H)),
                                                     layout=fa.WGMMA_ROW_LAYOUT, optimized=False) * LOG2E
@@ -419,6 +487,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 valid = (ids >= 0).broadcast_in_dim((BLOCK_H, n_scored), (1,), fa.WGMMA_LAYOUT)
                 region = begin("c_wait_full")
                 full_bars[slot].wait()
+                if cp_async:   # the block was written through the generic proxy; wgmma reads through the async one
+                    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.shared::cta;", "",
+                                    has_side_effects=True)
                 end(region)
                 if fp8:
                     region = begin("c_dequant")
@@ -538,7 +609,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
              *(() if tail else exch),
              jax.ShapeDtypeStruct((sum(idx_rows),), jnp.int32),                        # this split's index rows
              jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32)),                     # sinks | lse
-            (mgpu.TMABarrier(1), mgpu.TMABarrier(1), mgpu.TMABarrier(stages)),
+            # full: the expect_tx arrival (TMA), or the 128 producer threads' cp.async arrivals
+            (mgpu.TMABarrier(1), mgpu.TMABarrier(1),
+             mgpu.Barrier(arrival_count=128, num_barriers=stages) if cp_async else mgpu.TMABarrier(stages)),
             (mgpu.Barrier(arrival_count=256, num_barriers=stages), mgpu.Barrier(arrival_count=256)),
             *((exch,) if tail else ()),
         )
@@ -548,13 +621,17 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                                   out_shape=out_shape, smem_scratch_shape=smem, prof_spec=prof)
 
 
+DEFAULT_PRODUCER = "tma"   # the bf16 ring's gather (see `sparse_attention_mosaic`'s producer)
 DEFAULT_REGS = (56, 224)   # setmaxnreg: (producer, each consumer) registers per thread
 
 
 def profile_entries(max_steps):
     """i32 entries per warpgroup for the profiler: 3 header words, then 4 per region (enter and exit, each a name and
-    a clock); at most 5 regions per step (consumers, FP8) plus 2 outside the loop, and a margin."""
-    return 3 + 4 * (5 * max_steps + 2) + 16
+    a clock); at most 5 regions per step (consumers, FP8) plus 2 outside the loop, and a margin. A multiple of 64:
+    warpgroup w's shared slice starts at w x entries words, and the profiler's `st.shared.v2.u32` needs 8 B
+    alignment (an odd count faults with "misaligned address" in every warpgroup but the first)."""
+    n = 3 + 4 * (5 * max_steps + 2) + 16
+    return -(-n // 64) * 64
 
 
 def check_regs(regs):
@@ -585,6 +662,7 @@ def sparse_attention_mosaic(
     n_splits: int | None = None,
     regs: tuple[int, int] | None = None,
     split_scores: bool | None = None,
+    producer: str | None = None,
     _diag: str | None = None,
     _profile: str | None = None,
 ):
@@ -604,6 +682,11 @@ def sparse_attention_mosaic(
     barriers (8 mod 16 B, Mosaic packs scratch without padding) the kernel faults with a misaligned address
     (sessions 10 and 12, diagnostic "ss_tail"). Diagnostic
     "ss_noexchange": each consumer uses only its own P half (wrong output; isolates the N = bk/2 score wgmma).
+    producer (bf16 pools; None = DEFAULT_PRODUCER): how the producer warpgroup gathers a block's rows into the
+    ring: "tma" (lane 0 of each warp issues one 128 B bulk copy per row and 128 B-swizzle piece: 8 per 1 KB row) or
+    "cp_async" (all 128 threads, one 16 B cp.async each per row chunk, written at the swizzled addresses; the
+    consumers fence the async proxy before their wgmma reads). Session 14's phase profile: issuing the 512 bulk
+    copies of a 64-row block took ~4700 cycles, the producer's whole step.
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -622,6 +705,11 @@ def sparse_attention_mosaic(
     n_hg = h // BLOCK_H   # head groups: one CTA per (row, group, split)
     if split_scores is None:
         split_scores = not fp8 and t >= SPLIT_SCORES_MIN_T
+    producer = producer or DEFAULT_PRODUCER
+    if producer not in ("tma", "cp_async"):
+        raise ValueError(f"producer must be 'tma' or 'cp_async', got {producer!r}")
+    if fp8 and producer == "cp_async":
+        raise ValueError("producer='cp_async' gathers bf16 rows (FP8 pools: the staging ring's bulk copies)")
     if fp8 and split_scores:
         raise ValueError("split_scores does not fit in shared memory next to the FP8 staging ring (bf16 pools only)")
     if fp8 and (block_k or 64) != 64:
@@ -629,9 +717,9 @@ def sparse_attention_mosaic(
     out_dtype = jnp.dtype(out_dtype or q.dtype)
     bt = b * t
     bk0 = block_k or 64
-    flat = [common.flatten_source(window_kv, window_idx, window_len, bt, bk0)]
+    flat = [common.flatten_source(window_kv, window_idx, window_len, bt, bk0, clip=False)]
     if compressed_kv is not None:
-        flat.append(common.flatten_source(compressed_kv, compressed_idx, compressed_len, bt, bk0))
+        flat.append(common.flatten_source(compressed_kv, compressed_idx, compressed_len, bt, bk0, clip=False))
     total_blocks = sum(s_.k // bk0 for s_ in flat)
     cfg = default_config(bt * n_hg, total_blocks)
     for k_, v_ in dict(block_k=block_k, num_stages=num_stages, n_splits=n_splits).items():
@@ -659,17 +747,16 @@ def sparse_attention_mosaic(
     args = [q.reshape(bt, n_hg, BLOCK_H, d), sinks.astype(jnp.float32).reshape(n_hg, BLOCK_H)]
     meta = []
     for s_ in flat:
-        # the kernel only tests idx >= 0: out-of-range and past-length entries become -1 here (never read)
-        pos = jnp.arange(s_.k, dtype=jnp.int32)[None, :]
-        idx = jnp.where((s_.idx >= 0) & (s_.idx < s_.n_rows) & (pos < s_.length[:, None]), s_.idx, -1)
-        args += [idx, s_.length] + ([s_.pool.nope, s_.pool.rope, s_.pool.scale] if fp8 else [s_.pool])
+        # the lists and lengths as given: the kernel clamps the lengths and turns out-of-range and past-length
+        # entries into -1 itself (never read), so no XLA pass runs before it
+        args += [s_.idx, s_.length] + ([s_.pool.nope, s_.pool.rope, s_.pool.scale] if fp8 else [s_.pool])
         meta.append(dict(k=s_.k, n_rows=s_.n_rows))
     profile = None if _profile is None else (prof_entries, str(_profile))
     kernel = _build(bt, ns, d, bk, stages, bps, meta, idx_rows, float(scale) * LOG2E, ns > 1, fp8, _diag,
-                    check_regs(regs), n_hg, bool(split_scores), profile)
+                    check_regs(regs), n_hg, bool(split_scores), profile, producer == "cp_async")
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1:
-        o, lse = common.combine_splits(o.astype(jnp.float32).reshape(bt, ns, h, d), lse.reshape(bt, ns, h),
+        o, lse = common.combine_splits(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h),
                                        sinks.astype(jnp.float32), out_dtype)
     o = o.astype(out_dtype).reshape(b, t, h, d)
     lse = lse.reshape(b, t, h)

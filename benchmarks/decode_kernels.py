@@ -1,0 +1,116 @@
+"""What one sparse-attention decode call launches on the GPU, and how its wall time splits into kernels and gaps.
+
+The Mosaic kernel's own phase profile (mosaic_phase_profile.py, session 14) puts a CTA's span at ~22 us for CSA
+B=64 while the op takes ~40 us per call in sparse_attention.py's chain. This times the same chain (U dependent
+calls, q_{k+1} = o_k, rotating index sets) and, through CUPTI (Mosaic GPU's `profiler.measure`), lists every kernel
+it launches with its duration, so the time outside the attention kernel (index clean-up, split-K combine, casts,
+launch gaps) is measured rather than guessed:
+
+  wall/call      the chain's wall time / U (Python dispatch shared by U calls)
+  kernels/call   the sum of the CUPTI kernel durations / U
+  gaps/call      wall - kernels: launch latency between kernels and the dispatch share
+
+    PYTHONPATH=. python benchmarks/decode_kernels.py --out DIR [--cases csa64,csa64:kernel=mosaic+producer=cp_async,...] [--unroll 16]
+
+A case is NAME[:opt=value+opt=value...] with NAME in CASES and options passed to `sparse_attention` (ints, or true / false).
+Needs a GPU (CUPTI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+
+import numpy as np
+
+# name -> (kind, B, K_c, kv)
+CASES = {
+    "csa16": ("csa", 16, 512, "bf16"),
+    "csa64": ("csa", 64, 512, "bf16"),
+    "csa128": ("csa", 128, 512, "bf16"),
+    "hca1k64": ("hca", 64, 1024, "bf16"),
+    "hca8k16": ("hca", 16, 8192, "bf16"),
+    "csa16_fp8": ("csa", 16, 512, "fp8"),
+    "csa64_fp8": ("csa", 64, 512, "fp8"),
+    "csa128_fp8": ("csa", 128, 512, "fp8"),
+}
+
+
+def parse_case(spec):
+    name, _, rest = spec.partition(":")
+    opts = {}
+    for kv in filter(None, rest.split("+")):
+        k, v = kv.split("=")
+        opts[k] = {"true": True, "false": False}.get(v.lower(), v)
+        if isinstance(opts[k], str):
+            try:
+                opts[k] = int(v)
+            except ValueError:
+                pass
+    return name, opts
+
+
+def group_kernels(timings, unroll):
+    """CUPTI [(kernel name, ms), ...] over the chain -> {name: dict(per_call, us_each)} (launches per call, mean us)."""
+    by = defaultdict(list)
+    for name, ms in timings:
+        by[name].append(ms * 1e3)
+    return {k: dict(per_call=len(v) / unroll, us_each=float(np.mean(v)), us_per_call=float(np.sum(v)) / unroll)
+            for k, v in sorted(by.items(), key=lambda kv: -sum(kv[1]))}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--cases", default="csa16,csa64,csa128,hca8k16,csa64_fp8")
+    ap.add_argument("--unroll", type=int, default=16)
+    args = ap.parse_args()
+
+    import jax
+    from jax.experimental.mosaic.gpu import profiler as mgpu_profiler
+
+    from benchmarks.sparse_attention import D, make_case
+    from benchmarks.timing import wall
+    from pallas_kernels.sparse_attention import sparse_attention
+
+    rng = np.random.default_rng(0)
+    u = args.unroll
+    results = {}
+    for spec in args.cases.split(","):
+        name, opts = parse_case(spec)
+        kind, b, kc, kv = CASES[name]
+        try:
+            q, wpool, cpool, sinks, widx, cidx = make_case(rng, kind, b, 1, kc, 4096, kv == "fp8", 8)
+            one = jax.jit(lambda q, wp, wi, cp, ci, s: sparse_attention(q, wp, wi, cp, ci, s, scale=D ** -0.5,
+                                                                        impl="pallas", **opts))
+
+            @jax.jit
+            def run(q, wpool, cpool, sinks, widx, cidx):
+                for i in range(u):
+                    q = one(q, wpool, widx[i % len(widx)], cpool, cidx[i % len(cidx)], sinks)
+                return q
+
+            a = (q, wpool, cpool, sinks, widx, cidx)
+            w = wall(run, *a, reps=5) / u
+            _, timings = mgpu_profiler.measure(run, aggregate=False)(*a)
+            kernels = group_kernels(timings, u)
+            k_sum = sum(v["us_per_call"] for v in kernels.values())
+            res = dict(case=spec, wall_us=w * 1e6, kernels_us=k_sum, gaps_us=w * 1e6 - k_sum, kernels=kernels)
+            print(f"== {spec}: wall {w * 1e6:7.1f} us/call, kernels {k_sum:7.1f}, gaps {w * 1e6 - k_sum:6.1f}",
+                  flush=True)
+            for k, v in kernels.items():
+                print(f"    {v['per_call']:4.1f} x {v['us_each']:7.2f} us  {k[:90]}", flush=True)
+        except Exception as e:   # one case's failure should not lose the others
+            res = dict(case=spec, error=f"{type(e).__name__}: {str(e)[:600]}")
+            print(f"== {spec}: {res['error']}", flush=True)
+        results[spec] = res
+        with open(os.path.join(args.out, "decode_kernels.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.path[:0] = ["."]
+    main()
