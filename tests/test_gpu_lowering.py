@@ -200,7 +200,10 @@ def lower_model_steps(model, cache, marker):
                                               (3, 1, 512, dict(split_scores=True, _diag="ss_noexchange"), False),
                                               (3, 1, 512, dict(producer="cp_async"), False),
                                               (2, 1, 8192, dict(producer="cp_async", heads=128), False),
-                                              (1, 64, 60, dict(producer="cp_async", split_scores=True), False)])
+                                              (1, 64, 60, dict(producer="cp_async", split_scores=True), False),
+                                              (3, 1, 512, dict(l2_ahead=2), False),
+                                              (2, 1, 8192, dict(l2_ahead=4, n_splits=3), True),
+                                              (1, 64, 60, dict(l2_ahead=1, producer="cp_async"), False)])
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 

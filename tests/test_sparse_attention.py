@@ -62,7 +62,8 @@ def opts_id(opts):
         f"_pf{opts['prefetch']}" if "prefetch" in opts else "", "_qr" if opts.get("q_reload") else "",
         f"_r{opts['regs'][0]}" if "regs" in opts else "",
         {True: "_ss", False: "_noss"}.get(opts.get("split_scores"), ""),
-        f"_{opts['_diag']}" if "_diag" in opts else "", "_cpa" if opts.get("producer") == "cp_async" else ""])
+        f"_{opts['_diag']}" if "_diag" in opts else "", "_cpa" if opts.get("producer") == "cp_async" else "",
+        f"_l2a{opts['l2_ahead']}" if "l2_ahead" in opts else ""])
 
 
 def call(fn, inp, **kw):
@@ -286,6 +287,8 @@ def test_mosaic_kernel_input_errors():
         sparse_attention_mosaic(*args, scale=0.1, n_splits=1)   # 8320 index rows of one CTA do not fit
     with pytest.raises(ValueError, match="producer='cp_async' gathers bf16 rows"):
         sparse_attention_mosaic(*args, scale=0.1, producer="cp_async")
+    with pytest.raises(ValueError, match="l2_ahead must be in"):
+        sparse_attention_mosaic(*args, scale=0.1, l2_ahead=9)
     with pytest.raises(ValueError, match="producer must be 'tma' or 'cp_async'"):
         sparse_attention_mosaic(*args, scale=0.1, producer="ldg")
     q96 = jnp.concatenate([args[0], args[0][:, :, :32]], axis=2)

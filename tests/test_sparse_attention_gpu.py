@@ -104,6 +104,11 @@ MOSAIC_CASES = [
     (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True), dict(producer="cp_async")),
     (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True, heads=128), dict(producer="cp_async",
                                                                               split_scores=True)),
+    # L2 prefetch of the rows l2_ahead steps past the ring (values unchanged: only where the rows come from)
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(l2_ahead=2)),
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, fp8=True), dict(l2_ahead=3, n_splits=3)),
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True), dict(l2_ahead=4)),
+    (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True, heads=128), dict(l2_ahead=2)),
 ]
 
 

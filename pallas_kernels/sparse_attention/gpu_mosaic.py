@@ -109,7 +109,7 @@ def default_config(bt: int, total_blocks: int):
 
 
 def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=False, diag=None,
-           regs=None, n_hg=1, split_scores=False, profile=None, cp_async=False):
+           regs=None, n_hg=1, split_scores=False, profile=None, cp_async=False, l2_ahead=0):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -322,9 +322,42 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
 
                 nvvm.cp_async_mbarrier_arrive(full.get_ptr(), noinc=True)
 
+            if l2_ahead:
+                row_bytes = [NOPE_DIM if fp8 else d * 2] * n_src   # FP8: the nope part (the rest is small)
+                l2_gptrs = [llvm.addrspacecast(llvm.PointerType.get(address_space=1), mu.memref_ptr(src_gmem[k][2]))
+                            for k in range(n_src)]
+                n_steps = [arith.maxsi(arith.subi(hi_, lo_), c(0)) for lo_, hi_, _ in ranges]
+
+            def prefetch_step(gp):
+                """L2 prefetch of the rows of step gp (any step index; nothing past the last): threads 0..bk-1 one
+                row each, `cp.async.bulk.prefetch.L2` (no shared memory, no completion to track). Run l2_ahead
+                steps ahead of the ring, it keeps more of the gather in flight than the two ring slots hold."""
+                first_step = c(0)
+                for k in range(n_src):
+                    t_ = arith.subi(gp, first_step)
+                    inside = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, t_, c(0)),
+                                        arith.cmpi(arith.CmpIPredicate.slt, t_, n_steps[k]))
+                    with mu.when(arith.andi(inside, arith.cmpi(arith.CmpIPredicate.ult, ptid, c(bk)))):
+                        pos = arith.addi(arith.muli(arith.subi(arith.addi(ranges[k][0], t_), ranges[k][2]), c(bk)),
+                                         ptid)
+                        e = memref.load(idx_smem, [arith.addi(c(idx_base[k]), pos)])
+                        pos = arith.addi(arith.muli(ranges[k][2], c(bk)), pos)
+                        with mu.when(entry_ok(k, e, pos)):
+                            addr = mu.getelementptr(l2_gptrs[k], [arith.muli(arith.extsi(i64, e), arith.constant(
+                                i64, row_bytes[k]))], i8)
+                            llvm.inline_asm(ir.Type.parse("!llvm.void"), [llvm.ptrtoint(i64, addr)],
+                                            f"cp.async.bulk.prefetch.L2.global [$0], {row_bytes[k]};", "l",
+                                            has_side_effects=True)
+                    first_step = arith.addi(first_step, n_steps[k])
+
+            for gp in range(stages, stages + l2_ahead):   # the first steps past the ring's initial fill
+                prefetch_step(c(gp))
+
             def produce(k, j, g, carry):
                 """Block j of source k into ring / staging slot g % stages, once both consumers are done with it."""
                 slot = arith.remui(g, c(stages))
+                if l2_ahead:   # the step whose slot frees l2_ahead steps from now: its rows into L2 now
+                    prefetch_step(arith.addi(g, c(stages + l2_ahead)))
                 region = begin("p_wait_empty")
                 with mu.when(arith.cmpi(arith.CmpIPredicate.uge, g, c(stages))):
                     empty_bars[slot].wait()
@@ -621,6 +654,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                                   out_shape=out_shape, smem_scratch_shape=smem, prof_spec=prof)
 
 
+DEFAULT_L2_AHEAD = 0      # L2 prefetch distance in steps (see `sparse_attention_mosaic`'s l2_ahead)
 DEFAULT_PRODUCER = "tma"   # the bf16 ring's gather (see `sparse_attention_mosaic`'s producer)
 DEFAULT_REGS = (56, 224)   # setmaxnreg: (producer, each consumer) registers per thread
 
@@ -663,6 +697,7 @@ def sparse_attention_mosaic(
     regs: tuple[int, int] | None = None,
     split_scores: bool | None = None,
     producer: str | None = None,
+    l2_ahead: int | None = None,
     _diag: str | None = None,
     _profile: str | None = None,
 ):
@@ -687,6 +722,9 @@ def sparse_attention_mosaic(
     "cp_async" (all 128 threads, one 16 B cp.async each per row chunk, written at the swizzled addresses; the
     consumers fence the async proxy before their wgmma reads). Session 14's phase profile: issuing the 512 bulk
     copies of a 64-row block took ~4700 cycles, the producer's whole step.
+    l2_ahead (None = DEFAULT_L2_AHEAD; 0 = off): the producer prefetches the rows of the step `num_stages +
+    l2_ahead` ahead into L2 (one `cp.async.bulk.prefetch.L2` per row), so more of the gather is in flight than the
+    ring's slots hold (shared memory caps them at two 64-row blocks next to the q tile; the consumers hold one).
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -706,6 +744,9 @@ def sparse_attention_mosaic(
     if split_scores is None:
         split_scores = not fp8 and t >= SPLIT_SCORES_MIN_T
     producer = producer or DEFAULT_PRODUCER
+    l2_ahead = DEFAULT_L2_AHEAD if l2_ahead is None else int(l2_ahead)
+    if not 0 <= l2_ahead <= 8:
+        raise ValueError(f"l2_ahead must be in [0, 8] steps, got {l2_ahead}")
     if producer not in ("tma", "cp_async"):
         raise ValueError(f"producer must be 'tma' or 'cp_async', got {producer!r}")
     if fp8 and producer == "cp_async":
@@ -753,7 +794,7 @@ def sparse_attention_mosaic(
         meta.append(dict(k=s_.k, n_rows=s_.n_rows))
     profile = None if _profile is None else (prof_entries, str(_profile))
     kernel = _build(bt, ns, d, bk, stages, bps, meta, idx_rows, float(scale) * LOG2E, ns > 1, fp8, _diag,
-                    check_regs(regs), n_hg, bool(split_scores), profile, producer == "cp_async")
+                    check_regs(regs), n_hg, bool(split_scores), profile, producer == "cp_async", l2_ahead)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1:
         o, lse = common.combine_splits(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h),
