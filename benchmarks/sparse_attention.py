@@ -254,6 +254,10 @@ def main():
             for fp8 in (False, True):
                 record(bench_case(rng, ceil, kind, b, t, kc, fp8, ref=not args.no_ref,
                                   **(dict(csa_cap=t // 4) if t > 1 else {})))
+    if "s14" in groups:  # session 14: the decode rows after the in-kernel index clean-up and the 2-kernel combine
+        for kind, b, kc, fp8 in [("csa", 64, 512, False), ("csa", 128, 512, False), ("csa", 16, 512, False),
+                                 ("hca", 16, 8192, False), ("hca", 64, 1024, False), ("csa", 64, 512, True)]:
+            record(bench_case(rng, ceil, kind, b, 1, kc, fp8, ref=not args.no_ref))
     if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor
         for kind, b, kc, fp8 in [("csa", 16, 512, False), ("csa", 64, 512, True), ("hca", 16, 8192, True)]:
             for o in ({}, dict(partial_dtype="bfloat16"), dict(fp8_scales="vector"),
