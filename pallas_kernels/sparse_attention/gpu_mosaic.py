@@ -12,8 +12,13 @@ G = H / 64 head groups, one CTA each, like FlashMLA's 64-head blocks: CTA x = i 
 side by side and the second group's gathers of the same KV rows mostly hit L2.
 * warpgroup 2, the **producer**: copies q [64, d] and the sinks (one bulk copy each), this split's index rows, then
   for every step gathers `block_k` rows into ring slot g % stages: one thread registers the slot's byte count, lane 0
-  of each of the 4 warps issues the 8 piece copies of every 4th row. Invalid entries (index < 0: the wrapper has
-  already turned out-of-range and past-length entries into -1) copy row 0, which the consumers mask out.
+  of each of the 4 warps issues the 8 piece copies of every 4th row. The index lists and lengths arrive as the
+  caller gave them (no XLA pass before the kernel): once the rows land, the producer's 128 threads rewrite entries
+  outside [0, rows) or at positions >= the row's length (clamped to [0, K]) as -1 and release the consumers through
+  named barrier 9. Invalid entries copy row 0, which the consumers mask out. Per-SM gather rate (session 14's
+  phase profile): a 64 KB block takes ~4600-4770 cycles to issue at any occupancy, ~1/132 of HBM, with bulk copies
+  and with `producer="cp_async"` alike; decode is slow where SMs are not issuing (setup, the last step, the
+  epilogue, waits for one of the two slots), see NOTES_sparse_attention.md session 14.
 * warpgroups 0 and 1, the **consumers**: both compute the scores S = q K^T [64, block_k] (wgmma, both operands
   in shared memory; with split_scores each computes half the columns and they swap), the online softmax in exp2
   units with the running max initialised at the sink logit (so it is always finite), and P.V for their own half of the d output columns: each holds a [64, d/2] f32 accumulator.
