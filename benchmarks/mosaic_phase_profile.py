@@ -45,6 +45,8 @@ CASES = {
     "hca1k64": ("hca", 64, 1, 1024, "bf16", {}),
     "hca8k16": ("hca", 16, 1, 8192, "bf16", {}),
     "csa64_fp8": ("csa", 64, 1, 512, "fp8", {}),
+    "csa64_cpa": ("csa", 64, 1, 512, "bf16", dict(producer="cp_async")),       # the cp.async producer
+    "csa128_cpa": ("csa", 128, 1, 512, "bf16", dict(producer="cp_async")),
     "prefill2k": ("csa", 1, 2048, 512, "bf16", {}),                        # split_scores (the prefill default)
     "prefill2k_noss": ("csa", 1, 2048, 512, "bf16", dict(split_scores=False)),
 }
