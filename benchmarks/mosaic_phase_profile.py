@@ -47,6 +47,8 @@ CASES = {
     "csa64_fp8": ("csa", 64, 1, 512, "fp8", {}),
     "csa64_cpa": ("csa", 64, 1, 512, "bf16", dict(producer="cp_async")),       # the cp.async producer
     "csa128_cpa": ("csa", 128, 1, 512, "bf16", dict(producer="cp_async")),
+    "csa64_bk32": ("csa", 64, 1, 512, "bf16", dict(block_k=32, num_stages=4)),    # 32-entry steps, 4 slots
+    "csa128_bk32": ("csa", 128, 1, 512, "bf16", dict(block_k=32, num_stages=4)),
     "prefill2k": ("csa", 1, 2048, 512, "bf16", {}),                        # split_scores (the prefill default)
     "prefill2k_noss": ("csa", 1, 2048, 512, "bf16", dict(split_scores=False)),
 }

@@ -203,7 +203,12 @@ def lower_model_steps(model, cache, marker):
                                               (1, 64, 60, dict(producer="cp_async", split_scores=True), False),
                                               (3, 1, 512, dict(l2_ahead=2), False),
                                               (2, 1, 8192, dict(l2_ahead=4, n_splits=3), True),
-                                              (1, 64, 60, dict(l2_ahead=1, producer="cp_async"), False)])
+                                              (1, 64, 60, dict(l2_ahead=1, producer="cp_async"), False),
+                                              (3, 1, 512, dict(block_k=32, num_stages=4), False),
+                                              (2, 1, 1024, dict(block_k=32, num_stages=4, heads=128), False),
+                                              (1, 64, 60, dict(block_k=32, num_stages=4, split_scores=True), False),
+                                              (3, 1, 512, dict(block_k=32, num_stages=4, producer="cp_async"),
+                                               False)])
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 

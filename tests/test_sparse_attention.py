@@ -63,7 +63,8 @@ def opts_id(opts):
         f"_r{opts['regs'][0]}" if "regs" in opts else "",
         {True: "_ss", False: "_noss"}.get(opts.get("split_scores"), ""),
         f"_{opts['_diag']}" if "_diag" in opts else "", "_cpa" if opts.get("producer") == "cp_async" else "",
-        f"_l2a{opts['l2_ahead']}" if "l2_ahead" in opts else ""])
+        f"_l2a{opts['l2_ahead']}" if "l2_ahead" in opts else "",
+        f"_bk{opts['block_k']}x{opts.get('num_stages', 2)}" if "block_k" in opts else ""])
 
 
 def call(fn, inp, **kw):
@@ -287,6 +288,10 @@ def test_mosaic_kernel_input_errors():
         sparse_attention_mosaic(*args, scale=0.1, n_splits=1)   # 8320 index rows of one CTA do not fit
     with pytest.raises(ValueError, match="producer='cp_async' gathers bf16 rows"):
         sparse_attention_mosaic(*args, scale=0.1, producer="cp_async")
+    bf = make_inputs(2, 1, 64, 512, 300, 900, 128, 512)
+    for bk in (16, 96):   # 32 (bf16 pools, 64 B swizzle) or a multiple of 64
+        with pytest.raises(ValueError, match="block_k must be a multiple of 64 and <= 256 \\(or 32"):
+            sparse_attention_mosaic(*[bf[k] for k in keys], scale=0.1, block_k=bk)
     with pytest.raises(ValueError, match="l2_ahead must be in"):
         sparse_attention_mosaic(*args, scale=0.1, l2_ahead=9)
     with pytest.raises(ValueError, match="producer must be 'tma' or 'cp_async'"):

@@ -121,7 +121,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     scale [rows, 8] uint8) -> (o [BT, (ns,) G, 64, d] bf16, lse [BT, (ns,) G, 64] f32); the ns axis only with
     split-K. G = n_hg head groups of 64: CTA x = row * G + group, so a row's groups run side by side and the second
     group's gathers of the same KV rows mostly hit L2.
-    Shared memory, bf16: q/o tile 64 KB (d = 512), `stages` x block_k x d x 2 B ring, this split's index rows,
+    Shared memory, bf16: q/o tile 64 KB (d = 512), `stages` x block_k x d x 2 B ring (block_k = 32: both in (8, 32)
+    tiles with 64 B swizzle instead of (8, 64) and 128 B), this split's index rows,
     sinks|lse. fp8: q/o tile, one bf16 KV tile (block_k x d, the consumers' dequantized block), and a staging ring of
     `stages` x block_k raw rows (nope padded to 512 B, as a bulk copy's shared address must be 128 B aligned; rope
     128 B; scales 8 B).
@@ -139,7 +140,11 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     n_src = len(srcs)
     n_in = 5 if fp8 else 3      # gmem refs per source
     dh = d // 2
-    pieces = d // 64
+    # bf16 rings: 128 B swizzle with (8, 64) tiles; block_k = 32 takes 64 B swizzle with (8, 32) tiles, as P.V
+    # contracts over block_k in groups of the swizzle's width (wgmma: K % (swizzle / 2 B) == 0). FP8: 128 B.
+    swz = 128 if fp8 or bk % 64 == 0 else 64
+    tc = swz // 2          # bf16 columns per tile row (one swizzle span)
+    pieces = d // tc
     idx_base = [sum(idx_rows[:k]) for k in range(len(idx_rows))]   # source k's rows in the flat idx_smem
 
     def body(ctx, *refs):
@@ -226,7 +231,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             q_bytes = BLOCK_H * d * 2 + BLOCK_H * 4
             q_bar.arrive_expect_tx(q_bytes, predicate=one)
             ctx.async_copy(src_ref=q_gmem, dst_ref=q_smem, gmem_slice=(row, hg),
-                           gmem_transform=mgpu.TileTransform((8, 64)), swizzle=128, barrier=q_bar, arrive=False,
+                           gmem_transform=mgpu.TileTransform((8, tc)), swizzle=swz, barrier=q_bar, arrive=False,
                            predicate=one)
             ctx.async_copy(src_ref=sink_gmem, dst_ref=mu.memref_slice(vec_smem, mu.ds(0, BLOCK_H)), gmem_slice=(hg,),
                            barrier=q_bar,
@@ -268,12 +273,12 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
 
             def copy_row(k, slot, full, r, e):
                 """Issue row e of source k's pool into row r of ring / staging slot `slot` (lane 0 of each warp)."""
-                if not fp8:   # 8 pieces of 128 B into the (8, 64)-tiled, 128 B-swizzled ring
+                if not fp8:   # d / tc pieces of swz bytes into the (8, tc)-tiled, swz-swizzled ring
                     r_hi, r_lo = arith.divui(r, c(8)), arith.remui(r, c(8))
                     for p in range(pieces):
                         ctx.async_copy(src_ref=src_gmem[k][2],
                                        dst_ref=mu.memref_slice(ring, (slot, r_hi, p, mu.ds(r_lo, 1))),
-                                       gmem_slice=(mu.ds(e, 1), mu.ds(p * 64, 64)), swizzle=128, barrier=full,
+                                       gmem_slice=(mu.ds(e, 1), mu.ds(p * tc, tc)), swizzle=swz, barrier=full,
                                        arrive=False, predicate=lane0)
                     return
                 # FP8 raw row: nope (2 bulk copies, 256 + 192 B), rope (1 bulk copy), and the 8 scale bytes (cp.async,
@@ -296,16 +301,18 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 ring_ptr = mu.memref_ptr(ring)
                 pool_gptrs = [llvm.addrspacecast(llvm.PointerType.get(address_space=1), mu.memref_ptr(src_gmem[k][2]))
                               for k in range(n_src)]
-                chunk = arith.remui(ptid, c(64))     # this thread's 16 B chunk of a row: piece chunk // 8, j = chunk % 8
+                per_piece = swz // 16                # 16 B chunks per piece (tile row)
+                chunk = arith.remui(ptid, c(64))     # this thread's 16 B chunk of a row: piece chunk // per_piece
                 row_half = arith.divui(ptid, c(64))  # and its rows: 2 i + row_half
-                piece_off = arith.muli(arith.divui(chunk, c(8)), c(1024))
-                j16 = arith.remui(chunk, c(8))
+                piece_off = arith.muli(arith.divui(chunk, c(per_piece)), c(8 * swz))
+                j16 = arith.remui(chunk, c(per_piece))
 
             def issue_cp_async(k, slot, full, off):
                 """Block rows -> ring slot with 16 B cp.async per thread (128 threads: 2 rows per step, 64 chunks
                 each), written in the (8, 64)-tiled 128 B-swizzled layout wgmma reads: row r, chunk j of piece p at
-                ((r // 8) (d / 64) + p) KB + (r % 8) 128 B + (j ^ (r % 8)) 16 B. Each thread's copies complete on
-                the slot's barrier (cp.async.mbarrier.arrive.noinc: 128 arrivals)."""
+                ((r // 8) (d / 64) + p) KB + (r % 8) 128 B + (j ^ (r % 8)) 16 B (64 B swizzle, block_k = 32: (8, 32)
+                tiles of 512 B, ((r // 8) (d / 32) + p) 512 B + (r % 8) 64 B + (j ^ ((r // 2) % 4)) 16 B). Each
+                thread's copies complete on the slot's barrier (cp.async.mbarrier.arrive.noinc: 128 arrivals)."""
                 slot_base = arith.muli(slot, c(bk * d * 2))
 
                 @mu.fori(c(bk // 2), None)
@@ -316,9 +323,10 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     pos = arith.addi(arith.muli(ranges[k][2], c(bk)), pos)
                     e = arith.index_cast(index, arith.select(entry_ok(k, e, pos), e, ci(0)))   # -1 -> row 0
                     r8 = arith.remui(r, c(8))
-                    dst = arith.addi(arith.addi(slot_base, arith.muli(arith.divui(r, c(8)), c(d // 64 * 1024))),
-                                     arith.addi(piece_off, arith.addi(arith.muli(r8, c(128)),
-                                                                      arith.muli(arith.xori(j16, r8), c(16)))))
+                    pattern = r8 if swz == 128 else arith.remui(arith.divui(r8, c(2)), c(4))   # address bits 7.. -> 4..
+                    dst = arith.addi(arith.addi(slot_base, arith.muli(arith.divui(r, c(8)), c(pieces * 8 * swz))),
+                                     arith.addi(piece_off, arith.addi(arith.muli(r8, c(swz)),
+                                                                      arith.muli(arith.xori(j16, pattern), c(16)))))
                     src = arith.addi(arith.muli(e, c(d * 2)), arith.muli(chunk, c(16)))
                     nvvm.cp_async_shared_global(mu.getelementptr(ring_ptr, [arith.index_cast(i32, dst)], i8),
                                                 mu.getelementptr(pool_gptrs[k], [arith.index_cast(i64, src)], i8),
@@ -486,7 +494,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 (m_new, l, P [64, bk] bf16)."""
                 rows = mu.memref_slice(kv, mu.ds(arith.muli(wgi, c(half // 8)), half // 8))   # [half/8, d/64, 8, 64]
                 s_acc = mgpu.WGMMAAccumulator.zero(BLOCK_H, half)
-                s_acc = mgpu.wgmma(s_acc, q_smem, mu.memref_transpose(rows, (1, 0, 3, 2)))
+                s_acc = mgpu.wgmma(s_acc, q_smem, mu.memref_transpose(rows, (1, 0, 3, 2)), swizzle=swz)
                 nvvm.wgmma_commit_group_sync_aligned()
                 nvvm.wgmma_wait_group_sync_aligned(0)
                 logits = valid.select(s_acc.value * scale2, neg_inf)
@@ -545,7 +553,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 else:
                     region = begin("c_scores")
                     s_acc = mgpu.WGMMAAccumulator.zero(BLOCK_H, bk)
-                    s_acc = mgpu.wgmma(s_acc, q_smem, mu.memref_transpose(kv, (1, 0, 3, 2)))
+                    s_acc = mgpu.wgmma(s_acc, q_smem, mu.memref_transpose(kv, (1, 0, 3, 2)), swizzle=swz)
                     nvvm.wgmma_commit_group_sync_aligned()
                     nvvm.wgmma_wait_group_sync_aligned(0)
                     end(region)
@@ -560,7 +568,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 region = begin("c_pv")
                 acc = acc * alpha.broadcast_minor(dh)
                 o_acc = mgpu.WGMMAAccumulator.from_registers(acc)
-                o_acc = mgpu.wgmma(o_acc, p, mu.memref_slice(kv, (slice(None), v_cols)))
+                o_acc = mgpu.wgmma(o_acc, p, mu.memref_slice(kv, (slice(None), v_cols)), swizzle=swz)
                 nvvm.wgmma_commit_group_sync_aligned()
                 nvvm.wgmma_wait_group_sync_aligned(0)
                 if not fp8:
@@ -590,7 +598,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             o = (acc * inv.broadcast_minor(dh)).astype(bf16)
             cons_bar.arrive()   # both consumers are past their last q.K: q_smem can hold the output
             cons_bar.wait()
-            o.store_tiled(mu.memref_slice(q_smem, (slice(None), v_cols)), swizzle=128)
+            o.store_tiled(mu.memref_slice(q_smem, (slice(None), v_cols)), swizzle=swz)
             with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
                 lse.store_untiled(mu.memref_slice(vec_smem, mu.ds(BLOCK_H, BLOCK_H)), optimized=False)
             mu.commit_shared()
@@ -599,7 +607,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
                 o_slice = (row, split, hg) if out_split else (row, hg)
                 ctx.async_copy(src_ref=q_smem, dst_ref=o_gmem, gmem_slice=o_slice,
-                               gmem_transform=mgpu.TileTransform((8, 64)), swizzle=128, predicate=one)
+                               gmem_transform=mgpu.TileTransform((8, tc)), swizzle=swz, predicate=one)
                 ctx.async_copy(src_ref=mu.memref_slice(vec_smem, mu.ds(BLOCK_H, BLOCK_H)), dst_ref=lse_gmem,
                                gmem_slice=o_slice, predicate=one)
                 ctx.await_async_copy(0)
@@ -642,8 +650,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 jax.ShapeDtypeStruct((2, BLOCK_H), jnp.float32)) if split_scores else ()
         tail = split_scores and diag == "ss_tail"
         smem = (
-            (jax.ShapeDtypeStruct((BLOCK_H // 8, d // 64, 8, 64), jnp.bfloat16),     # q, then o
-             jax.ShapeDtypeStruct((stages, bk // 8, d // 64, 8, 64), jnp.bfloat16),  # KV ring
+            (jax.ShapeDtypeStruct((BLOCK_H // 8, d // tc, 8, tc), jnp.bfloat16),     # q, then o
+             jax.ShapeDtypeStruct((stages, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # KV ring
              *(() if tail else exch),
              jax.ShapeDtypeStruct((sum(idx_rows),), jnp.int32),                        # this split's index rows
              jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32)),                     # sinks | lse
@@ -708,7 +716,9 @@ def sparse_attention_mosaic(
 ):
     """Mosaic GPU implementation of `reference.sparse_attention` for bf16 q [B, T, H, d] (H a multiple of 64: one
     CTA per group of 64 heads) and either bf16 [rows, d] pools (d a multiple of 128) or FP8 pools (`Fp8KVPool`,
-    d = 512; both sources FP8, dequantized in shared memory by the consumers). Knobs: block_k (entries per step, a multiple of 64, <= 256; FP8: 64), num_stages (ring depth),
+    d = 512; both sources FP8, dequantized in shared memory by the consumers). Knobs: block_k (entries per step, a multiple of 64, <= 256, or 32 with bf16 pools: 64 B swizzle, e.g. with
+    num_stages=4 the ring holds four 32-entry slots in the same 128 KB, so the producer keeps up to three in flight
+    while the consumers hold one; not yet run on a GPU, session 14; FP8: 64), num_stages (ring depth),
     n_splits (split-K; default about one CTA per SM), regs ((producer, consumer) registers per thread set by
     `setmaxnreg`; default DEFAULT_REGS; (40, 232) and (24, 240) measured within the run-to-run noise, session 10).
     `_diag` (FP8, timing diagnostics, wrong output unless noted):
@@ -772,8 +782,10 @@ def sparse_attention_mosaic(
         if v_ is not None:
             cfg[k_] = v_
     bk, stages = cfg["block_k"], cfg["num_stages"]
-    if bk % 64 or bk > 256:  # P.V contracts over block_k in 64-wide (128 B swizzle) groups; S's N is <= 256
-        raise ValueError(f"block_k must be a multiple of 64 and <= 256, got {bk}")
+    # P.V contracts over block_k in groups of the ring's swizzle width: 64 entries with 128 B swizzle, or block_k =
+    # 32 with 64 B swizzle (bf16 rings: smaller steps, more of them in flight); S's N is <= 256
+    if not (bk == 32 and not fp8) and (bk % 64 or bk > 256):
+        raise ValueError(f"block_k must be a multiple of 64 and <= 256 (or 32 with bf16 pools), got {bk}")
     exchange = (4 * BLOCK_H * (bk // 2) * 2 + 4 * BLOCK_H * 4 + 2 * BLOCK_H * 4) if split_scores else 0
     ring_bytes = stages * bk * (NOPE_STRIDE + 2 * ROPE_DIM + SCALE_BYTES) + bk * d * 2 if fp8 else stages * bk * d * 2
     ns = max(1, min(int(cfg["n_splits"]), total_blocks))
