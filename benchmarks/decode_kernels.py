@@ -19,7 +19,6 @@ Needs a GPU (CUPTI).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections import defaultdict
@@ -73,7 +72,7 @@ def main():
     from jax.experimental.mosaic.gpu import profiler as mgpu_profiler
 
     from benchmarks.sparse_attention import D, make_case
-    from benchmarks.timing import wall
+    from benchmarks.timing import record_case, wall
     from pallas_kernels.sparse_attention import sparse_attention
 
     rng = np.random.default_rng(0)
@@ -82,7 +81,8 @@ def main():
     for spec in args.cases.split(","):
         name, opts = parse_case(spec)
         kind, b, kc, kv = CASES[name]
-        try:
+
+        def measure():
             q, wpool, cpool, sinks, widx, cidx = make_case(rng, kind, b, 1, kc, 4096, kv == "fp8", 8)
             one = jax.jit(lambda q, wp, wi, cp, ci, s: sparse_attention(q, wp, wi, cp, ci, s, scale=D ** -0.5,
                                                                         impl="pallas", **opts))
@@ -98,18 +98,13 @@ def main():
             _, timings = mgpu_profiler.measure(run, aggregate=False)(*a)
             kernels = group_kernels(timings, u)
             k_sum = sum(v["us_per_call"] for v in kernels.values())
-            res = dict(case=spec, wall_us=w * 1e6, kernels_us=k_sum, gaps_us=w * 1e6 - k_sum, kernels=kernels)
             print(f"== {spec}: wall {w * 1e6:7.1f} us/call, kernels {k_sum:7.1f}, gaps {w * 1e6 - k_sum:6.1f}",
                   flush=True)
             for k, v in kernels.items():
                 print(f"    {v['per_call']:4.1f} x {v['us_each']:7.2f} us  {k[:90]}", flush=True)
-        except Exception as e:   # one case's failure should not lose the others
-            res = dict(case=spec, error=f"{type(e).__name__}: {str(e)[:600]}")
-            print(f"== {spec}: {res['error']}", flush=True)
-        results[spec] = res
-        with open(os.path.join(args.out, "decode_kernels.json"), "w") as f:
-            json.dump(results, f, indent=1)
+            return dict(case=spec, wall_us=w * 1e6, kernels_us=k_sum, gaps_us=w * 1e6 - k_sum, kernels=kernels)
 
+        record_case(results, spec, os.path.join(args.out, "decode_kernels.json"), measure)
 
 if __name__ == "__main__":
     sys.path[:0] = ["."]

@@ -138,6 +138,7 @@ def main():
     import jax.numpy as jnp
 
     from benchmarks.sparse_attention import D, make_case
+    from benchmarks.timing import record_case
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
     rng = np.random.default_rng(0)
@@ -150,7 +151,8 @@ def main():
         a = (q, wpool, widx[0], cpool, cidx[0], sinks)
         plain = jax.jit(lambda *x: sparse_attention_mosaic(*x, scale=D ** -0.5, **opts))
         profiled = jax.jit(lambda *x: sparse_attention_mosaic(*x, scale=D ** -0.5, _profile=dump, **opts))
-        try:
+
+        def measure():
             t0 = time.time()
             jax.block_until_ready(plain(*a))
             n = 0
@@ -169,13 +171,9 @@ def main():
             print_summary(name, s)
             for tr in traces[:-1]:
                 os.remove(tr)
-        except Exception as e:   # one case's failure should not lose the others
-            s = dict(error=f"{type(e).__name__}: {str(e)[:800]}")
-            print(f"== {name}: {s['error']}", flush=True)
-        results[name] = s
-        with open(os.path.join(args.out, "mosaic_phase_profile.json"), "w") as f:
-            json.dump(results, f, indent=1)
+            return s
 
+        record_case(results, name, os.path.join(args.out, "mosaic_phase_profile.json"), measure)
 
 if __name__ == "__main__":
     sys.path[:0] = ["."]

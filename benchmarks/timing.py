@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import jax
@@ -82,3 +83,16 @@ def measure_ceilings(quick=False):
     g = jax.jit(lambda a, b: jax.lax.fori_loop(0, 10, lambda i, a: (a @ b).astype(jnp.bfloat16), a))
     fl = 10 * 2 * m ** 3 / wall(g, a, b)
     return dict(copy_Bps=bw, bf16_flops=fl, copy_GBps=bw / 1e9, bf16_TFLOPs=fl / 1e12)
+
+
+def record_case(results, name, path, measure, err_chars=800):
+    """results[name] = measure(), or the error it raised (printed): one case's failure keeps the others. The whole
+    dict is rewritten to `path` (JSON) after every case, so a step cut by its time limit keeps what it measured."""
+    try:
+        res = measure()
+    except Exception as e:
+        res = dict(error=f"{type(e).__name__}: {str(e)[:err_chars]}")
+        print(f"== {name}: {res['error']}", flush=True)
+    results[name] = res
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)

@@ -202,11 +202,21 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             ranges.append((lo, hi, start))
             base += nb
 
-        def entry_ok(k, e, pos):
-            """Source k's index e (i32) at position pos (index) of the row's list names a row to attend to."""
-            return arith.andi(arith.andi(arith.cmpi(arith.CmpIPredicate.sge, e, ci(0)),
-                                         arith.cmpi(arith.CmpIPredicate.slt, e, ci(srcs[k]["n_rows"]))),
-                              arith.cmpi(arith.CmpIPredicate.slt, pos, lengths[k]))
+        def entry(k, i):
+            """Entry i (index) of source k's rows in idx_smem -> (index e as i32, whether it names a row to attend
+            to: 0 <= e < n_rows and its position in the row's list < the row's length)."""
+            e = memref.load(idx_smem, [arith.addi(c(idx_base[k]), i)])
+            pos = arith.addi(arith.muli(ranges[k][2], c(bk)), i)
+            ok = arith.andi(arith.andi(arith.cmpi(arith.CmpIPredicate.sge, e, ci(0)),
+                                       arith.cmpi(arith.CmpIPredicate.slt, e, ci(srcs[k]["n_rows"]))),
+                            arith.cmpi(arith.CmpIPredicate.slt, pos, lengths[k]))
+            return e, ok
+
+        def row_of(k, i):
+            """Entry i's row to copy (index): invalid entries copy row 0 (never out of bounds; the consumers mask
+            them out)."""
+            e, ok = entry(k, i)
+            return arith.index_cast(index, arith.select(ok, e, ci(0)))
 
         def steps(fn, carry):
             """Runs fn(k, j, g, carry) over the step sequence; g counts steps across the sources."""
@@ -256,10 +266,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 def _(it, _c, k=k):
                     i = arith.addi(arith.muli(it, c(128)), ptid)
                     with mu.when(arith.cmpi(arith.CmpIPredicate.ult, i, c(idx_rows[k]))):
-                        at = arith.addi(c(idx_base[k]), i)
-                        e = memref.load(idx_smem, [at])
-                        pos = arith.addi(arith.muli(ranges[k][2], c(bk)), i)
-                        memref.store(arith.select(entry_ok(k, e, pos), e, ci(-1)), idx_smem, [at])
+                        e, ok = entry(k, i)
+                        memref.store(arith.select(ok, e, ci(-1)), idx_smem, [arith.addi(c(idx_base[k]), i)])
                     return _c
             llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "bar.arrive 9, 384;", "", has_side_effects=True)
             end(region)
@@ -318,10 +326,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 @mu.fori(c(bk // 2), None)
                 def _(i, _c):
                     r = arith.addi(arith.muli(i, c(2)), row_half)
-                    pos = arith.addi(off, r)
-                    e = memref.load(idx_smem, [arith.addi(c(idx_base[k]), pos)])
-                    pos = arith.addi(arith.muli(ranges[k][2], c(bk)), pos)
-                    e = arith.index_cast(index, arith.select(entry_ok(k, e, pos), e, ci(0)))   # -1 -> row 0
+                    e = row_of(k, arith.addi(off, r))
                     r8 = arith.remui(r, c(8))
                     pattern = r8 if swz == 128 else arith.remui(arith.divui(r8, c(2)), c(4))   # address bits 7.. -> 4..
                     dst = arith.addi(arith.addi(slot_base, arith.muli(arith.divui(r, c(8)), c(pieces * 8 * swz))),
@@ -351,11 +356,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     inside = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, t_, c(0)),
                                         arith.cmpi(arith.CmpIPredicate.slt, t_, n_steps[k]))
                     with mu.when(arith.andi(inside, arith.cmpi(arith.CmpIPredicate.ult, ptid, c(bk)))):
-                        pos = arith.addi(arith.muli(arith.subi(arith.addi(ranges[k][0], t_), ranges[k][2]), c(bk)),
-                                         ptid)
-                        e = memref.load(idx_smem, [arith.addi(c(idx_base[k]), pos)])
-                        pos = arith.addi(arith.muli(ranges[k][2], c(bk)), pos)
-                        with mu.when(entry_ok(k, e, pos)):
+                        e, ok = entry(k, arith.addi(arith.muli(arith.subi(arith.addi(ranges[k][0], t_),
+                                                                          ranges[k][2]), c(bk)), ptid))
+                        with mu.when(ok):
                             addr = mu.getelementptr(l2_gptrs[k], [arith.muli(arith.extsi(i64, e), arith.constant(
                                 i64, row_bytes[k]))], i8)
                             llvm.inline_asm(ir.Type.parse("!llvm.void"), [llvm.ptrtoint(i64, addr)],
@@ -387,12 +390,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 @mu.fori(c(bk // 4), None)
                 def _(t, _c):
                     r = arith.addi(arith.muli(t, c(4)), warp)
-                    pos = arith.addi(off, r)
-                    e = memref.load(idx_smem, [arith.addi(c(idx_base[k]), pos)])
-                    pos = arith.addi(arith.muli(ranges[k][2], c(bk)), pos)   # the entry's position in the row's list
-                    # invalid entries -> row 0 (never out of bounds; masked by the consumers)
-                    e = arith.index_cast(index, arith.select(entry_ok(k, e, pos), e, ci(0)))
-                    copy_row(k, slot, full, r, e)
+                    copy_row(k, slot, full, r, row_of(k, arith.addi(off, r)))
                     return _c
 
                 if fp8:
