@@ -14,6 +14,8 @@ is the chain's own iteration (the carry update, no compressor): every other colu
 dependent calls per scan iteration (the H200 harness measured 10-13 us per iteration with N = 1, session 5).
 --variants also times kernel configurations of the pallas path (VARIANTS: block sizes, layouts, warps, stages;
 each on top of `default_config`), one json key / column per variant ("v:<name>_us"); --cases picks a subset.
+--kernels lists, per pallas configuration, the kernels one call launches and their CUPTI times (the two passes of
+the two-pass layout, any XLA kernel around them), so a gap to the floor can be placed in a pass.
 """
 
 from __future__ import annotations
@@ -67,6 +69,15 @@ VARIANTS_SMALL = {
     "2p_wb8_dc32_fw2": dict(two_pass=True, windows_per_block=8, dc=32, finish_num_warps=2),
     "2p_wb8_dc32_fw8": dict(two_pass=True, windows_per_block=8, dc=32, finish_num_warps=8),
     "nofuse": dict(fuse_state=False),
+    "2p_wb8_dc32_scr32": dict(two_pass=True, windows_per_block=8, dc=32, scratch_dtype="float32"),  # session 11-14
+    # pass 2 (finish) with its own window blocks / channel chunks (session 15)
+    "2p_wb8_dc32_f16": dict(two_pass=True, windows_per_block=8, dc=32, finish_windows_per_block=16),
+    "2p_wb8_dc32_f32": dict(two_pass=True, windows_per_block=8, dc=32, finish_windows_per_block=32),
+    "2p_wb8_dc32_f64": dict(two_pass=True, windows_per_block=8, dc=32, finish_windows_per_block=64),
+    "2p_wb8_dc32_fdc64": dict(two_pass=True, windows_per_block=8, dc=32, finish_dc=64),
+    "2p_wb8_dc32_f32_fdc64": dict(two_pass=True, windows_per_block=8, dc=32, finish_windows_per_block=32,
+                                  finish_dc=64),
+    "2p_wb8_dc32_f4": dict(two_pass=True, windows_per_block=8, dc=32, finish_windows_per_block=4),
 }
 VARIANTS_ROT = {"dot": dict(mix="dot")}
 VARIANTS_LARGE = {
@@ -91,7 +102,17 @@ def variants_for(name):
     return {**VARIANTS_SMALL, **(VARIANTS_ROT if rotate else {})}
 
 
-def case(name, B, S, ceil, n_iter, with_variants=False, unroll=1, only=None):
+def list_kernels(fn, *args):
+    """CUPTI: the kernels one call of fn(*args) launches, [(name, us)] in launch order (Mosaic GPU's profiler)."""
+    from jax.experimental.mosaic.gpu import profiler as mgpu_profiler
+
+    f = jax.jit(fn)
+    jax.block_until_ready(f(*args))
+    _, timings = mgpu_profiler.measure(f, aggregate=False)(*args)
+    return [(k, ms * 1e3) for k, ms in timings]
+
+
+def case(name, B, S, ceil, n_iter, with_variants=False, unroll=1, only=None, kernels=False):
     r, overlap, d, fmt, rotate, ebytes = COMPRESSORS[name]
     c = 2 if overlap else 1
     ks = jax.random.split(jax.random.key(hash((name, B, S)) % 1000), 6)
@@ -139,6 +160,13 @@ def case(name, B, S, ceil, n_iter, with_variants=False, unroll=1, only=None):
         except Exception as e:  # noqa: BLE001
             row[key + "_us"] = float("nan")
             row[key + "_err"] = repr(e)[:300]
+        if kernels and impl == "pallas":   # which kernels the call is made of, and each one's time
+            def one(kv, gate, st, skv, sg, pk, pg, ent, opts=opts):
+                return compress_chunk(kv, gate, st, nv, skv, sg, pk, pg, ent, impl="pallas", **kw, **opts)
+            try:
+                row[key + "_kernels"] = list_kernels(one, kv, gate, start, skv, sg, pk, pg, entries)
+            except Exception as e:  # noqa: BLE001
+                row[key + "_kernels_err"] = repr(e)[:300]
     return row
 
 
@@ -151,6 +179,8 @@ def main():
                     help="comma-separated: decode and / or prefill, and / or compressor names (default all)")
     ap.add_argument("--only-variants", default="", help="with --variants: time only these (comma-separated)")
     ap.add_argument("--prefill", default="1x8192,4x16384", help="prefill shapes BxS, comma-separated")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also list (CUPTI) the kernels one call of each pallas configuration launches, with times")
     ap.add_argument("--unroll", type=int, default=1,
                     help="dependent calls per scan iteration (timing.timed_chain): > 1 shares the loop's own "
                          "per-iteration cost (part of the 'harness' column) among that many calls")
@@ -174,7 +204,7 @@ def main():
     for n, B, S in cases:
         # enough dependent calls per timed program that its one dispatch (100-250 us) adds < ~1-2 us per call
         r = case(n, B, S, ceil, 200 if S == 1 else 100, a.variants, a.unroll,
-                 [v for v in a.only_variants.split(",") if v])
+                 [v for v in a.only_variants.split(",") if v], a.kernels)
         rows.append(r)
         cells = " ".join(f"{r[k]:9.1f} ({r[k] / r['floor_us']:5.1f}x)" for k in ("harness_us", "pallas_us", "reference_us"))
         print(f"{n:>10} {B:>3} {S:>5} {r['floor_us']:8.2f}u {cells}", flush=True)
@@ -183,6 +213,10 @@ def main():
             for k in r:
                 if k.startswith("v:") and k.endswith("_us"):
                     print(f"{'':>10}   {k[2:-3]:>14} {r[k]:9.1f} ({r[k] / r['floor_us']:5.1f}x)", flush=True)
+        for k in r:
+            if k.endswith("_kernels"):
+                print(f"{'':>10}   kernels of {k[:-8]}: " + ", ".join(f"{nm[:40]} {us:.1f}" for nm, us in r[k]),
+                      flush=True)
         for k in r:
             if k.endswith("_err"):
                 print("   ", k, r[k], flush=True)

@@ -7,8 +7,11 @@ it launches with its duration, so the time outside the attention kernel (index c
 launch gaps) is measured rather than guessed:
 
   wall/call      the chain's wall time / U (Python dispatch shared by U calls)
+  net/call       (wall of 2U chained calls - wall of U) / U: the steady-state time per call, no dispatch share
+  host/call      the time until the jitted chain's call returns (its kernels enqueued, not finished) / U: if it
+                 is near net/call, the host's per-call launch work, not the GPU, sets the pace
   kernels/call   the sum of the CUPTI kernel durations / U
-  gaps/call      wall - kernels: launch latency between kernels and the dispatch share
+  gaps/call      net - kernels: the GPU's idle time between the kernels of one call and the next
 
     PYTHONPATH=. python benchmarks/decode_kernels.py --out DIR [--cases csa64,csa64:kernel=mosaic+producer=cp_async,...] [--unroll 16]
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections import defaultdict
 
 import numpy as np
@@ -66,13 +70,14 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--cases", default="csa16,csa64,csa128,hca8k16,csa64_fp8")
     ap.add_argument("--unroll", type=int, default=16)
+    ap.add_argument("--name", default="decode_kernels", help="the JSON file's name in --out (one per XLA_FLAGS run)")
     args = ap.parse_args()
 
     import jax
     from jax.experimental.mosaic.gpu import profiler as mgpu_profiler
 
     from benchmarks.sparse_attention import D, make_case
-    from benchmarks.timing import record_case, wall
+    from benchmarks.timing import record_case, wall, wall_net
     from pallas_kernels.sparse_attention import sparse_attention
 
     rng = np.random.default_rng(0)
@@ -87,24 +92,37 @@ def main():
             one = jax.jit(lambda q, wp, wi, cp, ci, s: sparse_attention(q, wp, wi, cp, ci, s, scale=D ** -0.5,
                                                                         impl="pallas", **opts))
 
-            @jax.jit
-            def run(q, wpool, cpool, sinks, widx, cidx):
-                for i in range(u):
-                    q = one(q, wpool, widx[i % len(widx)], cpool, cidx[i % len(cidx)], sinks)
-                return q
+            def chain(n):
+                @jax.jit
+                def run(q, wpool, cpool, sinks, widx, cidx):
+                    for i in range(n):
+                        q = one(q, wpool, widx[i % len(widx)], cpool, cidx[i % len(cidx)], sinks)
+                    return q
+                return run
 
             a = (q, wpool, cpool, sinks, widx, cidx)
+            run = chain(u)
             w = wall(run, *a, reps=5) / u
+            net, _ = wall_net(chain, *a, n1=u, n2=2 * u)
+            host = []
+            for _ in range(5):   # enqueue time: the call returns once its kernels are queued
+                jax.block_until_ready(run(*a))
+                t0 = time.perf_counter()
+                out = run(*a)
+                host.append(time.perf_counter() - t0)
+                jax.block_until_ready(out)
+            host = float(np.median(host)) / u
             _, timings = mgpu_profiler.measure(run, aggregate=False)(*a)
             kernels = group_kernels(timings, u)
             k_sum = sum(v["us_per_call"] for v in kernels.values())
-            print(f"== {spec}: wall {w * 1e6:7.1f} us/call, kernels {k_sum:7.1f}, gaps {w * 1e6 - k_sum:6.1f}",
-                  flush=True)
+            print(f"== {spec}: wall {w * 1e6:7.1f} us/call, net {net * 1e6:7.1f}, host {host * 1e6:7.1f}, "
+                  f"kernels {k_sum:7.1f}, gaps {net * 1e6 - k_sum:6.1f}", flush=True)
             for k, v in kernels.items():
                 print(f"    {v['per_call']:4.1f} x {v['us_each']:7.2f} us  {k[:90]}", flush=True)
-            return dict(case=spec, wall_us=w * 1e6, kernels_us=k_sum, gaps_us=w * 1e6 - k_sum, kernels=kernels)
+            return dict(case=spec, wall_us=w * 1e6, net_us=net * 1e6, host_us=host * 1e6, kernels_us=k_sum,
+                        gaps_us=net * 1e6 - k_sum, kernels=kernels, xla_flags=os.environ.get("XLA_FLAGS", ""))
 
-        record_case(results, spec, os.path.join(args.out, "decode_kernels.json"), measure)
+        record_case(results, spec, os.path.join(args.out, args.name + ".json"), measure)
 
 if __name__ == "__main__":
     sys.path[:0] = ["."]

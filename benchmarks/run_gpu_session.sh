@@ -4,7 +4,7 @@
 # Steps: tests4 (sparse-attention GPU tests), tests5 (indexer + compressor + top-k GPU tests), model (model-level
 # pallas-vs-reference parity on the GPU), comp / idx / attn (benchmarks/compressor.py, indexer.py,
 # sparse_attention.py; diag = benchmarks/diag_indexer_prefill.py; topk / topk_cb = benchmarks/topk_stages.py (topk_cb with
-# XLA command buffers incl. conditionals, CB_TYPES); kres = benchmarks/kernel_resources.sh (ptxas registers/spills); compv = compressor kernel variants on COMPV_CASES), decode (benchmarks/decode.py ref vs pallas), picks (decode.py, Pallas, indexer picks sorted vs set), gather (benchmarks/tma_row_gather_{raw,probe}.py: row-gather producer bandwidth), mosaic (benchmarks/mosaic_attention.py: Mosaic vs Triton attention; MOSAIC_ARGS='--cases prefill|splits'), breakdown (benchmarks/decode_breakdown.py), mres (benchmarks/mosaic_resources.py: ptxas registers / spills of the Mosaic attention kernel's variants), ss (benchmarks/mosaic_split_scores.py: split_scores checked per variant in its own process, then timed), ssdiag (benchmarks/diag_split_scores_model.py: the tiny model's attention calls, default vs split_scores vs the reference op, per call), mprof (benchmarks/mosaic_phase_profile.py: the Mosaic attention kernel's per-warpgroup phases from Mosaic GPU's on-device profiler; MPROF_ARGS='--cases ...'), dk (benchmarks/decode_kernels.py: the kernels one decode call launches, CUPTI durations vs wall; DK_ARGS).
+# XLA command buffers incl. conditionals, CB_TYPES); kres = benchmarks/kernel_resources.sh (ptxas registers/spills); compv = compressor kernel variants on COMPV_CASES), decode (benchmarks/decode.py ref vs pallas), picks (decode.py, Pallas, indexer picks sorted vs set), gather (benchmarks/tma_row_gather_{raw,probe}.py: row-gather producer bandwidth), mosaic (benchmarks/mosaic_attention.py: Mosaic vs Triton attention; MOSAIC_ARGS='--cases prefill|splits'), breakdown (benchmarks/decode_breakdown.py), mres (benchmarks/mosaic_resources.py: ptxas registers / spills of the Mosaic attention kernel's variants), ss (benchmarks/mosaic_split_scores.py: split_scores checked per variant in its own process, then timed), ssdiag (benchmarks/diag_split_scores_model.py: the tiny model's attention calls, default vs split_scores vs the reference op, per call), mprof (benchmarks/mosaic_phase_profile.py: the Mosaic attention kernel's per-warpgroup phases from Mosaic GPU's on-device profiler; MPROF_ARGS='--cases ...'), dk (benchmarks/decode_kernels.py: the kernels one decode call launches, CUPTI durations vs wall; DK_ARGS), dk_nocb / dk_cb (the same with XLA's command buffers off / on for CB_TYPES incl. custom calls, graphs from 1 thunk).
 # Per-step limit: T_<step> seconds (defaults below). A test that hangs dumps its Python stack (faulthandler) into
 # the step's log. Logs: $OUT/<step>.log (+ the benchmarks' json).
 set -o pipefail
@@ -48,6 +48,10 @@ for s in ${STEPS:-tests5 model comp idx}; do
     ss) run_step ss 220 $PY benchmarks/mosaic_split_scores.py --out "$OUT" ${SS_ARGS:-} ;;
     ssdiag) run_step ssdiag 240 $PY benchmarks/diag_split_scores_model.py ;;
     dk) run_step dk 200 $PY benchmarks/decode_kernels.py --out "$OUT" ${DK_ARGS:-} ;;
+    dk_nocb) XLA_FLAGS="--xla_gpu_enable_command_buffer=" \
+          run_step dk_nocb 200 $PY benchmarks/decode_kernels.py --out "$OUT" --name decode_kernels_nocb ${DK_ARGS:-} ;;
+    dk_cb) XLA_FLAGS="--xla_gpu_enable_command_buffer=${CB_TYPES:-FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN} --xla_gpu_graph_min_graph_size=1" \
+          run_step dk_cb 200 $PY benchmarks/decode_kernels.py --out "$OUT" --name decode_kernels_cb ${DK_ARGS:-} ;;
     mprof) run_step mprof 240 $PY benchmarks/mosaic_phase_profile.py --out "$OUT" ${MPROF_ARGS:-} ;;
     attn) run_step attn 300 $PY benchmarks/sparse_attention.py --out "$OUT" "$@" ${ATTN_ARGS:-} ;;
     decode) for impl in ${DECODE_IMPLS:-reference pallas}; do

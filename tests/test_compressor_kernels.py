@@ -94,6 +94,34 @@ def test_main_csa_bf16_model_dtype(impl):
     check(inp, kw, impl, TOL["bf16"])
 
 
+@pytest.mark.parametrize("fmt", [None, "fp8"])
+def test_two_pass_scratch_in_norm_dtype_is_exact(fmt):
+    """Two-pass with a bf16 norm dtype keeps its pass-1 scratch in bf16 (half the round trip's bytes): the pooled
+    values are rounded to bf16 before the store, so the result is bitwise the float32 scratch's. A scratch narrower
+    than norm_dtype is refused."""
+    inp, kw = make(3, 40, 4, True, 128, fmt, ndt=jnp.bfloat16, starts=[0, 3, 6], n_valid=[40, 37, 21])
+    kw = dict(kw, rotate=fmt is not None)
+    opts = dict(two_pass=True, windows_per_block=2, dc=32)
+    narrow = call(inp, kw, impl="pallas", **opts)
+    wide = call(inp, kw, impl="pallas", scratch_dtype=jnp.float32, **opts)
+    for a, b_ in zip(jax.tree_util.tree_leaves(narrow), jax.tree_util.tree_leaves(wide)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))
+    assert check(inp, kw, "pallas", TOL[fmt or "bf16"], **opts) > 0
+    inp, kw = make(1, 40, 4, True, 128, None, starts=[0], n_valid=[40])
+    with pytest.raises(ValueError, match="scratch_dtype must be float32 or norm_dtype"):
+        call(inp, kw, impl="pallas", scratch_dtype=jnp.bfloat16, **opts)
+
+
+def test_finish_options_validated():
+    """Pass 2's own block / chunk sizes need the two-pass layout, powers of two and whole rope chunks."""
+    inp, kw = make(1, 40, 4, True, 128, "fp8", starts=[0], n_valid=[40])
+    for opts, msg in ((dict(two_pass=False, finish_windows_per_block=4), "apply to the two-pass layout"),
+                      (dict(two_pass=True, finish_dc=48), "finish_dc must be a power of two"),
+                      (dict(two_pass=True, finish_dc=128), "finish_dc 128 must divide")):
+        with pytest.raises(ValueError, match=msg):
+            call(inp, kw, impl="pallas", rotate=True, **opts)
+
+
 @pytest.mark.parametrize("impl", INTERP)
 def test_hca_ratio128(impl):
     """ratio 128 without overlap, d = 128: offsets 0, 1, 127 and a chunk that closes two windows; S = 1 decode."""
@@ -112,6 +140,11 @@ def test_hca_ratio128(impl):
     (4, True, "bf16", True, dict(windows_per_block=8, two_pass=True, fuse_state=False, mix="dot")),
     # another small ratio, no overlap
     (8, False, "fp4", True, dict(windows_per_block=2, slot_block=4)),
+    # pass 2 with its own window blocks and channel chunks (larger / smaller than pass 1's)
+    (4, True, "fp4", True, dict(windows_per_block=2, two_pass=True, dc=32, finish_windows_per_block=8,
+                                finish_dc=64)),
+    (4, True, "fp8", True, dict(windows_per_block=8, two_pass=True, dc=64, finish_windows_per_block=2,
+                                finish_dc=32)),
 ])
 def test_kernel_options_small_ratio(r, overlap, fmt, rotate, opts):
     """Kernel variants (block / slot / channel sizes, layouts): a partial last window block, chunks starting at every
@@ -134,6 +167,7 @@ def test_kernel_options_ratio128(opts):
     (4, True, 128, "fp4", dict(windows_per_block=8, slot_block=2, two_pass=False)),
     (4, True, 128, "fp8", dict(windows_per_block=4, two_pass=True, mix="dot", dc=32)),
     (4, True, 512, None, dict(windows_per_block=16, two_pass=True, fuse_state=False)),
+    (4, True, 128, "fp8", dict(windows_per_block=8, two_pass=True, dc=32, finish_windows_per_block=32)),
     (128, False, 512, None, dict(windows_per_block=2, slot_block=32, two_pass=False, num_stages=3)),
 ])
 def test_kernel_options_lower_for_cuda(r, overlap, d, fmt, opts):
@@ -217,7 +251,8 @@ def test_gpu_main_compressor(r, overlap, S):
     (4, True, dict(two_pass=False, windows_per_block=8)), (4, True, dict(two_pass=True, windows_per_block=32)),
     (4, True, dict(two_pass=False, windows_per_block=4, slot_block=2, fuse_state=False)),
     (128, False, dict(two_pass=True, slot_block=64, dc=32)), (128, False, dict(two_pass=False, slot_block=32)),
-    (128, False, dict(two_pass=True, slot_block=128, num_warps=8, num_stages=1))])
+    (128, False, dict(two_pass=True, slot_block=128, num_warps=8, num_stages=1)),
+    (4, True, dict(two_pass=True, windows_per_block=8, dc=32, finish_windows_per_block=32, finish_dc=64))])
 def test_gpu_kernel_options(r, overlap, opts):
     """Compiled kernel variants: main compressor (bf16), and the indexer's rotated fp8 / fp4 keys at ratio 4."""
     starts = [0, 1, r - 1, 5 * r + 2]

@@ -207,8 +207,7 @@ def lower_model_steps(model, cache, marker):
                                               (3, 1, 512, dict(block_k=32, num_stages=4), False),
                                               (2, 1, 1024, dict(block_k=32, num_stages=4, heads=128), False),
                                               (1, 64, 60, dict(block_k=32, num_stages=4, split_scores=True), False),
-                                              (3, 1, 512, dict(block_k=32, num_stages=4, producer="cp_async"),
-                                               False)])
+                                              (2, 1, 8192, dict(block_k=32, num_stages=4, n_splits=3), False)])
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -218,6 +217,18 @@ def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     lens = dict(window_len=inp["window_len"], compressed_len=inp["compressed_len"])
     lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, scale=512 ** -0.5, **lens, **opts),
                *(inp[k] for k in keys))
+
+
+def test_sparse_attention_mosaic_block_k32_rejects_bulk_copies():
+    """32-entry rings (64 B swizzle) are gathered with cp.async: a bulk tensor copy's shared-memory destination must
+    be 128 B aligned, and odd rows of a 64 B-swizzled tile start 64 B into a line (the H200 faulted, session 15)."""
+    from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
+
+    inp = make_attention(3, 1, 64, 512, 300, 9000, 128, 512, ragged=True)
+    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
+    with pytest.raises(ValueError, match="block_k=32 .* needs producer='cp_async'"):
+        sparse_attention_mosaic(*(inp[k] for k in keys), scale=512 ** -0.5, window_len=inp["window_len"],
+                                compressed_len=inp["compressed_len"], block_k=32, num_stages=4, producer="tma")
 
 
 @pytest.mark.parametrize("b,t,k_c,opts,fp8", [(3, 1, 512, {}, False), (1, 64, 60, {}, False), (3, 1, 512, {}, True),

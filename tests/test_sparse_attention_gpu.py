@@ -109,12 +109,13 @@ MOSAIC_CASES = [
     (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, fp8=True), dict(l2_ahead=3, n_splits=3)),
     (2, 1, 128, 9000, 128, 8192, dict(ragged=True), dict(l2_ahead=4)),
     (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True, heads=128), dict(l2_ahead=2)),
-    # 32-entry steps (64 B swizzle), four ring slots in the same shared memory
+    # 32-entry steps (64 B swizzle, gathered with cp.async), four ring slots in the same shared memory
     (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(block_k=32, num_stages=4)),
     (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True), dict(block_k=32, num_stages=4, n_splits=3)),
     (1, 64, 512, 200, 100, 60, dict(ragged=True, heads=128), dict(block_k=32, num_stages=4)),   # K % 32 != 0
     (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True), dict(block_k=32, num_stages=4, split_scores=True)),
-    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(block_k=32, num_stages=4, producer="cp_async")),
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True), dict(block_k=32, num_stages=4)),
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(block_k=32, num_stages=3)),
 ]
 
 

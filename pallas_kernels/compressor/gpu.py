@@ -18,9 +18,11 @@ num_stages). The pooled [wb, dc] chunk is rounded to `norm_dtype`.
 Two layouts (`two_pass`):
   * fused, grid (B, n_blocks): one program pools all d / dc channel chunks of its windows (kept in registers), then
     finishes them. Small ratio, small d.
-  * two-pass: pass 1, grid (B, n_blocks, d / dc), pools one channel chunk into a float32 scratch
-    [B, n_blocks * wb, d]; pass 2, grid (B, n_blocks), finishes. More programs / fewer live registers, for few long
-    windows (ratio 128) and wide rows (d = 512), at the cost of a scratch round trip (8 bytes per pooled channel).
+  * two-pass: pass 1, grid (B, n_blocks, d / dc), pools one channel chunk into a scratch [B, n_blocks * wb, d];
+    pass 2, grid (B, n_blocks), finishes. More programs / fewer live registers, for few long windows (ratio 128)
+    and wide rows (d = 512), at the cost of a scratch round trip. The scratch is in `norm_dtype` when that is
+    narrower than float32 (the pooled values are rounded to it anyway, so this is exact): 4 bytes per pooled
+    channel with bf16 instead of 8 (`scratch_dtype` overrides, e.g. float32 for the comparison).
 Finishing a [wb, d] block of pooled rows (as [wb, dc] chunks): per-window RMS statistic [wb, 1] over all chunks,
 weight, round; RoPE of the trailing rd channels at the window positions [wb, 1] (pair partners (2i, 2i+1) by a
 reshape to [wb, dc/2, 2] + split / join: exact); the optional Hadamard rotation (`mix`: "butterfly" = the same
@@ -186,7 +188,7 @@ def _warps_for(cfg: dict, d: int, overlap: bool) -> tuple:
     [wb * slot_block, dc] (x2 for the two halves of an overlapping compressor), the finish holds [wb, d]."""
     wb = cfg["windows_per_block"]
     pool = wb * cfg["slot_block"] * cfg["dc"] * (2 if overlap else 1)
-    finish = _default_warps(wb * d)
+    finish = _default_warps((cfg.get("finish_windows_per_block") or wb) * d)
     return (_default_warps(pool) if cfg["two_pass"] else max(_default_warps(pool), finish)), finish
 
 
@@ -199,7 +201,10 @@ def default_config(B: int, S: int, ratio: int, d: int, overlap: Optional[bool] =
     takes the two-pass layout with 8-window blocks and 32-channel chunks (64 for the FP8 KV rows, whose scale blocks
     are 64 wide). H200, B=4 x S=16384 (session 11, results/h200_s11r3_compv.log): main CSA 179.6 us = 80% of HBM
     bandwidth (was 240.0, 60%: two-pass, 16 windows, 64 channels), indexer fp4 / fp8 61.8 / 60.2 us = 57% / 59%
-    (was 97, 36%: fused, 8 windows). Large ratio: two-pass, one window per block, the slots walked
+    (was 97, 36%: fused, 8 windows); session 15, with the pass-1 scratch in bf16 and 10 calls per scan
+    iteration (results/h200_s15r6_comp_unroll10.log): main CSA 179.5 us (81%), HCA 85.2 (84%), indexer fp4 / fp8
+    58.8 / 57.9 us (61% / 62%; by CUPTI pool 43 us at 82% of copy bandwidth + finish 10-11 us). Pass 2 with its
+    own larger window blocks was slower (finish_windows_per_block 32 / 64: 14-17 us). Large ratio: two-pass, one window per block, the slots walked
     in 16-row (prefill) / 32-row (decode) sub-blocks (online softmax, loads pipelined over 2 stages); at decode the
     new state comes from the XLA epilogue (fuse_state=False), which measured faster there.
     num_warps / finish_num_warps: `_warps_for` (compress_chunk_gpu recomputes them from the effective block sizes
@@ -545,7 +550,8 @@ def _finish_kernel(*refs, st: _Static):
     outs = rest[st.n_parts:]
     b, blk = pl.program_id(0), pl.program_id(1)
     rows = blk * st.wb + _iota((st.wb, 1), 0)
-    pooled = [plgpu.load(scr_ref.at[b, rows, c * st.dc + _iota((1, st.dc), 1)]) for c in range(st.n_chunks)]
+    pooled = [plgpu.load(scr_ref.at[b, rows, c * st.dc + _iota((1, st.dc), 1)]).astype(jnp.float32)
+              for c in range(st.n_chunks)]
     _finish(st, b, blk, start_ref[b], nv_ref[b], pooled, nw_ref, fq_ref, m_ref, outs)
 
 
@@ -555,12 +561,18 @@ def compress_chunk_gpu(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, 
                        windows_per_block: Optional[int] = None, slot_block: Optional[int] = None,
                        two_pass: Optional[bool] = None, dc: Optional[int] = None, fuse_state: Optional[bool] = None,
                        mix: Optional[str] = None, num_warps: Optional[int] = None,
-                       num_stages: Optional[int] = None, finish_num_warps: Optional[int] = None):
+                       num_stages: Optional[int] = None, finish_num_warps: Optional[int] = None,
+                       scratch_dtype: Any = None, finish_windows_per_block: Optional[int] = None,
+                       finish_dc: Optional[int] = None):
     """Pallas GPU implementation of `reference.compress_chunk` with the encoding given explicitly:
     key_format None (cast to the cache dtype) | "bf16" | "fp8" | "fp4" | "kv_fp8", `rotate` = Hadamard first.
     Kernel options (None: `default_config`): windows_per_block, slot_block (powers of two, slot_block | ratio),
     two_pass, dc (channel chunk), fuse_state, mix ("butterfly" | "dot"), num_warps (pass 1 / fused kernel),
-    num_stages, finish_num_warps (two-pass pass 2); unset warps follow the effective block sizes (`_warps_for`).
+    num_stages, finish_num_warps (two-pass pass 2); unset warps follow the effective block sizes (`_warps_for`);
+    scratch_dtype (two-pass; None = norm_dtype if narrower than float32, else float32; a dtype narrower than
+    norm_dtype is refused: it would round the pooled values a second time); finish_windows_per_block /
+    finish_dc (two-pass pass 2's own window block and channel chunk, powers of two; None = pass 1's: the scratch is
+    row-major, so pass 2 may cut it differently).
     Returns (entries, state_kv, state_gate, prev_kv, prev_gate)."""
     r = ratio
     B, S, cd = kv.shape
@@ -572,23 +584,29 @@ def compress_chunk_gpu(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, 
         while cfg["dc"] > 2 and (rd % cfg["dc"] or (d - rd) % cfg["dc"]):
             cfg["dc"] //= 2
     opt = dict(windows_per_block=windows_per_block, slot_block=slot_block, two_pass=two_pass, dc=dc,
-               fuse_state=fuse_state, mix=mix, num_stages=num_stages)
+               fuse_state=fuse_state, mix=mix, num_stages=num_stages,
+               finish_windows_per_block=finish_windows_per_block, finish_dc=finish_dc)
     cfg.update({k: v for k, v in opt.items() if v is not None})
     w1, w2 = _warps_for(cfg, d, overlap)
     cfg["num_warps"], cfg["finish_num_warps"] = num_warps or w1, finish_num_warps or w2
     wb, sb, dc = cfg["windows_per_block"], cfg["slot_block"], cfg["dc"]
-    for name, v in (("windows_per_block", wb), ("slot_block", sb), ("dc", dc)):
+    fwb, fdc = cfg.get("finish_windows_per_block") or wb, cfg.get("finish_dc") or dc
+    for name, v in (("windows_per_block", wb), ("slot_block", sb), ("dc", dc), ("finish_windows_per_block", fwb),
+                    ("finish_dc", fdc)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"{name} must be a power of two, got {v}")
+    if (fwb, fdc) != (wb, dc) and not cfg["two_pass"]:
+        raise ValueError("finish_windows_per_block / finish_dc apply to the two-pass layout (two_pass=True)")
     if r % sb:
         raise ValueError(f"slot_block {sb} must divide the ratio {r}")
     if cfg["mix"] not in ("butterfly", "dot"):
         raise ValueError(f"mix must be 'butterfly' or 'dot', got {cfg['mix']!r}")
-    if d % dc or rd % dc or (d - rd) % dc or dc % 2:
-        raise ValueError(f"channel chunk {dc} must divide d={d} and the rope width {rd} (rope channels whole chunks)")
-    if key_format == "kv_fp8" and (d, rd, dc) != (FP8_NOPE + FP8_ROPE, FP8_ROPE, 64):
+    for name, v in (("channel chunk", dc), ("finish_dc", fdc)):
+        if d % v or rd % v or (d - rd) % v or v % 2:
+            raise ValueError(f"{name} {v} must divide d={d} and the rope width {rd} (rope channels whole chunks)")
+    if key_format == "kv_fp8" and (d, rd, fdc) != (FP8_NOPE + FP8_ROPE, FP8_ROPE, 64):
         raise ValueError(f"kv_fp8 rows need d = {FP8_NOPE}+{FP8_ROPE} with {FP8_ROPE} rope dims and 64-wide chunks")
-    if key_format == "fp4" and dc % formats.FP4_BLOCK:
+    if key_format == "fp4" and fdc % formats.FP4_BLOCK:
         raise ValueError("fp4 needs the channel chunk to be a multiple of 32")
     if rotate and d & (d - 1):
         raise ValueError(f"the Hadamard rotation needs a power-of-two width, got d={d}")
@@ -627,14 +645,24 @@ def compress_chunk_gpu(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, 
             out_shape=out_shape, interpret=interpret, input_output_aliases=aliases, name=name, **extra)(*args)
 
     tag = f"r{r}_d{d}"
+    nd = jnp.dtype(norm_dtype)
+    scr_dt = jnp.dtype(scratch_dtype) if scratch_dtype is not None else (nd if nd.itemsize < 4 else jnp.dtype(
+        jnp.float32))
+    if scr_dt not in (jnp.dtype(jnp.float32), nd) or not jnp.issubdtype(scr_dt, jnp.floating):
+        raise ValueError(f"scratch_dtype must be float32 or norm_dtype ({nd}), got {scr_dt}: the pooled values are "
+                         f"rounded to norm_dtype, and any other dtype would round them again")
     if cfg["two_pass"]:
-        scr_shape = jax.ShapeDtypeStruct((B, n_blocks * wb, d), jnp.float32)
+        # pass 2 cuts the windows into its own blocks of fwb: the scratch has rows for both cuts (rows past the
+        # last window are never written by pass 1 and belong to incomplete windows, whose stores are masked)
+        nb_f = -(-n_windows_of(S, r) // fwb)
+        st_f = dataclasses.replace(st, wb=fwb, dc=fdc)
+        scr_shape = jax.ShapeDtypeStruct((B, max(n_blocks * wb, nb_f * fwb), d), scr_dt)
         res = call(functools.partial(_pool_kernel, st=st, two_pass=True), (B, n_blocks, d // dc), pool_args,
                    [scr_shape] + state_shape, {}, f"compress_pool_{tag}", cfg["num_warps"])
         scr, state_new = res[0], res[1:]
         args = [start, n_valid, scr] + finish_args + list(parts)
         n_in = len(args) - len(parts)
-        outs = call(functools.partial(_finish_kernel, st=st), (B, n_blocks), args, part_shape,
+        outs = call(functools.partial(_finish_kernel, st=st_f), (B, nb_f), args, part_shape,
                     {n_in + i: i for i in range(len(parts))}, f"compress_finish_{tag}", cfg["finish_num_warps"])
     else:
         args = pool_args + finish_args + list(parts)

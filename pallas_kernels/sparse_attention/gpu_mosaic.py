@@ -714,9 +714,11 @@ def sparse_attention_mosaic(
 ):
     """Mosaic GPU implementation of `reference.sparse_attention` for bf16 q [B, T, H, d] (H a multiple of 64: one
     CTA per group of 64 heads) and either bf16 [rows, d] pools (d a multiple of 128) or FP8 pools (`Fp8KVPool`,
-    d = 512; both sources FP8, dequantized in shared memory by the consumers). Knobs: block_k (entries per step, a multiple of 64, <= 256, or 32 with bf16 pools: 64 B swizzle, e.g. with
-    num_stages=4 the ring holds four 32-entry slots in the same 128 KB, so the producer keeps up to three in flight
-    while the consumers hold one; not yet run on a GPU, session 14; FP8: 64), num_stages (ring depth),
+    d = 512; both sources FP8, dequantized in shared memory by the consumers). Knobs: block_k (entries per step, a
+    multiple of 64, <= 256, or 32 with bf16 pools: 64 B swizzle; with num_stages=4 the ring holds four 32-entry slots
+    in the same 128 KB, so the producer keeps up to three in flight while the consumers hold one. Gathered with
+    cp.async: a bulk tensor copy's destination must be 128 B aligned, which 64 B rows are not. H200, session 15:
+    kernels 1-5% faster than block_k=64, not the default. FP8: 64), num_stages (ring depth),
     n_splits (split-K; default about one CTA per SM), regs ((producer, consumer) registers per thread set by
     `setmaxnreg`; default DEFAULT_REGS; (40, 232) and (24, 240) measured within the run-to-run noise, session 10).
     `_diag` (FP8, timing diagnostics, wrong output unless noted):
@@ -730,11 +732,12 @@ def sparse_attention_mosaic(
     barriers (8 mod 16 B, Mosaic packs scratch without padding) the kernel faults with a misaligned address
     (sessions 10 and 12, diagnostic "ss_tail"). Diagnostic
     "ss_noexchange": each consumer uses only its own P half (wrong output; isolates the N = bk/2 score wgmma).
-    producer (bf16 pools; None = DEFAULT_PRODUCER): how the producer warpgroup gathers a block's rows into the
-    ring: "tma" (lane 0 of each warp issues one 128 B bulk copy per row and 128 B-swizzle piece: 8 per 1 KB row) or
-    "cp_async" (all 128 threads, one 16 B cp.async each per row chunk, written at the swizzled addresses; the
-    consumers fence the async proxy before their wgmma reads). Session 14's phase profile: issuing the 512 bulk
-    copies of a 64-row block took ~4700 cycles, the producer's whole step.
+    producer (bf16 pools; None = DEFAULT_PRODUCER, or "cp_async" for block_k=32): how the producer warpgroup
+    gathers a block's rows into the ring: "tma" (lane 0 of each warp issues one 128 B bulk copy per row and 128
+    B-swizzle piece: 8 per 1 KB row) or "cp_async" (all 128 threads, one 16 B cp.async each per row chunk, written
+    at the swizzled addresses; the consumers fence the async proxy before their wgmma reads). Session 14's phase
+    profile: issuing the 512 bulk copies of a 64-row block took ~4700 cycles, the producer's whole step; session 15:
+    cp.async issues it in ~3350 and then waits ~1550 for a slot, the same step time.
     l2_ahead (None = DEFAULT_L2_AHEAD; 0 = off): the producer prefetches the rows of the step `num_stages +
     l2_ahead` ahead into L2 (one `cp.async.bulk.prefetch.L2` per row), so more of the gather is in flight than the
     ring's slots hold (shared memory caps them at two 64-row blocks next to the q tile; the consumers hold one).
@@ -756,11 +759,10 @@ def sparse_attention_mosaic(
     n_hg = h // BLOCK_H   # head groups: one CTA per (row, group, split)
     if split_scores is None:
         split_scores = not fp8 and t >= SPLIT_SCORES_MIN_T
-    producer = producer or DEFAULT_PRODUCER
     l2_ahead = DEFAULT_L2_AHEAD if l2_ahead is None else int(l2_ahead)
     if not 0 <= l2_ahead <= 8:
         raise ValueError(f"l2_ahead must be in [0, 8] steps, got {l2_ahead}")
-    if producer not in ("tma", "cp_async"):
+    if producer not in (None, "tma", "cp_async"):
         raise ValueError(f"producer must be 'tma' or 'cp_async', got {producer!r}")
     if fp8 and producer == "cp_async":
         raise ValueError("producer='cp_async' gathers bf16 rows (FP8 pools: the staging ring's bulk copies)")
@@ -784,6 +786,14 @@ def sparse_attention_mosaic(
     # 32 with 64 B swizzle (bf16 rings: smaller steps, more of them in flight); S's N is <= 256
     if not (bk == 32 and not fp8) and (bk % 64 or bk > 256):
         raise ValueError(f"block_k must be a multiple of 64 and <= 256 (or 32 with bf16 pools), got {bk}")
+    # a bulk tensor copy's shared-memory address must be 128 B aligned: with 64 B swizzle every odd row of an
+    # (8, 32) tile starts 64 B into a 128 B line (session 15 on the H200: CUDA_ERROR_MISALIGNED_ADDRESS), so
+    # 32-entry rings are gathered with 16 B cp.async
+    if producer is None:
+        producer = "cp_async" if bk == 32 else DEFAULT_PRODUCER
+    if bk == 32 and producer == "tma":
+        raise ValueError("block_k=32 (64 B swizzle) needs producer='cp_async': a 64 B row of a 64 B-swizzled tile "
+                         "is not 128 B aligned, as a bulk tensor copy's destination must be")
     exchange = (4 * BLOCK_H * (bk // 2) * 2 + 4 * BLOCK_H * 4 + 2 * BLOCK_H * 4) if split_scores else 0
     ring_bytes = stages * bk * (NOPE_STRIDE + 2 * ROPE_DIM + SCALE_BYTES) + bk * d * 2 if fp8 else stages * bk * d * 2
     ns = max(1, min(int(cfg["n_splits"]), total_blocks))
