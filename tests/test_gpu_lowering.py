@@ -207,7 +207,9 @@ def lower_model_steps(model, cache, marker):
                                               (3, 1, 512, dict(block_k=32, num_stages=4), False),
                                               (2, 1, 1024, dict(block_k=32, num_stages=4, heads=128), False),
                                               (1, 64, 60, dict(block_k=32, num_stages=4, split_scores=True), False),
-                                              (2, 1, 8192, dict(block_k=32, num_stages=4, n_splits=3), False)])
+                                              (2, 1, 8192, dict(block_k=32, num_stages=4, n_splits=3), False),
+                                              (2, 1, 8192, dict(n_splits=3, combine="pallas"), False),
+                                              (2, 1, 1024, dict(n_splits=2, combine="pallas", heads=128), True)])
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 

@@ -63,7 +63,7 @@ def opts_id(opts):
         f"_r{opts['regs'][0]}" if "regs" in opts else "",
         {True: "_ss", False: "_noss"}.get(opts.get("split_scores"), ""),
         f"_{opts['_diag']}" if "_diag" in opts else "", "_cpa" if opts.get("producer") == "cp_async" else "",
-        f"_l2a{opts['l2_ahead']}" if "l2_ahead" in opts else "",
+        f"_l2a{opts['l2_ahead']}" if "l2_ahead" in opts else "", f"_cmb{opts['combine']}" if "combine" in opts else "",
         f"_bk{opts['block_k']}x{opts.get('num_stages', 2)}" if "block_k" in opts else ""])
 
 
@@ -182,6 +182,10 @@ GPU_CASES = [
     # q reloaded in every step of the entry loop
     (2, 1, 16, 512, 24, 40, 8, 20, dict(fp8=True, ragged=True, dupes=True),
      dict(block_k=16, n_splits=2, q_reload=True)),
+    # the split-K merge as one Pallas kernel (bf16 partials; an empty compressed list leaves splits empty)
+    (2, 1, 16, 512, 24, 40, 8, 20, dict(ragged=True, dupes=True), dict(block_k=16, n_splits=3, combine="pallas")),
+    (1, 2, 4, 512, 16, 24, 4, 12, dict(fp8=True, all_invalid_c=True, ragged=True),
+     dict(block_k=16, n_splits=4, combine="pallas")),
 ]
 
 
@@ -208,6 +212,8 @@ def test_gpu_kernel_option_errors():
         call(sparse_attention, inp, impl="pallas", col_splits=16)
     with pytest.raises(ValueError, match="prefetch"):
         call(sparse_attention, inp, impl="pallas", prefetch="kv")
+    with pytest.raises(ValueError, match="combine must be one of"):
+        call(sparse_attention, inp, impl="pallas", n_splits=1, combine="cub")
 
 
 def test_gpu_kernel_interpret_sliding_only_f32_out():
@@ -299,6 +305,42 @@ def test_mosaic_kernel_input_errors():
     q96 = jnp.concatenate([args[0], args[0][:, :, :32]], axis=2)
     with pytest.raises(ValueError, match="multiple of 64 heads"):
         sparse_attention_mosaic(q96, *args[1:5], jnp.zeros((96,), jnp.float32), scale=0.1)
+
+
+@pytest.mark.parametrize("n_splits,heads,dtype", [(1, 4, jnp.float32), (3, 8, jnp.bfloat16), (5, 64, jnp.bfloat16),
+                                                  (2, 24, jnp.float32)])
+def test_combine_splits_pallas_matches_xla(n_splits, heads, dtype):
+    """The one-kernel split-K merge (Pallas interpreter) equals `common.combine_splits` on fresh partials, with
+    empty splits (lse -inf, garbage partials) and a row whose splits are all empty; head blocks of 8 or fewer."""
+    from pallas_kernels.sparse_attention.combine import combine_splits_pallas
+    from pallas_kernels.sparse_attention.common import combine_splits
+
+    rng = np.random.default_rng(100 + n_splits)
+    n, d = 3, 128
+    o_parts = jnp.asarray(rng.normal(size=(n, n_splits, heads, d)) * 3, dtype)
+    lse = rng.normal(size=(n, n_splits, heads)) * 4
+    lse[1, -1] = -np.inf                       # row 1's last split is empty
+    lse[2] = -np.inf                           # row 2 saw no entry at all: o = 0, lse = -inf
+    lse, sinks = jnp.asarray(lse, jnp.float32), jnp.asarray(rng.normal(size=heads), jnp.float32)
+    o, lse_all = combine_splits_pallas(o_parts, lse, sinks, dtype, interpret=True)
+    o_x, lse_x = combine_splits(o_parts, lse, sinks, dtype)
+    assert o.dtype == dtype and o.shape == (n, heads, d)
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_x, np.float32), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(lse_all), np.asarray(lse_x), rtol=1e-6)
+    assert not np.asarray(o[2], np.float32).any() and np.isneginf(np.asarray(lse_all[2])).all()
+
+
+def test_combine_splits_pallas_errors():
+    from pallas_kernels.sparse_attention.combine import combine_splits_pallas
+
+    o, lse, sk = jnp.zeros((2, 3, 8, 96)), jnp.zeros((2, 3, 8)), jnp.zeros((8,))
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        combine_splits_pallas(o, lse, sk, jnp.float32, interpret=True)
+    with pytest.raises(ValueError, match="lse_parts must be"):
+        combine_splits_pallas(jnp.zeros((2, 3, 8, 64)), jnp.zeros((2, 2, 8)), sk, jnp.float32, interpret=True)
+    with pytest.raises(ValueError, match="heads_per_block"):
+        combine_splits_pallas(jnp.zeros((2, 3, 8, 64)), lse, sk, jnp.float32, heads_per_block=3, interpret=True)
 
 
 @pytest.mark.parametrize("n_splits", [1, 2, 5])

@@ -36,6 +36,10 @@ CASES = [
     (1, 256, 64, 2048, 1024, 128, 512, dict(fp8=False, ragged=True, dupes=True), {}),
     (1, 256, 64, 2048, 1024, 128, 512, dict(fp8=True, all_invalid_c=True), {}),
     (1, 64, 4, 512, 200, 100, 60, dict(fp8=False, ragged=True), {}),  # K not a multiple of block_k
+    # the split-K merge as one Pallas kernel
+    (4, 1, 64, 128, 300, 128, 512, dict(fp8=True, ragged=True, dupes=True), dict(n_splits=4, combine="pallas")),
+    (3, 2, 128, 128, 600, 128, 1024, dict(fp8=False, all_invalid_c=True, ragged=True),
+     dict(n_splits=3, combine="pallas")),
 ]
 
 
@@ -115,6 +119,9 @@ MOSAIC_CASES = [
     (1, 64, 512, 200, 100, 60, dict(ragged=True, heads=128), dict(block_k=32, num_stages=4)),   # K % 32 != 0
     (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True), dict(block_k=32, num_stages=4, split_scores=True)),
     (2, 1, 128, 9000, 128, 8192, dict(ragged=True), dict(block_k=32, num_stages=4)),
+    # the split-K merge as one Pallas kernel after the Mosaic kernel
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True), dict(n_splits=3, combine="pallas")),
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True, heads=128), dict(n_splits=4, combine="pallas")),
     (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(block_k=32, num_stages=3)),
 ]
 

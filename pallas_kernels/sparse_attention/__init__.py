@@ -40,7 +40,7 @@ __all__ = [
 
 
 GPU_KERNELS = ("auto", "mosaic", "triton")
-MOSAIC_OPTIONS = frozenset({"block_k", "num_stages", "n_splits"})  # the knobs both GPU kernels understand
+MOSAIC_OPTIONS = frozenset({"block_k", "num_stages", "n_splits", "combine"})  # knobs both GPU kernels understand
 
 
 def mosaic_applies(q, window_kv, compressed_kv, out_dtype=None, kernel_options=None) -> bool:

@@ -27,6 +27,7 @@ try:  # jax >= 0.4.3x
 except ImportError:  # pragma: no cover
     plgpu = None
 
+from . import combine as combine_lib
 from . import common
 from .fp8_layout import NOPE_DIM, Fp8KVPool
 
@@ -263,6 +264,7 @@ def sparse_attention_gpu(
     col_splits: int = 1,
     prefetch: str | None = None,
     q_reload: bool = False,
+    combine: str | None = None,
     poison: bool = False,
 ):
     """Pallas GPU (Triton) implementation of `reference.sparse_attention` (same arguments and results).
@@ -284,13 +286,16 @@ def sparse_attention_gpu(
     own pipelining only), "idx" (block j + 1's index list is loaded during block j, so the gather addresses do not
     wait on it), "rows" (block j + 1's rows are gathered into registers before block j's MMAs; more registers); the default
     num_stages becomes 2 with "idx" over bf16 pools and 1 with "rows"; both measured slower on the H200, session 7),
-    q_reload (q's head_dim chunks loaded in every step of the entry loop instead of held in registers across it).
+    q_reload (q's head_dim chunks loaded in every step of the entry loop instead of held in registers across it),
+    combine (split-K merge: "xla" = `common.combine_splits`, "pallas" = `combine.combine_splits_pallas`, one
+    kernel; None = `combine.DEFAULT_COMBINE`).
     `interpret=True` runs the kernel in the Pallas interpreter (CPU tests). `poison=True` (tests) aliases the
     kernel outputs to NaN-filled buffers so an element the kernel fails to write shows up as NaN."""
     b, t, h, d = common.validate(q, window_kv, window_idx, compressed_kv, compressed_idx, sinks, window_len,
                                  compressed_len, scale)
     if d % 64:
         raise ValueError(f"head_dim must be a multiple of 64 for the GPU kernel, got {d}")
+    combine = combine_lib.resolve(combine)
     out_dtype = jnp.dtype(out_dtype or q.dtype)
     bt = b * t
     any_fp8 = isinstance(window_kv, Fp8KVPool) or isinstance(compressed_kv, Fp8KVPool)
@@ -393,7 +398,7 @@ def sparse_attention_gpu(
         **extra,
     )(*args)
     if out_split:
-        o, lse = common.combine_splits(o, lse, sk, out_dtype)
+        o, lse = combine_lib.combine(o, lse, sk, out_dtype, how=combine, interpret=interpret)
     o = o[:, :h].reshape(b, t, h, d)
     lse = lse[:, :h].reshape(b, t, h)
     if return_lse:

@@ -59,6 +59,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from . import combine as combine_lib
 from . import common
 from .fp8_layout import NOPE_DIM, ROPE_DIM, SCALE_BYTES, Fp8KVPool
 
@@ -709,6 +710,7 @@ def sparse_attention_mosaic(
     split_scores: bool | None = None,
     producer: str | None = None,
     l2_ahead: int | None = None,
+    combine: str | None = None,
     _diag: str | None = None,
     _profile: str | None = None,
 ):
@@ -741,6 +743,8 @@ def sparse_attention_mosaic(
     l2_ahead (None = DEFAULT_L2_AHEAD; 0 = off): the producer prefetches the rows of the step `num_stages +
     l2_ahead` ahead into L2 (one `cp.async.bulk.prefetch.L2` per row), so more of the gather is in flight than the
     ring's slots hold (shared memory caps them at two 64-row blocks next to the q tile; the consumers hold one).
+    combine (split-K merge: "xla" = `common.combine_splits`, two XLA kernels; "pallas" =
+    `combine.combine_splits_pallas`, one Triton kernel; None = `combine.DEFAULT_COMBINE`).
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -748,6 +752,7 @@ def sparse_attention_mosaic(
                                  compressed_len, scale)
     pools = [window_kv] + ([] if compressed_kv is None else [compressed_kv])
     fp8 = isinstance(window_kv, Fp8KVPool)
+    combine = combine_lib.resolve(combine)
     if any(isinstance(p_, Fp8KVPool) != fp8 for p_ in pools):
         raise ValueError("the Mosaic GPU kernel takes both pools bf16 or both FP8 (mixed pools: gpu.py)")
     if q.dtype != jnp.bfloat16 or (not fp8 and any(p_.dtype != jnp.bfloat16 for p_ in pools)):
@@ -822,8 +827,8 @@ def sparse_attention_mosaic(
                     check_regs(regs), n_hg, bool(split_scores), profile, producer == "cp_async", l2_ahead)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1:
-        o, lse = common.combine_splits(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h),
-                                       sinks.astype(jnp.float32), out_dtype)
+        o, lse = combine_lib.combine(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h), sinks.astype(jnp.float32),
+                                     out_dtype, how=combine)
     o = o.astype(out_dtype).reshape(b, t, h, d)
     lse = lse.reshape(b, t, h)
     if return_lse:
