@@ -94,12 +94,12 @@ def test_main_csa_bf16_model_dtype(impl):
     check(inp, kw, impl, TOL["bf16"])
 
 
-@pytest.mark.parametrize("fmt", [None, "fp8"])
+@pytest.mark.parametrize("fmt", ["fp8"])
 def test_two_pass_scratch_in_norm_dtype_is_exact(fmt):
     """Two-pass with a bf16 norm dtype keeps its pass-1 scratch in bf16 (half the round trip's bytes): the pooled
     values are rounded to bf16 before the store, so the result is bitwise the float32 scratch's. A scratch narrower
     than norm_dtype is refused."""
-    inp, kw = make(3, 40, 4, True, 128, fmt, ndt=jnp.bfloat16, starts=[0, 3, 6], n_valid=[40, 37, 21])
+    inp, kw = make(2, 24, 4, True, 128, fmt, ndt=jnp.bfloat16, starts=[3, 6], n_valid=[24, 13])
     kw = dict(kw, rotate=fmt is not None)
     opts = dict(two_pass=True, windows_per_block=2, dc=32)
     narrow = call(inp, kw, impl="pallas", **opts)
