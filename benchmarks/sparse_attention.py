@@ -104,6 +104,9 @@ def time_impl_net(impl, case, n, opts):
     return per_call(one, case, 1, 1 + n)
 
 
+NET_DECODE = False   # --net-decode: decode rows also timed net of dispatch (chains of 1 and 1 + U calls)
+
+
 def bench_case(rng, ceil, kind, b, t, kc, fp8, opts=None, ref=True, csa_cap=4096):
     opts = opts or {}
     row_b = ROW_BYTES if fp8 else 2 * D
@@ -123,9 +126,9 @@ def bench_case(rng, ceil, kind, b, t, kc, fp8, opts=None, ref=True, csa_cap=4096
     try:
         tp, o_p = time_impl("pallas", *case, unroll, opts)
         res.update(pallas_us=tp * 1e6, ratio_floor=tp / floor_s, GBps=floor_bytes / tp / 1e9, TFLOPs=flops / tp / 1e12)
-        if t > 1:   # prefill: also net of dispatch
-            tn = time_impl_net("pallas", case, 4, opts)
-            res.update(pallas_net_us=tn * 1e6, TFLOPs_net=flops / tn / 1e12)
+        if t > 1 or NET_DECODE:   # prefill (and decode with --net-decode): also net of dispatch
+            tn = time_impl_net("pallas", case, 4 if t > 1 else unroll, opts)
+            res.update(pallas_net_us=tn * 1e6, TFLOPs_net=flops / tn / 1e12, ratio_floor_net=tn / floor_s)
     except Exception as e:  # report, keep going
         res["pallas_error"] = f"{type(e).__name__}: {str(e)[:400]}"
     if ref:
@@ -150,7 +153,7 @@ def fmt(r):
     s = (f"{r['kind']:5s} B={r['B']:<3d} T={r['T']:<5d} Kc={r['Kc']:<5d} {r['kv']:4s} {r['pallas_us']:9.1f}us "
          f"floor {r['floor_us']:8.1f}us x{r['ratio_floor']:5.2f} {r['GBps']:6.0f}GB/s {r['TFLOPs']:6.1f}TF")
     if "pallas_net_us" in r:
-        s += f" | net of dispatch {r['pallas_net_us']:9.1f}us {r['TFLOPs_net']:6.1f}TF"
+        s += f" | net of dispatch {r['pallas_net_us']:9.1f}us x{r['ratio_floor_net']:5.2f} {r['TFLOPs_net']:6.1f}TF"
     if "ref_us" in r:
         s += f" | ref {r['ref_us']:9.1f}us x{r.get('speedup_vs_ref', 0):5.1f} err {r.get('rel_err_vs_ref', -1):.1e}"
     if r["opts"]:
@@ -169,7 +172,12 @@ def main():
                          "hca8k_fp8 (the HCA-8K FP8 decode rows only), variants (kernel knobs on decode cases), "
                          "fp8ops / knobs5 / colsplit / prefetch / qreload (session 5-7 knob studies), kernels (Triton vs "
                          "Mosaic GPU on the bf16 cases, session 8), ss (Mosaic default vs split_scores, session 12)")
+    ap.add_argument("--net-decode", action="store_true",
+                    help="decode rows also net of dispatch: (wall of 1 + U chained calls - wall of 1) / U, next to "
+                         "the chain's wall / U (which carries ~2-4 us of dispatch per call at U ~ 90, session 15)")
     args = ap.parse_args()
+    global NET_DECODE
+    NET_DECODE = args.net_decode
     groups = set(args.groups.split(","))
     rng = np.random.default_rng(0)
     print("devices:", jax.devices(), "jax", jax.__version__, flush=True)
