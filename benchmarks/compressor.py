@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.indexer import floor_s
-from benchmarks.timing import measure_ceilings, timed_chain
+from benchmarks.timing import cupti_kernels, measure_ceilings, timed_chain
 from pallas_kernels.compressor import compress_chunk
 from pallas_kernels.compressor.gpu import default_config
 from pallas_kernels.indexer import formats as F
@@ -102,16 +102,6 @@ def variants_for(name):
     return {**VARIANTS_SMALL, **(VARIANTS_ROT if rotate else {})}
 
 
-def list_kernels(fn, *args):
-    """CUPTI: the kernels one call of fn(*args) launches, [(name, us)] in launch order (Mosaic GPU's profiler)."""
-    from jax.experimental.mosaic.gpu import profiler as mgpu_profiler
-
-    f = jax.jit(fn)
-    jax.block_until_ready(f(*args))
-    _, timings = mgpu_profiler.measure(f, aggregate=False)(*args)
-    return [(k, ms * 1e3) for k, ms in timings]
-
-
 def case(name, B, S, ceil, n_iter, with_variants=False, unroll=1, only=None, kernels=False):
     r, overlap, d, fmt, rotate, ebytes = COMPRESSORS[name]
     c = 2 if overlap else 1
@@ -164,7 +154,7 @@ def case(name, B, S, ceil, n_iter, with_variants=False, unroll=1, only=None, ker
             def one(kv, gate, st, skv, sg, pk, pg, ent, opts=opts):
                 return compress_chunk(kv, gate, st, nv, skv, sg, pk, pg, ent, impl="pallas", **kw, **opts)
             try:
-                row[key + "_kernels"] = list_kernels(one, kv, gate, start, skv, sg, pk, pg, entries)
+                row[key + "_kernels"] = cupti_kernels(jax.jit(one), kv, gate, start, skv, sg, pk, pg, entries)
             except Exception as e:  # noqa: BLE001
                 row[key + "_kernels_err"] = repr(e)[:300]
     return row

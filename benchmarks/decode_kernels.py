@@ -57,10 +57,10 @@ def parse_case(spec):
 
 
 def group_kernels(timings, unroll):
-    """CUPTI [(kernel name, ms), ...] over the chain -> {name: dict(per_call, us_each)} (launches per call, mean us)."""
+    """CUPTI [(kernel name, us), ...] over the chain -> {name: dict(per_call, us_each)} (launches per call, mean us)."""
     by = defaultdict(list)
-    for name, ms in timings:
-        by[name].append(ms * 1e3)
+    for name, us in timings:
+        by[name].append(us)
     return {k: dict(per_call=len(v) / unroll, us_each=float(np.mean(v)), us_per_call=float(np.sum(v)) / unroll)
             for k, v in sorted(by.items(), key=lambda kv: -sum(kv[1]))}
 
@@ -74,11 +74,9 @@ def main():
     args = ap.parse_args()
 
     import jax
-    from jax.experimental.mosaic.gpu import profiler as mgpu_profiler
 
-    from benchmarks.sparse_attention import D, make_case
-    from benchmarks.timing import record_case, wall, wall_net
-    from pallas_kernels.sparse_attention import sparse_attention
+    from benchmarks.sparse_attention import chained, dispatcher_call, make_case
+    from benchmarks.timing import cupti_kernels, record_case, wall, wall_net
 
     rng = np.random.default_rng(0)
     u = args.unroll
@@ -89,17 +87,8 @@ def main():
 
         def measure():
             q, wpool, cpool, sinks, widx, cidx = make_case(rng, kind, b, 1, kc, 4096, kv == "fp8", 8)
-            one = jax.jit(lambda q, wp, wi, cp, ci, s: sparse_attention(q, wp, wi, cp, ci, s, scale=D ** -0.5,
-                                                                        impl="pallas", **opts))
-
-            def chain(n):
-                @jax.jit
-                def run(q, wpool, cpool, sinks, widx, cidx):
-                    for i in range(n):
-                        q = one(q, wpool, widx[i % len(widx)], cpool, cidx[i % len(cidx)], sinks)
-                    return q
-                return run
-
+            one = dispatcher_call("pallas", opts)
+            chain = lambda n: chained(one, n, len(widx))
             a = (q, wpool, cpool, sinks, widx, cidx)
             run = chain(u)
             w = wall(run, *a, reps=5) / u
@@ -112,8 +101,7 @@ def main():
                 host.append(time.perf_counter() - t0)
                 jax.block_until_ready(out)
             host = float(np.median(host)) / u
-            _, timings = mgpu_profiler.measure(run, aggregate=False)(*a)
-            kernels = group_kernels(timings, u)
+            kernels = group_kernels(cupti_kernels(run, *a), u)
             k_sum = sum(v["us_per_call"] for v in kernels.values())
             print(f"== {spec}: wall {w * 1e6:7.1f} us/call, net {net * 1e6:7.1f}, host {host * 1e6:7.1f}, "
                   f"kernels {k_sum:7.1f}, gaps {net * 1e6 - k_sum:6.1f}", flush=True)

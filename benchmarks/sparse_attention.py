@@ -64,44 +64,40 @@ def make_case(rng, kind, b, t, kc, csa_cap, fp8, n_copies, heads=H):
     return q, wpool, cpool, sinks, widx, cidx
 
 
-def time_impl(impl, q, wpool, cpool, sinks, widx, cidx, unroll, opts):
-    r = len(widx)
-    one = jax.jit(lambda q, wpool, widx, cpool, cidx, sinks: sparse_attention(
-        q, wpool, widx, cpool, cidx, sinks, scale=D**-0.5, impl=impl, **opts))  # lowered once, called U times
+def dispatcher_call(impl, opts):
+    """The op as one jitted function (lowered once, chained U times): (q, wpool, widx, cpool, cidx, sinks) -> o."""
+    return jax.jit(lambda q, wpool, widx, cpool, cidx, sinks: sparse_attention(
+        q, wpool, widx, cpool, cidx, sinks, scale=D**-0.5, impl=impl, **opts))
 
+
+def chained(fn, n, r):
+    """n dependent calls of fn (q_{k+1} = o_k) over r rotating index sets, in one jitted program taking
+    (q, wpool, cpool, sinks, widx, cidx)."""
     @jax.jit
     def run(q, wpool, cpool, sinks, widx, cidx):
-        for u in range(unroll):
-            q = one(q, wpool, widx[u % r], cpool, cidx[u % r], sinks)
+        for i in range(n):
+            q = fn(q, wpool, widx[i % r], cpool, cidx[i % r], sinks)
         return q
+    return run
 
+
+def time_impl(impl, q, wpool, cpool, sinks, widx, cidx, unroll, opts):
+    one = dispatcher_call(impl, opts)
     first = one(q, wpool, widx[0], cpool, cidx[0], sinks)
-    return wall(run, q, wpool, cpool, sinks, widx, cidx, reps=5) / unroll, first
+    return wall(chained(one, unroll, len(widx)), q, wpool, cpool, sinks, widx, cidx, reps=5) / unroll, first
 
 
 def per_call(fn, case, u1, u2):
     """Seconds per call of fn, chained (q_{k+1} = o_k) over the case's rotating index sets, net of dispatch:
     (wall of u2 chained calls - wall of u1) / (u2 - u1)."""
-    q, wpool, cpool, sinks, widx, cidx = case
-    r = len(widx)
-
-    def chain(u):
-        @jax.jit
-        def run(q, wpool, cpool, sinks, widx, cidx):
-            for i in range(u):
-                q = fn(q, wpool, widx[i % r], cpool, cidx[i % r], sinks)
-            return q
-        return run
-
-    return wall_net(chain, q, wpool, cpool, sinks, widx, cidx, n1=u1, n2=u2)[0]
+    r = len(case[4])
+    return wall_net(lambda u: chained(fn, u, r), *case, n1=u1, n2=u2)[0]
 
 
 def time_impl_net(impl, case, n, opts):
     """`per_call` of the dispatcher over chains of 1 and 1 + n calls. Prefill (session 10): `time_impl` divides one
     dispatch (100-250 us) by its 4 calls, a few % of a ~1.2 ms call."""
-    one = jax.jit(lambda q, wpool, widx, cpool, cidx, sinks: sparse_attention(
-        q, wpool, widx, cpool, cidx, sinks, scale=D**-0.5, impl=impl, **opts))
-    return per_call(one, case, 1, 1 + n)
+    return per_call(dispatcher_call(impl, opts), case, 1, 1 + n)
 
 
 NET_DECODE = False   # --net-decode: decode rows also timed net of dispatch (chains of 1 and 1 + U calls)

@@ -96,3 +96,13 @@ def record_case(results, name, path, measure, err_chars=800):
     results[name] = res
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
+
+
+def cupti_kernels(f, *args):
+    """The kernels one call of f(*args) launches, [(name, us)] in launch order, timed by CUPTI (Mosaic GPU's
+    `profiler.measure`; needs a GPU). f is called once first, so compilation is not in the list."""
+    from jax.experimental.mosaic.gpu import profiler as mgpu_profiler
+
+    jax.block_until_ready(f(*args))
+    _, timings = mgpu_profiler.measure(f, aggregate=False)(*args)
+    return [(name, ms * 1e3) for name, ms in timings]

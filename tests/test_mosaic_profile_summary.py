@@ -61,7 +61,7 @@ def test_decode_kernels_grouping_and_case_specs():
     """benchmarks/decode_kernels.py: CUPTI's kernel list over a chain of U calls -> launches and us per call."""
     from benchmarks.decode_kernels import group_kernels, parse_case
 
-    g = group_kernels([("attn", 0.020), ("combine", 0.003), ("attn", 0.022), ("combine", 0.005)], unroll=2)
+    g = group_kernels([("attn", 20.0), ("combine", 3.0), ("attn", 22.0), ("combine", 5.0)], unroll=2)   # us
     assert list(g) == ["attn", "combine"]
     assert g["attn"]["per_call"] == 1 and g["attn"]["us_each"] == pytest.approx(21)
     assert g["combine"]["us_per_call"] == pytest.approx(4)

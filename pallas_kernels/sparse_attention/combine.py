@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from .common import combine_splits
+
 try:
     from jax.experimental.pallas import triton as plgpu
 except ImportError:  # pragma: no cover
@@ -112,8 +114,6 @@ def resolve(how: str | None) -> str:
 def combine(o_parts, lse_parts, sinks, out_dtype, *, how: str | None = None, interpret: bool = False):
     """The split-K merge by `how` ("xla": `common.combine_splits`; "pallas": `combine_splits_pallas`; None =
     DEFAULT_COMBINE). o_parts [..., S, H, D] with any leading dims for "xla", [N, S, H, D] for "pallas"."""
-    from .common import combine_splits
-
     if resolve(how) == "xla":
         return combine_splits(o_parts, lse_parts, sinks, out_dtype)
     return combine_splits_pallas(o_parts, lse_parts, sinks, out_dtype, interpret=interpret)
