@@ -209,7 +209,11 @@ def lower_model_steps(model, cache, marker):
                                               (1, 64, 60, dict(block_k=32, num_stages=4, split_scores=True), False),
                                               (2, 1, 8192, dict(block_k=32, num_stages=4, n_splits=3), False),
                                               (2, 1, 8192, dict(n_splits=3, combine="pallas"), False),
-                                              (2, 1, 1024, dict(n_splits=2, combine="pallas", heads=128), True)])
+                                              (2, 1, 1024, dict(n_splits=2, combine="pallas", heads=128), True),
+                                              (2, 1, 8192, dict(n_splits=3, combine="cluster"), False),
+                                              (2, 1, 8192, dict(combine="cluster"), False),
+                                              (2, 1, 1024, dict(n_splits=2, combine="cluster", heads=128), True),
+                                              (3, 1, 512, dict(combine="cluster", block_k=32, num_stages=4), False)])
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -219,6 +223,25 @@ def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     lens = dict(window_len=inp["window_len"], compressed_len=inp["compressed_len"])
     lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, scale=512 ** -0.5, **lens, **opts),
                *(inp[k] for k in keys))
+
+
+def test_sparse_attention_cluster_combine_rejects_what_it_cannot_do():
+    """combine='cluster' merges in the kernel: at most 8 splits (one cluster), bf16 output, the Mosaic kernel only;
+    with combine=None and an f32 output the Mosaic kernel resolves to the XLA merge."""
+    from pallas_kernels.sparse_attention.gpu import sparse_attention_gpu
+    from pallas_kernels.sparse_attention.gpu_mosaic import resolve_combine, sparse_attention_mosaic
+
+    inp = make_attention(2, 1, 64, 512, 300, 9000, 128, 8192, ragged=True, fp8=False)
+    args = [inp[k] for k in ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")]
+    kw = dict(scale=512 ** -0.5, window_len=inp["window_len"], compressed_len=inp["compressed_len"])
+    with pytest.raises(ValueError, match="n_splits <= 8"):
+        jax.jit(lambda *a: sparse_attention_mosaic(*a, **kw, n_splits=9, combine="cluster")).lower(*args)
+    with pytest.raises(ValueError, match="bf16"):
+        jax.jit(lambda *a: sparse_attention_mosaic(*a, **kw, combine="cluster", out_dtype=jnp.float32)).lower(*args)
+    with pytest.raises(ValueError, match="Mosaic GPU kernel's"):
+        sparse_attention_gpu(*args, **kw, combine="cluster", interpret=True)
+    assert resolve_combine("cluster", jnp.bfloat16) == "cluster"
+    assert resolve_combine("pallas", jnp.float32) == "pallas"
 
 
 def test_sparse_attention_mosaic_block_k32_rejects_bulk_copies():

@@ -123,6 +123,15 @@ MOSAIC_CASES = [
     (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True), dict(n_splits=3, combine="pallas")),
     (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True, heads=128), dict(n_splits=4, combine="pallas")),
     (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(block_k=32, num_stages=3)),
+    # the split-K merge inside the kernel: a row's splits as one cluster, merged through distributed shared memory
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True), dict(n_splits=3, combine="cluster")),
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True, heads=128), dict(n_splits=4, combine="cluster")),
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(combine="cluster")),      # 5 splits
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True), dict(combine="cluster")),                # 8 splits
+    (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, dupes=True), dict(n_splits=2, combine="cluster")),
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True),
+     dict(block_k=32, num_stages=4, n_splits=7, combine="cluster")),
+    (1, 64, 512, 200, 100, 60, dict(ragged=True, heads=128), dict(combine="cluster")),       # one split: no merge
 ]
 
 

@@ -106,6 +106,9 @@ def combine_splits_pallas(o_parts, lse_parts, sinks, out_dtype, *, heads_per_blo
 def resolve(how: str | None) -> str:
     """`how` checked (None = DEFAULT_COMBINE); the kernels call this up front, split-K or not."""
     how = how or DEFAULT_COMBINE
+    if how == "cluster":
+        raise ValueError("combine='cluster' (the merge inside the kernel, through a thread-block cluster) is the "
+                         "Mosaic GPU kernel's: kernel='mosaic', or combine='xla' / 'pallas'")
     if how not in COMBINES:
         raise ValueError(f"combine must be one of {COMBINES}, got {how!r}")
     return how

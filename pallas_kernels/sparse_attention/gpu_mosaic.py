@@ -115,7 +115,7 @@ def default_config(bt: int, total_blocks: int):
 
 
 def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=False, diag=None,
-           regs=None, n_hg=1, split_scores=False, profile=None, cp_async=False, l2_ahead=0):
+           regs=None, n_hg=1, split_scores=False, profile=None, cp_async=False, l2_ahead=0, ccomb=False):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -233,6 +233,12 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
 
                 g, carry = loop.results
             return carry
+
+        def cluster_sync():
+            """barrier.cluster (all threads of the row's split CTAs): release our shared-memory writes to the
+            cluster, acquire theirs. Not the .aligned form: the producer's threads reach it from divergent code."""
+            llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "barrier.cluster.arrive.release;\n"
+                            "barrier.cluster.wait.acquire;", "", has_side_effects=True)
 
         is_producer = arith.cmpi(arith.CmpIPredicate.eq, wg, ci(2))
         if_op = scf.IfOp(is_producer, has_else=True)
@@ -401,6 +407,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 return carry
 
             steps(produce, None)
+            if ccomb:   # the producer takes part in the consumers' two cluster barriers (see cluster_combine)
+                for _ in range(2):
+                    cluster_sync()
             scf.yield_([])
 
         with ir.InsertionPoint(if_op.else_block):    # ---------------- consumers (wg 0, 1) ----------------
@@ -422,6 +431,99 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
 
             def consumers_barrier():   # named barrier 8 (Mosaic uses 0 and 1-4), the 256 consumer threads
                 llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "bar.sync 8, 256;", "", has_side_effects=True)
+
+            def cluster_combine():
+                """The split-K merge inside the kernel (combine="cluster"). The row's ns split CTAs are one cluster
+                (cluster dims (1, ns, 1): rank = split). Each holds its partial o (normalised by its own l, bf16) in
+                its q tile and its lse row in vec_smem[64:128] (written just before). After a cluster barrier, CTA s
+                merges the output rows of the 8-head units u with u % ns == s: it reads the ns partials' 16 B chunks
+                of those rows from the peers' shared memory (mapa + ld.shared::cluster), weighs them in f32 with
+                w_p = exp(lse_p - m) / (sum_p exp(lse_p - m) + exp(sink - m)), m = max(sink, lse_p) (the merge of
+                `common.combine_splits`), writes the bf16 sums over the same rows of its own tile (each unit has one
+                owner, and a peer reads from us only the units it owns, so no read races a write), and stores
+                each unit with one bulk copy; the merged lse (without the sink) goes out through vec_smem[128:192].
+                A second cluster barrier keeps every CTA's shared memory alive until its peers have read it. The
+                partials never touch HBM and no second kernel runs."""
+                cluster_sync()   # every split's partial tile and lse row are written (release / acquire)
+                tid = mu.thread_idx()                                 # i32, 0..255 (the consumer warpgroups)
+                q_base = llvm.ptrtoint(i32, mu.memref_ptr(q_smem))     # shared::cta addresses (32-bit)
+                v_base = llvm.ptrtoint(i32, mu.memref_ptr(vec_smem))
+                rank = arith.index_cast(i32, split)
+                cpr = swz // 16                    # 16 B chunks per tile row (one head's row of one tile)
+                unit_bytes = 8 * d * 2             # 8 heads x d bf16: the q tile's first axis
+                n_chunks = unit_bytes // 16
+                head_in_unit = arith.divui(arith.remui(tid, ci(8 * cpr)), ci(cpr))   # the same for tid + 256 i
+                v4_ty = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
+                f32c = lambda v: arith.constant(f32, v)
+
+                def ld_f32(addr, p):   # f32 at shared::cta address `addr` of cluster CTA p
+                    return llvm.inline_asm(f32, [addr, p], "{ .reg .b32 a; mapa.shared::cluster.u32 a, $1, $2; "
+                                           "ld.shared::cluster.f32 $0, [a]; }", "=f,r,r", has_side_effects=True)
+
+                def ld_v4(addr, p):   # 16 B at shared::cta address `addr` of cluster CTA p
+                    r = llvm.inline_asm(v4_ty, [addr, p], "{ .reg .b32 a; mapa.shared::cluster.u32 a, $4, $5; "
+                                        "ld.shared::cluster.v4.b32 {$0, $1, $2, $3}, [a]; }", "=r,=r,=r,=r,r,r",
+                                        has_side_effects=True)
+                    return [llvm.extractvalue(i32, r, [k]) for k in range(4)]
+
+                def ex2(x):
+                    return llvm.inline_asm(f32, [x], "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+
+                def pack(hi, lo):
+                    return llvm.inline_asm(i32, [hi, lo], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
+
+                owned = [arith.cmpi(arith.CmpIPredicate.eq, rank, ci(u % ns)) for u in range(BLOCK_H // 8)]
+                for u in range(BLOCK_H // 8):
+                    with mu.when(owned[u]):
+                        head = arith.addi(ci(8 * u), head_in_unit)
+                        lse_p = [ld_f32(arith.addi(v_base, arith.muli(arith.addi(head, ci(BLOCK_H)), ci(4))), ci(p))
+                                 for p in range(ns)]
+                        sink = memref.load(vec_smem, [arith.index_cast(index, head)])     # natural log units
+                        m_ = sink
+                        for x in lse_p:
+                            m_ = arith.maximumf(m_, x)                                   # finite: the sink is
+                        e_p = [ex2(arith.mulf(arith.subf(x, m_), f32c(LOG2E))) for x in lse_p]   # 0 if empty
+                        se = e_p[0]
+                        for x in e_p[1:]:
+                            se = arith.addf(se, x)
+                        inv = arith.divf(f32c(1.0), arith.addf(se, ex2(arith.mulf(arith.subf(sink, m_), f32c(LOG2E)))))
+                        w = [arith.mulf(x, inv) for x in e_p]
+                        for i in range(-(-n_chunks // 256)):
+                            cidx = arith.addi(tid, ci(256 * i))
+                            with mu.when(arith.cmpi(arith.CmpIPredicate.ult, cidx, ci(n_chunks))):
+                                addr = arith.addi(q_base, arith.addi(ci(u * unit_bytes), arith.muli(cidx, ci(16))))
+                                acc = [f32c(0.0)] * 8
+                                for p in range(ns):
+                                    for k, wd in enumerate(ld_v4(addr, ci(p))):
+                                        lo = arith.bitcast(f32, arith.shli(wd, ci(16)))
+                                        hi = arith.bitcast(f32, arith.andi(wd, ci(-65536)))
+                                        acc[2 * k] = arith.addf(acc[2 * k], arith.mulf(w[p], lo))
+                                        acc[2 * k + 1] = arith.addf(acc[2 * k + 1], arith.mulf(w[p], hi))
+                                words = [pack(acc[2 * k + 1], acc[2 * k]) for k in range(4)]
+                                llvm.inline_asm(ir.Type.parse("!llvm.void"), [addr, *words],
+                                                "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r",
+                                                has_side_effects=True)
+                        lse_o = arith.select(arith.cmpf(arith.CmpFPredicate.OGT, se, f32c(0.0)),
+                                             arith.addf(m_, arith.mulf(llvm.inline_asm(
+                                                 f32, [se], "lg2.approx.ftz.f32 $0, $1;", "=f,f"), f32c(LN2))),
+                                             f32c(-math.inf))
+                        first = arith.andi(arith.cmpi(arith.CmpIPredicate.ult, tid, ci(8 * cpr)),
+                                           arith.cmpi(arith.CmpIPredicate.eq, arith.remui(tid, ci(cpr)), ci(0)))
+                        with mu.when(first):   # one thread per head of the unit
+                            memref.store(lse_o, vec_smem, [arith.index_cast(index, arith.addi(head, ci(2 * BLOCK_H)))])
+                mu.commit_shared()    # our generic-proxy stores, before the bulk copies read them
+                consumers_barrier()
+                with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
+                    for u in range(BLOCK_H // 8):
+                        mine = arith.andi(one, owned[u])
+                        ctx.async_copy(src_ref=mu.memref_slice(q_smem, mu.ds(u, 1)), dst_ref=o_gmem,
+                                       gmem_slice=(row, hg, mu.ds(8 * u, 8)), gmem_transform=mgpu.TileTransform((8, tc)),
+                                       swizzle=swz, predicate=mine)
+                        ctx.async_copy(src_ref=mu.memref_slice(vec_smem, mu.ds(2 * BLOCK_H + 8 * u, 8)),
+                                       dst_ref=lse_gmem, gmem_slice=(row, hg, mu.ds(8 * u, 8)), predicate=mine)
+                cluster_sync()   # the peers are done reading our tile: it may go away
+                with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
+                    ctx.await_async_copy(0)
 
             def dequantize(slot):
                 """Staging slot -> the bf16 KV tile, in the 128 B-swizzled (8, 64) tiling wgmma reads. Thread t of the
@@ -590,7 +692,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             l_safe = has.select(l, one_row)
             lse = has.select(m * LN2 + l_safe.log(approx=False),              # m is in log2 units
                              fa.FragmentedArray.splat(arith.constant(f32, -math.inf), (BLOCK_H,), fa.WGMMA_ROW_LAYOUT))
-            if out_split:
+            if out_split or ccomb:
                 inv = has.select(one_row / l_safe, zero_row)
             else:
                 inv = one_row / (l + (sink2 - m).exp2(approx=True))
@@ -600,16 +702,19 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             o.store_tiled(mu.memref_slice(q_smem, (slice(None), v_cols)), swizzle=swz)
             with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
                 lse.store_untiled(mu.memref_slice(vec_smem, mu.ds(BLOCK_H, BLOCK_H)), optimized=False)
-            mu.commit_shared()
-            cons_bar.arrive()
-            cons_bar.wait()
-            with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
-                o_slice = (row, split, hg) if out_split else (row, hg)
-                ctx.async_copy(src_ref=q_smem, dst_ref=o_gmem, gmem_slice=o_slice,
-                               gmem_transform=mgpu.TileTransform((8, tc)), swizzle=swz, predicate=one)
-                ctx.async_copy(src_ref=mu.memref_slice(vec_smem, mu.ds(BLOCK_H, BLOCK_H)), dst_ref=lse_gmem,
-                               gmem_slice=o_slice, predicate=one)
-                ctx.await_async_copy(0)
+            if ccomb:
+                cluster_combine()
+            else:
+                mu.commit_shared()
+                cons_bar.arrive()
+                cons_bar.wait()
+                with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
+                    o_slice = (row, split, hg) if out_split else (row, hg)
+                    ctx.async_copy(src_ref=q_smem, dst_ref=o_gmem, gmem_slice=o_slice,
+                                   gmem_transform=mgpu.TileTransform((8, tc)), swizzle=swz, predicate=one)
+                    ctx.async_copy(src_ref=mu.memref_slice(vec_smem, mu.ds(BLOCK_H, BLOCK_H)), dst_ref=lse_gmem,
+                                   gmem_slice=o_slice, predicate=one)
+                    ctx.await_async_copy(0)
             end(region)
             scf.yield_([])
 
@@ -634,7 +739,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
              jax.ShapeDtypeStruct((stages, bk, ROPE_DIM), jnp.bfloat16),             # staging: rope
              jax.ShapeDtypeStruct((stages, bk, SCALE_BYTES), jnp.uint8),             # staging: scales
              jax.ShapeDtypeStruct((sum(idx_rows),), jnp.int32),
-             jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32)),
+             jax.ShapeDtypeStruct(((3 if ccomb else 2) * BLOCK_H,), jnp.float32)),
             (mgpu.TMABarrier(1), mgpu.TMABarrier(1)),
             # full: the expect_tx arrival + one cp.async arrival per producer warp; empty / cons: 256 consumer threads
             (mgpu.Barrier(arrival_count=5, num_barriers=stages), mgpu.Barrier(arrival_count=256, num_barriers=stages),
@@ -653,7 +758,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
              jax.ShapeDtypeStruct((stages, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # KV ring
              *(() if tail else exch),
              jax.ShapeDtypeStruct((sum(idx_rows),), jnp.int32),                        # this split's index rows
-             jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32)),                     # sinks | lse
+             jax.ShapeDtypeStruct(((3 if ccomb else 2) * BLOCK_H,), jnp.float32)),                     # sinks | lse
             # full: the expect_tx arrival (TMA), or the 128 producer threads' cp.async arrivals
             (mgpu.TMABarrier(1), mgpu.TMABarrier(1),
              mgpu.Barrier(arrival_count=128, num_barriers=stages) if cp_async else mgpu.TMABarrier(stages)),
@@ -663,12 +768,32 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     prof = None if profile is None else mgpu.profiler.ProfilerSpec(profile[0], dump_path=profile[1])
     with jax_mlir.make_ir_context(), ir.Location.unknown():
         return mgpu.as_gpu_kernel(body, grid=(bt * n_hg, ns, 1), block=(384, 1, 1), in_shape=tuple(in_shape),
-                                  out_shape=out_shape, smem_scratch_shape=smem, prof_spec=prof)
+                                  out_shape=out_shape, smem_scratch_shape=smem, prof_spec=prof,
+                                  cluster=(1, ns, 1) if ccomb else (1, 1, 1))
 
 
+MAX_CLUSTER = 8           # portable thread-block cluster size: combine="cluster" takes at most 8 splits per row
+DEFAULT_MOSAIC_COMBINE = "xla"   # the split-K merge when combine=None (see resolve_combine)
 DEFAULT_L2_AHEAD = 0      # L2 prefetch distance in steps (see `sparse_attention_mosaic`'s l2_ahead)
 DEFAULT_PRODUCER = "tma"   # the bf16 ring's gather (see `sparse_attention_mosaic`'s producer)
 DEFAULT_REGS = (56, 224)   # setmaxnreg: (producer, each consumer) registers per thread
+
+
+def resolve_combine(how, out_dtype):
+    """The Mosaic kernel's split-K merge: "xla" / "pallas" (`combine.combine`, a second kernel over the partials)
+    or "cluster" (inside the kernel, through distributed shared memory; bf16 output only: it rounds the merged
+    output to bf16 in the kernel). None = DEFAULT_MOSAIC_COMBINE, or "xla" where that is "cluster" and the output
+    is not bf16."""
+    if how is None:
+        how = DEFAULT_MOSAIC_COMBINE
+        if how == "cluster" and jnp.dtype(out_dtype) != jnp.bfloat16:
+            how = "xla"
+    if how == "cluster":
+        if jnp.dtype(out_dtype) != jnp.bfloat16:
+            raise ValueError(f"combine='cluster' writes the merged output in bf16; out_dtype={jnp.dtype(out_dtype)} "
+                             "needs combine='xla' or 'pallas'")
+        return how
+    return combine_lib.resolve(how)
 
 
 def profile_entries(max_steps):
@@ -744,7 +869,9 @@ def sparse_attention_mosaic(
     l2_ahead` ahead into L2 (one `cp.async.bulk.prefetch.L2` per row), so more of the gather is in flight than the
     ring's slots hold (shared memory caps them at two 64-row blocks next to the q tile; the consumers hold one).
     combine (split-K merge: "xla" = `common.combine_splits`, two XLA kernels; "pallas" =
-    `combine.combine_splits_pallas`, one Triton kernel; None = `combine.DEFAULT_COMBINE`).
+    `combine.combine_splits_pallas`, one Triton kernel; "cluster" = inside this kernel: a row's splits run as one
+    thread-block cluster and merge through distributed shared memory, so n_splits <= 8 and bf16 output (see
+    `cluster_combine` in `_build`); None = DEFAULT_MOSAIC_COMBINE via `resolve_combine`).
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -752,7 +879,8 @@ def sparse_attention_mosaic(
                                  compressed_len, scale)
     pools = [window_kv] + ([] if compressed_kv is None else [compressed_kv])
     fp8 = isinstance(window_kv, Fp8KVPool)
-    combine = combine_lib.resolve(combine)
+    out_dtype = jnp.dtype(out_dtype or q.dtype)
+    combine = resolve_combine(combine, out_dtype)
     if any(isinstance(p_, Fp8KVPool) != fp8 for p_ in pools):
         raise ValueError("the Mosaic GPU kernel takes both pools bf16 or both FP8 (mixed pools: gpu.py)")
     if q.dtype != jnp.bfloat16 or (not fp8 and any(p_.dtype != jnp.bfloat16 for p_ in pools)):
@@ -775,7 +903,6 @@ def sparse_attention_mosaic(
         raise ValueError("split_scores does not fit in shared memory next to the FP8 staging ring (bf16 pools only)")
     if fp8 and (block_k or 64) != 64:
         raise ValueError(f"with FP8 pools the Mosaic GPU kernel takes block_k=64 (shared memory), got {block_k}")
-    out_dtype = jnp.dtype(out_dtype or q.dtype)
     bt = b * t
     bk0 = block_k or 64
     flat = [common.flatten_source(window_kv, window_idx, window_len, bt, bk0, clip=False)]
@@ -801,19 +928,28 @@ def sparse_attention_mosaic(
                          "is not 128 B aligned, as a bulk tensor copy's destination must be")
     exchange = (4 * BLOCK_H * (bk // 2) * 2 + 4 * BLOCK_H * 4 + 2 * BLOCK_H * 4) if split_scores else 0
     ring_bytes = stages * bk * (NOPE_STRIDE + 2 * ROPE_DIM + SCALE_BYTES) + bk * d * 2 if fp8 else stages * bk * d * 2
-    ns = max(1, min(int(cfg["n_splits"]), total_blocks))
+    cluster = combine == "cluster"
+    max_splits = MAX_CLUSTER if cluster else total_blocks   # combine="cluster": a row's splits are one cluster
+    if cluster and n_splits is not None and n_splits > MAX_CLUSTER:
+        raise ValueError(f"combine='cluster' merges a row's splits in one thread-block cluster: n_splits <= "
+                         f"{MAX_CLUSTER}, got {n_splits}")
+    ns = max(1, min(int(cfg["n_splits"]), total_blocks, max_splits))
     bps = -(-total_blocks // ns)
+    min_bps = -(-total_blocks // max_splits)
     while True:   # a CTA holds its split's index rows: with the default n_splits, split further until they fit
         ns = -(-total_blocks // bps)
         idx_rows = [min(bps, s_.k // bk) * bk for s_ in flat]
         prof_entries = profile_entries(sum(idx_rows) // bk)   # per warpgroup, if profiled
-        smem = BLOCK_H * d * 2 + ring_bytes + sum(idx_rows) * 4 + 2 * BLOCK_H * 4 + exchange + \
+        smem = BLOCK_H * d * 2 + ring_bytes + sum(idx_rows) * 4 + (3 if cluster else 2) * BLOCK_H * 4 + exchange + \
             (3 * 4 * prof_entries + 1024 if _profile else 0)   # + the profiler buffer's alignment
-        if smem <= SMEM_BUDGET or n_splits is not None or bps == 1:
+        if smem <= SMEM_BUDGET or n_splits is not None or bps <= max(1, min_bps):
             break
         bps -= 1
     if smem > SMEM_BUDGET:
-        raise ValueError(f"shared memory {smem} B over {SMEM_BUDGET}: lower num_stages / block_k or raise n_splits")
+        raise ValueError(f"shared memory {smem} B over {SMEM_BUDGET}: lower num_stages / block_k or raise n_splits"
+                         + (f" (combine='cluster' caps n_splits at {MAX_CLUSTER}: try combine='xla')" if cluster
+                            else ""))
+    ccomb = cluster and ns > 1
 
     args = [q.reshape(bt, n_hg, BLOCK_H, d), sinks.astype(jnp.float32).reshape(n_hg, BLOCK_H)]
     meta = []
@@ -823,10 +959,11 @@ def sparse_attention_mosaic(
         args += [s_.idx, s_.length] + ([s_.pool.nope, s_.pool.rope, s_.pool.scale] if fp8 else [s_.pool])
         meta.append(dict(k=s_.k, n_rows=s_.n_rows))
     profile = None if _profile is None else (prof_entries, str(_profile))
-    kernel = _build(bt, ns, d, bk, stages, bps, meta, idx_rows, float(scale) * LOG2E, ns > 1, fp8, _diag,
-                    check_regs(regs), n_hg, bool(split_scores), profile, producer == "cp_async", l2_ahead)
+    kernel = _build(bt, ns, d, bk, stages, bps, meta, idx_rows, float(scale) * LOG2E, ns > 1 and not ccomb, fp8,
+                    _diag, check_regs(regs), n_hg, bool(split_scores), profile, producer == "cp_async", l2_ahead,
+                    ccomb)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
-    if ns > 1:
+    if ns > 1 and not ccomb:
         o, lse = combine_lib.combine(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h), sinks.astype(jnp.float32),
                                      out_dtype, how=combine)
     o = o.astype(out_dtype).reshape(b, t, h, d)
