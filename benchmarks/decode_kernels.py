@@ -32,10 +32,13 @@ import numpy as np
 # name -> (kind, B, K_c, kv)
 CASES = {
     "csa16": ("csa", 16, 512, "bf16"),
+    "csa32": ("csa", 32, 512, "bf16"),
     "csa64": ("csa", 64, 512, "bf16"),
     "csa128": ("csa", 128, 512, "bf16"),
     "hca1k64": ("hca", 64, 1024, "bf16"),
+    "hca1k16": ("hca", 16, 1024, "bf16"),
     "hca8k16": ("hca", 16, 8192, "bf16"),
+    "hca8k32": ("hca", 32, 8192, "bf16"),
     "csa16_fp8": ("csa", 16, 512, "fp8"),
     "csa64_fp8": ("csa", 64, 512, "fp8"),
     "csa128_fp8": ("csa", 128, 512, "fp8"),

@@ -441,7 +441,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 w_p = exp(lse_p - m) / (sum_p exp(lse_p - m) + exp(sink - m)), m = max(sink, lse_p) (the merge of
                 `common.combine_splits`), writes the bf16 sums over the same rows of its own tile (each unit has one
                 owner, and a peer reads from us only the units it owns, so no read races a write), and stores
-                each unit with one bulk copy; the merged lse (without the sink) goes out through vec_smem[128:192].
+                each unit with one bulk copy; one thread per head stores the merged lse (without the sink).
                 A second cluster barrier keeps every CTA's shared memory alive until its peers have read it. The
                 partials never touch HBM and no second kernel runs."""
                 cluster_sync()   # every split's partial tile and lse row are written (release / acquire)
@@ -509,8 +509,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                                              f32c(-math.inf))
                         first = arith.andi(arith.cmpi(arith.CmpIPredicate.ult, tid, ci(8 * cpr)),
                                            arith.cmpi(arith.CmpIPredicate.eq, arith.remui(tid, ci(cpr)), ci(0)))
-                        with mu.when(first):   # one thread per head of the unit
-                            memref.store(lse_o, vec_smem, [arith.index_cast(index, arith.addi(head, ci(2 * BLOCK_H)))])
+                        with mu.when(first):   # one thread per head of the unit, straight to global memory (a
+                            # bulk copy of 8 lse values would need a 128 B aligned shared-memory source)
+                            memref.store(lse_o, lse_gmem, [row, hg, arith.index_cast(index, head)])
                 mu.commit_shared()    # our generic-proxy stores, before the bulk copies read them
                 consumers_barrier()
                 with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
@@ -519,8 +520,6 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                         ctx.async_copy(src_ref=mu.memref_slice(q_smem, mu.ds(u, 1)), dst_ref=o_gmem,
                                        gmem_slice=(row, hg, mu.ds(8 * u, 8)), gmem_transform=mgpu.TileTransform((8, tc)),
                                        swizzle=swz, predicate=mine)
-                        ctx.async_copy(src_ref=mu.memref_slice(vec_smem, mu.ds(2 * BLOCK_H + 8 * u, 8)),
-                                       dst_ref=lse_gmem, gmem_slice=(row, hg, mu.ds(8 * u, 8)), predicate=mine)
                 cluster_sync()   # the peers are done reading our tile: it may go away
                 with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
                     ctx.await_async_copy(0)
@@ -739,7 +738,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
              jax.ShapeDtypeStruct((stages, bk, ROPE_DIM), jnp.bfloat16),             # staging: rope
              jax.ShapeDtypeStruct((stages, bk, SCALE_BYTES), jnp.uint8),             # staging: scales
              jax.ShapeDtypeStruct((sum(idx_rows),), jnp.int32),
-             jax.ShapeDtypeStruct(((3 if ccomb else 2) * BLOCK_H,), jnp.float32)),
+             jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32)),
             (mgpu.TMABarrier(1), mgpu.TMABarrier(1)),
             # full: the expect_tx arrival + one cp.async arrival per producer warp; empty / cons: 256 consumer threads
             (mgpu.Barrier(arrival_count=5, num_barriers=stages), mgpu.Barrier(arrival_count=256, num_barriers=stages),
@@ -758,7 +757,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
              jax.ShapeDtypeStruct((stages, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # KV ring
              *(() if tail else exch),
              jax.ShapeDtypeStruct((sum(idx_rows),), jnp.int32),                        # this split's index rows
-             jax.ShapeDtypeStruct(((3 if ccomb else 2) * BLOCK_H,), jnp.float32)),                     # sinks | lse
+             jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32)),                     # sinks | lse
             # full: the expect_tx arrival (TMA), or the 128 producer threads' cp.async arrivals
             (mgpu.TMABarrier(1), mgpu.TMABarrier(1),
              mgpu.Barrier(arrival_count=128, num_barriers=stages) if cp_async else mgpu.TMABarrier(stages)),
@@ -940,7 +939,7 @@ def sparse_attention_mosaic(
         ns = -(-total_blocks // bps)
         idx_rows = [min(bps, s_.k // bk) * bk for s_ in flat]
         prof_entries = profile_entries(sum(idx_rows) // bk)   # per warpgroup, if profiled
-        smem = BLOCK_H * d * 2 + ring_bytes + sum(idx_rows) * 4 + (3 if cluster else 2) * BLOCK_H * 4 + exchange + \
+        smem = BLOCK_H * d * 2 + ring_bytes + sum(idx_rows) * 4 + 2 * BLOCK_H * 4 + exchange + \
             (3 * 4 * prof_entries + 1024 if _profile else 0)   # + the profiler buffer's alignment
         if smem <= SMEM_BUDGET or n_splits is not None or bps <= max(1, min_bps):
             break
