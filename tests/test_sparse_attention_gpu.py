@@ -166,3 +166,19 @@ def test_gpu_auto_picks_mosaic_only_where_it_applies():
     check_close(jax.jit(lambda i: call(sparse_attention, i, impl="auto"))(inp), call(sparse_attention_reference, inp))
     fp8 = make_inputs(2, 1, 64, 512, 256, 1024, 128, 512, fp8=True)
     assert not mosaic_applies(fp8["q"], fp8["window_kv"], fp8["compressed_kv"])
+
+
+def test_gpu_cluster_occupancy_query():
+    """The driver's answer to how many (1, c, 1) clusters of one-per-SM CTAs fit at once: clusters of 1 are the SM
+    count, and bigger clusters never fit more clusters. combine="auto" picks the in-kernel merge from it."""
+    from pallas_kernels.sparse_attention.cluster_occupancy import max_active_clusters
+    from pallas_kernels.sparse_attention.gpu_mosaic import _auto_combine
+
+    caps = [max_active_clusters(c, 200 * 1024) for c in range(1, 9)]
+    print("max active clusters of 1..8 CTAs (200 KB each):", caps)
+    assert all(isinstance(x, int) and x > 0 for x in caps), caps
+    assert caps[0] == jax.devices()[0].core_count, (caps[0], jax.devices()[0].core_count)
+    assert all(a >= b for a, b in zip(caps, caps[1:])), caps
+    assert _auto_combine(caps[1], 2, 200 * 1024, jnp.bfloat16) == "cluster"
+    assert _auto_combine(caps[1] + 1, 2, 200 * 1024, jnp.bfloat16) == "xla"
+    assert _auto_combine(4, 2, 200 * 1024, jnp.float32) == "xla"

@@ -772,27 +772,39 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
 
 
 MAX_CLUSTER = 8           # portable thread-block cluster size: combine="cluster" takes at most 8 splits per row
-DEFAULT_MOSAIC_COMBINE = "xla"   # the split-K merge when combine=None (see resolve_combine)
+DEFAULT_MOSAIC_COMBINE = "auto"  # the split-K merge when combine=None (see resolve_combine)
 DEFAULT_L2_AHEAD = 0      # L2 prefetch distance in steps (see `sparse_attention_mosaic`'s l2_ahead)
 DEFAULT_PRODUCER = "tma"   # the bf16 ring's gather (see `sparse_attention_mosaic`'s producer)
 DEFAULT_REGS = (56, 224)   # setmaxnreg: (producer, each consumer) registers per thread
 
 
 def resolve_combine(how, out_dtype):
-    """The Mosaic kernel's split-K merge: "xla" / "pallas" (`combine.combine`, a second kernel over the partials)
-    or "cluster" (inside the kernel, through distributed shared memory; bf16 output only: it rounds the merged
-    output to bf16 in the kernel). None = DEFAULT_MOSAIC_COMBINE, or "xla" where that is "cluster" and the output
-    is not bf16."""
-    if how is None:
-        how = DEFAULT_MOSAIC_COMBINE
-        if how == "cluster" and jnp.dtype(out_dtype) != jnp.bfloat16:
-            how = "xla"
+    """The Mosaic kernel's split-K merge: "xla" / "pallas" (`combine.combine`, a second kernel over the partials),
+    "cluster" (inside the kernel, through distributed shared memory; bf16 output only: the kernel rounds the
+    merged output to bf16), or "auto" (None = DEFAULT_MOSAIC_COMBINE): "cluster" where the output is bf16, the
+    row has 2-8 splits and the rows' clusters all fit on the GPU at once (`cluster_occupancy`), else "xla"; settled
+    by `_auto_combine` once the split count is known."""
+    how = how or DEFAULT_MOSAIC_COMBINE
+    if how == "auto":
+        return how
     if how == "cluster":
         if jnp.dtype(out_dtype) != jnp.bfloat16:
             raise ValueError(f"combine='cluster' writes the merged output in bf16; out_dtype={jnp.dtype(out_dtype)} "
                              "needs combine='xla' or 'pallas'")
         return how
     return combine_lib.resolve(how)
+
+
+def _auto_combine(rows, ns, smem, out_dtype, device_ordinal=0):
+    """combine="auto" for `rows` (query rows x head groups) clusters of `ns` CTAs with `smem` bytes each. A cluster
+    grid that does not fit on the GPU at once runs in two waves (H200: CSA B=32's 32 clusters of 4 took 37.5 us
+    against 18.9 with the XLA merge, HCA-8K B=16's 16 of 8 137 against 65), so then the XLA merge."""
+    if ns == 1 or ns > MAX_CLUSTER or jnp.dtype(out_dtype) != jnp.bfloat16:
+        return "xla"
+    from .cluster_occupancy import max_active_clusters
+
+    cap = max_active_clusters(ns, smem, 384, device_ordinal)
+    return "cluster" if cap is not None and rows <= cap else "xla"
 
 
 def profile_entries(max_steps):
@@ -802,6 +814,14 @@ def profile_entries(max_steps):
     alignment (an odd count faults with "misaligned address" in every warpgroup but the first)."""
     n = 3 + 4 * (5 * max_steps + 2) + 16
     return -(-n // 64) * 64
+
+
+def _device_ordinal(x):
+    """The CUDA ordinal of the device x lives on (0 under tracing without a committed device)."""
+    try:
+        return int(next(iter(x.devices())).local_hardware_id or 0)
+    except Exception:   # tracers have no devices
+        return 0
 
 
 def check_regs(regs):
@@ -870,7 +890,8 @@ def sparse_attention_mosaic(
     combine (split-K merge: "xla" = `common.combine_splits`, two XLA kernels; "pallas" =
     `combine.combine_splits_pallas`, one Triton kernel; "cluster" = inside this kernel: a row's splits run as one
     thread-block cluster and merge through distributed shared memory, so n_splits <= 8 and bf16 output (see
-    `cluster_combine` in `_build`); None = DEFAULT_MOSAIC_COMBINE via `resolve_combine`).
+    `cluster_combine` in `_build`); "auto" / None: "cluster" where it applies and the clusters fit on the GPU at
+    once, else "xla", see `resolve_combine`).
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -948,7 +969,9 @@ def sparse_attention_mosaic(
         raise ValueError(f"shared memory {smem} B over {SMEM_BUDGET}: lower num_stages / block_k or raise n_splits"
                          + (f" (combine='cluster' caps n_splits at {MAX_CLUSTER}: try combine='xla')" if cluster
                             else ""))
-    ccomb = cluster and ns > 1
+    if combine == "auto":
+        combine = _auto_combine(bt * n_hg, ns, smem + 1024, out_dtype, _device_ordinal(q))
+    ccomb = combine == "cluster" and ns > 1
 
     args = [q.reshape(bt, n_hg, BLOCK_H, d), sinks.astype(jnp.float32).reshape(n_hg, BLOCK_H)]
     meta = []
