@@ -118,7 +118,8 @@ def default_config(bt: int, total_blocks: int):
 
 
 def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=False, diag=None,
-           regs=None, n_hg=1, split_scores=False, profile=None, cp_async=False, l2_ahead=0, ccomb=False):
+           regs=None, n_hg=1, split_scores=False, profile=None, cp_async=False, l2_ahead=0, ccomb=False,
+           store_wait_read=False):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -525,7 +526,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                                        swizzle=swz, predicate=mine)
                 cluster_sync()   # the peers are done reading our tile: it may go away
                 with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
-                    ctx.await_async_copy(0)
+                    ctx.await_async_copy(0, await_read_only=store_wait_read)
 
             def dequantize(slot):
                 """Staging slot -> the bf16 KV tile, in the 128 B-swizzled (8, 64) tiling wgmma reads. Thread t of the
@@ -716,7 +717,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                                    gmem_transform=mgpu.TileTransform((8, tc)), swizzle=swz, predicate=one)
                     ctx.async_copy(src_ref=mu.memref_slice(vec_smem, mu.ds(BLOCK_H, BLOCK_H)), dst_ref=lse_gmem,
                                    gmem_slice=o_slice, predicate=one)
-                    ctx.await_async_copy(0)
+                    ctx.await_async_copy(0, await_read_only=store_wait_read)
             end(region)
             scf.yield_([])
 
@@ -776,6 +777,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
 
 MAX_CLUSTER = 8           # portable thread-block cluster size: combine="cluster" takes at most 8 splits per row
 DEFAULT_MOSAIC_COMBINE = "auto"  # the split-K merge when combine=None (see resolve_combine)
+DEFAULT_STORE_WAIT = "write"   # see `sparse_attention_mosaic`'s store_wait ("read": built, not yet timed)
 DEFAULT_L2_AHEAD = 0      # L2 prefetch distance in steps (see `sparse_attention_mosaic`'s l2_ahead)
 DEFAULT_PRODUCER = "tma"   # the bf16 ring's gather (see `sparse_attention_mosaic`'s producer)
 DEFAULT_REGS = (56, 224)   # setmaxnreg: (producer, each consumer) registers per thread
@@ -858,6 +860,7 @@ def sparse_attention_mosaic(
     producer: str | None = None,
     l2_ahead: int | None = None,
     combine: str | None = None,
+    store_wait: str | None = None,
     _diag: str | None = None,
     _profile: str | None = None,
 ):
@@ -895,6 +898,11 @@ def sparse_attention_mosaic(
     thread-block cluster and merge through distributed shared memory, so n_splits <= 8 and bf16 output (see
     `cluster_combine` in `_build`); "auto" / None: "cluster" where it applies and the clusters fit on the GPU at
     once, else "xla", see `resolve_combine`).
+    store_wait (None = DEFAULT_STORE_WAIT): what the CTA waits for after the output tile's bulk copy before it
+    exits: "write" (the copy is complete in global memory) or "read" (the copy has read the tile out of shared
+    memory: `cp.async.bulk.wait_group.read`, as CUTLASS's and FlashAttention-3's TMA epilogues do; the grid's end
+    still orders the writes before any later kernel). "read" frees the SM for the next CTA a global-write latency
+    earlier (prefill: one CTA per query row, 1 per SM). Built in session 16, not yet timed: the default stays.
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -904,6 +912,9 @@ def sparse_attention_mosaic(
     fp8 = isinstance(window_kv, Fp8KVPool)
     out_dtype = jnp.dtype(out_dtype or q.dtype)
     combine = resolve_combine(combine, out_dtype)
+    store_wait = store_wait or DEFAULT_STORE_WAIT
+    if store_wait not in ("read", "write"):
+        raise ValueError(f"store_wait must be 'read' or 'write', got {store_wait!r}")
     if any(isinstance(p_, Fp8KVPool) != fp8 for p_ in pools):
         raise ValueError("the Mosaic GPU kernel takes both pools bf16 or both FP8 (mixed pools: gpu.py)")
     if q.dtype != jnp.bfloat16 or (not fp8 and any(p_.dtype != jnp.bfloat16 for p_ in pools)):
@@ -986,7 +997,7 @@ def sparse_attention_mosaic(
     profile = None if _profile is None else (prof_entries, str(_profile))
     kernel = _build(bt, ns, d, bk, stages, bps, meta, idx_rows, float(scale) * LOG2E, ns > 1 and not ccomb, fp8,
                     _diag, check_regs(regs), n_hg, bool(split_scores), profile, producer == "cp_async", l2_ahead,
-                    ccomb)
+                    ccomb, store_wait == "read")
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1 and not ccomb:
         o, lse = combine_lib.combine(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h), sinks.astype(jnp.float32),
