@@ -5,6 +5,8 @@
 # pallas-vs-reference parity on the GPU), comp / idx / attn (benchmarks/compressor.py, indexer.py,
 # sparse_attention.py; diag = benchmarks/diag_indexer_prefill.py; topk / topk_cb = benchmarks/topk_stages.py (topk_cb with
 # XLA command buffers incl. conditionals, CB_TYPES); kres = benchmarks/kernel_resources.sh (ptxas registers/spills); compv = compressor kernel variants on COMPV_CASES), decode (benchmarks/decode.py ref vs pallas), picks (decode.py, Pallas, indexer picks sorted vs set), gather (benchmarks/tma_row_gather_{raw,probe}.py: row-gather producer bandwidth), mosaic (benchmarks/mosaic_attention.py: Mosaic vs Triton attention; MOSAIC_ARGS='--cases prefill|splits'), breakdown (benchmarks/decode_breakdown.py), mres (benchmarks/mosaic_resources.py: ptxas registers / spills of the Mosaic attention kernel's variants), ss (benchmarks/mosaic_split_scores.py: split_scores checked per variant in its own process, then timed), ssdiag (benchmarks/diag_split_scores_model.py: the tiny model's attention calls, default vs split_scores vs the reference op, per call), mprof (benchmarks/mosaic_phase_profile.py: the Mosaic attention kernel's per-warpgroup phases from Mosaic GPU's on-device profiler; MPROF_ARGS='--cases ...'), dk (benchmarks/decode_kernels.py: the kernels one decode call launches, CUPTI durations vs wall; DK_ARGS), dk_nocb / dk_cb (the same with XLA's command buffers off / on for CB_TYPES incl. custom calls, graphs from 1 thunk).
+# XLA_FLAGS set by the caller reach every step (the tests add --xla_gpu_autotune_level=0 to them), e.g.
+#   XLA_FLAGS=--xla_gpu_enable_pdl=true STEPS="dk tests4" ... (programmatic dependent launch, untried as of session 16)
 # Per-step limit: T_<step> seconds (defaults below). A test that hangs dumps its Python stack (faulthandler) into
 # the step's log. Logs: $OUT/<step>.log (+ the benchmarks' json).
 set -o pipefail
@@ -15,7 +17,8 @@ python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__versi
 cat "$OUT/env.log"
 # tests: XLA's GEMM autotuning off (compile time, not kernel speed, dominates the tiny test models); -rf lists
 # failures at the end, --tb=short keeps them readable
-PYT="env XLA_FLAGS=--xla_gpu_autotune_level=0 python3 -m pytest -v -rfP --tb=short -p no:cacheprovider -o faulthandler_timeout=${FAULT_T:-100} --durations=8"
+PYT=(bash -c 'XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_autotune_level=0" exec python3 -m pytest -v -rfP \
+  --tb=short -p no:cacheprovider -o faulthandler_timeout=${FAULT_T:-100} --durations=8 "$@"' pytest)
 PY="python3 -X faulthandler"
 run_step() {  # name, default limit, command...
   local name=$1 lim=$2; shift 2
@@ -28,10 +31,10 @@ run_step() {  # name, default limit, command...
 }
 for s in ${STEPS:-tests5 model comp idx}; do
   case $s in
-    tests4) run_step tests4 200 $PYT tests/test_sparse_attention_gpu.py ${T4_K:+-k "$T4_K"} ;;
-    tests5) run_step tests5 200 $PYT tests/test_indexer_kernels.py tests/test_compressor_kernels.py \
+    tests4) run_step tests4 200 "${PYT[@]}" tests/test_sparse_attention_gpu.py ${T4_K:+-k "$T4_K"} ;;
+    tests5) run_step tests5 200 "${PYT[@]}" tests/test_indexer_kernels.py tests/test_compressor_kernels.py \
           tests/test_indexer_topk.py -k "${GPU_TEST_K:-gpu or matches_lax or edge_values}" ;;
-    model) run_step model 340 $PYT tests/test_model_pallas.py tests/test_model_pallas_quantized.py ${MODEL_K:+-k "$MODEL_K"} ;;
+    model) run_step model 340 "${PYT[@]}" tests/test_model_pallas.py tests/test_model_pallas_quantized.py ${MODEL_K:+-k "$MODEL_K"} ;;
     comp) run_step comp 120 $PY benchmarks/compressor.py --out "$OUT" "$@" ${COMP_ARGS:-} ;;
     compv) run_step compv 120 $PY benchmarks/compressor.py --out "$OUT/variants" --variants --cases ${COMPV_CASES:-prefill} ${COMPV_ARGS:-} ;;
     idx) run_step idx 180 $PY benchmarks/indexer.py --out "$OUT" "$@" ${IDX_ARGS:-} ;;
