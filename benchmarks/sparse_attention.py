@@ -266,7 +266,7 @@ def main():
     if "s16" in groups:  # session 16: the Mosaic kernel's store_wait (prefill, decode), default against "read"
         for kind, b, t, kc in [("csa", 1, 4096, 512), ("csa", 1, 16384, 512), ("csa", 64, 1, 512),
                                ("csa", 128, 1, 512)]:
-            for o in ({}, dict(store_wait="read")):
+            for o in ({}, dict(kernel="mosaic", store_wait="read")):
                 record(bench_case(rng, ceil, kind, b, t, kc, False, opts=o, ref=False,
                                   **(dict(csa_cap=t // 4) if t > 1 else {})))
     if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor
