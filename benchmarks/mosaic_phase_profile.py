@@ -49,6 +49,8 @@ CASES = {
     "csa128_cpa": ("csa", 128, 1, 512, "bf16", dict(producer="cp_async")),
     "csa64_bk32": ("csa", 64, 1, 512, "bf16", dict(block_k=32, num_stages=4)),    # 32-entry steps, 4 slots
     "csa128_bk32": ("csa", 128, 1, 512, "bf16", dict(block_k=32, num_stages=4)),
+    "csa64_idxf": ("csa", 64, 1, 512, "bf16", dict(idx_first=True)),            # index rows before the q tile
+    "csa128_idxf": ("csa", 128, 1, 512, "bf16", dict(idx_first=True)),
     "prefill2k": ("csa", 1, 2048, 512, "bf16", {}),                        # split_scores (the prefill default)
     "prefill2k_noss": ("csa", 1, 2048, 512, "bf16", dict(split_scores=False)),
 }

@@ -168,7 +168,8 @@ def main():
                          "hca8k_fp8 (the HCA-8K FP8 decode rows only), variants (kernel knobs on decode cases), "
                          "fp8ops / knobs5 / colsplit / prefetch / qreload (session 5-7 knob studies), kernels (Triton vs "
                          "Mosaic GPU on the bf16 cases, session 8), ss (Mosaic default vs split_scores, session 12), "
-                         "s14 (the decode rows, session 14), s16 (store_wait default vs 'read', prefill and decode)")
+                         "s14 (the decode rows, session 14), s16 (store_wait / idx_first against the default, prefill and "
+                         "decode)")
     ap.add_argument("--net-decode", action="store_true",
                     help="decode rows also net of dispatch: (wall of 1 + U chained calls - wall of 1) / U, next to "
                          "the chain's wall / U (which carries ~2-4 us of dispatch per call at U ~ 90, session 15)")
@@ -263,10 +264,11 @@ def main():
         for kind, b, kc, fp8 in [("csa", 64, 512, False), ("csa", 128, 512, False), ("csa", 16, 512, False),
                                  ("hca", 16, 8192, False), ("hca", 64, 1024, False), ("csa", 64, 512, True)]:
             record(bench_case(rng, ceil, kind, b, 1, kc, fp8, ref=not args.no_ref))
-    if "s16" in groups:  # session 16: the Mosaic kernel's store_wait (prefill, decode), default against "read"
+    if "s16" in groups:  # session 16: the Mosaic kernel's store_wait="read" and idx_first against the default
         for kind, b, t, kc in [("csa", 1, 4096, 512), ("csa", 1, 16384, 512), ("csa", 64, 1, 512),
                                ("csa", 128, 1, 512)]:
-            for o in ({}, dict(kernel="mosaic", store_wait="read")):
+            for o in ({}, dict(kernel="mosaic", store_wait="read"), dict(kernel="mosaic", idx_first=True),
+                      dict(kernel="mosaic", store_wait="read", idx_first=True)):
                 record(bench_case(rng, ceil, kind, b, t, kc, False, opts=o, ref=False,
                                   **(dict(csa_cap=t // 4) if t > 1 else {})))
     if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor

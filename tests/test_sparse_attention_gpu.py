@@ -136,6 +136,10 @@ MOSAIC_CASES = [
     (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True), dict(store_wait="read")),
     (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(store_wait="read", combine="cluster")),
     (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, fp8=True), dict(store_wait="read", n_splits=3)),
+    # the index rows' copies issued ahead of the q tile's
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(idx_first=True)),
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, fp8=True), dict(idx_first=True, n_splits=3)),
+    (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True, heads=128), dict(idx_first=True, store_wait="read")),
 ]
 
 

@@ -119,7 +119,7 @@ def default_config(bt: int, total_blocks: int):
 
 def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=False, diag=None,
            regs=None, n_hg=1, split_scores=False, profile=None, cp_async=False, l2_ahead=0, ccomb=False,
-           store_wait_read=False):
+           store_wait_read=False, idx_first=False):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -249,23 +249,30 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
         with ir.InsertionPoint(if_op.then_block):   # ---------------- producer ----------------
             nvvm.setmaxregister(regs[0], nvvm.SetMaxRegisterAction.decrease)
             region = begin("p_setup")   # q, sinks and this split's index rows in flight; until the rows landed
-            q_bytes = BLOCK_H * d * 2 + BLOCK_H * 4
-            q_bar.arrive_expect_tx(q_bytes, predicate=one)
-            ctx.async_copy(src_ref=q_gmem, dst_ref=q_smem, gmem_slice=(row, hg),
-                           gmem_transform=mgpu.TileTransform((8, tc)), swizzle=swz, barrier=q_bar, arrive=False,
-                           predicate=one)
-            ctx.async_copy(src_ref=sink_gmem, dst_ref=mu.memref_slice(vec_smem, mu.ds(0, BLOCK_H)), gmem_slice=(hg,),
-                           barrier=q_bar,
-                           arrive=False, predicate=one)
-            idx_bar.arrive_expect_tx(sum(idx_rows) * 4, predicate=one)
-            for k in range(n_src):
-                start = ranges[k][2]
-                for c0 in range(0, idx_rows[k], 256):   # a bulk copy moves <= 256 elements along a dimension
-                    w = min(256, idx_rows[k] - c0)
-                    ctx.async_copy(src_ref=src_gmem[k][0],
-                                   dst_ref=mu.memref_slice(idx_smem, mu.ds(idx_base[k] + c0, w)),
-                                   gmem_slice=(row, mu.ds(arith.addi(arith.muli(start, c(bk)), c(c0)), w)),
-                                   barrier=idx_bar, arrive=False, predicate=one)
+
+            def load_q():
+                q_bar.arrive_expect_tx(BLOCK_H * d * 2 + BLOCK_H * 4, predicate=one)
+                ctx.async_copy(src_ref=q_gmem, dst_ref=q_smem, gmem_slice=(row, hg),
+                               gmem_transform=mgpu.TileTransform((8, tc)), swizzle=swz, barrier=q_bar, arrive=False,
+                               predicate=one)
+                ctx.async_copy(src_ref=sink_gmem, dst_ref=mu.memref_slice(vec_smem, mu.ds(0, BLOCK_H)),
+                               gmem_slice=(hg,), barrier=q_bar, arrive=False, predicate=one)
+
+            def load_idx():
+                idx_bar.arrive_expect_tx(sum(idx_rows) * 4, predicate=one)
+                for k in range(n_src):
+                    start = ranges[k][2]
+                    for c0 in range(0, idx_rows[k], 256):   # a bulk copy moves <= 256 elements along a dimension
+                        w = min(256, idx_rows[k] - c0)
+                        ctx.async_copy(src_ref=src_gmem[k][0],
+                                       dst_ref=mu.memref_slice(idx_smem, mu.ds(idx_base[k] + c0, w)),
+                                       gmem_slice=(row, mu.ds(arith.addi(arith.muli(start, c(bk)), c(c0)), w)),
+                                       barrier=idx_bar, arrive=False, predicate=one)
+
+            # idx_first: the few KB of index rows ahead of the 64 KB q tile, so the first gathers need not wait for
+            # q to stream in at the SM's ~14 B per cycle (the gathers need the rows, not q)
+            for load in ((load_idx, load_q) if idx_first else (load_q, load_idx)):
+                load()
             idx_bar.wait()
             # the index lists as given: entries outside [0, n_rows) or at positions >= the row's length become -1
             # here, in shared memory, for the consumers' masks (one pass of the 128 producer threads, no XLA kernel
@@ -777,6 +784,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
 
 MAX_CLUSTER = 8           # portable thread-block cluster size: combine="cluster" takes at most 8 splits per row
 DEFAULT_MOSAIC_COMBINE = "auto"  # the split-K merge when combine=None (see resolve_combine)
+DEFAULT_IDX_FIRST = False      # see `sparse_attention_mosaic`'s idx_first (built, not yet timed)
 DEFAULT_STORE_WAIT = "write"   # see `sparse_attention_mosaic`'s store_wait ("read": built, not yet timed)
 DEFAULT_L2_AHEAD = 0      # L2 prefetch distance in steps (see `sparse_attention_mosaic`'s l2_ahead)
 DEFAULT_PRODUCER = "tma"   # the bf16 ring's gather (see `sparse_attention_mosaic`'s producer)
@@ -861,6 +869,7 @@ def sparse_attention_mosaic(
     l2_ahead: int | None = None,
     combine: str | None = None,
     store_wait: str | None = None,
+    idx_first: bool | None = None,
     _diag: str | None = None,
     _profile: str | None = None,
 ):
@@ -903,6 +912,9 @@ def sparse_attention_mosaic(
     memory: `cp.async.bulk.wait_group.read`, as CUTLASS's and FlashAttention-3's TMA epilogues do; the grid's end
     still orders the writes before any later kernel). "read" frees the SM for the next CTA a global-write latency
     earlier (prefill: one CTA per query row, 1 per SM). Built in session 16, not yet timed: the default stays.
+    idx_first (None = DEFAULT_IDX_FIRST): the producer issues the index rows' bulk copies before the q tile's,
+    not after. The gathers wait for the rows only; with q first, the rows queue behind 64 KB of q at the SM's
+    ~14 B per cycle, and the setup phase took 1557-3804 cycles (session 14). Built in session 16, not yet timed.
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -997,7 +1009,7 @@ def sparse_attention_mosaic(
     profile = None if _profile is None else (prof_entries, str(_profile))
     kernel = _build(bt, ns, d, bk, stages, bps, meta, idx_rows, float(scale) * LOG2E, ns > 1 and not ccomb, fp8,
                     _diag, check_regs(regs), n_hg, bool(split_scores), profile, producer == "cp_async", l2_ahead,
-                    ccomb, store_wait == "read")
+                    ccomb, store_wait == "read", DEFAULT_IDX_FIRST if idx_first is None else bool(idx_first))
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1 and not ccomb:
         o, lse = combine_lib.combine(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h), sinks.astype(jnp.float32),
