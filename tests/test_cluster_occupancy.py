@@ -4,8 +4,6 @@ on the GPU: test_sparse_attention_gpu.py::test_gpu_cluster_occupancy_query."""
 
 import ctypes
 
-import pytest
-
 from pallas_kernels.sparse_attention import cluster_occupancy as co
 
 
@@ -17,15 +15,14 @@ def test_launch_structs_match_the_driver_abi():
     assert co._LaunchConfig.numAttrs.offset == 48 and ctypes.sizeof(co._LaunchConfig) == 56
 
 
-def _has_cuda_driver():
-    try:
-        ctypes.CDLL("libcuda.so.1")
-        return True
-    except OSError:
-        return False
+def test_no_driver_no_answer(monkeypatch):
+    """Where libcuda cannot be loaded (CPU hosts), the query answers None rather than raising."""
+    def no_driver(name, *a, **k):
+        raise OSError(f"{name}: cannot open shared object file")
 
-
-@pytest.mark.skipif(_has_cuda_driver(), reason="a CUDA driver is installed: it may answer (see the GPU test)")
-def test_no_driver_no_answer():
+    monkeypatch.setattr(co.ctypes, "CDLL", no_driver)
     co.max_active_clusters.cache_clear()
-    assert co.max_active_clusters(2, 200 * 1024) is None
+    try:
+        assert co.max_active_clusters(2, 200 * 1024) is None
+    finally:
+        co.max_active_clusters.cache_clear()
