@@ -215,9 +215,9 @@ def lower_model_steps(model, cache, marker):
                                               (2, 1, 1024, dict(n_splits=2, combine="cluster", heads=128), True),
                                               (3, 1, 512, dict(combine="cluster", block_k=32, num_stages=4), False),
                                               (1, 64, 60, dict(store_wait="read"), True),
-                                              (2, 1, 8192, dict(store_wait="read", combine="cluster"), False),
+                                              (2, 1, 8192, dict(store_wait="write", combine="cluster"), False),
                                               (3, 1, 512, dict(idx_first=True), True),
-                                              (1, 64, 60, dict(idx_first=True, store_wait="read"), False)])
+                                              (1, 64, 60, dict(idx_first=False, store_wait="write"), False)])
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 

@@ -132,14 +132,14 @@ MOSAIC_CASES = [
     (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True),
      dict(block_k=32, num_stages=4, n_splits=7, combine="cluster")),
     (1, 64, 512, 200, 100, 60, dict(ragged=True, heads=128), dict(combine="cluster")),       # one split: no merge
-    # the CTA exits once its output tile has been read out of shared memory, not written
+    # the CTA exits once its output tile has been read out of shared memory (default since session 17), or written
     (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True), dict(store_wait="read")),
-    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(store_wait="read", combine="cluster")),
-    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, fp8=True), dict(store_wait="read", n_splits=3)),
-    # the index rows' copies issued ahead of the q tile's
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(store_wait="write", combine="cluster")),
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, fp8=True), dict(store_wait="write", n_splits=3)),
+    # the index rows' copies issued ahead of the q tile's (default since session 17), or after it
     (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(idx_first=True)),
-    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, fp8=True), dict(idx_first=True, n_splits=3)),
-    (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True, heads=128), dict(idx_first=True, store_wait="read")),
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, fp8=True), dict(idx_first=False, n_splits=3)),
+    (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True, heads=128), dict(idx_first=False, store_wait="write")),
 ]
 
 
