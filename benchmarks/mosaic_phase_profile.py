@@ -51,6 +51,9 @@ CASES = {
     "csa128_bk32": ("csa", 128, 1, 512, "bf16", dict(block_k=32, num_stages=4)),
     "csa64_idxf": ("csa", 64, 1, 512, "bf16", dict(idx_first=True)),            # index rows before the q tile
     "csa128_idxf": ("csa", 128, 1, 512, "bf16", dict(idx_first=True)),
+    "csa64_pp": ("csa", 64, 1, 512, "bf16", dict(pingpong=True)),              # consumers take turns (wgmma)
+    "csa128_pp": ("csa", 128, 1, 512, "bf16", dict(pingpong=True)),
+    "prefill2k_pp": ("csa", 1, 2048, 512, "bf16", dict(split_scores=False, pingpong=True)),
     "prefill2k": ("csa", 1, 2048, 512, "bf16", {}),                        # split_scores (the prefill default)
     "prefill2k_noss": ("csa", 1, 2048, 512, "bf16", dict(split_scores=False)),
 }

@@ -168,7 +168,7 @@ def main():
                          "hca8k_fp8 (the HCA-8K FP8 decode rows only), variants (kernel knobs on decode cases), "
                          "fp8ops / knobs5 / colsplit / prefetch / qreload (session 5-7 knob studies), kernels (Triton vs "
                          "Mosaic GPU on the bf16 cases, session 8), ss (Mosaic default vs split_scores, session 12), "
-                         "s14 (the decode rows, session 14), s16 (store_wait / idx_first against the default, prefill and "
+                         "s14 (the decode rows, session 14), s17 (pingpong against the default), s16 (store_wait / idx_first against the default, prefill and "
                          "decode)")
     ap.add_argument("--net-decode", action="store_true",
                     help="decode rows also net of dispatch: (wall of 1 + U chained calls - wall of 1) / U, next to "
@@ -271,6 +271,15 @@ def main():
                       dict(kernel="mosaic", store_wait="read", idx_first=True)):
                 record(bench_case(rng, ceil, kind, b, t, kc, False, opts=o, ref=False,
                                   **(dict(csa_cap=t // 4) if t > 1 else {})))
+    if "s17" in groups:  # session 17: the Mosaic kernel's pingpong (the consumers take turns at the tensor cores)
+        for kind, b, t, kc in [("csa", 16, 1, 512), ("csa", 64, 1, 512), ("csa", 128, 1, 512), ("hca", 64, 1, 1024),
+                               ("hca", 16, 1, 8192)]:
+            for o in ({}, dict(kernel="mosaic", pingpong=True)):
+                record(bench_case(rng, ceil, kind, b, t, kc, False, opts=o, ref=False))
+        for t in (4096, 16384):   # prefill: split_scores (the default) against both consumers scoring, pingpong
+            for o in ({}, dict(kernel="mosaic", split_scores=False),
+                      dict(kernel="mosaic", split_scores=False, pingpong=True)):
+                record(bench_case(rng, ceil, "csa", 1, t, 512, False, opts=o, ref=False, csa_cap=t // 4))
     if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor
         for kind, b, kc, fp8 in [("csa", 16, 512, False), ("csa", 64, 512, True), ("hca", 16, 8192, True)]:
             for o in ({}, dict(partial_dtype="bfloat16"), dict(fp8_scales="vector"),

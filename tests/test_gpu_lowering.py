@@ -217,7 +217,11 @@ def lower_model_steps(model, cache, marker):
                                               (1, 64, 60, dict(store_wait="read"), True),
                                               (2, 1, 8192, dict(store_wait="write", combine="cluster"), False),
                                               (3, 1, 512, dict(idx_first=True), True),
-                                              (1, 64, 60, dict(idx_first=False, store_wait="write"), False)])
+                                              (1, 64, 60, dict(idx_first=False, store_wait="write"), False),
+                                              (3, 1, 512, dict(pingpong=True), False),
+                                              (2, 1, 8192, dict(pingpong=True, combine="cluster"), False),
+                                              (1, 64, 60, dict(pingpong=True, split_scores=False), False),
+                                              (2, 1, 1024, dict(pingpong=True, n_splits=2, heads=128), False)])
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -246,6 +250,19 @@ def test_sparse_attention_cluster_combine_rejects_what_it_cannot_do():
         sparse_attention_gpu(*args, **kw, combine="cluster", interpret=True)
     assert resolve_combine("cluster", jnp.bfloat16) == "cluster"
     assert resolve_combine("pallas", jnp.float32) == "pallas"
+
+
+def test_sparse_attention_mosaic_pingpong_rejects_fp8_and_split_scores():
+    """pingpong (the consumers take turns at the tensor cores) needs consumers that do not meet every step: FP8's
+    dequantization and split_scores' exchange both put a shared barrier in each step."""
+    from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
+
+    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
+    for fp8, t, opts in [(True, 1, {}), (False, 64, dict(split_scores=True)), (False, 64, {})]:
+        inp = make_attention(1, t, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=fp8)
+        with pytest.raises(ValueError, match="pingpong"):
+            sparse_attention_mosaic(*(inp[k] for k in keys), scale=512 ** -0.5, window_len=inp["window_len"],
+                                    compressed_len=inp["compressed_len"], pingpong=True, **opts)
 
 
 def test_sparse_attention_mosaic_block_k32_rejects_bulk_copies():

@@ -65,7 +65,8 @@ def opts_id(opts):
         f"_{opts['_diag']}" if "_diag" in opts else "", "_cpa" if opts.get("producer") == "cp_async" else "",
         f"_l2a{opts['l2_ahead']}" if "l2_ahead" in opts else "", f"_cmb{opts['combine']}" if "combine" in opts else "",
         f"_bk{opts['block_k']}x{opts.get('num_stages', 2)}" if "block_k" in opts else "",
-        f"_sw{opts['store_wait']}" if "store_wait" in opts else "", {True: "_idxfirst", False: "_qfirst"}.get(opts.get("idx_first"), "")])
+        f"_sw{opts['store_wait']}" if "store_wait" in opts else "", {True: "_idxfirst", False: "_qfirst"}.get(opts.get("idx_first"), ""),
+        "_pp" if opts.get("pingpong") else ""])
 
 
 def call(fn, inp, **kw):

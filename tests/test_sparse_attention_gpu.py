@@ -140,6 +140,12 @@ MOSAIC_CASES = [
     (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(idx_first=True)),
     (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, fp8=True), dict(idx_first=False, n_splits=3)),
     (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True, heads=128), dict(idx_first=False, store_wait="write")),
+    # the consumers take turns at the tensor cores (pingpong)
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(pingpong=True)),                  # cluster merge
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True), dict(pingpong=True, n_splits=3, combine="xla")),
+    (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True, heads=128), dict(pingpong=True, split_scores=False)),
+    (1, 64, 512, 200, 100, 60, dict(ragged=True), dict(pingpong=True, split_scores=False, n_splits=1)),
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True), dict(pingpong=True, combine="xla")),             # 8 splits
 ]
 
 

@@ -119,7 +119,7 @@ def default_config(bt: int, total_blocks: int):
 
 def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=False, diag=None,
            regs=None, n_hg=1, split_scores=False, profile=None, cp_async=False, l2_ahead=0, ccomb=False,
-           store_wait_read=False, idx_first=False):
+           store_wait_read=False, idx_first=False, pingpong=False):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -443,6 +443,21 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             def consumers_barrier():   # named barrier 8 (Mosaic uses 0 and 1-4), the 256 consumer threads
                 llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "bar.sync 8, 256;", "", has_side_effects=True)
 
+            # pingpong: the consumers take turns at the tensor cores, S(wg 0), S(wg 1), P.V(wg 0), P.V(wg 1), ...,
+            # so one's softmax runs under the other's wgmma instead of both computing S at once and both idling the
+            # tensor cores during the softmax. Named barrier 10 + w is consumer w's turn: the other consumer passes
+            # it (bar.arrive, 128 threads) right after issuing its wgmma, w waits for it (bar.sync, 128 threads)
+            # before issuing. Strict alternation never lets two passes pile up on one barrier; consumer 1 passes
+            # the first turn to consumer 0 before its first step, and consumer 0 takes the one pass left over
+            # after its last step, so every barrier ends balanced whatever the step count (0 included).
+            my_turn_bar = arith.addi(ci(10), wg)
+            other_turn_bar = arith.subi(ci(11), wg)
+
+            def turn(op, bar):
+                if pingpong:
+                    llvm.inline_asm(ir.Type.parse("!llvm.void"), [bar], f"{op} $0, 256;", "r",
+                                    has_side_effects=True)
+
             def cluster_combine():
                 """The split-K merge inside the kernel (combine="cluster"). The row's ns split CTAs are one cluster
                 (cluster dims (1, ns, 1): rank = split). Each holds its partial o (normalised by its own l, bf16) in
@@ -663,9 +678,11 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     end(region)
                 else:
                     region = begin("c_scores")
+                    turn("bar.sync", my_turn_bar)
                     s_acc = mgpu.WGMMAAccumulator.zero(BLOCK_H, bk)
                     s_acc = mgpu.wgmma(s_acc, q_smem, mu.memref_transpose(kv, (1, 0, 3, 2)), swizzle=swz)
                     nvvm.wgmma_commit_group_sync_aligned()
+                    turn("bar.arrive", other_turn_bar)
                     nvvm.wgmma_wait_group_sync_aligned(0)
                     end(region)
                     region = begin("c_softmax")
@@ -679,8 +696,10 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 region = begin("c_pv")
                 acc = acc * alpha.broadcast_minor(dh)
                 o_acc = mgpu.WGMMAAccumulator.from_registers(acc)
+                turn("bar.sync", my_turn_bar)
                 o_acc = mgpu.wgmma(o_acc, p, mu.memref_slice(kv, (slice(None), v_cols)), swizzle=swz)
                 nvvm.wgmma_commit_group_sync_aligned()
+                turn("bar.arrive", other_turn_bar)
                 nvvm.wgmma_wait_group_sync_aligned(0)
                 if not fp8:
                     empty_bars[slot].arrive()
@@ -688,7 +707,13 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 return m_new, l, o_acc.value
 
             m0 = sink2.round() if split_scores else sink2   # split_scores keeps the running max an integer
+            if pingpong:   # consumer 1 hands consumer 0 the first turn
+                with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(1))):
+                    turn("bar.arrive", other_turn_bar)
             m, l, acc = steps(consume, (m0, zero_row, acc0))
+            if pingpong:   # consumer 0 takes consumer 1's last pass
+                with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
+                    turn("bar.sync", my_turn_bar)
             region = begin("c_epilogue")   # the final sums, the output tile and its store
             if split_scores:   # l = the two consumers' partial sums (both hold the same m)
                 l.store_untiled(mu.memref_slice(x_l, wgi), optimized=False)
@@ -786,6 +811,7 @@ MAX_CLUSTER = 8           # portable thread-block cluster size: combine="cluster
 DEFAULT_MOSAIC_COMBINE = "auto"  # the split-K merge when combine=None (see resolve_combine)
 DEFAULT_IDX_FIRST = True       # see `sparse_attention_mosaic`'s idx_first (H200, session 17: prefill 4-7% faster)
 DEFAULT_STORE_WAIT = "read"    # see `sparse_attention_mosaic`'s store_wait (timed with idx_first, session 17)
+DEFAULT_PINGPONG = False       # see `sparse_attention_mosaic`'s pingpong (built in session 17, being timed)
 DEFAULT_L2_AHEAD = 0      # L2 prefetch distance in steps (see `sparse_attention_mosaic`'s l2_ahead)
 DEFAULT_PRODUCER = "tma"   # the bf16 ring's gather (see `sparse_attention_mosaic`'s producer)
 DEFAULT_REGS = (56, 224)   # setmaxnreg: (producer, each consumer) registers per thread
@@ -870,6 +896,7 @@ def sparse_attention_mosaic(
     combine: str | None = None,
     store_wait: str | None = None,
     idx_first: bool | None = None,
+    pingpong: bool | None = None,
     _diag: str | None = None,
     _profile: str | None = None,
 ):
@@ -918,6 +945,13 @@ def sparse_attention_mosaic(
     ~14 B per cycle, and the setup phase took 1557-3804 cycles (session 14). H200 (session 17): the producer's
     setup 2980 -> 1479 cycles (CSA B=64); prefill S=16K 4461 -> 4297 µs net (308 -> 320 TFLOP/s), S=4K 1177 ->
     1118 µs; decode CSA B=128 45.7 -> 44.3 µs, B=64 unchanged. Default on.
+    pingpong (None = DEFAULT_PINGPONG where it applies: bf16 pools without split_scores): the two consumer
+    warpgroups take turns at the tensor cores (S of one, S of the other, P.V of one, P.V of the other), as
+    FlashAttention-3's ping-pong schedule does, so one's softmax overlaps the other's wgmma. Session 17's phase
+    profile of CSA B=128 decode: both consumers compute S at once (2333 cycles per step, the tensor cores at their
+    peak for the two copies), then both run the softmax (1363) with the tensor cores idle, and the producer waits
+    1053 cycles per step for a free slot. FP8 pools (the dequantization's shared barrier) and split_scores (the P
+    exchange) already synchronise the consumers every step: pingpong=True raises there.
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -950,6 +984,10 @@ def sparse_attention_mosaic(
         raise ValueError("producer='cp_async' gathers bf16 rows (FP8 pools: the staging ring's bulk copies)")
     if fp8 and split_scores:
         raise ValueError("split_scores does not fit in shared memory next to the FP8 staging ring (bf16 pools only)")
+    if pingpong and (fp8 or split_scores):
+        raise ValueError("pingpong takes turns between the consumers' wgmma: bf16 pools without split_scores only "
+                         "(FP8's dequantization and split_scores' exchange synchronise the consumers every step)")
+    pingpong = DEFAULT_PINGPONG and not (fp8 or split_scores) if pingpong is None else bool(pingpong)
     if fp8 and (block_k or 64) != 64:
         raise ValueError(f"with FP8 pools the Mosaic GPU kernel takes block_k=64 (shared memory), got {block_k}")
     bt = b * t
@@ -1012,7 +1050,8 @@ def sparse_attention_mosaic(
     profile = None if _profile is None else (prof_entries, str(_profile))
     kernel = _build(bt, ns, d, bk, stages, bps, meta, idx_rows, float(scale) * LOG2E, ns > 1 and not ccomb, fp8,
                     _diag, check_regs(regs), n_hg, bool(split_scores), profile, producer == "cp_async", l2_ahead,
-                    ccomb, store_wait == "read", DEFAULT_IDX_FIRST if idx_first is None else bool(idx_first))
+                    ccomb, store_wait == "read", DEFAULT_IDX_FIRST if idx_first is None else bool(idx_first),
+                    pingpong)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1 and not ccomb:
         o, lse = combine_lib.combine(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h), sinks.astype(jnp.float32),
