@@ -196,9 +196,6 @@ def main():
                                                                    topk="threshold_select"),
         "pallas_threshold_set": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas",
                                                                 topk="threshold_set"),
-        # session 17: the one-program-per-row top-k (rows of up to 32K candidates; longer rows: threshold_set)
-        "pallas_row_set": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="row_set"),
-        "pallas_row": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="row"),
         # session 7: the strided-group maxima written by the scores kernel instead of an XLA pass over the scores
         # (measured: no gain; off by default; the session-7 log names these columns *_nofuse for the default)
         "pallas_fused": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", fuse_group_max=True),

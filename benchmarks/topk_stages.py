@@ -21,9 +21,6 @@ Stages (k = 512, random normal scores [R, T]; each timed as dependent calls in o
   bound            gmax + `bound_pallas` (their k-th largest by a radix select kernel; compare with `tau`)
   select           `select_pallas` alone on the compacted slots (the exact k-set, ascending position)
   order_k          lax.top_k over k picks + the index gather (the sort left in full_select)
-  row / row_set    `topk_row_select` (session 17): one program per row holding the row in registers (T <= 32768),
-                   sorted / as an index set; row_set_b2 (2 bits per radix pass), row_set_w8 / _w32 (8 / 32 warps),
-                   row_ties (the set on heavy-tie rows)
   touch            the chain's own carry update alone (the harness overhead, subtracted from nothing)
 Prints a table of us per call; writes DIR/topk_stages.json. --stages picks a subset (comma list; touch always runs).
 --select-configs 'bound_warps=2,select_warps=2;select_bits=4' times bound / select / full_select / full_set once per
@@ -93,17 +90,6 @@ def stages(R, T, k=K, only=None, label=""):
                                              interpret=interp)[1],
         "order_k": lambda s: jnp.take_along_axis(pk0, jax.lax.top_k(jnp.where(s[:, :1] > 1e30, 0, kk0), k)[1],
                                                  axis=1),
-        # session 17: one program per row, the row in registers (T <= ROW_SELECT_MAX_T): sorted / index set, and
-        # the set with other launch settings (bits per radix pass, warps)
-        **({} if T > T_.ROW_SELECT_MAX_T else {
-            "row": lambda s: T_.topk_row_select(s, k, interpret=interp),
-            "row_set": lambda s: T_.topk_row_select(s, k, sorted=False, interpret=interp),
-            "row_set_b2": lambda s: T_.topk_row_select(s, k, sorted=False, bits=2, interpret=interp),
-            "row_set_w8": lambda s: T_.topk_row_select(s, k, sorted=False, num_warps=8, interpret=interp),
-            "row_set_w32": lambda s: T_.topk_row_select(s, k, sorted=False, num_warps=32, interpret=interp),
-            "row_ties": lambda s: T_.topk_row_select(jnp.where(s[:, :1] > 1e30, 0.0, ties), k, sorted=False,
-                                                     interpret=interp),
-        }),
     }
     if only:
         fns = {n: f for n, f in fns.items() if n == "touch" or n in only}

@@ -116,16 +116,6 @@ def test_topk_compact_kernel_lowers():
     lowers_for_cuda(lambda x: topk_threshold(x, 512, impl="pallas_select", sorted=False), s)
 
 
-def test_topk_row_select_lowers():
-    """The one-program-per-row top-k (topk="row" / "row_set"): a 32K row in registers, and a ragged row."""
-    from pallas_kernels.indexer.topk import topk_row_select
-
-    for shape in ((4, 32768), (3, 5000)):
-        s = jax.random.normal(jax.random.key(0), shape, jnp.float32)
-        lowers_for_cuda(lambda x: topk_row_select(x, 512), s)
-        lowers_for_cuda(lambda x: topk_row_select(x, 512, sorted=False, bits=2), s)
-
-
 @pytest.mark.parametrize("flags,opts", [
     (dict(fp8=False, ragged=True), {}),
     (dict(fp8=True, ragged=True, dupes=True), dict(n_splits=3)),

@@ -337,56 +337,6 @@ def test_bound_and_select_kernels_match_references():
             assert (np.asarray(kk)[r, m:] == INT32_MIN).all() and (np.asarray(pp)[r, m:] == 0).all()
 
 
-@pytest.mark.parametrize("T,k,bits", [(3000, 64, 1), (1000, 1000, 2), (37, 64, 1)])
-def test_row_select_matches_lax_top_k(T, k, bits):
-    """topk_row_select (one program per row, the row in registers) == lax.top_k sorted, and == its index set with
-    sorted=False, bit for bit: fast-path kinds (holes, +inf / NaN, signed zeros, short prefixes, an all -inf row),
-    heavy ties, k == T, k > T, T not a power of two; in the interpreter."""
-    from pallas_kernels.indexer.topk import as_index_set, topk_row_select
-
-    rng = np.random.default_rng(next(_SEED))
-    for x in (_fast_rows(8, T, rng), random_scores((2, 3, T), rng)):
-        x = jnp.asarray(x)
-        want = _lax(x, k=min(k, T), topk="lax")
-        got = jax.jit(functools.partial(topk_row_select, k=k, bits=bits, interpret=True))(x)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-        got = jax.jit(functools.partial(topk_row_select, k=k, sorted=False, bits=bits, interpret=True))(x)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(want)))
-
-
-def test_row_select_limits_and_methods():
-    """Rows past ROW_SELECT_MAX_T are refused with a pointer to topk_threshold; the "row" / "row_set" methods give
-    the threshold methods' picks (off a GPU they are those methods)."""
-    from pallas_kernels.indexer.topk import ROW_SELECT_MAX_T, as_index_set, topk_row_select
-
-    with pytest.raises(ValueError, match="topk_threshold"):
-        topk_row_select(jnp.zeros((1, ROW_SELECT_MAX_T + 1)), 8, interpret=True)
-    with pytest.raises(ValueError, match="bits"):
-        topk_row_select(jnp.zeros((1, 100)), 8, bits=3, interpret=True)
-    s = jnp.asarray(_fast_rows(8, 3000, np.random.default_rng(next(_SEED))))
-    want = _lax(s, k=64, topk="lax")
-    np.testing.assert_array_equal(np.asarray(topk_from_scores(s, 64, topk="row")), np.asarray(want))
-    np.testing.assert_array_equal(np.asarray(topk_from_scores(s, 64, topk="row_set")), np.asarray(as_index_set(want)))
-
-
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (compiled Triton kernel)")
-@pytest.mark.parametrize("R,T,k", [(64, 32768, 512), (3, 5000, 1024), (2, 32768, 2048)])
-def test_gpu_row_select(R, T, k):
-    """The compiled row select == lax.top_k (sorted) and its index set, on fast-path and heavy-tie rows, and through
-    topk_from_scores' "row" / "row_set" methods."""
-    from pallas_kernels.indexer.topk import as_index_set, topk_row_select
-
-    rng = np.random.default_rng(next(_SEED))
-    for s in (_fast_rows(max(R, 8), T, rng)[:R], random_scores((R, T), rng)):
-        s = jnp.asarray(s)
-        want = np.asarray(_lax(s, k=k, topk="lax"))
-        for sorted_ in (True, False):
-            got = jax.jit(functools.partial(topk_row_select, k=k, sorted=sorted_))(s)
-            np.testing.assert_array_equal(np.asarray(got), want if sorted_ else np.asarray(as_index_set(jnp.asarray(want))))
-        np.testing.assert_array_equal(np.asarray(jax.jit(lambda x: topk_from_scores(x, k, topk="row_set"))(s)),
-                                      np.asarray(as_index_set(jnp.asarray(want))))
-
-
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (compiled Triton compaction kernel)")
 @pytest.mark.parametrize("impl", ["pallas", "pallas_compact", "pallas_select"])
 @pytest.mark.parametrize("R,T,k", [(1, 262144, 512), (64, 32768, 512), (5, 70000, 1024)])

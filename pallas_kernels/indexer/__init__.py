@@ -12,8 +12,7 @@ kernel and are ignored by the reference. topk (every method exact, the same pick
 "lax" | "blockwise" | "radix" | "radix4" | "grouped[N]" | "threshold_rank" | "threshold_select"; TPU default "lax".
 picks: "sorted" (best first, ties -> lower index: the reference's order) or "set" (the same entries in ascending
 index order, the -1s last: all a gather-and-sum consumer such as the sparse attention needs; on the GPU kernel path
-it selects topk="threshold_set", which skips the last sort, unless a topk option is given; "row_set" is the other
-set method).
+it selects topk="threshold_set", which skips the last sort, unless a topk option is given).
 """
 
 from __future__ import annotations
@@ -43,15 +42,14 @@ def indexer_topk(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256,
         raise ValueError(f"picks must be one of {PICKS}, got {picks!r}")
     target = resolve_impl(impl)
     if picks == "set":
-        from .gpu import SET_METHODS
         from .topk import as_index_set
 
         # the GPU kernel path selects the set directly (sort-free top-k); the reference and the TPU path (default
         # top-k "lax") convert their sorted picks
-        if target not in ("gpu", "interpret") or kernel_options.get("topk", "threshold_set") not in SET_METHODS:
+        if target not in ("gpu", "interpret") or kernel_options.get("topk", "threshold_set") != "threshold_set":
             return as_index_set(indexer_topk(q, weights, keys, n_visible, k=k, query_chunk=query_chunk, impl=impl,
                                              **kernel_options))
-        kernel_options = dict(kernel_options, topk=kernel_options.get("topk", "threshold_set"))
+        kernel_options = dict(kernel_options, topk="threshold_set")
     if target == "reference":
         return indexer_topk_reference(q, weights, keys, n_visible, k=k, query_chunk=query_chunk)
     if target in ("gpu", "interpret"):

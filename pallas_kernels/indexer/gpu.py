@@ -41,10 +41,7 @@ elsewhere), lax.top_k over ~4k slots; a row that overflows the slots gets its ex
 rank-counting kernel instead of the two lax.top_k (no sort; measured slower at batch 64), "threshold_select" = Triton
 kernels for the bound and for picking the k-set among the survivors (`topk_threshold(impl="pallas_select")`; the only
 sort left is over the k picks), "threshold_set" = the same without that sort: the picks as an index set (ascending
-index, -1s last), for consumers that only gather and sum. "row" / "row_set" = one Triton program per row with the
-row in registers (`topk.topk_row_select`: radix select of the k-th key, one cumsum, a scatter; one kernel instead of
-the threshold pipeline's 4-5) for rows of up to `topk.ROW_SELECT_MAX_T` candidates, sorted / as an index set;
-longer rows and other backends take "threshold_select" / "threshold_set". All others give the same picks. H200, session 7 (B = 64,
+index, -1s last), for consumers that only gather and sum. All others give the same picks. H200, session 7 (B = 64,
 128K context, bf16 keys, whole pipeline): default 218-224 us, threshold_select 220, threshold_set 210-212 (the only
 one with no sort left).
 Default "threshold": on the H200, 44 us at batch 1 x 262,144 candidates (lax.top_k ~80) and 55-60 us at batch 64 x
@@ -528,19 +525,15 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
 
 
 TOPK_METHODS = ("lax", "blockwise", "radix", "radix4", "grouped", "grouped<N>", "threshold", "threshold_rank",
-                "threshold_select", "threshold_set", "row", "row_set")
+                "threshold_select", "threshold_set")
 THRESHOLD_METHODS = {"threshold": "pallas_compact", "threshold_rank": "pallas", "threshold_select": "pallas_select",
                      "threshold_set": "pallas_select"}  # method -> topk_threshold impl on a GPU ("xla" elsewhere)
-# one program per row holding the row in registers (`topk.topk_row_select`) on a GPU for rows of up to
-# ROW_SELECT_MAX_T candidates; longer rows, and other backends, take the threshold method of the same order
-ROW_METHODS = {"row": "threshold_select", "row_set": "threshold_set"}
-SET_METHODS = ("threshold_set", "row_set")   # methods that return the picks as an index set
 
 
 def radix_bits_of(topk: str, radix_bits: Optional[int] = None) -> Optional[int]:
     """Digit width of a radix top-k method ("radix" -> 8, "radix4" -> 4, "radixN" -> N; `radix_bits` overrides),
     None for the other methods; ValueError for an unknown method."""
-    if topk in ("lax", "blockwise") or topk in THRESHOLD_METHODS or topk in ROW_METHODS or topk.startswith("grouped"):
+    if topk in ("lax", "blockwise") or topk in THRESHOLD_METHODS or topk.startswith("grouped"):
         if topk.startswith("grouped") and not (topk == "grouped" or topk[7:].isdigit()):
             raise ValueError(f"unknown topk method {topk!r}; expected one of {TOPK_METHODS}")
         return None
@@ -551,16 +544,10 @@ def radix_bits_of(topk: str, radix_bits: Optional[int] = None) -> Optional[int]:
 
 def topk_from_scores(scores, k, *, topk="lax", topk_block=4096, radix_bits=None, group_max=None):
     """scores [..., Tp] (-inf = invalid) -> picks [..., k] int32 sorted by descending score, ties -> lower index,
-    -1 where the score is not finite. topk: one of TOPK_METHODS (same results), except SET_METHODS: the same
+    -1 where the score is not finite. topk: one of TOPK_METHODS (same results), except "threshold_set": the same
     picks as an index set (`topk.as_index_set`: ascending index, the -1s last). group_max: the scores kernel's
     partial strided-group maxima for the threshold methods (`topk.topk_threshold`), else unused."""
     bits = radix_bits_of(topk, radix_bits)
-    if topk in ROW_METHODS:
-        from .topk import ROW_SELECT_MAX_T, topk_row_select
-
-        if jax.default_backend() == "gpu" and scores.shape[-1] <= ROW_SELECT_MAX_T:
-            return topk_row_select(scores, k, sorted=topk == "row")
-        topk = ROW_METHODS[topk]
     if topk in THRESHOLD_METHODS:
         from .topk import topk_threshold
 

@@ -65,7 +65,7 @@ try:
 except ImportError:  # pragma: no cover
     plgpu = None
 
-__all__ = ["float_keys", "kth_largest_key", "topk_radix", "topk_grouped", "topk_threshold", "topk_row_select"]
+__all__ = ["float_keys", "kth_largest_key", "topk_radix", "topk_grouped", "topk_threshold"]
 
 PACK_LIMIT = 2 ** 31  # one packed int32 cumsum while (T + 1) * M stays below this (a module constant for tests)
 
@@ -586,81 +586,6 @@ def select_pallas(cand_keys, cand_pos, n, k: int, capacity: int, *, bits: int | 
         **extra,
     )(jnp.minimum(n, capacity).astype(jnp.int32), cand_keys, cand_pos)
     return keys_k[:, :k], pos_k[:, :k]
-
-
-# ---- row select: the whole row in one program's registers, no bound, no compaction -------------------------------
-
-ROW_SELECT_MAX_T = 32768   # candidates per row held in registers (16 warps: 64 keys a thread)
-ROW_SELECT_CONFIG = dict(num_warps=16, bits=1)
-
-
-def _row_select_kernel(scores_ref, keys_out, pos_out, *, T, Tp, k, kp, bits, finite_only):
-    """One program per row: the row's T scores -> its exact top-k set (every key > K* and the first k - #{key > K*}
-    keys == K*, K* the k-th largest ordered key) in ascending position, padding (INT32_MIN, 0) after it.
-    finite_only: the set's non-finite picks (-inf, +inf, NaN keys) left out, the padding after the rest. Lanes
-    not stored go to distinct tail slots k + lane (the interpreter implements a masked scatter as
-    read-select-write)."""
-    r = pl.program_id(0)
-    lanes = jax.lax.iota(jnp.int32, Tp)
-    valid = lanes < T
-    s = plgpu.load(scores_ref.at[r, lanes], mask=valid, other=-jnp.inf) if Tp != T else plgpu.load(scores_ref.at[r])
-    b = jax.lax.bitcast_convert_type(s, jnp.int32)
-    key = b ^ ((b >> 31) & jnp.int32(0x7FFFFFFF))          # `_ordered_i32`
-    if Tp != T:
-        key = jnp.where(valid, key, jnp.int32(INT32_MIN))   # padding: below every real key's threshold (see below)
-    # every radix threshold is > INT32_MIN (its digit is >= 1), so the padding lanes never count and the counts
-    # need no valid mask; k <= T real keys, so the invariant #{key >= prefix} >= k holds from the start
-    kstar, c_gt = _radix_select_regs(key, valid if Tp != T else jnp.ones((Tp,), jnp.bool_), k, bits)
-    eq = key == kstar
-    sel = (key > kstar) | (eq & (jnp.cumsum(eq.astype(jnp.int32)) <= k - c_gt))
-    if Tp != T:
-        sel = sel & valid
-    if finite_only:
-        sel = sel & (key > NEG_INF_KEY) & (key < POS_INF_KEY)
-    n_out = jnp.sum(sel.astype(jnp.int32))
-    at = jnp.where(sel, jnp.cumsum(sel.astype(jnp.int32)) - 1, k + lanes)
-    plgpu.store(keys_out.at[r, at], key, mask=sel)
-    plgpu.store(pos_out.at[r, at], lanes, mask=sel)
-    pad_lanes = jax.lax.iota(jnp.int32, kp)
-    pad = (pad_lanes >= n_out) & (pad_lanes < k)
-    plgpu.store(keys_out.at[r, pad_lanes], jnp.full((kp,), INT32_MIN, jnp.int32), mask=pad)
-    plgpu.store(pos_out.at[r, pad_lanes], jnp.zeros((kp,), jnp.int32), mask=pad)
-
-
-def topk_row_select(scores, k: int, *, sorted: bool = True, num_warps: int | None = None, bits: int | None = None,
-                    interpret: bool = False):
-    """scores [..., T] float32 (-inf = invalid), T <= ROW_SELECT_MAX_T -> picks [..., min(k, T)] int32, the same
-    picks as `topk_threshold` (sorted: bit-identical to `topk_from_scores(topk="lax")`; sorted=False: as an index
-    set, ascending index, the -1s last). One Triton kernel, one program per row, with the whole row in registers:
-    the exact k-th key K* by radix select (`bits` per pass; bits=1 is a bisection: 32 block-wide counts), then
-    the top-k set by one cumsum and a scatter. No bound, no compaction, no overflow route, no sort (sorted=True
-    orders the k picks with one lax.top_k over k). The threshold pipeline is 4-5 kernels (group maxima, bound,
-    compaction, overflow fix-up, selection); at decode (B rows of up to 32K candidates) they are latency-bound."""
-    s, lead, k = _as_rows(scores, k)
-    if k == 0:
-        return jnp.zeros(lead + (0,), jnp.int32)
-    R, T = s.shape
-    if T > ROW_SELECT_MAX_T:
-        raise ValueError(f"topk_row_select holds a row in registers: T <= {ROW_SELECT_MAX_T}, got {T} "
-                         f"(longer rows: topk_threshold)")
-    bits = bits or ROW_SELECT_CONFIG["bits"]
-    num_warps = num_warps or ROW_SELECT_CONFIG["num_warps"]
-    if 32 % bits:
-        raise ValueError(f"bits must divide 32, got {bits}")
-    Tp = 1 << (T - 1).bit_length()
-    kp = 1 << (k - 1).bit_length()
-    full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
-    extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1))
-    keys_k, pos_k = pl.pallas_call(
-        functools.partial(_row_select_kernel, T=T, Tp=Tp, k=k, kp=kp, bits=bits, finite_only=not sorted),
-        grid=(R,), in_specs=[full((R, T))], out_specs=[full((R, k + Tp))] * 2,
-        out_shape=[jax.ShapeDtypeStruct((R, k + Tp), jnp.int32)] * 2, interpret=interpret, name="topk_row_select",
-        **extra,
-    )(s)
-    keys_k, pos_k = keys_k[:, :k], pos_k[:, :k]
-    if not sorted:
-        return jnp.where(keys_k > NEG_INF_KEY, pos_k, -1).reshape(lead + (k,))
-    return _order_slots(keys_k, pos_k, k, lead)
 
 
 def as_index_set(picks):
