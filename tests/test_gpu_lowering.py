@@ -265,6 +265,21 @@ def test_sparse_attention_mosaic_pingpong_rejects_fp8_and_split_scores():
                                     compressed_len=inp["compressed_len"], pingpong=True, **opts)
 
 
+def test_sparse_attention_mosaic_counts_its_barriers_in_shared_memory():
+    """A ring that fills shared memory to the byte (block_k=32 x 5 slots next to the q tile and one split's 640 index
+    rows) leaves no room for the kernel's mbarriers: with the default split count the wrapper splits the rows
+    further and the kernel lowers; with n_splits=1 it raises its own error, not Mosaic's."""
+    from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
+
+    inp = make_attention(128, 1, 64, 512, 300, 9000, 128, 512, ragged=True)
+    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
+    kw = dict(scale=512 ** -0.5, window_len=inp["window_len"], compressed_len=inp["compressed_len"], block_k=32,
+              num_stages=5)
+    lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, **kw), *(inp[k] for k in keys))
+    with pytest.raises(ValueError, match="shared memory .* over"):
+        sparse_attention_mosaic(*(inp[k] for k in keys), **kw, n_splits=1)
+
+
 def test_sparse_attention_mosaic_block_k32_rejects_bulk_copies():
     """32-entry rings (64 B swizzle) are gathered with cp.async: a bulk tensor copy's shared-memory destination must
     be 128 B aligned, and odd rows of a 64 B-swizzled tile start 64 B into a line (the H200 faulted, session 15)."""

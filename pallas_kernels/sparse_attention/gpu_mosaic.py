@@ -1027,8 +1027,11 @@ def sparse_attention_mosaic(
         ns = -(-total_blocks // bps)
         idx_rows = [min(bps, s_.k // bk) * bk for s_ in flat]
         prof_entries = profile_entries(sum(idx_rows) // bk)   # per warpgroup, if profiled
+        # + the mbarriers (8 B each: q, idx, cons, and full / empty per slot), which Mosaic packs after the buffers:
+        # without them a ring that fills shared memory to the byte (block_k=32 x 5 slots) passed this check and
+        # failed in Mosaic's own (232552 > 232448 B)
         smem = BLOCK_H * d * 2 + ring_bytes + sum(idx_rows) * 4 + 2 * BLOCK_H * 4 + exchange + \
-            (3 * 4 * prof_entries + 1024 if _profile else 0)   # + the profiler buffer's alignment
+            (3 + 2 * stages) * 8 + (3 * 4 * prof_entries + 1024 if _profile else 0)   # + the profiler's alignment
         if smem <= SMEM_BUDGET or n_splits is not None or bps <= max(1, min_bps):
             break
         bps -= 1
