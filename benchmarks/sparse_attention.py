@@ -168,8 +168,8 @@ def main():
                          "hca8k_fp8 (the HCA-8K FP8 decode rows only), variants (kernel knobs on decode cases), "
                          "fp8ops / knobs5 / colsplit / prefetch / qreload (session 5-7 knob studies), kernels (Triton vs "
                          "Mosaic GPU on the bf16 cases, session 8), ss (Mosaic default vs split_scores, session 12), "
-                         "s14 (the decode rows, session 14), s17 (pingpong against the default), s16 (store_wait / idx_first against the default, prefill and "
-                         "decode)")
+                         "s14 (the decode rows, session 14), s16 (store_wait / idx_first against the default, prefill "
+                         "and decode), s17 (pingpong against the default)")
     ap.add_argument("--net-decode", action="store_true",
                     help="decode rows also net of dispatch: (wall of 1 + U chained calls - wall of 1) / U, next to "
                          "the chain's wall / U (which carries ~2-4 us of dispatch per call at U ~ 90, session 15)")

@@ -811,7 +811,7 @@ MAX_CLUSTER = 8           # portable thread-block cluster size: combine="cluster
 DEFAULT_MOSAIC_COMBINE = "auto"  # the split-K merge when combine=None (see resolve_combine)
 DEFAULT_IDX_FIRST = True       # see `sparse_attention_mosaic`'s idx_first (H200, session 17: prefill 4-7% faster)
 DEFAULT_STORE_WAIT = "read"    # see `sparse_attention_mosaic`'s store_wait (timed with idx_first, session 17)
-DEFAULT_PINGPONG = False       # see `sparse_attention_mosaic`'s pingpong (built in session 17, being timed)
+DEFAULT_PINGPONG = False       # see `sparse_attention_mosaic`'s pingpong (H200, session 17: no gain)
 DEFAULT_L2_AHEAD = 0      # L2 prefetch distance in steps (see `sparse_attention_mosaic`'s l2_ahead)
 DEFAULT_PRODUCER = "tma"   # the bf16 ring's gather (see `sparse_attention_mosaic`'s producer)
 DEFAULT_REGS = (56, 224)   # setmaxnreg: (producer, each consumer) registers per thread
@@ -951,7 +951,9 @@ def sparse_attention_mosaic(
     profile of CSA B=128 decode: both consumers compute S at once (2333 cycles per step, the tensor cores at their
     peak for the two copies), then both run the softmax (1363) with the tensor cores idle, and the producer waits
     1053 cycles per step for a free slot. FP8 pools (the dequantization's shared barrier) and split_scores (the P
-    exchange) already synchronise the consumers every step: pingpong=True raises there.
+    exchange) already synchronise the consumers every step: pingpong=True raises there. Measured (session 17):
+    no gain (CSA B=128 46.4 vs 44.9 us, HCA-8K B=16 78.7 vs 71.2): one warpgroup's N=64 S chain takes as long
+    alone as two at once, so taking turns frees no tensor time. Off by default.
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
