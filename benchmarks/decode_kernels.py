@@ -15,7 +15,8 @@ launch gaps) is measured rather than guessed:
 
     PYTHONPATH=. python benchmarks/decode_kernels.py --out DIR [--cases csa64,csa64:kernel=mosaic+producer=cp_async,...] [--unroll 16]
 
-A case is NAME[:opt=value+opt=value...] with NAME in CASES and options passed to `sparse_attention` (ints, or true / false).
+A case is NAME[:opt=value+opt=value...] with NAME in CASES and options passed to `sparse_attention` (ints, or true / false),
+except wlen / clen: every row's valid window / compressed length (wlen=0+clen=0: the kernel's fixed cost, no blocks).
 Needs a GPU (CUPTI).
 """
 
@@ -90,7 +91,18 @@ def main():
 
         def measure():
             q, wpool, cpool, sinks, widx, cidx = make_case(rng, kind, b, 1, kc, 4096, kv == "fp8", 8)
-            one = dispatcher_call("pallas", opts)
+            kopts = dict(opts)
+            lens = {k: kopts.pop(k) for k in ("wlen", "clen") if k in kopts}
+            if lens:   # valid lengths for every row: wlen=0+clen=0 times the kernel's fixed cost (no blocks)
+                from pallas_kernels.sparse_attention import sparse_attention
+                from benchmarks.sparse_attention import D
+                full = lambda n: jax.numpy.full((b, 1), n, jax.numpy.int32)
+                one = jax.jit(lambda q, wpool, widx, cpool, cidx, sinks: sparse_attention(
+                    q, wpool, widx, cpool, cidx, sinks, scale=D ** -0.5, impl="pallas",
+                    window_len=full(lens.get("wlen", widx.shape[-1])),
+                    compressed_len=full(lens.get("clen", cidx.shape[-1])), **kopts))
+            else:
+                one = dispatcher_call("pallas", opts)
             chain = lambda n: chained(one, n, len(widx))
             a = (q, wpool, cpool, sinks, widx, cidx)
             run = chain(u)

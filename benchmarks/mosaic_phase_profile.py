@@ -53,6 +53,12 @@ CASES = {
     "csa128_idxf": ("csa", 128, 1, 512, "bf16", dict(idx_first=True)),
     "csa64_pp": ("csa", 64, 1, 512, "bf16", dict(pingpong=True)),              # consumers take turns (wgmma)
     "csa128_pp": ("csa", 128, 1, 512, "bf16", dict(pingpong=True)),
+    "csa16_cle": ("csa", 16, 1, 512, "bf16", dict(cluster_loads="early")),     # the merge's reads issued first
+    "csa64_cle": ("csa", 64, 1, 512, "bf16", dict(cluster_loads="early")),
+    "hca1k64_cle": ("hca", 64, 1, 1024, "bf16", dict(cluster_loads="early")),
+    "csa64_sd": ("csa", 64, 1, 512, "bf16", dict(split_d=True)),     # the scores over half of d per consumer
+    "csa128_sd": ("csa", 128, 1, 512, "bf16", dict(split_d=True)),
+    "prefill2k_sd": ("csa", 1, 2048, 512, "bf16", dict(split_d=True)),
     "prefill2k_pp": ("csa", 1, 2048, 512, "bf16", dict(split_scores=False, pingpong=True)),
     "prefill2k": ("csa", 1, 2048, 512, "bf16", {}),                        # split_scores (the prefill default)
     "prefill2k_noss": ("csa", 1, 2048, 512, "bf16", dict(split_scores=False)),

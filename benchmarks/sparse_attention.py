@@ -280,6 +280,14 @@ def main():
             for o in ({}, dict(kernel="mosaic", split_scores=False),
                       dict(kernel="mosaic", split_scores=False, pingpong=True)):
                 record(bench_case(rng, ceil, "csa", 1, t, 512, False, opts=o, ref=False, csa_cap=t // 4))
+    if "s18" in groups:  # session 18: split_d (each consumer scores half of d) -- the decode default -- against off
+        for kind, b, kc in [("csa", 16, 512), ("csa", 64, 512), ("csa", 128, 512), ("hca", 16, 1024),
+                            ("hca", 64, 1024), ("hca", 16, 8192)]:
+            for o in ({}, dict(kernel="mosaic", split_d=False)):
+                record(bench_case(rng, ceil, kind, b, 1, kc, False, opts=o, ref=False))
+        for t in (4096, 16384):   # prefill: split_scores (the default there) against split_d
+            for o in ({}, dict(kernel="mosaic", split_scores=False, split_d=True)):
+                record(bench_case(rng, ceil, "csa", 1, t, 512, False, opts=o, ref=False, csa_cap=t // 4))
     if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor
         for kind, b, kc, fp8 in [("csa", 16, 512, False), ("csa", 64, 512, True), ("hca", 16, 8192, True)]:
             for o in ({}, dict(partial_dtype="bfloat16"), dict(fp8_scales="vector"),

@@ -221,7 +221,21 @@ def lower_model_steps(model, cache, marker):
                                               (3, 1, 512, dict(pingpong=True), False),
                                               (2, 1, 8192, dict(pingpong=True, combine="cluster"), False),
                                               (1, 64, 60, dict(pingpong=True, split_scores=False), False),
-                                              (2, 1, 1024, dict(pingpong=True, n_splits=2, heads=128), False)])
+                                              (2, 1, 1024, dict(pingpong=True, n_splits=2, heads=128), False),
+                                              (2, 1, 8192, dict(combine="cluster", cluster_loads="early"), False),
+                                              (2, 1, 8192, dict(n_splits=3, combine="cluster", cluster_loads="early"),
+                                               False),
+                                              (2, 1, 8192, dict(n_splits=5, combine="cluster", cluster_loads="early"),
+                                               True),
+                                              (2, 1, 1024, dict(n_splits=2, combine="cluster", heads=128,
+                                                                cluster_loads="early"), True),
+                                              (3, 1, 512, dict(combine="cluster", block_k=32, num_stages=4,
+                                                               cluster_loads="early"), False),
+                                              (3, 1, 512, dict(split_d=True), False),
+                                              (3, 1, 512, dict(split_d=True, n_splits=1), False),
+                                              (2, 1, 8192, dict(split_d=True, combine="xla"), False),
+                                              (1, 64, 60, dict(split_d=True, heads=128), False),
+                                              (3, 1, 512, dict(split_d=True, block_k=32, num_stages=4), False)])
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -248,8 +262,29 @@ def test_sparse_attention_cluster_combine_rejects_what_it_cannot_do():
         jax.jit(lambda *a: sparse_attention_mosaic(*a, **kw, combine="cluster", out_dtype=jnp.float32)).lower(*args)
     with pytest.raises(ValueError, match="Mosaic GPU kernel's"):
         sparse_attention_gpu(*args, **kw, combine="cluster", interpret=True)
+    with pytest.raises(ValueError, match="cluster_loads"):
+        jax.jit(lambda *a: sparse_attention_mosaic(*a, **kw, combine="cluster", cluster_loads="late")).lower(*args)
     assert resolve_combine("cluster", jnp.bfloat16) == "cluster"
     assert resolve_combine("pallas", jnp.float32) == "pallas"
+
+
+def test_sparse_attention_mosaic_split_d_rejects_what_it_cannot_do():
+    """split_d (each consumer scores half of d, f32 partials swapped through shared memory) needs bf16 pools (FP8's
+    staging ring leaves no room for the 32 KB exchange) and excludes split_scores and pingpong."""
+    from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
+
+    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
+    for fp8, opts in ((True, {}), (False, dict(split_scores=True)), (False, dict(pingpong=True))):
+        inp = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=fp8)
+        with pytest.raises(ValueError, match="split_d"):
+            sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, split_d=True, **opts)
+    # an HCA-8K row in at most 8 cluster splits: 1040 index rows per CTA leave no room for the 32 KB exchange, so
+    # the default (split_d=None) lowers without it and an explicit split_d=True says why it cannot
+    inp = make_attention(2, 1, 64, 512, 300, 9000, 128, 8192, ragged=True, fp8=False)
+    with pytest.raises(ValueError, match="shared memory .* over"):
+        sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, split_d=True, combine="cluster")
+    lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, scale=0.1, combine="cluster"),
+               *(inp[k] for k in keys))
 
 
 def test_sparse_attention_mosaic_pingpong_rejects_fp8_and_split_scores():

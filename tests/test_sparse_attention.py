@@ -66,7 +66,8 @@ def opts_id(opts):
         f"_l2a{opts['l2_ahead']}" if "l2_ahead" in opts else "", f"_cmb{opts['combine']}" if "combine" in opts else "",
         f"_bk{opts['block_k']}x{opts.get('num_stages', 2)}" if "block_k" in opts else "",
         f"_sw{opts['store_wait']}" if "store_wait" in opts else "", {True: "_idxfirst", False: "_qfirst"}.get(opts.get("idx_first"), ""),
-        "_pp" if opts.get("pingpong") else ""])
+        "_pp" if opts.get("pingpong") else "", f"_cl{opts['cluster_loads']}" if "cluster_loads" in opts else "",
+        "_sd" if opts.get("split_d") else ""])
 
 
 def call(fn, inp, **kw):
@@ -94,6 +95,18 @@ def check_close(out, ref, tol=2e-2):
 
 
 # --------------------------------------------------------------------------------------------- FP8 layout
+
+
+def test_fp8_block_exponent_is_exact_at_powers_of_two():
+    """s = 2^ceil(log2(amax / 448)) with amax = 448 x 2^k exactly (bf16 amax with mantissa 1.75: ~1 block in 128)
+    is 2^k, not 2^(k+1): the exponent comes from the ratio's bits, not a float log2 (XLA's CPU log2 missed it)."""
+    from pallas_kernels.sparse_attention.fp8_layout import block_exponent
+
+    k = np.arange(-20, 20)
+    amax = np.concatenate([448.0 * 2.0 ** k, np.nextafter(448.0 * 2.0 ** k, np.inf, dtype=np.float32),
+                           np.nextafter(448.0 * 2.0 ** k, 0, dtype=np.float32), [0.0, 1e-9, 3e30]]).astype(np.float32)
+    want = np.clip(np.ceil(np.log2(np.maximum(amax.astype(np.float64), 1e-4) / 448)), -127, 127)
+    np.testing.assert_array_equal(np.asarray(block_exponent(jnp.asarray(amax))), want)
 
 
 def test_fp8_roundtrip_and_packing():
@@ -268,6 +281,18 @@ def test_kernel_option_validation():
     q128 = jnp.concatenate([inp["q"], inp["q"]], axis=2)        # 128 heads: two CTAs of 64 per query row
     assert mosaic_applies(q128, inp["window_kv"], inp["compressed_kv"])
     assert not mosaic_applies(q128[:, :, :96], inp["window_kv"], inp["compressed_kv"])
+
+
+def test_mosaic_only_knobs_with_auto_kernel_say_where_they_run():
+    """kernel="auto" with a knob only the Mosaic GPU kernel has (cluster_loads, store_wait, ...) means that kernel:
+    in the interpreter it is a clear error, not a TypeError from the Triton kernel."""
+    from pallas_kernels.sparse_attention import mosaic_only_options, sparse_attention
+
+    assert {"cluster_loads", "store_wait", "idx_first", "split_scores"} <= mosaic_only_options()
+    assert not {"block_k", "num_stages", "n_splits", "combine"} & mosaic_only_options()
+    inp = make_inputs(1, 1, 4, 512, 40, 80, 16, 16)
+    with pytest.raises(ValueError, match="Mosaic GPU kernel's, which runs only on a GPU"):
+        call(sparse_attention, inp, impl="pallas", cluster_loads="early")
 
 
 def test_mosaic_kernel_input_errors():

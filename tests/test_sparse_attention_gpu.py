@@ -146,6 +146,26 @@ MOSAIC_CASES = [
     (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True, heads=128), dict(pingpong=True, split_scores=False)),
     (1, 64, 512, 200, 100, 60, dict(ragged=True), dict(pingpong=True, split_scores=False, n_splits=1)),
     (2, 1, 128, 9000, 128, 8192, dict(ragged=True), dict(pingpong=True, combine="xla")),             # 8 splits
+    # the cluster merge with every remote read issued before the merges (cluster_loads="early")
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True),
+     dict(n_splits=3, combine="cluster", cluster_loads="early")),
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True, heads=128),
+     dict(n_splits=4, combine="cluster", cluster_loads="early")),
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(combine="cluster", cluster_loads="early")),  # 5
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True), dict(combine="cluster", cluster_loads="early")),           # 8
+    (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, dupes=True),
+     dict(n_splits=2, combine="cluster", cluster_loads="early")),
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True),
+     dict(block_k=32, num_stages=4, n_splits=7, combine="cluster", cluster_loads="early")),
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(combine="cluster", cluster_loads="per_unit")),
+    # each consumer scores half of d and they swap f32 partials (split_d); the sinks | lse share the exchange buffer
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(split_d=True)),                  # cluster merge
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(split_d=True, n_splits=1)),      # one split
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True), dict(split_d=True, n_splits=3, combine="xla")),
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True), dict(split_d=True)),
+    (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True, heads=128), dict(split_d=True)),   # prefill
+    (1, 64, 512, 200, 100, 60, dict(ragged=True), dict(split_d=True, block_k=32, num_stages=4)),
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True), dict(split_d=True, n_splits=4, combine="cluster")),
 ]
 
 
@@ -180,6 +200,11 @@ def test_gpu_auto_picks_mosaic_only_where_it_applies():
     check_close(jax.jit(lambda i: call(sparse_attention, i, impl="auto"))(inp), call(sparse_attention_reference, inp))
     fp8 = make_inputs(2, 1, 64, 512, 256, 1024, 128, 512, fp8=True)
     assert not mosaic_applies(fp8["q"], fp8["window_kv"], fp8["compressed_kv"])
+    # a Mosaic-only knob with kernel="auto": the Mosaic kernel where it applies, a clear error where it does not
+    check_close(call(sparse_attention, inp, impl="auto", cluster_loads="early", n_splits=2),
+                call(sparse_attention_reference, inp))
+    with pytest.raises(ValueError, match="does not apply to these inputs"):
+        call(sparse_attention, inp, impl="auto", store_wait="read", out_dtype=jnp.float32)
 
 
 def test_gpu_cluster_occupancy_query():

@@ -43,6 +43,18 @@ GPU_KERNELS = ("auto", "mosaic", "triton")
 MOSAIC_OPTIONS = frozenset({"block_k", "num_stages", "n_splits", "combine"})  # knobs both GPU kernels understand
 
 
+def mosaic_only_options() -> frozenset:
+    """Keyword options the Mosaic GPU kernel takes and the Triton kernel does not (kernel="auto" with one of them
+    means the Mosaic kernel)."""
+    import inspect
+
+    from .gpu import sparse_attention_gpu
+    from .gpu_mosaic import sparse_attention_mosaic
+
+    kw = lambda f: {n for n, p_ in inspect.signature(f).parameters.items() if p_.kind == p_.KEYWORD_ONLY}
+    return frozenset(kw(sparse_attention_mosaic) - kw(sparse_attention_gpu))
+
+
 def mosaic_applies(q, window_kv, compressed_kv, out_dtype=None, kernel_options=None) -> bool:
     """Whether kernel="auto" picks the Mosaic GPU kernel: bf16 q with a multiple of 64 heads (one CTA per 64) and
     head_dim % 128 == 0, bf16
@@ -95,6 +107,16 @@ def sparse_attention(
         raise ValueError(f"kernel='mosaic' runs only on a GPU (Mosaic GPU has no interpreter); this is {target!r}")
     if target == "reference":
         return sparse_attention_reference(q, window_kv, window_idx, compressed_kv, compressed_idx, sinks, **kw)
+    if target in ("gpu", "interpret") and kernel == "auto" and set(kernel_options) & mosaic_only_options():
+        # a knob only the Mosaic kernel has asks for it: take it where it applies, else say why not (rather
+        # than a TypeError from the Triton kernel)
+        if target == "interpret":
+            raise ValueError(f"options {sorted(set(kernel_options) & mosaic_only_options())} are the Mosaic GPU "
+                             "kernel's, which runs only on a GPU (Mosaic GPU has no interpreter)")
+        if not mosaic_applies(q, window_kv, compressed_kv, out_dtype, set(kernel_options) - mosaic_only_options()):
+            raise ValueError(f"options {sorted(set(kernel_options) & mosaic_only_options())} are the Mosaic GPU "
+                             "kernel's, which does not apply to these inputs (see mosaic_applies)")
+        kernel = "mosaic"
     if target == "gpu" and (kernel == "mosaic" or (kernel == "auto" and mosaic_applies(
             q, window_kv, compressed_kv, out_dtype, kernel_options))):
         from .gpu_mosaic import sparse_attention_mosaic

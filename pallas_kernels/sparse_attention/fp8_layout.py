@@ -82,8 +82,13 @@ def ue8m0_to_f32(b: jax.Array) -> jax.Array:
 
 def block_exponent(amax: jax.Array) -> jax.Array:
     """The format's per-64-block scale exponent: ceil(log2(max(amax, 1e-4) / 448)) clipped to [-127, 127], int32
-    (shared by `quantize_kv_fp8` and the compressor kernels that write these rows)."""
-    e = jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-4) / E4M3_MAX))
+    (shared by `quantize_kv_fp8` and the compressor kernels that write these rows). Exact, from the f32 bit pattern
+    of the ratio (normal: >= 1e-4 / 448): a float log2 is not, and XLA's CPU log2 put amax = 448 x 2^k (common for
+    bf16 amax: mantissa 1.75) one binade high."""
+    ratio = (jnp.maximum(amax, 1e-4) / E4M3_MAX).astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(ratio, jnp.int32)
+    e = ((bits >> 23) & 0xFF) - 127
+    e = jnp.where((bits & 0x7FFFFF) != 0, e + 1, e)
     return jnp.clip(e, -127, 127).astype(jnp.int32)
 
 

@@ -57,6 +57,7 @@ Not interpretable on CPU, but it lowers there (CI: tests/test_gpu_lowering.py); 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import jax
@@ -119,7 +120,7 @@ def default_config(bt: int, total_blocks: int):
 
 def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=False, diag=None,
            regs=None, n_hg=1, split_scores=False, profile=None, cp_async=False, l2_ahead=0, ccomb=False,
-           store_wait_read=False, idx_first=False, pingpong=False):
+           store_wait_read=False, idx_first=False, pingpong=False, cluster_early=False, split_d=False):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -166,9 +167,17 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
         elif split_scores:
             (q_smem, ring, x_p, x_m, x_l, idx_smem, vec_smem), (q_bar, idx_bar, full_bars), \
                 (empty_bars, cons_bar) = scratch
+        elif split_d:
+            (q_smem, ring, x_s, idx_smem), (q_bar, idx_bar, full_bars), (empty_bars, cons_bar) = scratch
         else:
             (q_smem, ring, idx_smem, vec_smem), (q_bar, idx_bar, full_bars), (empty_bars, cons_bar) = scratch
         index, i32, f32, bf16 = ir.IndexType.get(), ir.IntegerType.get_signless(32), ir.F32Type.get(), ir.BF16Type.get()
+        if split_d:
+            # sinks | lse live in the first 128 floats of the exchange buffer: the sinks are read before the first
+            # step (a barrier precedes every write to the buffer) and rewritten, with the lse, after the last one.
+            # This keeps a one-split CSA row (640 index rows) within shared memory next to the 32 KB buffer.
+            vec_smem = mu.memref_slice(mu.memref_reshape(mu.memref_slice(x_s, (0, 0, 0)), (256,)),
+                                       mu.ds(0, 2 * BLOCK_H))
         i8, i16, i64 = (ir.IntegerType.get_signless(n) for n in (8, 16, 64))
         c = lambda v: arith.constant(index, v)
         ci = lambda v: arith.constant(i32, v)
@@ -431,8 +440,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             # the producer has cleaned this split's index rows (named barrier 9: 128 producer arrivals + us)
             llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "bar.sync 9, 384;", "", has_side_effects=True)
             end(region)
-            sink2 = fa.FragmentedArray.load_untiled(mu.memref_slice(vec_smem, mu.ds(0, BLOCK_H)),
-                                                    layout=fa.WGMMA_ROW_LAYOUT, optimized=False) * LOG2E
+            sink_raw = fa.FragmentedArray.load_untiled(mu.memref_slice(vec_smem, mu.ds(0, BLOCK_H)),
+                                                       layout=fa.WGMMA_ROW_LAYOUT, optimized=False)
+            sink2 = sink_raw * LOG2E
             zero_row = fa.FragmentedArray.splat(arith.constant(f32, 0.0), (BLOCK_H,), fa.WGMMA_ROW_LAYOUT)
             acc0 = fa.FragmentedArray.splat(arith.constant(f32, 0.0), (BLOCK_H, dh), fa.WGMMA_LAYOUT)
             half = bk // 2
@@ -470,7 +480,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 each unit with one bulk copy; one thread per head stores the merged lse (without the sink).
                 A second cluster barrier keeps every CTA's shared memory alive until its peers have read it. The
                 partials never touch HBM and no second kernel runs."""
+                region = begin("c_cl_sync1")
                 cluster_sync()   # every split's partial tile and lse row are written (release / acquire)
+                end(region)
                 tid = mu.thread_idx()                                 # i32, 0..255 (the consumer warpgroups)
                 q_base = llvm.ptrtoint(i32, mu.memref_ptr(q_smem))     # shared::cta addresses (32-bit)
                 v_base = llvm.ptrtoint(i32, mu.memref_ptr(vec_smem))
@@ -498,46 +510,82 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 def pack(hi, lo):
                     return llvm.inline_asm(i32, [hi, lo], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
 
-                owned = [arith.cmpi(arith.CmpIPredicate.eq, rank, ci(u % ns)) for u in range(BLOCK_H // 8)]
-                for u in range(BLOCK_H // 8):
-                    with mu.when(owned[u]):
-                        head = arith.addi(ci(8 * u), head_in_unit)
-                        lse_p = [ld_f32(arith.addi(v_base, arith.muli(arith.addi(head, ci(BLOCK_H)), ci(4))), ci(p))
-                                 for p in range(ns)]
-                        sink = memref.load(vec_smem, [arith.index_cast(index, head)])     # natural log units
-                        m_ = sink
-                        for x in lse_p:
-                            m_ = arith.maximumf(m_, x)                                   # finite: the sink is
-                        e_p = [ex2(arith.mulf(arith.subf(x, m_), f32c(LOG2E))) for x in lse_p]   # 0 if empty
-                        se = e_p[0]
-                        for x in e_p[1:]:
-                            se = arith.addf(se, x)
-                        inv = arith.divf(f32c(1.0), arith.addf(se, ex2(arith.mulf(arith.subf(sink, m_), f32c(LOG2E)))))
-                        w = [arith.mulf(x, inv) for x in e_p]
-                        for i in range(-(-n_chunks // 256)):
-                            cidx = arith.addi(tid, ci(256 * i))
-                            with mu.when(arith.cmpi(arith.CmpIPredicate.ult, cidx, ci(n_chunks))):
-                                addr = arith.addi(q_base, arith.addi(ci(u * unit_bytes), arith.muli(cidx, ci(16))))
-                                acc = [f32c(0.0)] * 8
-                                for p in range(ns):
-                                    for k, wd in enumerate(ld_v4(addr, ci(p))):
-                                        lo = arith.bitcast(f32, arith.shli(wd, ci(16)))
-                                        hi = arith.bitcast(f32, arith.andi(wd, ci(-65536)))
-                                        acc[2 * k] = arith.addf(acc[2 * k], arith.mulf(w[p], lo))
-                                        acc[2 * k + 1] = arith.addf(acc[2 * k + 1], arith.mulf(w[p], hi))
-                                words = [pack(acc[2 * k + 1], acc[2 * k]) for k in range(4)]
-                                llvm.inline_asm(ir.Type.parse("!llvm.void"), [addr, *words],
-                                                "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r",
-                                                has_side_effects=True)
-                        lse_o = arith.select(arith.cmpf(arith.CmpFPredicate.OGT, se, f32c(0.0)),
-                                             arith.addf(m_, arith.mulf(llvm.inline_asm(
-                                                 f32, [se], "lg2.approx.ftz.f32 $0, $1;", "=f,f"), f32c(LN2))),
-                                             f32c(-math.inf))
-                        first = arith.andi(arith.cmpi(arith.CmpIPredicate.ult, tid, ci(8 * cpr)),
-                                           arith.cmpi(arith.CmpIPredicate.eq, arith.remui(tid, ci(cpr)), ci(0)))
-                        with mu.when(first):   # one thread per head of the unit, straight to global memory (a
-                            # bulk copy of 8 lse values would need a 128 B aligned shared-memory source)
-                            memref.store(lse_o, lse_gmem, [row, hg, arith.index_cast(index, head)])
+                n_units = BLOCK_H // 8
+                n_it = -(-n_chunks // 256)         # 16 B chunks per thread and unit
+
+                def unit_loads(u):
+                    """Unit u's (i32) remote reads for this thread: the ns lse values of its head, then the ns
+                    partials' chunks tid + 256 i (a tail chunk past the unit reads chunk 0; its result is dropped)."""
+                    head = arith.addi(arith.muli(u, ci(8)), head_in_unit)
+                    lse_p = [ld_f32(arith.addi(v_base, arith.muli(arith.addi(head, ci(BLOCK_H)), ci(4))), ci(p))
+                             for p in range(ns)]
+                    chunks = []
+                    for i in range(n_it):
+                        cidx = arith.addi(tid, ci(256 * i))
+                        ok = arith.cmpi(arith.CmpIPredicate.ult, cidx, ci(n_chunks))
+                        addr = arith.addi(q_base, arith.addi(arith.muli(u, ci(unit_bytes)),
+                                                             arith.muli(arith.select(ok, cidx, ci(0)), ci(16))))
+                        chunks.append((ok, addr, [ld_v4(addr, ci(p)) for p in range(ns)]))
+                    return head, lse_p, chunks
+
+                def unit_merge(head, lse_p, chunks):
+                    """The merged rows of one unit from its loaded partials: bf16 over our own tile, lse to HBM."""
+                    sink = memref.load(vec_smem, [arith.index_cast(index, head)])     # natural log units
+                    m_ = sink
+                    for x in lse_p:
+                        m_ = arith.maximumf(m_, x)                                   # finite: the sink is
+                    e_p = [ex2(arith.mulf(arith.subf(x, m_), f32c(LOG2E))) for x in lse_p]   # 0 if empty
+                    se = e_p[0]
+                    for x in e_p[1:]:
+                        se = arith.addf(se, x)
+                    inv = arith.divf(f32c(1.0), arith.addf(se, ex2(arith.mulf(arith.subf(sink, m_), f32c(LOG2E)))))
+                    w = [arith.mulf(x, inv) for x in e_p]
+                    for i, (ok, addr, parts) in enumerate(chunks):
+                        acc = [f32c(0.0)] * 8
+                        for p, words4 in enumerate(parts):
+                            for k, wd in enumerate(words4):
+                                lo = arith.bitcast(f32, arith.shli(wd, ci(16)))
+                                hi = arith.bitcast(f32, arith.andi(wd, ci(-65536)))
+                                acc[2 * k] = arith.addf(acc[2 * k], arith.mulf(w[p], lo))
+                                acc[2 * k + 1] = arith.addf(acc[2 * k + 1], arith.mulf(w[p], hi))
+                        words = [pack(acc[2 * k + 1], acc[2 * k]) for k in range(4)]
+                        with mu.when(ok) if 256 * (i + 1) > n_chunks else contextlib.nullcontext():
+                            llvm.inline_asm(ir.Type.parse("!llvm.void"), [addr, *words],
+                                            "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r",
+                                            has_side_effects=True)
+                    lse_o = arith.select(arith.cmpf(arith.CmpFPredicate.OGT, se, f32c(0.0)),
+                                         arith.addf(m_, arith.mulf(llvm.inline_asm(
+                                             f32, [se], "lg2.approx.ftz.f32 $0, $1;", "=f,f"), f32c(LN2))),
+                                         f32c(-math.inf))
+                    first = arith.andi(arith.cmpi(arith.CmpIPredicate.ult, tid, ci(8 * cpr)),
+                                       arith.cmpi(arith.CmpIPredicate.eq, arith.remui(tid, ci(cpr)), ci(0)))
+                    with mu.when(first):   # one thread per head of the unit, straight to global memory (a
+                        # bulk copy of 8 lse values would need a 128 B aligned shared-memory source)
+                        memref.store(lse_o, lse_gmem, [row, hg, arith.index_cast(index, head)])
+
+                owned = [arith.cmpi(arith.CmpIPredicate.eq, rank, ci(u % ns)) for u in range(n_units)]
+                region = begin("c_merge")
+                if cluster_early:
+                    # CTA `rank` owns units rank, rank + ns, ...: every remote read of all of them is issued before
+                    # any merge math, so their DSMEM latencies overlap (per unit, behind a branch each, they queue
+                    # one after another). A unit index past the last (ns not dividing 8) reads our first unit again
+                    # and merges nothing.
+                    loaded = []
+                    for k in range(-(-n_units // ns)):
+                        u = arith.addi(ci(k * ns), rank)
+                        valid = None
+                        if (k + 1) * ns > n_units:
+                            valid = arith.cmpi(arith.CmpIPredicate.ult, u, ci(n_units))
+                            u = arith.select(valid, u, rank)
+                        loaded.append((valid, unit_loads(u)))
+                    for valid, ld in loaded:
+                        with mu.when(valid) if valid is not None else contextlib.nullcontext():
+                            unit_merge(*ld)
+                else:   # per unit: its reads, then its merge, one unit after another
+                    for u in range(n_units):
+                        with mu.when(owned[u]):
+                            unit_merge(*unit_loads(ci(u)))
+                end(region)
                 mu.commit_shared()    # our generic-proxy stores, before the bulk copies read them
                 consumers_barrier()
                 with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
@@ -546,7 +594,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                         ctx.async_copy(src_ref=mu.memref_slice(q_smem, mu.ds(u, 1)), dst_ref=o_gmem,
                                        gmem_slice=(row, hg, mu.ds(8 * u, 8)), gmem_transform=mgpu.TileTransform((8, tc)),
                                        swizzle=swz, predicate=mine)
+                region = begin("c_cl_sync2")
                 cluster_sync()   # the peers are done reading our tile: it may go away
+                end(region)
                 with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
                     ctx.await_async_copy(0, await_read_only=store_wait_read)
 
@@ -647,6 +697,26 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                         (p_h * (m_h[i] - m_new).exp2(approx=True).broadcast_minor(half)).astype(bf16)
                 return m_new, l, p
 
+            def split_d_scores(kv):
+                """split_d: S = q K^T over this consumer's half of d (16 k-steps of m64n<bk>k16 instead of 32), its
+                f32 partial through shared memory to the other consumer, which adds it to its own: each computes half
+                the score work instead of all of it, and both hold the same S (a + b == b + a in f32). The first
+                barrier keeps us from overwriting the buffer the other consumer may still be reading (last step's
+                partial, or the sinks aliased into it before the first step); the second publishes our partial.
+                Returns S [64, bk] f32 (WGMMA layout)."""
+                s_acc = mgpu.WGMMAAccumulator.zero(BLOCK_H, bk)
+                k_half = mu.memref_transpose(mu.memref_slice(kv, (slice(None), v_cols)), (1, 0, 3, 2))
+                s_acc = mgpu.wgmma(s_acc, mu.memref_slice(q_smem, (slice(None), v_cols)), k_half, swizzle=swz)
+                nvvm.wgmma_commit_group_sync_aligned()
+                nvvm.wgmma_wait_group_sync_aligned(0)
+                own = s_acc.value
+                consumers_barrier()
+                own.store_tiled(mu.memref_slice(x_s, wgi), swizzle=128)
+                consumers_barrier()
+                other = fa.FragmentedArray.load_tiled(mu.memref_slice(x_s, arith.subi(c(1), wgi)), swizzle=128,
+                                                      layout=fa.WGMMA_LAYOUT)
+                return own + other
+
             def consume(k, j, g, carry):
                 m, l, acc = carry
                 slot = arith.remui(g, c(stages))
@@ -671,7 +741,19 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     kv = tile
                 else:
                     kv = mu.memref_slice(ring, slot)                    # [bk/8, d/64, 8, 64]
-                if split_scores:
+                if split_d:
+                    region = begin("c_scores")
+                    logits = split_d_scores(kv)
+                    end(region)
+                    region = begin("c_softmax")
+                    logits = valid.select(logits * scale2, neg_inf)
+                    m_new = m.max(logits.reduce("max", axis=1))
+                    alpha = (m - m_new).exp2(approx=True)
+                    p = (logits - m_new.broadcast_minor(bk)).exp2(approx=True)
+                    l = l * alpha + p.reduce("add", axis=1)
+                    p = p.astype(bf16)
+                    end(region)
+                elif split_scores:
                     region = begin("c_split_softmax")   # half the scores, the exchange, the softmax
                     m_new, l, p = split_softmax(valid, kv, g, m, l)
                     alpha = (m - m_new).exp2(approx=True)
@@ -737,6 +819,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             o.store_tiled(mu.memref_slice(q_smem, (slice(None), v_cols)), swizzle=swz)
             with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
                 lse.store_untiled(mu.memref_slice(vec_smem, mu.ds(BLOCK_H, BLOCK_H)), optimized=False)
+                if split_d:   # the steps' exchange overwrote the sinks (both consumers are past it: cons_bar)
+                    sink_raw.store_untiled(mu.memref_slice(vec_smem, mu.ds(0, BLOCK_H)), optimized=False)
             if ccomb:
                 cluster_combine()
             else:
@@ -788,18 +872,29 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 jax.ShapeDtypeStruct((2, 2, BLOCK_H), jnp.float32),
                 jax.ShapeDtypeStruct((2, BLOCK_H), jnp.float32)) if split_scores else ()
         tail = split_scores and diag == "ss_tail"
-        smem = (
-            (jax.ShapeDtypeStruct((BLOCK_H // 8, d // tc, 8, tc), jnp.bfloat16),     # q, then o
-             jax.ShapeDtypeStruct((stages, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # KV ring
-             *(() if tail else exch),
-             jax.ShapeDtypeStruct((sum(idx_rows),), jnp.int32),                        # this split's index rows
-             jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32)),                     # sinks | lse
-            # full: the expect_tx arrival (TMA), or the 128 producer threads' cp.async arrivals
-            (mgpu.TMABarrier(1), mgpu.TMABarrier(1),
-             mgpu.Barrier(arrival_count=128, num_barriers=stages) if cp_async else mgpu.TMABarrier(stages)),
-            (mgpu.Barrier(arrival_count=256, num_barriers=stages), mgpu.Barrier(arrival_count=256)),
-            *((exch,) if tail else ()),
-        )
+        if split_d:   # the consumers' f32 partial scores, (8, 32) tiles with 128 B swizzle; sinks | lse alias them
+            smem = (
+                (jax.ShapeDtypeStruct((BLOCK_H // 8, d // tc, 8, tc), jnp.bfloat16),     # q, then o
+                 jax.ShapeDtypeStruct((stages, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # KV ring
+                 jax.ShapeDtypeStruct((2, BLOCK_H // 8, bk // 32, 8, 32), jnp.float32),  # partial S per consumer
+                 jax.ShapeDtypeStruct((sum(idx_rows),), jnp.int32)),
+                (mgpu.TMABarrier(1), mgpu.TMABarrier(1),
+                 mgpu.Barrier(arrival_count=128, num_barriers=stages) if cp_async else mgpu.TMABarrier(stages)),
+                (mgpu.Barrier(arrival_count=256, num_barriers=stages), mgpu.Barrier(arrival_count=256)),
+            )
+        else:
+            smem = (
+                (jax.ShapeDtypeStruct((BLOCK_H // 8, d // tc, 8, tc), jnp.bfloat16),     # q, then o
+                 jax.ShapeDtypeStruct((stages, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # KV ring
+                 *(() if tail else exch),
+                 jax.ShapeDtypeStruct((sum(idx_rows),), jnp.int32),                        # this split's index rows
+                 jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32)),                     # sinks | lse
+                # full: the expect_tx arrival (TMA), or the 128 producer threads' cp.async arrivals
+                (mgpu.TMABarrier(1), mgpu.TMABarrier(1),
+                 mgpu.Barrier(arrival_count=128, num_barriers=stages) if cp_async else mgpu.TMABarrier(stages)),
+                (mgpu.Barrier(arrival_count=256, num_barriers=stages), mgpu.Barrier(arrival_count=256)),
+                *((exch,) if tail else ()),
+            )
     prof = None if profile is None else mgpu.profiler.ProfilerSpec(profile[0], dump_path=profile[1])
     with jax_mlir.make_ir_context(), ir.Location.unknown():
         return mgpu.as_gpu_kernel(body, grid=(bt * n_hg, ns, 1), block=(384, 1, 1), in_shape=tuple(in_shape),
@@ -812,6 +907,8 @@ DEFAULT_MOSAIC_COMBINE = "auto"  # the split-K merge when combine=None (see reso
 DEFAULT_IDX_FIRST = True       # see `sparse_attention_mosaic`'s idx_first (H200, session 17: prefill 4-7% faster)
 DEFAULT_STORE_WAIT = "read"    # see `sparse_attention_mosaic`'s store_wait (timed with idx_first, session 17)
 DEFAULT_PINGPONG = False       # see `sparse_attention_mosaic`'s pingpong (H200, session 17: no gain)
+DEFAULT_SPLIT_D = True         # split_d where it applies (see `sparse_attention_mosaic`'s split_d; session 18)
+DEFAULT_CLUSTER_LOADS = "early"   # see `sparse_attention_mosaic`'s cluster_loads (H200, session 18: 1-2.5% faster)
 DEFAULT_L2_AHEAD = 0      # L2 prefetch distance in steps (see `sparse_attention_mosaic`'s l2_ahead)
 DEFAULT_PRODUCER = "tma"   # the bf16 ring's gather (see `sparse_attention_mosaic`'s producer)
 DEFAULT_REGS = (56, 224)   # setmaxnreg: (producer, each consumer) registers per thread
@@ -851,7 +948,7 @@ def profile_entries(max_steps):
     a clock); at most 5 regions per step (consumers, FP8) plus 2 outside the loop, and a margin. A multiple of 64:
     warpgroup w's shared slice starts at w x entries words, and the profiler's `st.shared.v2.u32` needs 8 B
     alignment (an odd count faults with "misaligned address" in every warpgroup but the first)."""
-    n = 3 + 4 * (5 * max_steps + 2) + 16
+    n = 3 + 4 * (5 * max_steps + 5) + 16   # outside the loop: c_wait_q, c_epilogue and the cluster merge's 3
     return -(-n // 64) * 64
 
 
@@ -897,6 +994,8 @@ def sparse_attention_mosaic(
     store_wait: str | None = None,
     idx_first: bool | None = None,
     pingpong: bool | None = None,
+    cluster_loads: str | None = None,
+    split_d: bool | None = None,
     _diag: str | None = None,
     _profile: str | None = None,
 ):
@@ -914,7 +1013,8 @@ def sparse_attention_mosaic(
     on the H200, ptxas spills 1264 instead of 1416 B; not timed), "no_convert" stores the raw bytes instead of
     dequantizing, "no_dequant" skips the staging -> tile pass (only its
     barriers remain), "no_scales" skips the scale copies.
-    split_scores (bf16 pools; None = on from SPLIT_SCORES_MIN_T queries per sequence, see the module docstring):
+    split_scores (bf16 pools; None = on from SPLIT_SCORES_MIN_T queries per sequence where split_d is off, see the
+    module docstring; split_d replaced it as the prefill default in session 18):
     each consumer computes the scores of half the block's entries and the two exchange bf16 P halves through shared
     memory: 2/3 of the tensor work, one more barrier per block. The exchange buffers follow the KV ring: after the
     barriers (8 mod 16 B, Mosaic packs scratch without padding) the kernel faults with a misaligned address
@@ -954,6 +1054,25 @@ def sparse_attention_mosaic(
     exchange) already synchronise the consumers every step: pingpong=True raises there. Measured (session 17):
     no gain (CSA B=128 46.4 vs 44.9 us, HCA-8K B=16 78.7 vs 71.2): one warpgroup's N=64 S chain takes as long
     alone as two at once, so taking turns frees no tensor time. Off by default.
+    cluster_loads (None = DEFAULT_CLUSTER_LOADS; combine="cluster" only): how a CTA reads its peers' partials
+    in the in-kernel merge. "per_unit": one 8-head unit after another, each behind its own branch, so each unit's
+    distributed-shared-memory reads wait for the previous unit's merge; "early": every read of all the CTA's units
+    is issued first, then the merges run. Session 17's phase profile put the merge epilogue at ~10K cycles per CTA
+    at CSA B=64 (2 splits) against ~3.8K for one split without a merge. H200 (session 18): the merge itself 3508 ->
+    2645 cycles (CSA B=64), kernels (CUPTI) CSA B=16 15.95 -> 15.68 us, B=64 27.95 -> 27.24, HCA-1K B=64 40.02 ->
+    39.45; "early" is the default.
+    split_d (None = DEFAULT_SPLIT_D where it applies: bf16 pools, not with an explicit split_scores / pingpong, and
+    where its buffer fits next to the split's index rows, else off): each consumer computes the
+    scores over its own half of d (q[:, half] K[:, half]^T: 16 chained m64n<bk>k16 wgmma instead of 32, at N = bk)
+    and the two swap their f32 partials through a 32 KB shared buffer (two named barriers per step), so the score
+    work is done once instead of twice. Both consumers then hold bit-identical scores (a + b == b + a), so their m
+    and l agree as before. Session 17's phase profile: both consumers computing all of S took 2333 cycles per
+    64-entry step with the tensor cores near their peak for the two copies; the score chain is latency-bound at
+    N = 64 (split_scores, which halves N instead, gained 1.5-4% in decode, session 18). Unlike split_scores the
+    running max stays a float, so the error matches the default's. H200 (session 18, kernel time, CUPTI): CSA B=16
+    15.7 -> 13.6 us, B=64 27.3 -> 22.9, B=128 41.4 -> 34.9, HCA-1K B=64 39.4 -> 32.8 (+ the XLA merge then, see
+    `_auto_combine`'s cap), HCA-8K B=16 64.4 -> 61.8; prefill (against split_scores, `sparse_attention.py --groups
+    s18`) S=16K 4545 -> 3617 us (302 -> 380 TFLOP/s), S=4K 1259 -> 1134 us. The default since then.
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -966,6 +1085,9 @@ def sparse_attention_mosaic(
     store_wait = store_wait or DEFAULT_STORE_WAIT
     if store_wait not in ("read", "write"):
         raise ValueError(f"store_wait must be 'read' or 'write', got {store_wait!r}")
+    cluster_loads = cluster_loads or DEFAULT_CLUSTER_LOADS
+    if cluster_loads not in ("early", "per_unit"):
+        raise ValueError(f"cluster_loads must be 'early' or 'per_unit', got {cluster_loads!r}")
     if any(isinstance(p_, Fp8KVPool) != fp8 for p_ in pools):
         raise ValueError("the Mosaic GPU kernel takes both pools bf16 or both FP8 (mixed pools: gpu.py)")
     if q.dtype != jnp.bfloat16 or (not fp8 and any(p_.dtype != jnp.bfloat16 for p_ in pools)):
@@ -975,8 +1097,16 @@ def sparse_attention_mosaic(
         raise ValueError(f"the Mosaic GPU kernel needs a multiple of {BLOCK_H} heads and head_dim % 128 == 0, "
                          f"got {h}, {d}")
     n_hg = h // BLOCK_H   # head groups: one CTA per (row, group, split)
+    split_d_default = split_d is None
+    if split_d is None:   # the default for bf16 pools, decode and prefill (where it fits: see the loop below)
+        split_d = DEFAULT_SPLIT_D and not fp8 and not split_scores and not pingpong
+    split_d = bool(split_d)
+    if split_d and (fp8 or split_scores or pingpong):
+        raise ValueError("split_d (each consumer scores half of d and they exchange f32 partials) takes bf16 pools "
+                         "without split_scores or pingpong (FP8: no shared memory for the 32 KB exchange)")
+    split_scores_default = split_scores is None
     if split_scores is None:
-        split_scores = not fp8 and t >= SPLIT_SCORES_MIN_T
+        split_scores = not fp8 and not split_d and t >= SPLIT_SCORES_MIN_T
     l2_ahead = DEFAULT_L2_AHEAD if l2_ahead is None else int(l2_ahead)
     if not 0 <= l2_ahead <= 8:
         raise ValueError(f"l2_ahead must be in [0, 8] steps, got {l2_ahead}")
@@ -989,7 +1119,7 @@ def sparse_attention_mosaic(
     if pingpong and (fp8 or split_scores):
         raise ValueError("pingpong takes turns between the consumers' wgmma: bf16 pools without split_scores only "
                          "(FP8's dequantization and split_scores' exchange synchronise the consumers every step)")
-    pingpong = DEFAULT_PINGPONG and not (fp8 or split_scores) if pingpong is None else bool(pingpong)
+    pingpong = DEFAULT_PINGPONG and not (fp8 or split_scores or split_d) if pingpong is None else bool(pingpong)
     if fp8 and (block_k or 64) != 64:
         raise ValueError(f"with FP8 pools the Mosaic GPU kernel takes block_k=64 (shared memory), got {block_k}")
     bt = b * t
@@ -1015,15 +1145,17 @@ def sparse_attention_mosaic(
     if bk == 32 and producer == "tma":
         raise ValueError("block_k=32 (64 B swizzle) needs producer='cp_async': a 64 B row of a 64 B-swizzled tile "
                          "is not 128 B aligned, as a bulk tensor copy's destination must be")
-    exchange = (4 * BLOCK_H * (bk // 2) * 2 + 4 * BLOCK_H * 4 + 2 * BLOCK_H * 4) if split_scores else 0
     ring_bytes = stages * bk * (NOPE_STRIDE + 2 * ROPE_DIM + SCALE_BYTES) + bk * d * 2 if fp8 else stages * bk * d * 2
+    exchange = (4 * BLOCK_H * (bk // 2) * 2 + 4 * BLOCK_H * 4 + 2 * BLOCK_H * 4) if split_scores else 0
+    if split_d:   # two f32 [64, bk] partials; the sinks | lse (counted below) live inside them
+        exchange = 2 * BLOCK_H * bk * 4 - 2 * BLOCK_H * 4
     cluster = combine == "cluster"
     max_splits = MAX_CLUSTER if cluster else total_blocks   # combine="cluster": a row's splits are one cluster
     if cluster and n_splits is not None and n_splits > MAX_CLUSTER:
         raise ValueError(f"combine='cluster' merges a row's splits in one thread-block cluster: n_splits <= "
                          f"{MAX_CLUSTER}, got {n_splits}")
-    ns = max(1, min(int(cfg["n_splits"]), total_blocks, max_splits))
-    bps = -(-total_blocks // ns)
+    ns0 = max(1, min(int(cfg["n_splits"]), total_blocks, max_splits))
+    bps = -(-total_blocks // ns0)
     min_bps = -(-total_blocks // max_splits)
     while True:   # a CTA holds its split's index rows: with the default n_splits, split further until they fit
         ns = -(-total_blocks // bps)
@@ -1035,6 +1167,14 @@ def sparse_attention_mosaic(
         smem = BLOCK_H * d * 2 + ring_bytes + sum(idx_rows) * 4 + 2 * BLOCK_H * 4 + exchange + \
             (3 + 2 * stages) * 8 + (3 * 4 * prof_entries + 1024 if _profile else 0)   # + the profiler's alignment
         if smem <= SMEM_BUDGET or n_splits is not None or bps <= max(1, min_bps):
+            if smem > SMEM_BUDGET and split_d and split_d_default:
+                # the default split_d where its 32 KB do not fit next to this split's index rows (an explicit
+                # n_splits, or cluster-capped splits of a long list): the kernel without it, from the start
+                split_d, exchange, bps = False, 0, -(-total_blocks // ns0)
+                if split_scores_default and t >= SPLIT_SCORES_MIN_T:   # prefill's default before split_d
+                    split_scores = True
+                    exchange = 4 * BLOCK_H * (bk // 2) * 2 + 4 * BLOCK_H * 4 + 2 * BLOCK_H * 4
+                continue
             break
         bps -= 1
     if smem > SMEM_BUDGET:
@@ -1042,7 +1182,9 @@ def sparse_attention_mosaic(
                          + (f" (combine='cluster' caps n_splits at {MAX_CLUSTER}: try combine='xla')" if cluster
                             else ""))
     if combine == "auto":
-        combine = _auto_combine(bt * n_hg, ns, smem + 1024, out_dtype, _device_ordinal(q))
+        # (+1 KB of margin for Mosaic's own alignment, capped at the per-block maximum: past half of it a CTA has
+        # an SM to itself either way, and a size over the maximum made the occupancy query fail -> "xla")
+        combine = _auto_combine(bt * n_hg, ns, min(smem + 1024, SMEM_BUDGET), out_dtype, _device_ordinal(q))
     ccomb = combine == "cluster" and ns > 1
 
     args = [q.reshape(bt, n_hg, BLOCK_H, d), sinks.astype(jnp.float32).reshape(n_hg, BLOCK_H)]
@@ -1056,7 +1198,7 @@ def sparse_attention_mosaic(
     kernel = _build(bt, ns, d, bk, stages, bps, meta, idx_rows, float(scale) * LOG2E, ns > 1 and not ccomb, fp8,
                     _diag, check_regs(regs), n_hg, bool(split_scores), profile, producer == "cp_async", l2_ahead,
                     ccomb, store_wait == "read", DEFAULT_IDX_FIRST if idx_first is None else bool(idx_first),
-                    pingpong)
+                    pingpong, cluster_loads == "early", split_d)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1 and not ccomb:
         o, lse = combine_lib.combine(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h), sinks.astype(jnp.float32),
