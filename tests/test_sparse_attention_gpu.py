@@ -74,9 +74,9 @@ MOSAIC_CASES = [
     (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True), dict(n_splits=1)),
     (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True), dict(n_splits=3)),
     (2, 1, 128, 9000, 128, 8192, dict(ragged=True), {}),
-    # prefill: each query its own lists (T >= 64: split_scores by default, so the plain schedule is asked for too)
+    # prefill: each query its own lists (split_d by default since session 18; the schedule without either split too)
     (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True), {}),
-    (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True), dict(split_scores=False)),
+    (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True), dict(split_scores=False, split_d=False)),
     (1, 64, 512, 200, 100, 60, dict(ragged=True), dict(split_scores=False)),   # K not a multiple of block_k
     # FP8 pools (spec §4.2 rows, dequantized in shared memory by the consumers)
     (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True, fp8=True), {}),
@@ -93,8 +93,8 @@ MOSAIC_CASES = [
     (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, heads=128), dict(n_splits=3)),
     (1, 64, 512, 200, 100, 60, dict(ragged=True, heads=128), {}),
     (3, 2, 128, 600, 128, 1024, dict(ragged=True, fp8=True, heads=128), dict(n_splits=2)),
-    # split_scores (default for T >= 64): each consumer scores half the entries, the two exchange P halves through
-    # shared memory
+    # split_scores (the prefill default in sessions 12-17): each consumer scores half the entries, the two exchange P
+    # halves through shared memory
     (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(split_scores=True)),
     (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True), dict(split_scores=True, n_splits=3)),
     (2, 1, 128, 9000, 128, 8192, dict(ragged=True), dict(split_scores=True)),

@@ -19,12 +19,16 @@ side by side and the second group's gathers of the same KV rows mostly hit L2.
   phase profile): a 64 KB block takes ~4600-4770 cycles to issue at any occupancy, ~1/132 of HBM, with bulk copies
   and with `producer="cp_async"` alike; decode is slow where SMs are not issuing (setup, the last step, the
   epilogue, waits for one of the two slots), see NOTES_sparse_attention.md session 14.
-* warpgroups 0 and 1, the **consumers**: both compute the scores S = q K^T [64, block_k] (wgmma, both operands
-  in shared memory; with split_scores each computes half the columns and they swap), the online softmax in exp2
+* warpgroups 0 and 1, the **consumers**: both hold the scores S = q K^T [64, block_k] (wgmma, both operands in
+  shared memory). By default (`split_d`, session 18) each computes S over its own half of d and the two swap their
+  f32 partials through a 32 KB shared buffer, so the score work is done once (CSA decode 14-16% faster, prefill
+  S=16K 380 vs 302 TFLOP/s); with split_d=False both compute all of S, with split_scores each computes half the
+  columns and they swap P. Then the online softmax in exp2
   units with the running max initialised at the sink logit (so it is always finite), and P.V for their own half of the d output columns: each holds a [64, d/2] f32 accumulator.
   After P.V both arrive on the slot's "consumed" barrier, which the producer waits on before refilling it.
 * the q tile becomes the output tile once both consumers are past their last scores (a barrier between them).
-* `split_scores` (bf16 pools; default on for prefill, T >= SPLIT_SCORES_MIN_T queries per sequence): each consumer
+* `split_scores` (bf16 pools; the prefill default from session 12 to 17, now only where split_d is off and T >=
+  SPLIT_SCORES_MIN_T queries per sequence): each consumer
   computes the scores of its half of the block's entries only and the two exchange bf16 P halves and integer row
   maxima through shared memory (one named barrier per block, buffers alternating with the step's parity); l is
   summed per consumer and combined at the end. Without it both consumers compute all the scores: 12.6 instead of 8.4
