@@ -269,15 +269,21 @@ def test_sparse_attention_cluster_combine_rejects_what_it_cannot_do():
 
 
 def test_sparse_attention_mosaic_split_d_rejects_what_it_cannot_do():
-    """split_d (each consumer scores half of d, f32 partials swapped through shared memory) needs bf16 pools (FP8's
-    staging ring leaves no room for the 32 KB exchange) and excludes split_scores and pingpong."""
+    """split_d (each consumer scores half of d, f32 partials swapped through shared memory) excludes split_scores and
+    pingpong; with FP8 pools its 32 KB fit next to one staging slot only."""
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
     keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
-    for fp8, opts in ((True, {}), (False, dict(split_scores=True)), (False, dict(pingpong=True))):
-        inp = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=fp8)
+    for opts in (dict(split_scores=True), dict(pingpong=True)):
+        inp = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=False)
         with pytest.raises(ValueError, match="split_d"):
             sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, split_d=True, **opts)
+    # FP8 pools: the exchange fits next to one staging slot only
+    inp = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)
+    with pytest.raises(ValueError, match="shared memory .* over"):
+        sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, split_d=True, n_splits=1)
+    lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, scale=0.1, split_d=True, num_stages=1,
+                                                                        n_splits=1), *(inp[k] for k in keys))
     # an HCA-8K row in at most 8 cluster splits: 1040 index rows per CTA leave no room for the 32 KB exchange, so
     # the default (split_d=None) lowers without it and an explicit split_d=True says why it cannot
     inp = make_attention(2, 1, 64, 512, 300, 9000, 128, 8192, ragged=True, fp8=False)

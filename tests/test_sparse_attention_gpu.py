@@ -166,6 +166,11 @@ MOSAIC_CASES = [
     (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True, heads=128), dict(split_d=True)),   # prefill
     (1, 64, 512, 200, 100, 60, dict(ragged=True), dict(split_d=True, block_k=32, num_stages=4)),
     (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True), dict(split_d=True, n_splits=4, combine="cluster")),
+    # FP8 pools with split_d: one staging slot (not timed yet)
+    (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, dupes=True), dict(split_d=True, num_stages=1)),
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, fp8=True),
+     dict(split_d=True, num_stages=1, n_splits=3, combine="xla")),
+    (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, dupes=True), dict(num_stages=1)),   # one slot, no split_d
 ]
 
 

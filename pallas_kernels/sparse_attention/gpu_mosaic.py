@@ -162,7 +162,10 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
         src_gmem = [refs[2 + n_in * k: 2 + n_in * (k + 1)] for k in range(n_src)]
         o_gmem, lse_gmem = refs[2 + n_in * n_src], refs[3 + n_in * n_src]
         scratch = refs[-1]
-        if fp8:
+        if fp8 and split_d:
+            (q_smem, tile, nope_st, rope_st, scale_st, x_s, idx_smem), (q_bar, idx_bar), \
+                (full_bars, empty_bars, cons_bar) = scratch
+        elif fp8:
             (q_smem, tile, nope_st, rope_st, scale_st, idx_smem, vec_smem), (q_bar, idx_bar), \
                 (full_bars, empty_bars, cons_bar) = scratch
         elif split_scores and diag == "ss_tail":   # the session-10 layout: exchange buffers after the barriers
@@ -861,8 +864,10 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
              jax.ShapeDtypeStruct((stages, bk, NOPE_STRIDE), jnp.float8_e4m3fn),     # staging: nope
              jax.ShapeDtypeStruct((stages, bk, ROPE_DIM), jnp.bfloat16),             # staging: rope
              jax.ShapeDtypeStruct((stages, bk, SCALE_BYTES), jnp.uint8),             # staging: scales
+             # split_d: the consumers' f32 partial scores, the sinks | lse inside them (as for bf16 pools)
+             *((jax.ShapeDtypeStruct((2, BLOCK_H // 8, bk // 32, 8, 32), jnp.float32),) if split_d else ()),
              jax.ShapeDtypeStruct((sum(idx_rows),), jnp.int32),
-             jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32)),
+             *(() if split_d else (jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32),))),
             (mgpu.TMABarrier(1), mgpu.TMABarrier(1)),
             # full: the expect_tx arrival + one cp.async arrival per producer warp; empty / cons: 256 consumer threads
             (mgpu.Barrier(arrival_count=5, num_barriers=stages), mgpu.Barrier(arrival_count=256, num_barriers=stages),
@@ -1066,7 +1071,8 @@ def sparse_attention_mosaic(
     2645 cycles (CSA B=64), kernels (CUPTI) CSA B=16 15.95 -> 15.68 us, B=64 27.95 -> 27.24, HCA-1K B=64 40.02 ->
     39.45; "early" is the default.
     split_d (None = DEFAULT_SPLIT_D where it applies: bf16 pools, not with an explicit split_scores / pingpong, and
-    where its buffer fits next to the split's index rows, else off): each consumer computes the
+    where its buffer fits next to the split's index rows, else off. FP8 pools take split_d=True only with
+    num_stages=1: the 32 KB do not fit next to two staging slots; not timed yet): each consumer computes the
     scores over its own half of d (q[:, half] K[:, half]^T: 16 chained m64n<bk>k16 wgmma instead of 32, at N = bk)
     and the two swap their f32 partials through a 32 KB shared buffer (two named barriers per step), so the score
     work is done once instead of twice. Both consumers then hold bit-identical scores (a + b == b + a), so their m
@@ -1105,9 +1111,9 @@ def sparse_attention_mosaic(
     if split_d is None:   # the default for bf16 pools, decode and prefill (where it fits: see the loop below)
         split_d = DEFAULT_SPLIT_D and not fp8 and not split_scores and not pingpong
     split_d = bool(split_d)
-    if split_d and (fp8 or split_scores or pingpong):
-        raise ValueError("split_d (each consumer scores half of d and they exchange f32 partials) takes bf16 pools "
-                         "without split_scores or pingpong (FP8: no shared memory for the 32 KB exchange)")
+    if split_d and (split_scores or pingpong):
+        raise ValueError("split_d (each consumer scores half of d and they exchange f32 partials) does not combine "
+                         "with split_scores or pingpong")
     split_scores_default = split_scores is None
     if split_scores is None:
         split_scores = not fp8 and not split_d and t >= SPLIT_SCORES_MIN_T
