@@ -18,6 +18,8 @@ Pools may be plain [rows, 512] arrays or `Fp8KVPool` (spec §4.2 FP8 rows; see `
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
 from . import common
@@ -43,6 +45,7 @@ GPU_KERNELS = ("auto", "mosaic", "triton")
 MOSAIC_OPTIONS = frozenset({"block_k", "num_stages", "n_splits", "combine"})  # knobs both GPU kernels understand
 
 
+@functools.lru_cache(maxsize=None)
 def mosaic_only_options() -> frozenset:
     """Keyword options the Mosaic GPU kernel takes and the Triton kernel does not (kernel="auto" with one of them
     means the Mosaic kernel)."""
@@ -107,15 +110,16 @@ def sparse_attention(
         raise ValueError(f"kernel='mosaic' runs only on a GPU (Mosaic GPU has no interpreter); this is {target!r}")
     if target == "reference":
         return sparse_attention_reference(q, window_kv, window_idx, compressed_kv, compressed_idx, sinks, **kw)
-    if target in ("gpu", "interpret") and kernel == "auto" and set(kernel_options) & mosaic_only_options():
+    mosaic_only = sorted(set(kernel_options) & mosaic_only_options()) if target in ("gpu", "interpret") else []
+    if mosaic_only and kernel == "auto":
         # a knob only the Mosaic kernel has asks for it: take it where it applies, else say why not (rather
         # than a TypeError from the Triton kernel)
         if target == "interpret":
-            raise ValueError(f"options {sorted(set(kernel_options) & mosaic_only_options())} are the Mosaic GPU "
-                             "kernel's, which runs only on a GPU (Mosaic GPU has no interpreter)")
-        if not mosaic_applies(q, window_kv, compressed_kv, out_dtype, set(kernel_options) - mosaic_only_options()):
-            raise ValueError(f"options {sorted(set(kernel_options) & mosaic_only_options())} are the Mosaic GPU "
-                             "kernel's, which does not apply to these inputs (see mosaic_applies)")
+            raise ValueError(f"options {mosaic_only} are the Mosaic GPU kernel's, which runs only on a GPU (Mosaic "
+                             "GPU has no interpreter)")
+        if not mosaic_applies(q, window_kv, compressed_kv, out_dtype, set(kernel_options) - set(mosaic_only)):
+            raise ValueError(f"options {mosaic_only} are the Mosaic GPU kernel's, which does not apply to these "
+                             "inputs (see mosaic_applies)")
         kernel = "mosaic"
     if target == "gpu" and (kernel == "mosaic" or (kernel == "auto" and mosaic_applies(
             q, window_kv, compressed_kv, out_dtype, kernel_options))):

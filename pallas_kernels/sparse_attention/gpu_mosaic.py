@@ -748,34 +748,26 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     kv = tile
                 else:
                     kv = mu.memref_slice(ring, slot)                    # [bk/8, d/64, 8, 64]
-                if split_d:
-                    region = begin("c_scores")
-                    logits = split_d_scores(kv)
-                    end(region)
-                    region = begin("c_softmax")
-                    logits = valid.select(logits * scale2, neg_inf)
-                    m_new = m.max(logits.reduce("max", axis=1))
-                    alpha = (m - m_new).exp2(approx=True)
-                    p = (logits - m_new.broadcast_minor(bk)).exp2(approx=True)
-                    l = l * alpha + p.reduce("add", axis=1)
-                    p = p.astype(bf16)
-                    end(region)
-                elif split_scores:
+                if split_scores:
                     region = begin("c_split_softmax")   # half the scores, the exchange, the softmax
                     m_new, l, p = split_softmax(valid, kv, g, m, l)
                     alpha = (m - m_new).exp2(approx=True)
                     end(region)
                 else:
                     region = begin("c_scores")
-                    turn("bar.sync", my_turn_bar)
-                    s_acc = mgpu.WGMMAAccumulator.zero(BLOCK_H, bk)
-                    s_acc = mgpu.wgmma(s_acc, q_smem, mu.memref_transpose(kv, (1, 0, 3, 2)), swizzle=swz)
-                    nvvm.wgmma_commit_group_sync_aligned()
-                    turn("bar.arrive", other_turn_bar)
-                    nvvm.wgmma_wait_group_sync_aligned(0)
+                    if split_d:
+                        scores = split_d_scores(kv)
+                    else:
+                        turn("bar.sync", my_turn_bar)
+                        s_acc = mgpu.WGMMAAccumulator.zero(BLOCK_H, bk)
+                        s_acc = mgpu.wgmma(s_acc, q_smem, mu.memref_transpose(kv, (1, 0, 3, 2)), swizzle=swz)
+                        nvvm.wgmma_commit_group_sync_aligned()
+                        turn("bar.arrive", other_turn_bar)
+                        nvvm.wgmma_wait_group_sync_aligned(0)
+                        scores = s_acc.value
                     end(region)
                     region = begin("c_softmax")
-                    logits = valid.select(s_acc.value * scale2, neg_inf)
+                    logits = valid.select(scores * scale2, neg_inf)
                     m_new = m.max(logits.reduce("max", axis=1))
                     alpha = (m - m_new).exp2(approx=True)
                     p = (logits - m_new.broadcast_minor(bk)).exp2(approx=True)
@@ -1156,9 +1148,14 @@ def sparse_attention_mosaic(
         raise ValueError("block_k=32 (64 B swizzle) needs producer='cp_async': a 64 B row of a 64 B-swizzled tile "
                          "is not 128 B aligned, as a bulk tensor copy's destination must be")
     ring_bytes = stages * bk * (NOPE_STRIDE + 2 * ROPE_DIM + SCALE_BYTES) + bk * d * 2 if fp8 else stages * bk * d * 2
-    exchange = (4 * BLOCK_H * (bk // 2) * 2 + 4 * BLOCK_H * 4 + 2 * BLOCK_H * 4) if split_scores else 0
-    if split_d:   # two f32 [64, bk] partials; the sinks | lse (counted below) live inside them
-        exchange = 2 * BLOCK_H * bk * 4 - 2 * BLOCK_H * 4
+
+    def exchange_bytes():
+        """The consumers' exchange buffers: split_scores' P halves, maxima and sums; split_d's two f32 [64, bk]
+        partials, which hold the sinks | lse (counted below) inside them."""
+        if split_d:
+            return 2 * BLOCK_H * bk * 4 - 2 * BLOCK_H * 4
+        return (4 * BLOCK_H * (bk // 2) * 2 + 4 * BLOCK_H * 4 + 2 * BLOCK_H * 4) if split_scores else 0
+
     cluster = combine == "cluster"
     max_splits = MAX_CLUSTER if cluster else total_blocks   # combine="cluster": a row's splits are one cluster
     if cluster and n_splits is not None and n_splits > MAX_CLUSTER:
@@ -1174,16 +1171,15 @@ def sparse_attention_mosaic(
         # + the mbarriers (8 B each: q, idx, cons, and full / empty per slot), which Mosaic packs after the buffers:
         # without them a ring that fills shared memory to the byte (block_k=32 x 5 slots) passed this check and
         # failed in Mosaic's own (232552 > 232448 B)
-        smem = BLOCK_H * d * 2 + ring_bytes + sum(idx_rows) * 4 + 2 * BLOCK_H * 4 + exchange + \
+        smem = BLOCK_H * d * 2 + ring_bytes + sum(idx_rows) * 4 + 2 * BLOCK_H * 4 + exchange_bytes() + \
             (3 + 2 * stages) * 8 + (3 * 4 * prof_entries + 1024 if _profile else 0)   # + the profiler's alignment
         if smem <= SMEM_BUDGET or n_splits is not None or bps <= max(1, min_bps):
             if smem > SMEM_BUDGET and split_d and split_d_default:
                 # the default split_d where its 32 KB do not fit next to this split's index rows (an explicit
                 # n_splits, or cluster-capped splits of a long list): the kernel without it, from the start
-                split_d, exchange, bps = False, 0, -(-total_blocks // ns0)
-                if split_scores_default and t >= SPLIT_SCORES_MIN_T:   # prefill's default before split_d
-                    split_scores = True
-                    exchange = 4 * BLOCK_H * (bk // 2) * 2 + 4 * BLOCK_H * 4 + 2 * BLOCK_H * 4
+                split_d, bps = False, -(-total_blocks // ns0)
+                # prefill's default before split_d
+                split_scores = split_scores or (split_scores_default and t >= SPLIT_SCORES_MIN_T)
                 continue
             break
         bps -= 1
