@@ -235,7 +235,10 @@ def lower_model_steps(model, cache, marker):
                                               (3, 1, 512, dict(split_d=True, n_splits=1), False),
                                               (2, 1, 8192, dict(split_d=True, combine="xla"), False),
                                               (1, 64, 60, dict(split_d=True, heads=128), False),
-                                              (3, 1, 512, dict(split_d=True, block_k=32, num_stages=4), False)])
+                                              (3, 1, 512, dict(split_d=True, block_k=32, num_stages=4), False),
+                                              (3, 1, 512, dict(fp8_convert="rebias"), True),
+                                              (2, 1, 8192, dict(fp8_convert="rebias", split_d=True, num_stages=1),
+                                               True)])
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -369,3 +372,31 @@ def test_whole_bf16_model_lowers_with_mosaic_attention(monkeypatch, kv_dtype, he
                                   attention_kernel="mosaic" if heads == 64 else "auto")
     cache = model.init_cache(2, 24, **(dict(kv_dtype=kv_dtype) if kv_dtype else {}))
     lower_model_steps(model, cache, "mosaic_gpu")
+
+
+def test_fp8_rebias_conversion_is_exact_for_every_byte_and_scale():
+    """The arithmetic of gpu_mosaic.REBIAS_ASM (fp8_convert="rebias"), emulated step by step in numpy for every
+    e4m3 byte (NaNs excluded: the quantizer never writes them) and every scale byte the format writes (0..254):
+    e4m3x2 -> f16x2, the f16 bits shifted into bf16 position, two bf16 multiplies by 2^a and 2^b (a + b = 112 + k).
+    It must equal the reference's dequantization, e4m3 x 2^k rounded once to bf16, bit for bit."""
+    import ml_dtypes
+    import numpy as np
+
+    e4m3 = np.arange(256, dtype=np.uint8)
+    e4m3 = e4m3[(e4m3 & 0x7F) != 0x7F]
+    sbytes = np.arange(255, dtype=np.int32)
+    h = e4m3.view(ml_dtypes.float8_e4m3fn).astype(np.float16).view(np.uint16).astype(np.uint32)
+    t = ((h & 0x7FFF) >> 3) | (h & 0x8000)                    # and / shr / lop3
+    bf = lambda bits: np.asarray(bits, np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+    tv = bf(t)[:, None]                                        # [bytes, 1]: value x 2^-112
+    e = sbytes - 15
+    a = e >> 1
+    pa, pb = bf((a + 127) << 7), bf((e - a + 127) << 7)        # 2^a, 2^b (bf16 normals)
+    # mul.rn.bf16x2: the product of two bf16 values is exact in f32 here, then one round to bf16
+    r1 = (tv * pa[None]).astype(ml_dtypes.bfloat16).astype(np.float32)
+    got = (r1 * pb[None]).astype(ml_dtypes.bfloat16)
+    scale = np.ldexp(np.float64(1), sbytes - 127)
+    with np.errstate(over="ignore"):   # bytes near 254 overflow to inf, in both
+        want = (e4m3.view(ml_dtypes.float8_e4m3fn).astype(np.float64)[:, None] * scale[None]).astype(np.float32) \
+            .astype(ml_dtypes.bfloat16)
+    assert np.array_equal(got.view(np.uint16), want.view(np.uint16))

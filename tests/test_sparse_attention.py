@@ -24,15 +24,20 @@ _SEED = itertools.count(1000)
 
 
 def make_inputs(b, t, h, d, n_w, n_c, k_w, k_c, *, fp8=False, ragged=False, all_invalid_c=False, dupes=False,
-                oob=True, q_dtype=jnp.bfloat16, seed=None):
+                oob=True, q_dtype=jnp.bfloat16, seed=None, wide_scales=False):
     """Fresh random inputs. Indices include -1 and (if oob) out-of-range rows; optional ragged lengths,
-    all-invalid compressed lists for some queries, duplicated indices."""
+    all-invalid compressed lists for some queries, duplicated indices; wide_scales: each 64-column block of each KV
+    row times its own power of two in [2^-12, 2^6] (FP8 pools: scale bytes over ~20 binades, not ~2)."""
     rng = np.random.default_rng(next(_SEED) if seed is None else seed)
     q = jnp.asarray(rng.standard_normal((b, t, h, d)) * 2.0, q_dtype)
     wkv = jnp.asarray(rng.standard_normal((n_w, d)), jnp.bfloat16)
     ckv = jnp.asarray(rng.standard_normal((n_c, d)), jnp.bfloat16)
     hi_w = n_w + (4 if oob else 0)
     hi_c = n_c + (4 if oob else 0)
+    if wide_scales:
+        blk = lambda n: jnp.asarray(np.repeat(np.exp2(rng.integers(-12, 7, (n, d // 64))), 64, axis=1), jnp.float32)
+        wkv = (wkv.astype(jnp.float32) * blk(n_w)).astype(jnp.bfloat16)
+        ckv = (ckv.astype(jnp.float32) * blk(n_c)).astype(jnp.bfloat16)
     wi = rng.integers(-1, hi_w, (b, t, k_w)).astype(np.int32)
     ci = rng.integers(-1, hi_c, (b, t, k_c)).astype(np.int32)
     wi[..., 0] = rng.integers(0, n_w, (b, t))  # most queries keep one valid window entry
@@ -67,7 +72,8 @@ def opts_id(opts):
         f"_bk{opts['block_k']}x{opts.get('num_stages', 2)}" if "block_k" in opts else "",
         f"_sw{opts['store_wait']}" if "store_wait" in opts else "", {True: "_idxfirst", False: "_qfirst"}.get(opts.get("idx_first"), ""),
         "_pp" if opts.get("pingpong") else "", f"_cl{opts['cluster_loads']}" if "cluster_loads" in opts else "",
-        "_sd" if opts.get("split_d") else ""])
+        "_sd" if opts.get("split_d") else "", f"_{opts['fp8_convert']}" if "fp8_convert" in opts else "",
+        f"_st{opts['num_stages']}" if "num_stages" in opts and "block_k" not in opts else ""])
 
 
 def call(fn, inp, **kw):

@@ -171,6 +171,16 @@ MOSAIC_CASES = [
     (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, fp8=True),
      dict(split_d=True, num_stages=1, n_splits=3, combine="xla")),
     (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, dupes=True), dict(num_stages=1)),   # one slot, no split_d
+    # FP8 dequantized with one conversion per pair (fp8_convert="rebias"), scale bytes over ~20 binades
+    (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, dupes=True, wide_scales=True), dict(fp8_convert="rebias")),
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, fp8=True, wide_scales=True),
+     dict(fp8_convert="rebias", split_d=True, num_stages=1, n_splits=3, combine="xla")),
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True, fp8=True, wide_scales=True),
+     dict(fp8_convert="rebias", split_d=True, num_stages=1)),
+    (1, 256, 2048, 1024, 128, 512, dict(dupes=True, fp8=True, wide_scales=True), dict(fp8_convert="rebias")),
+    (3, 2, 128, 600, 128, 1024, dict(ragged=True, fp8=True, heads=128, wide_scales=True),
+     dict(fp8_convert="rebias", n_splits=2)),
+    (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, wide_scales=True), {}),   # the default conversion
 ]
 
 

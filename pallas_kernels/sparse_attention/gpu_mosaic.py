@@ -115,6 +115,23 @@ mul.rn.bf16x2 t0, t0, c;
 mul.rn.bf16x2 t1, t1, c;
 mul.rn.bf16x2 $0, t0, $3;
 mul.rn.bf16x2 $1, t1, $3; }"""
+# fp8_convert="rebias": one conversion instruction per pair instead of four. e4m3x2 -> f16x2 is exact and every
+# e4m3 value is an f16 normal whose 10-bit mantissa uses only its top 3 bits, so shifting the f16's exponent and
+# mantissa right by 3 (the sign stays) gives bf16 bits with the same exponent field and the same 3 mantissa bits:
+# the value x 2^(15 - 127) = x 2^-112 exactly, zero included. Two exact bf16x2 multiplies by 2^a and 2^b (a + b =
+# 112 + k, each in [-8, 120] for any scale byte, so both are bf16 normals) give value x 2^k, rounded once where it
+# falls out of bf16's normal range, as the reference's cast does. $1 = 2 e4m3 bytes, $2 / $3 = 2^a / 2^b as bf16
+# pairs; $0 = the bf16 pair (low half = lower byte). Why: the default's cvt.f32.f16 and cvt.rn.bf16x2.f32 are
+# conversions too, and the H200 runs those at 16 per SM per cycle: ~3600 cycles of a 64-row block's 28672
+# elements, about the 4467-cycle dequantization the session-14 phase profile measured.
+REBIAS_ASM = """{ .reg .b32 h, t, m;
+cvt.rn.f16x2.e4m3x2 h, $1;
+and.b32 t, h, 0x7FFF7FFF;
+shr.u32 t, t, 3;
+mov.b32 m, 0x80008000;
+lop3.b32 t, t, h, m, 0xF8;
+mul.rn.bf16x2 t, t, $2;
+mul.rn.bf16x2 $0, t, $3; }"""
 
 
 def default_config(bt: int, total_blocks: int):
@@ -124,7 +141,8 @@ def default_config(bt: int, total_blocks: int):
 
 def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=False, diag=None,
            regs=None, n_hg=1, split_scores=False, profile=None, cp_async=False, l2_ahead=0, ccomb=False,
-           store_wait_read=False, idx_first=False, pingpong=False, cluster_early=False, split_d=False):
+           store_wait_read=False, idx_first=False, pingpong=False, cluster_early=False, split_d=False,
+           fp8_convert="cvt"):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -635,6 +653,16 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                             pair = llvm.inline_asm(ir.Type.parse("!llvm.struct<(i32, i32)>"),
                                                    [vector.extract(raw, [], [w]), s2], BITS_ASM, "=r,=r,r,r")
                             words += [llvm.extractvalue(i32, pair, [0]), llvm.extractvalue(i32, pair, [1])]
+                    elif fp8_convert == "rebias":   # e4m3x2 -> f16x2, bits re-biased to bf16, 2 bf16 multiplies
+                        e = arith.subi(sbyte, ci(15))                       # 112 + k, k = byte - 127
+                        ea = arith.shrsi(e, ci(1))
+                        pair = lambda x: arith.muli(arith.shli(arith.addi(x, ci(127)), ci(7)), ci(0x10001))
+                        pa, pb = pair(ea), pair(arith.subi(e, ea))          # 2^a, 2^b as bf16 pairs
+                        for w in range(4):
+                            word = vector.extract(raw, [], [w])
+                            for half in (word, arith.shrui(word, ci(16))):
+                                words.append(llvm.inline_asm(i32, [arith.trunci(i16, half), pa, pb], REBIAS_ASM,
+                                                             "=r,h,r,r"))
                     else:                      # hardware conversions: e4m3x2 -> f16x2 -> 2 x f32, x 2^k, -> bf16x2
                         sf = arith.bitcast(f32, arith.shli(sbyte, ci(23)))   # ue8m0 byte b -> 2^(b - 127)
                         for w in range(4):
@@ -910,6 +938,7 @@ DEFAULT_STORE_WAIT = "read"    # see `sparse_attention_mosaic`'s store_wait (tim
 DEFAULT_PINGPONG = False       # see `sparse_attention_mosaic`'s pingpong (H200, session 17: no gain)
 DEFAULT_SPLIT_D = True         # split_d where it applies (see `sparse_attention_mosaic`'s split_d; session 18)
 DEFAULT_CLUSTER_LOADS = "early"   # see `sparse_attention_mosaic`'s cluster_loads (H200, session 18: 1-2.5% faster)
+DEFAULT_FP8_CONVERT = "cvt"   # see `sparse_attention_mosaic`'s fp8_convert
 DEFAULT_L2_AHEAD = 0      # L2 prefetch distance in steps (see `sparse_attention_mosaic`'s l2_ahead)
 DEFAULT_PRODUCER = "tma"   # the bf16 ring's gather (see `sparse_attention_mosaic`'s producer)
 DEFAULT_REGS = (56, 224)   # setmaxnreg: (producer, each consumer) registers per thread
@@ -997,6 +1026,7 @@ def sparse_attention_mosaic(
     pingpong: bool | None = None,
     cluster_loads: str | None = None,
     split_d: bool | None = None,
+    fp8_convert: str | None = None,
     _diag: str | None = None,
     _profile: str | None = None,
 ):
@@ -1075,6 +1105,12 @@ def sparse_attention_mosaic(
     15.7 -> 13.6 us, B=64 27.3 -> 22.9, B=128 41.4 -> 34.9, HCA-1K B=64 39.4 -> 32.8 (+ the XLA merge then, see
     `_auto_combine`'s cap), HCA-8K B=16 64.4 -> 61.8; prefill (against split_scores, `sparse_attention.py --groups
     s18`) S=16K 4545 -> 3617 us (302 -> 380 TFLOP/s), S=4K 1259 -> 1134 us. The default since then.
+    fp8_convert (FP8 pools; None = DEFAULT_FP8_CONVERT): how the consumers turn a staged e4m3 pair into bf16.
+    "cvt": e4m3x2 -> f16x2 -> two f32, times the block scale, -> bf16x2 (four conversion instructions per pair);
+    "rebias": e4m3x2 -> f16x2, then the f16 bits shifted into bf16 position (integer ops) and two exact bf16x2
+    multiplies (one conversion per pair; see REBIAS_ASM). Both are exact. The H200 issues conversions at 16 per SM
+    per cycle, and the session-14 phase profile put the dequantization at 4467 cycles per 64-row block, about
+    what the four conversions per pair cost there.
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -1122,6 +1158,9 @@ def sparse_attention_mosaic(
         raise ValueError("pingpong takes turns between the consumers' wgmma: bf16 pools without split_scores only "
                          "(FP8's dequantization and split_scores' exchange synchronise the consumers every step)")
     pingpong = DEFAULT_PINGPONG and not (fp8 or split_scores or split_d) if pingpong is None else bool(pingpong)
+    fp8_convert = fp8_convert or DEFAULT_FP8_CONVERT
+    if fp8_convert not in ("cvt", "rebias"):
+        raise ValueError(f"fp8_convert must be 'cvt' or 'rebias', got {fp8_convert!r}")
     if fp8 and (block_k or 64) != 64:
         raise ValueError(f"with FP8 pools the Mosaic GPU kernel takes block_k=64 (shared memory), got {block_k}")
     bt = b * t
@@ -1204,7 +1243,7 @@ def sparse_attention_mosaic(
     kernel = _build(bt, ns, d, bk, stages, bps, meta, idx_rows, float(scale) * LOG2E, ns > 1 and not ccomb, fp8,
                     _diag, check_regs(regs), n_hg, bool(split_scores), profile, producer == "cp_async", l2_ahead,
                     ccomb, store_wait == "read", DEFAULT_IDX_FIRST if idx_first is None else bool(idx_first),
-                    pingpong, cluster_loads == "early", split_d)
+                    pingpong, cluster_loads == "early", split_d, fp8_convert)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1 and not ccomb:
         o, lse = combine_lib.combine(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h), sinks.astype(jnp.float32),
