@@ -237,6 +237,9 @@ def lower_model_steps(model, cache, marker):
                                               (1, 64, 60, dict(split_d=True, heads=128), False),
                                               (3, 1, 512, dict(split_d=True, block_k=32, num_stages=4), False),
                                               (3, 1, 512, dict(fp8_convert="rebias"), True),
+                                              (3, 1, 512, dict(num_stages=2), True),
+                                              (3, 1, 512, dict(_diag="dequant_both", split_d=True, num_stages=1), True),
+                                              (1, 64, 60, dict(_diag="loop", split_d=False), True),
                                               (2, 1, 8192, dict(fp8_convert="rebias", split_d=True, num_stages=1),
                                                True)])
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
@@ -281,12 +284,12 @@ def test_sparse_attention_mosaic_split_d_rejects_what_it_cannot_do():
         inp = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=False)
         with pytest.raises(ValueError, match="split_d"):
             sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, split_d=True, **opts)
-    # FP8 pools: the exchange fits next to one staging slot only
+    # FP8 pools: the exchange fits next to one staging slot only (which split_d=True asks for by default)
     inp = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)
     with pytest.raises(ValueError, match="shared memory .* over"):
-        sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, split_d=True, n_splits=1)
-    lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, scale=0.1, split_d=True, num_stages=1,
-                                                                        n_splits=1), *(inp[k] for k in keys))
+        sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, split_d=True, num_stages=2, n_splits=1)
+    lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, scale=0.1, split_d=True, n_splits=1),
+               *(inp[k] for k in keys))
     # an HCA-8K row in at most 8 cluster splits: 1040 index rows per CTA leave no room for the 32 KB exchange, so
     # the default (split_d=None) lowers without it and an explicit split_d=True says why it cannot
     inp = make_attention(2, 1, 64, 512, 300, 9000, 128, 8192, ragged=True, fp8=False)

@@ -304,7 +304,8 @@ def test_mosaic_only_knobs_with_auto_kernel_say_where_they_run():
 def test_mosaic_kernel_input_errors():
     """The Mosaic GPU kernel's wrapper refuses what it cannot run, with a reason, before building anything (so this
     runs on CPU): mixed bf16 / FP8 pools, block_k != 64 with FP8 pools, shared memory over budget with an
-    explicit n_splits, register splits that do not fit the SM. "auto" never picks it for FP8 pools (measured slower than Triton, session 9)."""
+    explicit n_splits, register splits that do not fit the SM. "auto" picks it for FP8 pools (both FP8, block_k 64;
+    session 19), not for mixed ones."""
     from pallas_kernels.sparse_attention import Fp8KVPool, mosaic_applies
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -312,9 +313,13 @@ def test_mosaic_kernel_input_errors():
     keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
     args = [inp[k] for k in keys]
     assert isinstance(args[1], Fp8KVPool)
-    assert not mosaic_applies(inp["q"], inp["window_kv"], inp["compressed_kv"])
+    assert mosaic_applies(inp["q"], inp["window_kv"], inp["compressed_kv"])
+    assert not mosaic_applies(inp["q"], inp["window_kv"], inp["compressed_kv"], kernel_options=dict(block_k=32))
+    assert not mosaic_applies(inp["q"], inp["window_kv"], inp["compressed_kv"], kernel_options=dict(split_scores=True))
+    assert mosaic_applies(inp["q"], inp["window_kv"], inp["compressed_kv"], kernel_options=dict(num_stages=2))
     mixed = list(args)
     mixed[3] = jnp.zeros((64, 512), jnp.bfloat16)
+    assert not mosaic_applies(inp["q"], inp["window_kv"], mixed[3])
     with pytest.raises(ValueError, match="both pools bf16 or both FP8"):
         sparse_attention_mosaic(*mixed, scale=0.1)
     for regs in ((56, 232), (60, 224), (16, 248), (176, 168)):

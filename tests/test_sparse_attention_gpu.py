@@ -84,7 +84,7 @@ MOSAIC_CASES = [
     (2, 1, 128, 9000, 128, 8192, dict(ragged=True, fp8=True), {}),
     (1, 256, 2048, 1024, 128, 512, dict(dupes=True, fp8=True), {}),
     (1, 64, 512, 200, 100, 60, dict(ragged=True, fp8=True), {}),
-    (3, 2, 128, 600, 128, 1024, dict(ragged=True, fp8=True), dict(_diag="loop")),   # the rolled dequantization
+    (3, 2, 128, 600, 128, 1024, dict(ragged=True, fp8=True), dict(_diag="loop", split_d=False)),   # rolled dequant
     # registers moved from the producer to the consumers (setmaxnreg)
     (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(regs=(40, 232))),
     (3, 2, 128, 600, 128, 1024, dict(ragged=True, fp8=True), dict(regs=(24, 240))),
@@ -166,11 +166,17 @@ MOSAIC_CASES = [
     (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True, heads=128), dict(split_d=True)),   # prefill
     (1, 64, 512, 200, 100, 60, dict(ragged=True), dict(split_d=True, block_k=32, num_stages=4)),
     (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True), dict(split_d=True, n_splits=4, combine="cluster")),
-    # FP8 pools with split_d: one staging slot (not timed yet)
+    # FP8 pools with split_d: one staging slot (the FP8 default since session 19)
     (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, dupes=True), dict(split_d=True, num_stages=1)),
     (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, fp8=True),
      dict(split_d=True, num_stages=1, n_splits=3, combine="xla")),
-    (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, dupes=True), dict(num_stages=1)),   # one slot, no split_d
+    (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, dupes=True), dict(num_stages=1, split_d=False)),   # 1 slot
+    # FP8 without split_d, two staging slots (the FP8 default before session 19)
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, fp8=True), dict(num_stages=2)),
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True, fp8=True), dict(num_stages=2)),
+    # FP8 split_d with both consumers dequantizing the whole tile (the default: each its own half of d)
+    (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, dupes=True),
+     dict(split_d=True, num_stages=1, _diag="dequant_both")),
     # FP8 dequantized with one conversion per pair (fp8_convert="rebias"), scale bytes over ~20 binades
     (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, dupes=True, wide_scales=True), dict(fp8_convert="rebias")),
     (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, fp8=True, wide_scales=True),
@@ -214,7 +220,8 @@ def test_gpu_auto_picks_mosaic_only_where_it_applies():
     assert mosaic_applies(inp["q"], inp["window_kv"], inp["compressed_kv"])
     check_close(jax.jit(lambda i: call(sparse_attention, i, impl="auto"))(inp), call(sparse_attention_reference, inp))
     fp8 = make_inputs(2, 1, 64, 512, 256, 1024, 128, 512, fp8=True)
-    assert not mosaic_applies(fp8["q"], fp8["window_kv"], fp8["compressed_kv"])
+    assert mosaic_applies(fp8["q"], fp8["window_kv"], fp8["compressed_kv"])   # FP8 pools too (session 19)
+    check_close(jax.jit(lambda i: call(sparse_attention, i, impl="auto"))(fp8), call(sparse_attention_reference, fp8))
     # a Mosaic-only knob with kernel="auto": the Mosaic kernel where it applies, a clear error where it does not
     check_close(call(sparse_attention, inp, impl="auto", cluster_loads="early", n_splits=2),
                 call(sparse_attention_reference, inp))

@@ -626,19 +626,22 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     ctx.await_async_copy(0, await_read_only=store_wait_read)
 
             def dequantize(slot):
-                """Staging slot -> the bf16 KV tile, in the 128 B-swizzled (8, 64) tiling wgmma reads. Thread t of the
-                256 consumer threads converts the 16-byte nope chunks v = t + 256 i (row v // 28, chunk v % 28, scale
-                block chunk // 4) and copies the 16-byte rope chunks t + 256 i. The tile is free once both consumers
-                are past the previous block's P.V (first barrier); it is complete after the second."""
+                """Staging slot -> the bf16 KV tile, in the 128 B-swizzled (8, 64) tiling wgmma reads.
+                Both consumers together (without split_d, or _diag="dequant_both"): thread t of the 256 consumer
+                threads converts the 16-byte nope chunks v = t + 256 i (row v // 28, chunk v % 28, scale block chunk
+                // 4) and copies the 16-byte rope chunks t + 256 i; the tile is free once both consumers are past the
+                previous block's P.V (named barrier 8 before), complete after the second barrier.
+                Each consumer its own half (split_d, the default there): a consumer reads only its half of d's
+                columns (its half of S, and P.V for its own output columns), so it converts only that half: consumer
+                0 the nope blocks 0-3, consumer 1 the blocks 4-6 and the rope part, with its own warpgroup's barriers
+                instead of the 256-thread ones: the two meet only at the score exchange."""
                 tid = arith.index_cast(index, mu.thread_idx())
-                consumers_barrier()
+                own_half = split_d and diag != "dequant_both"
+                sync = mu.warpgroup_barrier if own_half else consumers_barrier
+                sync()
                 f8_16 = ir.VectorType.get((16,), ir.Float8E4M3FNType.get())
-                n_nope, n_rope = bk * (NOPE_DIM // 16) // 256, bk * 8 // 256
-                if diag == "no_dequant":   # timing diagnostic only (wrong values): the barriers, no data movement
-                    n_nope = n_rope = 0
-                def convert_chunk(base):   # the 16-byte nope chunk v = tid + base of this thread
-                    v = arith.addi(tid, base)
-                    r, cb = arith.divui(v, c(NOPE_DIM // 16)), arith.remui(v, c(NOPE_DIM // 16))
+                def convert_chunk(v, ncb, cb0):   # nope chunk v of a [bk, ncb] grid of 16-byte chunks from chunk cb0
+                    r, cb = arith.divui(v, c(ncb)), arith.addi(arith.remui(v, c(ncb)), c(cb0))
                     blk, c4 = arith.divui(cb, c(4)), arith.remui(cb, c(4))
                     raw = vector.bitcast(ir.VectorType.get((4,), i32),
                                          vector.load(f8_16, nope_st, [slot, r, arith.muli(cb, c(16))], alignment=16))
@@ -676,23 +679,38 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                         chunk = arith.xori(arith.addi(arith.muli(c4, c(2)), c(h)), r8)
                         vector.store(val, tile, [arith.divui(r, c(8)), blk, r8, arith.muli(chunk, c(8))], alignment=16)
 
-                if diag == "loop":   # the same conversion as a loop (fewer live registers than the unrolled default)
-                    @mu.fori(c(n_nope), None)
-                    def _(i, _c):
-                        convert_chunk(arith.muli(i, c(256)))
-                        return _c
-                else:
-                    for i in range(n_nope):
-                        convert_chunk(c(256 * i))
-                for i in range(n_rope):    # rope: 8 16-byte chunks per row, already bf16
-                    v = arith.addi(tid, c(256 * i))
+                def copy_rope(v):   # rope chunk v: 8 16-byte chunks per row, already bf16
                     r, ch = arith.divui(v, c(8)), arith.remui(v, c(8))
                     r8 = arith.remui(r, c(8))
                     val = vector.load(ir.VectorType.get((8,), bf16), rope_st, [slot, r, arith.muli(ch, c(8))], alignment=16)
                     vector.store(val, tile, [arith.divui(r, c(8)), c(pieces - 1), r8, arith.muli(arith.xori(ch, r8), c(8))],
                                  alignment=16)
+
+                ncb_all = NOPE_DIM // 16    # 28 nope chunks per row
+                if diag == "no_dequant":   # timing diagnostic only (wrong values): the barriers, no data movement
+                    pass
+                elif own_half:
+                    lt = arith.remui(tid, c(128))
+                    ncb0 = ncb_all * 4 // 7                       # 16 chunks: nope blocks 0-3 = columns [0, d/2)
+                    for w, (ncb, cb0, n_rope) in enumerate(((ncb0, 0, 0), (ncb_all - ncb0, ncb0, bk * 8 // 128))):
+                        with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(w))):
+                            for i in range(bk * ncb // 128):
+                                convert_chunk(arith.addi(lt, c(128 * i)), ncb, cb0)
+                            for i in range(n_rope):
+                                copy_rope(arith.addi(lt, c(128 * i)))
+                else:
+                    if diag == "loop":   # the same conversion as a loop (fewer live registers than the unrolled default)
+                        @mu.fori(c(bk * ncb_all // 256), None)
+                        def _(i, _c):
+                            convert_chunk(arith.addi(tid, arith.muli(i, c(256))), ncb_all, 0)
+                            return _c
+                    else:
+                        for i in range(bk * ncb_all // 256):
+                            convert_chunk(arith.addi(tid, c(256 * i)), ncb_all, 0)
+                    for i in range(bk * 8 // 256):
+                        copy_rope(arith.addi(tid, c(256 * i)))
                 nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)  # st.shared -> wgmma
-                consumers_barrier()
+                sync()
 
             def split_softmax(valid, kv, g, m, l):
                 """split_scores: this consumer computes the scores of its half of the block's entries only (half the
@@ -1137,7 +1155,9 @@ def sparse_attention_mosaic(
     n_hg = h // BLOCK_H   # head groups: one CTA per (row, group, split)
     split_d_default = split_d is None
     if split_d is None:   # the default for bf16 pools, decode and prefill (where it fits: see the loop below)
-        split_d = DEFAULT_SPLIT_D and not fp8 and not split_scores and not pingpong
+        # FP8: the 32 KB fit next to one staging slot only, so the default asks for one (num_stages=None) and
+        # an explicit num_stages > 1 keeps split_d off
+        split_d = DEFAULT_SPLIT_D and not split_scores and not pingpong and not (fp8 and (num_stages or 1) > 1)
     split_d = bool(split_d)
     if split_d and (split_scores or pingpong):
         raise ValueError("split_d (each consumer scores half of d and they exchange f32 partials) does not combine "
@@ -1173,6 +1193,8 @@ def sparse_attention_mosaic(
     for k_, v_ in dict(block_k=block_k, num_stages=num_stages, n_splits=n_splits).items():
         if v_ is not None:
             cfg[k_] = v_
+    if fp8 and split_d and num_stages is None:
+        cfg["num_stages"] = 1   # split_d's buffer fits next to one FP8 staging slot (H200, session 19: see split_d)
     bk, stages = cfg["block_k"], cfg["num_stages"]
     # P.V contracts over block_k in groups of the ring's swizzle width: 64 entries with 128 B swizzle, or block_k =
     # 32 with 64 B swizzle (bf16 rings: smaller steps, more of them in flight); S's N is <= 256
@@ -1186,7 +1208,9 @@ def sparse_attention_mosaic(
     if bk == 32 and producer == "tma":
         raise ValueError("block_k=32 (64 B swizzle) needs producer='cp_async': a 64 B row of a 64 B-swizzled tile "
                          "is not 128 B aligned, as a bulk tensor copy's destination must be")
-    ring_bytes = stages * bk * (NOPE_STRIDE + 2 * ROPE_DIM + SCALE_BYTES) + bk * d * 2 if fp8 else stages * bk * d * 2
+    ring_of = lambda stages: (stages * bk * (NOPE_STRIDE + 2 * ROPE_DIM + SCALE_BYTES) + bk * d * 2 if fp8
+                              else stages * bk * d * 2)
+    ring_bytes = ring_of(stages)
 
     def exchange_bytes():
         """The consumers' exchange buffers: split_scores' P halves, maxima and sums; split_d's two f32 [64, bk]
@@ -1217,6 +1241,9 @@ def sparse_attention_mosaic(
                 # the default split_d where its 32 KB do not fit next to this split's index rows (an explicit
                 # n_splits, or cluster-capped splits of a long list): the kernel without it, from the start
                 split_d, bps = False, -(-total_blocks // ns0)
+                if fp8 and num_stages is None:   # the FP8 default's one staging slot was for split_d
+                    stages = default_config(bt * n_hg, total_blocks)["num_stages"]
+                    ring_bytes = ring_of(stages)
                 # prefill's default before split_d
                 split_scores = split_scores or (split_scores_default and t >= SPLIT_SCORES_MIN_T)
                 continue
