@@ -79,8 +79,8 @@ class DeepseekV4ForCausalLM(nnx.Module):
         "auto" (default: "set" where the indexer runs the GPU kernel -- model parity with the reference passes on
         the H200 in both modes, session 8 -- else "sorted", which the reference and TPU paths produce directly).
         attention_kernel: which GPU sparse-attention kernel (see pallas_kernels.sparse_attention): "auto"
-        (default: the Mosaic GPU kernel for bf16 models with 64 or 128 heads and bf16 caches, else Triton), "mosaic",
-        "triton". Ignored off the GPU, except that "mosaic" is refused there."""
+        (default: the Mosaic GPU kernel for bf16 models with 64 or 128 heads and bf16 or FP8 caches, else Triton),
+        "mosaic", "triton". Ignored off the GPU, except that "mosaic" is refused there."""
         c = config
         if indexer_picks == "auto":
             indexer_picks = "set" if resolve_impl(attention_impl, "indexer") == "gpu" else "sorted"

@@ -10,8 +10,9 @@ kernel (GPU only): "mosaic" (gpu_mosaic.py: warp-specialised, written against Mo
 bf16 or FP8 pools, bf16 output), "triton" (gpu.py: every dtype, head count and pool, plus its tuning knobs), "auto"
 (default: mosaic where it is the faster one and no Triton-only option is given, else triton). Measured on the H200
 (sessions 8-9, benchmarks/mosaic_attention.py, sparse_attention.py --groups kernels): with bf16 pools mosaic is
-1.0-1.6x faster for CSA/HCA decode at B >= 64 and 1.3x for CSA prefill; with FP8 pools it is 1.1-1.2x slower, so
-auto keeps FP8 pools on Triton.
+1.0-1.6x faster for CSA/HCA decode at B >= 64 and 1.3x for CSA prefill. With FP8 pools it was 1.1-1.2x slower
+until session 19; with split_d and a per-consumer half-d dequantization it is 1.6-1.8x faster in decode and 1.7x
+in prefill (benchmarks/sparse_attention.py --groups s19), so auto takes FP8 pools (both FP8) to it as well.
 Pools may be plain [rows, 512] arrays or `Fp8KVPool` (spec §4.2 FP8 rows; see `fp8_layout`).
 `kernel_options` (tuning knobs such as block_k, n_splits) go to the kernel and are ignored by the reference.
 """

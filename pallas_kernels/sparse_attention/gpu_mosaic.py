@@ -43,11 +43,16 @@ side by side and the second group's gathers of the same KV rows mostly hit L2.
 FP8 pools (spec §4.2 rows, `Fp8KVPool`; both sources FP8, block_k 64): the producer stages each block's raw rows
 (nope: 2 bulk copies of 256 + 192 B into 512 B-strided rows, rope: 1 bulk copy, the 8 scale bytes: one `cp.async`
 tracked by the slot barrier through `cp.async.mbarrier.arrive.noinc`, so that barrier counts 1 + 4 arrivals). The
-256 consumer threads dequantize the staged block into one bf16 tile in the swizzled layout (named barrier 8 before,
-so the previous block's P.V is done with the tile, and after, so the tile is complete), release the staging slot,
-then run the same wgmma steps on the tile. Correct on the H200 but slower than the Triton kernel's FP8 path (70 vs
-60 us at CSA B=64, session 9): the dequantization pass and the tensor-core work cannot overlap with one tile, and a
-second 64 KB tile does not fit next to the q tile and the staging ring. So kernel="auto" keeps FP8 on Triton.
+consumers dequantize the staged block into one bf16 tile in the swizzled layout, release the staging slot, then run
+the same wgmma steps on the tile. With split_d (the FP8 default since session 19, with one staging slot: the 32 KB
+exchange does not fit next to two) each consumer reads only its own half of d's columns, so each converts only that
+half (consumer 0 the nope blocks 0-3, consumer 1 the blocks 4-6 and the rope part) between two barriers of its own
+warpgroup; without split_d the 256 consumer threads convert the whole tile between two 256-thread barriers. H200,
+CSA decode B=64 kernel time: 58.0 us on the Triton kernel (the FP8 default until session 18), 56.2 on this one
+without split_d, 38.4 with split_d and both consumers converting the whole tile, 34.1 with each its own half; FP8
+prefill S=16K 238 vs 138 TFLOP/s on Triton. So kernel="auto" takes FP8 pools here (`mosaic_applies`). The
+dequantization's conversion instructions are not what binds: one conversion per e4m3 pair instead of four
+(fp8_convert="rebias") measured the same (34.6 vs 34.1 us).
 
 Step sequence (the same in all three roles): the window list's valid blocks of this split, then the compressed
 list's; a source's blocks past its valid length are not visited. Outputs as gpu.py: one split -> o with the sink in
@@ -121,9 +126,9 @@ mul.rn.bf16x2 $1, t1, $3; }"""
 # the value x 2^(15 - 127) = x 2^-112 exactly, zero included. Two exact bf16x2 multiplies by 2^a and 2^b (a + b =
 # 112 + k, each in [-8, 120] for any scale byte, so both are bf16 normals) give value x 2^k, rounded once where it
 # falls out of bf16's normal range, as the reference's cast does. $1 = 2 e4m3 bytes, $2 / $3 = 2^a / 2^b as bf16
-# pairs; $0 = the bf16 pair (low half = lower byte). Why: the default's cvt.f32.f16 and cvt.rn.bf16x2.f32 are
-# conversions too, and the H200 runs those at 16 per SM per cycle: ~3600 cycles of a 64-row block's 28672
-# elements, about the 4467-cycle dequantization the session-14 phase profile measured.
+# pairs; $0 = the bf16 pair (low half = lower byte). Built on the guess that the default's four conversions per
+# pair (16 per SM per cycle on the H200) bind the dequantization; measured the same speed (session 19), so "cvt"
+# stays the default and this stays an option.
 REBIAS_ASM = """{ .reg .b32 h, t, m;
 cvt.rn.f16x2.e4m3x2 h, $1;
 and.b32 t, h, 0x7FFF7FFF;
@@ -1110,9 +1115,10 @@ def sparse_attention_mosaic(
     at CSA B=64 (2 splits) against ~3.8K for one split without a merge. H200 (session 18): the merge itself 3508 ->
     2645 cycles (CSA B=64), kernels (CUPTI) CSA B=16 15.95 -> 15.68 us, B=64 27.95 -> 27.24, HCA-1K B=64 40.02 ->
     39.45; "early" is the default.
-    split_d (None = DEFAULT_SPLIT_D where it applies: bf16 pools, not with an explicit split_scores / pingpong, and
-    where its buffer fits next to the split's index rows, else off. FP8 pools take split_d=True only with
-    num_stages=1: the 32 KB do not fit next to two staging slots; not timed yet): each consumer computes the
+    split_d (None = DEFAULT_SPLIT_D where it applies: not with an explicit split_scores / pingpong, and where its
+    buffer fits next to the split's index rows, else off. FP8 pools: the 32 KB fit next to one staging slot only,
+    so the default takes num_stages=1 there, and an explicit num_stages > 1 turns it off; each consumer then
+    dequantizes only its own half of d, see the module docstring): each consumer computes the
     scores over its own half of d (q[:, half] K[:, half]^T: 16 chained m64n<bk>k16 wgmma instead of 32, at N = bk)
     and the two swap their f32 partials through a 32 KB shared buffer (two named barriers per step), so the score
     work is done once instead of twice. Both consumers then hold bit-identical scores (a + b == b + a), so their m
@@ -1126,9 +1132,10 @@ def sparse_attention_mosaic(
     fp8_convert (FP8 pools; None = DEFAULT_FP8_CONVERT): how the consumers turn a staged e4m3 pair into bf16.
     "cvt": e4m3x2 -> f16x2 -> two f32, times the block scale, -> bf16x2 (four conversion instructions per pair);
     "rebias": e4m3x2 -> f16x2, then the f16 bits shifted into bf16 position (integer ops) and two exact bf16x2
-    multiplies (one conversion per pair; see REBIAS_ASM). Both are exact. The H200 issues conversions at 16 per SM
-    per cycle, and the session-14 phase profile put the dequantization at 4467 cycles per 64-row block, about
-    what the four conversions per pair cost there.
+    multiplies (one conversion per pair; see REBIAS_ASM). Both are exact. The guess behind it: the conversions'
+    rate (16 per SM per cycle) binds the dequantization (session 14's phase profile: 4467 cycles per 64-row block).
+    Measured on the H200 (session 19): no gain (CSA B=64 57.7 vs 56.2 us without split_d, 38.2 vs 38.5 and 34.6 vs
+    34.1 with it), so the guess was wrong and "cvt" stays the default.
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
