@@ -44,7 +44,10 @@ CASES = {
     "csa64_ns1": ("csa", 64, 1, 512, "bf16", dict(n_splits=1)),
     "hca1k64": ("hca", 64, 1, 1024, "bf16", {}),
     "hca8k16": ("hca", 16, 1, 8192, "bf16", {}),
-    "csa64_fp8": ("csa", 64, 1, 512, "fp8", {}),
+    "csa64_fp8": ("csa", 64, 1, 512, "fp8", {}),        # FP8 default (session 19): split_d, one slot, half-d dequant
+    "csa128_fp8": ("csa", 128, 1, 512, "fp8", {}),
+    "csa64_fp8_both": ("csa", 64, 1, 512, "fp8", dict(split_d=True, num_stages=1, _diag="dequant_both")),
+    "csa64_fp8_nosd": ("csa", 64, 1, 512, "fp8", dict(num_stages=2)),      # the FP8 structure before session 19
     "csa64_cpa": ("csa", 64, 1, 512, "bf16", dict(producer="cp_async")),       # the cp.async producer
     "csa128_cpa": ("csa", 128, 1, 512, "bf16", dict(producer="cp_async")),
     "csa64_bk32": ("csa", 64, 1, 512, "bf16", dict(block_k=32, num_stages=4)),    # 32-entry steps, 4 slots
@@ -56,8 +59,9 @@ CASES = {
     "csa16_cle": ("csa", 16, 1, 512, "bf16", dict(cluster_loads="early")),     # the merge's reads issued first
     "csa64_cle": ("csa", 64, 1, 512, "bf16", dict(cluster_loads="early")),
     "hca1k64_cle": ("hca", 64, 1, 1024, "bf16", dict(cluster_loads="early")),
-    # split_d, the default since session 18, is off in every case here: the profiler's records (2.5-3.3 KB) do not
-    # fit next to its 32 KB exchange buffer, the q tile and the ring at any split count (session 18, call 5)
+    # with bf16 pools split_d, the default since session 18, is off in every case here: the profiler's records
+    # (2.5-3.3 KB) do not fit next to its 32 KB exchange buffer, the q tile and the two-slot ring at any split count
+    # (session 18, call 5). FP8 pools with split_d (one staging slot) leave room: ~206 KB + the records.
     "prefill2k_pp": ("csa", 1, 2048, 512, "bf16", dict(split_scores=False, pingpong=True)),
     "prefill2k": ("csa", 1, 2048, 512, "bf16", {}),                        # split_scores (the prefill default)
     "prefill2k_noss": ("csa", 1, 2048, 512, "bf16", dict(split_scores=False)),

@@ -202,6 +202,15 @@ def test_gpu_mosaic_kernel(case):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_mosaic_window_only(fp8):
+    """Sliding-only layers (compress_ratio 0 / 1) call the op with the window source alone: one source in the
+    kernel's step sequence, through kernel="auto" (bf16 and FP8 pools both take the Mosaic kernel)."""
+    inp = make_inputs(4, 1, 64, 512, 300, 64, 128, 64, fp8=fp8, ragged=True, dupes=True)
+    inp.update(compressed_kv=None, compressed_idx=None, compressed_len=None)
+    check_close(call(sparse_attention, inp, impl="pallas"), call(sparse_attention_reference, inp))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
 def test_gpu_mosaic_lengths_and_indices_as_given(fp8):
     """The Mosaic kernel takes the lists and lengths as given and cleans them itself (no XLA pass before it):
     negative lengths, lengths past K, indices past the pools' rows."""
