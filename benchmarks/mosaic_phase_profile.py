@@ -7,7 +7,8 @@ stamps the SM clock at the entry and exit of named regions,
 
   producer   p_setup (q, sinks, index rows until landed), per step p_wait_empty (slot free) and p_issue
   consumers  c_wait_q, per step c_wait_full (the block landed), c_scores (q K^T wgmma), c_softmax, c_pv (P.V
-             wgmma; c_split_softmax with split_scores, c_dequant with FP8 pools), then c_epilogue
+             wgmma; c_split_softmax with split_scores, c_dequant with FP8 pools, c_dequant_scores with
+             fp8_overlap: the conversions and the score wgmma interleaved), then c_epilogue
 
 and prints, per role and region, cycles per occurrence and per CTA, the share of the CTA's span, and how the CTAs'
 start times spread over the launch (waves). Reading: if c_wait_full dominates the consumers, the gathers bind
@@ -48,6 +49,7 @@ CASES = {
     "csa128_fp8": ("csa", 128, 1, 512, "fp8", {}),
     "csa64_fp8_both": ("csa", 64, 1, 512, "fp8", dict(split_d=True, num_stages=1, _diag="dequant_both")),
     "csa64_fp8_nosd": ("csa", 64, 1, 512, "fp8", dict(num_stages=2)),      # the FP8 structure before session 19
+    "csa64_fp8_ovl": ("csa", 64, 1, 512, "fp8", dict(fp8_overlap=True)),   # conversions interleaved with S wgmma
     "csa64_cpa": ("csa", 64, 1, 512, "bf16", dict(producer="cp_async")),       # the cp.async producer
     "csa128_cpa": ("csa", 128, 1, 512, "bf16", dict(producer="cp_async")),
     "csa64_bk32": ("csa", 64, 1, 512, "bf16", dict(block_k=32, num_stages=4)),    # 32-entry steps, 4 slots

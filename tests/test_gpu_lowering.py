@@ -238,6 +238,10 @@ def lower_model_steps(model, cache, marker):
                                               (3, 1, 512, dict(split_d=True, block_k=32, num_stages=4), False),
                                               (3, 1, 512, dict(fp8_convert="rebias"), True),
                                               (3, 1, 512, dict(num_stages=2), True),
+                                              (3, 1, 512, dict(fp8_overlap=True), True),
+                                              (2, 1, 8192, dict(fp8_overlap=True, fp8_convert="rebias",
+                                                                n_splits=3, combine="xla"), True),
+                                              (1, 64, 60, dict(fp8_overlap=True, heads=128), True),
                                               (3, 1, 512, dict(_diag="dequant_both", split_d=True, num_stages=1), True),
                                               (1, 64, 60, dict(_diag="loop", split_d=False), True),
                                               (2, 1, 8192, dict(fp8_convert="rebias", split_d=True, num_stages=1),
@@ -297,6 +301,23 @@ def test_sparse_attention_mosaic_split_d_rejects_what_it_cannot_do():
         sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, split_d=True, combine="cluster")
     lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, scale=0.1, combine="cluster"),
                *(inp[k] for k in keys))
+
+
+def test_sparse_attention_mosaic_fp8_overlap_needs_fp8_split_d():
+    """fp8_overlap interleaves a consumer's conversion of its half of d with its score wgmma: FP8 pools with split_d
+    only, and not with a diagnostic that changes the dequantization order."""
+    from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
+
+    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
+    bf16 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True)
+    with pytest.raises(ValueError, match="fp8_overlap .* bf16 pools"):
+        sparse_attention_mosaic(*(bf16[k] for k in keys), scale=0.1, fp8_overlap=True)
+    fp8 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)
+    for opts in (dict(split_d=False), dict(num_stages=2)):
+        with pytest.raises(ValueError, match="fp8_overlap .* split_d only"):
+            sparse_attention_mosaic(*(fp8[k] for k in keys), scale=0.1, fp8_overlap=True, **opts)
+    with pytest.raises(ValueError, match="not with _diag='dequant_both'"):
+        sparse_attention_mosaic(*(fp8[k] for k in keys), scale=0.1, fp8_overlap=True, _diag="dequant_both")
 
 
 def test_sparse_attention_mosaic_pingpong_rejects_fp8_and_split_scores():

@@ -187,6 +187,15 @@ MOSAIC_CASES = [
     (3, 2, 128, 600, 128, 1024, dict(ragged=True, fp8=True, heads=128, wide_scales=True),
      dict(fp8_convert="rebias", n_splits=2)),
     (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, wide_scales=True), {}),   # the default conversion
+    # FP8 + split_d with each 64-column piece's score wgmma issued while the next piece converts (fp8_overlap)
+    (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, dupes=True, wide_scales=True), dict(fp8_overlap=True)),
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, fp8=True),
+     dict(fp8_overlap=True, n_splits=3, combine="xla")),
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True, fp8=True), dict(fp8_overlap=True)),
+    (1, 256, 2048, 1024, 128, 512, dict(dupes=True, fp8=True), dict(fp8_overlap=True)),
+    (3, 2, 128, 600, 128, 1024, dict(ragged=True, fp8=True, heads=128), dict(fp8_overlap=True, n_splits=2)),
+    (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, wide_scales=True), dict(fp8_overlap=True,
+                                                                                  fp8_convert="rebias")),
 ]
 
 

@@ -147,7 +147,7 @@ def default_config(bt: int, total_blocks: int):
 def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=False, diag=None,
            regs=None, n_hg=1, split_scores=False, profile=None, cp_async=False, l2_ahead=0, ccomb=False,
            store_wait_read=False, idx_first=False, pingpong=False, cluster_early=False, split_d=False,
-           fp8_convert="cvt"):
+           fp8_convert="cvt", fp8_overlap=False):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -630,6 +630,55 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
                     ctx.await_async_copy(0, await_read_only=store_wait_read)
 
+            f8_16 = ir.VectorType.get((16,), ir.Float8E4M3FNType.get())
+
+            def convert_chunk(slot, v, ncb, cb0):   # nope chunk v of a [bk, ncb] grid of 16 B chunks from cb0
+                r, cb = arith.divui(v, c(ncb)), arith.addi(arith.remui(v, c(ncb)),
+                                                            c(cb0) if isinstance(cb0, int) else cb0)
+                blk, c4 = arith.divui(cb, c(4)), arith.remui(cb, c(4))
+                raw = vector.bitcast(ir.VectorType.get((4,), i32),
+                                     vector.load(f8_16, nope_st, [slot, r, arith.muli(cb, c(16))], alignment=16))
+                sbyte = arith.extui(i32, memref.load(scale_st, [slot, r, blk]))
+                words = []
+                if diag == "no_convert":   # timing diagnostic only (wrong values): raw bytes stored as if bf16
+                    words = [vector.extract(raw, [], [w % 4]) for w in range(8)]
+                elif diag == "bits":       # integer bit placement + 2 bf16 multiplies: exact, measured slower
+                    # 2^k as a bf16 pair: the ue8m0 byte is the bf16 exponent field
+                    s2 = arith.ori(arith.shli(sbyte, ci(23)), arith.shli(sbyte, ci(7)))
+                    for w in range(4):
+                        pair = llvm.inline_asm(ir.Type.parse("!llvm.struct<(i32, i32)>"),
+                                               [vector.extract(raw, [], [w]), s2], BITS_ASM, "=r,=r,r,r")
+                        words += [llvm.extractvalue(i32, pair, [0]), llvm.extractvalue(i32, pair, [1])]
+                elif fp8_convert == "rebias":   # e4m3x2 -> f16x2, bits re-biased to bf16, 2 bf16 multiplies
+                    e = arith.subi(sbyte, ci(15))                       # 112 + k, k = byte - 127
+                    ea = arith.shrsi(e, ci(1))
+                    pair = lambda x: arith.muli(arith.shli(arith.addi(x, ci(127)), ci(7)), ci(0x10001))
+                    pa, pb = pair(ea), pair(arith.subi(e, ea))          # 2^a, 2^b as bf16 pairs
+                    for w in range(4):
+                        word = vector.extract(raw, [], [w])
+                        for half in (word, arith.shrui(word, ci(16))):
+                            words.append(llvm.inline_asm(i32, [arith.trunci(i16, half), pa, pb], REBIAS_ASM,
+                                                         "=r,h,r,r"))
+                else:                      # hardware conversions: e4m3x2 -> f16x2 -> 2 x f32, x 2^k, -> bf16x2
+                    sf = arith.bitcast(f32, arith.shli(sbyte, ci(23)))   # ue8m0 byte b -> 2^(b - 127)
+                    for w in range(4):
+                        word = vector.extract(raw, [], [w])
+                        for half in (word, arith.shrui(word, ci(16))):
+                            words.append(llvm.inline_asm(i32, [arith.trunci(i16, half), sf], CVT_ASM, "=r,h,f"))
+                r8 = arith.remui(r, c(8))
+                for h in range(2):   # 16 bf16 = two 16-byte chunks 2 c4, 2 c4 + 1 of the row's 128 B piece `blk`
+                    val = vector.bitcast(ir.VectorType.get((8,), bf16),
+                                         vector.from_elements(ir.VectorType.get((4,), i32), words[4 * h: 4 * h + 4]))
+                    chunk = arith.xori(arith.addi(arith.muli(c4, c(2)), c(h)), r8)
+                    vector.store(val, tile, [arith.divui(r, c(8)), blk, r8, arith.muli(chunk, c(8))], alignment=16)
+
+            def copy_rope(slot, v):   # rope chunk v: 8 16-byte chunks per row, already bf16
+                r, ch = arith.divui(v, c(8)), arith.remui(v, c(8))
+                r8 = arith.remui(r, c(8))
+                val = vector.load(ir.VectorType.get((8,), bf16), rope_st, [slot, r, arith.muli(ch, c(8))], alignment=16)
+                vector.store(val, tile, [arith.divui(r, c(8)), c(pieces - 1), r8, arith.muli(arith.xori(ch, r8), c(8))],
+                             alignment=16)
+
             def dequantize(slot):
                 """Staging slot -> the bf16 KV tile, in the 128 B-swizzled (8, 64) tiling wgmma reads.
                 Both consumers together (without split_d, or _diag="dequant_both"): thread t of the 256 consumer
@@ -644,53 +693,6 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 own_half = split_d and diag != "dequant_both"
                 sync = mu.warpgroup_barrier if own_half else consumers_barrier
                 sync()
-                f8_16 = ir.VectorType.get((16,), ir.Float8E4M3FNType.get())
-                def convert_chunk(v, ncb, cb0):   # nope chunk v of a [bk, ncb] grid of 16-byte chunks from chunk cb0
-                    r, cb = arith.divui(v, c(ncb)), arith.addi(arith.remui(v, c(ncb)), c(cb0))
-                    blk, c4 = arith.divui(cb, c(4)), arith.remui(cb, c(4))
-                    raw = vector.bitcast(ir.VectorType.get((4,), i32),
-                                         vector.load(f8_16, nope_st, [slot, r, arith.muli(cb, c(16))], alignment=16))
-                    sbyte = arith.extui(i32, memref.load(scale_st, [slot, r, blk]))
-                    words = []
-                    if diag == "no_convert":   # timing diagnostic only (wrong values): raw bytes stored as if bf16
-                        words = [vector.extract(raw, [], [w % 4]) for w in range(8)]
-                    elif diag == "bits":       # integer bit placement + 2 bf16 multiplies: exact, measured slower
-                        # 2^k as a bf16 pair: the ue8m0 byte is the bf16 exponent field
-                        s2 = arith.ori(arith.shli(sbyte, ci(23)), arith.shli(sbyte, ci(7)))
-                        for w in range(4):
-                            pair = llvm.inline_asm(ir.Type.parse("!llvm.struct<(i32, i32)>"),
-                                                   [vector.extract(raw, [], [w]), s2], BITS_ASM, "=r,=r,r,r")
-                            words += [llvm.extractvalue(i32, pair, [0]), llvm.extractvalue(i32, pair, [1])]
-                    elif fp8_convert == "rebias":   # e4m3x2 -> f16x2, bits re-biased to bf16, 2 bf16 multiplies
-                        e = arith.subi(sbyte, ci(15))                       # 112 + k, k = byte - 127
-                        ea = arith.shrsi(e, ci(1))
-                        pair = lambda x: arith.muli(arith.shli(arith.addi(x, ci(127)), ci(7)), ci(0x10001))
-                        pa, pb = pair(ea), pair(arith.subi(e, ea))          # 2^a, 2^b as bf16 pairs
-                        for w in range(4):
-                            word = vector.extract(raw, [], [w])
-                            for half in (word, arith.shrui(word, ci(16))):
-                                words.append(llvm.inline_asm(i32, [arith.trunci(i16, half), pa, pb], REBIAS_ASM,
-                                                             "=r,h,r,r"))
-                    else:                      # hardware conversions: e4m3x2 -> f16x2 -> 2 x f32, x 2^k, -> bf16x2
-                        sf = arith.bitcast(f32, arith.shli(sbyte, ci(23)))   # ue8m0 byte b -> 2^(b - 127)
-                        for w in range(4):
-                            word = vector.extract(raw, [], [w])
-                            for half in (word, arith.shrui(word, ci(16))):
-                                words.append(llvm.inline_asm(i32, [arith.trunci(i16, half), sf], CVT_ASM, "=r,h,f"))
-                    r8 = arith.remui(r, c(8))
-                    for h in range(2):   # 16 bf16 = two 16-byte chunks 2 c4, 2 c4 + 1 of the row's 128 B piece `blk`
-                        val = vector.bitcast(ir.VectorType.get((8,), bf16),
-                                             vector.from_elements(ir.VectorType.get((4,), i32), words[4 * h: 4 * h + 4]))
-                        chunk = arith.xori(arith.addi(arith.muli(c4, c(2)), c(h)), r8)
-                        vector.store(val, tile, [arith.divui(r, c(8)), blk, r8, arith.muli(chunk, c(8))], alignment=16)
-
-                def copy_rope(v):   # rope chunk v: 8 16-byte chunks per row, already bf16
-                    r, ch = arith.divui(v, c(8)), arith.remui(v, c(8))
-                    r8 = arith.remui(r, c(8))
-                    val = vector.load(ir.VectorType.get((8,), bf16), rope_st, [slot, r, arith.muli(ch, c(8))], alignment=16)
-                    vector.store(val, tile, [arith.divui(r, c(8)), c(pieces - 1), r8, arith.muli(arith.xori(ch, r8), c(8))],
-                                 alignment=16)
-
                 ncb_all = NOPE_DIM // 16    # 28 nope chunks per row
                 if diag == "no_dequant":   # timing diagnostic only (wrong values): the barriers, no data movement
                     pass
@@ -700,22 +702,55 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     for w, (ncb, cb0, n_rope) in enumerate(((ncb0, 0, 0), (ncb_all - ncb0, ncb0, bk * 8 // 128))):
                         with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(w))):
                             for i in range(bk * ncb // 128):
-                                convert_chunk(arith.addi(lt, c(128 * i)), ncb, cb0)
+                                convert_chunk(slot, arith.addi(lt, c(128 * i)), ncb, cb0)
                             for i in range(n_rope):
-                                copy_rope(arith.addi(lt, c(128 * i)))
+                                copy_rope(slot, arith.addi(lt, c(128 * i)))
                 else:
                     if diag == "loop":   # the same conversion as a loop (fewer live registers than the unrolled default)
                         @mu.fori(c(bk * ncb_all // 256), None)
                         def _(i, _c):
-                            convert_chunk(arith.addi(tid, arith.muli(i, c(256))), ncb_all, 0)
+                            convert_chunk(slot, arith.addi(tid, arith.muli(i, c(256))), ncb_all, 0)
                             return _c
                     else:
                         for i in range(bk * ncb_all // 256):
-                            convert_chunk(arith.addi(tid, c(256 * i)), ncb_all, 0)
+                            convert_chunk(slot, arith.addi(tid, c(256 * i)), ncb_all, 0)
                     for i in range(bk * 8 // 256):
-                        copy_rope(arith.addi(tid, c(256 * i)))
+                        copy_rope(slot, arith.addi(tid, c(256 * i)))
                 nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)  # st.shared -> wgmma
                 sync()
+
+            def dequantize_scoring(slot):
+                """fp8_overlap (FP8 + split_d): this consumer's half of the block converted one 64-column piece at a
+                time, each piece's score wgmma (q[:, piece] K[:, piece]^T, 4 k-steps) issued as soon as the piece is
+                in the tile and left running while the next piece converts, so the conversions overlap the tensor
+                cores instead of preceding them. Consumer w owns pieces 4w .. 4w + 3 (consumer 1's last is the rope
+                part, copied). One warpgroup barrier per piece publishes its stores to the wgmma (after the async
+                proxy fence); the first one keeps the tile until this consumer's previous P.V is done with it.
+                Returns this consumer's partial S [64, bk] f32, the staging slot released."""
+                lt = arith.remui(arith.index_cast(index, mu.thread_idx()), c(128))
+                mu.warpgroup_barrier()
+                s_acc = mgpu.WGMMAAccumulator.zero(BLOCK_H, bk)
+                for p in range(4):
+                    piece = arith.addi(arith.muli(wgi, c(4)), c(p))
+                    if p < 3:   # nope block `piece`: 64 rows x 4 chunks of 16 e4m3, two per thread
+                        for i in range(bk * 4 // 128):
+                            convert_chunk(slot, arith.addi(lt, c(128 * i)), 4, arith.muli(piece, c(4)))
+                    else:       # consumer 0: nope block 3; consumer 1: the rope part (64 rows x 8 chunks of 8 bf16)
+                        with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
+                            for i in range(bk * 4 // 128):
+                                convert_chunk(slot, arith.addi(lt, c(128 * i)), 4, 12)
+                        with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(1))):
+                            for i in range(bk * 8 // 128):
+                                copy_rope(slot, arith.addi(lt, c(128 * i)))
+                    nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+                    mu.warpgroup_barrier()
+                    cols = (slice(None), mu.ds(piece, 1))
+                    s_acc = mgpu.wgmma(s_acc, mu.memref_slice(q_smem, cols),
+                                       mu.memref_transpose(mu.memref_slice(tile, cols), (1, 0, 3, 2)), swizzle=swz)
+                    nvvm.wgmma_commit_group_sync_aligned()
+                empty_bars[slot].arrive()                               # the staging slot can be refilled
+                nvvm.wgmma_wait_group_sync_aligned(0)
+                return s_acc.value
 
             def split_softmax(valid, kv, g, m, l):
                 """split_scores: this consumer computes the scores of its half of the block's entries only (half the
@@ -755,19 +790,20 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                         (p_h * (m_h[i] - m_new).exp2(approx=True).broadcast_minor(half)).astype(bf16)
                 return m_new, l, p
 
-            def split_d_scores(kv):
+            def split_d_scores(kv, own=None):
                 """split_d: S = q K^T over this consumer's half of d (16 k-steps of m64n<bk>k16 instead of 32), its
                 f32 partial through shared memory to the other consumer, which adds it to its own: each computes half
                 the score work instead of all of it, and both hold the same S (a + b == b + a in f32). The first
                 barrier keeps us from overwriting the buffer the other consumer may still be reading (last step's
                 partial, or the sinks aliased into it before the first step); the second publishes our partial.
-                Returns S [64, bk] f32 (WGMMA layout)."""
-                s_acc = mgpu.WGMMAAccumulator.zero(BLOCK_H, bk)
-                k_half = mu.memref_transpose(mu.memref_slice(kv, (slice(None), v_cols)), (1, 0, 3, 2))
-                s_acc = mgpu.wgmma(s_acc, mu.memref_slice(q_smem, (slice(None), v_cols)), k_half, swizzle=swz)
-                nvvm.wgmma_commit_group_sync_aligned()
-                nvvm.wgmma_wait_group_sync_aligned(0)
-                own = s_acc.value
+                own: this consumer's partial, already computed (fp8_overlap). Returns S [64, bk] f32 (WGMMA layout)."""
+                if own is None:
+                    s_acc = mgpu.WGMMAAccumulator.zero(BLOCK_H, bk)
+                    k_half = mu.memref_transpose(mu.memref_slice(kv, (slice(None), v_cols)), (1, 0, 3, 2))
+                    s_acc = mgpu.wgmma(s_acc, mu.memref_slice(q_smem, (slice(None), v_cols)), k_half, swizzle=swz)
+                    nvvm.wgmma_commit_group_sync_aligned()
+                    nvvm.wgmma_wait_group_sync_aligned(0)
+                    own = s_acc.value
                 consumers_barrier()
                 own.store_tiled(mu.memref_slice(x_s, wgi), swizzle=128)
                 consumers_barrier()
@@ -791,7 +827,13 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.shared::cta;", "",
                                     has_side_effects=True)
                 end(region)
-                if fp8:
+                own = None
+                if fp8 and fp8_overlap:
+                    region = begin("c_dequant_scores")   # conversions and this consumer's score wgmma, overlapped
+                    own = dequantize_scoring(slot)
+                    end(region)
+                    kv = tile
+                elif fp8:
                     region = begin("c_dequant")
                     dequantize(slot)
                     empty_bars[slot].arrive()                           # the staging slot can be refilled
@@ -807,7 +849,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 else:
                     region = begin("c_scores")
                     if split_d:
-                        scores = split_d_scores(kv)
+                        scores = split_d_scores(kv, own)
                     else:
                         turn("bar.sync", my_turn_bar)
                         s_acc = mgpu.WGMMAAccumulator.zero(BLOCK_H, bk)
@@ -962,6 +1004,7 @@ DEFAULT_PINGPONG = False       # see `sparse_attention_mosaic`'s pingpong (H200,
 DEFAULT_SPLIT_D = True         # split_d where it applies (see `sparse_attention_mosaic`'s split_d; session 18)
 DEFAULT_CLUSTER_LOADS = "early"   # see `sparse_attention_mosaic`'s cluster_loads (H200, session 18: 1-2.5% faster)
 DEFAULT_FP8_CONVERT = "cvt"   # see `sparse_attention_mosaic`'s fp8_convert
+DEFAULT_FP8_OVERLAP = False   # see `sparse_attention_mosaic`'s fp8_overlap (built in session 19, not yet timed)
 DEFAULT_L2_AHEAD = 0      # L2 prefetch distance in steps (see `sparse_attention_mosaic`'s l2_ahead)
 DEFAULT_PRODUCER = "tma"   # the bf16 ring's gather (see `sparse_attention_mosaic`'s producer)
 DEFAULT_REGS = (56, 224)   # setmaxnreg: (producer, each consumer) registers per thread
@@ -1050,6 +1093,7 @@ def sparse_attention_mosaic(
     cluster_loads: str | None = None,
     split_d: bool | None = None,
     fp8_convert: str | None = None,
+    fp8_overlap: bool | None = None,
     _diag: str | None = None,
     _profile: str | None = None,
 ):
@@ -1136,6 +1180,13 @@ def sparse_attention_mosaic(
     rate (16 per SM per cycle) binds the dequantization (session 14's phase profile: 4467 cycles per 64-row block).
     Measured on the H200 (session 19): no gain (CSA B=64 57.7 vs 56.2 us without split_d, 38.2 vs 38.5 and 34.6 vs
     34.1 with it), so the guess was wrong and "cvt" stays the default.
+    fp8_overlap (FP8 pools with split_d; None = DEFAULT_FP8_OVERLAP): each consumer converts its half of the block
+    one 64-column piece at a time and issues that piece's score wgmma (4 k-steps) right away, asynchronously, so
+    the next piece's conversion runs while the tensor cores score the last (one warpgroup barrier per piece instead
+    of two per block). Without it a consumer converts its whole half, then scores it: on the H200 (session 19,
+    CSA B=64) the FP8 step costs ~2500 cycles more than the bf16 one, about the dequantization, with the tensor
+    cores idle meanwhile. Built in session 19 after the device time ran out: lowered in CI, GPU tests written, not
+    run or timed; off by default until then.
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -1256,6 +1307,13 @@ def sparse_attention_mosaic(
                 continue
             break
         bps -= 1
+    if fp8_overlap and not (fp8 and split_d):
+        raise ValueError("fp8_overlap interleaves one consumer's dequantization of its half of d with its score "
+                         "wgmma: FP8 pools with split_d only (split_d is off here"
+                         + (": bf16 pools)" if not fp8 else ", or did not fit next to this split's index rows)"))
+    if fp8_overlap and _diag in ("dequant_both", "no_dequant", "loop"):
+        raise ValueError(f"fp8_overlap has its own dequantization order: not with _diag={_diag!r}")
+    fp8_overlap = DEFAULT_FP8_OVERLAP and fp8 and split_d if fp8_overlap is None else bool(fp8_overlap)
     if smem > SMEM_BUDGET:
         raise ValueError(f"shared memory {smem} B over {SMEM_BUDGET}: lower num_stages / block_k or raise n_splits"
                          + (f" (combine='cluster' caps n_splits at {MAX_CLUSTER}: try combine='xla')" if cluster
@@ -1277,7 +1335,7 @@ def sparse_attention_mosaic(
     kernel = _build(bt, ns, d, bk, stages, bps, meta, idx_rows, float(scale) * LOG2E, ns > 1 and not ccomb, fp8,
                     _diag, check_regs(regs), n_hg, bool(split_scores), profile, producer == "cp_async", l2_ahead,
                     ccomb, store_wait == "read", DEFAULT_IDX_FIRST if idx_first is None else bool(idx_first),
-                    pingpong, cluster_loads == "early", split_d, fp8_convert)
+                    pingpong, cluster_loads == "early", split_d, fp8_convert, fp8_overlap)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1 and not ccomb:
         o, lse = combine_lib.combine(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h), sinks.astype(jnp.float32),
