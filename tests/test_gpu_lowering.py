@@ -301,6 +301,13 @@ def test_sparse_attention_mosaic_split_d_rejects_what_it_cannot_do():
         sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, split_d=True, combine="cluster")
     lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, scale=0.1, combine="cluster"),
                *(inp[k] for k in keys))
+    # FP8 prefill in one split over 8320 index rows (33 KB): split_d's buffer does not fit, the default drops it
+    # and keeps one staging slot (two would not fit either), and split_scores stays off (it never fits with FP8)
+    inp = make_attention(1, 64, 64, 512, 300, 9000, 128, 8192, ragged=True, fp8=True)
+    lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, scale=0.1, n_splits=1),
+               *(inp[k] for k in keys))
+    with pytest.raises(ValueError, match="shared memory .* over"):
+        sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, n_splits=1, split_d=True)
 
 
 def test_sparse_attention_mosaic_fp8_overlap_needs_fp8_split_d():

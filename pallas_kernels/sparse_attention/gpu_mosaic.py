@@ -1266,9 +1266,7 @@ def sparse_attention_mosaic(
     if bk == 32 and producer == "tma":
         raise ValueError("block_k=32 (64 B swizzle) needs producer='cp_async': a 64 B row of a 64 B-swizzled tile "
                          "is not 128 B aligned, as a bulk tensor copy's destination must be")
-    ring_of = lambda stages: (stages * bk * (NOPE_STRIDE + 2 * ROPE_DIM + SCALE_BYTES) + bk * d * 2 if fp8
-                              else stages * bk * d * 2)
-    ring_bytes = ring_of(stages)
+    ring_bytes = stages * bk * (NOPE_STRIDE + 2 * ROPE_DIM + SCALE_BYTES) + bk * d * 2 if fp8 else stages * bk * d * 2
 
     def exchange_bytes():
         """The consumers' exchange buffers: split_scores' P halves, maxima and sums; split_d's two f32 [64, bk]
@@ -1298,12 +1296,10 @@ def sparse_attention_mosaic(
             if smem > SMEM_BUDGET and split_d and split_d_default:
                 # the default split_d where its 32 KB do not fit next to this split's index rows (an explicit
                 # n_splits, or cluster-capped splits of a long list): the kernel without it, from the start
+                # (FP8 keeps its one staging slot: two slots without split_d take 10 KB more than one with it)
                 split_d, bps = False, -(-total_blocks // ns0)
-                if fp8 and num_stages is None:   # the FP8 default's one staging slot was for split_d
-                    stages = default_config(bt * n_hg, total_blocks)["num_stages"]
-                    ring_bytes = ring_of(stages)
-                # prefill's default before split_d
-                split_scores = split_scores or (split_scores_default and t >= SPLIT_SCORES_MIN_T)
+                # prefill's default before split_d (bf16 pools: split_scores does not fit next to FP8 staging)
+                split_scores = split_scores or (split_scores_default and not fp8 and t >= SPLIT_SCORES_MIN_T)
                 continue
             break
         bps -= 1
