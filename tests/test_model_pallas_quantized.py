@@ -1,8 +1,8 @@
 """Quantized cache mode with attention_impl="pallas" equals the reference path's own quantized mode (issue #4/#5)."""
 
 import jax
-import pytest
 import numpy as np
+import pytest
 from flax import nnx
 
 from dsv4_jax.config import tiny
