@@ -15,7 +15,9 @@ operands: fp8's default; for fp4 the bit-trick nibble decode, not the default ye
 scores_fp8ops (fp8 tensor-core operands, session 10), pallas_fp4asm / pallas_fp4asm_set / scores_fp4asm (fp4 keys
 decoded by packed inline PTX, session 12, the fp4 default since session 13; fp4 cases only), pallas_fp4op /
 pallas_fp4op_set / scores_fp4op (fp4 group scales on the f16 key operands, session 13; fp4 cases only), scores_only / scores_bt128 /
-scores_fp4reshape (the scores kernel alone and its knobs: top-k cost = difference), xla_ref.
+scores_fp4reshape (the scores kernel alone and its knobs: top-k cost = difference), scores_mosaic / pallas_mosaic /
+pallas_mosaic_set (the Mosaic GPU fp8 kernel, session 20; fp8 cases only; --scores-configs 'kernel=mosaic,block_t=64'
+times its knobs), xla_ref.
 Note: caches smaller than L2 (8K context, batch 1) are re-read from L2 across iterations.
 
 topk_only: just the selection (k = 512) on random scores [B, T], (B, T) in {1, 64} x {32768, 262144}, methods
@@ -232,6 +234,11 @@ def main():
         "scores_bt128": lambda q, w, k, n: indexer_scores_pallas(q, w, k, n, impl="pallas", block_t=128),
         "scores_fp4reshape": lambda q, w, k, n: indexer_scores_pallas(q, w, k, n, impl="pallas",
                                                                       fp4_scale="reshape"),
+        # session 20: fp8 keys from TMA straight into e4m3 wgmma (pallas_kernels/indexer/gpu_mosaic.py; fp8 only)
+        "scores_mosaic": lambda q, w, k, n: indexer_scores_pallas(q, w, k, n, impl="pallas", kernel="mosaic"),
+        "pallas_mosaic": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", kernel="mosaic"),
+        "pallas_mosaic_set": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", kernel="mosaic",
+                                                             topk="threshold_set"),
         "xla_ref": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="reference"),
     }
     if a.quick:

@@ -431,3 +431,22 @@ def test_fp8_rebias_conversion_is_exact_for_every_byte_and_scale():
         want = (e4m3.view(ml_dtypes.float8_e4m3fn).astype(np.float64)[:, None] * scale[None]).astype(np.float32) \
             .astype(ml_dtypes.bfloat16)
     assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+@pytest.mark.parametrize("B,S,H,T,opts", [(2, 1, 64, 300, {}), (3, 2, 16, 1000, dict(block_t=64, num_stages=2)),
+                                          (1, 1, 128, 5000, dict(block_t=256, num_splits=3))])
+def test_indexer_mosaic_fp8_lowers(B, S, H, T, opts):
+    """The Mosaic GPU fp8 indexer kernel (e4m3 keys from TMA straight into wgmma) lowers for CUDA; heads padded to
+    a multiple of 32, any T (flat key addressing), 1-2 queries per row."""
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+    from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
+
+    q, w, keys, nv = make_indexer(B, S, H, T, "fp8", True)
+    lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_scores_mosaic(*a, **opts), q, w, keys, nv)
+    lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=64, kernel="mosaic", topk="threshold_set",
+                                                                **opts), q, w, keys, nv)
+    with pytest.raises(ValueError, match="block_t must be"):
+        indexer_scores_mosaic(q, w, keys, nv, block_t=96)
+    qb, wb, kb, nb = make_indexer(1, 1, 16, 40, "bf16")
+    with pytest.raises(ValueError, match="takes fp8 keys"):
+        indexer_scores_mosaic(qb, wb, kb, nb)

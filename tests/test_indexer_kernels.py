@@ -15,6 +15,7 @@ import pytest
 from pallas_kernels.indexer import (formats as F, indexer_scores, indexer_scores_pallas, indexer_topk,
                                     indexer_topk_reference, resolve_impl)
 from pallas_kernels.indexer.gpu import topk_from_scores
+from pallas_kernels.indexer.topk import as_index_set
 
 _SEED = itertools.count(9000)
 ON_GPU = jax.default_backend() == "gpu"
@@ -308,6 +309,43 @@ def test_gpu_fp4_scale_placements(B, S, T, causal, opts, at):
     check_scores(q, w, keys, nv, "pallas", 1e-4, fp4_scale_at=at, **opts)
     check_picks(indexer_topk(q, w, keys, nv, k=512, impl="pallas", fp4_scale_at=at, **opts),
                 q, w, keys, nv, 512)
+
+
+@gpu
+@pytest.mark.parametrize("B,S,H,T,opts", [(4, 1, 64, 5000, {}), (2, 2, 64, 70000, {}), (3, 1, 16, 777, {}),
+                                          (2, 1, 128, 300, {}), (3, 1, 64, 4100, dict(block_t=64, num_stages=2)),
+                                          (2, 1, 64, 9000, dict(block_t=256, num_splits=3)),
+                                          (5, 1, 40, 2000, dict(num_splits=1, num_stages=1))])
+def test_gpu_mosaic_fp8_scores(B, S, H, T, opts):
+    """The Mosaic GPU kernel (fp8 keys straight from TMA into e4m3 wgmma): scores and picks against the reference;
+    ragged n_visible (0, inside, past T), heads padded to 32, odd splits, 1-8 slots."""
+    q, w, keys, nv = make(B, S, H, T, "fp8", True)
+    check_scores(q, w, keys, nv, "pallas", 1e-5, kernel="mosaic", **opts)
+    out = np.asarray(indexer_scores_pallas(q, w, keys, nv, impl="pallas", kernel="mosaic", pad_to_block=True, **opts))
+    assert out.shape[-1] % opts.get("block_t", 128) == 0 and np.all(out[..., T:] == -np.inf)
+    picks = indexer_topk(q, w, keys, nv, k=512, impl="pallas", kernel="mosaic", **opts)
+    check_picks(picks, q, w, keys, nv, 512)
+    # the sort-free set top-k over the same scores: the same entries
+    got = indexer_topk(q, w, keys, nv, k=512, impl="pallas", kernel="mosaic", picks="set", **opts)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(picks)))
+
+
+def test_mosaic_kernel_errors():
+    """kernel='mosaic' is the fp8-key Mosaic GPU kernel: no interpreter, no other key format, no Triton knobs."""
+    from pallas_kernels.indexer.gpu import indexer_scores_gpu
+
+    q, w, keys, nv = make(1, 1, 16, 40, "fp8")
+    with pytest.raises(ValueError, match="no interpret mode"):
+        indexer_scores_gpu(q, w, keys, nv, interpret=True, kernel="mosaic")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        indexer_scores_gpu(q, w, keys, nv, interpret=True, kernel="cuda")
+    if not ON_GPU:
+        pytest.skip("the remaining checks resolve the compiled kernel")
+    qb, wb, kb, nb = make(1, 1, 16, 40, "bf16")
+    with pytest.raises(ValueError, match="takes fp8 keys"):
+        indexer_scores_gpu(qb, wb, kb, nb, kernel="mosaic")
+    with pytest.raises(ValueError, match="takes only"):
+        indexer_scores_gpu(q, w, keys, nv, kernel="mosaic", num_warps=8)
 
 
 def test_fp4_asm_decode_errors():

@@ -404,9 +404,31 @@ def default_fp4_scale_at(fmt, precision):
     return "operand" if fmt == "fp4" and precision == "f16" else "result"
 
 
+KERNELS = ("triton", "mosaic")
+MOSAIC_OPTIONS = ("block_t", "num_stages", "num_splits")   # the options the Mosaic fp8 kernel takes
+
+
+def resolve_kernel(kernel, q, keys, interpret):
+    """kernel None -> "triton" (the Mosaic fp8 kernel is opt-in until it is measured faster); "mosaic" needs fp8
+    keys with head_dim 128 and a compiled GPU kernel."""
+    from .gpu_mosaic import mosaic_applies
+
+    kernel = kernel or "triton"
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "mosaic":
+        if interpret:
+            raise ValueError("kernel='mosaic' (Mosaic GPU) has no interpret mode; use kernel='triton' on CPU")
+        if not mosaic_applies(q, keys):
+            raise ValueError("kernel='mosaic' takes fp8 keys (formats.QuantizedKeys, fmt 'fp8') with head_dim 128 "
+                             f"and at most 256 heads, got {key_format_of(keys)} keys, q {q.shape}")
+    return kernel
+
+
 def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precision=None, block_q=None,
                        block_t=None, num_warps=None, num_stages=None, waves=None, num_splits=None, fp4_scale=None,
-                       heads_major=None, pad_to_block=False, group_max_k=None, fp4_decode=None, fp4_scale_at=None):
+                       heads_major=None, pad_to_block=False, group_max_k=None, fp4_decode=None, fp4_scale_at=None,
+                       kernel=None):
     """Scores [B, S, T] (or [B, S, roundup(T, block_t)] with -inf padding if pad_to_block) like
     `reference.indexer_scores`.
 
@@ -427,6 +449,17 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
     [block_t, H] logits (a multiply and an add per logit and group), or onto the f16 key operands (one multiply per
     value, relative to the key's largest group scale, which multiplies the score after the head sum). On the H200,
     B = 64: scores 202.7 -> 170.4 us at 128K, 1550 -> 1277 us at 1M (session 14)."""
+    if resolve_kernel(kernel, q, keys, interpret) == "mosaic":
+        from .gpu_mosaic import indexer_scores_mosaic
+
+        given = dict(precision=precision, block_q=block_q, num_warps=num_warps, waves=waves, fp4_scale=fp4_scale,
+                     heads_major=heads_major, fp4_decode=fp4_decode, fp4_scale_at=fp4_scale_at)
+        extra = [k_ for k_, v_ in given.items() if v_ is not None and not (k_ == "precision" and v_ == "fp8")]
+        if extra:
+            raise ValueError(f"kernel='mosaic' takes only {MOSAIC_OPTIONS} (fp8 operands always), got {extra}")
+        out = indexer_scores_mosaic(q, weights, keys, n_visible, block_t=block_t, num_stages=num_stages,
+                                    num_splits=num_splits, pad_to_block=pad_to_block)
+        return out if group_max_k is None else (out, None)
     B, S, H, d = q.shape
     T = keys.shape[1]
     fmt = key_format_of(keys)

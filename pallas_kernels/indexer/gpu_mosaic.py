@@ -1,0 +1,199 @@
+"""Lightning-indexer decode scores over fp8 keys on the H200's fp8 tensor cores (Pallas, Mosaic GPU backend).
+
+    indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=128, num_stages=4, num_splits=None,
+                          pad_to_block=False) -> scores [B, S, T] f32       (the contract of reference.indexer_scores)
+
+Why: the Triton scores kernel converts every e4m3 key to f16 in registers before its MMA; at B = 64 x 128K context
+it runs at 1.8x its byte floor (131 vs 73 us, session 18), and Triton's code for fp8 operands was slower still
+(204 us, session 10). Here no key byte is touched by an ALU: TMA streams each block of keys into shared memory in
+the layout the tensor cores read (128 B rows, 128 B swizzle) and one wgmma e4m3 x e4m3 -> f32 takes them from there.
+
+Exactness: q arrives fake-quantized like the keys (the model does so for an fp8 cache: `layers/indexer.py`), i.e.
+q = e4m3 code x 2^e per (token, head). `gpu.quantize_q_fp8` recovers that code and scale exactly (tested bit for
+bit), the scale joins the head weight (ReLU(s x) = s ReLU(x) for s > 0), and the key's power-of-two scale multiplies
+the head-weighted sum. Every product of two e4m3 codes is exact in f32, so the scores equal the reference up to the
+order (and the tensor cores' internal precision) of the f32 sums. A q that is not fp8-representable is rounded to
+e4m3 first (vLLM's fp8 indexer q does the same); the model never passes one.
+
+CTA = (query row r = (b, s), split of the key blocks), one warpgroup:
+* q [H, 128] e4m3 and the row's head weights [H] land once (TMA); n_visible[r] is read from global memory.
+* the split's visible blocks (`block_t` keys each, blocks at or past n_visible are not read) stream through a ring
+  of `num_stages` slots: keys [block_t, 128] e4m3 + their f32 scales [block_t], one barrier per slot;
+* per block: logits = K q^T [block_t, H] (wgmma, M = block_t, N = H, K = 128, both operands K-major in shared
+  memory), ReLU, x weight, sum over H (a row reduction of the accumulator), x key scale, -inf at t >= n_visible;
+  the [block_t] scores go out through a two-slot shared buffer by TMA, and the slot's refill is issued once every
+  thread is past it (`commit_smem` is a warpgroup barrier);
+* the split's blocks past n_visible get -inf without reading keys.
+Keys and scales are addressed as flat [B * T, ...] arrays, so T needs no alignment; a block running past T reads
+the next row's keys (or TMA's zero fill past the array), which the mask discards.
+
+Decode-oriented: one query per CTA, so S queries of one row read its keys S times (prefill stays on the Triton
+kernel, whose programs share each key block between up to 8 queries). Hopper (sm_90a) only; not interpretable on
+CPU, but it lowers there (tests/test_gpu_lowering.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from . import formats
+
+N_SM_H200 = 132
+TARGET_CTAS = 4 * N_SM_H200   # split the key range until the grid holds ~this many CTAs (several per SM at once)
+
+
+def mosaic_applies(q, keys) -> bool:
+    """Whether the kernel takes this call: fp8 keys with head_dim 128, at most 256 heads."""
+    return (isinstance(keys, formats.QuantizedKeys) and keys.fmt == "fp8" and q.shape[-1] == 128
+            and q.shape[-2] <= 256)
+
+
+def default_config(R: int, T: int):
+    """block_t 128 keys (16 KB of e4m3 per slot), 4 slots; splits for ~TARGET_CTAS CTAs."""
+    block_t = 128 if T > 64 else 64
+    nb = -(-T // block_t)
+    return dict(block_t=block_t, num_stages=4, num_splits=max(1, min(nb, -(-TARGET_CTAS // max(R, 1)))))
+
+
+def _kernel(nv_ref, w_ref, q_ref, key_ref, scale_ref, out_ref, q_smem, w_smem, k_smem, s_smem, o_smem, fill_smem,
+            q_bar, k_bars, *, T, bt, stages, bps, nb, S):
+    """nv [R] i32, w [R, H] f32, q [R, H, 128] e4m3, keys [B*T, 128] e4m3, scales [B*T] f32 -> out [R, nb*bt]."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    r = jax.lax.axis_index("r")
+    split = jax.lax.axis_index("s")
+    base = (r // S) * T                               # the row's first key in the flat key arrays
+    nv = jnp.clip(nv_ref[r], 0, T)
+    lo = split * bps
+    hi = jnp.minimum(lo + bps, nb)
+    n_read = jnp.clip((nv + bt - 1) // bt - lo, 0, hi - lo)   # this split's blocks with any visible key
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    col_layout = plgpu.Layout.WGMMA.reduce(0)
+
+    def issue(j):   # block lo + j into slot j % stages
+        slot = j % stages
+        t0 = base + (lo + j) * bt
+        plgpu.copy_gmem_to_smem(key_ref.at[pl.ds(t0, bt)], k_smem.at[slot], k_bars.at[slot])
+        plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(t0, bt)], s_smem.at[slot], k_bars.at[slot])
+
+    plgpu.copy_gmem_to_smem(q_ref.at[r], q_smem, q_bar)
+    plgpu.copy_gmem_to_smem(w_ref.at[r], w_smem, q_bar)
+    for j in range(stages):
+        @pl.when(j < n_read)
+        def _(j=j):
+            issue(j)
+
+    fill_smem[...] = plgpu.layout_cast(jnp.full((bt,), -jnp.inf, jnp.float32), row_layout)
+    plgpu.barrier_wait(q_bar)
+    w = plgpu.load(w_smem, (), layout=col_layout)
+    q_t = plgpu.transpose_ref(q_smem, (1, 0))      # [128, H], K-major as fp8 operands must be
+    H = w_smem.shape[0]
+
+    def store(j, vals_smem):   # the block's scores (a [bt] smem vector, committed) to global memory
+        plgpu.copy_smem_to_gmem(vals_smem, out_ref.at[r, pl.ds((lo + j) * bt, bt)])
+
+    def body(j, carry):
+        slot = j % stages
+        plgpu.barrier_wait(k_bars.at[slot])
+
+        def mma(acc_ref):
+            plgpu.wgmma(acc_ref, k_smem.at[slot], q_t)
+            return acc_ref[...]
+
+        logits = pl.run_scoped(mma, plgpu.ACC((bt, H), jnp.float32))
+        scale = plgpu.load(s_smem.at[slot], (), layout=row_layout)
+        s = jnp.sum(jnp.maximum(logits, 0.0) * jax.lax.broadcast_in_dim(w, (bt, H), (1,)), axis=1) * scale
+        t = (lo + j) * bt + plgpu.broadcasted_iota(jnp.int32, (bt,), 0, layout=row_layout)
+        s = jnp.where(t < nv, s, -jnp.inf)
+        o = o_smem.at[j % 2]
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # the store that last read this output slot is done
+        o[...] = s
+        plgpu.commit_smem()   # also a warpgroup barrier: every thread is past this slot's keys and scales
+
+        @pl.when(j + stages < n_read)
+        def _():
+            issue(j + stages)
+
+        store(j, o)
+        return carry
+
+    jax.lax.fori_loop(0, n_read, body, 0)
+    plgpu.commit_smem()
+
+    def fill(j, carry):   # blocks of this split past n_visible: -inf, keys unread
+        store(j, fill_smem)
+        return carry
+
+    jax.lax.fori_loop(n_read, hi - lo, fill, 0)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stages=None, num_splits=None,
+                          pad_to_block=False):
+    """Scores [B, S, T] f32 (or [B, S, roundup(T, block_t)] with -inf padding if pad_to_block) like
+    `reference.indexer_scores`, for fp8 keys (`formats.QuantizedKeys`, fmt "fp8"); q [B, S, H, 128] (fake-quantized
+    like the keys), weights [B, S, H], n_visible [B, S] int32."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from .gpu import quantize_q_fp8
+
+    if not isinstance(keys, formats.QuantizedKeys) or keys.fmt != "fp8":
+        raise ValueError("the Mosaic indexer kernel takes fp8 keys (formats.QuantizedKeys with fmt='fp8')")
+    B, S, H, d = q.shape
+    T = keys.values.shape[1]
+    if d != 128 or keys.values.shape != (B, T, d) or keys.scale.shape != (B, T, 1):
+        raise ValueError(f"expected q [B, S, H, 128] and fp8 keys values [B, T, 128] / scale [B, T, 1], got q "
+                         f"{q.shape}, values {keys.values.shape}, scale {keys.scale.shape}")
+    if weights.shape != (B, S, H) or n_visible.shape != (B, S):
+        raise ValueError(f"weights must be [B, S, H] = {(B, S, H)} and n_visible [B, S] = {(B, S)}, got "
+                         f"{weights.shape} / {n_visible.shape}")
+    if H > 256:
+        raise ValueError(f"at most 256 heads (one wgmma N), got {H}")
+    R = B * S
+    cfg = default_config(R, T)
+    for k_, v_ in dict(block_t=block_t, num_stages=num_stages, num_splits=num_splits).items():
+        if v_ is not None:
+            cfg[k_] = int(v_)
+    bt, stages = cfg["block_t"], cfg["num_stages"]
+    if bt not in (64, 128, 192, 256):
+        raise ValueError(f"block_t must be 64, 128, 192 or 256 (the wgmma M of one warpgroup), got {bt}")
+    if not 1 <= stages <= 8:
+        raise ValueError(f"num_stages must be in [1, 8], got {stages}")
+    nb = -(-T // bt)
+    bps = -(-nb // max(1, min(cfg["num_splits"], nb)))
+    n_split = -(-nb // bps)
+    hp = -(-H // 32) * 32   # the weights' copy moves a multiple of 128 B; padded heads have weight 0
+    qf = q.astype(jnp.float32)
+    wf = weights.astype(jnp.float32)
+    if hp != H:
+        qf = jnp.pad(qf, ((0, 0), (0, 0), (0, hp - H), (0, 0)))
+        wf = jnp.pad(wf, ((0, 0), (0, 0), (0, hp - H)))
+    q8, q_scale = quantize_q_fp8(qf, "fp8")           # exact for a fake-quantized q
+    wf = (wf * q_scale).reshape(R, hp)
+    q8 = q8.reshape(R, hp, d)
+    key_vals = keys.values.reshape(B * T, d)
+    key_scale = keys.scale.reshape(B * T).astype(jnp.float32)
+    nv = n_visible.astype(jnp.int32).reshape(R)
+    tile = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, T=T, bt=bt, stages=stages, bps=bps, nb=nb, S=S),
+        out_type=jax.ShapeDtypeStruct((R, nb * bt), jnp.float32),
+        grid=(R, n_split), grid_names=("r", "s"),
+        scratch_types=[
+            plgpu.SMEM((hp, d), jnp.float8_e4m3fn, transforms=tile),          # q_smem
+            plgpu.SMEM((hp,), jnp.float32),                                   # w_smem
+            plgpu.SMEM((stages, bt, d), jnp.float8_e4m3fn, transforms=tile),  # k_smem
+            plgpu.SMEM((stages, bt), jnp.float32),                            # s_smem
+            plgpu.SMEM((2, bt), jnp.float32),                                 # o_smem
+            plgpu.SMEM((bt,), jnp.float32),                                   # fill_smem
+            plgpu.Barrier(num_arrivals=2),                                    # q_bar
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),               # k_bars
+        ],
+        kernel_name=f"indexer_scores_fp8_mosaic_t{bt}",
+    )
+    out = kernel(nv, wf, q8, key_vals, key_scale).reshape(B, S, nb * bt)
+    return out if pad_to_block else out[..., :T]
