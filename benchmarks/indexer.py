@@ -239,6 +239,10 @@ def main():
         "pallas_mosaic": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", kernel="mosaic"),
         "pallas_mosaic_set": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", kernel="mosaic",
                                                              topk="threshold_set"),
+        "scores_mosaic_fp8": lambda q, w, k, n: indexer_scores_pallas(q, w, k, n, impl="pallas", kernel="mosaic",
+                                                                      precision="fp8"),
+        "pallas_mosaic_fp8_set": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", kernel="mosaic",
+                                                                 topk="threshold_set", precision="fp8"),
         "xla_ref": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="reference"),
     }
     if a.quick:

@@ -433,8 +433,9 @@ def test_fp8_rebias_conversion_is_exact_for_every_byte_and_scale():
     assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
 
 
-@pytest.mark.parametrize("B,S,H,T,opts", [(2, 1, 64, 300, {}), (3, 2, 16, 1000, dict(block_t=64, num_stages=2)),
-                                          (1, 1, 128, 5000, dict(block_t=256, num_splits=3))])
+@pytest.mark.parametrize("B,S,H,T,opts", [(2, 1, 64, 296, {}), (3, 2, 16, 1000, dict(block_t=64, num_stages=2)),
+                                          (1, 1, 128, 5000, dict(block_t=256, num_splits=3)),
+                                          (2, 1, 64, 296, dict(precision="fp8"))])
 def test_indexer_mosaic_fp8_lowers(B, S, H, T, opts):
     """The Mosaic GPU fp8 indexer kernel (e4m3 keys from TMA straight into wgmma) lowers for CUDA; heads padded to
     a multiple of 32, any T (flat key addressing), 1-2 queries per row."""
@@ -447,6 +448,10 @@ def test_indexer_mosaic_fp8_lowers(B, S, H, T, opts):
                                                                 **opts), q, w, keys, nv)
     with pytest.raises(ValueError, match="block_t must be"):
         indexer_scores_mosaic(q, w, keys, nv, block_t=96)
+    with pytest.raises(ValueError, match="precision must be"):
+        indexer_scores_mosaic(q, w, keys, nv, precision="bf16")
+    with pytest.raises(ValueError, match="multiple of 8"):
+        indexer_scores_mosaic(*make_indexer(1, 1, 16, 300, "fp8"))
     qb, wb, kb, nb = make_indexer(1, 1, 16, 40, "bf16")
     with pytest.raises(ValueError, match="takes fp8 keys"):
         indexer_scores_mosaic(qb, wb, kb, nb)

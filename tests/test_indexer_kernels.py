@@ -312,15 +312,19 @@ def test_gpu_fp4_scale_placements(B, S, T, causal, opts, at):
 
 
 @gpu
-@pytest.mark.parametrize("B,S,H,T,opts", [(4, 1, 64, 5000, {}), (2, 2, 64, 70000, {}), (3, 1, 16, 777, {}),
-                                          (2, 1, 128, 300, {}), (3, 1, 64, 4100, dict(block_t=64, num_stages=2)),
+@pytest.mark.parametrize("B,S,H,T,opts", [(4, 1, 64, 5000, {}), (2, 2, 64, 70000, {}), (3, 1, 16, 776, {}),
+                                          (2, 1, 128, 296, {}), (3, 1, 64, 4104, dict(block_t=64, num_stages=2)),
                                           (2, 1, 64, 9000, dict(block_t=256, num_splits=3)),
-                                          (5, 1, 40, 2000, dict(num_splits=1, num_stages=1))])
+                                          (5, 1, 40, 2000, dict(num_splits=1, num_stages=1)),
+                                          (4, 1, 64, 5000, dict(precision="fp8")),
+                                          (3, 1, 16, 776, dict(precision="fp8", block_t=64))])
 def test_gpu_mosaic_fp8_scores(B, S, H, T, opts):
-    """The Mosaic GPU kernel (fp8 keys straight from TMA into e4m3 wgmma): scores and picks against the reference;
-    ragged n_visible (0, inside, past T), heads padded to 32, odd splits, 1-8 slots."""
+    """The Mosaic GPU kernel over fp8 keys: scores and picks against the reference; ragged n_visible (0, inside,
+    past T), heads padded to 32, odd splits, 1-8 slots. precision "f16" (the default: e4m3 codes to f16 in registers,
+    f32 accumulation) agrees to f32 rounding; "fp8" (the codes straight from shared memory into an e4m3 wgmma) to
+    the fp8 tensor cores' accumulation, ~1.3e-4 relative on the H200 (session 20)."""
     q, w, keys, nv = make(B, S, H, T, "fp8", True)
-    check_scores(q, w, keys, nv, "pallas", 1e-5, kernel="mosaic", **opts)
+    check_scores(q, w, keys, nv, "pallas", 5e-4 if opts.get("precision") == "fp8" else 1e-5, kernel="mosaic", **opts)
     out = np.asarray(indexer_scores_pallas(q, w, keys, nv, impl="pallas", kernel="mosaic", pad_to_block=True, **opts))
     assert out.shape[-1] % opts.get("block_t", 128) == 0 and np.all(out[..., T:] == -np.inf)
     picks = indexer_topk(q, w, keys, nv, k=512, impl="pallas", kernel="mosaic", **opts)
@@ -346,6 +350,8 @@ def test_mosaic_kernel_errors():
         indexer_scores_gpu(qb, wb, kb, nb, kernel="mosaic")
     with pytest.raises(ValueError, match="takes only"):
         indexer_scores_gpu(q, w, keys, nv, kernel="mosaic", num_warps=8)
+    with pytest.raises(ValueError, match="divisible by 8"):
+        indexer_scores_gpu(*make(1, 1, 16, 44, "fp8"), kernel="mosaic")
 
 
 def test_fp4_asm_decode_errors():

@@ -405,7 +405,7 @@ def default_fp4_scale_at(fmt, precision):
 
 
 KERNELS = ("triton", "mosaic")
-MOSAIC_OPTIONS = ("block_t", "num_stages", "num_splits")   # the options the Mosaic fp8 kernel takes
+MOSAIC_OPTIONS = ("block_t", "num_stages", "num_splits", "precision")   # what the Mosaic fp8 kernel takes
 
 
 def resolve_kernel(kernel, q, keys, interpret):
@@ -420,8 +420,9 @@ def resolve_kernel(kernel, q, keys, interpret):
         if interpret:
             raise ValueError("kernel='mosaic' (Mosaic GPU) has no interpret mode; use kernel='triton' on CPU")
         if not mosaic_applies(q, keys):
-            raise ValueError("kernel='mosaic' takes fp8 keys (formats.QuantizedKeys, fmt 'fp8') with head_dim 128 "
-                             f"and at most 256 heads, got {key_format_of(keys)} keys, q {q.shape}")
+            raise ValueError("kernel='mosaic' takes fp8 keys (formats.QuantizedKeys, fmt 'fp8') with head_dim 128, "
+                             f"a key count divisible by 8 and at most 256 heads, got {key_format_of(keys)} keys of "
+                             f"shape {keys.shape}, q {q.shape}")
     return kernel
 
 
@@ -452,13 +453,13 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
     if resolve_kernel(kernel, q, keys, interpret) == "mosaic":
         from .gpu_mosaic import indexer_scores_mosaic
 
-        given = dict(precision=precision, block_q=block_q, num_warps=num_warps, waves=waves, fp4_scale=fp4_scale,
+        given = dict(block_q=block_q, num_warps=num_warps, waves=waves, fp4_scale=fp4_scale,
                      heads_major=heads_major, fp4_decode=fp4_decode, fp4_scale_at=fp4_scale_at)
-        extra = [k_ for k_, v_ in given.items() if v_ is not None and not (k_ == "precision" and v_ == "fp8")]
+        extra = [k_ for k_, v_ in given.items() if v_ is not None]
         if extra:
-            raise ValueError(f"kernel='mosaic' takes only {MOSAIC_OPTIONS} (fp8 operands always), got {extra}")
+            raise ValueError(f"kernel='mosaic' takes only {MOSAIC_OPTIONS}, got {extra}")
         out = indexer_scores_mosaic(q, weights, keys, n_visible, block_t=block_t, num_stages=num_stages,
-                                    num_splits=num_splits, pad_to_block=pad_to_block)
+                                    num_splits=num_splits, pad_to_block=pad_to_block, precision=precision)
         return out if group_max_k is None else (out, None)
     B, S, H, d = q.shape
     T = keys.shape[1]

@@ -24,8 +24,10 @@ CTA = (query row r = (b, s), split of the key blocks), one warpgroup:
   the [block_t] scores go out through a two-slot shared buffer by TMA, and the slot's refill is issued once every
   thread is past it (`commit_smem` is a warpgroup barrier);
 * the split's blocks past n_visible get -inf without reading keys.
-Keys and scales are addressed as flat [B * T, ...] arrays, so T needs no alignment; a block running past T reads
-the next row's keys (or TMA's zero fill past the array), which the mask discards.
+Keys are copied as [block_t, 128] boxes of the [B, T, 128] array (TMA fills rows past T with zeros; T must be a
+multiple of 8, the tile's rows); the scales as a flat [B * T] array (a TMA row stride must be a multiple of 16 B,
+which [B, T] f32 would need T % 4 for): a block running past T reads the next row's scales, and the mask discards
+those entries.
 
 Decode-oriented: one query per CTA, so S queries of one row read its keys S times (prefill stays on the Triton
 kernel, whose programs share each key block between up to 8 queries). Hopper (sm_90a) only; not interpretable on
@@ -44,12 +46,14 @@ from . import formats
 
 N_SM_H200 = 132
 TARGET_CTAS = 4 * N_SM_H200   # split the key range until the grid holds ~this many CTAs (several per SM at once)
+DEFAULT_PRECISION = "f16"
 
 
 def mosaic_applies(q, keys) -> bool:
-    """Whether the kernel takes this call: fp8 keys with head_dim 128, at most 256 heads."""
+    """Whether the kernel takes this call: fp8 keys with head_dim 128, a key count T divisible by 8 (a tiled TMA box
+    needs its array's dimension to be a multiple of the 8-row tile), at most 256 heads."""
     return (isinstance(keys, formats.QuantizedKeys) and keys.fmt == "fp8" and q.shape[-1] == 128
-            and q.shape[-2] <= 256)
+            and q.shape[-2] <= 256 and keys.values.ndim == 3 and keys.values.shape[1] % 8 == 0)
 
 
 def default_config(R: int, T: int):
@@ -60,13 +64,15 @@ def default_config(R: int, T: int):
 
 
 def _kernel(nv_ref, w_ref, q_ref, key_ref, scale_ref, out_ref, q_smem, w_smem, k_smem, s_smem, o_smem, fill_smem,
-            q_bar, k_bars, *, T, bt, stages, bps, nb, S):
-    """nv [R] i32, w [R, H] f32, q [R, H, 128] e4m3, keys [B*T, 128] e4m3, scales [B*T] f32 -> out [R, nb*bt]."""
+            q_bar, k_bars, *, T, bt, stages, bps, nb, S, f16):
+    """nv [R] i32, w [R, H] f32, q [R, H, 128] e4m3 (f16 codes with f16), keys [B, T, 128] e4m3, scales [B*T] f32
+    -> out [R, nb*bt]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     r = jax.lax.axis_index("r")
     split = jax.lax.axis_index("s")
-    base = (r // S) * T                               # the row's first key in the flat key arrays
+    b = r // S
+    base = b * T                                      # the row's first key in the flat scale array
     nv = jnp.clip(nv_ref[r], 0, T)
     lo = split * bps
     hi = jnp.minimum(lo + bps, nb)
@@ -76,9 +82,9 @@ def _kernel(nv_ref, w_ref, q_ref, key_ref, scale_ref, out_ref, q_smem, w_smem, k
 
     def issue(j):   # block lo + j into slot j % stages
         slot = j % stages
-        t0 = base + (lo + j) * bt
-        plgpu.copy_gmem_to_smem(key_ref.at[pl.ds(t0, bt)], k_smem.at[slot], k_bars.at[slot])
-        plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(t0, bt)], s_smem.at[slot], k_bars.at[slot])
+        t0 = pl.multiple_of((lo + j) * bt, bt)
+        plgpu.copy_gmem_to_smem(key_ref.at[b, pl.ds(t0, bt)], k_smem.at[slot], k_bars.at[slot])
+        plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(base + t0, bt)], s_smem.at[slot], k_bars.at[slot])
 
     plgpu.copy_gmem_to_smem(q_ref.at[r], q_smem, q_bar)
     plgpu.copy_gmem_to_smem(w_ref.at[r], w_smem, q_bar)
@@ -94,14 +100,18 @@ def _kernel(nv_ref, w_ref, q_ref, key_ref, scale_ref, out_ref, q_smem, w_smem, k
     H = w_smem.shape[0]
 
     def store(j, vals_smem):   # the block's scores (a [bt] smem vector, committed) to global memory
-        plgpu.copy_smem_to_gmem(vals_smem, out_ref.at[r, pl.ds((lo + j) * bt, bt)])
+        plgpu.copy_smem_to_gmem(vals_smem, out_ref.at[r, pl.ds(pl.multiple_of((lo + j) * bt, bt), bt)])
 
     def body(j, carry):
         slot = j % stages
         plgpu.barrier_wait(k_bars.at[slot])
 
         def mma(acc_ref):
-            plgpu.wgmma(acc_ref, k_smem.at[slot], q_t)
+            if f16:   # e4m3 codes -> f16 in registers (exact), the wgmma's A operand from registers
+                a8 = plgpu.load(k_smem.at[slot], (), layout=plgpu.Layout.WGMMA_UPCAST_2X)
+                plgpu.wgmma(acc_ref, plgpu.layout_cast(a8.astype(jnp.float16), plgpu.Layout.WGMMA), q_t)
+            else:
+                plgpu.wgmma(acc_ref, k_smem.at[slot], q_t)
             return acc_ref[...]
 
         logits = pl.run_scoped(mma, plgpu.ACC((bt, H), jnp.float32))
@@ -132,8 +142,11 @@ def _kernel(nv_ref, w_ref, q_ref, key_ref, scale_ref, out_ref, q_smem, w_smem, k
     plgpu.wait_smem_to_gmem(0)
 
 
+PRECISIONS = ("f16", "fp8")
+
+
 def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stages=None, num_splits=None,
-                          pad_to_block=False):
+                          pad_to_block=False, precision=None):
     """Scores [B, S, T] f32 (or [B, S, roundup(T, block_t)] with -inf padding if pad_to_block) like
     `reference.indexer_scores`, for fp8 keys (`formats.QuantizedKeys`, fmt "fp8"); q [B, S, H, 128] (fake-quantized
     like the keys), weights [B, S, H], n_visible [B, S] int32."""
@@ -153,6 +166,13 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                          f"{weights.shape} / {n_visible.shape}")
     if H > 256:
         raise ValueError(f"at most 256 heads (one wgmma N), got {H}")
+    if T % 8:
+        raise ValueError(f"the Mosaic indexer kernel needs the key count T to be a multiple of 8 (TMA's 8-row tile), "
+                         f"got T={T}; kernel='triton' takes any T")
+    precision = precision or DEFAULT_PRECISION
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    f16 = precision == "f16"
     R = B * S
     cfg = default_config(R, T)
     for k_, v_ in dict(block_t=block_t, num_stages=num_stages, num_splits=num_splits).items():
@@ -175,16 +195,19 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     q8, q_scale = quantize_q_fp8(qf, "fp8")           # exact for a fake-quantized q
     wf = (wf * q_scale).reshape(R, hp)
     q8 = q8.reshape(R, hp, d)
-    key_vals = keys.values.reshape(B * T, d)
+    if f16:   # the e4m3 codes as f16 (exact): the B operand of an f16 wgmma
+        q8 = q8.astype(jnp.float16)
+    key_vals = keys.values
     key_scale = keys.scale.reshape(B * T).astype(jnp.float32)
     nv = n_visible.astype(jnp.int32).reshape(R)
-    tile = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+    tile = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))     # 128 B rows of e4m3
+    q_tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)) if f16 else tile
     kernel = plgpu.kernel(
-        functools.partial(_kernel, T=T, bt=bt, stages=stages, bps=bps, nb=nb, S=S),
+        functools.partial(_kernel, T=T, bt=bt, stages=stages, bps=bps, nb=nb, S=S, f16=f16),
         out_type=jax.ShapeDtypeStruct((R, nb * bt), jnp.float32),
         grid=(R, n_split), grid_names=("r", "s"),
         scratch_types=[
-            plgpu.SMEM((hp, d), jnp.float8_e4m3fn, transforms=tile),          # q_smem
+            plgpu.SMEM((hp, d), q8.dtype, transforms=q_tile),                 # q_smem
             plgpu.SMEM((hp,), jnp.float32),                                   # w_smem
             plgpu.SMEM((stages, bt, d), jnp.float8_e4m3fn, transforms=tile),  # k_smem
             plgpu.SMEM((stages, bt), jnp.float32),                            # s_smem
@@ -193,7 +216,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
             plgpu.Barrier(num_arrivals=2),                                    # q_bar
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),               # k_bars
         ],
-        kernel_name=f"indexer_scores_fp8_mosaic_t{bt}",
+        kernel_name=f"indexer_scores_fp8_mosaic_{precision}_t{bt}",
     )
     out = kernel(nv, wf, q8, key_vals, key_scale).reshape(B, S, nb * bt)
     return out if pad_to_block else out[..., :T]
