@@ -49,3 +49,30 @@ def test_fp8_cache_bf16_model_on_mosaic_attention_matches_triton_and_reference()
     print("max logit error against the reference path:", {k: round(float(v), 4) for k, v in err.items()})
     assert err["mosaic"] <= max(2 * err["triton"], 2e-2), err
     assert rel(outs["mosaic"], outs["triton"]) <= 2e-2, err
+
+
+@pytest.mark.skipif(jax.default_backend() not in ("gpu", "cuda"), reason="the Mosaic GPU kernel runs only on a GPU")
+@jax.default_matmul_precision("highest")
+def test_fp8_indexer_keys_on_mosaic_kernel_match_reference(monkeypatch):
+    """fp8 indexer keys with index_head_dim 128 (V4's): decode's indexer scores run on the Mosaic GPU kernel (kernel
+    "auto"), prefill's on Triton; logits equal the reference path's own quantized mode within 2e-4 relative."""
+    from pallas_kernels.indexer import gpu_mosaic
+
+    calls = []
+    real = gpu_mosaic.indexer_scores_mosaic
+    monkeypatch.setattr(gpu_mosaic, "indexer_scores_mosaic", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    cfg = tiny(head_dim=512, qk_rope_head_dim=64, index_head_dim=128, index_topk=8)
+    ids = np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 40))
+    outs = []
+    for impl in ("reference", "pallas"):
+        m = DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(7), attention_impl=impl)
+        cache = m.init_cache(2, 64, indexer_dtype="fp8", indexer_rotate=True)   # 16 indexer key slots
+        logits, cache = m.prefill(ids[:, :36], cache)
+        steps = []
+        for t in range(36, 40):
+            step, cache = m.decode(ids[:, t], cache)
+            steps.append(np.asarray(step))
+        outs.append([np.asarray(logits)] + steps)
+    assert calls, "decode did not take the Mosaic indexer kernel"
+    for ref, out in zip(outs[0], outs[1]):
+        assert np.abs(out - ref).max() / np.abs(ref).max() <= 2e-4

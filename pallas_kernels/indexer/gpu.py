@@ -408,14 +408,20 @@ KERNELS = ("triton", "mosaic")
 MOSAIC_OPTIONS = ("block_t", "num_stages", "num_splits", "precision")   # what the Mosaic fp8 kernel takes
 
 
-def resolve_kernel(kernel, q, keys, interpret):
-    """kernel None -> "triton" (the Mosaic fp8 kernel is opt-in until it is measured faster); "mosaic" needs fp8
-    keys with head_dim 128 and a compiled GPU kernel."""
-    from .gpu_mosaic import mosaic_applies
+def resolve_kernel(kernel, q, keys, interpret, triton_options=()):
+    """kernel "auto" / None -> "mosaic" for decode over fp8 keys where the Mosaic kernel applies (compiled on a GPU,
+    head_dim 128, T % 8 == 0, at most `gpu_mosaic.MAX_QUERIES` queries per row, no tuning option given: those in
+    `triton_options` keep the Triton kernel they were written for), else "triton". "mosaic" explicitly: an error
+    where it does not apply."""
+    from .gpu_mosaic import MAX_QUERIES, mosaic_applies
 
-    kernel = kernel or "triton"
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    kernel = kernel or "auto"
+    if kernel not in KERNELS + ("auto",):
+        raise ValueError(f"kernel must be one of {KERNELS + ('auto',)}, got {kernel!r}")
+    if kernel == "auto":
+        use = (not interpret and not triton_options and jax.default_backend() == "gpu" and q.shape[1] <= MAX_QUERIES
+               and mosaic_applies(q, keys))
+        return "mosaic" if use else "triton"
     if kernel == "mosaic":
         if interpret:
             raise ValueError("kernel='mosaic' (Mosaic GPU) has no interpret mode; use kernel='triton' on CPU")
@@ -450,12 +456,16 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
     [block_t, H] logits (a multiply and an add per logit and group), or onto the f16 key operands (one multiply per
     value, relative to the key's largest group scale, which multiplies the score after the head sum). On the H200,
     B = 64: scores 202.7 -> 170.4 us at 128K, 1550 -> 1277 us at 1M (session 14)."""
-    if resolve_kernel(kernel, q, keys, interpret) == "mosaic":
+    given = dict(block_q=block_q, num_warps=num_warps, waves=waves, fp4_scale=fp4_scale, heads_major=heads_major,
+                 fp4_decode=fp4_decode, fp4_scale_at=fp4_scale_at, precision=precision)
+    # kernel "auto" with any tuning option given keeps the Triton kernel (whose knobs they are); Mosaic is tuned
+    # with kernel="mosaic"
+    tuned = tuple(k_ for k_, v_ in dict(given, block_t=block_t, num_stages=num_stages,
+                                       num_splits=num_splits).items() if v_ is not None)
+    if resolve_kernel(kernel, q, keys, interpret, tuned) == "mosaic":
         from .gpu_mosaic import indexer_scores_mosaic
 
-        given = dict(block_q=block_q, num_warps=num_warps, waves=waves, fp4_scale=fp4_scale,
-                     heads_major=heads_major, fp4_decode=fp4_decode, fp4_scale_at=fp4_scale_at)
-        extra = [k_ for k_, v_ in given.items() if v_ is not None]
+        extra = [k_ for k_, v_ in given.items() if v_ is not None and not (k_ == "precision" and v_ in ("f16", "fp8"))]
         if extra:
             raise ValueError(f"kernel='mosaic' takes only {MOSAIC_OPTIONS}, got {extra}")
         out = indexer_scores_mosaic(q, weights, keys, n_visible, block_t=block_t, num_stages=num_stages,

@@ -45,8 +45,12 @@ from jax.experimental import pallas as pl
 from . import formats
 
 N_SM_H200 = 132
-TARGET_CTAS = 4 * N_SM_H200   # split the key range until the grid holds ~this many CTAs (several per SM at once)
+# splits of the key range: ~2 CTAs per SM, all resident at once (a second wave of CTAs cost 20-25%: B = 64 x 128K,
+# f16, 9 splits = 576 CTAs 125.7 us, 4 splits = 256 CTAs 101.8 us; session 20), each with >= MIN_BLOCKS blocks
+TARGET_CTAS = 2 * N_SM_H200
+MIN_BLOCKS = 4
 DEFAULT_PRECISION = "f16"
+MAX_QUERIES = 2   # kernel="auto" takes the Mosaic kernel for up to this many queries per row (decode, MTP)
 
 
 def mosaic_applies(q, keys) -> bool:
@@ -57,10 +61,11 @@ def mosaic_applies(q, keys) -> bool:
 
 
 def default_config(R: int, T: int):
-    """block_t 128 keys (16 KB of e4m3 per slot), 4 slots; splits for ~TARGET_CTAS CTAs."""
+    """block_t 128 keys (16 KB of e4m3 per slot), 4 slots; splits for ~TARGET_CTAS CTAs of >= MIN_BLOCKS blocks."""
     block_t = 128 if T > 64 else 64
     nb = -(-T // block_t)
-    return dict(block_t=block_t, num_stages=4, num_splits=max(1, min(nb, -(-TARGET_CTAS // max(R, 1)))))
+    return dict(block_t=block_t, num_stages=4,
+                num_splits=max(1, min(-(-nb // MIN_BLOCKS), TARGET_CTAS // max(R, 1))))
 
 
 def _kernel(nv_ref, w_ref, q_ref, key_ref, scale_ref, out_ref, q_smem, w_smem, k_smem, s_smem, o_smem, fill_smem,
