@@ -50,7 +50,11 @@ N_SM_H200 = 132
 TARGET_CTAS = 2 * N_SM_H200
 MIN_BLOCKS = 4
 DEFAULT_PRECISION = "f16"
-MAX_QUERIES = 2   # kernel="auto" takes the Mosaic kernel for up to this many queries per row (decode, MTP)
+# kernel="auto" takes the Mosaic kernel for up to MAX_QUERIES queries per row (decode, MTP) and at least MIN_ROWS
+# query rows: on the H200 (session 20, scores kernel, us) it wins at B = 64 (128K context: 106.8 vs 128.7 on Triton;
+# 32K: 39.3 vs 40.9) and does not at B = 1 (128K: 13.5 vs 11.7; 1M: 23.1 vs 23.3)
+MAX_QUERIES = 2
+MIN_ROWS = 16
 
 
 def mosaic_applies(q, keys) -> bool:
