@@ -361,12 +361,36 @@ def test_gpu_auto_takes_mosaic_for_fp8_decode(monkeypatch):
     assert len(calls) == n
 
 
+@pytest.mark.parametrize("B,S,H,T,opts", [(16, 1, 16, 16, {}), (3, 1, 16, 776, dict(num_splits=2, num_stages=2)),
+                                          (2, 2, 32, 1000, dict(block_t=64, num_stages=3)),
+                                          (2, 1, 64, 1544, dict(block_t=256, num_splits=3, num_stages=1))])
+def test_mosaic_kernel_interpreted(B, S, H, T, opts):
+    """The Mosaic GPU kernel (precision "fp8") in Pallas' GPU interpreter: simulated shared memory, barriers and TMA
+    with the race detector on, reads past an array's end returning NaN (the masking must drop them): scores equal the
+    reference to f32 summation order (the interpreter's fp8 dot accumulates in f32), -inf exactly where the reference
+    has it, no race. Covers T below one block (16 keys, 64-key blocks: the model test's shape), ragged n_visible
+    (0, inside, past T), a ragged last split, 1-3 slots, 2 queries per row."""
+    gpu_interpret = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
+    from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
+
+    q, w, keys, nv = make(B, S, H, T, "fp8", True)
+    # through the dispatcher (kernel="mosaic" on CPU = the interpreter)
+    check_scores(q, w, keys, nv, "pallas", 1e-6, kernel="mosaic", precision="fp8", **opts)
+    gpu_interpret.reset_gpu_interpret_mode_state()
+    out = np.asarray(indexer_scores_mosaic(q, w, keys, nv, interpret="races", precision="fp8", pad_to_block=True,
+                                           **opts))
+    assert not gpu_interpret.get_races().races_found
+    ref = np.asarray(indexer_scores(q, w, keys, nv))
+    np.testing.assert_array_equal(out[..., :T] == -np.inf, ref == -np.inf)
+    assert np.all(out[..., T:] == -np.inf)
+
+
 def test_mosaic_kernel_errors():
     """kernel='mosaic' is the fp8-key Mosaic GPU kernel: no interpreter, no other key format, no Triton knobs."""
     from pallas_kernels.indexer.gpu import indexer_scores_gpu
 
     q, w, keys, nv = make(1, 1, 16, 40, "fp8")
-    with pytest.raises(ValueError, match="no interpret mode"):
+    with pytest.raises(ValueError, match="interpret mode runs precision='fp8' only"):
         indexer_scores_gpu(q, w, keys, nv, interpret=True, kernel="mosaic")
     with pytest.raises(ValueError, match="kernel must be one of"):
         indexer_scores_gpu(q, w, keys, nv, interpret=True, kernel="cuda")

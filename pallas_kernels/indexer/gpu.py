@@ -427,8 +427,6 @@ def resolve_kernel(kernel, q, keys, interpret, triton_options=()):
                and q.shape[0] * q.shape[1] >= MIN_ROWS and mosaic_applies(q, keys))
         return "mosaic" if use else "triton"
     if kernel == "mosaic":
-        if interpret:
-            raise ValueError("kernel='mosaic' (Mosaic GPU) has no interpret mode; use kernel='triton' on CPU")
         if not mosaic_applies(q, keys):
             raise ValueError("kernel='mosaic' takes fp8 keys (formats.QuantizedKeys, fmt 'fp8') with head_dim 128, "
                              f"a key count divisible by 8 and at most 256 heads, got {key_format_of(keys)} keys of "
@@ -473,7 +471,8 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
         if extra:
             raise ValueError(f"kernel='mosaic' takes only {MOSAIC_OPTIONS}, got {extra}")
         out = indexer_scores_mosaic(q, weights, keys, n_visible, block_t=block_t, num_stages=num_stages,
-                                    num_splits=num_splits, pad_to_block=pad_to_block, precision=precision)
+                                    num_splits=num_splits, pad_to_block=pad_to_block, precision=precision,
+                                    interpret=interpret)
         return out if group_max_k is None else (out, None)
     B, S, H, d = q.shape
     T = keys.shape[1]

@@ -30,8 +30,10 @@ which [B, T] f32 would need T % 4 for): a block running past T reads the next ro
 those entries.
 
 Decode-oriented: one query per CTA, so S queries of one row read its keys S times (prefill stays on the Triton
-kernel, whose programs share each key block between up to 8 queries). Hopper (sm_90a) only; not interpretable on
-CPU, but it lowers there (tests/test_gpu_lowering.py).
+kernel, whose programs share each key block between up to 8 queries). Hopper (sm_90a) only. On the CPU it lowers
+for CUDA (tests/test_gpu_lowering.py), and `interpret=True` (or "races", with the race detector) runs it in Pallas'
+GPU interpreter (simulated shared memory, barriers and TMA; jax >= 0.10) for precision="fp8": the interpreter's wgmma
+takes no register operand (f16) and no transposed one (q is passed [128, H] there), and has no register layouts.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def default_config(R: int, T: int):
 
 
 def _kernel(nv_ref, w_ref, q_ref, key_ref, scale_ref, out_ref, q_smem, w_smem, k_smem, s_smem, o_smem, fill_smem,
-            q_bar, k_bars, *, T, bt, stages, bps, nb, S, f16):
+            q_bar, k_bars, *, T, bt, stages, bps, nb, S, f16, interpret=False):
     """nv [R] i32, w [R, H] f32, q [R, H, 128] e4m3 (f16 codes with f16), keys [B, T, 128] e4m3, scales [B*T] f32
     -> out [R, nb*bt]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -96,6 +98,12 @@ def _kernel(nv_ref, w_ref, q_ref, key_ref, scale_ref, out_ref, q_smem, w_smem, k
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     col_layout = plgpu.Layout.WGMMA.reduce(0)
 
+    def load(ref, layout):   # the interpreter has no register layouts (nor plgpu.load / layout_cast)
+        return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
+
+    def cast(x, layout):
+        return x if interpret else plgpu.layout_cast(x, layout)
+
     def issue(j):   # block lo + j into slot j % stages
         slot = j % stages
         t0 = pl.multiple_of((lo + j) * bt, bt)
@@ -109,10 +117,11 @@ def _kernel(nv_ref, w_ref, q_ref, key_ref, scale_ref, out_ref, q_smem, w_smem, k
         def _(j=j):
             issue(j)
 
-    fill_smem[...] = plgpu.layout_cast(jnp.full((bt,), -jnp.inf, jnp.float32), row_layout)
+    fill_smem[...] = cast(jnp.full((bt,), -jnp.inf, jnp.float32), row_layout)
     plgpu.barrier_wait(q_bar)
-    w = plgpu.load(w_smem, (), layout=col_layout)
-    q_t = plgpu.transpose_ref(q_smem, (1, 0))      # [128, H], K-major as fp8 operands must be
+    w = load(w_smem, col_layout)
+    # [128, H], K-major as fp8 operands must be (the interpreter's wgmma takes no transposed ref: q arrives [128, H])
+    q_t = q_smem if interpret else plgpu.transpose_ref(q_smem, (1, 0))
     H = w_smem.shape[0]
 
     def store(j, vals_smem):   # the block's scores (a [bt] smem vector, committed) to global memory
@@ -124,16 +133,16 @@ def _kernel(nv_ref, w_ref, q_ref, key_ref, scale_ref, out_ref, q_smem, w_smem, k
 
         def mma(acc_ref):
             if f16:   # e4m3 codes -> f16 in registers (exact), the wgmma's A operand from registers
-                a8 = plgpu.load(k_smem.at[slot], (), layout=plgpu.Layout.WGMMA_UPCAST_2X)
-                plgpu.wgmma(acc_ref, plgpu.layout_cast(a8.astype(jnp.float16), plgpu.Layout.WGMMA), q_t)
+                a8 = load(k_smem.at[slot], plgpu.Layout.WGMMA_UPCAST_2X)
+                plgpu.wgmma(acc_ref, cast(a8.astype(jnp.float16), plgpu.Layout.WGMMA), q_t)
             else:
                 plgpu.wgmma(acc_ref, k_smem.at[slot], q_t)
             return acc_ref[...]
 
         logits = pl.run_scoped(mma, plgpu.ACC((bt, H), jnp.float32))
-        scale = plgpu.load(s_smem.at[slot], (), layout=row_layout)
+        scale = load(s_smem.at[slot], row_layout)
         s = jnp.sum(jnp.maximum(logits, 0.0) * jax.lax.broadcast_in_dim(w, (bt, H), (1,)), axis=1) * scale
-        t = (lo + j) * bt + plgpu.broadcasted_iota(jnp.int32, (bt,), 0, layout=row_layout)
+        t = (lo + j) * bt + plgpu.broadcasted_iota(jnp.int32, (bt,), 0, layout=None if interpret else row_layout)
         s = jnp.where(t < nv, s, -jnp.inf)
         o = o_smem.at[j % 2]
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # the store that last read this output slot is done
@@ -161,8 +170,17 @@ def _kernel(nv_ref, w_ref, q_ref, key_ref, scale_ref, out_ref, q_smem, w_smem, k
 PRECISIONS = ("f16", "fp8")
 
 
+def _interpret_params(detect_races=False):
+    """Pallas' GPU interpret mode (jax >= 0.10: simulated shared memory, threads, barriers and TMA on the CPU).
+    Reads past an array's end return NaN (a TMA box past the end fills zeros on the GPU; NaN checks the masking)."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="nan",
+                              detect_races=detect_races)
+
+
 def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stages=None, num_splits=None,
-                          pad_to_block=False, precision=None):
+                          pad_to_block=False, precision=None, interpret=False):
     """Scores [B, S, T] f32 (or [B, S, roundup(T, block_t)] with -inf padding if pad_to_block) like
     `reference.indexer_scores`, for fp8 keys (`formats.QuantizedKeys`, fmt "fp8"); q [B, S, H, 128] (fake-quantized
     like the keys), weights [B, S, H], n_visible [B, S] int32."""
@@ -189,6 +207,9 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     f16 = precision == "f16"
+    if interpret and f16:
+        raise ValueError("the Mosaic indexer kernel's interpret mode runs precision='fp8' only (the interpreter's "
+                         "wgmma takes no register operand, which precision='f16' feeds)")
     R = B * S
     cfg = default_config(R, T)
     for k_, v_ in dict(block_t=block_t, num_stages=num_stages, num_splits=num_splits).items():
@@ -213,17 +234,21 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     q8 = q8.reshape(R, hp, d)
     if f16:   # the e4m3 codes as f16 (exact): the B operand of an f16 wgmma
         q8 = q8.astype(jnp.float16)
+    if interpret:
+        q8 = jnp.swapaxes(q8, 1, 2)
     key_vals = keys.values
     key_scale = keys.scale.reshape(B * T).astype(jnp.float32)
     nv = n_visible.astype(jnp.int32).reshape(R)
     tile = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))     # 128 B rows of e4m3
     q_tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)) if f16 else tile
+    if interpret:   # the interpreter ignores shared-memory layouts (and q is transposed there)
+        tile = q_tile = ()
     kernel = plgpu.kernel(
-        functools.partial(_kernel, T=T, bt=bt, stages=stages, bps=bps, nb=nb, S=S, f16=f16),
+        functools.partial(_kernel, T=T, bt=bt, stages=stages, bps=bps, nb=nb, S=S, f16=f16, interpret=interpret),
         out_type=jax.ShapeDtypeStruct((R, nb * bt), jnp.float32),
         grid=(R, n_split), grid_names=("r", "s"),
         scratch_types=[
-            plgpu.SMEM((hp, d), q8.dtype, transforms=q_tile),                 # q_smem
+            plgpu.SMEM(q8.shape[1:], q8.dtype, transforms=q_tile),            # q_smem [H, 128] ([128, H] interpreted)
             plgpu.SMEM((hp,), jnp.float32),                                   # w_smem
             plgpu.SMEM((stages, bt, d), jnp.float8_e4m3fn, transforms=tile),  # k_smem
             plgpu.SMEM((stages, bt), jnp.float32),                            # s_smem
@@ -233,6 +258,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),               # k_bars
         ],
         kernel_name=f"indexer_scores_fp8_mosaic_{precision}_t{bt}",
+        **(dict(interpret=_interpret_params(interpret == "races")) if interpret else {}),
     )
     out = kernel(nv, wf, q8, key_vals, key_scale).reshape(B, S, nb * bt)
     return out if pad_to_block else out[..., :T]
