@@ -1,4 +1,5 @@
 """GPU Pallas (Triton backend) lightning-indexer scores kernel + top-k; the contract is `reference.indexer_topk`.
+(`kernel="mosaic"` routes fp8-key scores to the Mosaic GPU kernel of `gpu_mosaic.py` instead; see `resolve_kernel`.)
 
 Scores kernel: one program = (batch row b, block of `block_q` queries, split of the key range). q / w of the block
 stay in registers while the program sweeps its split's `block_t`-key blocks in a `fori_loop` (Triton software-
