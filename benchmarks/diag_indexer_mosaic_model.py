@@ -52,6 +52,21 @@ def capture_decode_inputs(steps: int):
     return captured, cfg.index_topk
 
 
+def rows_off(out, ref, k=None, tol=1e-4):
+    """Scores out / ref [B, 1, T] -> (relative error per row [B] (max |out - ref| over the reference's finite
+    entries / the row's max |ref|), whether the -inf pattern matches [B], whether the top-k sets match [B] (all
+    True without k), the rows where any check fails)."""
+    fin = np.isfinite(ref)
+    scale = np.max(np.where(fin, np.abs(ref), 0), axis=-1)[:, 0]
+    err = np.max(np.where(fin, np.abs(np.where(fin, out, 0) - np.where(fin, ref, 0)), 0), axis=-1)[:, 0] / scale
+    inf_ok = np.all(np.isfinite(out) == fin, axis=-1)[:, 0]
+    same = np.ones_like(inf_ok)
+    if k is not None:
+        top = lambda s: np.sort(np.argsort(-s, axis=-1, kind="stable")[..., :k], axis=-1)
+        same = np.all(top(out) == top(ref), axis=-1)[:, 0]
+    return err, inf_ok, same, np.nonzero((err > tol) | ~inf_ok | ~same)[0]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=4)
@@ -63,8 +78,6 @@ def main():
         kernels["mosaic_f16"] = dict(kernel="mosaic", precision="f16")
     for step, (q, w, keys, nv) in enumerate(captured):
         ref = np.asarray(indexer_scores(q, w, keys, nv))
-        scale = np.max(np.where(np.isfinite(ref), np.abs(ref), 0), axis=-1)          # [B, 1]
-        ref_top = np.sort(np.argsort(-ref, axis=-1, kind="stable")[..., :k], axis=-1)
         print(f"step {step}: T={ref.shape[-1]} n_visible={np.unique(np.asarray(nv))}")
         for name, opts in kernels.items():
             try:
@@ -72,16 +85,11 @@ def main():
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"  {name:11s} failed: {e!r}"[:300])
                 continue
-            fin = np.isfinite(ref)
-            err = np.max(np.where(fin, np.abs(np.where(fin, out, 0) - np.where(fin, ref, 0)), 0), axis=-1) / scale
-            inf_ok = np.all(np.isfinite(out) == fin, axis=-1)
-            top = np.sort(np.argsort(-out, axis=-1, kind="stable")[..., :k], axis=-1)
-            same = np.all(top == ref_top, axis=-1)
-            bad = np.nonzero((err[:, 0] > 1e-4) | ~inf_ok[:, 0] | ~same[:, 0])[0]
+            err, inf_ok, same, bad = rows_off(out, ref, k)
             print(f"  {name:11s} max rel err {err.max():.2e}; rows off (err > 1e-4, -inf pattern or top-{k} set): "
                   f"{bad.tolist()}")
             for b in bad[:4]:
-                print(f"    row {b}: err {err[b, 0]:.3e}, -inf ok {bool(inf_ok[b, 0])}, top-k same {bool(same[b, 0])}; "
+                print(f"    row {b}: err {err[b]:.3e}, -inf ok {bool(inf_ok[b])}, top-k same {bool(same[b])}; "
                       f"kernel {np.round(out[b, 0, :12], 4).tolist()}\n"
                       f"           reference {np.round(ref[b, 0, :12], 4).tolist()}")
 

@@ -438,7 +438,7 @@ def test_fp8_rebias_conversion_is_exact_for_every_byte_and_scale():
                                           (2, 1, 64, 296, dict(precision="fp8"))])
 def test_indexer_mosaic_fp8_lowers(B, S, H, T, opts):
     """The Mosaic GPU fp8 indexer kernel (e4m3 keys from TMA straight into wgmma) lowers for CUDA; heads padded to
-    a multiple of 32, any T (flat key addressing), 1-2 queries per row."""
+    a multiple of 32, T a multiple of 8 (not of the block: TMA fills the last box), 1-2 queries per row."""
     from pallas_kernels.indexer.gpu import indexer_topk_gpu
     from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
 

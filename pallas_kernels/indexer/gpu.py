@@ -413,25 +413,18 @@ def resolve_kernel(kernel, q, keys, interpret, triton_options=()):
     """kernel "auto" / None -> "triton" while `gpu_mosaic.AUTO` is False (session 20: a GPU model test failed, see
     there); with it True, "mosaic" for decode over fp8 keys where the Mosaic kernel applies (compiled on a GPU,
     head_dim 128, T % 8 == 0, at most `gpu_mosaic.MAX_QUERIES` queries per row and at least `MIN_ROWS` query rows
-    in all, no tuning option given: those in
-    `triton_options` keep the Triton kernel they were written for), else "triton". "mosaic" explicitly: an error
-    where it does not apply."""
+    in all, no tuning option given: those in `triton_options` keep the Triton kernel they were written for), else
+    "triton". "mosaic" explicitly: `gpu_mosaic.indexer_scores_mosaic` says why where it does not apply."""
     from . import gpu_mosaic
-    from .gpu_mosaic import MAX_QUERIES, MIN_ROWS, mosaic_applies
 
     kernel = kernel or "auto"
     if kernel not in KERNELS + ("auto",):
         raise ValueError(f"kernel must be one of {KERNELS + ('auto',)}, got {kernel!r}")
     if kernel == "auto":
         use = (gpu_mosaic.AUTO and not interpret and not triton_options and jax.default_backend() == "gpu"
-               and q.shape[1] <= MAX_QUERIES
-               and q.shape[0] * q.shape[1] >= MIN_ROWS and mosaic_applies(q, keys))
+               and q.shape[1] <= gpu_mosaic.MAX_QUERIES and q.shape[0] * q.shape[1] >= gpu_mosaic.MIN_ROWS
+               and gpu_mosaic.mosaic_applies(q, keys))
         return "mosaic" if use else "triton"
-    if kernel == "mosaic":
-        if not mosaic_applies(q, keys):
-            raise ValueError("kernel='mosaic' takes fp8 keys (formats.QuantizedKeys, fmt 'fp8') with head_dim 128, "
-                             f"a key count divisible by 8 and at most 256 heads, got {key_format_of(keys)} keys of "
-                             f"shape {keys.shape}, q {q.shape}")
     return kernel
 
 
