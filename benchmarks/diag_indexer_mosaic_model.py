@@ -27,8 +27,12 @@ from dsv4_jax.model import DeepseekV4ForCausalLM  # noqa: E402
 from pallas_kernels.indexer import indexer_scores, indexer_scores_pallas  # noqa: E402
 
 
-def capture_decode_inputs(steps: int):
-    """-> (list of (q, w, keys, nv) numpy/pytree captures, one per decode step, index_topk)."""
+def capture_decode_inputs(steps: int, impl: str = "reference"):
+    """-> (list of (q, w, keys, nv) numpy/pytree captures, one per decode step, index_topk) of the model run with
+    attention_impl=impl (with "pallas": the inputs the pallas path's indexer kernel got, its kernel="auto" on Mosaic
+    where it applies, as in the model test)."""
+    from pallas_kernels.indexer import gpu_mosaic
+
     cfg = tiny(head_dim=512, qk_rope_head_dim=64, index_head_dim=128, index_topk=8)
     ids = np.random.default_rng(4).integers(0, cfg.vocab_size, (16, 36 + steps))
     captured = []
@@ -40,8 +44,10 @@ def capture_decode_inputs(steps: int):
         return real(q, w, keys, nv, k=k, **kw)
 
     indexer_layer.indexer_topk = spy
+    auto = gpu_mosaic.AUTO
+    gpu_mosaic.AUTO = True
     try:
-        m = DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(7), attention_impl="reference")
+        m = DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(7), attention_impl=impl)
         cache = m.init_cache(16, 64, indexer_dtype="fp8", indexer_rotate=True)
         _, cache = m.prefill(ids[:, :36], cache)
         for t in range(36, 36 + steps):
@@ -49,6 +55,7 @@ def capture_decode_inputs(steps: int):
         jax.effects_barrier()
     finally:
         indexer_layer.indexer_topk = real
+        gpu_mosaic.AUTO = auto
     return captured, cfg.index_topk
 
 
@@ -70,15 +77,44 @@ def rows_off(out, ref, k=None, tol=1e-4):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--save", default=None, help="write every capture (both model paths) to this .npz")
     a = ap.parse_args()
     captured, k = capture_decode_inputs(a.steps)
+    captured_pallas, _ = capture_decode_inputs(a.steps, "pallas")
+    if a.save:
+        arrays = {}
+        for tag, caps in (("ref", captured), ("pallas", captured_pallas)):
+            for step, (q, w, keys, nv) in enumerate(caps):
+                arrays.update({f"{tag}{step}_q": np.asarray(q), f"{tag}{step}_w": np.asarray(w),
+                               f"{tag}{step}_kv": np.asarray(keys.values.astype(np.float32)),
+                               f"{tag}{step}_ks": np.asarray(keys.scale), f"{tag}{step}_nv": np.asarray(nv)})
+        np.savez_compressed(a.save, **arrays)
+    for step, ((q, w, keys, nv), (qp, wp, keysp, nvp)) in enumerate(zip(captured, captured_pallas)):
+        dq = np.abs(np.asarray(qp, np.float32) - np.asarray(q, np.float32)).reshape(q.shape[0], -1).max(-1)
+        dk = np.abs(np.asarray(keysp.values.astype(np.float32)) - np.asarray(keys.values.astype(np.float32))
+                    ).reshape(q.shape[0], -1).max(-1)
+        print(f"step {step}: pallas-path inputs vs reference-path: rows whose q differ {np.nonzero(dq)[0].tolist()} "
+              f"(max {dq.max():.3g}), rows whose key codes differ {np.nonzero(dk)[0].tolist()}; n_visible equal "
+              f"{bool(np.all(np.asarray(nv) == np.asarray(nvp)))}")
+    print("== captures of the reference path ==")
+    _compare(captured, k)
+    print("== captures of the pallas path (the inputs the model test's kernel got) ==")
+    _compare(captured_pallas, k)
+
+
+def _compare(captured, k):
     on_gpu = jax.default_backend() == "gpu"
     kernels = {"triton": dict(kernel="triton"), "mosaic_fp8": dict(kernel="mosaic", precision="fp8")}
     if on_gpu:
         kernels["mosaic_f16"] = dict(kernel="mosaic", precision="f16")
-    for step, (q, w, keys, nv) in enumerate(captured):
+    for step, cap in enumerate(captured):
+        # debug.callback hands over host-side (CPU) arrays: back onto the default device for the kernels
+        q, w, keys, nv = jax.device_put(cap, jax.devices()[0])
         ref = np.asarray(indexer_scores(q, w, keys, nv))
-        print(f"step {step}: T={ref.shape[-1]} n_visible={np.unique(np.asarray(nv))}")
+        srt = -np.sort(-np.where(np.isfinite(ref), ref, -np.inf), axis=-1)[:, 0]
+        gap = (srt[:, k - 1] - srt[:, k]) / np.max(np.abs(np.where(np.isfinite(ref), ref, 0)), axis=-1)[:, 0]
+        print(f"step {step}: T={ref.shape[-1]} n_visible={np.unique(np.asarray(nv))}; smallest gap between the "
+              f"k-th and (k+1)-th reference score / row scale: {np.nanmin(gap):.2e} (row {int(np.nanargmin(gap))})")
         for name, opts in kernels.items():
             try:
                 out = np.asarray(indexer_scores_pallas(q, w, keys, nv, impl="pallas", **opts))

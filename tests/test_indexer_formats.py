@@ -77,3 +77,20 @@ def test_quantized_indexer_cache_is_stored_quantized():
     np.testing.assert_array_equal(np.asarray(F.dequantize(F.quantize(jnp.asarray(d), "fp4"))), d)
     with pytest.raises(ValueError, match="indexer key format"):
         model.init_cache(1, 32, indexer_dtype="int8")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp4"])
+def test_fake_quantize_rounds_inside_a_jitted_program(fmt):
+    """fake_quantize fused between other ops of a jitted program equals it computed on the CPU. On a GPU this
+    guards the optimization barrier in fake_quantize: XLA's GPU compiler drops an f32 -> narrower float -> f32 round
+    trip (--xla_allow_excess_precision), which left the indexer's q unquantized on the H200 (session 21)."""
+    import jax
+
+    u = np.random.default_rng(11).standard_normal((4, 3, 128)).astype(np.float32)
+    # x 2 and x 0.5 around it: the quantization sits inside a fusion; power-of-two scales make it exact to move
+    out = np.asarray(jax.jit(lambda u: F.fake_quantize(u * 2.0, fmt) * 0.5)(jnp.asarray(u)))
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        expected = np.asarray(F.fake_quantize(jax.device_put(jnp.asarray(u), cpu), fmt))
+    assert np.any(expected != u), "the test data are already representable"
+    np.testing.assert_array_equal(out, expected)

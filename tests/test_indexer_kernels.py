@@ -343,7 +343,7 @@ def test_gpu_auto_takes_mosaic_for_fp8_decode(monkeypatch):
     Triton. Scores against the reference either way."""
     from pallas_kernels.indexer import gpu_mosaic
 
-    monkeypatch.setattr(gpu_mosaic, "AUTO", True)   # the dispatch as it will be once the model test passes
+    monkeypatch.setattr(gpu_mosaic, "AUTO", True)   # the default (session 21)
     calls = []
     real = gpu_mosaic.indexer_scores_mosaic
     monkeypatch.setattr(gpu_mosaic, "indexer_scores_mosaic", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -355,7 +355,7 @@ def test_gpu_auto_takes_mosaic_for_fp8_decode(monkeypatch):
         n = len(calls)
         check_scores(q, w, keys, nv, "pallas", 1e-5, **opts)
         assert (len(calls) > n) == mosaic, (B, S, T, fmt, opts)
-    monkeypatch.setattr(gpu_mosaic, "AUTO", False)   # today's default: Triton everywhere
+    monkeypatch.setattr(gpu_mosaic, "AUTO", False)   # switched off: Triton everywhere
     n = len(calls)
     check_scores(*make(16, 1, 64, 800, "fp8", True), "pallas", 1e-5)
     assert len(calls) == n

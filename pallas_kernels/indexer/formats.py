@@ -107,8 +107,16 @@ def dequantize(k, dtype=jnp.float32) -> jax.Array:
 
 
 def fake_quantize(x: jax.Array, fmt: Optional[str]) -> jax.Array:
-    """dequantize(quantize(x)) in float32 (used for queries, which are never stored)."""
-    return dequantize(quantize(x, fmt), jnp.float32) if fmt is not None else x.astype(jnp.float32)
+    """dequantize(quantize(x)) in float32 (used for queries, which are never stored).
+
+    The storage passes an optimization barrier: XLA's GPU compiler removes an f32 -> narrower float -> f32 round
+    trip (SimplifyFPConversions, under --xla_allow_excess_precision, on by default), and without the barrier q was
+    not quantized at all on the H200 (session 21), in some programs and not others: the reference and pallas model
+    paths then disagreed wherever the indexer's k-th pick was close, and the Mosaic kernel, which re-quantizes q,
+    disagreed with both."""
+    if fmt is None:
+        return x.astype(jnp.float32)
+    return dequantize(jax.lax.optimization_barrier(quantize(x, fmt)), jnp.float32)
 
 
 def empty(shape, fmt: Optional[str], dtype=jnp.float32):

@@ -410,8 +410,8 @@ MOSAIC_OPTIONS = ("block_t", "num_stages", "num_splits", "precision")   # what t
 
 
 def resolve_kernel(kernel, q, keys, interpret, triton_options=()):
-    """kernel "auto" / None -> "triton" while `gpu_mosaic.AUTO` is False (session 20: a GPU model test failed, see
-    there); with it True, "mosaic" for decode over fp8 keys where the Mosaic kernel applies (compiled on a GPU,
+    """kernel "auto" / None -> "triton" if `gpu_mosaic.AUTO` is False; with it True (the default since session 21),
+    "mosaic" for decode over fp8 keys where the Mosaic kernel applies (compiled on a GPU,
     head_dim 128, T % 8 == 0, at most `gpu_mosaic.MAX_QUERIES` queries per row and at least `MIN_ROWS` query rows
     in all, no tuning option given: those in `triton_options` keep the Triton kernel they were written for), else
     "triton". "mosaic" explicitly: `gpu_mosaic.indexer_scores_mosaic` says why where it does not apply."""
