@@ -20,10 +20,11 @@ def round_to_bf16(x: jax.Array) -> jax.Array:
 
 def round_to(x: jax.Array, dtype) -> jax.Array:
     """float32 values rounded to `dtype` and held in float32: `round_to_bf16` for bfloat16 (XLA GPU cannot fold it
-    away), x itself for float32, two casts otherwise (float16: XLA GPU may fold those under jit)."""
+    away), x itself for float32, otherwise two casts with an optimization barrier between them (without it XLA GPU
+    folds them under jit, as it did to the indexer q's fake quantization in session 21)."""
     dtype = jnp.dtype(dtype)
     if dtype == jnp.bfloat16:
         return round_to_bf16(x)
     if dtype == jnp.float32:
         return x.astype(jnp.float32)
-    return x.astype(dtype).astype(jnp.float32)
+    return jax.lax.optimization_barrier(x.astype(dtype)).astype(jnp.float32)

@@ -113,7 +113,7 @@ def fake_quantize(x: jax.Array, fmt: Optional[str]) -> jax.Array:
     trip (SimplifyFPConversions, under --xla_allow_excess_precision, on by default), and without the barrier q was
     not quantized at all on the H200 (session 21), in some programs and not others: the reference and pallas model
     paths then disagreed wherever the indexer's k-th pick was close, and the Mosaic kernel, which re-quantizes q,
-    disagreed with both."""
+    disagreed with both. (`pallas_kernels/numerics.py` rounds to bf16 by bit arithmetic for the same reason.)"""
     if fmt is None:
         return x.astype(jnp.float32)
     return dequantize(jax.lax.optimization_barrier(quantize(x, fmt)), jnp.float32)
