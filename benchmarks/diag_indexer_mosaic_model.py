@@ -1,5 +1,9 @@
 """Diagnosis of the session-20 GPU model-test failure of the Mosaic indexer kernel (issue #5).
 
+Result (H200, session 21, results/h200_s21r1_mdiag.log + the saved captures): the q the indexer got on the GPU was
+not quantized at all, while the CPU's was: XLA's GPU compiler had folded q's fake quantization away
+(benchmarks/diag_fake_quantize.py; fixed in formats.fake_quantize). The kernels were not at fault.
+
     PYTHONPATH=.:tests python benchmarks/diag_indexer_mosaic_model.py [--steps 4]
 
 The tiny model of tests/test_model_pallas_quantized.py::test_fp8_indexer_keys_on_mosaic_kernel_match_reference
