@@ -1004,7 +1004,7 @@ DEFAULT_PINGPONG = False       # see `sparse_attention_mosaic`'s pingpong (H200,
 DEFAULT_SPLIT_D = True         # split_d where it applies (see `sparse_attention_mosaic`'s split_d; session 18)
 DEFAULT_CLUSTER_LOADS = "early"   # see `sparse_attention_mosaic`'s cluster_loads (H200, session 18: 1-2.5% faster)
 DEFAULT_FP8_CONVERT = "cvt"   # see `sparse_attention_mosaic`'s fp8_convert
-DEFAULT_FP8_OVERLAP = False   # see `sparse_attention_mosaic`'s fp8_overlap (built in session 19, not yet timed)
+DEFAULT_FP8_OVERLAP = False   # see `sparse_attention_mosaic`'s fp8_overlap (H200, session 20: no faster)
 DEFAULT_L2_AHEAD = 0      # L2 prefetch distance in steps (see `sparse_attention_mosaic`'s l2_ahead)
 DEFAULT_PRODUCER = "tma"   # the bf16 ring's gather (see `sparse_attention_mosaic`'s producer)
 DEFAULT_REGS = (56, 224)   # setmaxnreg: (producer, each consumer) registers per thread
@@ -1185,8 +1185,9 @@ def sparse_attention_mosaic(
     the next piece's conversion runs while the tensor cores score the last (one warpgroup barrier per piece instead
     of two per block). Without it a consumer converts its whole half, then scores it: on the H200 (session 19,
     CSA B=64) the FP8 step costs ~2500 cycles more than the bf16 one, about the dequantization, with the tensor
-    cores idle meanwhile. Built in session 19 after the device time ran out: lowered in CI, GPU tests written, not
-    run or timed; off by default until then.
+    cores idle meanwhile. Correct on the H200 (session 20) but no faster (kernel time, default vs overlap: CSA B=64
+    34.4 vs 34.4 us, B=128 52.4 vs 57.4, HCA-8K B=16 80.8 vs 95.0): the asynchronous wgmma did not run under the
+    conversions. So it is off by default.
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
