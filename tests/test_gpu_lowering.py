@@ -245,7 +245,15 @@ def lower_model_steps(model, cache, marker):
                                               (3, 1, 512, dict(_diag="dequant_both", split_d=True, num_stages=1), True),
                                               (1, 64, 60, dict(_diag="loop", split_d=False), True),
                                               (2, 1, 8192, dict(fp8_convert="rebias", split_d=True, num_stages=1),
-                                               True)])
+                                               True),
+                                              # the producer dequantizes into a ring of 32-row bf16 tiles
+                                              (3, 1, 512, dict(fp8_dequant="producer"), True),
+                                              (2, 1, 8192, dict(fp8_dequant="producer", n_splits=3, combine="xla"),
+                                               True),
+                                              (1, 64, 60, dict(fp8_dequant="producer", heads=128), True),
+                                              (3, 1, 512, dict(fp8_dequant="producer", fp8_convert="cvt",
+                                                               num_stages=2), True),
+                                              (1, 64, 60, dict(fp8_dequant="producer", num_stages=4), True)])
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -308,6 +316,25 @@ def test_sparse_attention_mosaic_split_d_rejects_what_it_cannot_do():
                *(inp[k] for k in keys))
     with pytest.raises(ValueError, match="shared memory .* over"):
         sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, n_splits=1, split_d=True)
+
+
+def test_sparse_attention_mosaic_fp8_dequant_producer_rejects_what_it_cannot_do():
+    """fp8_dequant="producer" converts FP8 pools into 32-row bf16 tiles for the split_d consumers: bf16 pools, other
+    block sizes, split_d off and the consumers' own dequantization variants are refused, with the reason."""
+    from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
+
+    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
+    bf16 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True)
+    with pytest.raises(ValueError, match="dequantizes FP8 pools"):
+        sparse_attention_mosaic(*(bf16[k] for k in keys), scale=0.1, fp8_dequant="producer")
+    fp8 = [make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)[k] for k in keys]
+    for opts, match in [(dict(block_k=64), "takes block_k=32"), (dict(split_d=False), "runs with split_d"),
+                        (dict(fp8_overlap=True), "without"), (dict(_diag="dequant_both"), "without"),
+                        (dict(num_stages=5), "1-4 staging slots"), (dict(fp8_dequant="warp"), "must be")]:
+        with pytest.raises(ValueError, match=match):
+            sparse_attention_mosaic(*fp8, scale=0.1, **{"fp8_dequant": "producer", **opts})
+    with pytest.raises(ValueError, match="block_k=64 .* fp8_dequant='producer'"):
+        sparse_attention_mosaic(*fp8, scale=0.1, block_k=32)
 
 
 def test_sparse_attention_mosaic_fp8_overlap_needs_fp8_split_d():

@@ -83,6 +83,8 @@ BLOCK_H = 64          # heads per CTA = the M of one warpgroup's wgmma
 SPLIT_SCORES_MIN_T = 64   # split_scores=None: on with bf16 pools from this many queries per sequence (prefill)
 SMEM_BUDGET = 227 * 1024
 NOPE_STRIDE = 512     # staged FP8 nope row: 448 B padded so every row's bulk copies land 128 B aligned
+PDQ_TILES = 2         # fp8_dequant="producer": bf16 tiles of 32 rows the producer converts into, ahead of the consumers
+PDQ_STAGING = 3       # ... and its default staging slots (32 raw rows each)
 
 
 # Dequantizing one e4m3 pair with the hardware conversions (the default): $1 = 2 e4m3 bytes, $2 = 2^k as f32,
@@ -147,7 +149,7 @@ def default_config(bt: int, total_blocks: int):
 def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=False, diag=None,
            regs=None, n_hg=1, split_scores=False, profile=None, cp_async=False, l2_ahead=0, ccomb=False,
            store_wait_read=False, idx_first=False, pingpong=False, cluster_early=False, split_d=False,
-           fp8_convert="cvt", fp8_overlap=False):
+           fp8_convert="cvt", fp8_overlap=False, pdq=False):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -158,7 +160,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     tiles with 64 B swizzle instead of (8, 64) and 128 B), this split's index rows,
     sinks|lse. fp8: q/o tile, one bf16 KV tile (block_k x d, the consumers' dequantized block), and a staging ring of
     `stages` x block_k raw rows (nope padded to 512 B, as a bulk copy's shared address must be 128 B aligned; rope
-    128 B; scales 8 B).
+    128 B; scales 8 B). pdq (FP8, split_d, block_k 32: `fp8_dequant="producer"`): the producer warpgroup converts
+    the staging ring into a ring of PDQ_TILES bf16 tiles ((8, 32) tiles, 64 B swizzle, like q), which the consumers
+    read as they read a bf16 ring.
     profile ((entries per warpgroup, dump directory) or None): Mosaic GPU's on-device profiler records each
     warpgroup's named regions (thread 0 of the warpgroup: SM clock at entry and exit) and the wrapper dumps a Chrome
     trace per call into the directory (benchmarks/mosaic_phase_profile.py reads it). Without it the regions emit
@@ -175,7 +179,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     dh = d // 2
     # bf16 rings: 128 B swizzle with (8, 64) tiles; block_k = 32 takes 64 B swizzle with (8, 32) tiles, as P.V
     # contracts over block_k in groups of the swizzle's width (wgmma: K % (swizzle / 2 B) == 0). FP8: 128 B.
-    swz = 128 if fp8 or bk % 64 == 0 else 64
+    swz = 128 if bk % 64 == 0 else 64
     tc = swz // 2          # bf16 columns per tile row (one swizzle span)
     pieces = d // tc
     idx_base = [sum(idx_rows[:k]) for k in range(len(idx_rows))]   # source k's rows in the flat idx_smem
@@ -185,7 +189,10 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
         src_gmem = [refs[2 + n_in * k: 2 + n_in * (k + 1)] for k in range(n_src)]
         o_gmem, lse_gmem = refs[2 + n_in * n_src], refs[3 + n_in * n_src]
         scratch = refs[-1]
-        if fp8 and split_d:
+        if pdq:   # full / empty: the bf16 tile ring's (producer -> consumers); st_bars: the staging slots' copies
+            (q_smem, ring, nope_st, rope_st, scale_st, x_s, idx_smem), (q_bar, idx_bar), \
+                (st_bars, full_bars, empty_bars, cons_bar) = scratch
+        elif fp8 and split_d:
             (q_smem, tile, nope_st, rope_st, scale_st, x_s, idx_smem), (q_bar, idx_bar), \
                 (full_bars, empty_bars, cons_bar) = scratch
         elif fp8:
@@ -282,6 +289,64 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             cluster, acquire theirs. Not the .aligned form: the producer's threads reach it from divergent code."""
             llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "barrier.cluster.arrive.release;\n"
                             "barrier.cluster.wait.acquire;", "", has_side_effects=True)
+
+        f8_16 = ir.VectorType.get((16,), ir.Float8E4M3FNType.get())
+
+        def store16(val, r, cc, dst, lead):
+            """8 bf16 (16 B: columns 8 cc .. 8 cc + 7 of KV row r) into the tile `dst` at the place wgmma reads them
+            from: (8, tc) tiles of swz-byte rows, and within a tile row the 16 B chunk j goes to j ^ (r % 8) (128 B
+            swizzle) or j ^ ((r % 8) // 2) (64 B). lead: dst's leading indices (the pdq tile ring's slot)."""
+            per = swz // 16                                           # 16 B chunks per tile row
+            r8 = arith.remui(r, c(8))
+            pattern = r8 if swz == 128 else arith.divui(r8, c(2))
+            j = arith.xori(arith.remui(cc, c(per)), pattern)
+            vector.store(val, dst, [*lead, arith.divui(r, c(8)), arith.divui(cc, c(per)), r8, arith.muli(j, c(8))],
+                         alignment=16)
+
+        def convert_chunk(slot, v, ncb, cb0, dst=None, lead=()):
+            """Nope chunk v of a [bk, ncb] grid of 16 B chunks (from chunk cb0 of each row) of staging slot `slot`:
+            16 e4m3 -> 16 bf16 x the chunk's 64-column block scale, into the tile (default: the consumers' tile)."""
+            r, cb = arith.divui(v, c(ncb)), arith.addi(arith.remui(v, c(ncb)),
+                                                        c(cb0) if isinstance(cb0, int) else cb0)
+            blk = arith.divui(cb, c(4))
+            raw = vector.bitcast(ir.VectorType.get((4,), i32),
+                                 vector.load(f8_16, nope_st, [slot, r, arith.muli(cb, c(16))], alignment=16))
+            sbyte = arith.extui(i32, memref.load(scale_st, [slot, r, blk]))
+            words = []
+            if diag == "no_convert":   # timing diagnostic only (wrong values): raw bytes stored as if bf16
+                words = [vector.extract(raw, [], [w % 4]) for w in range(8)]
+            elif diag == "bits":       # integer bit placement + 2 bf16 multiplies: exact, measured slower
+                # 2^k as a bf16 pair: the ue8m0 byte is the bf16 exponent field
+                s2 = arith.ori(arith.shli(sbyte, ci(23)), arith.shli(sbyte, ci(7)))
+                for w in range(4):
+                    pair = llvm.inline_asm(ir.Type.parse("!llvm.struct<(i32, i32)>"),
+                                           [vector.extract(raw, [], [w]), s2], BITS_ASM, "=r,=r,r,r")
+                    words += [llvm.extractvalue(i32, pair, [0]), llvm.extractvalue(i32, pair, [1])]
+            elif fp8_convert == "rebias":   # e4m3x2 -> f16x2, bits re-biased to bf16, 2 bf16 multiplies
+                e = arith.subi(sbyte, ci(15))                       # 112 + k, k = byte - 127
+                ea = arith.shrsi(e, ci(1))
+                pair = lambda x: arith.muli(arith.shli(arith.addi(x, ci(127)), ci(7)), ci(0x10001))
+                pa, pb = pair(ea), pair(arith.subi(e, ea))          # 2^a, 2^b as bf16 pairs
+                for w in range(4):
+                    word = vector.extract(raw, [], [w])
+                    for half in (word, arith.shrui(word, ci(16))):
+                        words.append(llvm.inline_asm(i32, [arith.trunci(i16, half), pa, pb], REBIAS_ASM,
+                                                     "=r,h,r,r"))
+            else:                      # hardware conversions: e4m3x2 -> f16x2 -> 2 x f32, x 2^k, -> bf16x2
+                sf = arith.bitcast(f32, arith.shli(sbyte, ci(23)))   # ue8m0 byte b -> 2^(b - 127)
+                for w in range(4):
+                    word = vector.extract(raw, [], [w])
+                    for half in (word, arith.shrui(word, ci(16))):
+                        words.append(llvm.inline_asm(i32, [arith.trunci(i16, half), sf], CVT_ASM, "=r,h,f"))
+            for h in range(2):   # 16 bf16 = the 16 B chunks 2 cb, 2 cb + 1 of the row
+                val = vector.bitcast(ir.VectorType.get((8,), bf16),
+                                     vector.from_elements(ir.VectorType.get((4,), i32), words[4 * h: 4 * h + 4]))
+                store16(val, r, arith.addi(arith.muli(cb, c(2)), c(h)), tile if dst is None else dst, lead)
+
+        def copy_rope(slot, v, dst=None, lead=()):   # rope chunk v: 8 16-byte chunks per row, already bf16
+            r, ch = arith.divui(v, c(8)), arith.remui(v, c(8))
+            val = vector.load(ir.VectorType.get((8,), bf16), rope_st, [slot, r, arith.muli(ch, c(8))], alignment=16)
+            store16(val, r, arith.addi(ch, c(NOPE_DIM // 8)), tile if dst is None else dst, lead)
 
         is_producer = arith.cmpi(arith.CmpIPredicate.eq, wg, ci(2))
         if_op = scf.IfOp(is_producer, has_else=True)
@@ -431,12 +496,13 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 slot = arith.remui(g, c(stages))
                 if l2_ahead:   # the step whose slot frees l2_ahead steps from now: its rows into L2 now
                     prefetch_step(arith.addi(g, c(stages + l2_ahead)))
-                region = begin("p_wait_empty")
-                with mu.when(arith.cmpi(arith.CmpIPredicate.uge, g, c(stages))):
-                    empty_bars[slot].wait()
-                end(region)
+                if not pdq:   # (pdq: this warpgroup converted the slot's last step itself, a barrier ago)
+                    region = begin("p_wait_empty")
+                    with mu.when(arith.cmpi(arith.CmpIPredicate.uge, g, c(stages))):
+                        empty_bars[slot].wait()
+                    end(region)
                 region = begin("p_issue")
-                full = full_bars[slot]
+                full = st_bars[slot] if pdq else full_bars[slot]
                 off = arith.muli(arith.subi(j, ranges[k][2]), c(bk))
                 if cp_async:
                     issue_cp_async(k, slot, full, off)
@@ -454,9 +520,50 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     with mu.when(lane0):   # one of the slot's 4 counted arrivals, once this thread's scale copies land
                         nvvm.cp_async_mbarrier_arrive(full.get_ptr(), noinc=True)
                 end(region)
+                if pdq:   # the step staged (stages - 1) steps ago, into the tile ring, while this one's copies fly
+                    with mu.when(arith.cmpi(arith.CmpIPredicate.uge, g, c(stages - 1))):
+                        convert_step(arith.subi(g, c(stages - 1)))
                 return carry
 
+            def convert_step(gs):
+                """pdq: staged step gs (staging slot gs % stages) -> bf16 tile gs % PDQ_TILES, by all 128 producer
+                threads, once its copies have landed and both consumers are past the tile's previous step (P.V
+                included). Each thread fences its stores for the async proxy (wgmma) and arrives on the tile's full
+                barrier (128 arrivals); a warpgroup barrier then frees the staging slot for the next issue."""
+                s_, t_ = arith.remui(gs, c(stages)), arith.remui(gs, c(PDQ_TILES))
+                region = begin("p_wait_staged")
+                st_bars[s_].wait()
+                end(region)
+                region = begin("p_wait_tile")
+                with mu.when(arith.cmpi(arith.CmpIPredicate.uge, gs, c(PDQ_TILES))):
+                    empty_bars[t_].wait()
+                end(region)
+                region = begin("p_convert")
+                ncb = NOPE_DIM // 16                 # 28 nope chunks of 16 e4m3 per row
+
+                @mu.fori(c(bk * ncb // 128), None)
+                def _(i, _c):
+                    convert_chunk(s_, arith.addi(ptid, arith.muli(i, c(128))), ncb, 0, ring, (t_,))
+                    return _c
+
+                for i in range(bk * 8 // 128):    # the rope part: 8 chunks of 8 bf16 per row, copied
+                    copy_rope(s_, arith.addi(ptid, c(128 * i)), ring, (t_,))
+                nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)  # st.shared -> wgmma
+                full_bars[t_].arrive()
+                mu.warpgroup_barrier()
+                end(region)
+
             steps(produce, None)
+            if pdq:   # the last (stages - 1) staged steps
+                total = c(0)
+                for lo_, hi_, _ in ranges:
+                    total = arith.addi(total, arith.maxsi(arith.subi(hi_, lo_), c(0)))
+                n_tail = arith.minsi(total, c(stages - 1))
+
+                @mu.fori(n_tail, None)
+                def _(i, _c):
+                    convert_step(arith.addi(arith.subi(total, n_tail), i))
+                    return _c
             if ccomb:   # the producer takes part in the consumers' two cluster barriers (see cluster_combine)
                 for _ in range(2):
                     cluster_sync()
@@ -630,55 +737,6 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
                     ctx.await_async_copy(0, await_read_only=store_wait_read)
 
-            f8_16 = ir.VectorType.get((16,), ir.Float8E4M3FNType.get())
-
-            def convert_chunk(slot, v, ncb, cb0):   # nope chunk v of a [bk, ncb] grid of 16 B chunks from cb0
-                r, cb = arith.divui(v, c(ncb)), arith.addi(arith.remui(v, c(ncb)),
-                                                            c(cb0) if isinstance(cb0, int) else cb0)
-                blk, c4 = arith.divui(cb, c(4)), arith.remui(cb, c(4))
-                raw = vector.bitcast(ir.VectorType.get((4,), i32),
-                                     vector.load(f8_16, nope_st, [slot, r, arith.muli(cb, c(16))], alignment=16))
-                sbyte = arith.extui(i32, memref.load(scale_st, [slot, r, blk]))
-                words = []
-                if diag == "no_convert":   # timing diagnostic only (wrong values): raw bytes stored as if bf16
-                    words = [vector.extract(raw, [], [w % 4]) for w in range(8)]
-                elif diag == "bits":       # integer bit placement + 2 bf16 multiplies: exact, measured slower
-                    # 2^k as a bf16 pair: the ue8m0 byte is the bf16 exponent field
-                    s2 = arith.ori(arith.shli(sbyte, ci(23)), arith.shli(sbyte, ci(7)))
-                    for w in range(4):
-                        pair = llvm.inline_asm(ir.Type.parse("!llvm.struct<(i32, i32)>"),
-                                               [vector.extract(raw, [], [w]), s2], BITS_ASM, "=r,=r,r,r")
-                        words += [llvm.extractvalue(i32, pair, [0]), llvm.extractvalue(i32, pair, [1])]
-                elif fp8_convert == "rebias":   # e4m3x2 -> f16x2, bits re-biased to bf16, 2 bf16 multiplies
-                    e = arith.subi(sbyte, ci(15))                       # 112 + k, k = byte - 127
-                    ea = arith.shrsi(e, ci(1))
-                    pair = lambda x: arith.muli(arith.shli(arith.addi(x, ci(127)), ci(7)), ci(0x10001))
-                    pa, pb = pair(ea), pair(arith.subi(e, ea))          # 2^a, 2^b as bf16 pairs
-                    for w in range(4):
-                        word = vector.extract(raw, [], [w])
-                        for half in (word, arith.shrui(word, ci(16))):
-                            words.append(llvm.inline_asm(i32, [arith.trunci(i16, half), pa, pb], REBIAS_ASM,
-                                                         "=r,h,r,r"))
-                else:                      # hardware conversions: e4m3x2 -> f16x2 -> 2 x f32, x 2^k, -> bf16x2
-                    sf = arith.bitcast(f32, arith.shli(sbyte, ci(23)))   # ue8m0 byte b -> 2^(b - 127)
-                    for w in range(4):
-                        word = vector.extract(raw, [], [w])
-                        for half in (word, arith.shrui(word, ci(16))):
-                            words.append(llvm.inline_asm(i32, [arith.trunci(i16, half), sf], CVT_ASM, "=r,h,f"))
-                r8 = arith.remui(r, c(8))
-                for h in range(2):   # 16 bf16 = two 16-byte chunks 2 c4, 2 c4 + 1 of the row's 128 B piece `blk`
-                    val = vector.bitcast(ir.VectorType.get((8,), bf16),
-                                         vector.from_elements(ir.VectorType.get((4,), i32), words[4 * h: 4 * h + 4]))
-                    chunk = arith.xori(arith.addi(arith.muli(c4, c(2)), c(h)), r8)
-                    vector.store(val, tile, [arith.divui(r, c(8)), blk, r8, arith.muli(chunk, c(8))], alignment=16)
-
-            def copy_rope(slot, v):   # rope chunk v: 8 16-byte chunks per row, already bf16
-                r, ch = arith.divui(v, c(8)), arith.remui(v, c(8))
-                r8 = arith.remui(r, c(8))
-                val = vector.load(ir.VectorType.get((8,), bf16), rope_st, [slot, r, arith.muli(ch, c(8))], alignment=16)
-                vector.store(val, tile, [arith.divui(r, c(8)), c(pieces - 1), r8, arith.muli(arith.xori(ch, r8), c(8))],
-                             alignment=16)
-
             def dequantize(slot):
                 """Staging slot -> the bf16 KV tile, in the 128 B-swizzled (8, 64) tiling wgmma reads.
                 Both consumers together (without split_d, or _diag="dequant_both"): thread t of the 256 consumer
@@ -813,7 +871,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
 
             def consume(k, j, g, carry):
                 m, l, acc = carry
-                slot = arith.remui(g, c(stages))
+                slot = arith.remui(g, c(PDQ_TILES if pdq else stages))
                 off = arith.muli(arith.subi(j, ranges[k][2]), c(bk))
                 first = arith.addi(c(idx_base[k]), off)   # this consumer's entries: all, or its half with split_scores
                 if split_scores:
@@ -833,14 +891,14 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     own = dequantize_scoring(slot)
                     end(region)
                     kv = tile
-                elif fp8:
+                elif fp8 and not pdq:
                     region = begin("c_dequant")
                     dequantize(slot)
                     empty_bars[slot].arrive()                           # the staging slot can be refilled
                     end(region)
                     kv = tile
-                else:
-                    kv = mu.memref_slice(ring, slot)                    # [bk/8, d/64, 8, 64]
+                else:   # bf16 ring, or pdq's tile ring
+                    kv = mu.memref_slice(ring, slot)                    # [bk/8, d/tc, 8, tc]
                 if split_scores:
                     region = begin("c_split_softmax")   # half the scores, the exchange, the softmax
                     m_new, l, p = split_softmax(valid, kv, g, m, l)
@@ -875,7 +933,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 nvvm.wgmma_commit_group_sync_aligned()
                 turn("bar.arrive", other_turn_bar)
                 nvvm.wgmma_wait_group_sync_aligned(0)
-                if not fp8:
+                if not fp8 or pdq:
                     empty_bars[slot].arrive()
                 end(region)
                 return m_new, l, o_acc.value
@@ -942,7 +1000,22 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     lead = ((bt, ns) if out_split else (bt,)) + (n_hg,)
     out_shape = (jax.ShapeDtypeStruct((*lead, BLOCK_H, d), jnp.bfloat16),
                  jax.ShapeDtypeStruct((*lead, BLOCK_H), jnp.float32))
-    if fp8:
+    if pdq:
+        smem = (
+            (jax.ShapeDtypeStruct((BLOCK_H // 8, d // tc, 8, tc), jnp.bfloat16),     # q, then o
+             jax.ShapeDtypeStruct((PDQ_TILES, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # the bf16 tile ring
+             jax.ShapeDtypeStruct((stages, bk, NOPE_STRIDE), jnp.float8_e4m3fn),     # staging: nope
+             jax.ShapeDtypeStruct((stages, bk, ROPE_DIM), jnp.bfloat16),             # staging: rope
+             jax.ShapeDtypeStruct((stages, bk, SCALE_BYTES), jnp.uint8),             # staging: scales
+             jax.ShapeDtypeStruct((2, BLOCK_H // 8, bk // 32, 8, 32), jnp.float32),  # split_d's partials | sinks, lse
+             jax.ShapeDtypeStruct((sum(idx_rows),), jnp.int32)),
+            (mgpu.TMABarrier(1), mgpu.TMABarrier(1)),
+            # staging: the expect_tx arrival + one cp.async arrival per producer warp; tile full: the 128 producer
+            # threads; tile empty / cons: the 256 consumer threads
+            (mgpu.Barrier(arrival_count=5, num_barriers=stages), mgpu.Barrier(arrival_count=128, num_barriers=PDQ_TILES),
+             mgpu.Barrier(arrival_count=256, num_barriers=PDQ_TILES), mgpu.Barrier(arrival_count=256)),
+        )
+    elif fp8:
         smem = (
             (jax.ShapeDtypeStruct((BLOCK_H // 8, d // 64, 8, 64), jnp.bfloat16),     # q, then o
              jax.ShapeDtypeStruct((bk // 8, d // 64, 8, 64), jnp.bfloat16),          # the dequantized KV block
@@ -1005,6 +1078,7 @@ DEFAULT_SPLIT_D = True         # split_d where it applies (see `sparse_attention
 DEFAULT_CLUSTER_LOADS = "early"   # see `sparse_attention_mosaic`'s cluster_loads (H200, session 18: 1-2.5% faster)
 DEFAULT_FP8_CONVERT = "cvt"   # see `sparse_attention_mosaic`'s fp8_convert
 DEFAULT_FP8_OVERLAP = False   # see `sparse_attention_mosaic`'s fp8_overlap (H200, session 20: no faster)
+DEFAULT_FP8_DEQUANT = "consumers"   # see `sparse_attention_mosaic`'s fp8_dequant
 DEFAULT_L2_AHEAD = 0      # L2 prefetch distance in steps (see `sparse_attention_mosaic`'s l2_ahead)
 DEFAULT_PRODUCER = "tma"   # the bf16 ring's gather (see `sparse_attention_mosaic`'s producer)
 DEFAULT_REGS = (56, 224)   # setmaxnreg: (producer, each consumer) registers per thread
@@ -1094,6 +1168,7 @@ def sparse_attention_mosaic(
     split_d: bool | None = None,
     fp8_convert: str | None = None,
     fp8_overlap: bool | None = None,
+    fp8_dequant: str | None = None,
     _diag: str | None = None,
     _profile: str | None = None,
 ):
@@ -1188,6 +1263,15 @@ def sparse_attention_mosaic(
     cores idle meanwhile. Correct on the H200 (session 20) but no faster (kernel time, default vs overlap: CSA B=64
     34.4 vs 34.4 us, B=128 52.4 vs 57.4, HCA-8K B=16 80.8 vs 95.0): the asynchronous wgmma did not run under the
     conversions. So it is off by default.
+    fp8_dequant (FP8 pools; None = DEFAULT_FP8_DEQUANT): who turns the staged e4m3 rows into the bf16 tile the
+    wgmma read. "consumers" (the default): each consumer its half of d, serially before its scores (session 20's
+    phase profile: 3117 of the FP8 step's ~7900 cycles per 64 rows at CSA B=64, all of FP8's extra time over
+    bf16). "producer": the producer warpgroup converts (all 128 threads, between issuing its gathers) into a ring
+    of PDQ_TILES bf16 tiles that the consumers read like a bf16 ring, so the conversion of step g + 1 runs under
+    the consumers' work on step g. Two 64-row bf16 tiles do not fit next to q, staging and split_d's exchange, so
+    this mode takes block_k=32 (64 B swizzle, like bf16's 32-entry ring): 64 KB q + 2 x 32 KB tiles + num_stages
+    (default PDQ_STAGING) x 20.7 KB staging + 16 KB exchange. split_d only; fp8_convert defaults to "rebias" here
+    (one conversion instruction per pair: the producer converts alone, so its rate matters).
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -1195,6 +1279,22 @@ def sparse_attention_mosaic(
                                  compressed_len, scale)
     pools = [window_kv] + ([] if compressed_kv is None else [compressed_kv])
     fp8 = isinstance(window_kv, Fp8KVPool)
+    fp8_dequant = fp8_dequant or DEFAULT_FP8_DEQUANT
+    if fp8_dequant not in ("consumers", "producer"):
+        raise ValueError(f"fp8_dequant must be 'consumers' or 'producer', got {fp8_dequant!r}")
+    pdq = fp8_dequant == "producer"
+    if pdq:
+        if not fp8:
+            raise ValueError("fp8_dequant='producer' dequantizes FP8 pools (bf16 pools need no conversion)")
+        if split_d is False or split_scores or pingpong or fp8_overlap or _diag is not None:
+            raise ValueError("fp8_dequant='producer' runs with split_d (the consumers' bf16 steps), without "
+                             "split_scores / pingpong / fp8_overlap / _diag")
+        if (block_k or 32) != 32:
+            raise ValueError(f"fp8_dequant='producer' takes block_k=32 (two bf16 tiles of 64 rows do not fit in "
+                             f"shared memory), got {block_k}")
+        block_k, split_d = 32, True
+        num_stages = PDQ_STAGING if num_stages is None else num_stages
+        fp8_convert = fp8_convert or "rebias"
     out_dtype = jnp.dtype(out_dtype or q.dtype)
     combine = resolve_combine(combine, out_dtype)
     store_wait = store_wait or DEFAULT_STORE_WAIT
@@ -1240,8 +1340,9 @@ def sparse_attention_mosaic(
     fp8_convert = fp8_convert or DEFAULT_FP8_CONVERT
     if fp8_convert not in ("cvt", "rebias"):
         raise ValueError(f"fp8_convert must be 'cvt' or 'rebias', got {fp8_convert!r}")
-    if fp8 and (block_k or 64) != 64:
-        raise ValueError(f"with FP8 pools the Mosaic GPU kernel takes block_k=64 (shared memory), got {block_k}")
+    if fp8 and not pdq and (block_k or 64) != 64:
+        raise ValueError(f"with FP8 pools the Mosaic GPU kernel takes block_k=64 (shared memory; 32 with "
+                         f"fp8_dequant='producer'), got {block_k}")
     bt = b * t
     bk0 = block_k or 64
     flat = [common.flatten_source(window_kv, window_idx, window_len, bt, bk0, clip=False)]
@@ -1252,22 +1353,26 @@ def sparse_attention_mosaic(
     for k_, v_ in dict(block_k=block_k, num_stages=num_stages, n_splits=n_splits).items():
         if v_ is not None:
             cfg[k_] = v_
-    if fp8 and split_d and num_stages is None:
+    if fp8 and split_d and num_stages is None and not pdq:
         cfg["num_stages"] = 1   # split_d's buffer fits next to one FP8 staging slot (H200, session 19: see split_d)
     bk, stages = cfg["block_k"], cfg["num_stages"]
     # P.V contracts over block_k in groups of the ring's swizzle width: 64 entries with 128 B swizzle, or block_k =
     # 32 with 64 B swizzle (bf16 rings: smaller steps, more of them in flight); S's N is <= 256
-    if not (bk == 32 and not fp8) and (bk % 64 or bk > 256):
-        raise ValueError(f"block_k must be a multiple of 64 and <= 256 (or 32 with bf16 pools), got {bk}")
+    if not (bk == 32 and (not fp8 or pdq)) and (bk % 64 or bk > 256):
+        raise ValueError(f"block_k must be a multiple of 64 and <= 256 (or 32 with bf16 pools or "
+                         f"fp8_dequant='producer'), got {bk}")
+    if pdq and not 1 <= stages <= 4:
+        raise ValueError(f"fp8_dequant='producer' takes 1-4 staging slots (num_stages), got {stages}")
     # a bulk tensor copy's shared-memory address must be 128 B aligned: with 64 B swizzle every odd row of an
     # (8, 32) tile starts 64 B into a 128 B line (session 15 on the H200: CUDA_ERROR_MISALIGNED_ADDRESS), so
     # 32-entry rings are gathered with 16 B cp.async
     if producer is None:
-        producer = "cp_async" if bk == 32 else DEFAULT_PRODUCER
-    if bk == 32 and producer == "tma":
+        producer = "cp_async" if bk == 32 and not fp8 else DEFAULT_PRODUCER
+    if bk == 32 and producer == "tma" and not fp8:
         raise ValueError("block_k=32 (64 B swizzle) needs producer='cp_async': a 64 B row of a 64 B-swizzled tile "
                          "is not 128 B aligned, as a bulk tensor copy's destination must be")
-    ring_bytes = stages * bk * (NOPE_STRIDE + 2 * ROPE_DIM + SCALE_BYTES) + bk * d * 2 if fp8 else stages * bk * d * 2
+    ring_bytes = stages * bk * (NOPE_STRIDE + 2 * ROPE_DIM + SCALE_BYTES) + (PDQ_TILES if pdq else 1) * bk * d * 2 \
+        if fp8 else stages * bk * d * 2
 
     def exchange_bytes():
         """The consumers' exchange buffers: split_scores' P halves, maxima and sums; split_d's two f32 [64, bk]
@@ -1292,9 +1397,10 @@ def sparse_attention_mosaic(
         # without them a ring that fills shared memory to the byte (block_k=32 x 5 slots) passed this check and
         # failed in Mosaic's own (232552 > 232448 B)
         smem = BLOCK_H * d * 2 + ring_bytes + sum(idx_rows) * 4 + 2 * BLOCK_H * 4 + exchange_bytes() + \
-            (3 + 2 * stages) * 8 + (3 * 4 * prof_entries + 1024 if _profile else 0)   # + the profiler's alignment
+            (3 + 2 * stages + (2 * PDQ_TILES if pdq else 0)) * 8 + \
+            (3 * 4 * prof_entries + 1024 if _profile else 0)   # + the profiler's alignment
         if smem <= SMEM_BUDGET or n_splits is not None or bps <= max(1, min_bps):
-            if smem > SMEM_BUDGET and split_d and split_d_default:
+            if smem > SMEM_BUDGET and split_d and split_d_default and not pdq:
                 # the default split_d where its 32 KB do not fit next to this split's index rows (an explicit
                 # n_splits, or cluster-capped splits of a long list): the kernel without it, from the start
                 # (FP8 keeps its one staging slot: two slots without split_d take 10 KB more than one with it)
@@ -1310,7 +1416,7 @@ def sparse_attention_mosaic(
                          + (": bf16 pools)" if not fp8 else ", or did not fit next to this split's index rows)"))
     if fp8_overlap and _diag in ("dequant_both", "no_dequant", "loop"):
         raise ValueError(f"fp8_overlap has its own dequantization order: not with _diag={_diag!r}")
-    fp8_overlap = DEFAULT_FP8_OVERLAP and fp8 and split_d if fp8_overlap is None else bool(fp8_overlap)
+    fp8_overlap = DEFAULT_FP8_OVERLAP and fp8 and split_d and not pdq if fp8_overlap is None else bool(fp8_overlap)
     if smem > SMEM_BUDGET:
         raise ValueError(f"shared memory {smem} B over {SMEM_BUDGET}: lower num_stages / block_k or raise n_splits"
                          + (f" (combine='cluster' caps n_splits at {MAX_CLUSTER}: try combine='xla')" if cluster
@@ -1332,7 +1438,7 @@ def sparse_attention_mosaic(
     kernel = _build(bt, ns, d, bk, stages, bps, meta, idx_rows, float(scale) * LOG2E, ns > 1 and not ccomb, fp8,
                     _diag, check_regs(regs), n_hg, bool(split_scores), profile, producer == "cp_async", l2_ahead,
                     ccomb, store_wait == "read", DEFAULT_IDX_FIRST if idx_first is None else bool(idx_first),
-                    pingpong, cluster_loads == "early", split_d, fp8_convert, fp8_overlap)
+                    pingpong, cluster_loads == "early", split_d, fp8_convert, fp8_overlap, pdq)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1 and not ccomb:
         o, lse = combine_lib.combine(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h), sinks.astype(jnp.float32),
