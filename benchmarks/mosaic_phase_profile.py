@@ -50,6 +50,8 @@ CASES = {
     "csa64_fp8_both": ("csa", 64, 1, 512, "fp8", dict(split_d=True, num_stages=1, _diag="dequant_both")),
     "csa64_fp8_nosd": ("csa", 64, 1, 512, "fp8", dict(num_stages=2)),      # the FP8 structure before session 19
     "csa64_fp8_ovl": ("csa", 64, 1, 512, "fp8", dict(fp8_overlap=True)),   # conversions interleaved with S wgmma
+    "csa128_fp8_pdq": ("csa", 128, 1, 512, "fp8", dict(fp8_dequant="producer")),   # the producer dequantizes
+    "csa16_fp8_pdq": ("csa", 16, 1, 512, "fp8", dict(fp8_dequant="producer", n_splits=4)),
     "csa64_cpa": ("csa", 64, 1, 512, "bf16", dict(producer="cp_async")),       # the cp.async producer
     "csa128_cpa": ("csa", 128, 1, 512, "bf16", dict(producer="cp_async")),
     "csa64_bk32": ("csa", 64, 1, 512, "bf16", dict(block_k=32, num_stages=4)),    # 32-entry steps, 4 slots
