@@ -253,11 +253,7 @@ def lower_model_steps(model, cache, marker):
                                               (1, 64, 60, dict(fp8_dequant="producer", heads=128), True),
                                               (3, 1, 512, dict(fp8_dequant="producer", fp8_convert="cvt",
                                                                num_stages=2), True),
-                                              (1, 64, 60, dict(fp8_dequant="producer", num_stages=4), True),
-                                              (3, 1, 512, dict(fp8_dequant="producer", fp8_rowcopy="bulk",
-                                                               pdq_unroll=True, regs=(96, 208)), True),
-                                              (2, 1, 8192, dict(fp8_rowcopy="bulk"), True),
-                                              (1, 64, 60, dict(fp8_rowcopy="bulk", heads=128), True)])
+                                              (1, 64, 60, dict(fp8_dequant="producer", num_stages=4), True)])
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -334,16 +330,11 @@ def test_sparse_attention_mosaic_fp8_dequant_producer_rejects_what_it_cannot_do(
     fp8 = [make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)[k] for k in keys]
     for opts, match in [(dict(block_k=64), "takes block_k=32"), (dict(split_d=False), "runs with split_d"),
                         (dict(fp8_overlap=True), "without"), (dict(_diag="dequant_both"), "without"),
-                        (dict(num_stages=5), "1-4 staging slots"), (dict(fp8_dequant="warp"), "must be"),
-                        (dict(fp8_rowcopy="1d"), "fp8_rowcopy must be")]:
+                        (dict(num_stages=5), "1-4 staging slots"), (dict(fp8_dequant="warp"), "must be")]:
         with pytest.raises(ValueError, match=match):
             sparse_attention_mosaic(*fp8, scale=0.1, **{"fp8_dequant": "producer", **opts})
     with pytest.raises(ValueError, match="block_k=64 .* fp8_dequant='producer'"):
         sparse_attention_mosaic(*fp8, scale=0.1, block_k=32)
-    with pytest.raises(ValueError, match="pdq_unroll .* only"):
-        sparse_attention_mosaic(*fp8, scale=0.1, pdq_unroll=True)
-    with pytest.raises(ValueError, match="stages FP8 rows"):
-        sparse_attention_mosaic(*(bf16[k] for k in keys), scale=0.1, fp8_rowcopy="bulk")
 
 
 def test_sparse_attention_mosaic_fp8_overlap_needs_fp8_split_d():

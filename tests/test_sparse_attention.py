@@ -74,8 +74,7 @@ def opts_id(opts):
         "_pp" if opts.get("pingpong") else "", f"_cl{opts['cluster_loads']}" if "cluster_loads" in opts else "",
         "_sd" if opts.get("split_d") else "", f"_{opts['fp8_convert']}" if "fp8_convert" in opts else "",
         f"_st{opts['num_stages']}" if "num_stages" in opts and "block_k" not in opts else "",
-        "_ovl" if opts.get("fp8_overlap") else "", "_pdq" if opts.get("fp8_dequant") == "producer" else "",
-        "_bulk" if opts.get("fp8_rowcopy") == "bulk" else "", "_unr" if opts.get("pdq_unroll") else ""])
+        "_ovl" if opts.get("fp8_overlap") else "", "_pdq" if opts.get("fp8_dequant") == "producer" else ""])
 
 
 def call(fn, inp, **kw):

@@ -207,14 +207,6 @@ MOSAIC_CASES = [
     (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, wide_scales=True),
      dict(fp8_dequant="producer", fp8_convert="cvt", num_stages=2)),
     (1, 64, 512, 200, 100, 60, dict(ragged=True, fp8=True), dict(fp8_dequant="producer", n_splits=1, num_stages=1)),
-    # FP8 rows staged with one 1D bulk copy for the nope part (fp8_rowcopy="bulk"), and the producer's conversion
-    # unrolled with more registers
-    (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, dupes=True, wide_scales=True),
-     dict(fp8_dequant="producer", fp8_rowcopy="bulk", pdq_unroll=True, regs=(96, 208))),
-    (2, 1, 128, 9000, 128, 8192, dict(ragged=True, fp8=True), dict(fp8_rowcopy="bulk")),
-    (1, 256, 2048, 1024, 128, 512, dict(dupes=True, fp8=True), dict(fp8_rowcopy="bulk")),
-    (3, 2, 128, 600, 128, 1024, dict(ragged=True, fp8=True, heads=128),
-     dict(fp8_dequant="producer", pdq_unroll=True, regs=(96, 208), n_splits=2)),
 ]
 
 

@@ -149,7 +149,7 @@ def default_config(bt: int, total_blocks: int):
 def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=False, diag=None,
            regs=None, n_hg=1, split_scores=False, profile=None, cp_async=False, l2_ahead=0, ccomb=False,
            store_wait_read=False, idx_first=False, pingpong=False, cluster_early=False, split_d=False,
-           fp8_convert="cvt", fp8_overlap=False, pdq=False, rowcopy_1d=False, pdq_unroll=False):
+           fp8_convert="cvt", fp8_overlap=False, pdq=False):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -398,19 +398,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
 
             if fp8:
                 scale_st_ptr = mu.memref_ptr(scale_st)
-                gptr = lambda ref: llvm.addrspacecast(llvm.PointerType.get(address_space=1), mu.memref_ptr(ref))
-                scale_gptrs = [gptr(src_gmem[k][4]) for k in range(n_src)]
-                if rowcopy_1d:
-                    nope_st_ptr, rope_st_ptr = mu.memref_ptr(nope_st), mu.memref_ptr(rope_st)
-                    nope_gptrs = [gptr(src_gmem[k][2]) for k in range(n_src)]
-                    rope_gptrs = [gptr(src_gmem[k][3]) for k in range(n_src)]
-
-            def bulk_1d(dst, src, nbytes, bar):
-                """One non-tensor bulk copy global -> shared of nbytes (a multiple of 16, both ends 16 B aligned),
-                completing on `bar`'s transaction count (lane 0 of the warp issues it)."""
-                llvm.inline_asm(ir.Type.parse("!llvm.void"), [dst, src, bar.get_ptr()],
-                                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-                                f"[$0], [$1], {nbytes}, [$2];", "r,l,r", has_side_effects=True)
+                scale_gptrs = [llvm.addrspacecast(llvm.PointerType.get(address_space=1), mu.memref_ptr(src_gmem[k][4]))
+                               for k in range(n_src)]
 
             def copy_row(k, slot, full, r, e):
                 """Issue row e of source k's pool into row r of ring / staging slot `slot` (lane 0 of each warp)."""
@@ -422,28 +411,16 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                                        gmem_slice=(mu.ds(e, 1), mu.ds(p * tc, tc)), swizzle=swz, barrier=full,
                                        arrive=False, predicate=lane0)
                     return
-                # FP8 raw row: nope (2 tensor copies, 256 + 192 B; or one 1D bulk copy of 448 B with rowcopy_1d),
-                # rope (1 bulk copy), and the 8 scale bytes (cp.async, tracked by the slot's barrier through
-                # cp.async.mbarrier.arrive.noinc after the row loop)
-                if rowcopy_1d:
-                    with mu.when(lane0):
-                        at = arith.index_cast(i32, arith.addi(arith.muli(slot, c(bk)), r))     # staged row
-                        e64 = arith.index_cast(i64, e)
-                        bulk_1d(mu.getelementptr(nope_st_ptr, [arith.muli(at, ci(NOPE_STRIDE))], i8),
-                                mu.getelementptr(nope_gptrs[k], [arith.muli(e64, arith.constant(i64, NOPE_DIM))], i8),
-                                NOPE_DIM, full)
-                        bulk_1d(mu.getelementptr(rope_st_ptr, [arith.muli(at, ci(2 * ROPE_DIM))], i8),
-                                mu.getelementptr(rope_gptrs[k], [arith.muli(e64, arith.constant(i64, 2 * ROPE_DIM))],
-                                                 i8), 2 * ROPE_DIM, full)
-                else:
-                    for c0, w in ((0, 256), (256, NOPE_DIM - 256)):         # a tensor copy moves <= 256 elements
-                        ctx.async_copy(src_ref=src_gmem[k][2],
-                                       dst_ref=mu.memref_slice(nope_st, (slot, mu.ds(r, 1), mu.ds(c0, w))),
-                                       gmem_slice=(mu.ds(e, 1), mu.ds(c0, w)), barrier=full, arrive=False,
-                                       predicate=lane0)
-                    ctx.async_copy(src_ref=src_gmem[k][3], dst_ref=mu.memref_slice(rope_st, (slot, mu.ds(r, 1))),
-                                   gmem_slice=(mu.ds(e, 1), mu.ds(0, ROPE_DIM)), barrier=full, arrive=False,
+                # FP8 raw row: nope (2 bulk copies, 256 + 192 B), rope (1 bulk copy), and the 8 scale bytes (cp.async,
+                # tracked by the slot's barrier through cp.async.mbarrier.arrive.noinc after the row loop)
+                for c0, w in ((0, 256), (256, NOPE_DIM - 256)):         # a bulk copy moves <= 256 elements
+                    ctx.async_copy(src_ref=src_gmem[k][2],
+                                   dst_ref=mu.memref_slice(nope_st, (slot, mu.ds(r, 1), mu.ds(c0, w))),
+                                   gmem_slice=(mu.ds(e, 1), mu.ds(c0, w)), barrier=full, arrive=False,
                                    predicate=lane0)
+                ctx.async_copy(src_ref=src_gmem[k][3], dst_ref=mu.memref_slice(rope_st, (slot, mu.ds(r, 1))),
+                               gmem_slice=(mu.ds(e, 1), mu.ds(0, ROPE_DIM)), barrier=full, arrive=False,
+                               predicate=lane0)
                 with mu.when(arith.andi(lane0, arith.constant(ir.IntegerType.get_signless(1), diag != "no_scales"))):
                     dst = mu.getelementptr(scale_st_ptr, [arith.index_cast(i32, arith.addi(
                         arith.muli(slot, c(bk * 8)), arith.muli(r, c(8))))], i8)
@@ -563,14 +540,11 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 end(region)
                 region = begin("p_convert")
                 ncb = NOPE_DIM // 16                 # 28 nope chunks of 16 e4m3 per row
-                if pdq_unroll:   # all 7 chunks in straight-line code: their loads can run ahead (more registers)
-                    for i in range(bk * ncb // 128):
-                        convert_chunk(s_, arith.addi(ptid, c(128 * i)), ncb, 0, ring, (t_,))
-                else:
-                    @mu.fori(c(bk * ncb // 128), None)
-                    def _(i, _c):
-                        convert_chunk(s_, arith.addi(ptid, arith.muli(i, c(128))), ncb, 0, ring, (t_,))
-                        return _c
+
+                @mu.fori(c(bk * ncb // 128), None)
+                def _(i, _c):
+                    convert_chunk(s_, arith.addi(ptid, arith.muli(i, c(128))), ncb, 0, ring, (t_,))
+                    return _c
 
                 for i in range(bk * 8 // 128):    # the rope part: 8 chunks of 8 bf16 per row, copied
                     copy_rope(s_, arith.addi(ptid, c(128 * i)), ring, (t_,))
@@ -1195,8 +1169,6 @@ def sparse_attention_mosaic(
     fp8_convert: str | None = None,
     fp8_overlap: bool | None = None,
     fp8_dequant: str | None = None,
-    fp8_rowcopy: str | None = None,
-    pdq_unroll: bool = False,
     _diag: str | None = None,
     _profile: str | None = None,
 ):
@@ -1299,14 +1271,7 @@ def sparse_attention_mosaic(
     the consumers' work on step g. Two 64-row bf16 tiles do not fit next to q, staging and split_d's exchange, so
     this mode takes block_k=32 (64 B swizzle, like bf16's 32-entry ring): 64 KB q + 2 x 32 KB tiles + num_stages
     (default PDQ_STAGING) x 20.7 KB staging + 16 KB exchange. split_d only; fp8_convert defaults to "rebias" here
-    (one conversion instruction per pair: the producer converts alone, so its rate matters). pdq_unroll: the
-    producer's conversion of a step as straight-line code instead of a loop over its 7 chunks per thread (pair it
-    with more producer registers, e.g. regs=(96, 208)).
-    fp8_rowcopy (FP8 pools; None = "tensor"): how the producer stages a row's nope bytes: "tensor" (two TMA tensor
-    copies of 256 + 192 B: a tensor copy's box moves <= 256 elements per dimension) or "bulk" (one non-tensor 1D
-    bulk copy of 448 B, `cp.async.bulk...complete_tx`; the rope part likewise, one 128 B copy): 2 copy instructions
-    per row instead of 3 (the producer issues each from one lane, ~40 cycles per copy per warp: session 22's phase
-    profile put the pdq producer's issue at 1474 cycles per 32-row step).
+    (one conversion instruction per pair: the producer converts alone, so its rate matters).
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -1318,13 +1283,6 @@ def sparse_attention_mosaic(
     if fp8_dequant not in ("consumers", "producer"):
         raise ValueError(f"fp8_dequant must be 'consumers' or 'producer', got {fp8_dequant!r}")
     pdq = fp8_dequant == "producer"
-    fp8_rowcopy = fp8_rowcopy or "tensor"
-    if fp8_rowcopy not in ("tensor", "bulk"):
-        raise ValueError(f"fp8_rowcopy must be 'tensor' or 'bulk', got {fp8_rowcopy!r}")
-    if fp8_rowcopy == "bulk" and not fp8:
-        raise ValueError("fp8_rowcopy='bulk' stages FP8 rows (bf16 rows are gathered into the swizzled ring)")
-    if pdq_unroll and not pdq:
-        raise ValueError("pdq_unroll unrolls the producer's conversion: fp8_dequant='producer' only")
     if pdq:
         if not fp8:
             raise ValueError("fp8_dequant='producer' dequantizes FP8 pools (bf16 pools need no conversion)")
@@ -1480,8 +1438,7 @@ def sparse_attention_mosaic(
     kernel = _build(bt, ns, d, bk, stages, bps, meta, idx_rows, float(scale) * LOG2E, ns > 1 and not ccomb, fp8,
                     _diag, check_regs(regs), n_hg, bool(split_scores), profile, producer == "cp_async", l2_ahead,
                     ccomb, store_wait == "read", DEFAULT_IDX_FIRST if idx_first is None else bool(idx_first),
-                    pingpong, cluster_loads == "early", split_d, fp8_convert, fp8_overlap, pdq,
-                    fp8_rowcopy == "bulk", bool(pdq_unroll))
+                    pingpong, cluster_loads == "early", split_d, fp8_convert, fp8_overlap, pdq)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1 and not ccomb:
         o, lse = combine_lib.combine(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h), sinks.astype(jnp.float32),
