@@ -15,7 +15,8 @@ launch gaps) is measured rather than guessed:
 
     PYTHONPATH=. python benchmarks/decode_kernels.py --out DIR [--cases csa64,csa64:kernel=mosaic+producer=cp_async,...] [--unroll 16]
 
-A case is NAME[:opt=value+opt=value...] with NAME in CASES and options passed to `sparse_attention` (ints, or true / false),
+A case is NAME[:opt=value+opt=value...] with NAME in CASES and options passed to `sparse_attention` (ints, a/b for a
+tuple of ints, or true / false),
 except wlen / clen: every row's valid window / compressed length (wlen=0+clen=0: the kernel's fixed cost, no blocks).
 Needs a GPU (CUPTI).
 """
@@ -54,7 +55,9 @@ def parse_case(spec):
     for kv in filter(None, rest.split("+")):
         k, v = kv.split("=")
         opts[k] = {"true": True, "false": False}.get(v.lower(), v)
-        if isinstance(opts[k], str):
+        if isinstance(opts[k], str) and "/" in v:   # a tuple of ints, e.g. regs=96/208
+            opts[k] = tuple(int(x) for x in v.split("/"))
+        elif isinstance(opts[k], str):
             try:
                 opts[k] = int(v)
             except ValueError:

@@ -1130,13 +1130,21 @@ def _device_ordinal(x):
         return 0
 
 
+LAUNCH_REGS = 168   # registers per thread a 384-thread CTA starts with: 65536 / 384, rounded down to a multiple of 8
+
+
 def check_regs(regs):
-    """(producer, consumer) per-thread register counts for `setmaxnreg`: multiples of 8 in [24, 256] whose total over
-    the 384 threads fits the SM's 64K registers (producer + 2 x consumer <= 512)."""
+    """(producer, consumer) per-thread register counts for `setmaxnreg`: multiples of 8 in [24, 256] that the
+    registers the CTA starts with can cover: producer + 2 x consumer <= 3 x LAUNCH_REGS = 504, not the SM's 512.
+    `setmaxnreg.inc` waits until the pool holds the registers it asks for, which only the producer's decrease
+    refills: with (96, 208) the consumers ask for 10240 registers while the producer frees 9216, and the kernel
+    hangs (H200, session 22). The default (56, 224) is exactly 504."""
     p_, c_ = regs or DEFAULT_REGS
-    if any(r % 8 or not 24 <= r <= 256 for r in (p_, c_)) or p_ + 2 * c_ > 512 or p_ > 168 or c_ < 168:
-        raise ValueError(f"regs must be (producer <= 168, consumer >= 168), multiples of 8 in [24, 256] with "
-                         f"producer + 2 * consumer <= 512, got {regs}")
+    if any(r % 8 or not 24 <= r <= 256 for r in (p_, c_)) or p_ + 2 * c_ > 3 * LAUNCH_REGS or p_ > LAUNCH_REGS \
+            or c_ < LAUNCH_REGS:
+        raise ValueError(f"regs must be (producer <= {LAUNCH_REGS}, consumer >= {LAUNCH_REGS}), multiples of 8 in "
+                         f"[24, 256] with producer + 2 * consumer <= {3 * LAUNCH_REGS} (the registers a 384-thread "
+                         f"CTA starts with; more makes setmaxnreg wait forever), got {regs}")
     return int(p_), int(c_)
 
 
