@@ -52,7 +52,10 @@ CSA decode B=64 kernel time: 58.0 us on the Triton kernel (the FP8 default until
 without split_d, 38.4 with split_d and both consumers converting the whole tile, 34.1 with each its own half; FP8
 prefill S=16K 238 vs 138 TFLOP/s on Triton. So kernel="auto" takes FP8 pools here (`mosaic_applies`). The
 dequantization's conversion instructions are not what binds: one conversion per e4m3 pair instead of four
-(fp8_convert="rebias") measured the same (34.6 vs 34.1 us).
+(fp8_convert="rebias") measured the same (34.6 vs 34.1 us). What binds is that the conversion runs serially
+before the consumers' scores; `fp8_dequant="producer"` moves it to the producer warpgroup, which converts into a
+ring of two 32-row bf16 tiles ahead of the consumers: correct, but then the producer (conversion + issuing the
+copies, ~4800 cycles per 32-row step) binds instead, so it is no faster (session 22) and off.
 
 Step sequence (the same in all three roles): the window list's valid blocks of this split, then the compressed
 list's; a source's blocks past its valid length are not visited. Outputs as gpu.py: one split -> o with the sink in
@@ -1078,7 +1081,7 @@ DEFAULT_SPLIT_D = True         # split_d where it applies (see `sparse_attention
 DEFAULT_CLUSTER_LOADS = "early"   # see `sparse_attention_mosaic`'s cluster_loads (H200, session 18: 1-2.5% faster)
 DEFAULT_FP8_CONVERT = "cvt"   # see `sparse_attention_mosaic`'s fp8_convert
 DEFAULT_FP8_OVERLAP = False   # see `sparse_attention_mosaic`'s fp8_overlap (H200, session 20: no faster)
-DEFAULT_FP8_DEQUANT = "consumers"   # see `sparse_attention_mosaic`'s fp8_dequant
+DEFAULT_FP8_DEQUANT = "consumers"   # see `sparse_attention_mosaic`'s fp8_dequant (H200, session 22: "producer" no faster)
 DEFAULT_L2_AHEAD = 0      # L2 prefetch distance in steps (see `sparse_attention_mosaic`'s l2_ahead)
 DEFAULT_PRODUCER = "tma"   # the bf16 ring's gather (see `sparse_attention_mosaic`'s producer)
 DEFAULT_REGS = (56, 224)   # setmaxnreg: (producer, each consumer) registers per thread
@@ -1279,7 +1282,14 @@ def sparse_attention_mosaic(
     the consumers' work on step g. Two 64-row bf16 tiles do not fit next to q, staging and split_d's exchange, so
     this mode takes block_k=32 (64 B swizzle, like bf16's 32-entry ring): 64 KB q + 2 x 32 KB tiles + num_stages
     (default PDQ_STAGING) x 20.7 KB staging + 16 KB exchange. split_d only; fp8_convert defaults to "rebias" here
-    (one conversion instruction per pair: the producer converts alone, so its rate matters).
+    (one conversion instruction per pair: the producer converts alone, so its rate matters). H200 (session 22):
+    correct (7 GPU tests), but not faster, so it is off. Kernel time (CUPTI), default vs producer: CSA B=16 18.7 vs
+    13.4 us (8 splits; the XLA merge those need, 16 clusters of 8 do not fit, costs what the kernel saves: 20.0 vs
+    21.9 us per op; 4 splits with the cluster merge: 19.8), B=64 34.4 vs 33.3, B=128 52.4 vs 59.0, HCA-8K B=16
+    81.0 vs 94.2; FP8 prefill S=16K 5712 vs 6730 us. The phase profile (CSA B=128) shows the producer bound: per
+    32-row step it converts for 2649 cycles and issues its 128 copies for 1474, ~4800 with the waits, while the
+    consumers' bf16 step takes ~2700 and they wait 1541 cycles per step for a tile. One 1D bulk copy per row part
+    instead of two tensor copies for the nope bytes (2 copies per row instead of 3) did not move it (58.7 us).
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
