@@ -34,8 +34,8 @@ from collections import defaultdict
 
 import numpy as np
 
-WARPGROUPS = 3          # the kernel's block: consumers 0 and 1, producer 2
-ROLE = {0: "consumer", 1: "consumer", 2: "producer"}
+WARPGROUPS = 3          # the kernel's block: consumers 0 and 1, producer 2 (and converter 3 with fp8_dequant="converter")
+ROLE = {0: "consumer", 1: "consumer", 2: "producer", 3: "converter"}
 
 # name -> (kind, B, T, K_c, kv, options)
 CASES = {
@@ -52,6 +52,8 @@ CASES = {
     "csa64_fp8_ovl": ("csa", 64, 1, 512, "fp8", dict(fp8_overlap=True)),   # conversions interleaved with S wgmma
     "csa128_fp8_pdq": ("csa", 128, 1, 512, "fp8", dict(fp8_dequant="producer")),   # the producer dequantizes
     "csa16_fp8_pdq": ("csa", 16, 1, 512, "fp8", dict(fp8_dequant="producer", n_splits=4)),
+    "csa128_fp8_cv": ("csa", 128, 1, 512, "fp8", dict(fp8_dequant="converter")),   # a fourth warpgroup converts
+    "prefill2k_fp8_cv": ("csa", 1, 2048, 512, "fp8", dict(fp8_dequant="converter")),
     "csa64_cpa": ("csa", 64, 1, 512, "bf16", dict(producer="cp_async")),       # the cp.async producer
     "csa128_cpa": ("csa", 128, 1, 512, "bf16", dict(producer="cp_async")),
     "csa64_bk32": ("csa", 64, 1, 512, "bf16", dict(block_k=32, num_stages=4)),    # 32-entry steps, 4 slots
@@ -72,7 +74,7 @@ CASES = {
 }
 
 
-def summarize(trace, clock_ghz=1.98):
+def summarize(trace, clock_ghz=1.98, warpgroups=WARPGROUPS):
     """A Mosaic GPU profiler trace (the dumped JSON as a dict) -> per role and region statistics.
 
     Event times are SM clock cycles since the warpgroup's first record, plus the CTA's globaltimer start (ns), all
@@ -89,7 +91,7 @@ def summarize(trace, clock_ghz=1.98):
     starts = {}
     n_traces = defaultdict(int)
     for t, evs in by_trace.items():
-        wg, cta = t % WARPGROUPS, t // WARPGROUPS
+        wg, cta = t % warpgroups, t // warpgroups
         role = ROLE[wg]
         # in the dump's order, which is the record order within a warpgroup (a region's entry and exit can carry
         # the same time after the dump's overhead correction, so a sort could put the exit first)
@@ -130,7 +132,7 @@ def summarize(trace, clock_ghz=1.98):
 def print_summary(name, s):
     print(f"== {name}: {s['n_ctas']} CTAs, CTA starts spread over {s['start_spread_us']:.1f} us "
           f"(cycles -> us at {s['clock_ghz']} GHz)", flush=True)
-    for role in ("producer", "consumer"):
+    for role in ("producer", "converter", "consumer"):
         if role not in s["roles"]:
             continue
         r = s["roles"][role]
@@ -183,7 +185,8 @@ def main():
             jax.effects_barrier()
             traces = sorted(glob.glob(os.path.join(dump, "*-trace.json")))
             with open(traces[-1]) as f:
-                s = summarize(json.load(f), args.clock_ghz)
+                s = summarize(json.load(f), args.clock_ghz,
+                              warpgroups=4 if opts.get("fp8_dequant") == "converter" else WARPGROUPS)
             s["case"] = dict(kind=kind, B=b, T=t_q, Kc=kc, kv=kv, opts=opts, warm_calls=n,
                              seconds=round(time.time() - t0, 1))
             print_summary(name, s)

@@ -29,6 +29,11 @@ VARIANTS = [("bf16", False, None, None), ("fp8_cvt", True, None, None), ("fp8_bi
 # registers from the producer to the consumers
 VARIANTS += [(f"{n}_r{p}_{c}", f, None, (p, c)) for n, f in (("bf16", False), ("fp8_cvt", True))
              for p, c in ((40, 232), (24, 240))]
+# session 22: the tile-ring FP8 modes (32-row steps) and bf16's own 32-row steps; the converter's consumers get 208
+# registers (a 512-thread CTA starts with 128 per thread), the question being whether they spill there
+OPTS = {"fp8_pdq": dict(fp8_dequant="producer"), "fp8_converter": dict(fp8_dequant="converter"),
+        "bf16_bk32": dict(block_k=32, num_stages=4)}
+VARIANTS += [("fp8_pdq", True, None, None), ("fp8_converter", True, None, None), ("bf16_bk32", False, None, None)]
 
 
 def main(out_dir: str):
@@ -41,8 +46,8 @@ def main(out_dir: str):
             continue
         before = set(glob.glob(os.path.join(out_dir, "*")))
         q, wpool, cpool, sinks, widx, cidx = make_case(rng, "csa", 4, 1, 512, 4096, fp8, 1)
-        fn = jax.jit(lambda *a, diag=diag, regs=regs: sparse_attention_mosaic(*a, scale=D ** -0.5, _diag=diag,
-                                                                              regs=regs))
+        fn = jax.jit(lambda *a, diag=diag, regs=regs, o=OPTS.get(name, {}): sparse_attention_mosaic(
+            *a, scale=D ** -0.5, _diag=diag, regs=regs, **o))
         jax.block_until_ready(fn(q, wpool, widx[0], cpool, cidx[0], sinks))
         new = sorted(set(glob.glob(os.path.join(out_dir, "*"))) - before)
         print(f"== {name}: {len(new)} new dump files", flush=True)

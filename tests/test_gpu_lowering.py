@@ -253,7 +253,16 @@ def lower_model_steps(model, cache, marker):
                                               (1, 64, 60, dict(fp8_dequant="producer", heads=128), True),
                                               (3, 1, 512, dict(fp8_dequant="producer", fp8_convert="cvt",
                                                                num_stages=2), True),
-                                              (1, 64, 60, dict(fp8_dequant="producer", num_stages=4), True)])
+                                              (1, 64, 60, dict(fp8_dequant="producer", num_stages=4), True),
+                                              # a fourth warpgroup converts (512 threads per CTA)
+                                              (3, 1, 512, dict(fp8_dequant="converter"), True),
+                                              (3, 1, 512, dict(fp8_dequant="converter", combine="cluster",
+                                                               n_splits=4), True),
+                                              (2, 1, 8192, dict(fp8_dequant="converter", n_splits=3, combine="xla"),
+                                               True),
+                                              (1, 64, 60, dict(fp8_dequant="converter", heads=128), True),
+                                              (1, 64, 60, dict(fp8_dequant="converter", num_stages=2,
+                                                               regs=(24, 64, 208)), True)])
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -319,8 +328,9 @@ def test_sparse_attention_mosaic_split_d_rejects_what_it_cannot_do():
 
 
 def test_sparse_attention_mosaic_fp8_dequant_producer_rejects_what_it_cannot_do():
-    """fp8_dequant="producer" converts FP8 pools into 32-row bf16 tiles for the split_d consumers: bf16 pools, other
-    block sizes, split_d off and the consumers' own dequantization variants are refused, with the reason."""
+    """fp8_dequant="producer" / "converter" convert FP8 pools into 32-row bf16 tiles for the split_d consumers: bf16
+    pools, other block sizes, split_d off, the consumers' own dequantization variants and register splits the CTA
+    cannot cover are refused, with the reason."""
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
     keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
@@ -335,6 +345,13 @@ def test_sparse_attention_mosaic_fp8_dequant_producer_rejects_what_it_cannot_do(
             sparse_attention_mosaic(*fp8, scale=0.1, **{"fp8_dequant": "producer", **opts})
     with pytest.raises(ValueError, match="block_k=64 .* fp8_dequant='producer'"):
         sparse_attention_mosaic(*fp8, scale=0.1, block_k=32)
+    # fp8_dequant="converter" (a fourth warpgroup, 512 threads): the same limits, and a three-way register split
+    # within the 128 registers per thread a 512-thread CTA starts with
+    with pytest.raises(ValueError, match="takes block_k=32"):
+        sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant="converter", block_k=64)
+    for regs in ((56, 224), (40, 64, 208), (136, 24, 176), (40, 56, 120)):
+        with pytest.raises(ValueError, match="producer, converter, consumer"):
+            sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant="converter", regs=regs)
 
 
 def test_sparse_attention_mosaic_fp8_overlap_needs_fp8_split_d():

@@ -207,6 +207,15 @@ MOSAIC_CASES = [
     (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, wide_scales=True),
      dict(fp8_dequant="producer", fp8_convert="cvt", num_stages=2)),
     (1, 64, 512, 200, 100, 60, dict(ragged=True, fp8=True), dict(fp8_dequant="producer", n_splits=1, num_stages=1)),
+    # a fourth warpgroup converts (fp8_dequant="converter", 512 threads per CTA; written in session 22, not yet run)
+    (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, dupes=True, wide_scales=True),
+     dict(fp8_dequant="converter")),                                                               # cluster merge
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, fp8=True),
+     dict(fp8_dequant="converter", n_splits=3, combine="xla")),
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True, fp8=True), dict(fp8_dequant="converter")),
+    (1, 256, 2048, 1024, 128, 512, dict(dupes=True, fp8=True), dict(fp8_dequant="converter")),     # prefill
+    (3, 2, 128, 600, 128, 1024, dict(ragged=True, fp8=True, heads=128), dict(fp8_dequant="converter", n_splits=2)),
+    (1, 64, 512, 200, 100, 60, dict(ragged=True, fp8=True), dict(fp8_dequant="converter", n_splits=1, num_stages=1)),
 ]
 
 

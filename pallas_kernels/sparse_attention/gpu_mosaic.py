@@ -152,7 +152,7 @@ def default_config(bt: int, total_blocks: int):
 def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=False, diag=None,
            regs=None, n_hg=1, split_scores=False, profile=None, cp_async=False, l2_ahead=0, ccomb=False,
            store_wait_read=False, idx_first=False, pingpong=False, cluster_early=False, split_d=False,
-           fp8_convert="cvt", fp8_overlap=False, pdq=False):
+           fp8_convert="cvt", fp8_overlap=False, pdq=False, conv=False):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -165,7 +165,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     `stages` x block_k raw rows (nope padded to 512 B, as a bulk copy's shared address must be 128 B aligned; rope
     128 B; scales 8 B). pdq (FP8, split_d, block_k 32: `fp8_dequant="producer"`): the producer warpgroup converts
     the staging ring into a ring of PDQ_TILES bf16 tiles ((8, 32) tiles, 64 B swizzle, like q), which the consumers
-    read as they read a bf16 ring.
+    read as they read a bf16 ring. conv (`fp8_dequant="converter"`): the same rings, but a fourth warpgroup (wg 3, 512
+    threads per CTA) converts, so the producer only issues copies (staging slots released by the converter's 128
+    arrivals) and regs is (producer, converter, consumer).
     profile ((entries per warpgroup, dump directory) or None): Mosaic GPU's on-device profiler records each
     warpgroup's named regions (thread 0 of the warpgroup: SM clock at entry and exit) and the wrapper dumps a Chrome
     trace per call into the directory (benchmarks/mosaic_phase_profile.py reads it). Without it the regions emit
@@ -192,7 +194,10 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
         src_gmem = [refs[2 + n_in * k: 2 + n_in * (k + 1)] for k in range(n_src)]
         o_gmem, lse_gmem = refs[2 + n_in * n_src], refs[3 + n_in * n_src]
         scratch = refs[-1]
-        if pdq:   # full / empty: the bf16 tile ring's (producer -> consumers); st_bars: the staging slots' copies
+        if conv:   # as pdq, plus st_empty: the converter's release of a staging slot to the producer
+            (q_smem, ring, nope_st, rope_st, scale_st, x_s, idx_smem), (q_bar, idx_bar), \
+                (st_bars, st_empty, full_bars, empty_bars, cons_bar) = scratch
+        elif pdq:   # full / empty: the bf16 tile ring's (producer -> consumers); st_bars: the staging slots' copies
             (q_smem, ring, nope_st, rope_st, scale_st, x_s, idx_smem), (q_bar, idx_bar), \
                 (st_bars, full_bars, empty_bars, cons_bar) = scratch
         elif fp8 and split_d:
@@ -351,6 +356,42 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             val = vector.load(ir.VectorType.get((8,), bf16), rope_st, [slot, r, arith.muli(ch, c(8))], alignment=16)
             store16(val, r, arith.addi(ch, c(NOPE_DIM // 8)), tile if dst is None else dst, lead)
 
+        def convert_step(gs, tag, release):
+            """pdq / conv: staged step gs (staging slot gs % stages) -> bf16 tile gs % PDQ_TILES, by the 128 threads
+            of the converting warpgroup (the producer with pdq, wg 3 with conv), once its copies have landed and both
+            consumers are past the tile's previous step (P.V included). Each thread fences its stores for the async
+            proxy (wgmma) and arrives on the tile's full barrier (128 arrivals); release(s_) then frees the staging
+            slot (pdq: a warpgroup barrier before the producer's next issue; conv: 128 arrivals on st_empty)."""
+            lt = arith.remui(arith.index_cast(index, mu.thread_idx()), c(128))
+            s_, t_ = arith.remui(gs, c(stages)), arith.remui(gs, c(PDQ_TILES))
+            region = begin(f"{tag}_wait_staged")
+            st_bars[s_].wait()
+            end(region)
+            region = begin(f"{tag}_wait_tile")
+            with mu.when(arith.cmpi(arith.CmpIPredicate.uge, gs, c(PDQ_TILES))):
+                empty_bars[t_].wait()
+            end(region)
+            region = begin(f"{tag}_convert")
+            ncb = NOPE_DIM // 16                 # 28 nope chunks of 16 e4m3 per row
+
+            @mu.fori(c(bk * ncb // 128), None)
+            def _(i, _c):
+                convert_chunk(s_, arith.addi(lt, arith.muli(i, c(128))), ncb, 0, ring, (t_,))
+                return _c
+
+            for i in range(bk * 8 // 128):    # the rope part: 8 chunks of 8 bf16 per row, copied
+                copy_rope(s_, arith.addi(lt, c(128 * i)), ring, (t_,))
+            nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)  # st.shared -> wgmma
+            full_bars[t_].arrive()
+            release(s_)
+            end(region)
+
+        def total_steps():
+            total = c(0)
+            for lo_, hi_, _ in ranges:
+                total = arith.addi(total, arith.maxsi(arith.subi(hi_, lo_), c(0)))
+            return total
+
         is_producer = arith.cmpi(arith.CmpIPredicate.eq, wg, ci(2))
         if_op = scf.IfOp(is_producer, has_else=True)
         with ir.InsertionPoint(if_op.then_block):   # ---------------- producer ----------------
@@ -502,10 +543,10 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 if not pdq:   # (pdq: this warpgroup converted the slot's last step itself, a barrier ago)
                     region = begin("p_wait_empty")
                     with mu.when(arith.cmpi(arith.CmpIPredicate.uge, g, c(stages))):
-                        empty_bars[slot].wait()
+                        (st_empty if conv else empty_bars)[slot].wait()
                     end(region)
                 region = begin("p_issue")
-                full = st_bars[slot] if pdq else full_bars[slot]
+                full = st_bars[slot] if pdq or conv else full_bars[slot]
                 off = arith.muli(arith.subi(j, ranges[k][2]), c(bk))
                 if cp_async:
                     issue_cp_async(k, slot, full, off)
@@ -525,55 +566,41 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 end(region)
                 if pdq:   # the step staged (stages - 1) steps ago, into the tile ring, while this one's copies fly
                     with mu.when(arith.cmpi(arith.CmpIPredicate.uge, g, c(stages - 1))):
-                        convert_step(arith.subi(g, c(stages - 1)))
+                        convert_step(arith.subi(g, c(stages - 1)), "p", lambda _s: mu.warpgroup_barrier())
                 return carry
-
-            def convert_step(gs):
-                """pdq: staged step gs (staging slot gs % stages) -> bf16 tile gs % PDQ_TILES, by all 128 producer
-                threads, once its copies have landed and both consumers are past the tile's previous step (P.V
-                included). Each thread fences its stores for the async proxy (wgmma) and arrives on the tile's full
-                barrier (128 arrivals); a warpgroup barrier then frees the staging slot for the next issue."""
-                s_, t_ = arith.remui(gs, c(stages)), arith.remui(gs, c(PDQ_TILES))
-                region = begin("p_wait_staged")
-                st_bars[s_].wait()
-                end(region)
-                region = begin("p_wait_tile")
-                with mu.when(arith.cmpi(arith.CmpIPredicate.uge, gs, c(PDQ_TILES))):
-                    empty_bars[t_].wait()
-                end(region)
-                region = begin("p_convert")
-                ncb = NOPE_DIM // 16                 # 28 nope chunks of 16 e4m3 per row
-
-                @mu.fori(c(bk * ncb // 128), None)
-                def _(i, _c):
-                    convert_chunk(s_, arith.addi(ptid, arith.muli(i, c(128))), ncb, 0, ring, (t_,))
-                    return _c
-
-                for i in range(bk * 8 // 128):    # the rope part: 8 chunks of 8 bf16 per row, copied
-                    copy_rope(s_, arith.addi(ptid, c(128 * i)), ring, (t_,))
-                nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)  # st.shared -> wgmma
-                full_bars[t_].arrive()
-                mu.warpgroup_barrier()
-                end(region)
 
             steps(produce, None)
             if pdq:   # the last (stages - 1) staged steps
-                total = c(0)
-                for lo_, hi_, _ in ranges:
-                    total = arith.addi(total, arith.maxsi(arith.subi(hi_, lo_), c(0)))
+                total = total_steps()
                 n_tail = arith.minsi(total, c(stages - 1))
 
                 @mu.fori(n_tail, None)
                 def _(i, _c):
-                    convert_step(arith.addi(arith.subi(total, n_tail), i))
+                    convert_step(arith.addi(arith.subi(total, n_tail), i), "p", lambda _s: mu.warpgroup_barrier())
                     return _c
             if ccomb:   # the producer takes part in the consumers' two cluster barriers (see cluster_combine)
                 for _ in range(2):
                     cluster_sync()
             scf.yield_([])
 
-        with ir.InsertionPoint(if_op.else_block):    # ---------------- consumers (wg 0, 1) ----------------
-            nvvm.setmaxregister(regs[1], nvvm.SetMaxRegisterAction.increase)
+        with ir.InsertionPoint(if_op.else_block), contextlib.ExitStack() as cons_scope:
+            if conv:   # ---------------- converter (wg 3) ----------------
+                conv_if = scf.IfOp(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(3)), has_else=True)
+                with ir.InsertionPoint(conv_if.then_block):
+                    nvvm.setmaxregister(regs[1], nvvm.SetMaxRegisterAction.decrease)
+
+                    @mu.fori(total_steps(), None)
+                    def _(gs, _c):
+                        convert_step(gs, "v", lambda s_: st_empty[s_].arrive())
+                        return _c
+
+                    if ccomb:   # the converter takes part in the consumers' two cluster barriers too
+                        for _ in range(2):
+                            cluster_sync()
+                    scf.yield_([])
+                cons_scope.enter_context(ir.InsertionPoint(conv_if.else_block))
+            # ---------------- consumers (wg 0, 1) ----------------
+            nvvm.setmaxregister(regs[-1], nvvm.SetMaxRegisterAction.increase)
             wgi = arith.index_cast(index, wg)
             region = begin("c_wait_q")
             q_bar.wait()
@@ -874,7 +901,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
 
             def consume(k, j, g, carry):
                 m, l, acc = carry
-                slot = arith.remui(g, c(PDQ_TILES if pdq else stages))
+                slot = arith.remui(g, c(PDQ_TILES if pdq or conv else stages))
                 off = arith.muli(arith.subi(j, ranges[k][2]), c(bk))
                 first = arith.addi(c(idx_base[k]), off)   # this consumer's entries: all, or its half with split_scores
                 if split_scores:
@@ -894,7 +921,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     own = dequantize_scoring(slot)
                     end(region)
                     kv = tile
-                elif fp8 and not pdq:
+                elif fp8 and not (pdq or conv):
                     region = begin("c_dequant")
                     dequantize(slot)
                     empty_bars[slot].arrive()                           # the staging slot can be refilled
@@ -936,7 +963,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 nvvm.wgmma_commit_group_sync_aligned()
                 turn("bar.arrive", other_turn_bar)
                 nvvm.wgmma_wait_group_sync_aligned(0)
-                if not fp8 or pdq:
+                if not fp8 or pdq or conv:
                     empty_bars[slot].arrive()
                 end(region)
                 return m_new, l, o_acc.value
@@ -989,6 +1016,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     ctx.await_async_copy(0, await_read_only=store_wait_read)
             end(region)
             scf.yield_([])
+        if conv:   # the producer / rest split's else block: it holds the converter / consumers split
+            with ir.InsertionPoint(if_op.else_block):
+                scf.yield_([])
 
     in_shape = [jax.ShapeDtypeStruct((bt, n_hg, BLOCK_H, d), jnp.bfloat16),
                 jax.ShapeDtypeStruct((n_hg, BLOCK_H), jnp.float32)]
@@ -1003,7 +1033,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     lead = ((bt, ns) if out_split else (bt,)) + (n_hg,)
     out_shape = (jax.ShapeDtypeStruct((*lead, BLOCK_H, d), jnp.bfloat16),
                  jax.ShapeDtypeStruct((*lead, BLOCK_H), jnp.float32))
-    if pdq:
+    if pdq or conv:
         smem = (
             (jax.ShapeDtypeStruct((BLOCK_H // 8, d // tc, 8, tc), jnp.bfloat16),     # q, then o
              jax.ShapeDtypeStruct((PDQ_TILES, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # the bf16 tile ring
@@ -1015,7 +1045,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             (mgpu.TMABarrier(1), mgpu.TMABarrier(1)),
             # staging: the expect_tx arrival + one cp.async arrival per producer warp; tile full: the 128 producer
             # threads; tile empty / cons: the 256 consumer threads
-            (mgpu.Barrier(arrival_count=5, num_barriers=stages), mgpu.Barrier(arrival_count=128, num_barriers=PDQ_TILES),
+            (mgpu.Barrier(arrival_count=5, num_barriers=stages),
+             *((mgpu.Barrier(arrival_count=128, num_barriers=stages),) if conv else ()),   # conv: staging released
+             mgpu.Barrier(arrival_count=128, num_barriers=PDQ_TILES),
              mgpu.Barrier(arrival_count=256, num_barriers=PDQ_TILES), mgpu.Barrier(arrival_count=256)),
         )
     elif fp8:
@@ -1067,7 +1099,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             )
     prof = None if profile is None else mgpu.profiler.ProfilerSpec(profile[0], dump_path=profile[1])
     with jax_mlir.make_ir_context(), ir.Location.unknown():
-        return mgpu.as_gpu_kernel(body, grid=(bt * n_hg, ns, 1), block=(384, 1, 1), in_shape=tuple(in_shape),
+        return mgpu.as_gpu_kernel(body, grid=(bt * n_hg, ns, 1), block=(512 if conv else 384, 1, 1),
+                                  in_shape=tuple(in_shape),
                                   out_shape=out_shape, smem_scratch_shape=smem, prof_spec=prof,
                                   cluster=(1, ns, 1) if ccomb else (1, 1, 1))
 
@@ -1134,6 +1167,20 @@ def _device_ordinal(x):
 
 
 LAUNCH_REGS = 168   # registers per thread a 384-thread CTA starts with: 65536 / 384, rounded down to a multiple of 8
+CONV_REGS = (40, 56, 208)   # fp8_dequant="converter": (producer, converter, consumer); 512 threads start with 128 each
+
+
+def check_conv_regs(regs):
+    """(producer, converter, consumer) for the 512-thread kernel of fp8_dequant="converter": multiples of 8 in
+    [24, 256], producer and converter <= 128 (what each thread starts with), consumer >= 128, and producer +
+    converter + 2 x consumer <= 512 (the pool setmaxnreg draws on; see check_regs)."""
+    regs = CONV_REGS if regs is None else tuple(regs)
+    if len(regs) != 3 or any(r % 8 or not 24 <= r <= 256 for r in regs) or regs[0] > 128 or regs[1] > 128 \
+            or regs[2] < 128 or regs[0] + regs[1] + 2 * regs[2] > 512:
+        raise ValueError(f"with fp8_dequant='converter' regs must be (producer, converter, consumer): multiples of 8 "
+                         f"in [24, 256], producer and converter <= 128, consumer >= 128, producer + converter + 2 x "
+                         f"consumer <= 512 (a 512-thread CTA starts with 128 registers per thread), got {regs}")
+    return tuple(int(r) for r in regs)
 
 
 def check_regs(regs):
@@ -1191,7 +1238,8 @@ def sparse_attention_mosaic(
     cp.async: a bulk tensor copy's destination must be 128 B aligned, which 64 B rows are not. H200, session 15:
     kernels 1-5% faster than block_k=64, not the default. FP8: 64), num_stages (ring depth),
     n_splits (split-K; default about one CTA per SM), regs ((producer, consumer) registers per thread set by
-    `setmaxnreg`; default DEFAULT_REGS; (40, 232) and (24, 240) measured within the run-to-run noise, session 10).
+    `setmaxnreg`, at most 504 in all, see check_regs; default DEFAULT_REGS; (40, 232) and (24, 240) measured within
+    the run-to-run noise, session 10; (producer, converter, consumer) with fp8_dequant="converter", check_conv_regs).
     `_diag` (FP8, timing diagnostics, wrong output unless noted):
     "bits" dequantizes without conversion instructions (correct, slower), "loop" converts in a rolled loop (correct
     on the H200, ptxas spills 1264 instead of 1416 B; not timed), "no_convert" stores the raw bytes instead of
@@ -1290,6 +1338,12 @@ def sparse_attention_mosaic(
     32-row step it converts for 2649 cycles and issues its 128 copies for 1474, ~4800 with the waits, while the
     consumers' bf16 step takes ~2700 and they wait 1541 cycles per step for a tile. One 1D bulk copy per row part
     instead of two tensor copies for the nope bytes (2 copies per row instead of 3) did not move it (58.7 us).
+    fp8_dequant="converter" (built in session 22 after the device time ran out: lowered for CUDA in CI, GPU tests
+    written, not run on a GPU): a fourth warpgroup (512 threads per CTA) converts the staging ring into the tile
+    ring, so the producer only issues the copies (session 22's profile: 1474 cycles per 32-row step) and the
+    converter only converts (2649), each below the consumers' ~2700. Staging slots go back to the producer through
+    the converter's 128 arrivals. regs is (producer, converter, consumer), default CONV_REGS = (40, 56, 208): a
+    512-thread CTA starts with 128 registers per thread, so 2 x 208 is what the consumers can have (224 today).
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -1298,18 +1352,19 @@ def sparse_attention_mosaic(
     pools = [window_kv] + ([] if compressed_kv is None else [compressed_kv])
     fp8 = isinstance(window_kv, Fp8KVPool)
     fp8_dequant = fp8_dequant or DEFAULT_FP8_DEQUANT
-    if fp8_dequant not in ("consumers", "producer"):
-        raise ValueError(f"fp8_dequant must be 'consumers' or 'producer', got {fp8_dequant!r}")
+    if fp8_dequant not in ("consumers", "producer", "converter"):
+        raise ValueError(f"fp8_dequant must be 'consumers', 'producer' or 'converter', got {fp8_dequant!r}")
     pdq = fp8_dequant == "producer"
-    if pdq:
+    conv = fp8_dequant == "converter"
+    if pdq or conv:
         if not fp8:
-            raise ValueError("fp8_dequant='producer' dequantizes FP8 pools (bf16 pools need no conversion)")
+            raise ValueError(f"fp8_dequant={fp8_dequant!r} dequantizes FP8 pools (bf16 pools need no conversion)")
         if split_d is False or split_scores or pingpong or fp8_overlap or _diag is not None:
-            raise ValueError("fp8_dequant='producer' runs with split_d (the consumers' bf16 steps), without "
+            raise ValueError(f"fp8_dequant={fp8_dequant!r} runs with split_d (the consumers' bf16 steps), without "
                              "split_scores / pingpong / fp8_overlap / _diag")
         if (block_k or 32) != 32:
-            raise ValueError(f"fp8_dequant='producer' takes block_k=32 (two bf16 tiles of 64 rows do not fit in "
-                             f"shared memory), got {block_k}")
+            raise ValueError(f"fp8_dequant={fp8_dequant!r} takes block_k=32 (two bf16 tiles of 64 rows do not fit "
+                             f"in shared memory), got {block_k}")
         block_k, split_d = 32, True
         num_stages = PDQ_STAGING if num_stages is None else num_stages
         fp8_convert = fp8_convert or "rebias"
@@ -1358,7 +1413,8 @@ def sparse_attention_mosaic(
     fp8_convert = fp8_convert or DEFAULT_FP8_CONVERT
     if fp8_convert not in ("cvt", "rebias"):
         raise ValueError(f"fp8_convert must be 'cvt' or 'rebias', got {fp8_convert!r}")
-    if fp8 and not pdq and (block_k or 64) != 64:
+    tiles = pdq or conv   # the bf16 tile ring with 32-row steps
+    if fp8 and not tiles and (block_k or 64) != 64:
         raise ValueError(f"with FP8 pools the Mosaic GPU kernel takes block_k=64 (shared memory; 32 with "
                          f"fp8_dequant='producer'), got {block_k}")
     bt = b * t
@@ -1371,16 +1427,16 @@ def sparse_attention_mosaic(
     for k_, v_ in dict(block_k=block_k, num_stages=num_stages, n_splits=n_splits).items():
         if v_ is not None:
             cfg[k_] = v_
-    if fp8 and split_d and num_stages is None and not pdq:
+    if fp8 and split_d and num_stages is None and not tiles:
         cfg["num_stages"] = 1   # split_d's buffer fits next to one FP8 staging slot (H200, session 19: see split_d)
     bk, stages = cfg["block_k"], cfg["num_stages"]
     # P.V contracts over block_k in groups of the ring's swizzle width: 64 entries with 128 B swizzle, or block_k =
     # 32 with 64 B swizzle (bf16 rings: smaller steps, more of them in flight); S's N is <= 256
-    if not (bk == 32 and (not fp8 or pdq)) and (bk % 64 or bk > 256):
+    if not (bk == 32 and (not fp8 or tiles)) and (bk % 64 or bk > 256):
         raise ValueError(f"block_k must be a multiple of 64 and <= 256 (or 32 with bf16 pools or "
                          f"fp8_dequant='producer'), got {bk}")
-    if pdq and not 1 <= stages <= 4:
-        raise ValueError(f"fp8_dequant='producer' takes 1-4 staging slots (num_stages), got {stages}")
+    if tiles and not 1 <= stages <= 4:
+        raise ValueError(f"fp8_dequant={fp8_dequant!r} takes 1-4 staging slots (num_stages), got {stages}")
     # a bulk tensor copy's shared-memory address must be 128 B aligned: with 64 B swizzle every odd row of an
     # (8, 32) tile starts 64 B into a 128 B line (session 15 on the H200: CUDA_ERROR_MISALIGNED_ADDRESS), so
     # 32-entry rings are gathered with 16 B cp.async
@@ -1389,7 +1445,7 @@ def sparse_attention_mosaic(
     if bk == 32 and producer == "tma" and not fp8:
         raise ValueError("block_k=32 (64 B swizzle) needs producer='cp_async': a 64 B row of a 64 B-swizzled tile "
                          "is not 128 B aligned, as a bulk tensor copy's destination must be")
-    ring_bytes = stages * bk * (NOPE_STRIDE + 2 * ROPE_DIM + SCALE_BYTES) + (PDQ_TILES if pdq else 1) * bk * d * 2 \
+    ring_bytes = stages * bk * (NOPE_STRIDE + 2 * ROPE_DIM + SCALE_BYTES) + (PDQ_TILES if tiles else 1) * bk * d * 2 \
         if fp8 else stages * bk * d * 2
 
     def exchange_bytes():
@@ -1415,10 +1471,10 @@ def sparse_attention_mosaic(
         # without them a ring that fills shared memory to the byte (block_k=32 x 5 slots) passed this check and
         # failed in Mosaic's own (232552 > 232448 B)
         smem = BLOCK_H * d * 2 + ring_bytes + sum(idx_rows) * 4 + 2 * BLOCK_H * 4 + exchange_bytes() + \
-            (3 + 2 * stages + (2 * PDQ_TILES if pdq else 0)) * 8 + \
-            (3 * 4 * prof_entries + 1024 if _profile else 0)   # + the profiler's alignment
+            (3 + 2 * stages + (2 * PDQ_TILES if tiles else 0) + (stages if conv else 0)) * 8 + \
+            ((4 if conv else 3) * 4 * prof_entries + 1024 if _profile else 0)   # + the profiler's alignment
         if smem <= SMEM_BUDGET or n_splits is not None or bps <= max(1, min_bps):
-            if smem > SMEM_BUDGET and split_d and split_d_default and not pdq:
+            if smem > SMEM_BUDGET and split_d and split_d_default and not tiles:
                 # the default split_d where its 32 KB do not fit next to this split's index rows (an explicit
                 # n_splits, or cluster-capped splits of a long list): the kernel without it, from the start
                 # (FP8 keeps its one staging slot: two slots without split_d take 10 KB more than one with it)
@@ -1434,7 +1490,7 @@ def sparse_attention_mosaic(
                          + (": bf16 pools)" if not fp8 else ", or did not fit next to this split's index rows)"))
     if fp8_overlap and _diag in ("dequant_both", "no_dequant", "loop"):
         raise ValueError(f"fp8_overlap has its own dequantization order: not with _diag={_diag!r}")
-    fp8_overlap = DEFAULT_FP8_OVERLAP and fp8 and split_d and not pdq if fp8_overlap is None else bool(fp8_overlap)
+    fp8_overlap = DEFAULT_FP8_OVERLAP and fp8 and split_d and not tiles if fp8_overlap is None else bool(fp8_overlap)
     if smem > SMEM_BUDGET:
         raise ValueError(f"shared memory {smem} B over {SMEM_BUDGET}: lower num_stages / block_k or raise n_splits"
                          + (f" (combine='cluster' caps n_splits at {MAX_CLUSTER}: try combine='xla')" if cluster
@@ -1454,9 +1510,10 @@ def sparse_attention_mosaic(
         meta.append(dict(k=s_.k, n_rows=s_.n_rows))
     profile = None if _profile is None else (prof_entries, str(_profile))
     kernel = _build(bt, ns, d, bk, stages, bps, meta, idx_rows, float(scale) * LOG2E, ns > 1 and not ccomb, fp8,
-                    _diag, check_regs(regs), n_hg, bool(split_scores), profile, producer == "cp_async", l2_ahead,
+                    _diag, check_conv_regs(regs) if conv else check_regs(regs), n_hg, bool(split_scores), profile,
+                    producer == "cp_async", l2_ahead,
                     ccomb, store_wait == "read", DEFAULT_IDX_FIRST if idx_first is None else bool(idx_first),
-                    pingpong, cluster_loads == "early", split_d, fp8_convert, fp8_overlap, pdq)
+                    pingpong, cluster_loads == "early", split_d, fp8_convert, fp8_overlap, pdq, conv)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1 and not ccomb:
         o, lse = combine_lib.combine(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h), sinks.astype(jnp.float32),
