@@ -1137,7 +1137,7 @@ def resolve_combine(how, out_dtype):
     return combine_lib.resolve(how)
 
 
-def _auto_combine(rows, ns, smem, out_dtype, device_ordinal=0):
+def _auto_combine(rows, ns, smem, out_dtype, device_ordinal=0, threads=384):
     """combine="auto" for `rows` (query rows x head groups) clusters of `ns` CTAs with `smem` bytes each. A cluster
     grid that does not fit on the GPU at once runs in two waves (H200: CSA B=32's 32 clusters of 4 took 37.5 us
     against 18.9 with the XLA merge, HCA-8K B=16's 16 of 8 137 against 65), so then the XLA merge."""
@@ -1145,7 +1145,7 @@ def _auto_combine(rows, ns, smem, out_dtype, device_ordinal=0):
         return "xla"
     from .cluster_occupancy import max_active_clusters
 
-    cap = max_active_clusters(ns, smem, 384, device_ordinal)
+    cap = max_active_clusters(ns, smem, threads, device_ordinal)
     return "cluster" if cap is not None and rows <= cap else "xla"
 
 
@@ -1498,7 +1498,8 @@ def sparse_attention_mosaic(
     if combine == "auto":
         # (+1 KB of margin for Mosaic's own alignment, capped at the per-block maximum: past half of it a CTA has
         # an SM to itself either way, and a size over the maximum made the occupancy query fail -> "xla")
-        combine = _auto_combine(bt * n_hg, ns, min(smem + 1024, SMEM_BUDGET), out_dtype, _device_ordinal(q))
+        combine = _auto_combine(bt * n_hg, ns, min(smem + 1024, SMEM_BUDGET), out_dtype, _device_ordinal(q),
+                                threads=512 if conv else 384)
     ccomb = combine == "cluster" and ns > 1
 
     args = [q.reshape(bt, n_hg, BLOCK_H, d), sinks.astype(jnp.float32).reshape(n_hg, BLOCK_H)]
