@@ -387,6 +387,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             end(region)
 
         def total_steps():
+            """This CTA's step count (index): its blocks of every source, as `steps` visits them."""
             total = c(0)
             for lo_, hi_, _ in ranges:
                 total = arith.addi(total, arith.maxsi(arith.subi(hi_, lo_), c(0)))
