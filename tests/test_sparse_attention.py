@@ -74,7 +74,8 @@ def opts_id(opts):
         "_pp" if opts.get("pingpong") else "", f"_cl{opts['cluster_loads']}" if "cluster_loads" in opts else "",
         "_sd" if opts.get("split_d") else "", f"_{opts['fp8_convert']}" if "fp8_convert" in opts else "",
         f"_st{opts['num_stages']}" if "num_stages" in opts and "block_k" not in opts else "",
-        "_ovl" if opts.get("fp8_overlap") else "", {"producer": "_pdq", "converter": "_cvwg"}.get(opts.get("fp8_dequant"), "")])
+        "_ovl" if opts.get("fp8_overlap") else "",
+        {"producer": "_pdq", "converter": "_cvwg"}.get(opts.get("fp8_dequant"), "")])
 
 
 def call(fn, inp, **kw):

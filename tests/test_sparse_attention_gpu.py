@@ -196,27 +196,24 @@ MOSAIC_CASES = [
     (3, 2, 128, 600, 128, 1024, dict(ragged=True, fp8=True, heads=128), dict(fp8_overlap=True, n_splits=2)),
     (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, wide_scales=True), dict(fp8_overlap=True,
                                                                                   fp8_convert="rebias")),
-    # FP8 dequantized by the producer warpgroup into a ring of 32-row bf16 tiles (fp8_dequant="producer")
-    (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, dupes=True, wide_scales=True),
-     dict(fp8_dequant="producer")),                                                                # cluster merge
-    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, fp8=True),
-     dict(fp8_dequant="producer", n_splits=3, combine="xla")),
-    (2, 1, 128, 9000, 128, 8192, dict(ragged=True, fp8=True), dict(fp8_dequant="producer")),
-    (1, 256, 2048, 1024, 128, 512, dict(dupes=True, fp8=True), dict(fp8_dequant="producer")),      # prefill
-    (3, 2, 128, 600, 128, 1024, dict(ragged=True, fp8=True, heads=128), dict(fp8_dequant="producer", n_splits=2)),
+    # FP8 dequantized outside the consumers into a ring of 32-row bf16 tiles: by the producer warpgroup
+    # (fp8_dequant="producer") or by a fourth warpgroup (fp8_dequant="converter", 512 threads per CTA; written in
+    # session 22, not yet run), each on the same cases (see TILE_RING_CASES)
     (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, wide_scales=True),
      dict(fp8_dequant="producer", fp8_convert="cvt", num_stages=2)),
-    (1, 64, 512, 200, 100, 60, dict(ragged=True, fp8=True), dict(fp8_dequant="producer", n_splits=1, num_stages=1)),
-    # a fourth warpgroup converts (fp8_dequant="converter", 512 threads per CTA; written in session 22, not yet run)
-    (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, dupes=True, wide_scales=True),
-     dict(fp8_dequant="converter")),                                                               # cluster merge
-    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, fp8=True),
-     dict(fp8_dequant="converter", n_splits=3, combine="xla")),
-    (2, 1, 128, 9000, 128, 8192, dict(ragged=True, fp8=True), dict(fp8_dequant="converter")),
-    (1, 256, 2048, 1024, 128, 512, dict(dupes=True, fp8=True), dict(fp8_dequant="converter")),     # prefill
-    (3, 2, 128, 600, 128, 1024, dict(ragged=True, fp8=True, heads=128), dict(fp8_dequant="converter", n_splits=2)),
-    (1, 64, 512, 200, 100, 60, dict(ragged=True, fp8=True), dict(fp8_dequant="converter", n_splits=1, num_stages=1)),
 ]
+
+
+TILE_RING_CASES = [
+    (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, dupes=True, wide_scales=True), {}),   # cluster merge
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, fp8=True), dict(n_splits=3, combine="xla")),
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True, fp8=True), {}),
+    (1, 256, 2048, 1024, 128, 512, dict(dupes=True, fp8=True), {}),                                # prefill
+    (3, 2, 128, 600, 128, 1024, dict(ragged=True, fp8=True, heads=128), dict(n_splits=2)),
+    (1, 64, 512, 200, 100, 60, dict(ragged=True, fp8=True), dict(n_splits=1, num_stages=1)),
+]
+MOSAIC_CASES += [(*c[:7], dict(fp8_dequant=mode, **c[7]))
+                 for mode in ("producer", "converter") for c in TILE_RING_CASES]
 
 
 @pytest.mark.parametrize("case", MOSAIC_CASES,

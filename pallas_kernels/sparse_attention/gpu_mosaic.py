@@ -181,6 +181,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
 
     n_src = len(srcs)
     n_in = 5 if fp8 else 3      # gmem refs per source
+    tiles = pdq or conv         # FP8 staging converted into a ring of bf16 tiles outside the consumers
     dh = d // 2
     # bf16 rings: 128 B swizzle with (8, 64) tiles; block_k = 32 takes 64 B swizzle with (8, 32) tiles, as P.V
     # contracts over block_k in groups of the swizzle's width (wgmma: K % (swizzle / 2 B) == 0). FP8: 128 B.
@@ -547,7 +548,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                         (st_empty if conv else empty_bars)[slot].wait()
                     end(region)
                 region = begin("p_issue")
-                full = st_bars[slot] if pdq or conv else full_bars[slot]
+                full = st_bars[slot] if tiles else full_bars[slot]
                 off = arith.muli(arith.subi(j, ranges[k][2]), c(bk))
                 if cp_async:
                     issue_cp_async(k, slot, full, off)
@@ -902,7 +903,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
 
             def consume(k, j, g, carry):
                 m, l, acc = carry
-                slot = arith.remui(g, c(PDQ_TILES if pdq or conv else stages))
+                slot = arith.remui(g, c(PDQ_TILES if tiles else stages))
                 off = arith.muli(arith.subi(j, ranges[k][2]), c(bk))
                 first = arith.addi(c(idx_base[k]), off)   # this consumer's entries: all, or its half with split_scores
                 if split_scores:
@@ -922,7 +923,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     own = dequantize_scoring(slot)
                     end(region)
                     kv = tile
-                elif fp8 and not (pdq or conv):
+                elif fp8 and not tiles:
                     region = begin("c_dequant")
                     dequantize(slot)
                     empty_bars[slot].arrive()                           # the staging slot can be refilled
@@ -964,7 +965,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 nvvm.wgmma_commit_group_sync_aligned()
                 turn("bar.arrive", other_turn_bar)
                 nvvm.wgmma_wait_group_sync_aligned(0)
-                if not fp8 or pdq or conv:
+                if not fp8 or tiles:
                     empty_bars[slot].arrive()
                 end(region)
                 return m_new, l, o_acc.value
@@ -1034,7 +1035,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     lead = ((bt, ns) if out_split else (bt,)) + (n_hg,)
     out_shape = (jax.ShapeDtypeStruct((*lead, BLOCK_H, d), jnp.bfloat16),
                  jax.ShapeDtypeStruct((*lead, BLOCK_H), jnp.float32))
-    if pdq or conv:
+    if tiles:
         smem = (
             (jax.ShapeDtypeStruct((BLOCK_H // 8, d // tc, 8, tc), jnp.bfloat16),     # q, then o
              jax.ShapeDtypeStruct((PDQ_TILES, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # the bf16 tile ring
@@ -1357,7 +1358,8 @@ def sparse_attention_mosaic(
         raise ValueError(f"fp8_dequant must be 'consumers', 'producer' or 'converter', got {fp8_dequant!r}")
     pdq = fp8_dequant == "producer"
     conv = fp8_dequant == "converter"
-    if pdq or conv:
+    tiles = pdq or conv   # the bf16 tile ring with 32-row steps
+    if tiles:
         if not fp8:
             raise ValueError(f"fp8_dequant={fp8_dequant!r} dequantizes FP8 pools (bf16 pools need no conversion)")
         if split_d is False or split_scores or pingpong or fp8_overlap or _diag is not None:
@@ -1414,7 +1416,6 @@ def sparse_attention_mosaic(
     fp8_convert = fp8_convert or DEFAULT_FP8_CONVERT
     if fp8_convert not in ("cvt", "rebias"):
         raise ValueError(f"fp8_convert must be 'cvt' or 'rebias', got {fp8_convert!r}")
-    tiles = pdq or conv   # the bf16 tile ring with 32-row steps
     if fp8 and not tiles and (block_k or 64) != 64:
         raise ValueError(f"with FP8 pools the Mosaic GPU kernel takes block_k=64 (shared memory; 32 with "
                          f"fp8_dequant='producer'), got {block_k}")
