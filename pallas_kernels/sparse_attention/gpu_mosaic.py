@@ -613,11 +613,18 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                                                        layout=fa.WGMMA_ROW_LAYOUT, optimized=False)
             sink2 = sink_raw * LOG2E
             zero_row = fa.FragmentedArray.splat(arith.constant(f32, 0.0), (BLOCK_H,), fa.WGMMA_ROW_LAYOUT)
-            acc0 = fa.FragmentedArray.splat(arith.constant(f32, 0.0), (BLOCK_H, dh), fa.WGMMA_LAYOUT)
+            # conv: the [64, dh] accumulator as two [64, dh / 2] halves, each its own m64n128 wgmma. ptxas checks every
+            # instruction against the launch's register count before it applies setmaxnreg's regions: 128 a thread
+            # at 512 threads, and one m64n256 wgmma with an f32 accumulator needs 158 (session 23).
+            pv_parts = 2 if conv else 1
+            acc0 = tuple(fa.FragmentedArray.splat(arith.constant(f32, 0.0), (BLOCK_H, dh // pv_parts), fa.WGMMA_LAYOUT)
+                         for _ in range(pv_parts))
             half = bk // 2
             n_scored = half if split_scores else bk   # entries whose scores this consumer computes per block
             neg_inf = fa.FragmentedArray.splat(arith.constant(f32, -math.inf), (BLOCK_H, n_scored), fa.WGMMA_LAYOUT)
             v_cols = mu.ds(arith.muli(wgi, c(pieces // 2)), pieces // 2)
+            pv_cols = [mu.ds(arith.addi(arith.muli(wgi, c(pieces // 2)), c(h * pieces // 2 // pv_parts)),
+                             pieces // 2 // pv_parts) for h in range(pv_parts)]   # v_cols in pv_parts pieces
 
             def consumers_barrier():   # named barrier 8 (Mosaic uses 0 and 1-4), the 256 consumer threads
                 llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "bar.sync 8, 256;", "", has_side_effects=True)
@@ -958,17 +965,17 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     p = p.astype(bf16)
                     end(region)
                 region = begin("c_pv")
-                acc = acc * alpha.broadcast_minor(dh)
-                o_acc = mgpu.WGMMAAccumulator.from_registers(acc)
+                o_accs = [mgpu.WGMMAAccumulator.from_registers(a * alpha.broadcast_minor(dh // pv_parts)) for a in acc]
                 turn("bar.sync", my_turn_bar)
-                o_acc = mgpu.wgmma(o_acc, p, mu.memref_slice(kv, (slice(None), v_cols)), swizzle=swz)
+                o_accs = [mgpu.wgmma(o_acc, p, mu.memref_slice(kv, (slice(None), cols)), swizzle=swz)
+                          for o_acc, cols in zip(o_accs, pv_cols)]
                 nvvm.wgmma_commit_group_sync_aligned()
                 turn("bar.arrive", other_turn_bar)
                 nvvm.wgmma_wait_group_sync_aligned(0)
                 if not fp8 or tiles:
                     empty_bars[slot].arrive()
                 end(region)
-                return m_new, l, o_acc.value
+                return m_new, l, tuple(o_acc.value for o_acc in o_accs)
 
             m0 = sink2.round() if split_scores else sink2   # split_scores keeps the running max an integer
             if pingpong:   # consumer 1 hands consumer 0 the first turn
@@ -995,10 +1002,11 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 inv = has.select(one_row / l_safe, zero_row)
             else:
                 inv = one_row / (l + (sink2 - m).exp2(approx=True))
-            o = (acc * inv.broadcast_minor(dh)).astype(bf16)
+            o = [(a * inv.broadcast_minor(dh // pv_parts)).astype(bf16) for a in acc]
             cons_bar.arrive()   # both consumers are past their last q.K: q_smem can hold the output
             cons_bar.wait()
-            o.store_tiled(mu.memref_slice(q_smem, (slice(None), v_cols)), swizzle=swz)
+            for o_part, cols in zip(o, pv_cols):
+                o_part.store_tiled(mu.memref_slice(q_smem, (slice(None), cols)), swizzle=swz)
             with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
                 lse.store_untiled(mu.memref_slice(vec_smem, mu.ds(BLOCK_H, BLOCK_H)), optimized=False)
                 if split_d:   # the steps' exchange overwrote the sinks (both consumers are past it: cons_bar)
