@@ -1183,7 +1183,10 @@ CONV_REGS = (40, 56, 208)   # fp8_dequant="converter": (producer, converter, con
 def check_conv_regs(regs):
     """(producer, converter, consumer) for the 512-thread kernel of fp8_dequant="converter": multiples of 8 in
     [24, 256], producer and converter <= 128 (what each thread starts with), consumer >= 128, and producer +
-    converter + 2 x consumer <= 512 (the pool setmaxnreg draws on; see check_regs)."""
+    converter + 2 x consumer <= 512 (the pool setmaxnreg draws on; see check_regs). setmaxnreg's regions let
+    code use more than 128, but ptxas checks each single instruction against the launch's 128 first, so the
+    consumers issue P.V as two m64n128 wgmmas (64 accumulator registers each; one m64n256 needs 158 and ptxas
+    rejects the kernel, H200 session 23)."""
     regs = CONV_REGS if regs is None else tuple(regs)
     if len(regs) != 3 or any(r % 8 or not 24 <= r <= 256 for r in regs) or regs[0] > 128 or regs[1] > 128 \
             or regs[2] < 128 or regs[0] + regs[1] + 2 * regs[2] > 512:
@@ -1348,8 +1351,9 @@ def sparse_attention_mosaic(
     32-row step it converts for 2649 cycles and issues its 128 copies for 1474, ~4800 with the waits, while the
     consumers' bf16 step takes ~2700 and they wait 1541 cycles per step for a tile. One 1D bulk copy per row part
     instead of two tensor copies for the nope bytes (2 copies per row instead of 3) did not move it (58.7 us).
-    fp8_dequant="converter" (built in session 22 after the device time ran out: lowered for CUDA in CI, GPU tests
-    written, not run on a GPU): a fourth warpgroup (512 threads per CTA) converts the staging ring into the tile
+    fp8_dequant="converter" (built in session 22; its first GPU compile failed in session 23: ptxas checks every
+    instruction against the 512-thread launch's 128 registers before applying setmaxnreg, and the m64n256 P.V
+    wgmma needs 158, so this mode issues P.V as two m64n128 halves): a fourth warpgroup (512 threads per CTA) converts the staging ring into the tile
     ring, so the producer only issues the copies (session 22's profile: 1474 cycles per 32-row step) and the
     converter only converts (2649), each below the consumers' ~2700. Staging slots go back to the producer through
     the converter's 128 arrivals. regs is (producer, converter, consumer), default CONV_REGS = (40, 56, 208): a
@@ -1361,7 +1365,10 @@ def sparse_attention_mosaic(
                                  compressed_len, scale)
     pools = [window_kv] + ([] if compressed_kv is None else [compressed_kv])
     fp8 = isinstance(window_kv, Fp8KVPool)
-    fp8_dequant = fp8_dequant or DEFAULT_FP8_DEQUANT
+    if fp8_dequant is None:   # the default where it applies: FP8 pools, no option that needs the consumers to convert
+        fits = (fp8 and split_d is not False and not split_scores and not pingpong and not fp8_overlap
+                and _diag is None and block_k in (None, 32))
+        fp8_dequant = DEFAULT_FP8_DEQUANT if fits else "consumers"
     if fp8_dequant not in ("consumers", "producer", "converter"):
         raise ValueError(f"fp8_dequant must be 'consumers', 'producer' or 'converter', got {fp8_dequant!r}")
     pdq = fp8_dequant == "producer"
