@@ -170,7 +170,8 @@ def main():
                          "Mosaic GPU on the bf16 cases, session 8), ss (Mosaic default vs split_scores, session 12), "
                          "s14 (the decode rows, session 14), s16 (store_wait / idx_first against the default, prefill "
                          "and decode), s17 (pingpong against the default), s19 (FP8: the Mosaic default against Triton), "
-                         "s22 (FP8: the default against fp8_dequant='producer' / 'converter')")
+                         "s22 (FP8: the default against fp8_dequant='producer' / 'converter'), "
+                         "s23 (FP8: fp8_dequant='consumers' against 'converter')")
     ap.add_argument("--net-decode", action="store_true",
                     help="decode rows also net of dispatch: (wall of 1 + U chained calls - wall of 1) / U, next to "
                          "the chain's wall / U (which carries ~2-4 us of dispatch per call at U ~ 90, session 15)")
@@ -306,6 +307,15 @@ def main():
                 record(bench_case(rng, ceil, kind, b, 1, kc, True, opts=o, ref=False))
         for t in (4096, 16384):
             for o in ({}, pdq, cvwg):
+                record(bench_case(rng, ceil, "csa", 1, t, 512, True, opts=o, ref=False, csa_cap=t // 4))
+    if "s23" in groups:  # session 23: FP8 pools, the consumers dequantize (default) vs a converter warpgroup
+        cvwg = dict(kernel="mosaic", fp8_dequant="converter")
+        for kind, b, kc in [("csa", 16, 512), ("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 1024),
+                            ("hca", 16, 8192), ("hca", 64, 8192)]:
+            for o in (dict(kernel="mosaic", fp8_dequant="consumers"), cvwg):
+                record(bench_case(rng, ceil, kind, b, 1, kc, True, opts=o, ref=False))
+        for t in (4096, 16384):
+            for o in (dict(kernel="mosaic", fp8_dequant="consumers"), cvwg):
                 record(bench_case(rng, ceil, "csa", 1, t, 512, True, opts=o, ref=False, csa_cap=t // 4))
     if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor
         for kind, b, kc, fp8 in [("csa", 16, 512, False), ("csa", 64, 512, True), ("hca", 16, 8192, True)]:
