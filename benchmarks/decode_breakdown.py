@@ -50,6 +50,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     p.add_argument("--attention-impl", default="reference", choices=("reference", "pallas", "auto"))
+    p.add_argument("--attention-kernel", default="auto", choices=("auto", "mosaic", "triton"))
+    p.add_argument("--indexer-picks", default="auto", choices=("auto", "sorted", "set"))
     p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default=None)
     p.add_argument("--indexer-dtype", choices=("bf16", "fp8", "fp4"), default=None)
     p.add_argument("--out")

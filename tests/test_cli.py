@@ -100,3 +100,16 @@ def test_module_entry_point_runs():
     if os.path.exists(pyproject):
         with open(pyproject) as f:
             assert 'dsv4-jax = "dsv4_jax.cli:main"' in f.read()
+
+
+def test_decode_breakdown_script_runs(tmp_path):
+    """benchmarks/decode_breakdown.py (the GPU's per-component decode profile) runs end to end on a tiny model, so
+    it does not rot between GPU sessions: every component row and the sum are written."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "breakdown.txt"
+    subprocess.run([sys.executable, "benchmarks/decode_breakdown.py", "--preset", "tiny", "--layers", "2",
+                    "--batch", "2", "--context", "64", "--steps", "2", "--repeats", "1", "--out", str(out)],
+                   cwd=root, env={**os.environ, "PYTHONPATH": root}, check=True, capture_output=True)
+    text = out.read_text()
+    for row in ("full decode step", "L1 csa     attention", "LM head", "sum (mHC counted twice)"):
+        assert row in text, text
