@@ -503,8 +503,7 @@ def test_indexer_mosaic_fp8_lowers(B, S, H, T, opts):
         indexer_scores_mosaic(qb, wb, kb, nb)
 
 
-@pytest.mark.parametrize("default", ["consumers", "converter"])
-def test_sparse_attention_mosaic_fp8_dequant_default(monkeypatch, default):
+def test_sparse_attention_mosaic_fp8_dequant_default(monkeypatch, default="converter"):
     """fp8_dequant=None takes DEFAULT_FP8_DEQUANT where it applies (FP8 pools, no option that needs the consumers
     to convert) and the consumers' own dequantization otherwise, so an explicit block_k=64, split_d=False or
     fp8_overlap keeps working whichever mode is the default; bf16 pools never build a tile ring."""
