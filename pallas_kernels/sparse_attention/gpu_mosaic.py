@@ -1124,7 +1124,7 @@ DEFAULT_SPLIT_D = True         # split_d where it applies (see `sparse_attention
 DEFAULT_CLUSTER_LOADS = "early"   # see `sparse_attention_mosaic`'s cluster_loads (H200, session 18: 1-2.5% faster)
 DEFAULT_FP8_CONVERT = "cvt"   # see `sparse_attention_mosaic`'s fp8_convert
 DEFAULT_FP8_OVERLAP = False   # see `sparse_attention_mosaic`'s fp8_overlap (H200, session 20: no faster)
-DEFAULT_FP8_DEQUANT = "consumers"   # see `sparse_attention_mosaic`'s fp8_dequant (H200, session 22: producer no faster)
+DEFAULT_FP8_DEQUANT = "consumers"   # see `sparse_attention_mosaic`'s fp8_dequant (H200: producer / converter no faster)
 DEFAULT_L2_AHEAD = 0      # L2 prefetch distance in steps (see `sparse_attention_mosaic`'s l2_ahead)
 DEFAULT_PRODUCER = "tma"   # the bf16 ring's gather (see `sparse_attention_mosaic`'s producer)
 DEFAULT_REGS = (56, 224)   # setmaxnreg: (producer, each consumer) registers per thread
@@ -1353,8 +1353,10 @@ def sparse_attention_mosaic(
     instead of two tensor copies for the nope bytes (2 copies per row instead of 3) did not move it (58.7 us).
     fp8_dequant="converter" (built in session 22; its first GPU compile failed in session 23: ptxas checks every
     instruction against the 512-thread launch's 128 registers before applying setmaxnreg, and the m64n256 P.V
-    wgmma needs 158, so this mode issues P.V as two m64n128 halves): a fourth warpgroup (512 threads per CTA) converts the staging ring into the tile
-    ring, so the producer only issues the copies (session 22's profile: 1474 cycles per 32-row step) and the
+    wgmma needs 158, so this mode issues P.V as two m64n128 halves; then 128 registers, no spills, correct on the
+    H200 (6 GPU tests) but not faster: CSA B=64 35.2 vs 37.1 us, B=128 55.5 vs 55.0, HCA-8K B=16 95.2 vs 89.7 net
+    of dispatch, FP8 prefill S=16K 219 vs 238 TFLOP/s, so it is off): a fourth warpgroup (512 threads per CTA)
+    converts the staging ring into the tile ring, so the producer only issues the copies (session 22's profile: 1474 cycles per 32-row step) and the
     converter only converts (2649), each below the consumers' ~2700. Staging slots go back to the producer through
     the converter's 128 arrivals. regs is (producer, converter, consumer), default CONV_REGS = (40, 56, 208): a
     512-thread CTA starts with 128 registers per thread, so 2 x 208 is what the consumers can have (224 today).
