@@ -115,17 +115,13 @@ def make_scan(graphdef, steps):
     return jax.jit(run)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description="decode step time vs context length")
+def add_model_args(p, dtype="float32"):
+    """The arguments `build_model` and the cache formats read (shared with decode_breakdown.py)."""
     p.add_argument("--checkpoint")
     p.add_argument("--preset", choices=("v4-flash", "v4-pro", "tiny"))
     p.add_argument("--layers", type=int, default=0, help="keep the first N layers of a preset (0 = all)")
     p.add_argument("--experts", type=int, default=0, help="routed experts of a preset (0 = as configured)")
-    p.add_argument("--contexts", default="128,256,512,1024,2048,4096,8192")
-    p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=dtype)
     p.add_argument("--attention-impl", default="reference", choices=("reference", "pallas", "auto"))
     p.add_argument("--attention-kernel", default="auto", choices=("auto", "mosaic", "triton"),
                    help="GPU sparse-attention kernel (auto: Mosaic GPU where it applies)")
@@ -133,6 +129,15 @@ def main(argv=None):
                    help="order of the CSA indexer's picks (auto: set on the GPU kernel path)")
     p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default=None, help="KV cache rows (default: exact)")
     p.add_argument("--indexer-dtype", choices=("bf16", "fp8", "fp4"), default=None, help="indexer key rows")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="decode step time vs context length")
+    add_model_args(p)
+    p.add_argument("--contexts", default="128,256,512,1024,2048,4096,8192")
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prefill", action="store_true", help="fill the cache by a real prefill instead of random values")
     p.add_argument("--out", help="also write the table to this file")
     args = p.parse_args(argv)

@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks.timing import timed_chain  # noqa: E402
-from decode import build_model, make_scan, synthetic_cache  # noqa: E402
+from decode import add_model_args, build_model, make_scan, synthetic_cache  # noqa: E402
 from dsv4_jax.layers.hyper import hc_collapse, hc_expand, hc_head_collapse, hc_weights  # noqa: E402
 
 
@@ -40,20 +40,11 @@ def time_scan(fn, args, steps, repeats):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint")
-    p.add_argument("--preset", choices=("v4-flash", "v4-pro", "tiny"))
-    p.add_argument("--layers", type=int, default=0)
-    p.add_argument("--experts", type=int, default=0)
+    add_model_args(p, dtype="bfloat16")
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
-    p.add_argument("--attention-impl", default="reference", choices=("reference", "pallas", "auto"))
-    p.add_argument("--attention-kernel", default="auto", choices=("auto", "mosaic", "triton"))
-    p.add_argument("--indexer-picks", default="auto", choices=("auto", "sorted", "set"))
-    p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default=None)
-    p.add_argument("--indexer-dtype", choices=("bf16", "fp8", "fp4"), default=None)
     p.add_argument("--out")
     args = p.parse_args(argv)
     model, name = build_model(args)

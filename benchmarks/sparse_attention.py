@@ -309,13 +309,13 @@ def main():
             for o in ({}, pdq, cvwg):
                 record(bench_case(rng, ceil, "csa", 1, t, 512, True, opts=o, ref=False, csa_cap=t // 4))
     if "s23" in groups:  # session 23: FP8 pools, the consumers dequantize (default) vs a converter warpgroup
-        cvwg = dict(kernel="mosaic", fp8_dequant="converter")
+        modes = [dict(kernel="mosaic", fp8_dequant=m) for m in ("consumers", "converter")]
         for kind, b, kc in [("csa", 16, 512), ("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 1024),
                             ("hca", 16, 8192), ("hca", 64, 8192)]:
-            for o in (dict(kernel="mosaic", fp8_dequant="consumers"), cvwg):
+            for o in modes:
                 record(bench_case(rng, ceil, kind, b, 1, kc, True, opts=o, ref=False))
         for t in (4096, 16384):
-            for o in (dict(kernel="mosaic", fp8_dequant="consumers"), cvwg):
+            for o in modes:
                 record(bench_case(rng, ceil, "csa", 1, t, 512, True, opts=o, ref=False, csa_cap=t // 4))
     if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor
         for kind, b, kc, fp8 in [("csa", 16, 512, False), ("csa", 64, 512, True), ("hca", 16, 8192, True)]:

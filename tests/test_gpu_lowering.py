@@ -503,7 +503,7 @@ def test_indexer_mosaic_fp8_lowers(B, S, H, T, opts):
         indexer_scores_mosaic(qb, wb, kb, nb)
 
 
-def test_sparse_attention_mosaic_fp8_dequant_default(monkeypatch, default="converter"):
+def test_sparse_attention_mosaic_fp8_dequant_default(monkeypatch):
     """fp8_dequant=None takes DEFAULT_FP8_DEQUANT where it applies (FP8 pools, no option that needs the consumers
     to convert) and the consumers' own dequantization otherwise, so an explicit block_k=64, split_d=False or
     fp8_overlap keeps working whichever mode is the default; bf16 pools never build a tile ring."""
@@ -512,12 +512,12 @@ def test_sparse_attention_mosaic_fp8_dequant_default(monkeypatch, default="conve
     built = []
     real = gpu_mosaic._build
     bind = inspect.signature(real).bind
-    monkeypatch.setattr(gpu_mosaic, "DEFAULT_FP8_DEQUANT", default)
+    monkeypatch.setattr(gpu_mosaic, "DEFAULT_FP8_DEQUANT", "converter")
     monkeypatch.setattr(gpu_mosaic, "_build", lambda *a, **kw: built.append(bind(*a, **kw).arguments) or real(*a, **kw))
     keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
     fp8 = [make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)[k] for k in keys]
     bf16 = [make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True)[k] for k in keys]
-    cases = [(fp8, {}, default == "converter"), (fp8, dict(block_k=64), False), (fp8, dict(split_d=False), False),
+    cases = [(fp8, {}, True), (fp8, dict(block_k=64), False), (fp8, dict(split_d=False), False),
              (fp8, dict(fp8_overlap=True), False), (bf16, {}, False)]
     for args, opts, conv in cases:
         lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(*a, scale=0.1, **opts), *args)

@@ -1356,10 +1356,11 @@ def sparse_attention_mosaic(
     wgmma needs 158, so this mode issues P.V as two m64n128 halves; then 128 registers, no spills, correct on the
     H200 (6 GPU tests) but not faster: CSA B=64 35.2 vs 37.1 us, B=128 55.5 vs 55.0, HCA-8K B=16 95.2 vs 89.7 net
     of dispatch, FP8 prefill S=16K 219 vs 238 TFLOP/s, so it is off): a fourth warpgroup (512 threads per CTA)
-    converts the staging ring into the tile ring, so the producer only issues the copies (session 22's profile: 1474 cycles per 32-row step) and the
-    converter only converts (2649), each below the consumers' ~2700. Staging slots go back to the producer through
-    the converter's 128 arrivals. regs is (producer, converter, consumer), default CONV_REGS = (40, 56, 208): a
-    512-thread CTA starts with 128 registers per thread, so 2 x 208 is what the consumers can have (224 today).
+    converts the staging ring into the tile ring, so the producer only issues the copies (session 22's profile:
+    1474 cycles per 32-row step) and the converter only converts (2649), each below the consumers' ~2700. Staging
+    slots go back to the producer through the converter's 128 arrivals. regs is (producer, converter, consumer),
+    default CONV_REGS = (40, 56, 208): a 512-thread CTA starts with 128 registers per thread, so 2 x 208 is what
+    the consumers can have (224 today).
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -1367,24 +1368,31 @@ def sparse_attention_mosaic(
                                  compressed_len, scale)
     pools = [window_kv] + ([] if compressed_kv is None else [compressed_kv])
     fp8 = isinstance(window_kv, Fp8KVPool)
-    if fp8_dequant is None:   # the default where it applies: FP8 pools, no option that needs the consumers to convert
-        fits = (fp8 and split_d is not False and not split_scores and not pingpong and not fp8_overlap
-                and _diag is None and block_k in (None, 32))
-        fp8_dequant = DEFAULT_FP8_DEQUANT if fits else "consumers"
+    def tile_ring_conflict(mode):
+        """Why fp8_dequant=mode ("producer" / "converter": the bf16 tile ring) cannot run with these options, or
+        None where it can."""
+        if not fp8:
+            return f"fp8_dequant={mode!r} dequantizes FP8 pools (bf16 pools need no conversion)"
+        if split_d is False or split_scores or pingpong or fp8_overlap or _diag is not None:
+            return (f"fp8_dequant={mode!r} runs with split_d (the consumers' bf16 steps), without split_scores / "
+                    "pingpong / fp8_overlap / _diag")
+        if (block_k or 32) != 32:
+            return (f"fp8_dequant={mode!r} takes block_k=32 (two bf16 tiles of 64 rows do not fit in shared "
+                    f"memory), got {block_k}")
+        return None
+
+    if fp8_dequant is None:   # the default where it applies; the consumers convert where an option needs them to
+        default_fits = DEFAULT_FP8_DEQUANT == "consumers" or tile_ring_conflict(DEFAULT_FP8_DEQUANT) is None
+        fp8_dequant = DEFAULT_FP8_DEQUANT if default_fits else "consumers"
     if fp8_dequant not in ("consumers", "producer", "converter"):
         raise ValueError(f"fp8_dequant must be 'consumers', 'producer' or 'converter', got {fp8_dequant!r}")
     pdq = fp8_dequant == "producer"
     conv = fp8_dequant == "converter"
     tiles = pdq or conv   # the bf16 tile ring with 32-row steps
     if tiles:
-        if not fp8:
-            raise ValueError(f"fp8_dequant={fp8_dequant!r} dequantizes FP8 pools (bf16 pools need no conversion)")
-        if split_d is False or split_scores or pingpong or fp8_overlap or _diag is not None:
-            raise ValueError(f"fp8_dequant={fp8_dequant!r} runs with split_d (the consumers' bf16 steps), without "
-                             "split_scores / pingpong / fp8_overlap / _diag")
-        if (block_k or 32) != 32:
-            raise ValueError(f"fp8_dequant={fp8_dequant!r} takes block_k=32 (two bf16 tiles of 64 rows do not fit "
-                             f"in shared memory), got {block_k}")
+        conflict = tile_ring_conflict(fp8_dequant)
+        if conflict:
+            raise ValueError(conflict)
         block_k, split_d = 32, True
         num_stages = PDQ_STAGING if num_stages is None else num_stages
         fp8_convert = fp8_convert or "rebias"
