@@ -106,7 +106,8 @@ TOPK_ONLY_METHODS = {"lax": dict(topk="lax"), "radix": dict(topk="radix"), "radi
                      "grouped16": dict(topk="grouped16"), "grouped32": dict(topk="grouped32"),
                      "grouped64": dict(topk="grouped64"), "threshold": dict(topk="threshold"),
                      "threshold_rank": dict(topk="threshold_rank"),
-                     "threshold_select": dict(topk="threshold_select"), "threshold_set": dict(topk="threshold_set")}
+                     "threshold_select": dict(topk="threshold_select"), "threshold_set": dict(topk="threshold_set"),
+                     "threshold_fused_set": dict(topk="threshold_fused_set")}
 QUICK_DROP = ("radix", "pallas_radix", "pallas_blockwise")  # slower than lax on the H200 / 8-bit radix compiles for
                                                             # minutes at batch 64 (results/h200_s3r1, s3r3)
 
@@ -246,6 +247,9 @@ def main():
                                                                       precision="fp8"),
         "pallas_mosaic_fp8_set": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", kernel="mosaic",
                                                                  topk="threshold_set", precision="fp8"),
+        # session 24: the threshold top-k's stages in one Triton kernel, one program per row (topk_fused.py)
+        "pallas_fused_set": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas",
+                                                            topk="threshold_fused_set"),
         "xla_ref": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="reference"),
     }
     if a.quick:

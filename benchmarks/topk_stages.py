@@ -21,10 +21,13 @@ Stages (k = 512, random normal scores [R, T]; each timed as dependent calls in o
   bound            gmax + `bound_pallas` (their k-th largest by a radix select kernel; compare with `tau`)
   select           `select_pallas` alone on the compacted slots (the exact k-set, ascending position)
   order_k          lax.top_k over k picks + the index gather (the sort left in full_select)
+  fused_set        full_set's selection as one Triton kernel, one program per row (`topk_fused.fused_select`)
+  fused_ties       the same on full_ties' rows (every row overflows: the in-kernel fix-up runs)
   touch            the chain's own carry update alone (the harness overhead, subtracted from nothing)
 Prints a table of us per call; writes DIR/topk_stages.json. --stages picks a subset (comma list; touch always runs).
 --select-configs 'bound_warps=2,select_warps=2;select_bits=4' times bound / select / full_select / full_set once per
-option set of `topk.SELECT_KERNEL_CONFIG` (rows named like `full_set[select_warps=2]`).
+option set of `topk.SELECT_KERNEL_CONFIG` (rows named like `full_set[select_warps=2]`); --fused-configs
+'num_warps=16;matrix=0,rows_per_step=8' times fused_set once per option set of `topk_fused.FUSED_KERNEL_CONFIG`.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import jax.numpy as jnp
 
 from benchmarks.timing import timed_chain
 from pallas_kernels.indexer import topk as T_
+from pallas_kernels.indexer import topk_fused as TF
 
 K = 512
 
@@ -84,6 +88,9 @@ def stages(R, T, k=K, only=None, label=""):
         "cond_trivial": cond_trivial,
         "full_select": lambda s: T_.topk_threshold(s, k, impl="pallas_select", interpret=interp),
         "full_set": lambda s: T_.topk_threshold(s, k, impl="pallas_select", sorted=False, interpret=interp),
+        "fused_set": lambda s: T_.topk_threshold(s, k, impl="pallas_fused", sorted=False, interpret=interp),
+        "fused_ties": lambda s: T_.topk_threshold(jnp.where(s[:, :1] > 1e30, 0.0, ties), k, impl="pallas_fused",
+                                                  sorted=False, interpret=interp),
         "bound": lambda s: T_.bound_pallas(T_._strided_group_max(T_._ordered_i32(s), group), k,
                                            interpret=interp)[:, None],
         "select": lambda s: T_.select_pallas(jnp.where(s[:, :1] > 1e30, 0, ck0), cp0, n0, k, capacity,
@@ -132,6 +139,8 @@ def main():
     ap.add_argument("--select-configs", default=None,
                     help="';'-separated option sets of topk.SELECT_KERNEL_CONFIG (k=v,k=v): the radix-select "
                          "kernels' stages timed once per set")
+    ap.add_argument("--fused-configs", default=None,
+                    help="';'-separated option sets of topk_fused.FUSED_KERNEL_CONFIG: fused_set timed once per set")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     rows = []
@@ -155,6 +164,21 @@ def main():
             rows.append(dict(R=R, T=T, config=cfg, **{f"{n}[{cfg}]": v for n, v in row.items()
                                                        if n in ("touch", "bound", "select", "full_select",
                                                                 "full_set")}))
+        for cfg in (a.fused_configs.split(";") if a.fused_configs else []):
+            opts = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in cfg.split(",") if kv}
+            unknown = set(opts) - set(TF.FUSED_KERNEL_CONFIG)
+            if unknown:
+                raise SystemExit(f"--fused-configs: unknown keys {sorted(unknown)}; known: "
+                                 f"{sorted(TF.FUSED_KERNEL_CONFIG)}")
+            saved = dict(TF.FUSED_KERNEL_CONFIG)
+            TF.FUSED_KERNEL_CONFIG.update(opts)  # read at trace time by fused_select
+            try:
+                row = stages(R, T, only={"fused_set"}, label=f" [{cfg}]")
+            finally:
+                TF.FUSED_KERNEL_CONFIG.clear()
+                TF.FUSED_KERNEL_CONFIG.update(saved)
+            rows.append(dict(R=R, T=T, config=cfg, **{f"{n}[{cfg}]": v for n, v in row.items()
+                                                       if n in ("touch", "fused_set")}))
         with open(os.path.join(a.out, "topk_stages.json"), "w") as f:
             json.dump(rows, f, indent=1)
 

@@ -116,6 +116,20 @@ def test_topk_compact_kernel_lowers():
     lowers_for_cuda(lambda x: topk_threshold(x, 512, impl="pallas_compact"), s)
     lowers_for_cuda(lambda x: topk_threshold(x, 512, impl="pallas_select"), s)           # bound + select kernels
     lowers_for_cuda(lambda x: topk_threshold(x, 512, impl="pallas_select", sorted=False), s)
+    lowers_for_cuda(lambda x: topk_threshold(x, 512, impl="pallas_fused", sorted=False), s)   # one kernel a row
+
+
+def test_topk_radix_count_matrix_lowers(monkeypatch):
+    """The bound / select kernels with all digit counts of a pass as one [N, 2**bits] reduction, and the fused
+    kernel with both count modes and 4-bit digits."""
+    from pallas_kernels.indexer import topk as T_
+    from pallas_kernels.indexer.topk_fused import fused_select
+
+    s = jax.random.normal(jax.random.key(0), (3, 40000), jnp.float32)
+    monkeypatch.setitem(T_.SELECT_KERNEL_CONFIG, "bound_matrix", True)
+    monkeypatch.setitem(T_.SELECT_KERNEL_CONFIG, "select_matrix", True)
+    lowers_for_cuda(lambda x: T_.topk_threshold(x, 512, impl="pallas_select", sorted=False), s)
+    lowers_for_cuda(lambda x: fused_select(x, 512, matrix=False, bound_bits=4, rows_per_step=1, num_warps=16), s)
 
 
 @pytest.mark.parametrize("flags,opts", [

@@ -337,8 +337,70 @@ def test_bound_and_select_kernels_match_references():
             assert (np.asarray(kk)[r, m:] == INT32_MIN).all() and (np.asarray(pp)[r, m:] == 0).all()
 
 
+@pytest.mark.parametrize("cfg", [{}, dict(matrix=False, rows_per_step=1, chunk=512, bound_bits=4, select_bits=1)])
+def test_fused_select_matches_lax_top_k(cfg):
+    """The one-kernel threshold top-k (`topk_fused.fused_select`, interpreter), sorted and as a set, == lax.top_k on
+    every kind of row in one call: fast-path rows with -inf / +inf / NaN / -0.0 and short valid prefixes, heavy-tie
+    rows (overflow, the tau == K* route), a row with > k distinct keys above a plateau at the bound (overflow, the
+    radix route), T not a multiple of the group or the chunk; the default config and the other count mode /
+    digit widths / step sizes."""
+    import pallas_kernels.indexer.topk_fused as F
+    from pallas_kernels.indexer.topk import _ordered_i32, _threshold, as_index_set, compact_reference
+
+    rng = np.random.default_rng(next(_SEED))
+    T, k = 5003, 64
+    x = np.concatenate([_fast_rows(8, T, rng), random_scores((2, T), rng)])
+    group, cap = threshold_layout(T, k)
+    G = -(-T // group)
+    x[9] = rng.uniform(-3.0, 0.5, T)
+    x[9, rng.choice(T, 1000, replace=False)] = 1.0
+    big = np.concatenate([np.arange(g, T, G) for g in range(5, 5 + -(-3 * k // (2 * group)))])
+    x[9, big] = 2.0 + rng.random(big.size)
+    s = jnp.asarray(x)
+    keys = _ordered_i32(s)
+    tau = _threshold(keys, k, group)
+    n = np.asarray(compact_reference(keys, tau, cap)[2])
+    assert (n[:8] <= cap).all() and (n[8:] > cap).all()                      # fast path and both overflow routes
+    assert int(jnp.sum(keys[9] > tau[9])) >= k
+    want = _lax(s, k=k, topk="lax")
+    for srt in (True, False):
+        with pytest.MonkeyPatch.context() as mp:
+            for key, v in cfg.items():
+                mp.setitem(F.FUSED_KERNEL_CONFIG, key, v)
+            got = jax.jit(functools.partial(topk_threshold, k=k, impl="pallas_fused", sorted=srt, interpret=True))(s)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want if srt else as_index_set(want)))
+
+
+def test_radix_select_count_matrix_matches(monkeypatch):
+    """The bound and select kernels with all digit counts of a pass as one [N, 2**bits] reduction (interpreter):
+    the same picks as lax.top_k, as a set, on fast-path and heavy-tie rows."""
+    from pallas_kernels.indexer import topk as T_
+
+    monkeypatch.setitem(T_.SELECT_KERNEL_CONFIG, "bound_matrix", True)
+    monkeypatch.setitem(T_.SELECT_KERNEL_CONFIG, "select_matrix", True)
+    monkeypatch.setitem(T_.SELECT_KERNEL_CONFIG, "select_bits", 4)
+    rng = np.random.default_rng(next(_SEED))
+    s = jnp.asarray(np.concatenate([_fast_rows(8, 5000, rng), random_scores((2, 5000), rng)]))
+    got = topk_threshold(s, 64, impl="pallas_select", sorted=False, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(T_.as_index_set(_lax(s, k=64, topk="lax"))))
+
+
+def test_fused_select_refuses_bad_input():
+    from pallas_kernels.indexer.topk_fused import fused_select
+
+    s = jnp.zeros((2, 5000), jnp.float32)
+    with pytest.raises(ValueError, match="unknown options"):
+        fused_select(s, 64, num_wraps=4)
+    with pytest.raises(ValueError, match="float32"):
+        fused_select(s.astype(jnp.bfloat16), 64)
+    with pytest.raises(ValueError, match="shortcut"):
+        fused_select(s[:, :200], 64)
+    with pytest.raises(ValueError, match="powers of two"):
+        fused_select(s, 64, chunk=1000)
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (compiled Triton compaction kernel)")
-@pytest.mark.parametrize("impl", ["pallas", "pallas_compact", "pallas_select"])
+@pytest.mark.parametrize("impl", ["pallas", "pallas_compact", "pallas_select", "pallas_fused"])
 @pytest.mark.parametrize("R,T,k", [(1, 262144, 512), (64, 32768, 512), (5, 70000, 1024)])
 def test_gpu_threshold_topk(R, T, k, impl):
     """The compiled threshold top-k (Triton kernels) == lax.top_k: fast-path rows and heavy-tie rows (fallback)."""
@@ -349,7 +411,7 @@ def test_gpu_threshold_topk(R, T, k, impl):
         s = jnp.asarray(s)
         want = np.asarray(_lax(s, k=k, topk="lax"))
         np.testing.assert_array_equal(np.asarray(f(s, k=k)), want)
-        if impl == "pallas_select":  # the index-set mode of the same pipeline
+        if impl in ("pallas_select", "pallas_fused"):  # the index-set mode of the same pipeline
             from pallas_kernels.indexer.topk import as_index_set
 
             got = jax.jit(functools.partial(topk_threshold, impl=impl, sorted=False), static_argnames=("k",))(s, k=k)

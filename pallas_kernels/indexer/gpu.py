@@ -42,7 +42,9 @@ elsewhere), lax.top_k over ~4k slots; a row that overflows the slots gets its ex
 rank-counting kernel instead of the two lax.top_k (no sort; measured slower at batch 64), "threshold_select" = Triton
 kernels for the bound and for picking the k-set among the survivors (`topk_threshold(impl="pallas_select")`; the only
 sort left is over the k picks), "threshold_set" = the same without that sort: the picks as an index set (ascending
-index, -1s last), for consumers that only gather and sum. All others give the same picks. H200, session 7 (B = 64,
+index, -1s last), for consumers that only gather and sum; "threshold_fused" / "threshold_fused_set" = the
+threshold_select / threshold_set selection as one Triton kernel, one program per row (`topk_fused.fused_select`:
+no launches between its stages). All others give the same picks. H200, session 7 (B = 64,
 128K context, bf16 keys, whole pipeline): default 218-224 us, threshold_select 220, threshold_set 210-212 (the only
 one with no sort left).
 Default "threshold": on the H200, 44 us at batch 1 x 262,144 candidates (lax.top_k ~80) and 55-60 us at batch 64 x
@@ -566,9 +568,11 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
 
 
 TOPK_METHODS = ("lax", "blockwise", "radix", "radix4", "grouped", "grouped<N>", "threshold", "threshold_rank",
-                "threshold_select", "threshold_set")
+                "threshold_select", "threshold_set", "threshold_fused", "threshold_fused_set")
 THRESHOLD_METHODS = {"threshold": "pallas_compact", "threshold_rank": "pallas", "threshold_select": "pallas_select",
-                     "threshold_set": "pallas_select"}  # method -> topk_threshold impl on a GPU ("xla" elsewhere)
+                     "threshold_set": "pallas_select", "threshold_fused": "pallas_fused",
+                     "threshold_fused_set": "pallas_fused"}  # method -> topk_threshold impl on a GPU ("xla" elsewhere)
+SET_METHODS = ("threshold_set", "threshold_fused_set")  # the picks as an index set, not sorted
 
 
 def radix_bits_of(topk: str, radix_bits: Optional[int] = None) -> Optional[int]:
@@ -585,7 +589,7 @@ def radix_bits_of(topk: str, radix_bits: Optional[int] = None) -> Optional[int]:
 
 def topk_from_scores(scores, k, *, topk="lax", topk_block=4096, radix_bits=None, group_max=None):
     """scores [..., Tp] (-inf = invalid) -> picks [..., k] int32 sorted by descending score, ties -> lower index,
-    -1 where the score is not finite. topk: one of TOPK_METHODS (same results), except "threshold_set": the same
+    -1 where the score is not finite. topk: one of TOPK_METHODS (same results), except SET_METHODS: the same
     picks as an index set (`topk.as_index_set`: ascending index, the -1s last). group_max: the scores kernel's
     partial strided-group maxima for the threshold methods (`topk.topk_threshold`), else unused."""
     bits = radix_bits_of(topk, radix_bits)
@@ -593,7 +597,7 @@ def topk_from_scores(scores, k, *, topk="lax", topk_block=4096, radix_bits=None,
         from .topk import topk_threshold
 
         impl = THRESHOLD_METHODS[topk] if jax.default_backend() == "gpu" else "xla"
-        return topk_threshold(scores, k, impl=impl, sorted=topk != "threshold_set", group_max=group_max)
+        return topk_threshold(scores, k, impl=impl, sorted=topk not in SET_METHODS, group_max=group_max)
     if topk.startswith("grouped"):
         from .topk import topk_grouped
 

@@ -333,13 +333,25 @@ COUNT_WIDTH = 1024  # lanes of the fix-up kernel's counting passes ([1024, 16] i
 def _exact_rows_kernel(n_ref, tau_ref, scores_ref, keys_in, pos_in, keys_out, pos_out, *, T, k, capacity, chunk, bits):
     """One program per row; only rows whose survivors overflowed the slots (n > capacity) do anything: they get the
     exact top-k set in slots [0, k) (ascending position) and padding in [k, capacity), so the ordering stage that
-    follows is exact for them too. The exact k-th largest key K*: tau itself when fewer than k keys lie above it
-    (one counting pass: the common overflow, a plateau of ties at the bound), else a radix select (32 / bits passes
-    over the row, counting #{key >= prefix | digit} for every digit at once); then one pass that keeps every
-    key > K* and the first k - #{key > K*} keys == K* in index order (ties -> lower index, as lax.top_k).
-    Unsigned key order u = signed ordered key ^ INT32_MIN; thresholds are compared in the signed domain."""
+    follows is exact for them too (`_fill_exact_row`)."""
     del keys_in, pos_in  # aliased to the outputs: rows without overflow keep the compaction's slots
     r = pl.program_id(0)
+
+    @pl.when(n_ref[r] > capacity)
+    def _():
+        _fill_exact_row(r, tau_ref[r], scores_ref, keys_out, pos_out, T=T, k=k, capacity=capacity, chunk=chunk,
+                        bits=bits)
+
+
+def _fill_exact_row(r, tau, scores_ref, keys_out, pos_out, *, T, k, capacity, chunk, bits):
+    """Row r of scores_ref [R, T], known to have more than `capacity` survivors of the bound tau: writes its exact
+    top-k set to slots [0, k) of keys_out / pos_out (ascending position) and padding (INT32_MIN, 0) to [k,
+    capacity); the slot buffers need a `chunk`-wide tail past the capacity (for lanes not stored). The exact k-th
+    largest key K*: tau itself when fewer than k keys lie above it (one counting pass: the common overflow, a
+    plateau of ties at the bound), else a radix select (32 / bits passes over the row, counting #{key >= prefix |
+    digit} for every digit at once); then one pass that keeps every key > K* and the first k - #{key > K*} keys ==
+    K* in index order (ties -> lower index, as lax.top_k). Unsigned key order u = signed ordered key ^ INT32_MIN;
+    thresholds are compared in the signed domain."""
     n_chunks = -(-T // chunk)
     lanes = jax.lax.iota(jnp.int32, chunk)
     cw = min(COUNT_WIDTH, chunk)          # counting passes: per-lane counters, reduced once a pass
@@ -374,38 +386,35 @@ def _exact_rows_kernel(n_ref, tau_ref, scores_ref, keys_in, pos_in, keys_out, po
         kstar = prefix ^ jnp.int32(INT32_MIN)
         return kstar, count_gt(kstar)
 
-    @pl.when(n_ref[r] > capacity)
-    def _():
-        # #{key >= tau} = n > capacity >= k; if fewer than k keys lie above tau, the k-th largest IS tau (the usual
-        # overflow: a plateau of ties at the bound, e.g. many exact-zero scores): no radix passes needed
-        tau = tau_ref[r]
-        above_tau = count_gt(tau)
-        kstar, c_gt = jax.lax.cond(above_tau < k, lambda: (tau, above_tau), radix_kstar)
-        r_eq = k - c_gt                                       # keys == K* to take, >= 1
+    # #{key >= tau} = n > capacity >= k; if fewer than k keys lie above tau, the k-th largest IS tau (the usual
+    # overflow: a plateau of ties at the bound, e.g. many exact-zero scores): no radix passes needed
+    above_tau = count_gt(tau)
+    kstar, c_gt = jax.lax.cond(above_tau < k, lambda: (tau, above_tau), radix_kstar)
+    r_eq = k - c_gt                                       # keys == K* to take, >= 1
 
-        def select(c, carry):
-            n_sel, n_eq = carry
-            cols, inside, key = load_keys(c)
-            gt = inside & (key > kstar)
-            eq = inside & (key == kstar)
-            eq_run = n_eq + jnp.cumsum(eq.astype(jnp.int32))
-            sel = gt | (eq & (eq_run <= r_eq))
-            at = n_sel + jnp.cumsum(sel.astype(jnp.int32)) - 1
-            at = jnp.where(sel, at, capacity + lanes)       # unstored lanes: distinct tail slots (interpreter)
-            plgpu.store(keys_out.at[r, at], key, mask=sel)
-            plgpu.store(pos_out.at[r, at], cols, mask=sel)
-            return n_sel + jnp.sum(sel.astype(jnp.int32)), n_eq + jnp.sum(eq.astype(jnp.int32))
+    def select(c, carry):
+        n_sel, n_eq = carry
+        cols, inside, key = load_keys(c)
+        gt = inside & (key > kstar)
+        eq = inside & (key == kstar)
+        eq_run = n_eq + jnp.cumsum(eq.astype(jnp.int32))
+        sel = gt | (eq & (eq_run <= r_eq))
+        at = n_sel + jnp.cumsum(sel.astype(jnp.int32)) - 1
+        at = jnp.where(sel, at, capacity + lanes)       # unstored lanes: distinct tail slots (interpreter)
+        plgpu.store(keys_out.at[r, at], key, mask=sel)
+        plgpu.store(pos_out.at[r, at], cols, mask=sel)
+        return n_sel + jnp.sum(sel.astype(jnp.int32)), n_eq + jnp.sum(eq.astype(jnp.int32))
 
-        jax.lax.fori_loop(0, n_chunks, select, (jnp.int32(0), jnp.int32(0)))
+    jax.lax.fori_loop(0, n_chunks, select, (jnp.int32(0), jnp.int32(0)))
 
-        def pad(b, carry):
-            cols = k + b * chunk + lanes
-            keep = cols < capacity
-            plgpu.store(keys_out.at[r, cols], jnp.full((chunk,), INT32_MIN, jnp.int32), mask=keep)
-            plgpu.store(pos_out.at[r, cols], jnp.zeros((chunk,), jnp.int32), mask=keep)
-            return carry
+    def pad(b, carry):
+        cols = k + b * chunk + lanes
+        keep = cols < capacity
+        plgpu.store(keys_out.at[r, cols], jnp.full((chunk,), INT32_MIN, jnp.int32), mask=keep)
+        plgpu.store(pos_out.at[r, cols], jnp.zeros((chunk,), jnp.int32), mask=keep)
+        return carry
 
-        jax.lax.fori_loop(0, -(-(capacity - k) // chunk), pad, 0)
+    jax.lax.fori_loop(0, -(-(capacity - k) // chunk), pad, 0)
 
 
 def exact_rows(scores, n, tau, cand_keys, cand_pos, k: int, capacity: int, *, chunk: int = 1024, bits: int = 4,
@@ -476,25 +485,33 @@ def _i32(v: int) -> int:
     return ((int(v) + 2 ** 31) % 2 ** 32) - 2 ** 31
 
 
-def _radix_select_regs(key, valid, kk, bits: int):
+def _radix_select_regs(key, valid, kk, bits: int, matrix: bool = False):
     """In-kernel radix select over an in-register vector: key [N] int32 (signed ordered keys), valid [N] bool,
     1 <= kk <= #valid (traced) -> (K*, #{valid key > K*}) with K* the kk-th largest valid key. Unsigned order
-    u = key ^ INT32_MIN, fixed from the top `bits` bits down; per pass one reduction per nonzero digit (independent,
-    so they overlap): the digit taken is the number of digits d >= 1 with #{valid key >= prefix | d} >= kk, since
-    those counts are non-increasing in d and the count at d = 0 is >= kk by the invariant."""
+    u = key ^ INT32_MIN, fixed from the top `bits` bits down: the digit taken is the number of digits d >= 1 with
+    #{valid key >= prefix | d} >= kk, since those counts are non-increasing in d and the count at d = 0 is >= kk by
+    the invariant. Per pass either one reduction per nonzero digit (independent, so they overlap), or, matrix=True,
+    all 2**bits counts as one reduction of an [N, 2**bits] compare matrix over N (one block-wide reduction a pass,
+    N * 2**bits values in registers)."""
     prefix = jnp.int32(0)
+    digits = jax.lax.iota(jnp.int32, 1 << bits)
     for p in range(32 // bits):
         shift = 32 - (p + 1) * bits
-        digit = jnp.int32(0)
-        for d in range(1, 1 << bits):
-            thr = (prefix | jnp.int32(_i32(d << shift))) ^ jnp.int32(INT32_MIN)
-            digit = digit + (jnp.sum((valid & (key >= thr)).astype(jnp.int32)) >= kk).astype(jnp.int32)
+        if matrix:
+            thr = (prefix | (digits << shift)) ^ jnp.int32(INT32_MIN)                 # [2**bits], signed domain
+            cnt = jnp.sum((valid[:, None] & (key[:, None] >= thr[None, :])).astype(jnp.int32), axis=0)
+            digit = jnp.sum((cnt >= kk).astype(jnp.int32)) - 1                       # cnt[0] >= kk always
+        else:
+            digit = jnp.int32(0)
+            for d in range(1, 1 << bits):
+                thr = (prefix | jnp.int32(_i32(d << shift))) ^ jnp.int32(INT32_MIN)
+                digit = digit + (jnp.sum((valid & (key >= thr)).astype(jnp.int32)) >= kk).astype(jnp.int32)
         prefix = prefix | (digit << shift)
     kstar = prefix ^ jnp.int32(INT32_MIN)
     return kstar, jnp.sum((valid & (key > kstar)).astype(jnp.int32))
 
 
-def _bound_kernel(gmax_ref, tau_ref, *, P, G, Gp, k, bits):
+def _bound_kernel(gmax_ref, tau_ref, *, P, G, Gp, k, bits, matrix):
     """One program per row: tau = the k-th largest of the row's G group maxima (the max over its P partial maxima
     first), by radix select in registers (no sort)."""
     r = pl.program_id(0)
@@ -502,14 +519,16 @@ def _bound_kernel(gmax_ref, tau_ref, *, P, G, Gp, k, bits):
     real = lanes < G
     load = lambda p: plgpu.load(gmax_ref.at[r, jnp.full_like(lanes, p), lanes], mask=real, other=INT32_MIN)
     gmax = jax.lax.fori_loop(1, P, lambda p, m: jnp.maximum(m, load(p)), load(0)) if P > 1 else load(0)
-    tau, _ = _radix_select_regs(gmax, real, k, bits)
+    tau, _ = _radix_select_regs(gmax, real, k, bits, matrix)
     tau_ref[...] = jnp.full((1,), tau, jnp.int32)
 
 
 # Triton launch settings of the two radix-select kernels (one program per row). Swept on the H200 in session 7
 # (benchmarks/topk_stages.py --select-configs): 1 / 2 / 4 warps are 1.2-5x slower, 16 warps and 1 or 4 bits per
-# pass no faster; the reductions' throughput, not their latency, sets the time.
-SELECT_KERNEL_CONFIG = dict(bound_warps=8, bound_bits=2, select_warps=8, select_bits=2)
+# pass no faster; the reductions' throughput, not their latency, sets the time. *_matrix: all digit counts of a pass
+# as one [N, 2**bits] reduction (`_radix_select_regs(matrix=True)`; session 24).
+SELECT_KERNEL_CONFIG = dict(bound_warps=8, bound_bits=2, select_warps=8, select_bits=2, bound_matrix=False,
+                            select_matrix=False)
 
 
 def bound_pallas(gmax, k: int, *, bits: int | None = None, num_warps: int | None = None, interpret: bool = False):
@@ -528,13 +547,14 @@ def bound_pallas(gmax, k: int, *, bits: int | None = None, num_warps: int | None
     Gp = 1 << (G - 1).bit_length()
     extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1))
     return pl.pallas_call(
-        functools.partial(_bound_kernel, P=P, G=G, Gp=Gp, k=k, bits=bits), grid=(R,),
+        functools.partial(_bound_kernel, P=P, G=G, Gp=Gp, k=k, bits=bits,
+                          matrix=bool(SELECT_KERNEL_CONFIG["bound_matrix"])), grid=(R,),
         in_specs=[pl.BlockSpec((R, P, G), lambda i: (0, 0, 0))], out_specs=pl.BlockSpec((1,), lambda i: (i,)),
         out_shape=jax.ShapeDtypeStruct((R,), jnp.int32), interpret=interpret, name="topk_bound", **extra,
     )(gmax.astype(jnp.int32))
 
 
-def _select_kernel(n_ref, keys_ref, pos_ref, keys_out, pos_out, *, W, Cp, k, kp, bits, finite_only):
+def _select_kernel(n_ref, keys_ref, pos_ref, keys_out, pos_out, *, W, Cp, k, kp, bits, finite_only, matrix):
     """One program per row: of the row's n valid slots (ascending position), keep the exact top-k set -- every key
     > K* and the first k' - #{key > K*} keys == K* (k' = min(k, n), K* = the k'-th largest) -- and write it in
     ascending position to [0, k'), padding (INT32_MIN, 0) in [k', k). finite_only: picks whose score is not finite
@@ -548,7 +568,7 @@ def _select_kernel(n_ref, keys_ref, pos_ref, keys_out, pos_out, *, W, Cp, k, kp,
     key = plgpu.load(keys_ref.at[r, lanes], mask=valid & (lanes < W), other=INT32_MIN)
     pos = plgpu.load(pos_ref.at[r, lanes], mask=valid & (lanes < W), other=0)
     kk = jnp.minimum(n, k)
-    kstar, c_gt = _radix_select_regs(key, valid, jnp.maximum(kk, 1), bits)
+    kstar, c_gt = _radix_select_regs(key, valid, jnp.maximum(kk, 1), bits, matrix)
     gt = valid & (key > kstar)
     eq = valid & (key == kstar)
     sel = gt | (eq & (jnp.cumsum(eq.astype(jnp.int32)) <= kk - c_gt))
@@ -580,7 +600,8 @@ def select_pallas(cand_keys, cand_pos, n, k: int, capacity: int, *, bits: int | 
     full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
     extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1))
     keys_k, pos_k = pl.pallas_call(
-        functools.partial(_select_kernel, W=W, Cp=Cp, k=k, kp=kp, bits=bits, finite_only=finite_only), grid=(R,),
+        functools.partial(_select_kernel, W=W, Cp=Cp, k=k, kp=kp, bits=bits, finite_only=finite_only,
+                          matrix=bool(SELECT_KERNEL_CONFIG["select_matrix"])), grid=(R,),
         in_specs=[full((R,)), full((R, W)), full((R, W))], out_specs=[full((R, k + Cp))] * 2,
         out_shape=[jax.ShapeDtypeStruct((R, k + Cp), jnp.int32)] * 2, interpret=interpret, name="topk_select",
         **extra,
@@ -595,7 +616,7 @@ def as_index_set(picks):
     return jnp.where(ordered == big, -1, ordered).astype(jnp.int32)
 
 
-THRESHOLD_IMPLS = ("xla", "pallas_compact", "pallas", "pallas_select")
+THRESHOLD_IMPLS = ("xla", "pallas_compact", "pallas", "pallas_select", "pallas_fused")
 
 
 def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str = "xla", sorted: bool = True,
@@ -620,7 +641,9 @@ def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str 
     no sort at all), "pallas_select" (Triton kernels instead of both sorts: `bound_pallas` for tau (the k-th largest
     group maximum by radix select), the compaction and fix-up, then `select_pallas` picks
     the exact top-k set among the ~1.4k survivors by radix select; the order is a `lax.top_k` over those k only,
-    and none at all with sorted=False); `interpret` runs the Triton kernels in the Pallas interpreter.
+    and none at all with sorted=False), "pallas_fused" (the same selection as "pallas_select" in one Triton kernel,
+    one program per row: `topk_fused.fused_select`; group_max unused); `interpret` runs the Triton kernels in the
+    Pallas interpreter.
     group_max: [..., P, G] int32, partial maxima of the ordered keys (`_ordered_i32`) of the scores' strided groups
     (group g = entries g, g + G, ...; G = `threshold_groups(T, k)`), whose max over P is the group maxima; a
     producer that already passed over the scores (the indexer scores kernel) saves the XLA pass over the row.
@@ -643,6 +666,13 @@ def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str 
         gpart = group_max.reshape(R, group_max.shape[-2], G)
     if impl == "pallas_select" and bounded:
         return _select_path(s, lead, k, group, capacity, sorted, interpret, gpart)
+    if impl == "pallas_fused" and bounded:
+        from .topk_fused import fused_select   # the same k-set as "pallas_select", in one kernel
+
+        keys_k, pos_k = fused_select(s, k, capacity, finite_only=not sorted, interpret=interpret)
+        if not sorted:
+            return jnp.where(keys_k > NEG_INF_KEY, pos_k, -1).reshape(lead + (k,))
+        return _order_slots(keys_k, pos_k, k, lead)
     picks = _threshold_sorted(s, lead, k, group, capacity, impl, interpret, gpart)
     return picks if sorted else as_index_set(picks)
 

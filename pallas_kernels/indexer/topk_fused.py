@@ -1,0 +1,180 @@
+"""The threshold top-k in one Triton kernel: one program per row, no launches between its stages.
+
+    fused_select(scores [R, T] f32, k, capacity) -> (keys [R, k] int32, pos [R, k] int32)
+
+The same exact selection as `topk.topk_threshold(impl="pallas_select")`, which runs it as a chain of XLA fusions and
+four Triton kernels (group maxima, bound, survivor counts, compaction, overflow fix-up, k-set selection). Measured on
+the H200 (session 7, 64 rows x 32768), that chain's stages each cost ~12-15 us at ~2 us of memory traffic: the
+launches and the passes over the scores between them, not the work. Here one program per row runs:
+
+  1. group maxima: the row's strided-group maxima (group g = entries g, g + G, ...; `topk._strided_group_max`) as a
+     running max over the row read `rows_per_step` strided rows at a time, in registers [Gp];
+  2. bound: tau = the k-th largest of the G maxima by a radix select in registers (`topk._radix_select_regs`);
+  3. compaction: the survivors (key >= tau, above -inf's key) in ascending position into the row's `capacity` slots
+     of a scratch output (a running offset + a block cumsum per chunk);
+  4. overflow fix-up, only on a row with more than `capacity` survivors: its exact top-k set into slots [0, k)
+     (`topk._fill_exact_row`);
+  5. selection: the exact top-k set among the slots by a radix select, written in ascending position.
+Stages 3-5 hand their slots on through global memory inside the program: a CTA barrier (`debug_barrier`, bar.sync)
+between them makes one thread's stores visible to the others. The interpreter runs a program sequentially and needs
+none.
+
+Trade-off: the passes over a row are one SM's (one program per row) instead of the whole GPU's, so this pays where
+there are enough rows to fill the GPU (decode at batch >= 32) and the row is modest (up to ~32K candidates: 128 KB
+read twice, the second time from L2); batch 1 keeps the chained kernels, whose XLA passes spread a 1 MB row over
+all SMs. Output contract: `topk.select_pallas`'s (the set in ascending position, (INT32_MIN, 0) padding; with
+finite_only, the non-finite picks left out).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from .topk import (INT32_MIN, POS_INF_KEY, _fill_exact_row, _ordered_i32, _radix_select_regs, _survives,
+                   threshold_layout)
+
+try:
+    from jax.experimental.pallas import triton as plgpu
+except ImportError:  # pragma: no cover
+    plgpu = None
+
+__all__ = ["fused_select", "FUSED_KERNEL_CONFIG", "fused_applies"]
+
+# Launch and tile settings (swept with benchmarks/topk_stages.py --fused-configs): warps per program, strided rows
+# read per step of the group-maxima pass, chunk of the compaction pass, radix bits and count mode of the bound and
+# the selection.
+FUSED_KERNEL_CONFIG = dict(num_warps=8, rows_per_step=4, chunk=2048, bound_bits=2, select_bits=2, matrix=True)
+
+# Where `topk_threshold` takes the fused kernel by default for a set (sorted=False): rows enough to occupy the GPU
+# with one program each, and rows short enough for one SM's two passes.
+FUSED_MIN_ROWS = 32
+FUSED_MAX_T = 65536
+
+
+def fused_applies(R: int, T: int) -> bool:
+    """Whether the default threshold set of R rows of T candidates takes the fused kernel."""
+    return R >= FUSED_MIN_ROWS and T <= FUSED_MAX_T
+
+
+def _barrier(interpret: bool):
+    if not interpret:  # the interpreter runs a program's lanes in order: nothing to wait for
+        plgpu.debug_barrier()
+
+
+def _fused_kernel(scores_ref, slot_keys, slot_pos, keys_out, pos_out, *, T, k, kp, G, Gp, group, U, capacity, Cp,
+                  chunk, bound_bits, select_bits, matrix, finite_only, interpret):
+    r = pl.program_id(0)
+    glanes = jax.lax.iota(jnp.int32, Gp)
+
+    # 1. strided-group maxima: strided row j holds entries j * G + g; U of them per step
+    def gmax_step(i, m):
+        j = i * U + jax.lax.iota(jnp.int32, U)
+        cols = j[:, None] * G + glanes[None, :]
+        ok = (glanes[None, :] < G) & (cols < T)
+        key = _ordered_i32(plgpu.load(scores_ref.at[r, cols], mask=ok, other=-jnp.inf))
+        return jnp.maximum(m, jnp.max(jnp.where(ok, key, INT32_MIN), axis=0))
+
+    gmax = jax.lax.fori_loop(0, group // U, gmax_step, jnp.full((Gp,), INT32_MIN, jnp.int32))
+
+    # 2. the bound: k <= 2k <= G, so the k-th largest maximum exists
+    tau, _ = _radix_select_regs(gmax, glanes < G, jnp.int32(k), bound_bits, matrix)
+
+    # 3. compaction of the survivors into the slots, ascending position
+    lanes = jax.lax.iota(jnp.int32, chunk)
+
+    def compact_step(c, off):
+        cols = c * chunk + lanes
+        inside = cols < T
+        key = _ordered_i32(plgpu.load(scores_ref.at[r, cols], mask=inside, other=-jnp.inf))
+        m = inside & _survives(key, tau)
+        mi = m.astype(jnp.int32)
+        at = off + jnp.cumsum(mi) - 1
+        ok = m & (at < capacity)
+        at = jnp.where(ok, at, capacity + lanes)     # lanes not stored: distinct tail slots (interpreter)
+        plgpu.store(slot_keys.at[r, at], key, mask=ok)
+        plgpu.store(slot_pos.at[r, at], cols, mask=ok)
+        return off + jnp.sum(mi)
+
+    n = jax.lax.fori_loop(0, -(-T // chunk), compact_step, jnp.int32(0))
+
+    # 4. a row with more than `capacity` survivors: its exact top-k set in slots [0, k) instead
+    @pl.when(n > capacity)
+    def _():
+        _barrier(interpret)   # the compaction's stores land before the fix-up overwrites those slots
+        _fill_exact_row(r, tau, scores_ref, slot_keys, slot_pos, T=T, k=k, capacity=capacity, chunk=chunk,
+                        bits=4)
+
+    n = jnp.where(n > capacity, k, n)
+    _barrier(interpret)
+
+    # 5. the exact top-k set among the n slots (`topk._select_kernel`'s selection)
+    slanes = jax.lax.iota(jnp.int32, Cp)
+    valid = slanes < n
+    key = plgpu.load(slot_keys.at[r, slanes], mask=valid, other=INT32_MIN)
+    pos = plgpu.load(slot_pos.at[r, slanes], mask=valid, other=0)
+    kk = jnp.minimum(n, k)
+    kstar, c_gt = _radix_select_regs(key, valid, jnp.maximum(kk, 1), select_bits, matrix)
+    gt = valid & (key > kstar)
+    eq = valid & (key == kstar)
+    sel = gt | (eq & (jnp.cumsum(eq.astype(jnp.int32)) <= kk - c_gt))
+    if finite_only:
+        sel = sel & (key < POS_INF_KEY)
+    n_out = jnp.sum(sel.astype(jnp.int32))
+    at = jnp.where(sel, jnp.cumsum(sel.astype(jnp.int32)) - 1, k + slanes)
+    plgpu.store(keys_out.at[r, at], key, mask=sel)
+    plgpu.store(pos_out.at[r, at], pos, mask=sel)
+    pad_lanes = jax.lax.iota(jnp.int32, kp)
+    pad = (pad_lanes >= n_out) & (pad_lanes < k)
+    plgpu.store(keys_out.at[r, pad_lanes], jnp.full((kp,), INT32_MIN, jnp.int32), mask=pad)
+    plgpu.store(pos_out.at[r, pad_lanes], jnp.zeros((kp,), jnp.int32), mask=pad)
+
+
+def fused_select(scores, k: int, capacity: int | None = None, *, finite_only: bool = False, interpret: bool = False,
+                 **config):
+    """scores [R, T] float32 -> (keys [R, k], pos [R, k]) int32: the exact top-k set of each row (ties -> lower
+    index, as lax.top_k) in ascending position, padded with (INT32_MIN, 0) past the row's picks; keys are the
+    ordered-int32 keys (`topk._ordered_i32`). finite_only: non-finite picks (-inf, +inf, NaN) are left out, so the
+    padding starts after the finite ones. One Triton kernel, one program per row. Needs the bounded layout of
+    `topk.threshold_layout` (T > capacity, groups of >= 4); `config` overrides FUSED_KERNEL_CONFIG."""
+    unknown = set(config) - set(FUSED_KERNEL_CONFIG)
+    if unknown:
+        raise ValueError(f"fused_select: unknown options {sorted(unknown)}; known: {sorted(FUSED_KERNEL_CONFIG)}")
+    cfg = {**FUSED_KERNEL_CONFIG, **config}
+    if scores.ndim != 2 or scores.dtype != jnp.float32:
+        raise ValueError(f"fused_select: scores must be float32 [R, T], got {scores.dtype} {scores.shape}")
+    R, T = scores.shape
+    group, capacity = threshold_layout(T, k, capacity)
+    if not (1 <= k <= capacity < T and group >= 4):
+        raise ValueError(f"fused_select: needs 1 <= k ({k}) <= capacity ({capacity}) < T ({T}) and groups of >= 4 "
+                         f"entries (got {group}); smaller rows take topk_threshold's lax.top_k shortcut")
+    U, chunk = int(cfg["rows_per_step"]), int(cfg["chunk"])
+    if U & (U - 1) or chunk & (chunk - 1) or U > group:
+        raise ValueError(f"fused_select: rows_per_step ({U}) and chunk ({chunk}) must be powers of two, "
+                         f"rows_per_step <= group ({group})")
+    for b in ("bound_bits", "select_bits"):
+        if 32 % int(cfg[b]):
+            raise ValueError(f"fused_select: {b} ({cfg[b]}) must divide 32")
+    G = -(-T // group)
+    Gp = 1 << (G - 1).bit_length()
+    Cp = 1 << (capacity - 1).bit_length()
+    kp = 1 << (k - 1).bit_length()
+    kernel = functools.partial(
+        _fused_kernel, T=T, k=k, kp=kp, G=G, Gp=Gp, group=group, U=U, capacity=capacity, Cp=Cp, chunk=chunk,
+        bound_bits=int(cfg["bound_bits"]), select_bits=int(cfg["select_bits"]), matrix=bool(cfg["matrix"]),
+        finite_only=finite_only, interpret=interpret)
+    full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
+    extra = {} if interpret else dict(
+        compiler_params=plgpu.CompilerParams(num_warps=int(cfg["num_warps"]), num_stages=1))
+    slots = capacity + max(chunk, Cp)      # + the tail that lanes not stored write to
+    outs = pl.pallas_call(
+        kernel, grid=(R,), in_specs=[full((R, T))],
+        out_specs=[full((R, slots))] * 2 + [full((R, k + Cp))] * 2,
+        out_shape=[jax.ShapeDtypeStruct((R, slots), jnp.int32)] * 2
+        + [jax.ShapeDtypeStruct((R, k + Cp), jnp.int32)] * 2,
+        interpret=interpret, name="topk_fused", **extra,
+    )(scores)
+    return outs[2][:, :k], outs[3][:, :k]
