@@ -337,7 +337,8 @@ def test_bound_and_select_kernels_match_references():
             assert (np.asarray(kk)[r, m:] == INT32_MIN).all() and (np.asarray(pp)[r, m:] == 0).all()
 
 
-@pytest.mark.parametrize("cfg", [{}, dict(matrix=False, rows_per_step=1, chunk=512, bound_bits=4, select_bits=1)])
+@pytest.mark.parametrize("cfg", [{}, dict(matrix=False, rows_per_step=1, chunk=512, bound_bits=4, select_bits=1),
+                                 dict(early_exit=True)])
 def test_fused_select_matches_lax_top_k(cfg):
     """The one-kernel threshold top-k (`topk_fused.fused_select`, interpreter), sorted and as a set, == lax.top_k on
     every kind of row in one call: fast-path rows with -inf / +inf / NaN / -0.0 and short valid prefixes, heavy-tie
@@ -371,14 +372,38 @@ def test_fused_select_matches_lax_top_k(cfg):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want if srt else as_index_set(want)))
 
 
-def test_radix_select_count_matrix_matches(monkeypatch):
-    """The bound and select kernels with all digit counts of a pass as one [N, 2**bits] reduction (interpreter):
-    the same picks as lax.top_k, as a set, on fast-path and heavy-tie rows."""
+@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("matrix,early_exit", [(False, False), (True, False), (False, True), (True, True)])
+def test_radix_select_regs_modes(bits, matrix, early_exit):
+    """The in-kernel radix select (plain jnp here) == the kk-th largest valid key and the count above it, in every
+    count mode: wide and narrow key ranges (few or many common top bits), heavy ties, all keys equal, kk = 1 and
+    kk = #valid, invalid lanes holding larger keys, negative and positive keys."""
+    from pallas_kernels.indexer.topk import _radix_select_regs
+
+    rng = np.random.default_rng(next(_SEED))
+    f = jax.jit(functools.partial(_radix_select_regs, bits=bits, matrix=matrix, early_exit=early_exit))
+    N = 300
+    rows = [rng.integers(-2**31, 2**31 - 1, N), rng.integers(1000, 1300, N), rng.integers(-3, 3, N),
+            np.full(N, 77), rng.integers(-2**20, 2**20, N) + 2**30]
+    for key in rows:
+        key = key.astype(np.int32)
+        valid = rng.random(N) < 0.8
+        key_inv = np.where(valid, key, 2**31 - 1).astype(np.int32)               # invalid lanes: above every key
+        vals = np.sort(key[valid])[::-1]
+        for kk in (1, 7, len(vals) // 2, len(vals)):
+            kstar, c_gt = f(jnp.asarray(key_inv), jnp.asarray(valid), jnp.int32(kk))
+            assert int(kstar) == vals[kk - 1] and int(c_gt) == int((vals > vals[kk - 1]).sum()), (kk, key[:5])
+
+
+@pytest.mark.parametrize("opts", [dict(bound_matrix=True, select_matrix=True, select_bits=4),
+                                  dict(early_exit=True), dict(early_exit=True, select_matrix=True)])
+def test_radix_select_count_modes_match(monkeypatch, opts):
+    """The bound and select kernels with all digit counts of a pass as one [N, 2**bits] reduction, or with the early
+    exit (interpreter): the same picks as lax.top_k, as a set, on fast-path and heavy-tie rows."""
     from pallas_kernels.indexer import topk as T_
 
-    monkeypatch.setitem(T_.SELECT_KERNEL_CONFIG, "bound_matrix", True)
-    monkeypatch.setitem(T_.SELECT_KERNEL_CONFIG, "select_matrix", True)
-    monkeypatch.setitem(T_.SELECT_KERNEL_CONFIG, "select_bits", 4)
+    for key, v in opts.items():
+        monkeypatch.setitem(T_.SELECT_KERNEL_CONFIG, key, v)
     rng = np.random.default_rng(next(_SEED))
     s = jnp.asarray(np.concatenate([_fast_rows(8, 5000, rng), random_scores((2, 5000), rng)]))
     got = topk_threshold(s, 64, impl="pallas_select", sorted=False, interpret=True)

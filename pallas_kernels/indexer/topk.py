@@ -485,33 +485,70 @@ def _i32(v: int) -> int:
     return ((int(v) + 2 ** 31) % 2 ** 32) - 2 ** 31
 
 
-def _radix_select_regs(key, valid, kk, bits: int, matrix: bool = False):
+def _radix_select_regs(key, valid, kk, bits: int, matrix: bool = False, early_exit: bool = False):
     """In-kernel radix select over an in-register vector: key [N] int32 (signed ordered keys), valid [N] bool,
     1 <= kk <= #valid (traced) -> (K*, #{valid key > K*}) with K* the kk-th largest valid key. Unsigned order
     u = key ^ INT32_MIN, fixed from the top `bits` bits down: the digit taken is the number of digits d >= 1 with
     #{valid key >= prefix | d} >= kk, since those counts are non-increasing in d and the count at d = 0 is >= kk by
     the invariant. Per pass either one reduction per nonzero digit (independent, so they overlap), or, matrix=True,
     all 2**bits counts as one reduction of an [N, 2**bits] compare matrix over N (one block-wide reduction a pass,
-    N * 2**bits values in registers)."""
-    prefix = jnp.int32(0)
+    N * 2**bits values in registers).
+    early_exit: a dynamic loop that starts below the top bits all valid keys share (max ^ min: one pair of
+    reductions) and stops as soon as exactly kk keys lie at or above the prefix (then K* is their minimum, one more
+    reduction): the k-th and (k+1)-th keys part after ~log_{2**bits}(N) digits below the common ones, not 32 / bits."""
+    P = 32 // bits
     digits = jax.lax.iota(jnp.int32, 1 << bits)
-    for p in range(32 // bits):
-        shift = 32 - (p + 1) * bits
+    imin, imax = jnp.int32(INT32_MIN), jnp.int32(2 ** 31 - 1)
+
+    def counts(prefix, shift):
+        """[#{valid key >= prefix | d << shift} for d in 1 .. 2**bits - 1] (a list of scalars)."""
         if matrix:
-            thr = (prefix | (digits << shift)) ^ jnp.int32(INT32_MIN)                 # [2**bits], signed domain
+            thr = (prefix | (digits << shift)) ^ imin                                 # [2**bits], signed domain
             cnt = jnp.sum((valid[:, None] & (key[:, None] >= thr[None, :])).astype(jnp.int32), axis=0)
-            digit = jnp.sum((cnt >= kk).astype(jnp.int32)) - 1                       # cnt[0] >= kk always
-        else:
-            digit = jnp.int32(0)
-            for d in range(1, 1 << bits):
-                thr = (prefix | jnp.int32(_i32(d << shift))) ^ jnp.int32(INT32_MIN)
-                digit = digit + (jnp.sum((valid & (key >= thr)).astype(jnp.int32)) >= kk).astype(jnp.int32)
-        prefix = prefix | (digit << shift)
-    kstar = prefix ^ jnp.int32(INT32_MIN)
+            return [jnp.sum(jnp.where(digits == d, cnt, 0)) for d in range(1, 1 << bits)]
+        return [jnp.sum((valid & (key >= ((prefix | (jnp.int32(d) << shift)) ^ imin))).astype(jnp.int32))
+                for d in range(1, 1 << bits)]
+
+    if not early_exit:
+        prefix = jnp.int32(0)
+        for p in range(P):
+            shift = 32 - (p + 1) * bits
+            digit = sum((c >= kk).astype(jnp.int32) for c in counts(prefix, jnp.int32(shift)))
+            prefix = prefix | (digit << shift)
+        kstar = prefix ^ imin
+        return kstar, jnp.sum((valid & (key > kstar)).astype(jnp.int32))
+
+    hi = jnp.max(jnp.where(valid, key, imin))
+    lo = jnp.min(jnp.where(valid, key, imax))
+    common = jax.lax.clz(hi ^ lo)                                  # top bits every valid key shares (32: all equal)
+    p0 = jnp.minimum(common // bits, P)
+    keep = 32 - p0 * bits                                          # low bits still open, 0..32
+    top = jnp.where(keep >= 32, 0, jnp.where(keep <= 0, -1, jnp.int32(-1) << jnp.clip(keep, 0, 31)))
+    prefix0 = (hi ^ imin) & top
+    n_valid = jnp.sum(valid.astype(jnp.int32))                    # #{valid key >= prefix0}: all of them
+
+    def cond(c):
+        p, _, n_ge, _ = c
+        return (p < P) & (n_ge != kk)
+
+    def body(c):
+        p, prefix, n_ge, _ = c
+        shift = 32 - (p + 1) * bits
+        cs = counts(prefix, shift)
+        digit = sum((x >= kk).astype(jnp.int32) for x in cs)
+        n_new = n_ge
+        for d, x in enumerate(cs, start=1):                        # #{key >= the new prefix}
+            n_new = jnp.where(digit == d, x, n_new)
+        return p + 1, prefix | (digit << shift), n_new, jnp.int32(0)
+
+    _, prefix, n_ge, _ = jax.lax.while_loop(cond, body, (p0, prefix0, n_valid, jnp.int32(0)))
+    thr = prefix ^ imin
+    # exactly kk keys >= thr: K* is their minimum; else every bit is fixed and thr itself is K*
+    kstar = jnp.where(n_ge == kk, jnp.min(jnp.where(valid & (key >= thr), key, imax)), thr)
     return kstar, jnp.sum((valid & (key > kstar)).astype(jnp.int32))
 
 
-def _bound_kernel(gmax_ref, tau_ref, *, P, G, Gp, k, bits, matrix):
+def _bound_kernel(gmax_ref, tau_ref, *, P, G, Gp, k, bits, matrix, early_exit):
     """One program per row: tau = the k-th largest of the row's G group maxima (the max over its P partial maxima
     first), by radix select in registers (no sort)."""
     r = pl.program_id(0)
@@ -519,16 +556,17 @@ def _bound_kernel(gmax_ref, tau_ref, *, P, G, Gp, k, bits, matrix):
     real = lanes < G
     load = lambda p: plgpu.load(gmax_ref.at[r, jnp.full_like(lanes, p), lanes], mask=real, other=INT32_MIN)
     gmax = jax.lax.fori_loop(1, P, lambda p, m: jnp.maximum(m, load(p)), load(0)) if P > 1 else load(0)
-    tau, _ = _radix_select_regs(gmax, real, k, bits, matrix)
+    tau, _ = _radix_select_regs(gmax, real, k, bits, matrix, early_exit)
     tau_ref[...] = jnp.full((1,), tau, jnp.int32)
 
 
 # Triton launch settings of the two radix-select kernels (one program per row). Swept on the H200 in session 7
 # (benchmarks/topk_stages.py --select-configs): 1 / 2 / 4 warps are 1.2-5x slower, 16 warps and 1 or 4 bits per
 # pass no faster; the reductions' throughput, not their latency, sets the time. *_matrix: all digit counts of a pass
-# as one [N, 2**bits] reduction (`_radix_select_regs(matrix=True)`; session 24).
+# as one [N, 2**bits] reduction; early_exit: a dynamic pass loop from below the keys' common top bits to the first
+# exact count (`_radix_select_regs`; both session 24).
 SELECT_KERNEL_CONFIG = dict(bound_warps=8, bound_bits=2, select_warps=8, select_bits=2, bound_matrix=False,
-                            select_matrix=False)
+                            select_matrix=False, early_exit=False)
 
 
 def bound_pallas(gmax, k: int, *, bits: int | None = None, num_warps: int | None = None, interpret: bool = False):
@@ -548,13 +586,15 @@ def bound_pallas(gmax, k: int, *, bits: int | None = None, num_warps: int | None
     extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1))
     return pl.pallas_call(
         functools.partial(_bound_kernel, P=P, G=G, Gp=Gp, k=k, bits=bits,
-                          matrix=bool(SELECT_KERNEL_CONFIG["bound_matrix"])), grid=(R,),
+                          matrix=bool(SELECT_KERNEL_CONFIG["bound_matrix"]),
+                          early_exit=bool(SELECT_KERNEL_CONFIG["early_exit"])), grid=(R,),
         in_specs=[pl.BlockSpec((R, P, G), lambda i: (0, 0, 0))], out_specs=pl.BlockSpec((1,), lambda i: (i,)),
         out_shape=jax.ShapeDtypeStruct((R,), jnp.int32), interpret=interpret, name="topk_bound", **extra,
     )(gmax.astype(jnp.int32))
 
 
-def _select_kernel(n_ref, keys_ref, pos_ref, keys_out, pos_out, *, W, Cp, k, kp, bits, finite_only, matrix):
+def _select_kernel(n_ref, keys_ref, pos_ref, keys_out, pos_out, *, W, Cp, k, kp, bits, finite_only, matrix,
+                   early_exit):
     """One program per row: of the row's n valid slots (ascending position), keep the exact top-k set -- every key
     > K* and the first k' - #{key > K*} keys == K* (k' = min(k, n), K* = the k'-th largest) -- and write it in
     ascending position to [0, k'), padding (INT32_MIN, 0) in [k', k). finite_only: picks whose score is not finite
@@ -568,7 +608,7 @@ def _select_kernel(n_ref, keys_ref, pos_ref, keys_out, pos_out, *, W, Cp, k, kp,
     key = plgpu.load(keys_ref.at[r, lanes], mask=valid & (lanes < W), other=INT32_MIN)
     pos = plgpu.load(pos_ref.at[r, lanes], mask=valid & (lanes < W), other=0)
     kk = jnp.minimum(n, k)
-    kstar, c_gt = _radix_select_regs(key, valid, jnp.maximum(kk, 1), bits, matrix)
+    kstar, c_gt = _radix_select_regs(key, valid, jnp.maximum(kk, 1), bits, matrix, early_exit)
     gt = valid & (key > kstar)
     eq = valid & (key == kstar)
     sel = gt | (eq & (jnp.cumsum(eq.astype(jnp.int32)) <= kk - c_gt))
@@ -601,7 +641,8 @@ def select_pallas(cand_keys, cand_pos, n, k: int, capacity: int, *, bits: int | 
     extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1))
     keys_k, pos_k = pl.pallas_call(
         functools.partial(_select_kernel, W=W, Cp=Cp, k=k, kp=kp, bits=bits, finite_only=finite_only,
-                          matrix=bool(SELECT_KERNEL_CONFIG["select_matrix"])), grid=(R,),
+                          matrix=bool(SELECT_KERNEL_CONFIG["select_matrix"]),
+                          early_exit=bool(SELECT_KERNEL_CONFIG["early_exit"])), grid=(R,),
         in_specs=[full((R,)), full((R, W)), full((R, W))], out_specs=[full((R, k + Cp))] * 2,
         out_shape=[jax.ShapeDtypeStruct((R, k + Cp), jnp.int32)] * 2, interpret=interpret, name="topk_select",
         **extra,

@@ -47,7 +47,11 @@ __all__ = ["fused_select", "FUSED_KERNEL_CONFIG", "fused_applies"]
 # Launch and tile settings (swept with benchmarks/topk_stages.py --fused-configs): warps per program, strided rows
 # read per step of the group-maxima pass, chunk of the compaction pass, radix bits and count mode of the bound and
 # the selection.
-FUSED_KERNEL_CONFIG = dict(num_warps=8, rows_per_step=4, chunk=2048, bound_bits=2, select_bits=2, matrix=True)
+# num_stages: Triton's software pipelining of the two passes' loads (1 = none). stop_after (a diagnostic, 0 = the
+# whole selection): end the kernel after stage 1, 2 or 3, writing that stage's result to pos[:, 0] (so the stages
+# before it are not dead code) -- the time of the stages up to there, to see where a program's time goes.
+FUSED_KERNEL_CONFIG = dict(num_warps=8, num_stages=1, rows_per_step=4, chunk=2048, bound_bits=2, select_bits=2,
+                           matrix=True, early_exit=False, stop_after=0)
 
 # Where `topk_threshold` takes the fused kernel by default for a set (sorted=False): rows enough to occupy the GPU
 # with one program each, and rows short enough for one SM's two passes.
@@ -66,9 +70,15 @@ def _barrier(interpret: bool):
 
 
 def _fused_kernel(scores_ref, slot_keys, slot_pos, keys_out, pos_out, *, T, k, kp, G, Gp, group, U, capacity, Cp,
-                  chunk, bound_bits, select_bits, matrix, finite_only, interpret):
+                  chunk, bound_bits, select_bits, matrix, early_exit, finite_only, interpret, stop_after):
     r = pl.program_id(0)
     glanes = jax.lax.iota(jnp.int32, Gp)
+
+    def stop_here(stage, value):
+        """stop_after == stage: write `value` (a scalar) as the row's only result."""
+        if stop_after == stage:
+            plgpu.store(pos_out.at[r, jax.lax.iota(jnp.int32, 2)], jnp.full((2,), value, jnp.int32))
+        return stop_after == stage
 
     # 1. strided-group maxima: strided row j holds entries j * G + g; U of them per step
     def gmax_step(i, m):
@@ -79,9 +89,13 @@ def _fused_kernel(scores_ref, slot_keys, slot_pos, keys_out, pos_out, *, T, k, k
         return jnp.maximum(m, jnp.max(jnp.where(ok, key, INT32_MIN), axis=0))
 
     gmax = jax.lax.fori_loop(0, group // U, gmax_step, jnp.full((Gp,), INT32_MIN, jnp.int32))
+    if stop_here(1, jnp.max(gmax)):
+        return
 
     # 2. the bound: k <= 2k <= G, so the k-th largest maximum exists
-    tau, _ = _radix_select_regs(gmax, glanes < G, jnp.int32(k), bound_bits, matrix)
+    tau, _ = _radix_select_regs(gmax, glanes < G, jnp.int32(k), bound_bits, matrix, early_exit)
+    if stop_here(2, tau):
+        return
 
     # 3. compaction of the survivors into the slots, ascending position
     lanes = jax.lax.iota(jnp.int32, chunk)
@@ -100,6 +114,8 @@ def _fused_kernel(scores_ref, slot_keys, slot_pos, keys_out, pos_out, *, T, k, k
         return off + jnp.sum(mi)
 
     n = jax.lax.fori_loop(0, -(-T // chunk), compact_step, jnp.int32(0))
+    if stop_here(3, n):
+        return
 
     # 4. a row with more than `capacity` survivors: its exact top-k set in slots [0, k) instead
     @pl.when(n > capacity)
@@ -117,7 +133,7 @@ def _fused_kernel(scores_ref, slot_keys, slot_pos, keys_out, pos_out, *, T, k, k
     key = plgpu.load(slot_keys.at[r, slanes], mask=valid, other=INT32_MIN)
     pos = plgpu.load(slot_pos.at[r, slanes], mask=valid, other=0)
     kk = jnp.minimum(n, k)
-    kstar, c_gt = _radix_select_regs(key, valid, jnp.maximum(kk, 1), select_bits, matrix)
+    kstar, c_gt = _radix_select_regs(key, valid, jnp.maximum(kk, 1), select_bits, matrix, early_exit)
     gt = valid & (key > kstar)
     eq = valid & (key == kstar)
     sel = gt | (eq & (jnp.cumsum(eq.astype(jnp.int32)) <= kk - c_gt))
@@ -165,10 +181,11 @@ def fused_select(scores, k: int, capacity: int | None = None, *, finite_only: bo
     kernel = functools.partial(
         _fused_kernel, T=T, k=k, kp=kp, G=G, Gp=Gp, group=group, U=U, capacity=capacity, Cp=Cp, chunk=chunk,
         bound_bits=int(cfg["bound_bits"]), select_bits=int(cfg["select_bits"]), matrix=bool(cfg["matrix"]),
-        finite_only=finite_only, interpret=interpret)
+        early_exit=bool(cfg["early_exit"]), finite_only=finite_only, interpret=interpret,
+        stop_after=int(cfg["stop_after"]))
     full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
     extra = {} if interpret else dict(
-        compiler_params=plgpu.CompilerParams(num_warps=int(cfg["num_warps"]), num_stages=1))
+        compiler_params=plgpu.CompilerParams(num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"])))
     slots = capacity + max(chunk, Cp)      # + the tail that lanes not stored write to
     outs = pl.pallas_call(
         kernel, grid=(R,), in_specs=[full((R, T))],
