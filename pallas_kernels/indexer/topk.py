@@ -528,20 +528,20 @@ def _radix_select_regs(key, valid, kk, bits: int, matrix: bool = False, early_ex
     n_valid = jnp.sum(valid.astype(jnp.int32))                    # #{valid key >= prefix0}: all of them
 
     def cond(c):
-        p, _, n_ge, _ = c
+        p, _, n_ge = c
         return (p < P) & (n_ge != kk)
 
     def body(c):
-        p, prefix, n_ge, _ = c
+        p, prefix, n_ge = c
         shift = 32 - (p + 1) * bits
         cs = counts(prefix, shift)
         digit = sum((x >= kk).astype(jnp.int32) for x in cs)
         n_new = n_ge
         for d, x in enumerate(cs, start=1):                        # #{key >= the new prefix}
             n_new = jnp.where(digit == d, x, n_new)
-        return p + 1, prefix | (digit << shift), n_new, jnp.int32(0)
+        return p + 1, prefix | (digit << shift), n_new
 
-    _, prefix, n_ge, _ = jax.lax.while_loop(cond, body, (p0, prefix0, n_valid, jnp.int32(0)))
+    _, prefix, n_ge = jax.lax.while_loop(cond, body, (p0, prefix0, n_valid))
     thr = prefix ^ imin
     # exactly kk keys >= thr: K* is their minimum; else every bit is fixed and thr itself is K*
     kstar = jnp.where(n_ge == kk, jnp.min(jnp.where(valid & (key >= thr), key, imax)), thr)
