@@ -441,3 +441,23 @@ def test_gpu_threshold_topk(R, T, k, impl):
 
             got = jax.jit(functools.partial(topk_threshold, impl=impl, sorted=False), static_argnames=("k",))(s, k=k)
             np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(jnp.asarray(want))))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (compiled Triton kernels)")
+@pytest.mark.parametrize("R,T", [(64, 32768), (1, 262144)])
+def test_gpu_topk_early_exit(R, T, monkeypatch):
+    """The radix selects' early-exit loop compiled (bound + select kernels, and the fused kernel) == lax.top_k, as
+    a set, on fast-path and heavy-tie rows."""
+    from pallas_kernels.indexer import topk as T_
+    from pallas_kernels.indexer import topk_fused as TF
+
+    monkeypatch.setitem(T_.SELECT_KERNEL_CONFIG, "early_exit", True)
+    monkeypatch.setitem(TF.FUSED_KERNEL_CONFIG, "early_exit", True)
+    rng = np.random.default_rng(next(_SEED))
+    k = 512
+    for s in (_fast_rows(max(R, 8), T, rng)[:R], random_scores((R, T), rng)):
+        s = jnp.asarray(s)
+        want = np.asarray(T_.as_index_set(_lax(s, k=k, topk="lax")))
+        for impl in ("pallas_select", "pallas_fused"):
+            got = jax.jit(functools.partial(topk_threshold, k=k, impl=impl, sorted=False))(s)
+            np.testing.assert_array_equal(np.asarray(got), want, err_msg=impl)
