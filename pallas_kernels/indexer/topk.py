@@ -548,6 +548,15 @@ def _radix_select_regs(key, valid, kk, bits: int, matrix: bool = False, early_ex
     return kstar, jnp.sum((valid & (key > kstar)).astype(jnp.int32))
 
 
+def _take_set(gt, eq, r_eq):
+    """The k-set's lanes: every key > K* (gt) and the first r_eq keys == K* (eq) in lane order. The running count of
+    eq (a block-wide scan) only when the keys equal to K* outnumber r_eq: with distinct keys near the k-th they
+    never do, and the scan is the costliest step of a selection (session 24)."""
+    n_eq = jnp.sum(eq.astype(jnp.int32))
+    return jax.lax.cond(n_eq <= r_eq, lambda: gt | eq,
+                        lambda: gt | (eq & (jnp.cumsum(eq.astype(jnp.int32)) <= r_eq)))
+
+
 def _bound_kernel(gmax_ref, tau_ref, *, P, G, Gp, k, bits, matrix, early_exit):
     """One program per row: tau = the k-th largest of the row's G group maxima (the max over its P partial maxima
     first), by radix select in registers (no sort)."""
@@ -611,7 +620,7 @@ def _select_kernel(n_ref, keys_ref, pos_ref, keys_out, pos_out, *, W, Cp, k, kp,
     kstar, c_gt = _radix_select_regs(key, valid, jnp.maximum(kk, 1), bits, matrix, early_exit)
     gt = valid & (key > kstar)
     eq = valid & (key == kstar)
-    sel = gt | (eq & (jnp.cumsum(eq.astype(jnp.int32)) <= kk - c_gt))
+    sel = _take_set(gt, eq, kk - c_gt)
     if finite_only:
         sel = sel & (key < POS_INF_KEY)
     n_out = jnp.sum(sel.astype(jnp.int32))

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .topk import (INT32_MIN, POS_INF_KEY, _fill_exact_row, _ordered_i32, _radix_select_regs, _survives,
-                   threshold_layout)
+                   _take_set, threshold_layout)
 
 try:
     from jax.experimental.pallas import triton as plgpu
@@ -136,7 +136,7 @@ def _fused_kernel(scores_ref, slot_keys, slot_pos, keys_out, pos_out, *, T, k, k
     kstar, c_gt = _radix_select_regs(key, valid, jnp.maximum(kk, 1), select_bits, matrix, early_exit)
     gt = valid & (key > kstar)
     eq = valid & (key == kstar)
-    sel = gt | (eq & (jnp.cumsum(eq.astype(jnp.int32)) <= kk - c_gt))
+    sel = _take_set(gt, eq, kk - c_gt)
     if finite_only:
         sel = sel & (key < POS_INF_KEY)
     n_out = jnp.sum(sel.astype(jnp.int32))
