@@ -133,6 +133,7 @@ def test_topk_radix_count_matrix_lowers(monkeypatch):
     monkeypatch.setitem(T_.SELECT_KERNEL_CONFIG, "early_exit", True)        # the dynamic pass loop
     lowers_for_cuda(lambda x: T_.topk_threshold(x, 512, impl="pallas_select", sorted=False), s)
     lowers_for_cuda(lambda x: fused_select(x, 512, early_exit=True, num_stages=3, stop_after=3), s)
+    lowers_for_cuda(lambda x: fused_select(x[:, :32768], 512, resident=True, num_warps=32), s)
 
 
 @pytest.mark.parametrize("flags,opts", [

@@ -338,7 +338,7 @@ def test_bound_and_select_kernels_match_references():
 
 
 @pytest.mark.parametrize("cfg", [{}, dict(matrix=False, rows_per_step=1, chunk=512, bound_bits=4, select_bits=1),
-                                 dict(early_exit=True)])
+                                 dict(early_exit=True), dict(resident=True)])
 def test_fused_select_matches_lax_top_k(cfg):
     """The one-kernel threshold top-k (`topk_fused.fused_select`, interpreter), sorted and as a set, == lax.top_k on
     every kind of row in one call: fast-path rows with -inf / +inf / NaN / -0.0 and short valid prefixes, heavy-tie

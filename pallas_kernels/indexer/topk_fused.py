@@ -42,7 +42,7 @@ try:
 except ImportError:  # pragma: no cover
     plgpu = None
 
-__all__ = ["fused_select", "FUSED_KERNEL_CONFIG", "fused_applies"]
+__all__ = ["fused_select", "FUSED_KERNEL_CONFIG", "FUSED_BY_DEFAULT", "fused_applies"]
 
 # Launch and tile settings (swept with benchmarks/topk_stages.py --fused-configs): warps per program, strided rows
 # read per step of the group-maxima pass, chunk of the compaction pass, radix bits and count mode of the bound and
@@ -50,11 +50,14 @@ __all__ = ["fused_select", "FUSED_KERNEL_CONFIG", "fused_applies"]
 # num_stages: Triton's software pipelining of the two passes' loads (1 = none). stop_after (a diagnostic, 0 = the
 # whole selection): end the kernel after stage 1, 2 or 3, writing that stage's result to pos[:, 0] (so the stages
 # before it are not dead code) -- the time of the stages up to there, to see where a program's time goes.
+# resident: a row of at most resident_max entries (as its [group, Gp] strided tile) is read once, into registers, and
+# both the group maxima and the compaction work on it (one scan for the whole row instead of one per chunk).
 FUSED_KERNEL_CONFIG = dict(num_warps=8, num_stages=1, rows_per_step=4, chunk=2048, bound_bits=2, select_bits=2,
-                           matrix=True, early_exit=False, stop_after=0)
+                           matrix=True, early_exit=False, stop_after=0, resident=False, resident_max=32768)
 
 # Where `topk_threshold` takes the fused kernel by default for a set (sorted=False): rows enough to occupy the GPU
 # with one program each, and rows short enough for one SM's two passes.
+FUSED_BY_DEFAULT = False   # `gpu.topk_from_scores(topk="threshold_set")` takes this kernel where fused_applies
 FUSED_MIN_ROWS = 32
 FUSED_MAX_T = 65536
 
@@ -70,7 +73,7 @@ def _barrier(interpret: bool):
 
 
 def _fused_kernel(scores_ref, slot_keys, slot_pos, keys_out, pos_out, *, T, k, kp, G, Gp, group, U, capacity, Cp,
-                  chunk, bound_bits, select_bits, matrix, early_exit, finite_only, interpret, stop_after):
+                  chunk, bound_bits, select_bits, matrix, early_exit, finite_only, interpret, stop_after, resident):
     r = pl.program_id(0)
     glanes = jax.lax.iota(jnp.int32, Gp)
 
@@ -80,7 +83,15 @@ def _fused_kernel(scores_ref, slot_keys, slot_pos, keys_out, pos_out, *, T, k, k
             plgpu.store(pos_out.at[r, jax.lax.iota(jnp.int32, 2)], jnp.full((2,), value, jnp.int32))
         return stop_after == stage
 
-    # 1. strided-group maxima: strided row j holds entries j * G + g; U of them per step
+    # 1. strided-group maxima: strided row j holds entries j * G + g; U of them per step (resident: all of them in
+    # one [group, Gp] tile, kept in registers for the compaction)
+    if resident:
+        rows_ = jax.lax.iota(jnp.int32, group)
+        cols2 = rows_[:, None] * G + glanes[None, :]
+        ok2 = (glanes[None, :] < G) & (cols2 < T)
+        key2 = _ordered_i32(plgpu.load(scores_ref.at[r, cols2], mask=ok2, other=-jnp.inf))
+        gmax = jnp.max(jnp.where(ok2, key2, INT32_MIN), axis=0)
+
     def gmax_step(i, m):
         j = i * U + jax.lax.iota(jnp.int32, U)
         cols = j[:, None] * G + glanes[None, :]
@@ -88,7 +99,8 @@ def _fused_kernel(scores_ref, slot_keys, slot_pos, keys_out, pos_out, *, T, k, k
         key = _ordered_i32(plgpu.load(scores_ref.at[r, cols], mask=ok, other=-jnp.inf))
         return jnp.maximum(m, jnp.max(jnp.where(ok, key, INT32_MIN), axis=0))
 
-    gmax = jax.lax.fori_loop(0, group // U, gmax_step, jnp.full((Gp,), INT32_MIN, jnp.int32))
+    if not resident:
+        gmax = jax.lax.fori_loop(0, group // U, gmax_step, jnp.full((Gp,), INT32_MIN, jnp.int32))
     if stop_here(1, jnp.max(gmax)):
         return
 
@@ -113,7 +125,18 @@ def _fused_kernel(scores_ref, slot_keys, slot_pos, keys_out, pos_out, *, T, k, k
         plgpu.store(slot_pos.at[r, at], cols, mask=ok)
         return off + jnp.sum(mi)
 
-    n = jax.lax.fori_loop(0, -(-T // chunk), compact_step, jnp.int32(0))
+    if resident:   # position order = row-major over the tile: a scan along each strided row + the rows before it
+        m2 = ok2 & _survives(key2, tau)
+        mi2 = m2.astype(jnp.int32)
+        per_row = jnp.sum(mi2, axis=1)
+        at2 = (jnp.cumsum(per_row) - per_row)[:, None] + jnp.cumsum(mi2, axis=1) - 1
+        ok = m2 & (at2 < capacity)
+        at2 = jnp.where(ok, at2, capacity + rows_[:, None] * Gp + glanes[None, :])
+        plgpu.store(slot_keys.at[r, at2], key2, mask=ok)
+        plgpu.store(slot_pos.at[r, at2], cols2, mask=ok)
+        n = jnp.sum(per_row)
+    else:
+        n = jax.lax.fori_loop(0, -(-T // chunk), compact_step, jnp.int32(0))
     if stop_here(3, n):
         return
 
@@ -178,15 +201,16 @@ def fused_select(scores, k: int, capacity: int | None = None, *, finite_only: bo
     Gp = 1 << (G - 1).bit_length()
     Cp = 1 << (capacity - 1).bit_length()
     kp = 1 << (k - 1).bit_length()
+    resident = bool(cfg["resident"]) and group * Gp <= int(cfg["resident_max"])
     kernel = functools.partial(
         _fused_kernel, T=T, k=k, kp=kp, G=G, Gp=Gp, group=group, U=U, capacity=capacity, Cp=Cp, chunk=chunk,
         bound_bits=int(cfg["bound_bits"]), select_bits=int(cfg["select_bits"]), matrix=bool(cfg["matrix"]),
         early_exit=bool(cfg["early_exit"]), finite_only=finite_only, interpret=interpret,
-        stop_after=int(cfg["stop_after"]))
+        stop_after=int(cfg["stop_after"]), resident=resident)
     full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
     extra = {} if interpret else dict(
         compiler_params=plgpu.CompilerParams(num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"])))
-    slots = capacity + max(chunk, Cp)      # + the tail that lanes not stored write to
+    slots = capacity + max(chunk, Cp, group * Gp if resident else 0)      # + the tail lanes not stored write to
     outs = pl.pallas_call(
         kernel, grid=(R,), in_specs=[full((R, T))],
         out_specs=[full((R, slots))] * 2 + [full((R, k + Cp))] * 2,
