@@ -160,7 +160,19 @@ def main():
     ap.add_argument("--scores-configs", default=None,
                     help="';'-separated scores-kernel option sets, each timed as a variant 'scores[<set>]', e.g. "
                          "'block_t=128,num_warps=8;waves=2;precision=bf16' (options of indexer_scores_gpu)")
+    ap.add_argument("--fused-config", default=None,
+                    help="options of topk_fused.FUSED_KERNEL_CONFIG for every variant that runs the fused top-k "
+                         "(pallas_fused_set), e.g. 'resident=1,num_warps=32'")
     a = ap.parse_args()
+    if a.fused_config:
+        from pallas_kernels.indexer import topk_fused
+
+        opts = parse_options(a.fused_config)
+        unknown = set(opts) - set(topk_fused.FUSED_KERNEL_CONFIG)
+        if unknown:
+            raise SystemExit(f"--fused-config: unknown keys {sorted(unknown)}; known: "
+                             f"{sorted(topk_fused.FUSED_KERNEL_CONFIG)}")
+        topk_fused.FUSED_KERNEL_CONFIG.update(opts)  # read at trace time
     os.makedirs(a.out, exist_ok=True)
     if a.tiny:
         ceil = dict(copy_Bps=1e11, bf16_flops=1e12, copy_GBps=100.0, bf16_TFLOPs=1.0, nominal=True)
