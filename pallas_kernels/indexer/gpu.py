@@ -55,7 +55,6 @@ materialized per query chunk only ([B, query_chunk, T] f32), so prefill memory s
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional
 
 import jax
@@ -598,12 +597,6 @@ def topk_from_scores(scores, k, *, topk="lax", topk_block=4096, radix_bits=None,
         from .topk import topk_threshold
 
         impl = THRESHOLD_METHODS[topk] if jax.default_backend() == "gpu" else "xla"
-        if impl == "pallas_select" and topk == "threshold_set" and group_max is None:
-            from . import topk_fused   # the model's set: one kernel where the rows fill the GPU (FUSED_BY_DEFAULT)
-
-            if topk_fused.FUSED_BY_DEFAULT and topk_fused.fused_applies(math.prod(scores.shape[:-1]),
-                                                                        scores.shape[-1]):
-                impl = "pallas_fused"
         return topk_threshold(scores, k, impl=impl, sorted=topk not in SET_METHODS, group_max=group_max)
     if topk.startswith("grouped"):
         from .topk import topk_grouped

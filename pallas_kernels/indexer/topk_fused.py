@@ -19,11 +19,19 @@ Stages 3-5 hand their slots on through global memory inside the program: a CTA b
 between them makes one thread's stores visible to the others. The interpreter runs a program sequentially and needs
 none.
 
-Trade-off: the passes over a row are one SM's (one program per row) instead of the whole GPU's, so this pays where
-there are enough rows to fill the GPU (decode at batch >= 32) and the row is modest (up to ~32K candidates: 128 KB
-read twice, the second time from L2); batch 1 keeps the chained kernels, whose XLA passes spread a 1 MB row over
-all SMs. Output contract: `topk.select_pallas`'s (the set in ascending position, (INT32_MIN, 0) padding; with
-finite_only, the non-finite picks left out).
+Measured on the H200 (session 24, 64 rows x 32768, k = 512; `benchmarks/topk_stages.py`, results/h200_s24r*):
+**not faster than the chain, so it is an option** (topk="threshold_fused" / "threshold_fused_set"), not a default.
+Chain (threshold_set) 45-47 us, this kernel 48-53 us (every config swept), both with the ~10-14 us harness. The
+stages inside one program, by cutting the kernel after each (`stop_after`), net of the harness:
+  group maxima ~4-5 us | bound ~2.5 us | compaction ~20 us | selection ~9 us.
+The compaction's block scans (cumsum) set the time: 16 scans of 2048 lanes (8 warps), 4 of 8192 (16 warps), one of
+32768 (32 warps, 75 us in all) or the whole row resident in registers as one [32, 1024] tile with a scan along each
+strided row (`resident`, 62 us in all) cost the same per element, ~1 element per cycle per SM. The chain's
+compaction kernel spreads the same scans over R x 16 programs, which is why it wins despite its launches. The
+radix selects are cheap by comparison: the bound's 16 passes over 1024 maxima take ~2.5 us, and neither the
+[N, 2**bits] count matrix nor the early-exit loop (`topk._radix_select_regs`) moved the chain's time.
+Output contract: `topk.select_pallas`'s (the set in ascending position, (INT32_MIN, 0) padding; with finite_only, the
+non-finite picks left out).
 """
 
 from __future__ import annotations
@@ -42,11 +50,11 @@ try:
 except ImportError:  # pragma: no cover
     plgpu = None
 
-__all__ = ["fused_select", "FUSED_KERNEL_CONFIG", "FUSED_BY_DEFAULT", "fused_applies"]
+__all__ = ["fused_select", "FUSED_KERNEL_CONFIG"]
 
-# Launch and tile settings (swept with benchmarks/topk_stages.py --fused-configs): warps per program, strided rows
-# read per step of the group-maxima pass, chunk of the compaction pass, radix bits and count mode of the bound and
-# the selection.
+# Launch and tile settings (swept with benchmarks/topk_stages.py --fused-configs, session 24: none beat these):
+# warps per program, strided rows read per step of the group-maxima pass, chunk of the compaction pass, radix bits,
+# count mode and early exit of the bound and the selection.
 # num_stages: Triton's software pipelining of the two passes' loads (1 = none). stop_after (a diagnostic, 0 = the
 # whole selection): end the kernel after stage 1, 2 or 3, writing that stage's result to pos[:, 0] (so the stages
 # before it are not dead code) -- the time of the stages up to there, to see where a program's time goes.
@@ -54,18 +62,6 @@ __all__ = ["fused_select", "FUSED_KERNEL_CONFIG", "FUSED_BY_DEFAULT", "fused_app
 # both the group maxima and the compaction work on it (one scan for the whole row instead of one per chunk).
 FUSED_KERNEL_CONFIG = dict(num_warps=8, num_stages=1, rows_per_step=4, chunk=2048, bound_bits=2, select_bits=2,
                            matrix=True, early_exit=False, stop_after=0, resident=False, resident_max=32768)
-
-# Where `topk_threshold` takes the fused kernel by default for a set (sorted=False): rows enough to occupy the GPU
-# with one program each, and rows short enough for one SM's two passes.
-FUSED_BY_DEFAULT = False   # `gpu.topk_from_scores(topk="threshold_set")` takes this kernel where fused_applies
-FUSED_MIN_ROWS = 32
-FUSED_MAX_T = 65536
-
-
-def fused_applies(R: int, T: int) -> bool:
-    """Whether the default threshold set of R rows of T candidates takes the fused kernel."""
-    return R >= FUSED_MIN_ROWS and T <= FUSED_MAX_T
-
 
 def _barrier(interpret: bool):
     if not interpret:  # the interpreter runs a program's lanes in order: nothing to wait for
