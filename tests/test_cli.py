@@ -113,3 +113,25 @@ def test_decode_breakdown_script_runs(tmp_path):
     text = out.read_text()
     for row in ("full decode step", "L1 csa     attention", "LM head", "sum (mHC counted twice)"):
         assert row in text, text
+
+
+def test_topk_and_indexer_benchmark_scripts_run(tmp_path):
+    """benchmarks/topk_stages.py (Triton kernels in the interpreter on CPU, with --fused-configs and
+    --select-configs) and benchmarks/indexer.py --tiny (with --fused-config) run end to end, so the option sets a
+    GPU session passes them do not rot: every requested row is timed (no NaN) and written."""
+    import json
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    subprocess.run([sys.executable, "benchmarks/topk_stages.py", "--cases", "8x3000", "--stages", "fused_set",
+                    "--fused-configs", "num_warps=16,early_exit=1", "--select-configs", "select_matrix=1",
+                    "--out", str(tmp_path)], cwd=root, env=env, check=True, capture_output=True)
+    rows = json.loads((tmp_path / "topk_stages.json").read_text())
+    timed = {k: v for r in rows for k, v in r.items() if k.startswith(("fused_set", "full_set", "select"))}
+    assert {"fused_set", "fused_set[num_warps=16,early_exit=1]", "full_set[select_matrix=1]"} <= set(timed), timed
+    assert all(v == v for v in timed.values()), rows                      # no stage failed (NaN)
+    subprocess.run([sys.executable, "benchmarks/indexer.py", "--tiny", "--skip-topk-only", "--variants",
+                    "pallas_threshold_set,pallas_fused_set", "--fused-config", "num_warps=4", "--out", str(tmp_path)],
+                   cwd=root, env=env, check=True, capture_output=True)
+    row = json.loads((tmp_path / "indexer_bench.json").read_text())["rows"][0]
+    assert row["pallas_fused_set_us"] == row["pallas_fused_set_us"], row
