@@ -123,7 +123,7 @@ def test_topk_and_indexer_benchmark_scripts_run(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root}
-    subprocess.run([sys.executable, "benchmarks/topk_stages.py", "--cases", "8x3000", "--stages", "fused_set",
+    subprocess.run([sys.executable, "benchmarks/topk_stages.py", "--cases", "4x1500", "--stages", "fused_set",
                     "--fused-configs", "num_warps=16,early_exit=1", "--select-configs", "select_matrix=1",
                     "--out", str(tmp_path)], cwd=root, env=env, check=True, capture_output=True)
     rows = json.loads((tmp_path / "topk_stages.json").read_text())

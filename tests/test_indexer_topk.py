@@ -337,8 +337,8 @@ def test_bound_and_select_kernels_match_references():
             assert (np.asarray(kk)[r, m:] == INT32_MIN).all() and (np.asarray(pp)[r, m:] == 0).all()
 
 
-@pytest.mark.parametrize("cfg", [{}, dict(matrix=False, rows_per_step=1, chunk=512, bound_bits=4, select_bits=1),
-                                 dict(early_exit=True), dict(resident=True)])
+@pytest.mark.parametrize("cfg", [{}, dict(matrix=False, rows_per_step=1, chunk=512, bound_bits=4, select_bits=1,
+                                      early_exit=True), dict(resident=True)])
 def test_fused_select_matches_lax_top_k(cfg):
     """The one-kernel threshold top-k (`topk_fused.fused_select`, interpreter), sorted and as a set, == lax.top_k on
     every kind of row in one call: fast-path rows with -inf / +inf / NaN / -0.0 and short valid prefixes, heavy-tie
@@ -422,6 +422,8 @@ def test_fused_select_refuses_bad_input():
         fused_select(s[:, :200], 64)
     with pytest.raises(ValueError, match="powers of two"):
         fused_select(s, 64, chunk=1000)
+    with pytest.raises(ValueError, match="stop_after"):
+        fused_select(s, 64, stop_after=4)
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (compiled Triton compaction kernel)")

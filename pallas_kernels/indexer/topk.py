@@ -480,11 +480,6 @@ def rank_select(keys, vals, n, k: int, *, block: int = 128, interpret: bool = Fa
     return out[:, :k]
 
 
-def _i32(v: int) -> int:
-    """A 32-bit pattern as a Python int in int32 range (for constants like 3 << 30)."""
-    return ((int(v) + 2 ** 31) % 2 ** 32) - 2 ** 31
-
-
 def _radix_select_regs(key, valid, kk, bits: int, matrix: bool = False, early_exit: bool = False):
     """In-kernel radix select over an in-register vector: key [N] int32 (signed ordered keys), valid [N] bool,
     1 <= kk <= #valid (traced) -> (K*, #{valid key > K*}) with K* the kk-th largest valid key. Unsigned order

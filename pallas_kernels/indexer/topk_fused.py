@@ -63,6 +63,7 @@ __all__ = ["fused_select", "FUSED_KERNEL_CONFIG"]
 FUSED_KERNEL_CONFIG = dict(num_warps=8, num_stages=1, rows_per_step=4, chunk=2048, bound_bits=2, select_bits=2,
                            matrix=True, early_exit=False, stop_after=0, resident=False, resident_max=32768)
 
+
 def _barrier(interpret: bool):
     if not interpret:  # the interpreter runs a program's lanes in order: nothing to wait for
         plgpu.debug_barrier()
@@ -70,6 +71,8 @@ def _barrier(interpret: bool):
 
 def _fused_kernel(scores_ref, slot_keys, slot_pos, keys_out, pos_out, *, T, k, kp, G, Gp, group, U, capacity, Cp,
                   chunk, bound_bits, select_bits, matrix, early_exit, finite_only, interpret, stop_after, resident):
+    """One program = row r of scores_ref [R, T]: stages 1-5 of the module docstring. slot_keys / slot_pos [R,
+    capacity + tail] are the row's survivor slots (scratch outputs); keys_out / pos_out [R, k + Cp] its k-set."""
     r = pl.program_id(0)
     glanes = jax.lax.iota(jnp.int32, Gp)
 
@@ -190,6 +193,9 @@ def fused_select(scores, k: int, capacity: int | None = None, *, finite_only: bo
     if U & (U - 1) or chunk & (chunk - 1) or U > group:
         raise ValueError(f"fused_select: rows_per_step ({U}) and chunk ({chunk}) must be powers of two, "
                          f"rows_per_step <= group ({group})")
+    if int(cfg["stop_after"]) not in (0, 1, 2, 3):
+        raise ValueError(f"fused_select: stop_after must be 0 (the whole selection) or a stage 1-3, got "
+                         f"{cfg['stop_after']}")
     for b in ("bound_bits", "select_bits"):
         if 32 % int(cfg[b]):
             raise ValueError(f"fused_select: {b} ({cfg[b]}) must divide 32")
