@@ -131,6 +131,27 @@ def stages(R, T, k=K, only=None, label=""):
     return row
 
 
+def sweep(R, T, configs, table, flag, names):
+    """The stages `names` timed once per ';'-separated option set of `configs`, each set applied to the config dict
+    `table` (read at trace time by the kernels' wrappers) and restored after; rows named like `full_set[opts]`."""
+    rows = []
+    for cfg in (configs.split(";") if configs else []):
+        opts = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in cfg.split(",") if kv}
+        unknown = set(opts) - set(table)
+        if unknown:
+            raise SystemExit(f"{flag}: unknown keys {sorted(unknown)}; known: {sorted(table)}")
+        saved = dict(table)
+        table.update(opts)
+        try:
+            row = stages(R, T, only=set(names), label=f" [{cfg}]")
+        finally:
+            table.clear()
+            table.update(saved)
+        rows.append(dict(R=R, T=T, config=cfg, **{f"{n}[{cfg}]": v for n, v in row.items()
+                                                   if n in ("touch",) + tuple(names)}))
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="1x262144,64x32768,64x262144")
@@ -148,37 +169,9 @@ def main():
     for c in a.cases.split(","):
         R, T = (int(x) for x in c.split("x"))
         rows.append(stages(R, T, only=set(a.stages.split(",")) if a.stages else None))
-        for cfg in (a.select_configs.split(";") if a.select_configs else []):
-            opts = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in cfg.split(",") if kv}
-            unknown = set(opts) - set(T_.SELECT_KERNEL_CONFIG)
-            if unknown:
-                raise SystemExit(f"--select-configs: unknown keys {sorted(unknown)}; known: "
-                                 f"{sorted(T_.SELECT_KERNEL_CONFIG)}")
-            saved = dict(T_.SELECT_KERNEL_CONFIG)
-            T_.SELECT_KERNEL_CONFIG.update(opts)  # read at trace time by bound_pallas / select_pallas
-            try:
-                row = stages(R, T, only={"bound", "select", "full_select", "full_set"}, label=f" [{cfg}]")
-            finally:
-                T_.SELECT_KERNEL_CONFIG.clear()
-                T_.SELECT_KERNEL_CONFIG.update(saved)
-            rows.append(dict(R=R, T=T, config=cfg, **{f"{n}[{cfg}]": v for n, v in row.items()
-                                                       if n in ("touch", "bound", "select", "full_select",
-                                                                "full_set")}))
-        for cfg in (a.fused_configs.split(";") if a.fused_configs else []):
-            opts = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in cfg.split(",") if kv}
-            unknown = set(opts) - set(TF.FUSED_KERNEL_CONFIG)
-            if unknown:
-                raise SystemExit(f"--fused-configs: unknown keys {sorted(unknown)}; known: "
-                                 f"{sorted(TF.FUSED_KERNEL_CONFIG)}")
-            saved = dict(TF.FUSED_KERNEL_CONFIG)
-            TF.FUSED_KERNEL_CONFIG.update(opts)  # read at trace time by fused_select
-            try:
-                row = stages(R, T, only={"fused_set"}, label=f" [{cfg}]")
-            finally:
-                TF.FUSED_KERNEL_CONFIG.clear()
-                TF.FUSED_KERNEL_CONFIG.update(saved)
-            rows.append(dict(R=R, T=T, config=cfg, **{f"{n}[{cfg}]": v for n, v in row.items()
-                                                       if n in ("touch", "fused_set")}))
+        rows += sweep(R, T, a.select_configs, T_.SELECT_KERNEL_CONFIG, "--select-configs",
+                      ("bound", "select", "full_select", "full_set"))
+        rows += sweep(R, T, a.fused_configs, TF.FUSED_KERNEL_CONFIG, "--fused-configs", ("fused_set",))
         with open(os.path.join(a.out, "topk_stages.json"), "w") as f:
             json.dump(rows, f, indent=1)
 

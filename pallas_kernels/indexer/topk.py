@@ -263,22 +263,28 @@ def _compact_kernel(tau_ref, counts_ref, scores_ref, keys_out, pos_out, *, T, ch
     before = plgpu.load(counts_ref.at[r, ci], mask=ci < jnp.minimum(c, n_chunks), other=0)
     offset = jnp.sum(before)
 
-    def body(j, off):
-        cols = c * chunk + j * sub + jax.lax.iota(jnp.int32, sub)
-        inside = cols < T
-        key = _ordered_i32(plgpu.load(scores_ref.at[r, cols], mask=inside, other=-jnp.inf))
-        m = inside & _survives(key, tau)
-        mi = m.astype(jnp.int32)
-        at = off + jnp.cumsum(mi) - 1
-        ok = m & (at < capacity)
-        # lanes not stored get distinct slots in a `sub`-wide tail past the capacity: the interpreter implements a
-        # masked scatter as read-select-write, where a repeated index could overwrite a stored survivor
-        at = jnp.where(ok, at, capacity + jax.lax.iota(jnp.int32, sub))
-        plgpu.store(keys_out.at[r, at], key, mask=ok)
-        plgpu.store(pos_out.at[r, at], cols, mask=ok)
-        return off + jnp.sum(mi)
-
+    lanes = jax.lax.iota(jnp.int32, sub)
+    body = lambda j, off: _compact_step(scores_ref, keys_out, pos_out, r, c * chunk + j * sub, lanes, off, tau,
+                                        T=T, capacity=capacity)
     jax.lax.fori_loop(0, chunk // sub, body, offset)
+
+
+def _compact_step(scores_ref, keys_out, pos_out, r, start, lanes, off, tau, *, T, capacity):
+    """Row r's scores [start, start + len(lanes)): their survivors (`_survives` of tau) go to slots off + running
+    count (those below the capacity); returns off + their number."""
+    cols = start + lanes
+    inside = cols < T
+    key = _ordered_i32(plgpu.load(scores_ref.at[r, cols], mask=inside, other=-jnp.inf))
+    m = inside & _survives(key, tau)
+    mi = m.astype(jnp.int32)
+    at = off + jnp.cumsum(mi) - 1
+    ok = m & (at < capacity)
+    # lanes not stored get distinct slots in a lane-wide tail past the capacity: the interpreter implements a
+    # masked scatter as read-select-write, where a repeated index could overwrite a stored survivor
+    at = jnp.where(ok, at, capacity + lanes)
+    plgpu.store(keys_out.at[r, at], key, mask=ok)
+    plgpu.store(pos_out.at[r, at], cols, mask=ok)
+    return off + jnp.sum(mi)
 
 
 def _compact_raw(scores, keys, tau, capacity: int, chunk: int, sub: int, interpret: bool):
@@ -608,9 +614,17 @@ def _select_kernel(n_ref, keys_ref, pos_ref, keys_out, pos_out, *, W, Cp, k, kp,
     r = pl.program_id(0)
     n = n_ref[r]
     lanes = jax.lax.iota(jnp.int32, Cp)
+    inside = (lanes < n) & (lanes < W)
+    key = plgpu.load(keys_ref.at[r, lanes], mask=inside, other=INT32_MIN)
+    pos = plgpu.load(pos_ref.at[r, lanes], mask=inside, other=0)
+    _write_topk_set(keys_out, pos_out, r, key, pos, lanes, n, k=k, kp=kp, bits=bits, matrix=matrix,
+                    early_exit=early_exit, finite_only=finite_only)
+
+
+def _write_topk_set(keys_out, pos_out, r, key, pos, lanes, n, *, k, kp, bits, matrix, early_exit, finite_only):
+    """`_select_kernel`'s selection on in-register slots key / pos [Cp] (lanes [Cp]; valid: lanes < n): writes row
+    r's exact top-k set to keys_out / pos_out [R, k + Cp] in ascending slot order, padding in [k', k)."""
     valid = lanes < n
-    key = plgpu.load(keys_ref.at[r, lanes], mask=valid & (lanes < W), other=INT32_MIN)
-    pos = plgpu.load(pos_ref.at[r, lanes], mask=valid & (lanes < W), other=0)
     kk = jnp.minimum(n, k)
     kstar, c_gt = _radix_select_regs(key, valid, jnp.maximum(kk, 1), bits, matrix, early_exit)
     gt = valid & (key > kstar)

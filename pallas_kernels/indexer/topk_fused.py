@@ -42,8 +42,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .topk import (INT32_MIN, POS_INF_KEY, _fill_exact_row, _ordered_i32, _radix_select_regs, _survives,
-                   _take_set, threshold_layout)
+from .topk import (INT32_MIN, _compact_step, _fill_exact_row, _ordered_i32, _radix_select_regs, _survives,
+                   _write_topk_set, threshold_layout)
 
 try:
     from jax.experimental.pallas import triton as plgpu
@@ -110,19 +110,8 @@ def _fused_kernel(scores_ref, slot_keys, slot_pos, keys_out, pos_out, *, T, k, k
 
     # 3. compaction of the survivors into the slots, ascending position
     lanes = jax.lax.iota(jnp.int32, chunk)
-
-    def compact_step(c, off):
-        cols = c * chunk + lanes
-        inside = cols < T
-        key = _ordered_i32(plgpu.load(scores_ref.at[r, cols], mask=inside, other=-jnp.inf))
-        m = inside & _survives(key, tau)
-        mi = m.astype(jnp.int32)
-        at = off + jnp.cumsum(mi) - 1
-        ok = m & (at < capacity)
-        at = jnp.where(ok, at, capacity + lanes)     # lanes not stored: distinct tail slots (interpreter)
-        plgpu.store(slot_keys.at[r, at], key, mask=ok)
-        plgpu.store(slot_pos.at[r, at], cols, mask=ok)
-        return off + jnp.sum(mi)
+    compact_step = lambda c, off: _compact_step(scores_ref, slot_keys, slot_pos, r, c * chunk, lanes, off, tau,
+                                                T=T, capacity=capacity)
 
     if resident:   # position order = row-major over the tile: a scan along each strided row + the rows before it
         m2 = ok2 & _survives(key2, tau)
@@ -151,24 +140,10 @@ def _fused_kernel(scores_ref, slot_keys, slot_pos, keys_out, pos_out, *, T, k, k
 
     # 5. the exact top-k set among the n slots (`topk._select_kernel`'s selection)
     slanes = jax.lax.iota(jnp.int32, Cp)
-    valid = slanes < n
-    key = plgpu.load(slot_keys.at[r, slanes], mask=valid, other=INT32_MIN)
-    pos = plgpu.load(slot_pos.at[r, slanes], mask=valid, other=0)
-    kk = jnp.minimum(n, k)
-    kstar, c_gt = _radix_select_regs(key, valid, jnp.maximum(kk, 1), select_bits, matrix, early_exit)
-    gt = valid & (key > kstar)
-    eq = valid & (key == kstar)
-    sel = _take_set(gt, eq, kk - c_gt)
-    if finite_only:
-        sel = sel & (key < POS_INF_KEY)
-    n_out = jnp.sum(sel.astype(jnp.int32))
-    at = jnp.where(sel, jnp.cumsum(sel.astype(jnp.int32)) - 1, k + slanes)
-    plgpu.store(keys_out.at[r, at], key, mask=sel)
-    plgpu.store(pos_out.at[r, at], pos, mask=sel)
-    pad_lanes = jax.lax.iota(jnp.int32, kp)
-    pad = (pad_lanes >= n_out) & (pad_lanes < k)
-    plgpu.store(keys_out.at[r, pad_lanes], jnp.full((kp,), INT32_MIN, jnp.int32), mask=pad)
-    plgpu.store(pos_out.at[r, pad_lanes], jnp.zeros((kp,), jnp.int32), mask=pad)
+    key = plgpu.load(slot_keys.at[r, slanes], mask=slanes < n, other=INT32_MIN)
+    pos = plgpu.load(slot_pos.at[r, slanes], mask=slanes < n, other=0)
+    _write_topk_set(keys_out, pos_out, r, key, pos, slanes, n, k=k, kp=kp, bits=select_bits, matrix=matrix,
+                    early_exit=early_exit, finite_only=finite_only)
 
 
 def fused_select(scores, k: int, capacity: int | None = None, *, finite_only: bool = False, interpret: bool = False,
