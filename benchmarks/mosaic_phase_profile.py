@@ -54,6 +54,10 @@ CASES = {
     "csa16_fp8_pdq": ("csa", 16, 1, 512, "fp8", dict(fp8_dequant="producer", n_splits=4)),
     "csa128_fp8_cv": ("csa", 128, 1, 512, "fp8", dict(fp8_dequant="converter")),   # a fourth warpgroup converts
     "prefill2k_fp8_cv": ("csa", 1, 2048, 512, "fp8", dict(fp8_dequant="converter")),
+    # session 25: the converter and the producer share each step's conversion (conv_units of 9 to the converter)
+    "csa128_fp8_cv5": ("csa", 128, 1, 512, "fp8", dict(fp8_dequant="converter", conv_units=5)),
+    "csa128_fp8_cv4": ("csa", 128, 1, 512, "fp8", dict(fp8_dequant="converter", conv_units=4)),
+    "prefill2k_fp8_cv5": ("csa", 1, 2048, 512, "fp8", dict(fp8_dequant="converter", conv_units=5)),
     "csa64_cpa": ("csa", 64, 1, 512, "bf16", dict(producer="cp_async")),       # the cp.async producer
     "csa128_cpa": ("csa", 128, 1, 512, "bf16", dict(producer="cp_async")),
     "csa64_bk32": ("csa", 64, 1, 512, "bf16", dict(block_k=32, num_stages=4)),    # 32-entry steps, 4 slots

@@ -34,6 +34,9 @@ VARIANTS += [(f"{n}_r{p}_{c}", f, None, (p, c)) for n, f in (("bf16", False), ("
 OPTS = {"fp8_pdq": dict(fp8_dequant="producer"), "fp8_converter": dict(fp8_dequant="converter"),
         "bf16_bk32": dict(block_k=32, num_stages=4)}
 VARIANTS += [("fp8_pdq", True, None, None), ("fp8_converter", True, None, None), ("bf16_bk32", False, None, None)]
+# session 25: the converter shares each step's conversion with the producer (the producer now converts at 56)
+OPTS.update({f"fp8_conv{u}": dict(fp8_dequant="converter", conv_units=u) for u in (4, 5)})
+VARIANTS += [("fp8_conv4", True, None, None), ("fp8_conv5", True, None, None)]
 
 
 def main(out_dir: str):

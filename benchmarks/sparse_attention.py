@@ -171,7 +171,11 @@ def main():
                          "s14 (the decode rows, session 14), s16 (store_wait / idx_first against the default, prefill "
                          "and decode), s17 (pingpong against the default), s19 (FP8: the Mosaic default against Triton), "
                          "s22 (FP8: the default against fp8_dequant='producer' / 'converter'), "
-                         "s23 (FP8: fp8_dequant='consumers' against 'converter')")
+                         "s23 (FP8: fp8_dequant='consumers' against 'converter'), "
+                         "s25 (FP8: 'consumers' against 'converter' alone and sharing the conversion with the "
+                         "producer, conv_units from --conv-units)")
+    ap.add_argument("--conv-units", default="4,5,6",
+                    help="s25: comma list of the converter's share of a step's 9 conversion passes")
     ap.add_argument("--net-decode", action="store_true",
                     help="decode rows also net of dispatch: (wall of 1 + U chained calls - wall of 1) / U, next to "
                          "the chain's wall / U (which carries ~2-4 us of dispatch per call at U ~ 90, session 15)")
@@ -317,6 +321,15 @@ def main():
         for t in (4096, 16384):
             for o in modes:
                 record(bench_case(rng, ceil, "csa", 1, t, 512, True, opts=o, ref=False, csa_cap=t // 4))
+    if "s25" in groups:  # session 25: the converter warpgroup and the producer split each step's conversion
+        modes = [dict(kernel="mosaic", fp8_dequant=m) for m in ("consumers", "converter")]
+        modes += [dict(kernel="mosaic", fp8_dequant="converter", conv_units=int(u))
+                  for u in args.conv_units.split(",") if u]
+        for kind, b, kc in [("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 8192)]:
+            for o in modes:
+                record(bench_case(rng, ceil, kind, b, 1, kc, True, opts=o, ref=False))
+        for o in modes:
+            record(bench_case(rng, ceil, "csa", 1, 16384, 512, True, opts=o, ref=False, csa_cap=16384 // 4))
     if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor
         for kind, b, kc, fp8 in [("csa", 16, 512, False), ("csa", 64, 512, True), ("hca", 16, 8192, True)]:
             for o in ({}, dict(partial_dtype="bfloat16"), dict(fp8_scales="vector"),

@@ -282,7 +282,13 @@ def lower_model_steps(model, cache, marker):
                                                True),
                                               (1, 64, 60, dict(fp8_dequant="converter", heads=128), True),
                                               (1, 64, 60, dict(fp8_dequant="converter", num_stages=2,
-                                                               regs=(24, 64, 208)), True)])
+                                                               regs=(24, 64, 208)), True),
+                                              # ... and shares each step's conversion with the producer
+                                              (3, 1, 512, dict(fp8_dequant="converter", conv_units=5), True),
+                                              (2, 1, 8192, dict(fp8_dequant="converter", conv_units=7, n_splits=3,
+                                                               combine="cluster"), True),
+                                              (1, 64, 60, dict(fp8_dequant="converter", conv_units=1, heads=128,
+                                                               num_stages=2), True)])
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -372,6 +378,13 @@ def test_sparse_attention_mosaic_fp8_dequant_producer_rejects_what_it_cannot_do(
     for regs in ((56, 224), (40, 64, 208), (136, 24, 176), (40, 56, 120)):
         with pytest.raises(ValueError, match="producer, converter, consumer"):
             sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant="converter", regs=regs)
+    # conv_units: the converter's share of the 9 passes, with the converter mode only
+    for mode, units in (("converter", 0), ("converter", 10), ("converter", 4.5), ("converter", True),
+                        ("producer", 5), ("consumers", 5)):
+        with pytest.raises(ValueError, match="conv_units"):
+            sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant=mode, conv_units=units)
+    with pytest.raises(ValueError, match="producer, converter, consumer"):   # the shared default is (56, 56, 200)
+        sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant="converter", conv_units=5, regs=(64, 64, 200))
 
 
 def test_sparse_attention_mosaic_fp8_overlap_needs_fp8_split_d():

@@ -214,6 +214,10 @@ TILE_RING_CASES = [
 ]
 MOSAIC_CASES += [(*c[:7], dict(fp8_dequant=mode, **c[7]))
                  for mode in ("producer", "converter") for c in TILE_RING_CASES]
+# the converter and the producer share each step's conversion (conv_units of the 9 passes to the converter)
+MOSAIC_CASES += [(*c[:7], dict(fp8_dequant="converter", conv_units=5, **c[7])) for c in TILE_RING_CASES]
+MOSAIC_CASES += [(*c[:7], dict(fp8_dequant="converter", conv_units=u, **c[7]))
+                 for u in (1, 7) for c in TILE_RING_CASES[:2]]
 
 
 @pytest.mark.parametrize("case", MOSAIC_CASES,

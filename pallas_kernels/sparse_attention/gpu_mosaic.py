@@ -88,6 +88,7 @@ SMEM_BUDGET = 227 * 1024
 NOPE_STRIDE = 512     # staged FP8 nope row: 448 B padded so every row's bulk copies land 128 B aligned
 PDQ_TILES = 2         # fp8_dequant="producer": bf16 tiles of 32 rows the producer converts into, ahead of the consumers
 PDQ_STAGING = 3       # ... and its default staging slots (32 raw rows each)
+CONV_UNITS = 9        # a 32-row step's conversion in passes of 128 16-byte chunks: 7 nope (32 x 28), 2 rope (32 x 8)
 
 
 # Dequantizing one e4m3 pair with the hardware conversions (the default): $1 = 2 e4m3 bytes, $2 = 2^k as f32,
@@ -152,7 +153,7 @@ def default_config(bt: int, total_blocks: int):
 def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=False, diag=None,
            regs=None, n_hg=1, split_scores=False, profile=None, cp_async=False, l2_ahead=0, ccomb=False,
            store_wait_read=False, idx_first=False, pingpong=False, cluster_early=False, split_d=False,
-           fp8_convert="cvt", fp8_overlap=False, pdq=False, conv=False):
+           fp8_convert="cvt", fp8_overlap=False, pdq=False, conv=False, conv_units=None):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -182,6 +183,10 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     n_src = len(srcs)
     n_in = 5 if fp8 else 3      # gmem refs per source
     tiles = pdq or conv         # FP8 staging converted into a ring of bf16 tiles outside the consumers
+    assert not tiles or bk * (NOPE_DIM // 16 + ROPE_DIM // 8) == 128 * CONV_UNITS, bk
+    conv_units = CONV_UNITS if conv_units is None else conv_units
+    # the producer's share of each step's conversion: all of it (pdq), the units past conv_units (conv), or none
+    p_units = (0, CONV_UNITS) if pdq else (conv_units, CONV_UNITS) if conv and conv_units < CONV_UNITS else None
     dh = d // 2
     # bf16 rings: 128 B swizzle with (8, 64) tiles; block_k = 32 takes 64 B swizzle with (8, 32) tiles, as P.V
     # contracts over block_k in groups of the swizzle's width (wgmma: K % (swizzle / 2 B) == 0). FP8: 128 B.
@@ -357,12 +362,15 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             val = vector.load(ir.VectorType.get((8,), bf16), rope_st, [slot, r, arith.muli(ch, c(8))], alignment=16)
             store16(val, r, arith.addi(ch, c(NOPE_DIM // 8)), tile if dst is None else dst, lead)
 
-        def convert_step(gs, tag, release):
+        def convert_step(gs, tag, release, units=(0, CONV_UNITS)):
             """pdq / conv: staged step gs (staging slot gs % stages) -> bf16 tile gs % PDQ_TILES, by the 128 threads
             of the converting warpgroup (the producer with pdq, wg 3 with conv), once its copies have landed and both
             consumers are past the tile's previous step (P.V included). Each thread fences its stores for the async
-            proxy (wgmma) and arrives on the tile's full barrier (128 arrivals); release(s_) then frees the staging
-            slot (pdq: a warpgroup barrier before the producer's next issue; conv: 128 arrivals on st_empty)."""
+            proxy (wgmma) and arrives on the tile's full barrier (128 arrivals per converting warpgroup); release(s_)
+            then frees the staging slot (pdq: a warpgroup barrier before the producer's next issue; conv: 128
+            arrivals on st_empty). units [u0, u1): this warpgroup's share of the step's CONV_UNITS passes of 128
+            chunks, the nope passes (bk * 28 / 128 of them) first, then the rope passes (bk * 8 / 128): with
+            conv_units < CONV_UNITS the converter takes [0, conv_units) and the producer the rest."""
             lt = arith.remui(arith.index_cast(index, mu.thread_idx()), c(128))
             s_, t_ = arith.remui(gs, c(stages)), arith.remui(gs, c(PDQ_TILES))
             region = begin(f"{tag}_wait_staged")
@@ -374,13 +382,16 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             end(region)
             region = begin(f"{tag}_convert")
             ncb = NOPE_DIM // 16                 # 28 nope chunks of 16 e4m3 per row
+            n_nope = bk * ncb // 128             # nope passes (7 at bk = 32), then rope passes (2)
+            u0, u1 = units
+            a, b_ = min(u0, n_nope), min(u1, n_nope)
+            if b_ > a:
+                @mu.fori(c(b_ - a), None)
+                def _(i, _c):
+                    convert_chunk(s_, arith.addi(lt, arith.muli(arith.addi(i, c(a)), c(128))), ncb, 0, ring, (t_,))
+                    return _c
 
-            @mu.fori(c(bk * ncb // 128), None)
-            def _(i, _c):
-                convert_chunk(s_, arith.addi(lt, arith.muli(i, c(128))), ncb, 0, ring, (t_,))
-                return _c
-
-            for i in range(bk * 8 // 128):    # the rope part: 8 chunks of 8 bf16 per row, copied
+            for i in range(max(u0, n_nope) - n_nope, u1 - n_nope):   # rope: 8 chunks of 8 bf16 per row, copied
                 copy_rope(s_, arith.addi(lt, c(128 * i)), ring, (t_,))
             nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)  # st.shared -> wgmma
             full_bars[t_].arrive()
@@ -566,19 +577,22 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     with mu.when(lane0):   # one of the slot's 4 counted arrivals, once this thread's scale copies land
                         nvvm.cp_async_mbarrier_arrive(full.get_ptr(), noinc=True)
                 end(region)
-                if pdq:   # the step staged (stages - 1) steps ago, into the tile ring, while this one's copies fly
+                if p_units:   # the step staged (stages - 1) steps ago (pdq: all of it; conv: its units
+                    # past conv_units), into the tile ring, while this one's copies fly. Its staging slot is the one
+                    # the next issue overwrites: the warpgroup barrier orders our reads before that issue.
                     with mu.when(arith.cmpi(arith.CmpIPredicate.uge, g, c(stages - 1))):
-                        convert_step(arith.subi(g, c(stages - 1)), "p", lambda _s: mu.warpgroup_barrier())
+                        convert_step(arith.subi(g, c(stages - 1)), "p", lambda _s: mu.warpgroup_barrier(), p_units)
                 return carry
 
             steps(produce, None)
-            if pdq:   # the last (stages - 1) staged steps
+            if p_units:   # the last (stages - 1) staged steps
                 total = total_steps()
                 n_tail = arith.minsi(total, c(stages - 1))
 
                 @mu.fori(n_tail, None)
                 def _(i, _c):
-                    convert_step(arith.addi(arith.subi(total, n_tail), i), "p", lambda _s: mu.warpgroup_barrier())
+                    convert_step(arith.addi(arith.subi(total, n_tail), i), "p", lambda _s: mu.warpgroup_barrier(),
+                                 p_units)
                     return _c
             if ccomb:   # the producer takes part in the consumers' two cluster barriers (see cluster_combine)
                 for _ in range(2):
@@ -593,7 +607,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
 
                     @mu.fori(total_steps(), None)
                     def _(gs, _c):
-                        convert_step(gs, "v", lambda s_: st_empty[s_].arrive())
+                        convert_step(gs, "v", lambda s_: st_empty[s_].arrive(), (0, conv_units))
                         return _c
 
                     if ccomb:   # the converter takes part in the consumers' two cluster barriers too
@@ -1057,7 +1071,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             # threads; tile empty / cons: the 256 consumer threads
             (mgpu.Barrier(arrival_count=5, num_barriers=stages),
              *((mgpu.Barrier(arrival_count=128, num_barriers=stages),) if conv else ()),   # conv: staging released
-             mgpu.Barrier(arrival_count=128, num_barriers=PDQ_TILES),
+             # tile full: 128 arrivals per converting warpgroup (conv_units < CONV_UNITS: converter and producer)
+             mgpu.Barrier(arrival_count=256 if conv and conv_units < CONV_UNITS else 128, num_barriers=PDQ_TILES),
              mgpu.Barrier(arrival_count=256, num_barriers=PDQ_TILES), mgpu.Barrier(arrival_count=256)),
         )
     elif fp8:
@@ -1178,16 +1193,17 @@ def _device_ordinal(x):
 
 LAUNCH_REGS = 168   # registers per thread a 384-thread CTA starts with: 65536 / 384, rounded down to a multiple of 8
 CONV_REGS = (40, 56, 208)   # fp8_dequant="converter": (producer, converter, consumer); 512 threads start with 128 each
+CONV_SHARED_REGS = (56, 56, 200)   # ... with conv_units < CONV_UNITS: the producer converts too
 
 
-def check_conv_regs(regs):
+def check_conv_regs(regs, shared=False):
     """(producer, converter, consumer) for the 512-thread kernel of fp8_dequant="converter": multiples of 8 in
     [24, 256], producer and converter <= 128 (what each thread starts with), consumer >= 128, and producer +
     converter + 2 x consumer <= 512 (the pool setmaxnreg draws on; see check_regs). setmaxnreg's regions let
     code use more than 128, but ptxas checks each single instruction against the launch's 128 first, so the
     consumers issue P.V as two m64n128 wgmmas (64 accumulator registers each; one m64n256 needs 158 and ptxas
     rejects the kernel, H200 session 23)."""
-    regs = CONV_REGS if regs is None else tuple(regs)
+    regs = (CONV_SHARED_REGS if shared else CONV_REGS) if regs is None else tuple(regs)
     if len(regs) != 3 or any(r % 8 or not 24 <= r <= 256 for r in regs) or regs[0] > 128 or regs[1] > 128 \
             or regs[2] < 128 or regs[0] + regs[1] + 2 * regs[2] > 512:
         raise ValueError(f"with fp8_dequant='converter' regs must be (producer, converter, consumer): multiples of 8 "
@@ -1240,6 +1256,7 @@ def sparse_attention_mosaic(
     fp8_convert: str | None = None,
     fp8_overlap: bool | None = None,
     fp8_dequant: str | None = None,
+    conv_units: int | None = None,
     _diag: str | None = None,
     _profile: str | None = None,
 ):
@@ -1361,6 +1378,12 @@ def sparse_attention_mosaic(
     slots go back to the producer through the converter's 128 arrivals. regs is (producer, converter, consumer),
     default CONV_REGS = (40, 56, 208): a 512-thread CTA starts with 128 registers per thread, so 2 x 208 is what
     the consumers can have (224 today).
+    conv_units (fp8_dequant="converter" only; None = CONV_UNITS, the converter alone): the converter's share of
+    each 32-row step's conversion, in CONV_UNITS = 9 passes of 128 chunks (7 nope passes, then 2 rope copies); the
+    producer converts the rest, the step staged (num_stages - 1) steps before the one it just issued, as with
+    fp8_dequant="producer". Session 24's phase profile: the converter alone needs ~3700 cycles per step while the
+    consumers compute in ~2930 and the producer idles half its span, so splitting the conversion between the two
+    should leave the consumers the bound. regs defaults to CONV_SHARED_REGS then (the producer converts too).
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -1388,6 +1411,12 @@ def sparse_attention_mosaic(
         raise ValueError(f"fp8_dequant must be 'consumers', 'producer' or 'converter', got {fp8_dequant!r}")
     pdq = fp8_dequant == "producer"
     conv = fp8_dequant == "converter"
+    if conv_units is not None and (not conv or isinstance(conv_units, bool) or not isinstance(conv_units, int)
+                                   or not 1 <= conv_units <= CONV_UNITS):
+        raise ValueError(f"conv_units is the converter warpgroup's share of a step's {CONV_UNITS} conversion passes: "
+                         f"an int in [1, {CONV_UNITS}] with fp8_dequant='converter', got {conv_units!r} with "
+                         f"fp8_dequant={fp8_dequant!r}")
+    conv_shared = conv and conv_units is not None and conv_units < CONV_UNITS
     tiles = pdq or conv   # the bf16 tile ring with 32-row steps
     if tiles:
         conflict = tile_ring_conflict(fp8_dequant)
@@ -1538,10 +1567,11 @@ def sparse_attention_mosaic(
         meta.append(dict(k=s_.k, n_rows=s_.n_rows))
     profile = None if _profile is None else (prof_entries, str(_profile))
     kernel = _build(bt, ns, d, bk, stages, bps, meta, idx_rows, float(scale) * LOG2E, ns > 1 and not ccomb, fp8,
-                    _diag, check_conv_regs(regs) if conv else check_regs(regs), n_hg, bool(split_scores), profile,
-                    producer == "cp_async", l2_ahead,
+                    _diag, check_conv_regs(regs, conv_shared) if conv else check_regs(regs), n_hg,
+                    bool(split_scores), profile, producer == "cp_async", l2_ahead,
                     ccomb, store_wait == "read", DEFAULT_IDX_FIRST if idx_first is None else bool(idx_first),
-                    pingpong, cluster_loads == "early", split_d, fp8_convert, fp8_overlap, pdq, conv)
+                    pingpong, cluster_loads == "early", split_d, fp8_convert, fp8_overlap, pdq, conv,
+                    conv_units if conv else None)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1 and not ccomb:
         o, lse = combine_lib.combine(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h), sinks.astype(jnp.float32),
