@@ -58,6 +58,11 @@ CASES = {
     "csa128_fp8_cv5": ("csa", 128, 1, 512, "fp8", dict(fp8_dequant="converter", conv_units=5)),
     "csa128_fp8_cv4": ("csa", 128, 1, 512, "fp8", dict(fp8_dequant="converter", conv_units=4)),
     "prefill2k_fp8_cv5": ("csa", 1, 2048, 512, "fp8", dict(fp8_dequant="converter", conv_units=5)),
+    # ... and the diagonal chunk order (conflict-free shared-memory stores of the conversion)
+    "csa128_fp8_dg": ("csa", 128, 1, 512, "fp8", dict(fp8_chunk_order="diagonal")),
+    "csa128_fp8_cv_dg": ("csa", 128, 1, 512, "fp8", dict(fp8_dequant="converter", fp8_chunk_order="diagonal")),
+    "csa128_fp8_cv5_dg": ("csa", 128, 1, 512, "fp8", dict(fp8_dequant="converter", conv_units=5,
+                                                          fp8_chunk_order="diagonal")),
     "csa64_cpa": ("csa", 64, 1, 512, "bf16", dict(producer="cp_async")),       # the cp.async producer
     "csa128_cpa": ("csa", 128, 1, 512, "bf16", dict(producer="cp_async")),
     "csa64_bk32": ("csa", 64, 1, 512, "bf16", dict(block_k=32, num_stages=4)),    # 32-entry steps, 4 slots

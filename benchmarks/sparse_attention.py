@@ -173,7 +173,7 @@ def main():
                          "s22 (FP8: the default against fp8_dequant='producer' / 'converter'), "
                          "s23 (FP8: fp8_dequant='consumers' against 'converter'), "
                          "s25 (FP8: 'consumers' against 'converter' alone and sharing the conversion with the "
-                         "producer, conv_units from --conv-units)")
+                         "producer, conv_units from --conv-units), s25d (FP8: the diagonal chunk order in each conversion mode)")
     ap.add_argument("--conv-units", default="4,5,6",
                     help="s25: comma list of the converter's share of a step's 9 conversion passes")
     ap.add_argument("--net-decode", action="store_true",
@@ -326,6 +326,16 @@ def main():
         modes += [dict(kernel="mosaic", fp8_dequant="converter", conv_units=int(u))
                   for u in args.conv_units.split(",") if u]
         for kind, b, kc in [("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 8192)]:
+            for o in modes:
+                record(bench_case(rng, ceil, kind, b, 1, kc, True, opts=o, ref=False))
+        for o in modes:
+            record(bench_case(rng, ceil, "csa", 1, 16384, 512, True, opts=o, ref=False, csa_cap=16384 // 4))
+    if "s25d" in groups:  # session 25: FP8 conversion with the diagonal chunk order (no shared-memory conflicts)
+        mos = dict(kernel="mosaic")
+        dg = dict(fp8_chunk_order="diagonal")
+        modes = [mos, dict(mos, **dg), dict(mos, fp8_dequant="converter", **dg),
+                 dict(mos, fp8_dequant="converter", conv_units=5, **dg), dict(mos, fp8_dequant="producer", **dg)]
+        for kind, b, kc in [("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 8192), ("hca", 16, 8192)]:
             for o in modes:
                 record(bench_case(rng, ceil, kind, b, 1, kc, True, opts=o, ref=False))
         for o in modes:

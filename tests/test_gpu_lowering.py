@@ -285,6 +285,14 @@ def lower_model_steps(model, cache, marker):
                                                                regs=(24, 64, 208)), True),
                                               # ... and shares each step's conversion with the producer
                                               (3, 1, 512, dict(fp8_dequant="converter", conv_units=5), True),
+                                              # the diagonal chunk order, each conversion path
+                                              (3, 1, 512, dict(fp8_chunk_order="diagonal"), True),
+                                              (1, 64, 60, dict(fp8_chunk_order="diagonal", num_stages=2), True),
+                                              (3, 1, 512, dict(fp8_chunk_order="diagonal", fp8_overlap=True), True),
+                                              (3, 1, 512, dict(fp8_chunk_order="diagonal", fp8_dequant="producer"),
+                                               True),
+                                              (2, 1, 8192, dict(fp8_chunk_order="diagonal", fp8_dequant="converter",
+                                                                conv_units=5), True),
                                               (2, 1, 8192, dict(fp8_dequant="converter", conv_units=7, n_splits=3,
                                                                combine="cluster"), True),
                                               (1, 64, 60, dict(fp8_dequant="converter", conv_units=1, heads=128,
@@ -383,6 +391,8 @@ def test_sparse_attention_mosaic_fp8_dequant_producer_rejects_what_it_cannot_do(
                         ("producer", 5), ("consumers", 5)):
         with pytest.raises(ValueError, match="conv_units"):
             sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant=mode, conv_units=units)
+    with pytest.raises(ValueError, match="fp8_chunk_order"):
+        sparse_attention_mosaic(*fp8, scale=0.1, fp8_chunk_order="columns")
     with pytest.raises(ValueError, match="producer, converter, consumer"):   # the shared default is (56, 56, 200)
         sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant="converter", conv_units=5, regs=(64, 64, 200))
 

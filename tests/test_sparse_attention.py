@@ -76,7 +76,8 @@ def opts_id(opts):
         f"_st{opts['num_stages']}" if "num_stages" in opts and "block_k" not in opts else "",
         "_ovl" if opts.get("fp8_overlap") else "",
         {"producer": "_pdq", "converter": "_cvwg"}.get(opts.get("fp8_dequant"), ""),
-        f"_cu{opts['conv_units']}" if "conv_units" in opts else ""])
+        f"_cu{opts['conv_units']}" if "conv_units" in opts else "",
+        "_dg" if opts.get("fp8_chunk_order") == "diagonal" else ""])
 
 
 def call(fn, inp, **kw):

@@ -153,7 +153,7 @@ def default_config(bt: int, total_blocks: int):
 def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=False, diag=None,
            regs=None, n_hg=1, split_scores=False, profile=None, cp_async=False, l2_ahead=0, ccomb=False,
            store_wait_read=False, idx_first=False, pingpong=False, cluster_early=False, split_d=False,
-           fp8_convert="cvt", fp8_overlap=False, pdq=False, conv=False, conv_units=None):
+           fp8_convert="cvt", fp8_overlap=False, pdq=False, conv=False, conv_units=None, chunk_order="rows"):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -317,11 +317,26 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             vector.store(val, dst, [*lead, arith.divui(r, c(8)), arith.divui(cc, c(per)), r8, arith.muli(j, c(8))],
                          alignment=16)
 
+        def chunk_coords(v, ncb):
+            """(row, chunk) of chunk v of a [bk, ncb] grid of 16 B chunks. "rows": row-major, v // ncb, v % ncb.
+            "diagonal": the 8 threads of a 16-byte access phase (v % 8 = i) take rows 8 a + i and chunks (b + i) % ncb
+            of one 8-row group a (v // 8 = b x bk / 8 + a), a bijection onto the grid. Shared memory serves a phase's
+            8 x 16 B in one wavefront only if they fall into 8 different 16-byte slots of the 128-byte bank row:
+            row-major, a phase's stores of one row into the swizzled tile hit 2 slots (64 B swizzle: 4-way
+            conflict) or 4 (128 B: 2-way); diagonal, the 8 rows' swizzle patterns spread them over all 8, and the
+            staging loads (consecutive chunks, rows 512 B apart) stay in 8 slots except where b + i wraps."""
+            if chunk_order == "rows":
+                return arith.divui(v, c(ncb)), arith.remui(v, c(ncb))
+            i, g = arith.remui(v, c(8)), arith.divui(v, c(8))
+            r = arith.addi(arith.muli(arith.remui(g, c(bk // 8)), c(8)), i)
+            cb = arith.addi(arith.divui(g, c(bk // 8)), i)
+            return r, arith.select(arith.cmpi(arith.CmpIPredicate.uge, cb, c(ncb)), arith.subi(cb, c(ncb)), cb)
+
         def convert_chunk(slot, v, ncb, cb0, dst=None, lead=()):
             """Nope chunk v of a [bk, ncb] grid of 16 B chunks (from chunk cb0 of each row) of staging slot `slot`:
             16 e4m3 -> 16 bf16 x the chunk's 64-column block scale, into the tile (default: the consumers' tile)."""
-            r, cb = arith.divui(v, c(ncb)), arith.addi(arith.remui(v, c(ncb)),
-                                                        c(cb0) if isinstance(cb0, int) else cb0)
+            r, cb = chunk_coords(v, ncb)
+            cb = arith.addi(cb, c(cb0) if isinstance(cb0, int) else cb0)
             blk = arith.divui(cb, c(4))
             raw = vector.bitcast(ir.VectorType.get((4,), i32),
                                  vector.load(f8_16, nope_st, [slot, r, arith.muli(cb, c(16))], alignment=16))
@@ -358,7 +373,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 store16(val, r, arith.addi(arith.muli(cb, c(2)), c(h)), tile if dst is None else dst, lead)
 
         def copy_rope(slot, v, dst=None, lead=()):   # rope chunk v: 8 16-byte chunks per row, already bf16
-            r, ch = arith.divui(v, c(8)), arith.remui(v, c(8))
+            # row-major is conflict-free under the 128 B swizzle (a row's 8 chunks land in 8 slots); the 64 B
+            # swizzle takes the diagonal order's 8 rows for that
+            r, ch = chunk_coords(v, 8) if swz == 64 else (arith.divui(v, c(8)), arith.remui(v, c(8)))
             val = vector.load(ir.VectorType.get((8,), bf16), rope_st, [slot, r, arith.muli(ch, c(8))], alignment=16)
             store16(val, r, arith.addi(ch, c(NOPE_DIM // 8)), tile if dst is None else dst, lead)
 
@@ -1139,6 +1156,7 @@ DEFAULT_SPLIT_D = True         # split_d where it applies (see `sparse_attention
 DEFAULT_CLUSTER_LOADS = "early"   # see `sparse_attention_mosaic`'s cluster_loads (H200, session 18: 1-2.5% faster)
 DEFAULT_FP8_CONVERT = "cvt"   # see `sparse_attention_mosaic`'s fp8_convert
 DEFAULT_FP8_OVERLAP = False   # see `sparse_attention_mosaic`'s fp8_overlap (H200, session 20: no faster)
+DEFAULT_FP8_CHUNK_ORDER = "rows"   # see `sparse_attention_mosaic`'s fp8_chunk_order
 DEFAULT_FP8_DEQUANT = "consumers"   # see `sparse_attention_mosaic`'s fp8_dequant (H200: producer / converter no faster)
 DEFAULT_L2_AHEAD = 0      # L2 prefetch distance in steps (see `sparse_attention_mosaic`'s l2_ahead)
 DEFAULT_PRODUCER = "tma"   # the bf16 ring's gather (see `sparse_attention_mosaic`'s producer)
@@ -1257,6 +1275,7 @@ def sparse_attention_mosaic(
     fp8_overlap: bool | None = None,
     fp8_dequant: str | None = None,
     conv_units: int | None = None,
+    fp8_chunk_order: str | None = None,
     _diag: str | None = None,
     _profile: str | None = None,
 ):
@@ -1384,6 +1403,13 @@ def sparse_attention_mosaic(
     fp8_dequant="producer". Session 24's phase profile: the converter alone needs ~3700 cycles per step while the
     consumers compute in ~2930 and the producer idles half its span, so splitting the conversion between the two
     should leave the consumers the bound. regs defaults to CONV_SHARED_REGS then (the producer converts too).
+    fp8_chunk_order (FP8 pools; None = DEFAULT_FP8_CHUNK_ORDER): which 16-byte chunk of the staged block each
+    converting thread takes: "rows" (row-major: a warp's consecutive threads walk one row) or "diagonal" (the 8
+    threads of a 16-byte shared-memory phase take 8 rows, one chunk each, staggered), which spreads the swizzled
+    bf16 stores over all 8 slots of a bank row (see chunk_coords: row-major stores conflict 2-way under the 128 B
+    swizzle and 4-way under the tile ring's 64 B). Session 25: with the conversion split between the converter and
+    the producer (conv_units) the conversion cycles summed over both stayed ~3700 per 32-row step, so the
+    conversion is bound by a resource of the whole SM, shared memory, not by one warpgroup's issue rate.
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -1411,6 +1437,9 @@ def sparse_attention_mosaic(
         raise ValueError(f"fp8_dequant must be 'consumers', 'producer' or 'converter', got {fp8_dequant!r}")
     pdq = fp8_dequant == "producer"
     conv = fp8_dequant == "converter"
+    fp8_chunk_order = fp8_chunk_order or DEFAULT_FP8_CHUNK_ORDER
+    if fp8_chunk_order not in ("rows", "diagonal"):
+        raise ValueError(f"fp8_chunk_order must be 'rows' or 'diagonal', got {fp8_chunk_order!r}")
     if conv_units is not None and (not conv or isinstance(conv_units, bool) or not isinstance(conv_units, int)
                                    or not 1 <= conv_units <= CONV_UNITS):
         raise ValueError(f"conv_units is the converter warpgroup's share of a step's {CONV_UNITS} conversion passes: "
@@ -1571,7 +1600,7 @@ def sparse_attention_mosaic(
                     bool(split_scores), profile, producer == "cp_async", l2_ahead,
                     ccomb, store_wait == "read", DEFAULT_IDX_FIRST if idx_first is None else bool(idx_first),
                     pingpong, cluster_loads == "early", split_d, fp8_convert, fp8_overlap, pdq, conv,
-                    conv_units if conv else None)
+                    conv_units if conv else None, fp8_chunk_order)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1 and not ccomb:
         o, lse = combine_lib.combine(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h), sinks.astype(jnp.float32),
