@@ -174,6 +174,10 @@ def main():
                          "s23 (FP8: fp8_dequant='consumers' against 'converter'), "
                          "s25 (FP8: 'consumers' against 'converter' alone and sharing the conversion with the "
                          "producer, conv_units from --conv-units), s25d (FP8: the diagonal chunk order in each conversion mode)")
+    ap.add_argument("--dtypes", default="bf16,fp8", help="decode / prefill / b1 groups: the KV dtypes to run")
+    ap.add_argument("--ref-batches", default=None,
+                    help="decode / prefill / b1 groups: time the XLA reference only at these batch sizes (comma "
+                         "list; prefill counts as batch 1; default: every row unless --no-ref)")
     ap.add_argument("--conv-units", default="4,5,6",
                     help="s25: comma list of the converter's share of a step's 9 conversion passes")
     ap.add_argument("--net-decode", action="store_true",
@@ -349,22 +353,28 @@ def main():
                 record(bench_case(rng, ceil, kind, b, 1, kc, fp8, opts=o, ref=False))
     batches = [16, 64, 128] if not args.quick else [16, 64]
     decode = [("csa", 512), ("hca", 1024), ("hca", 8192)]
+    kv_fp8 = [{"bf16": False, "fp8": True}[x] for x in args.dtypes.split(",") if x]
+    ref_b = None if args.ref_batches is None else {int(x) for x in args.ref_batches.split(",") if x}
+
+    def ref_at(b):
+        return not args.no_ref and (ref_b is None or b in ref_b)
+
     if "decode" in groups:
         for kind, kc in decode:
             for b in batches:
-                for fp8 in (False, True):
-                    record(bench_case(rng, ceil, kind, b, 1, kc, fp8, ref=not args.no_ref))
+                for fp8 in kv_fp8:
+                    record(bench_case(rng, ceil, kind, b, 1, kc, fp8, ref=ref_at(b)))
     elif "hca8k_fp8" in groups:
         for b in batches:
-            record(bench_case(rng, ceil, "hca", b, 1, 8192, True, ref=not args.no_ref))
+            record(bench_case(rng, ceil, "hca", b, 1, 8192, True, ref=ref_at(b)))
     if "prefill" in groups:
         for s_len in (4096, 16384):
-            for fp8 in (False, True):
-                record(bench_case(rng, ceil, "csa", 1, s_len, 512, fp8, ref=not args.no_ref, csa_cap=s_len // 4))
+            for fp8 in kv_fp8:
+                record(bench_case(rng, ceil, "csa", 1, s_len, 512, fp8, ref=ref_at(1), csa_cap=s_len // 4))
     if "b1" in groups:
         for kind, kc in decode:
-            for fp8 in (False, True):
-                record(bench_case(rng, ceil, kind, 1, 1, kc, fp8, ref=not args.no_ref))
+            for fp8 in kv_fp8:
+                record(bench_case(rng, ceil, kind, 1, 1, kc, fp8, ref=ref_at(1)))
     print("\n==== summary (pallas time, floor, ratio, GB/s, TFLOP/s | XLA reference) ====")
     print("ceilings:", {k: round(v, 1) for k, v in ceil.items()})
     for r in results["rows"]:

@@ -342,7 +342,8 @@ def test_sparse_attention_mosaic_split_d_rejects_what_it_cannot_do():
     # FP8 pools: the exchange fits next to one staging slot only (which split_d=True asks for by default)
     inp = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)
     with pytest.raises(ValueError, match="shared memory .* over"):
-        sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, split_d=True, num_stages=2, n_splits=1)
+        sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, split_d=True, num_stages=2, n_splits=1,
+                                fp8_dequant="consumers")
     lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, scale=0.1, split_d=True, n_splits=1),
                *(inp[k] for k in keys))
     # an HCA-8K row in at most 8 cluster splits: 1040 index rows per CTA leave no room for the 32 KB exchange, so
@@ -378,7 +379,7 @@ def test_sparse_attention_mosaic_fp8_dequant_producer_rejects_what_it_cannot_do(
         with pytest.raises(ValueError, match=match):
             sparse_attention_mosaic(*fp8, scale=0.1, **{"fp8_dequant": "producer", **opts})
     with pytest.raises(ValueError, match="block_k=64 .* fp8_dequant='producer'"):
-        sparse_attention_mosaic(*fp8, scale=0.1, block_k=32)
+        sparse_attention_mosaic(*fp8, scale=0.1, block_k=32, fp8_dequant="consumers")
     # fp8_dequant="converter" (a fourth warpgroup, 512 threads): the same limits, and a three-way register split
     # within the 128 registers per thread a 512-thread CTA starts with
     with pytest.raises(ValueError, match="takes block_k=32"):
@@ -558,8 +559,13 @@ def test_sparse_attention_mosaic_fp8_dequant_default(monkeypatch):
     keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
     fp8 = [make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)[k] for k in keys]
     bf16 = [make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True)[k] for k in keys]
+    # FP8 prefill over 8320 index rows in one split: the default's tile ring does not fit next to them
+    long = [make_attention(1, 64, 64, 512, 300, 9000, 128, 8192, ragged=True, fp8=True)[k] for k in keys]
     cases = [(fp8, {}, True), (fp8, dict(block_k=64), False), (fp8, dict(split_d=False), False),
-             (fp8, dict(fp8_overlap=True), False), (bf16, {}, False)]
+             (fp8, dict(fp8_overlap=True), False), (fp8, dict(regs=(40, 232)), False), (bf16, {}, False),
+             (long, dict(n_splits=1), False)]
     for args, opts, conv in cases:
         lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(*a, scale=0.1, **opts), *args)
         assert built[-1]["conv"] is conv and not built[-1]["pdq"], (opts, built[-1])
+        # the diagonal chunk order with the tile ring, row-major where the consumers convert
+        assert built[-1]["chunk_order"] == ("diagonal" if conv else "rows"), (opts, built[-1])

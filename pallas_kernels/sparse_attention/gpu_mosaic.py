@@ -329,7 +329,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 return arith.divui(v, c(ncb)), arith.remui(v, c(ncb))
             i, g = arith.remui(v, c(8)), arith.divui(v, c(8))
             r = arith.addi(arith.muli(arith.remui(g, c(bk // 8)), c(8)), i)
-            cb = arith.addi(arith.divui(g, c(bk // 8)), i)
+            cb = arith.addi(arith.divui(g, c(bk // 8)), i)   # < ncb + 8
+            if ncb < 8:   # (fp8_overlap's 4-chunk pieces) more than one wrap
+                return r, arith.remui(cb, c(ncb))
             return r, arith.select(arith.cmpi(arith.CmpIPredicate.uge, cb, c(ncb)), arith.subi(cb, c(ncb)), cb)
 
         def convert_chunk(slot, v, ncb, cb0, dst=None, lead=()):
@@ -1156,8 +1158,10 @@ DEFAULT_SPLIT_D = True         # split_d where it applies (see `sparse_attention
 DEFAULT_CLUSTER_LOADS = "early"   # see `sparse_attention_mosaic`'s cluster_loads (H200, session 18: 1-2.5% faster)
 DEFAULT_FP8_CONVERT = "cvt"   # see `sparse_attention_mosaic`'s fp8_convert
 DEFAULT_FP8_OVERLAP = False   # see `sparse_attention_mosaic`'s fp8_overlap (H200, session 20: no faster)
-DEFAULT_FP8_CHUNK_ORDER = "rows"   # see `sparse_attention_mosaic`'s fp8_chunk_order
-DEFAULT_FP8_DEQUANT = "consumers"   # see `sparse_attention_mosaic`'s fp8_dequant (H200: producer / converter no faster)
+# fp8_chunk_order per fp8_dequant mode (see `sparse_attention_mosaic`): H200 session 25, the diagonal order takes
+# 10-18% off the converter mode and makes it the fastest FP8 path; the consumers' own conversion got slower with it
+DEFAULT_FP8_CHUNK_ORDER = {"consumers": "rows", "producer": "diagonal", "converter": "diagonal"}
+DEFAULT_FP8_DEQUANT = "converter"   # see `sparse_attention_mosaic`'s fp8_dequant (H200 session 25, diagonal order)
 DEFAULT_L2_AHEAD = 0      # L2 prefetch distance in steps (see `sparse_attention_mosaic`'s l2_ahead)
 DEFAULT_PRODUCER = "tma"   # the bf16 ring's gather (see `sparse_attention_mosaic`'s producer)
 DEFAULT_REGS = (56, 224)   # setmaxnreg: (producer, each consumer) registers per thread
@@ -1372,7 +1376,8 @@ def sparse_attention_mosaic(
     34.4 vs 34.4 us, B=128 52.4 vs 57.4, HCA-8K B=16 80.8 vs 95.0): the asynchronous wgmma did not run under the
     conversions. So it is off by default.
     fp8_dequant (FP8 pools; None = DEFAULT_FP8_DEQUANT): who turns the staged e4m3 rows into the bf16 tile the
-    wgmma read. "consumers" (the default): each consumer its half of d, serially before its scores (session 20's
+    wgmma read (the default, "converter", where no option needs the consumers to convert: see the session-25 note
+    below). "consumers": each consumer its half of d, serially before its scores (session 20's
     phase profile: 3117 of the FP8 step's ~7900 cycles per 64 rows at CSA B=64, all of FP8's extra time over
     bf16). "producer": the producer warpgroup converts (all 128 threads, between issuing its gathers) into a ring
     of PDQ_TILES bf16 tiles that the consumers read like a bf16 ring, so the conversion of step g + 1 runs under
@@ -1396,7 +1401,11 @@ def sparse_attention_mosaic(
     1474 cycles per 32-row step) and the converter only converts (2649), each below the consumers' ~2700. Staging
     slots go back to the producer through the converter's 128 arrivals. regs is (producer, converter, consumer),
     default CONV_REGS = (40, 56, 208): a 512-thread CTA starts with 128 registers per thread, so 2 x 208 is what
-    the consumers can have (224 today).
+    the consumers can have (224 today). Session 25: the converter's ~3700 cycles per step were shared-memory
+    bank conflicts as much as work (see fp8_chunk_order): with the diagonal chunk order it converts in ~3190 and
+    the mode is the fastest FP8 path on the H200 (net of dispatch, vs "consumers": CSA B=64 30.9 vs 37.9 us,
+    B=128 48.3 vs 54.7, HCA-8K B=64 271 vs 308, B=16 78.8 vs 88.3; prefill S=16K 254 vs 237 TFLOP/s), so it is
+    the default since.
     conv_units (fp8_dequant="converter" only; None = CONV_UNITS, the converter alone): the converter's share of
     each 32-row step's conversion, in CONV_UNITS = 9 passes of 128 chunks (7 nope passes, then 2 rope copies); the
     producer converts the rest, the step staged (num_stages - 1) steps before the one it just issued, as with
@@ -1413,6 +1422,7 @@ def sparse_attention_mosaic(
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
+    call_args = dict(locals())   # for the fallback below: the default tile ring where it does not fit
     b, t, h, d = common.validate(q, window_kv, window_idx, compressed_kv, compressed_idx, sinks, window_len,
                                  compressed_len, scale)
     pools = [window_kv] + ([] if compressed_kv is None else [compressed_kv])
@@ -1428,8 +1438,12 @@ def sparse_attention_mosaic(
         if (block_k or 32) != 32:
             return (f"fp8_dequant={mode!r} takes block_k=32 (two bf16 tiles of 64 rows do not fit in shared "
                     f"memory), got {block_k}")
+        if mode == "converter" and regs is not None and len(regs) != 3:
+            return (f"fp8_dequant='converter' takes regs as (producer, converter, consumer), got {tuple(regs)} "
+                    "(a (producer, consumer) split is the 384-thread kernel's)")
         return None
 
+    dequant_defaulted = fp8_dequant is None
     if fp8_dequant is None:   # the default where it applies; the consumers convert where an option needs them to
         default_fits = DEFAULT_FP8_DEQUANT == "consumers" or tile_ring_conflict(DEFAULT_FP8_DEQUANT) is None
         fp8_dequant = DEFAULT_FP8_DEQUANT if default_fits else "consumers"
@@ -1437,7 +1451,7 @@ def sparse_attention_mosaic(
         raise ValueError(f"fp8_dequant must be 'consumers', 'producer' or 'converter', got {fp8_dequant!r}")
     pdq = fp8_dequant == "producer"
     conv = fp8_dequant == "converter"
-    fp8_chunk_order = fp8_chunk_order or DEFAULT_FP8_CHUNK_ORDER
+    fp8_chunk_order = fp8_chunk_order or DEFAULT_FP8_CHUNK_ORDER[fp8_dequant]
     if fp8_chunk_order not in ("rows", "diagonal"):
         raise ValueError(f"fp8_chunk_order must be 'rows' or 'diagonal', got {fp8_chunk_order!r}")
     if conv_units is not None and (not conv or isinstance(conv_units, bool) or not isinstance(conv_units, int)
@@ -1576,6 +1590,11 @@ def sparse_attention_mosaic(
     if fp8_overlap and _diag in ("dequant_both", "no_dequant", "loop"):
         raise ValueError(f"fp8_overlap has its own dequantization order: not with _diag={_diag!r}")
     fp8_overlap = DEFAULT_FP8_OVERLAP and fp8 and split_d and not tiles if fp8_overlap is None else bool(fp8_overlap)
+    if smem > SMEM_BUDGET and tiles and dequant_defaulted:
+        # the default tile ring (64 KB of bf16 tiles + 3 staging slots) does not fit next to this split's index
+        # rows (an explicit n_splits, or a cluster-capped split of a long list): the consumers convert instead, as
+        # where an option needs them to (their one staging slot and one tile leave ~40 KB more)
+        return sparse_attention_mosaic(**{**call_args, "fp8_dequant": "consumers"})
     if smem > SMEM_BUDGET:
         raise ValueError(f"shared memory {smem} B over {SMEM_BUDGET}: lower num_stages / block_k or raise n_splits"
                          + (f" (combine='cluster' caps n_splits at {MAX_CLUSTER}: try combine='xla')" if cluster
