@@ -135,3 +135,18 @@ def test_topk_and_indexer_benchmark_scripts_run(tmp_path):
                    cwd=root, env=env, check=True, capture_output=True)
     row = json.loads((tmp_path / "indexer_bench.json").read_text())["rows"][0]
     assert row["pallas_fused_set_us"] == row["pallas_fused_set_us"], row
+
+
+def test_fp8_conversion_bank_model():
+    """benchmarks/fp8_conversion_banks.py, the shared-memory model behind fp8_chunk_order: the diagonal order is a
+    bijection onto every conversion path's chunk grid and serves each bf16 store phase in one wavefront, where
+    row-major conflicts (3.7-way in the tile ring's 64 B swizzle, 2-way in the consumers' 128 B)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.fp8_conversion_banks import table
+
+    got = {(name, order): (load, store) for name, order, load, store in table()}
+    assert got[("tile ring (producer / converter), bk 32", "rows")][1] > 3.5
+    assert got[("consumer 0's half (split_d), bk 64", "rows")][1] == 2.0
+    for (name, order), (load, store) in got.items():
+        if order == "diagonal":
+            assert store == 1.0 and load <= 1.6, (name, load, store)
