@@ -173,7 +173,8 @@ def main():
                          "s22 (FP8: the default against fp8_dequant='producer' / 'converter'), "
                          "s23 (FP8: fp8_dequant='consumers' against 'converter'), "
                          "s25 (FP8: 'consumers' against 'converter' alone and sharing the conversion with the "
-                         "producer, conv_units from --conv-units), s25d (FP8: the diagonal chunk order in each conversion mode)")
+                         "producer, conv_units from --conv-units), s25d (FP8: the diagonal chunk order in each conversion mode), s26 (FP8 default vs a three-tile ring, "
+                         "tile_slots=3, with and without conv_units=5)")
     ap.add_argument("--dtypes", default="bf16,fp8", help="decode / prefill / b1 groups: the KV dtypes to run")
     ap.add_argument("--ref-batches", default=None,
                     help="decode / prefill / b1 groups: time the XLA reference only at these batch sizes (comma "
@@ -344,6 +345,16 @@ def main():
                 record(bench_case(rng, ceil, kind, b, 1, kc, True, opts=o, ref=False))
         for o in modes:
             record(bench_case(rng, ceil, "csa", 1, 16384, 512, True, opts=o, ref=False, csa_cap=16384 // 4))
+    if "s26" in groups:  # built in session 25, to time next: a three-tile bf16 ring on the FP8 default
+        mos = dict(kernel="mosaic")
+        modes = [mos, dict(mos, tile_slots=3, num_stages=2), dict(mos, conv_units=5),
+                 dict(mos, conv_units=5, tile_slots=3, num_stages=2)]
+        for kind, b, kc in [("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 8192), ("hca", 16, 8192)]:
+            for o in modes:
+                record(bench_case(rng, ceil, kind, b, 1, kc, True, opts=dict(o, fp8_dequant="converter"), ref=False))
+        for o in modes:
+            record(bench_case(rng, ceil, "csa", 1, 16384, 512, True, opts=dict(o, fp8_dequant="converter"),
+                              ref=False, csa_cap=16384 // 4))
     if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor
         for kind, b, kc, fp8 in [("csa", 16, 512, False), ("csa", 64, 512, True), ("hca", 16, 8192, True)]:
             for o in ({}, dict(partial_dtype="bfloat16"), dict(fp8_scales="vector"),

@@ -293,6 +293,13 @@ def lower_model_steps(model, cache, marker):
                                                True),
                                               (2, 1, 8192, dict(fp8_chunk_order="diagonal", fp8_dequant="converter",
                                                                 conv_units=5), True),
+                                              # a third bf16 tile next to two staging slots
+                                              (3, 1, 512, dict(fp8_dequant="converter", tile_slots=3, num_stages=2),
+                                               True),
+                                              (1, 64, 60, dict(fp8_dequant="converter", conv_units=5, tile_slots=3,
+                                                               num_stages=2), True),
+                                              (3, 1, 512, dict(fp8_dequant="producer", tile_slots=3, num_stages=2),
+                                               True),
                                               (2, 1, 8192, dict(fp8_dequant="converter", conv_units=7, n_splits=3,
                                                                combine="cluster"), True),
                                               (1, 64, 60, dict(fp8_dequant="converter", conv_units=1, heads=128,
@@ -394,6 +401,13 @@ def test_sparse_attention_mosaic_fp8_dequant_producer_rejects_what_it_cannot_do(
             sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant=mode, conv_units=units)
     with pytest.raises(ValueError, match="fp8_chunk_order"):
         sparse_attention_mosaic(*fp8, scale=0.1, fp8_chunk_order="columns")
+    # tile_slots: the tile ring's depth, 2-4, with a tile-ring mode only; three tiles need two staging slots, and an
+    # explicit tile_slots that does not fit says so (no fallback to the consumers' conversion)
+    for mode, slots in (("converter", 1), ("converter", 5), ("producer", 2.0), ("consumers", 3)):
+        with pytest.raises(ValueError, match="tile_slots"):
+            sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant=mode, tile_slots=slots)
+    with pytest.raises(ValueError, match="shared memory .* over"):
+        sparse_attention_mosaic(*fp8, scale=0.1, tile_slots=3)
     with pytest.raises(ValueError, match="producer, converter, consumer"):   # the shared default is (56, 56, 200)
         sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant="converter", conv_units=5, regs=(64, 64, 200))
 

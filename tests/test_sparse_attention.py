@@ -77,7 +77,8 @@ def opts_id(opts):
         "_ovl" if opts.get("fp8_overlap") else "",
         {"producer": "_pdq", "converter": "_cvwg"}.get(opts.get("fp8_dequant"), ""),
         f"_cu{opts['conv_units']}" if "conv_units" in opts else "",
-        "_dg" if opts.get("fp8_chunk_order") == "diagonal" else ""])
+        "_dg" if opts.get("fp8_chunk_order") == "diagonal" else "",
+        f"_ts{opts['tile_slots']}" if "tile_slots" in opts else ""])
 
 
 def call(fn, inp, **kw):

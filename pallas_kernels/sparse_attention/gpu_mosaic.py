@@ -153,7 +153,8 @@ def default_config(bt: int, total_blocks: int):
 def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=False, diag=None,
            regs=None, n_hg=1, split_scores=False, profile=None, cp_async=False, l2_ahead=0, ccomb=False,
            store_wait_read=False, idx_first=False, pingpong=False, cluster_early=False, split_d=False,
-           fp8_convert="cvt", fp8_overlap=False, pdq=False, conv=False, conv_units=None, chunk_order="rows"):
+           fp8_convert="cvt", fp8_overlap=False, pdq=False, conv=False, conv_units=None, chunk_order="rows",
+           n_tiles=PDQ_TILES):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -382,7 +383,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             store16(val, r, arith.addi(ch, c(NOPE_DIM // 8)), tile if dst is None else dst, lead)
 
         def convert_step(gs, tag, release, units=(0, CONV_UNITS)):
-            """pdq / conv: staged step gs (staging slot gs % stages) -> bf16 tile gs % PDQ_TILES, by the 128 threads
+            """pdq / conv: staged step gs (staging slot gs % stages) -> bf16 tile gs % n_tiles, by the 128 threads
             of the converting warpgroup (the producer with pdq, wg 3 with conv), once its copies have landed and both
             consumers are past the tile's previous step (P.V included). Each thread fences its stores for the async
             proxy (wgmma) and arrives on the tile's full barrier (128 arrivals per converting warpgroup); release(s_)
@@ -391,12 +392,12 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             chunks, the nope passes (bk * 28 / 128 of them) first, then the rope passes (bk * 8 / 128): with
             conv_units < CONV_UNITS the converter takes [0, conv_units) and the producer the rest."""
             lt = arith.remui(arith.index_cast(index, mu.thread_idx()), c(128))
-            s_, t_ = arith.remui(gs, c(stages)), arith.remui(gs, c(PDQ_TILES))
+            s_, t_ = arith.remui(gs, c(stages)), arith.remui(gs, c(n_tiles))
             region = begin(f"{tag}_wait_staged")
             st_bars[s_].wait()
             end(region)
             region = begin(f"{tag}_wait_tile")
-            with mu.when(arith.cmpi(arith.CmpIPredicate.uge, gs, c(PDQ_TILES))):
+            with mu.when(arith.cmpi(arith.CmpIPredicate.uge, gs, c(n_tiles))):
                 empty_bars[t_].wait()
             end(region)
             region = begin(f"{tag}_convert")
@@ -943,7 +944,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
 
             def consume(k, j, g, carry):
                 m, l, acc = carry
-                slot = arith.remui(g, c(PDQ_TILES if tiles else stages))
+                slot = arith.remui(g, c(n_tiles if tiles else stages))
                 off = arith.muli(arith.subi(j, ranges[k][2]), c(bk))
                 first = arith.addi(c(idx_base[k]), off)   # this consumer's entries: all, or its half with split_scores
                 if split_scores:
@@ -1079,7 +1080,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     if tiles:
         smem = (
             (jax.ShapeDtypeStruct((BLOCK_H // 8, d // tc, 8, tc), jnp.bfloat16),     # q, then o
-             jax.ShapeDtypeStruct((PDQ_TILES, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # the bf16 tile ring
+             jax.ShapeDtypeStruct((n_tiles, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # the bf16 tile ring
              jax.ShapeDtypeStruct((stages, bk, NOPE_STRIDE), jnp.float8_e4m3fn),     # staging: nope
              jax.ShapeDtypeStruct((stages, bk, ROPE_DIM), jnp.bfloat16),             # staging: rope
              jax.ShapeDtypeStruct((stages, bk, SCALE_BYTES), jnp.uint8),             # staging: scales
@@ -1091,8 +1092,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             (mgpu.Barrier(arrival_count=5, num_barriers=stages),
              *((mgpu.Barrier(arrival_count=128, num_barriers=stages),) if conv else ()),   # conv: staging released
              # tile full: 128 arrivals per converting warpgroup (conv_units < CONV_UNITS: converter and producer)
-             mgpu.Barrier(arrival_count=256 if conv and conv_units < CONV_UNITS else 128, num_barriers=PDQ_TILES),
-             mgpu.Barrier(arrival_count=256, num_barriers=PDQ_TILES), mgpu.Barrier(arrival_count=256)),
+             mgpu.Barrier(arrival_count=256 if conv and conv_units < CONV_UNITS else 128, num_barriers=n_tiles),
+             mgpu.Barrier(arrival_count=256, num_barriers=n_tiles), mgpu.Barrier(arrival_count=256)),
         )
     elif fp8:
         smem = (
@@ -1280,6 +1281,7 @@ def sparse_attention_mosaic(
     fp8_dequant: str | None = None,
     conv_units: int | None = None,
     fp8_chunk_order: str | None = None,
+    tile_slots: int | None = None,
     _diag: str | None = None,
     _profile: str | None = None,
 ):
@@ -1419,6 +1421,11 @@ def sparse_attention_mosaic(
     swizzle and 4-way under the tile ring's 64 B). Session 25: with the conversion split between the converter and
     the producer (conv_units) the conversion cycles summed over both stayed ~3700 per 32-row step, so the
     conversion is bound by a resource of the whole SM, shared memory, not by one warpgroup's issue rate.
+    tile_slots (fp8_dequant="producer" / "converter"; None = PDQ_TILES = 2): the bf16 tile ring's depth. A third
+    32-row tile (32 KB) lets the converters run a step further ahead of the consumers; it fits next to q, two
+    staging slots (num_stages=2) and split_d's exchange in decode (~220 KB). Session 25's profile (converter with
+    conv_units=5, diagonal order): both converting warpgroups idle a third of their span while the consumers still
+    wait ~660 cycles a step for a tile, which a deeper ring may hide. Built in session 25, not yet timed.
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -1460,6 +1467,11 @@ def sparse_attention_mosaic(
                          f"an int in [1, {CONV_UNITS}] with fp8_dequant='converter', got {conv_units!r} with "
                          f"fp8_dequant={fp8_dequant!r}")
     conv_shared = conv and conv_units is not None and conv_units < CONV_UNITS
+    if tile_slots is not None and (not (pdq or conv) or isinstance(tile_slots, bool)
+                                   or not isinstance(tile_slots, int) or not 2 <= tile_slots <= 4):
+        raise ValueError(f"tile_slots is the bf16 tile ring's depth: an int in [2, 4] with fp8_dequant='producer' or "
+                         f"'converter', got {tile_slots!r} with fp8_dequant={fp8_dequant!r}")
+    n_tiles = PDQ_TILES if tile_slots is None else tile_slots
     tiles = pdq or conv   # the bf16 tile ring with 32-row steps
     if tiles:
         conflict = tile_ring_conflict(fp8_dequant)
@@ -1544,7 +1556,7 @@ def sparse_attention_mosaic(
     if bk == 32 and producer == "tma" and not fp8:
         raise ValueError("block_k=32 (64 B swizzle) needs producer='cp_async': a 64 B row of a 64 B-swizzled tile "
                          "is not 128 B aligned, as a bulk tensor copy's destination must be")
-    ring_bytes = stages * bk * (NOPE_STRIDE + 2 * ROPE_DIM + SCALE_BYTES) + (PDQ_TILES if tiles else 1) * bk * d * 2 \
+    ring_bytes = stages * bk * (NOPE_STRIDE + 2 * ROPE_DIM + SCALE_BYTES) + (n_tiles if tiles else 1) * bk * d * 2 \
         if fp8 else stages * bk * d * 2
 
     def exchange_bytes():
@@ -1570,7 +1582,7 @@ def sparse_attention_mosaic(
         # without them a ring that fills shared memory to the byte (block_k=32 x 5 slots) passed this check and
         # failed in Mosaic's own (232552 > 232448 B)
         smem = BLOCK_H * d * 2 + ring_bytes + sum(idx_rows) * 4 + 2 * BLOCK_H * 4 + exchange_bytes() + \
-            (3 + 2 * stages + (2 * PDQ_TILES if tiles else 0) + (stages if conv else 0)) * 8 + \
+            (3 + 2 * stages + (2 * n_tiles if tiles else 0) + (stages if conv else 0)) * 8 + \
             ((4 if conv else 3) * 4 * prof_entries + 1024 if _profile else 0)   # + the profiler's alignment
         if smem <= SMEM_BUDGET or n_splits is not None or bps <= max(1, min_bps):
             if smem > SMEM_BUDGET and split_d and split_d_default and not tiles:
@@ -1590,7 +1602,7 @@ def sparse_attention_mosaic(
     if fp8_overlap and _diag in ("dequant_both", "no_dequant", "loop"):
         raise ValueError(f"fp8_overlap has its own dequantization order: not with _diag={_diag!r}")
     fp8_overlap = DEFAULT_FP8_OVERLAP and fp8 and split_d and not tiles if fp8_overlap is None else bool(fp8_overlap)
-    if smem > SMEM_BUDGET and tiles and dequant_defaulted:
+    if smem > SMEM_BUDGET and tiles and dequant_defaulted and tile_slots is None:
         # the default tile ring (64 KB of bf16 tiles + 3 staging slots) does not fit next to this split's index
         # rows (an explicit n_splits, or a cluster-capped split of a long list): the consumers convert instead, as
         # where an option needs them to (their one staging slot and one tile leave ~40 KB more)
@@ -1619,7 +1631,7 @@ def sparse_attention_mosaic(
                     bool(split_scores), profile, producer == "cp_async", l2_ahead,
                     ccomb, store_wait == "read", DEFAULT_IDX_FIRST if idx_first is None else bool(idx_first),
                     pingpong, cluster_loads == "early", split_d, fp8_convert, fp8_overlap, pdq, conv,
-                    conv_units if conv else None, fp8_chunk_order)
+                    conv_units if conv else None, fp8_chunk_order, n_tiles)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1 and not ccomb:
         o, lse = combine_lib.combine(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h), sinks.astype(jnp.float32),
