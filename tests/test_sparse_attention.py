@@ -308,9 +308,9 @@ def test_mosaic_only_knobs_with_auto_kernel_say_where_they_run():
 
 def test_mosaic_kernel_input_errors():
     """The Mosaic GPU kernel's wrapper refuses what it cannot run, with a reason, before building anything (so this
-    runs on CPU): mixed bf16 / FP8 pools, block_k != 64 with FP8 pools, shared memory over budget with an
-    explicit n_splits, register splits that do not fit the SM. "auto" picks it for FP8 pools (both FP8, block_k 64;
-    session 19), not for mixed ones."""
+    runs on CPU): mixed bf16 / FP8 pools, FP8 pools with a block_k other than 64 (or 32 with the tile ring), shared
+    memory over budget with an explicit n_splits, register splits that do not fit the SM. "auto" picks it for FP8
+    pools (both FP8, block_k 64, or 32 with the tile ring; session 19), not for mixed ones."""
     from pallas_kernels.sparse_attention import Fp8KVPool, mosaic_applies
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -319,7 +319,11 @@ def test_mosaic_kernel_input_errors():
     args = [inp[k] for k in keys]
     assert isinstance(args[1], Fp8KVPool)
     assert mosaic_applies(inp["q"], inp["window_kv"], inp["compressed_kv"])
-    assert not mosaic_applies(inp["q"], inp["window_kv"], inp["compressed_kv"], kernel_options=dict(block_k=32))
+    # block_k 32 is the FP8 tile ring's (the converter, the default since session 25), not the consumers'
+    assert mosaic_applies(inp["q"], inp["window_kv"], inp["compressed_kv"], kernel_options=dict(block_k=32))
+    assert not mosaic_applies(inp["q"], inp["window_kv"], inp["compressed_kv"],
+                              kernel_options=dict(block_k=32, fp8_dequant="consumers"))
+    assert not mosaic_applies(inp["q"], inp["window_kv"], inp["compressed_kv"], kernel_options=dict(block_k=128))
     assert not mosaic_applies(inp["q"], inp["window_kv"], inp["compressed_kv"], kernel_options=dict(split_scores=True))
     assert mosaic_applies(inp["q"], inp["window_kv"], inp["compressed_kv"], kernel_options=dict(num_stages=2))
     mixed = list(args)

@@ -62,7 +62,7 @@ def mosaic_only_options() -> frozenset:
 def mosaic_applies(q, window_kv, compressed_kv, out_dtype=None, kernel_options=None) -> bool:
     """Whether kernel="auto" picks the Mosaic GPU kernel (kernel_options: a dict of the call's knobs): bf16 q with a
     multiple of 64 heads (one CTA per 64) and head_dim % 128 == 0, both pools bf16 [rows, head_dim] or both FP8
-    (`Fp8KVPool`; block_k 64), bf16 output, only knobs it understands. FP8 pools moved from the Triton kernel to this
+    (`Fp8KVPool`; block_k 64, or 32 with the tile ring), bf16 output, only knobs it understands. FP8 pools moved from the Triton kernel to this
     one in session 19 (split_d with one staging slot: CSA decode B=64 38 vs 58 us on the H200); mixed bf16 / FP8
     pools stay on Triton."""
     import jax.numpy as jnp
@@ -73,7 +73,10 @@ def mosaic_applies(q, window_kv, compressed_kv, out_dtype=None, kernel_options=N
     fp8 = [isinstance(p_, Fp8KVPool) for p_ in pools]
     opts = dict(kernel_options or {})
     if all(fp8):   # (its Mosaic-only knobs are outside MOSAIC_OPTIONS, checked below)
-        pools_ok = opts.get("block_k") in (None, 64)
+        # block_k 64 where the consumers convert, 32 in the tile ring of the converter (the default since session
+        # 25) or the producer
+        pools_ok = opts.get("block_k") in (None, 64) or (opts.get("block_k") == 32
+                                                          and opts.get("fp8_dequant") != "consumers")
     else:
         pools_ok = not any(fp8) and all(p_.dtype == jnp.bfloat16 for p_ in pools)
     return (q.dtype == jnp.bfloat16 and q.shape[2] % BLOCK_H == 0 and q.shape[3] % 128 == 0 and pools_ok
