@@ -317,44 +317,34 @@ def main():
         for t in (4096, 16384):
             for o in ({}, pdq, cvwg):
                 record(bench_case(rng, ceil, "csa", 1, t, 512, True, opts=o, ref=False, csa_cap=t // 4))
-    if "s23" in groups:  # session 23: FP8 pools, the consumers dequantize (default) vs a converter warpgroup
-        modes = [dict(kernel="mosaic", fp8_dequant=m) for m in ("consumers", "converter")]
-        for kind, b, kc in [("csa", 16, 512), ("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 1024),
-                            ("hca", 16, 8192), ("hca", 64, 8192)]:
+    def fp8_modes(modes, decode_cases, prefill_lens=(16384,)):
+        """FP8 pools, each kernel option set in `modes` on each decode case (kind, B, K_c) and CSA prefill length,
+        without the XLA reference (the session knob studies below)."""
+        for kind, b, kc in decode_cases:
             for o in modes:
                 record(bench_case(rng, ceil, kind, b, 1, kc, True, opts=o, ref=False))
-        for t in (4096, 16384):
+        for t in prefill_lens:
             for o in modes:
                 record(bench_case(rng, ceil, "csa", 1, t, 512, True, opts=o, ref=False, csa_cap=t // 4))
+
+    mos = dict(kernel="mosaic")
+    cases4 = [("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 8192), ("hca", 16, 8192)]
+    if "s23" in groups:  # session 23: FP8 pools, the consumers dequantize (default) vs a converter warpgroup
+        fp8_modes([dict(mos, fp8_dequant=m) for m in ("consumers", "converter")],
+                  [("csa", 16, 512), ("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 1024), ("hca", 16, 8192),
+                   ("hca", 64, 8192)], (4096, 16384))
     if "s25" in groups:  # session 25: the converter warpgroup and the producer split each step's conversion
-        modes = [dict(kernel="mosaic", fp8_dequant=m) for m in ("consumers", "converter")]
-        modes += [dict(kernel="mosaic", fp8_dequant="converter", conv_units=int(u))
-                  for u in args.conv_units.split(",") if u]
-        for kind, b, kc in [("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 8192)]:
-            for o in modes:
-                record(bench_case(rng, ceil, kind, b, 1, kc, True, opts=o, ref=False))
-        for o in modes:
-            record(bench_case(rng, ceil, "csa", 1, 16384, 512, True, opts=o, ref=False, csa_cap=16384 // 4))
+        fp8_modes([dict(mos, fp8_dequant=m) for m in ("consumers", "converter")]
+                  + [dict(mos, fp8_dequant="converter", conv_units=int(u)) for u in args.conv_units.split(",") if u],
+                  cases4[:3])
     if "s25d" in groups:  # session 25: FP8 conversion with the diagonal chunk order (no shared-memory conflicts)
-        mos = dict(kernel="mosaic")
-        dg = dict(fp8_chunk_order="diagonal")
-        modes = [mos, dict(mos, **dg), dict(mos, fp8_dequant="converter", **dg),
-                 dict(mos, fp8_dequant="converter", conv_units=5, **dg), dict(mos, fp8_dequant="producer", **dg)]
-        for kind, b, kc in [("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 8192), ("hca", 16, 8192)]:
-            for o in modes:
-                record(bench_case(rng, ceil, kind, b, 1, kc, True, opts=o, ref=False))
-        for o in modes:
-            record(bench_case(rng, ceil, "csa", 1, 16384, 512, True, opts=o, ref=False, csa_cap=16384 // 4))
+        dg = dict(mos, fp8_chunk_order="diagonal")
+        fp8_modes([mos, dg, dict(dg, fp8_dequant="converter"), dict(dg, fp8_dequant="converter", conv_units=5),
+                   dict(dg, fp8_dequant="producer")], cases4)
     if "s26" in groups:  # built in session 25, to time next: a three-tile bf16 ring on the FP8 default
-        mos = dict(kernel="mosaic")
-        modes = [mos, dict(mos, tile_slots=3, num_stages=2), dict(mos, conv_units=5),
-                 dict(mos, conv_units=5, tile_slots=3, num_stages=2)]
-        for kind, b, kc in [("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 8192), ("hca", 16, 8192)]:
-            for o in modes:
-                record(bench_case(rng, ceil, kind, b, 1, kc, True, opts=dict(o, fp8_dequant="converter"), ref=False))
-        for o in modes:
-            record(bench_case(rng, ceil, "csa", 1, 16384, 512, True, opts=dict(o, fp8_dequant="converter"),
-                              ref=False, csa_cap=16384 // 4))
+        cv = dict(mos, fp8_dequant="converter")
+        fp8_modes([cv, dict(cv, tile_slots=3, num_stages=2), dict(cv, conv_units=5),
+                   dict(cv, conv_units=5, tile_slots=3, num_stages=2)], cases4)
     if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor
         for kind, b, kc, fp8 in [("csa", 16, 512, False), ("csa", 64, 512, True), ("hca", 16, 8192, True)]:
             for o in ({}, dict(partial_dtype="bfloat16"), dict(fp8_scales="vector"),

@@ -218,12 +218,11 @@ MOSAIC_CASES += [(*c[:7], dict(fp8_dequant=mode, **c[7]))
 MOSAIC_CASES += [(*c[:7], dict(fp8_dequant="converter", conv_units=5, **c[7])) for c in TILE_RING_CASES]
 MOSAIC_CASES += [(*c[:7], dict(fp8_dequant="converter", conv_units=u, **c[7]))
                  for u in (1, 7) for c in TILE_RING_CASES[:2]]
+# the consumers' own conversion (the FP8 default before session 25: each consumer its half of d, split_d)
+MOSAIC_CASES += [(*c[:7], dict(fp8_dequant="consumers", **c[7])) for c in TILE_RING_CASES[:4]]
 # the diagonal chunk order (fp8_chunk_order): every conversion path
 MOSAIC_CASES += [(*c[:7], dict(fp8_chunk_order="diagonal", **c[7])) for c in [
-    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True, fp8=True, wide_scales=True), {}),   # consumers, halves
-    (2, 1, 128, 9000, 128, 8192, dict(ragged=True, fp8=True), {}),
-    (1, 256, 2048, 1024, 128, 512, dict(dupes=True, fp8=True), {}),
-    (3, 2, 128, 600, 128, 1024, dict(ragged=True, fp8=True, heads=128), dict(n_splits=2)),
+    *[(*c[:7], dict(fp8_dequant="consumers", **c[7])) for c in TILE_RING_CASES[:5]],   # consumers, halves
     (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, fp8=True), dict(num_stages=2)),  # both
     (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, wide_scales=True), dict(fp8_overlap=True)),
     *[(*c[:7], dict(fp8_dequant=m, **c[7])) for m in ("producer", "converter") for c in TILE_RING_CASES[:4]],

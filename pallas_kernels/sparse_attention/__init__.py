@@ -62,9 +62,9 @@ def mosaic_only_options() -> frozenset:
 def mosaic_applies(q, window_kv, compressed_kv, out_dtype=None, kernel_options=None) -> bool:
     """Whether kernel="auto" picks the Mosaic GPU kernel (kernel_options: a dict of the call's knobs): bf16 q with a
     multiple of 64 heads (one CTA per 64) and head_dim % 128 == 0, both pools bf16 [rows, head_dim] or both FP8
-    (`Fp8KVPool`; block_k 64, or 32 with the tile ring), bf16 output, only knobs it understands. FP8 pools moved from the Triton kernel to this
-    one in session 19 (split_d with one staging slot: CSA decode B=64 38 vs 58 us on the H200); mixed bf16 / FP8
-    pools stay on Triton."""
+    (`Fp8KVPool`; block_k 64, or 32 with the tile ring), bf16 output, only knobs it understands. FP8 pools moved
+    from the Triton kernel to this one in session 19 (split_d with one staging slot: CSA decode B=64 38 vs 58 us on
+    the H200); mixed bf16 / FP8 pools stay on Triton."""
     import jax.numpy as jnp
 
     from .gpu_mosaic import BLOCK_H

@@ -318,7 +318,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             vector.store(val, dst, [*lead, arith.divui(r, c(8)), arith.divui(cc, c(per)), r8, arith.muli(j, c(8))],
                          alignment=16)
 
-        def chunk_coords(v, ncb):
+        def chunk_coords(v, ncb, order=None):
             """(row, chunk) of chunk v of a [bk, ncb] grid of 16 B chunks. "rows": row-major, v // ncb, v % ncb.
             "diagonal": the 8 threads of a 16-byte access phase (v % 8 = i) take rows 8 a + i and chunks (b + i) % ncb
             of one 8-row group a (v // 8 = b x bk / 8 + a), a bijection onto the grid. Shared memory serves a phase's
@@ -326,7 +326,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             row-major, a phase's stores of one row into the swizzled tile hit 2 slots (64 B swizzle: 4-way
             conflict) or 4 (128 B: 2-way); diagonal, the 8 rows' swizzle patterns spread them over all 8, and the
             staging loads (consecutive chunks, rows 512 B apart) stay in 8 slots except where b + i wraps."""
-            if chunk_order == "rows":
+            if (order or chunk_order) == "rows":
                 return arith.divui(v, c(ncb)), arith.remui(v, c(ncb))
             i, g = arith.remui(v, c(8)), arith.divui(v, c(8))
             r = arith.addi(arith.muli(arith.remui(g, c(bk // 8)), c(8)), i)
@@ -378,7 +378,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
         def copy_rope(slot, v, dst=None, lead=()):   # rope chunk v: 8 16-byte chunks per row, already bf16
             # row-major is conflict-free under the 128 B swizzle (a row's 8 chunks land in 8 slots); the 64 B
             # swizzle takes the diagonal order's 8 rows for that
-            r, ch = chunk_coords(v, 8) if swz == 64 else (arith.divui(v, c(8)), arith.remui(v, c(8)))
+            r, ch = chunk_coords(v, 8, None if swz == 64 else "rows")
             val = vector.load(ir.VectorType.get((8,), bf16), rope_st, [slot, r, arith.muli(ch, c(8))], alignment=16)
             store16(val, r, arith.addi(ch, c(NOPE_DIM // 8)), tile if dst is None else dst, lead)
 
@@ -1092,7 +1092,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             (mgpu.Barrier(arrival_count=5, num_barriers=stages),
              *((mgpu.Barrier(arrival_count=128, num_barriers=stages),) if conv else ()),   # conv: staging released
              # tile full: 128 arrivals per converting warpgroup (conv_units < CONV_UNITS: converter and producer)
-             mgpu.Barrier(arrival_count=256 if conv and conv_units < CONV_UNITS else 128, num_barriers=n_tiles),
+             mgpu.Barrier(arrival_count=256 if conv and p_units else 128, num_barriers=n_tiles),
              mgpu.Barrier(arrival_count=256, num_barriers=n_tiles), mgpu.Barrier(arrival_count=256)),
         )
     elif fp8:
