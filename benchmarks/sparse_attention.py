@@ -174,7 +174,8 @@ def main():
                          "s23 (FP8: fp8_dequant='consumers' against 'converter'), "
                          "s25 (FP8: 'consumers' against 'converter' alone and sharing the conversion with the "
                          "producer, conv_units from --conv-units), s25d (FP8: the diagonal chunk order in each conversion mode), s26 (FP8 default vs a three-tile ring, "
-                         "tile_slots=3, with and without conv_units=5)")
+                         "tile_slots=3, with and without conv_units=5), s26b (FP8 default vs conv_batch 2 / 3 / 9, "
+                         "and 3 with tile_slots=3)")
     ap.add_argument("--dtypes", default="bf16,fp8", help="decode / prefill / b1 groups: the KV dtypes to run")
     ap.add_argument("--ref-batches", default=None,
                     help="decode / prefill / b1 groups: time the XLA reference only at these batch sizes (comma "
@@ -345,6 +346,9 @@ def main():
         cv = dict(mos, fp8_dequant="converter")
         fp8_modes([cv, dict(cv, tile_slots=3, num_stages=2), dict(cv, conv_units=5),
                    dict(cv, conv_units=5, tile_slots=3, num_stages=2)], cases4)
+    if "s26b" in groups:  # session 26: a converting thread's chunks loaded in batches before their stores
+        fp8_modes([dict(mos), *[dict(mos, conv_batch=n) for n in (2, 3, 9)],
+                   dict(mos, conv_batch=3, tile_slots=3, num_stages=2)], cases4)
     if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor
         for kind, b, kc, fp8 in [("csa", 16, 512, False), ("csa", 64, 512, True), ("hca", 16, 8192, True)]:
             for o in ({}, dict(partial_dtype="bfloat16"), dict(fp8_scales="vector"),

@@ -303,7 +303,13 @@ def lower_model_steps(model, cache, marker):
                                               (2, 1, 8192, dict(fp8_dequant="converter", conv_units=7, n_splits=3,
                                                                combine="cluster"), True),
                                               (1, 64, 60, dict(fp8_dequant="converter", conv_units=1, heads=128,
-                                                               num_stages=2), True)])
+                                                               num_stages=2), True),
+                                              # batches of chunks loaded before their stores
+                                              (3, 1, 512, dict(conv_batch=3), True),
+                                              (1, 64, 60, dict(conv_batch=9, tile_slots=3, num_stages=2), True),
+                                              (2, 1, 8192, dict(fp8_dequant="converter", conv_units=5,
+                                                                conv_batch=2), True),
+                                              (3, 1, 512, dict(fp8_dequant="producer", conv_batch=4), True)])
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -408,6 +414,14 @@ def test_sparse_attention_mosaic_fp8_dequant_producer_rejects_what_it_cannot_do(
             sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant=mode, tile_slots=slots)
     with pytest.raises(ValueError, match="shared memory .* over"):
         sparse_attention_mosaic(*fp8, scale=0.1, tile_slots=3)
+    # conv_batch: 1-9 chunks per batch, with a tile-ring mode only; explicit, it keeps the tile ring (no fallback)
+    for mode, batch in (("converter", 0), ("converter", 10), ("producer", 2.0), ("converter", True),
+                        ("consumers", 2)):
+        with pytest.raises(ValueError, match="conv_batch"):
+            sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant=mode, conv_batch=batch)
+    long = [make_attention(1, 64, 64, 512, 300, 9000, 128, 8192, ragged=True, fp8=True)[k] for k in keys]
+    with pytest.raises(ValueError, match="shared memory .* over"):   # the default falls back here (below)
+        sparse_attention_mosaic(*long, scale=0.1, n_splits=1, conv_batch=2)
     with pytest.raises(ValueError, match="producer, converter, consumer"):   # the shared default is (56, 56, 200)
         sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant="converter", conv_units=5, regs=(64, 64, 200))
 

@@ -78,7 +78,8 @@ def opts_id(opts):
         {"producer": "_pdq", "converter": "_cvwg", "consumers": "_cons"}.get(opts.get("fp8_dequant"), ""),
         f"_cu{opts['conv_units']}" if "conv_units" in opts else "",
         "_dg" if opts.get("fp8_chunk_order") == "diagonal" else "",
-        f"_ts{opts['tile_slots']}" if "tile_slots" in opts else ""])
+        f"_ts{opts['tile_slots']}" if "tile_slots" in opts else "",
+        f"_cb{opts['conv_batch']}" if "conv_batch" in opts else ""])
 
 
 def call(fn, inp, **kw):

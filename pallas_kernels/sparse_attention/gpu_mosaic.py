@@ -154,7 +154,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
            regs=None, n_hg=1, split_scores=False, profile=None, cp_async=False, l2_ahead=0, ccomb=False,
            store_wait_read=False, idx_first=False, pingpong=False, cluster_early=False, split_d=False,
            fp8_convert="cvt", fp8_overlap=False, pdq=False, conv=False, conv_units=None, chunk_order="rows",
-           n_tiles=PDQ_TILES):
+           n_tiles=PDQ_TILES, conv_batch=1):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -335,15 +335,24 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 return r, arith.remui(cb, c(ncb))
             return r, arith.select(arith.cmpi(arith.CmpIPredicate.uge, cb, c(ncb)), arith.subi(cb, c(ncb)), cb)
 
+        def load_chunk(slot, v, ncb, cb0):
+            """Nope chunk v of a [bk, ncb] grid of 16 B chunks (from chunk cb0 of each row) of staging slot `slot`:
+            (row, chunk, its 16 e4m3 as 4 x i32, its 64-column block's scale byte as i32)."""
+            r, cb = chunk_coords(v, ncb)
+            cb = arith.addi(cb, c(cb0) if isinstance(cb0, int) else cb0)
+            raw = vector.bitcast(ir.VectorType.get((4,), i32),
+                                 vector.load(f8_16, nope_st, [slot, r, arith.muli(cb, c(16))], alignment=16))
+            sbyte = arith.extui(i32, memref.load(scale_st, [slot, r, arith.divui(cb, c(4))]))
+            return r, cb, raw, sbyte
+
         def convert_chunk(slot, v, ncb, cb0, dst=None, lead=()):
             """Nope chunk v of a [bk, ncb] grid of 16 B chunks (from chunk cb0 of each row) of staging slot `slot`:
             16 e4m3 -> 16 bf16 x the chunk's 64-column block scale, into the tile (default: the consumers' tile)."""
-            r, cb = chunk_coords(v, ncb)
-            cb = arith.addi(cb, c(cb0) if isinstance(cb0, int) else cb0)
-            blk = arith.divui(cb, c(4))
-            raw = vector.bitcast(ir.VectorType.get((4,), i32),
-                                 vector.load(f8_16, nope_st, [slot, r, arith.muli(cb, c(16))], alignment=16))
-            sbyte = arith.extui(i32, memref.load(scale_st, [slot, r, blk]))
+            store_chunk(load_chunk(slot, v, ncb, cb0), dst, lead)
+
+        def store_chunk(loaded, dst=None, lead=()):
+            """A loaded chunk (load_chunk) converted and stored into the tile (default: the consumers' tile)."""
+            r, cb, raw, sbyte = loaded
             words = []
             if diag == "no_convert":   # timing diagnostic only (wrong values): raw bytes stored as if bf16
                 words = [vector.extract(raw, [], [w % 4]) for w in range(8)]
@@ -375,12 +384,19 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                                      vector.from_elements(ir.VectorType.get((4,), i32), words[4 * h: 4 * h + 4]))
                 store16(val, r, arith.addi(arith.muli(cb, c(2)), c(h)), tile if dst is None else dst, lead)
 
-        def copy_rope(slot, v, dst=None, lead=()):   # rope chunk v: 8 16-byte chunks per row, already bf16
+        def load_rope(slot, v):   # rope chunk v: 8 16-byte chunks per row, already bf16 -> (row, chunk, value)
             # row-major is conflict-free under the 128 B swizzle (a row's 8 chunks land in 8 slots); the 64 B
             # swizzle takes the diagonal order's 8 rows for that
             r, ch = chunk_coords(v, 8, None if swz == 64 else "rows")
-            val = vector.load(ir.VectorType.get((8,), bf16), rope_st, [slot, r, arith.muli(ch, c(8))], alignment=16)
+            return r, ch, vector.load(ir.VectorType.get((8,), bf16), rope_st, [slot, r, arith.muli(ch, c(8))],
+                                      alignment=16)
+
+        def store_rope(loaded, dst=None, lead=()):
+            r, ch, val = loaded
             store16(val, r, arith.addi(ch, c(NOPE_DIM // 8)), tile if dst is None else dst, lead)
+
+        def copy_rope(slot, v, dst=None, lead=()):
+            store_rope(load_rope(slot, v), dst, lead)
 
         def convert_step(gs, tag, release, units=(0, CONV_UNITS)):
             """pdq / conv: staged step gs (staging slot gs % stages) -> bf16 tile gs % n_tiles, by the 128 threads
@@ -405,14 +421,27 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             n_nope = bk * ncb // 128             # nope passes (7 at bk = 32), then rope passes (2)
             u0, u1 = units
             a, b_ = min(u0, n_nope), min(u1, n_nope)
-            if b_ > a:
-                @mu.fori(c(b_ - a), None)
-                def _(i, _c):
-                    convert_chunk(s_, arith.addi(lt, arith.muli(arith.addi(i, c(a)), c(128))), ncb, 0, ring, (t_,))
-                    return _c
+            rope_passes = range(max(u0, n_nope) - n_nope, u1 - n_nope)   # rope: 8 chunks of 8 bf16 per row, copied
+            if conv_batch == 1:   # a loop, one chunk at a time: each chunk's loads wait for the previous stores
+                if b_ > a:
+                    @mu.fori(c(b_ - a), None)
+                    def _(i, _c):
+                        convert_chunk(s_, arith.addi(lt, arith.muli(arith.addi(i, c(a)), c(128))), ncb, 0, ring,
+                                      (t_,))
+                        return _c
 
-            for i in range(max(u0, n_nope) - n_nope, u1 - n_nope):   # rope: 8 chunks of 8 bf16 per row, copied
-                copy_rope(s_, arith.addi(lt, c(128 * i)), ring, (t_,))
+                for i in rope_passes:
+                    copy_rope(s_, arith.addi(lt, c(128 * i)), ring, (t_,))
+            else:   # unrolled in batches: a batch's loads all issue before its first store (shared-memory stores
+                # and loads may alias, so the compiler keeps them in program order; one chunk at a time, every
+                # chunk pays the whole load -> convert -> store latency)
+                passes = [("nope", p) for p in range(a, b_)] + [("rope", p) for p in rope_passes]
+                for i0 in range(0, len(passes), conv_batch):
+                    batch = passes[i0:i0 + conv_batch]
+                    loaded = [load_chunk(s_, arith.addi(lt, c(128 * p)), ncb, 0) if kind == "nope"
+                              else load_rope(s_, arith.addi(lt, c(128 * p))) for kind, p in batch]
+                    for (kind, _p), ld in zip(batch, loaded):
+                        (store_chunk if kind == "nope" else store_rope)(ld, ring, (t_,))
             nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)  # st.shared -> wgmma
             full_bars[t_].arrive()
             release(s_)
@@ -1157,6 +1186,7 @@ DEFAULT_STORE_WAIT = "read"    # see `sparse_attention_mosaic`'s store_wait (tim
 DEFAULT_PINGPONG = False       # see `sparse_attention_mosaic`'s pingpong (H200, session 17: no gain)
 DEFAULT_SPLIT_D = True         # split_d where it applies (see `sparse_attention_mosaic`'s split_d; session 18)
 DEFAULT_CLUSTER_LOADS = "early"   # see `sparse_attention_mosaic`'s cluster_loads (H200, session 18: 1-2.5% faster)
+DEFAULT_CONV_BATCH = 1   # see `sparse_attention_mosaic`'s conv_batch
 DEFAULT_FP8_CONVERT = "cvt"   # see `sparse_attention_mosaic`'s fp8_convert
 DEFAULT_FP8_OVERLAP = False   # see `sparse_attention_mosaic`'s fp8_overlap (H200, session 20: no faster)
 # fp8_chunk_order per fp8_dequant mode (see `sparse_attention_mosaic`): H200 session 25, the diagonal order takes
@@ -1282,6 +1312,7 @@ def sparse_attention_mosaic(
     conv_units: int | None = None,
     fp8_chunk_order: str | None = None,
     tile_slots: int | None = None,
+    conv_batch: int | None = None,
     _diag: str | None = None,
     _profile: str | None = None,
 ):
@@ -1426,6 +1457,11 @@ def sparse_attention_mosaic(
     staging slots (num_stages=2) and split_d's exchange in decode (~220 KB). Session 25's profile (converter with
     conv_units=5, diagonal order): both converting warpgroups idle a third of their span while the consumers still
     wait ~660 cycles a step for a tile, which a deeper ring may hide. Built in session 25, not yet timed.
+    conv_batch (fp8_dequant="producer" / "converter"; None = DEFAULT_CONV_BATCH): chunks a converting thread loads
+    before it converts and stores them. 1 = a loop over the step's passes, one 16-byte chunk at a time; there
+    every chunk's loads wait for the previous chunk's stores (shared loads and stores may alias, so they stay in
+    program order) and each chunk pays the whole load -> convert -> store latency with one warp per scheduler to
+    hide it. 2-9 = the passes unrolled in batches of that many, all of a batch's loads first (more registers).
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -1472,6 +1508,12 @@ def sparse_attention_mosaic(
         raise ValueError(f"tile_slots is the bf16 tile ring's depth: an int in [2, 4] with fp8_dequant='producer' or "
                          f"'converter', got {tile_slots!r} with fp8_dequant={fp8_dequant!r}")
     n_tiles = PDQ_TILES if tile_slots is None else tile_slots
+    if conv_batch is not None and (not (pdq or conv) or isinstance(conv_batch, bool)
+                                   or not isinstance(conv_batch, int) or not 1 <= conv_batch <= CONV_UNITS):
+        raise ValueError(f"conv_batch is the chunks a converting thread loads at once: an int in [1, {CONV_UNITS}] "
+                         f"with fp8_dequant='producer' or 'converter', got {conv_batch!r} with "
+                         f"fp8_dequant={fp8_dequant!r}")
+    conv_batch = DEFAULT_CONV_BATCH if conv_batch is None else conv_batch
     tiles = pdq or conv   # the bf16 tile ring with 32-row steps
     if tiles:
         conflict = tile_ring_conflict(fp8_dequant)
@@ -1602,7 +1644,7 @@ def sparse_attention_mosaic(
     if fp8_overlap and _diag in ("dequant_both", "no_dequant", "loop"):
         raise ValueError(f"fp8_overlap has its own dequantization order: not with _diag={_diag!r}")
     fp8_overlap = DEFAULT_FP8_OVERLAP and fp8 and split_d and not tiles if fp8_overlap is None else bool(fp8_overlap)
-    if smem > SMEM_BUDGET and tiles and dequant_defaulted and tile_slots is None:
+    if smem > SMEM_BUDGET and tiles and dequant_defaulted and tile_slots is None and call_args["conv_batch"] is None:
         # the default tile ring (64 KB of bf16 tiles + 3 staging slots) does not fit next to this split's index
         # rows (an explicit n_splits, or a cluster-capped split of a long list): the consumers convert instead, as
         # where an option needs them to (their one staging slot and one tile leave ~40 KB more)
@@ -1631,7 +1673,7 @@ def sparse_attention_mosaic(
                     bool(split_scores), profile, producer == "cp_async", l2_ahead,
                     ccomb, store_wait == "read", DEFAULT_IDX_FIRST if idx_first is None else bool(idx_first),
                     pingpong, cluster_loads == "early", split_d, fp8_convert, fp8_overlap, pdq, conv,
-                    conv_units if conv else None, fp8_chunk_order, n_tiles)
+                    conv_units if conv else None, fp8_chunk_order, n_tiles, conv_batch)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1 and not ccomb:
         o, lse = combine_lib.combine(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h), sinks.astype(jnp.float32),
