@@ -71,6 +71,8 @@ CASES = {
     "csa128_fp8_cb3": ("csa", 128, 1, 512, "fp8", dict(conv_batch=3)),
     "csa128_fp8_cb9": ("csa", 128, 1, 512, "fp8", dict(conv_batch=9)),
     "csa128_fp8_cb3_ts3": ("csa", 128, 1, 512, "fp8", dict(conv_batch=3, tile_slots=3, num_stages=2)),
+    "csa128_lazy": ("csa", 128, 1, 512, "bf16", dict(lazy_rescale=True)),   # the lazy rescale (session 26)
+    "csa128_fp8_lazy_cb3": ("csa", 128, 1, 512, "fp8", dict(lazy_rescale=True, conv_batch=3)),
     "csa64_cpa": ("csa", 64, 1, 512, "bf16", dict(producer="cp_async")),       # the cp.async producer
     "csa128_cpa": ("csa", 128, 1, 512, "bf16", dict(producer="cp_async")),
     "csa64_bk32": ("csa", 64, 1, 512, "bf16", dict(block_k=32, num_stages=4)),    # 32-entry steps, 4 slots

@@ -175,7 +175,7 @@ def main():
                          "s25 (FP8: 'consumers' against 'converter' alone and sharing the conversion with the "
                          "producer, conv_units from --conv-units), s25d (FP8: the diagonal chunk order in each conversion mode), s26 (FP8 default vs a three-tile ring, "
                          "tile_slots=3, with and without conv_units=5), s26b (FP8 default vs conv_batch 2 / 3 / 9, "
-                         "and 3 with tile_slots=3)")
+                         "and 3 with tile_slots=3), s26c (lazy_rescale on bf16 / FP8 decode and FP8 prefill)")
     ap.add_argument("--dtypes", default="bf16,fp8", help="decode / prefill / b1 groups: the KV dtypes to run")
     ap.add_argument("--ref-batches", default=None,
                     help="decode / prefill / b1 groups: time the XLA reference only at these batch sizes (comma "
@@ -349,6 +349,13 @@ def main():
     if "s26b" in groups:  # session 26: a converting thread's chunks loaded in batches before their stores
         fp8_modes([dict(mos), *[dict(mos, conv_batch=n) for n in (2, 3, 9)],
                    dict(mos, conv_batch=3, tile_slots=3, num_stages=2)], cases4)
+    if "s26c" in groups:  # session 26: the lazy rescale of the output accumulator, bf16 and FP8 pools
+        for fp8 in (False, True):
+            for kind, b, kc in [("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 8192)]:
+                for o in (dict(mos), dict(mos, lazy_rescale=True)):
+                    record(bench_case(rng, ceil, kind, b, 1, kc, fp8, opts=o, ref=False))
+        for o in (dict(mos), dict(mos, lazy_rescale=True), dict(mos, lazy_rescale=True, conv_batch=3)):
+            record(bench_case(rng, ceil, "csa", 1, 16384, 512, True, opts=o, ref=False, csa_cap=4096))
     if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor
         for kind, b, kc, fp8 in [("csa", 16, 512, False), ("csa", 64, 512, True), ("hca", 16, 8192, True)]:
             for o in ({}, dict(partial_dtype="bfloat16"), dict(fp8_scales="vector"),

@@ -309,7 +309,15 @@ def lower_model_steps(model, cache, marker):
                                               (1, 64, 60, dict(conv_batch=9, tile_slots=3, num_stages=2), True),
                                               (2, 1, 8192, dict(fp8_dequant="converter", conv_units=5,
                                                                 conv_batch=2), True),
-                                              (3, 1, 512, dict(fp8_dequant="producer", conv_batch=4), True)])
+                                              (3, 1, 512, dict(fp8_dequant="producer", conv_batch=4), True),
+                                              # the lazy rescale of the output accumulator
+                                              (3, 1, 512, dict(lazy_rescale=True), False),
+                                              (2, 1, 8192, dict(lazy_rescale=True, n_splits=3, combine="xla"),
+                                               False),
+                                              (1, 64, 60, dict(lazy_rescale=True, split_scores=False), False),
+                                              (3, 1, 512, dict(lazy_rescale=True), True),
+                                              (1, 64, 60, dict(lazy_rescale=True, conv_batch=3), True),
+                                              (3, 1, 512, dict(lazy_rescale=True, fp8_dequant="consumers"), True)])
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -414,6 +422,12 @@ def test_sparse_attention_mosaic_fp8_dequant_producer_rejects_what_it_cannot_do(
             sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant=mode, tile_slots=slots)
     with pytest.raises(ValueError, match="shared memory .* over"):
         sparse_attention_mosaic(*fp8, scale=0.1, tile_slots=3)
+    # lazy_rescale: a bool, and not with split_scores (its integer running max; the default for bf16 prefill)
+    with pytest.raises(ValueError, match="lazy_rescale must be"):
+        sparse_attention_mosaic(*fp8, scale=0.1, lazy_rescale=1)
+    bf16_prefill = [make_attention(1, 64, 64, 512, 300, 600, 128, 60)[k] for k in keys]
+    with pytest.raises(ValueError, match="not with split_scores"):
+        sparse_attention_mosaic(*bf16_prefill, scale=0.1, lazy_rescale=True, split_scores=True)
     # conv_batch: 1-9 chunks per batch, with a tile-ring mode only; explicit, it keeps the tile ring (no fallback)
     for mode, batch in (("converter", 0), ("converter", 10), ("producer", 2.0), ("converter", True),
                         ("consumers", 2)):

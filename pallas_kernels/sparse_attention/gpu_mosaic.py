@@ -74,6 +74,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import combine as combine_lib
 from . import common
@@ -88,6 +89,7 @@ SMEM_BUDGET = 227 * 1024
 NOPE_STRIDE = 512     # staged FP8 nope row: 448 B padded so every row's bulk copies land 128 B aligned
 PDQ_TILES = 2         # fp8_dequant="producer": bf16 tiles of 32 rows the producer converts into, ahead of the consumers
 PDQ_STAGING = 3       # ... and its default staging slots (32 raw rows each)
+LAZY_RESCALE_LOG2 = 8.0   # lazy_rescale: the running max moves only when a block's max passes it by this (log2 units)
 CONV_UNITS = 9        # a 32-row step's conversion in passes of 128 16-byte chunks: 7 nope (32 x 28), 2 rope (32 x 8)
 
 
@@ -154,7 +156,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
            regs=None, n_hg=1, split_scores=False, profile=None, cp_async=False, l2_ahead=0, ccomb=False,
            store_wait_read=False, idx_first=False, pingpong=False, cluster_early=False, split_d=False,
            fp8_convert="cvt", fp8_overlap=False, pdq=False, conv=False, conv_units=None, chunk_order="rows",
-           n_tiles=PDQ_TILES, conv_batch=1):
+           n_tiles=PDQ_TILES, conv_batch=1, lazy=False):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -971,6 +973,36 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                                                       layout=fa.WGMMA_LAYOUT)
                 return own + other
 
+            def warp_any(flag):
+                """i1: whether `flag` (an i1 FragmentedArray) is true in any register of any lane of this warp."""
+                bits = [vector.extract(r, [], [e]) for r in flag.registers.flat
+                        for e in range(ir.VectorType(r.type).shape[0])]
+                own = bits[0]
+                for bit in bits[1:]:
+                    own = arith.ori(own, bit)
+                anyw = llvm.inline_asm(i32, [arith.extui(i32, own)],
+                                       "{ .reg .pred p, q; setp.ne.u32 p, $1, 0; "
+                                       "vote.sync.any.pred q, p, 0xffffffff; selp.u32 $0, 1, 0, q; }", "=r,r")
+                return arith.cmpi(arith.CmpIPredicate.ne, anyw, ci(0))
+
+            def when_else(cond, then_fn, arrays):
+                """scf.if over FragmentedArrays: then_fn() (same layouts as `arrays`) where cond, else `arrays`
+                unchanged. cond is warp-uniform (warp_any), so a warp either runs then_fn's instructions or skips
+                them."""
+                flat = [r for a in arrays for r in a.registers.flat]
+                if_op = scf.IfOp(cond, [r.type for r in flat], has_else=True)
+                with ir.InsertionPoint(if_op.then_block):
+                    scf.yield_([r for a in then_fn() for r in a.registers.flat])
+                with ir.InsertionPoint(if_op.else_block):
+                    scf.yield_(flat)
+                res, out = list(if_op.results), []
+                for a in arrays:
+                    regs = np.empty(a.registers.shape, dtype=object)
+                    for i in range(regs.size):
+                        regs.flat[i] = res.pop(0)
+                    out.append(fa.FragmentedArray(_registers=regs, _layout=a.layout, _is_signed=a.is_signed))
+                return tuple(out)
+
             def consume(k, j, g, carry):
                 m, l, acc = carry
                 slot = arith.remui(g, c(n_tiles if tiles else stages))
@@ -1021,14 +1053,25 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     end(region)
                     region = begin("c_softmax")
                     logits = valid.select(scores * scale2, neg_inf)
-                    m_new = m.max(logits.reduce("max", axis=1))
+                    if lazy:   # keep m unless the block's max passes it by LAZY_RESCALE_LOG2 (then p <= 2^that)
+                        blk_max = logits.reduce("max", axis=1)
+                        m_new = (blk_max > m + LAZY_RESCALE_LOG2).select(blk_max, m)
+                    else:
+                        m_new = m.max(logits.reduce("max", axis=1))
                     alpha = (m - m_new).exp2(approx=True)
                     p = (logits - m_new.broadcast_minor(bk)).exp2(approx=True)
                     l = l * alpha + p.reduce("add", axis=1)
                     p = p.astype(bf16)
                     end(region)
                 region = begin("c_pv")
-                o_accs = [mgpu.WGMMAAccumulator.from_registers(a * alpha.broadcast_minor(dh // pv_parts)) for a in acc]
+                if lazy and not split_scores:
+                    # this warp's 16 rows: rescale its accumulator registers only if one of them raised its m
+                    moved = warp_any(m_new > m)
+                    acc = when_else(moved, lambda: [a * alpha.broadcast_minor(dh // pv_parts) for a in acc], acc)
+                    o_accs = [mgpu.WGMMAAccumulator.from_registers(a) for a in acc]
+                else:
+                    o_accs = [mgpu.WGMMAAccumulator.from_registers(a * alpha.broadcast_minor(dh // pv_parts))
+                              for a in acc]
                 turn("bar.sync", my_turn_bar)
                 o_accs = [mgpu.wgmma(o_acc, p, mu.memref_slice(kv, (slice(None), cols)), swizzle=swz)
                           for o_acc, cols in zip(o_accs, pv_cols)]
@@ -1186,6 +1229,7 @@ DEFAULT_STORE_WAIT = "read"    # see `sparse_attention_mosaic`'s store_wait (tim
 DEFAULT_PINGPONG = False       # see `sparse_attention_mosaic`'s pingpong (H200, session 17: no gain)
 DEFAULT_SPLIT_D = True         # split_d where it applies (see `sparse_attention_mosaic`'s split_d; session 18)
 DEFAULT_CLUSTER_LOADS = "early"   # see `sparse_attention_mosaic`'s cluster_loads (H200, session 18: 1-2.5% faster)
+DEFAULT_LAZY_RESCALE = False   # see `sparse_attention_mosaic`'s lazy_rescale
 DEFAULT_CONV_BATCH = 1   # see `sparse_attention_mosaic`'s conv_batch
 DEFAULT_FP8_CONVERT = "cvt"   # see `sparse_attention_mosaic`'s fp8_convert
 DEFAULT_FP8_OVERLAP = False   # see `sparse_attention_mosaic`'s fp8_overlap (H200, session 20: no faster)
@@ -1313,6 +1357,7 @@ def sparse_attention_mosaic(
     fp8_chunk_order: str | None = None,
     tile_slots: int | None = None,
     conv_batch: int | None = None,
+    lazy_rescale: bool | None = None,
     _diag: str | None = None,
     _profile: str | None = None,
 ):
@@ -1462,6 +1507,12 @@ def sparse_attention_mosaic(
     every chunk's loads wait for the previous chunk's stores (shared loads and stores may alias, so they stay in
     program order) and each chunk pays the whole load -> convert -> store latency with one warp per scheduler to
     hide it. 2-9 = the passes unrolled in batches of that many, all of a batch's loads first (more registers).
+    lazy_rescale (None = DEFAULT_LAZY_RESCALE; not with split_scores): the online softmax keeps a row's running max m
+    until a block's max passes it by LAZY_RESCALE_LOG2 = 8 (log2 units), so p = 2^(s - m) <= 2^8, and a consumer
+    warp multiplies its output accumulator rows by alpha = 2^(m_old - m_new) only when one of its 16 rows moved m
+    (a warp vote). Exact: lse and the final normalisation use the same m as every p (bf16's relative precision does
+    not depend on p's scale; f32 l and o have range to spare). The eager update multiplies all 128 accumulator
+    registers per thread every step; past the first blocks m rarely moves by 8.
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -1514,6 +1565,8 @@ def sparse_attention_mosaic(
                          f"with fp8_dequant='producer' or 'converter', got {conv_batch!r} with "
                          f"fp8_dequant={fp8_dequant!r}")
     conv_batch = DEFAULT_CONV_BATCH if conv_batch is None else conv_batch
+    if lazy_rescale is not None and not isinstance(lazy_rescale, bool):
+        raise ValueError(f"lazy_rescale must be a bool or None, got {lazy_rescale!r}")
     tiles = pdq or conv   # the bf16 tile ring with 32-row steps
     if tiles:
         conflict = tile_ring_conflict(fp8_dequant)
@@ -1667,13 +1720,18 @@ def sparse_attention_mosaic(
         # entries into -1 itself (never read), so no XLA pass runs before it
         args += [s_.idx, s_.length] + ([s_.pool.nope, s_.pool.rope, s_.pool.scale] if fp8 else [s_.pool])
         meta.append(dict(k=s_.k, n_rows=s_.n_rows))
+    if lazy_rescale and split_scores:
+        raise ValueError("lazy_rescale is for the one-warpgroup softmax: not with split_scores (which keeps the "
+                         "running max an integer for its exchange; on by default for bf16 pools from "
+                         f"{SPLIT_SCORES_MIN_T} queries per sequence, pass split_scores=False)")
+    lazy_rescale = (DEFAULT_LAZY_RESCALE if lazy_rescale is None else lazy_rescale) and not split_scores
     profile = None if _profile is None else (prof_entries, str(_profile))
     kernel = _build(bt, ns, d, bk, stages, bps, meta, idx_rows, float(scale) * LOG2E, ns > 1 and not ccomb, fp8,
                     _diag, check_conv_regs(regs, conv_shared) if conv else check_regs(regs), n_hg,
                     bool(split_scores), profile, producer == "cp_async", l2_ahead,
                     ccomb, store_wait == "read", DEFAULT_IDX_FIRST if idx_first is None else bool(idx_first),
                     pingpong, cluster_loads == "early", split_d, fp8_convert, fp8_overlap, pdq, conv,
-                    conv_units if conv else None, fp8_chunk_order, n_tiles, conv_batch)
+                    conv_units if conv else None, fp8_chunk_order, n_tiles, conv_batch, lazy_rescale)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1 and not ccomb:
         o, lse = combine_lib.combine(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h), sinks.astype(jnp.float32),
