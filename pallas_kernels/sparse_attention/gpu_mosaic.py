@@ -1501,7 +1501,8 @@ def sparse_attention_mosaic(
     32-row tile (32 KB) lets the converters run a step further ahead of the consumers; it fits next to q, two
     staging slots (num_stages=2) and split_d's exchange in decode (~220 KB). Session 25's profile (converter with
     conv_units=5, diagonal order): both converting warpgroups idle a third of their span while the consumers still
-    wait ~660 cycles a step for a tile, which a deeper ring may hide. Built in session 25, not yet timed.
+    wait ~660 cycles a step for a tile, which a deeper ring may hide. Timed in session 26: no faster (CSA B=64 31.1
+    vs 31.4 us, B=128 49.6 vs 47.9, with conv_batch=3), and HCA-8K B=64 20% slower for the staging slot it takes.
     conv_batch (fp8_dequant="producer" / "converter"; None = DEFAULT_CONV_BATCH): chunks a converting thread loads
     before it converts and stores them. 1 = a loop over the step's passes, one 16-byte chunk at a time; there
     every chunk's loads wait for the previous chunk's stores (shared loads and stores may alias, so they stay in
@@ -1512,7 +1513,10 @@ def sparse_attention_mosaic(
     warp multiplies its output accumulator rows by alpha = 2^(m_old - m_new) only when one of its 16 rows moved m
     (a warp vote). Exact: lse and the final normalisation use the same m as every p (bf16's relative precision does
     not depend on p's scale; f32 l and o have range to spare). The eager update multiplies all 128 accumulator
-    registers per thread every step; past the first blocks m rarely moves by 8.
+    registers per thread every step; past the first blocks m rarely moves by 8. H200 (session 26, net of dispatch,
+    lazy vs eager): FP8 CSA B=128 47.7 vs 48.8 us, HCA-8K B=64 249 vs 276, prefill S=16K 268 vs 253 TFLOP/s; bf16
+    within noise at CSA (B=64 24.5 vs 27.3, B=128 36.7 vs 34.3), HCA-8K B=64 258 vs 262. On by default.
+    conv_batch (session 26): no faster at 2 or 3 (CSA B=128 50.6 / 51.8 vs 47.9 us), much slower at 9 (spills).
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
