@@ -177,8 +177,18 @@ def main():
     import jax.numpy as jnp
 
     from benchmarks.sparse_attention import D, make_case
+    import inspect
+
     from benchmarks.timing import record_case
+    from pallas_kernels.sparse_attention import gpu_mosaic
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
+
+    # the warpgroups per CTA come from the kernel actually built (a fourth, the converter, wherever the FP8 default
+    # or an option picks fp8_dequant="converter"), not from the case's options: session 26's profiles of cases
+    # that took the converter by default split each CTA's traces over the wrong roles
+    built = []
+    real_build, bind = gpu_mosaic._build, inspect.signature(gpu_mosaic._build).bind
+    gpu_mosaic._build = lambda *a, **kw: built.append(bind(*a, **kw).arguments) or real_build(*a, **kw)
 
     rng = np.random.default_rng(0)
     results = {}
@@ -204,8 +214,7 @@ def main():
             jax.effects_barrier()
             traces = sorted(glob.glob(os.path.join(dump, "*-trace.json")))
             with open(traces[-1]) as f:
-                s = summarize(json.load(f), args.clock_ghz,
-                              warpgroups=4 if opts.get("fp8_dequant") == "converter" else WARPGROUPS)
+                s = summarize(json.load(f), args.clock_ghz, warpgroups=4 if built[-1].get("conv") else WARPGROUPS)
             s["case"] = dict(kind=kind, B=b, T=t_q, Kc=kc, kv=kv, opts=opts, warm_calls=n,
                              seconds=round(time.time() - t0, 1))
             print_summary(name, s)
