@@ -611,3 +611,5 @@ def test_sparse_attention_mosaic_fp8_dequant_default(monkeypatch):
         assert built[-1]["conv"] is conv and not built[-1]["pdq"], (opts, built[-1])
         # the diagonal chunk order with the tile ring, row-major where the consumers convert
         assert built[-1]["chunk_order"] == ("diagonal" if conv else "rows"), (opts, built[-1])
+        # the lazy rescale of the output accumulator: the FP8 default (session 26), bf16 keeps the eager update
+        assert built[-1]["lazy"] is (args is not bf16), (opts, built[-1])

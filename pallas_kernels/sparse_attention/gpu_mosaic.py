@@ -1064,7 +1064,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     p = p.astype(bf16)
                     end(region)
                 region = begin("c_pv")
-                if lazy and not split_scores:
+                if lazy:   # (never with split_scores: the wrapper turns it off there)
                     # this warp's 16 rows: rescale its accumulator registers only if one of them raised its m
                     moved = warp_any(m_new > m)
                     acc = when_else(moved, lambda: [a * alpha.broadcast_minor(dh // pv_parts) for a in acc], acc)
@@ -1229,7 +1229,9 @@ DEFAULT_STORE_WAIT = "read"    # see `sparse_attention_mosaic`'s store_wait (tim
 DEFAULT_PINGPONG = False       # see `sparse_attention_mosaic`'s pingpong (H200, session 17: no gain)
 DEFAULT_SPLIT_D = True         # split_d where it applies (see `sparse_attention_mosaic`'s split_d; session 18)
 DEFAULT_CLUSTER_LOADS = "early"   # see `sparse_attention_mosaic`'s cluster_loads (H200, session 18: 1-2.5% faster)
-DEFAULT_LAZY_RESCALE = True   # see `sparse_attention_mosaic`'s lazy_rescale (on since session 26; off with split_scores)
+# see `sparse_attention_mosaic`'s lazy_rescale: on for FP8 pools since session 26 (measured faster there); bf16 pools
+# keep the eager update (within the noise), and split_scores always does
+DEFAULT_LAZY_RESCALE = {"fp8": True, "bf16": False}
 DEFAULT_CONV_BATCH = 1   # see `sparse_attention_mosaic`'s conv_batch
 DEFAULT_FP8_CONVERT = "cvt"   # see `sparse_attention_mosaic`'s fp8_convert
 DEFAULT_FP8_OVERLAP = False   # see `sparse_attention_mosaic`'s fp8_overlap (H200, session 20: no faster)
@@ -1508,14 +1510,14 @@ def sparse_attention_mosaic(
     every chunk's loads wait for the previous chunk's stores (shared loads and stores may alias, so they stay in
     program order) and each chunk pays the whole load -> convert -> store latency with one warp per scheduler to
     hide it. 2-9 = the passes unrolled in batches of that many, all of a batch's loads first (more registers).
-    lazy_rescale (None = DEFAULT_LAZY_RESCALE; not with split_scores): the online softmax keeps a row's running max m
-    until a block's max passes it by LAZY_RESCALE_LOG2 = 8 (log2 units), so p = 2^(s - m) <= 2^8, and a consumer
-    warp multiplies its output accumulator rows by alpha = 2^(m_old - m_new) only when one of its 16 rows moved m
-    (a warp vote). Exact: lse and the final normalisation use the same m as every p (bf16's relative precision does
+    lazy_rescale (None = DEFAULT_LAZY_RESCALE: FP8 pools on, bf16 off; not with split_scores): the online softmax
+    keeps a row's running max m until a block's max passes it by LAZY_RESCALE_LOG2 = 8 (log2 units), so
+    p = 2^(s - m) <= 2^8, and a consumer warp multiplies its output accumulator rows by alpha = 2^(m_old - m_new)
+    only when one of its 16 rows moved m (a warp vote). Exact: lse and the final normalisation use the same m as every p (bf16's relative precision does
     not depend on p's scale; f32 l and o have range to spare). The eager update multiplies all 128 accumulator
     registers per thread every step; past the first blocks m rarely moves by 8. H200 (session 26, net of dispatch,
     lazy vs eager): FP8 CSA B=128 47.7 vs 48.8 us, HCA-8K B=64 249 vs 276, prefill S=16K 268 vs 253 TFLOP/s; bf16
-    within noise at CSA (B=64 24.5 vs 27.3, B=128 36.7 vs 34.3), HCA-8K B=64 258 vs 262. On by default.
+    within noise at CSA (B=64 24.5 vs 27.3, B=128 36.7 vs 34.3), HCA-8K B=64 258 vs 262. On by default for FP8.
     conv_batch (session 26): no faster at 2 or 3 (CSA B=128 50.6 / 51.8 vs 47.9 us), much slower at 9 (spills).
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
@@ -1728,7 +1730,9 @@ def sparse_attention_mosaic(
         raise ValueError("lazy_rescale is for the one-warpgroup softmax: not with split_scores (which keeps the "
                          "running max an integer for its exchange; on by default for bf16 pools from "
                          f"{SPLIT_SCORES_MIN_T} queries per sequence, pass split_scores=False)")
-    lazy_rescale = (DEFAULT_LAZY_RESCALE if lazy_rescale is None else lazy_rescale) and not split_scores
+    if lazy_rescale is None:
+        lazy_rescale = DEFAULT_LAZY_RESCALE["fp8" if fp8 else "bf16"]
+    lazy_rescale = lazy_rescale and not split_scores
     profile = None if _profile is None else (prof_entries, str(_profile))
     kernel = _build(bt, ns, d, bk, stages, bps, meta, idx_rows, float(scale) * LOG2E, ns > 1 and not ccomb, fp8,
                     _diag, check_conv_regs(regs, conv_shared) if conv else check_regs(regs), n_hg,
