@@ -235,8 +235,9 @@ MOSAIC_CASES += [(*c[:7], dict(fp8_dequant=m, tile_slots=3, num_stages=2, **c[7]
 MOSAIC_CASES += [(*c[:7], dict(conv_batch=n, **c[7])) for n in (2, 3, 9) for c in TILE_RING_CASES[:4]]
 MOSAIC_CASES += [(*c[:7], dict(fp8_dequant="converter", conv_units=5, conv_batch=3, **c[7]))
                  for c in TILE_RING_CASES[:2]]
-# the lazy rescale of the output accumulator (lazy_rescale; session 26, the FP8 default since): bf16 and FP8 pools, decode, prefill
-# (split_scores off), 128 heads, split-K with both merges, one step per split; wide score ranges move m often
+# the lazy rescale of the output accumulator (lazy_rescale; session 26, the FP8 default since): bf16 and FP8 pools,
+# decode, prefill (split_scores off), 128 heads, split-K with both merges, one step per split; wide score ranges
+# move m often
 MOSAIC_CASES += [(*c[:7], dict(lazy_rescale=True, **c[7])) for c in [
     *TILE_RING_CASES,
     (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), {}),
