@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import inspect
 import json
 import os
 import sys
@@ -177,8 +178,6 @@ def main():
     import jax.numpy as jnp
 
     from benchmarks.sparse_attention import D, make_case
-    import inspect
-
     from benchmarks.timing import record_case
     from pallas_kernels.sparse_attention import gpu_mosaic
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic

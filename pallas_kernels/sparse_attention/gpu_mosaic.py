@@ -995,11 +995,10 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     scf.yield_([r for a in then_fn() for r in a.registers.flat])
                 with ir.InsertionPoint(if_op.else_block):
                     scf.yield_(flat)
-                res, out = list(if_op.results), []
+                res, out = iter(if_op.results), []
                 for a in arrays:
                     regs = np.empty(a.registers.shape, dtype=object)
-                    for i in range(regs.size):
-                        regs.flat[i] = res.pop(0)
+                    regs.flat[:] = [next(res) for _ in range(regs.size)]
                     out.append(fa.FragmentedArray(_registers=regs, _layout=a.layout, _is_signed=a.is_signed))
                 return tuple(out)
 
@@ -1554,23 +1553,20 @@ def sparse_attention_mosaic(
     fp8_chunk_order = fp8_chunk_order or DEFAULT_FP8_CHUNK_ORDER[fp8_dequant]
     if fp8_chunk_order not in ("rows", "diagonal"):
         raise ValueError(f"fp8_chunk_order must be 'rows' or 'diagonal', got {fp8_chunk_order!r}")
-    if conv_units is not None and (not conv or isinstance(conv_units, bool) or not isinstance(conv_units, int)
-                                   or not 1 <= conv_units <= CONV_UNITS):
-        raise ValueError(f"conv_units is the converter warpgroup's share of a step's {CONV_UNITS} conversion passes: "
-                         f"an int in [1, {CONV_UNITS}] with fp8_dequant='converter', got {conv_units!r} with "
-                         f"fp8_dequant={fp8_dequant!r}")
+    def check_ring_knob(name, value, lo, hi, what, modes):
+        """An int knob of the tile ring (None: unset): in [lo, hi], and only with the fp8_dequant modes using it."""
+        if value is not None and (fp8_dequant not in modes or isinstance(value, bool) or not isinstance(value, int)
+                                  or not lo <= value <= hi):
+            raise ValueError(f"{name} is {what}: an int in [{lo}, {hi}] with fp8_dequant="
+                             f"{' or '.join(repr(m) for m in modes)}, got {value!r} with fp8_dequant={fp8_dequant!r}")
+
+    check_ring_knob("conv_units", conv_units, 1, CONV_UNITS,
+                    f"the converter warpgroup's share of a step's {CONV_UNITS} conversion passes", ("converter",))
+    check_ring_knob("tile_slots", tile_slots, 2, 4, "the bf16 tile ring's depth", ("producer", "converter"))
+    check_ring_knob("conv_batch", conv_batch, 1, CONV_UNITS, "the chunks a converting thread loads at once",
+                    ("producer", "converter"))
     conv_shared = conv and conv_units is not None and conv_units < CONV_UNITS
-    if tile_slots is not None and (not (pdq or conv) or isinstance(tile_slots, bool)
-                                   or not isinstance(tile_slots, int) or not 2 <= tile_slots <= 4):
-        raise ValueError(f"tile_slots is the bf16 tile ring's depth: an int in [2, 4] with fp8_dequant='producer' or "
-                         f"'converter', got {tile_slots!r} with fp8_dequant={fp8_dequant!r}")
     n_tiles = PDQ_TILES if tile_slots is None else tile_slots
-    if conv_batch is not None and (not (pdq or conv) or isinstance(conv_batch, bool)
-                                   or not isinstance(conv_batch, int) or not 1 <= conv_batch <= CONV_UNITS):
-        raise ValueError(f"conv_batch is the chunks a converting thread loads at once: an int in [1, {CONV_UNITS}] "
-                         f"with fp8_dequant='producer' or 'converter', got {conv_batch!r} with "
-                         f"fp8_dequant={fp8_dequant!r}")
-    conv_batch = DEFAULT_CONV_BATCH if conv_batch is None else conv_batch
     if lazy_rescale is not None and not isinstance(lazy_rescale, bool):
         raise ValueError(f"lazy_rescale must be a bool or None, got {lazy_rescale!r}")
     tiles = pdq or conv   # the bf16 tile ring with 32-row steps
@@ -1703,7 +1699,7 @@ def sparse_attention_mosaic(
     if fp8_overlap and _diag in ("dequant_both", "no_dequant", "loop"):
         raise ValueError(f"fp8_overlap has its own dequantization order: not with _diag={_diag!r}")
     fp8_overlap = DEFAULT_FP8_OVERLAP and fp8 and split_d and not tiles if fp8_overlap is None else bool(fp8_overlap)
-    if smem > SMEM_BUDGET and tiles and dequant_defaulted and tile_slots is None and call_args["conv_batch"] is None:
+    if smem > SMEM_BUDGET and tiles and dequant_defaulted and tile_slots is None and conv_batch is None:
         # the default tile ring (64 KB of bf16 tiles + 3 staging slots) does not fit next to this split's index
         # rows (an explicit n_splits, or a cluster-capped split of a long list): the consumers convert instead, as
         # where an option needs them to (their one staging slot and one tile leave ~40 KB more)
@@ -1739,7 +1735,8 @@ def sparse_attention_mosaic(
                     bool(split_scores), profile, producer == "cp_async", l2_ahead,
                     ccomb, store_wait == "read", DEFAULT_IDX_FIRST if idx_first is None else bool(idx_first),
                     pingpong, cluster_loads == "early", split_d, fp8_convert, fp8_overlap, pdq, conv,
-                    conv_units if conv else None, fp8_chunk_order, n_tiles, conv_batch, lazy_rescale)
+                    conv_units if conv else None, fp8_chunk_order, n_tiles,
+                    DEFAULT_CONV_BATCH if conv_batch is None else conv_batch, lazy_rescale)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1 and not ccomb:
         o, lse = combine_lib.combine(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h), sinks.astype(jnp.float32),
