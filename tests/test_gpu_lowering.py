@@ -582,9 +582,26 @@ def test_indexer_mosaic_fp8_lowers(B, S, H, T, opts):
         indexer_scores_mosaic(q, w, keys, nv, precision="bf16")
     with pytest.raises(ValueError, match="multiple of 8"):
         indexer_scores_mosaic(*make_indexer(1, 1, 16, 300, "fp8"))
-    qb, wb, kb, nb = make_indexer(1, 1, 16, 40, "bf16")
-    with pytest.raises(ValueError, match="takes fp8 keys"):
-        indexer_scores_mosaic(qb, wb, kb, nb)
+    for fmt in (None, "fp4"):   # f32 keys, fp4 keys: the Triton kernel's
+        with pytest.raises(ValueError, match="takes fp8 keys .* or bf16"):
+            indexer_scores_mosaic(*make_indexer(1, 1, 16, 40, fmt))
+
+
+@pytest.mark.parametrize("B,S,H,T,opts", [(2, 1, 64, 296, {}), (3, 2, 16, 1000, dict(block_t=128, num_stages=2)),
+                                          (1, 1, 128, 5000, dict(block_t=256, num_splits=3, num_stages=2)),
+                                          (2, 1, 40, 296, dict(precision="bf16"))])
+def test_indexer_mosaic_bf16_lowers(B, S, H, T, opts):
+    """The Mosaic GPU indexer kernel over bf16 keys (session 27: TMA into bf16 wgmmas, q as bf16 hi + lo into one
+    accumulator, or one bf16 term) lowers for CUDA, alone and under the threshold top-k."""
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+    from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
+
+    q, w, keys, nv = make_indexer(B, S, H, T, "bf16")
+    lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_scores_mosaic(*a, **opts), q, w, keys, nv)
+    lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=64, kernel="mosaic", topk="threshold_set",
+                                                                **opts), q, w, keys, nv)
+    with pytest.raises(ValueError, match="precision must be one of \\('bf16x2', 'bf16'\\) for bf16 keys"):
+        indexer_scores_mosaic(q, w, keys, nv, precision="f16")
 
 
 def test_sparse_attention_mosaic_fp8_dequant_default(monkeypatch):

@@ -337,6 +337,30 @@ def test_gpu_mosaic_fp8_scores(B, S, H, T, opts):
 
 
 @gpu
+@pytest.mark.parametrize("B,S,H,T,opts", [(4, 1, 64, 5000, {}), (2, 2, 64, 70000, {}), (3, 1, 16, 776, {}),
+                                          (2, 1, 128, 296, {}), (3, 1, 64, 4104, dict(block_t=128, num_stages=2)),
+                                          (2, 1, 64, 9000, dict(block_t=128, num_stages=3, num_splits=3)),
+                                          (5, 1, 40, 2000, dict(num_splits=1, num_stages=1)),
+                                          (4, 1, 64, 5000, dict(precision="bf16"))])
+def test_gpu_mosaic_bf16_scores(B, S, H, T, opts):
+    """The Mosaic GPU kernel over bf16 keys (session 27): scores and picks against the reference; ragged n_visible
+    (0, inside, past T), heads padded to 32, odd splits, 1-4 slots, 64- and 128-key blocks. precision "bf16x2"
+    (the default: q as bf16 hi + lo, ~16 mantissa bits, like the Triton kernel's default for bf16 keys) agrees to
+    ~1e-5 of the row scale; "bf16" (q rounded to bf16) to bf16's rounding of q."""
+    q, w, keys, nv = make(B, S, H, T, "bf16", True)
+    one_term = opts.get("precision") == "bf16"
+    check_scores(q, w, keys, nv, "pallas", 1e-2 if one_term else 1e-5, kernel="mosaic", **opts)
+    out = np.asarray(indexer_scores_pallas(q, w, keys, nv, impl="pallas", kernel="mosaic", pad_to_block=True, **opts))
+    assert out.shape[-1] % opts.get("block_t", 64) == 0 and np.all(out[..., T:] == -np.inf)
+    if one_term:
+        return
+    picks = indexer_topk(q, w, keys, nv, k=512, impl="pallas", kernel="mosaic", **opts)
+    check_picks(picks, q, w, keys, nv, 512, tol=1e-4)
+    got = indexer_topk(q, w, keys, nv, k=512, impl="pallas", kernel="mosaic", picks="set", **opts)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(picks)))
+
+
+@gpu
 def test_gpu_auto_takes_mosaic_for_fp8_decode(monkeypatch):
     """kernel "auto": decode (<= 2 queries per row, >= 16 query rows) over fp8 keys with head_dim 128 and T % 8 == 0
     goes to the Mosaic kernel; prefill, batch < 16, other key formats, T % 8 != 0 and explicitly tuned calls stay on
@@ -364,23 +388,27 @@ def test_gpu_auto_takes_mosaic_for_fp8_decode(monkeypatch):
 @pytest.mark.parametrize("B,S,H,T,opts", [(16, 1, 16, 16, {}), (3, 1, 16, 776, dict(num_splits=2, num_stages=2)),
                                           (2, 2, 32, 1000, dict(block_t=64, num_stages=3)),
                                           (2, 1, 64, 1544, dict(block_t=256, num_splits=3, num_stages=1))])
-def test_mosaic_kernel_interpreted(B, S, H, T, opts):
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+def test_mosaic_kernel_interpreted(B, S, H, T, opts, fmt):
     """The Mosaic GPU kernel (precision "fp8") in Pallas' GPU interpreter: simulated shared memory, barriers and TMA
     with the race detector on, reads past an array's end returning NaN (the masking must drop them): scores equal the
     reference to f32 summation order (the interpreter's fp8 dot accumulates in f32), -inf exactly where the reference
     has it, no race. Covers T below one block (16 keys, 64-key blocks: the model test's shape), ragged n_visible
-    (0, inside, past T), a ragged last split, 1-3 slots, 2 queries per row."""
+    (0, inside, past T), a ragged last split, 1-3 slots, 2 queries per row. bf16 keys (precision "bf16x2", the
+    default: q's hi and lo terms into one accumulator) agree to the split's ~16-bit q mantissa."""
     if ON_GPU:
         pytest.skip("CPU interpreter test (on a GPU, impl='pallas' compiles the kernel: test_gpu_mosaic_fp8_scores)")
     gpu_interpret = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
     from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
 
-    q, w, keys, nv = make(B, S, H, T, "fp8", True)
+    q, w, keys, nv = make(B, S, H, T, fmt, True)
+    precision = "fp8" if fmt == "fp8" else None
     # through the dispatcher (kernel="mosaic" on CPU = the interpreter)
-    check_scores(q, w, keys, nv, "pallas", 1e-6, kernel="mosaic", precision="fp8", **opts)
+    check_scores(q, w, keys, nv, "pallas", 1e-6 if fmt == "fp8" else 1e-5, kernel="mosaic", precision=precision,
+                 **opts)
     gpu_interpret.reset_gpu_interpret_mode_state()
-    out = np.asarray(indexer_scores_mosaic(q, w, keys, nv, interpret="races", precision="fp8", pad_to_block=True,
-                                           **opts))
+    out = np.asarray(indexer_scores_mosaic(q, w, keys, nv, interpret="races", precision=precision,
+                                           pad_to_block=True, **opts))
     assert not gpu_interpret.get_races().races_found
     ref = np.asarray(indexer_scores(q, w, keys, nv))
     np.testing.assert_array_equal(out[..., :T] == -np.inf, ref == -np.inf)
@@ -388,18 +416,18 @@ def test_mosaic_kernel_interpreted(B, S, H, T, opts):
 
 
 def test_mosaic_kernel_errors():
-    """kernel='mosaic' is the fp8-key Mosaic GPU kernel: no interpreter for precision 'f16', no other key format, no
-    Triton knobs, T a multiple of 8."""
+    """kernel='mosaic' is the fp8 / bf16-key Mosaic GPU kernel: no interpreter for precision 'f16', no other key
+    format, no Triton knobs, T a multiple of 8."""
     from pallas_kernels.indexer.gpu import indexer_scores_gpu
 
     q, w, keys, nv = make(1, 1, 16, 40, "fp8")
-    with pytest.raises(ValueError, match="interpret mode runs precision='fp8' only"):
+    with pytest.raises(ValueError, match="interpret mode runs precisions 'fp8', 'bf16x2' and 'bf16' only"):
         indexer_scores_gpu(q, w, keys, nv, interpret=True, kernel="mosaic")
     with pytest.raises(ValueError, match="kernel must be one of"):
         indexer_scores_gpu(q, w, keys, nv, interpret=True, kernel="cuda")
     # an explicit kernel="mosaic" is validated before anything is compiled: these run on the CPU too
-    qb, wb, kb, nb = make(1, 1, 16, 40, "bf16")
-    with pytest.raises(ValueError, match="takes fp8 keys"):
+    qb, wb, kb, nb = make(1, 1, 16, 40, "fp4")
+    with pytest.raises(ValueError, match="takes fp8 keys .* or bf16"):
         indexer_scores_gpu(qb, wb, kb, nb, kernel="mosaic")
     with pytest.raises(ValueError, match="takes only"):
         indexer_scores_gpu(q, w, keys, nv, kernel="mosaic", num_warps=8)

@@ -408,12 +408,12 @@ def default_fp4_scale_at(fmt, precision):
 
 
 KERNELS = ("triton", "mosaic")
-MOSAIC_OPTIONS = ("block_t", "num_stages", "num_splits", "precision")   # what the Mosaic fp8 kernel takes
+MOSAIC_OPTIONS = ("block_t", "num_stages", "num_splits", "precision")   # what the Mosaic kernel takes
 
 
 def resolve_kernel(kernel, q, keys, interpret, triton_options=()):
     """kernel "auto" / None -> "triton" if `gpu_mosaic.AUTO` is False; with it True (the default since session 21),
-    "mosaic" for decode over fp8 keys where the Mosaic kernel applies (compiled on a GPU,
+    "mosaic" for decode over keys in `gpu_mosaic.AUTO_FORMATS` where the Mosaic kernel applies (compiled on a GPU,
     head_dim 128, T % 8 == 0, at most `gpu_mosaic.MAX_QUERIES` queries per row and at least `MIN_ROWS` query rows
     in all, no tuning option given: those in `triton_options` keep the Triton kernel they were written for), else
     "triton". "mosaic" explicitly: `gpu_mosaic.indexer_scores_mosaic` says why where it does not apply."""
@@ -425,7 +425,7 @@ def resolve_kernel(kernel, q, keys, interpret, triton_options=()):
     if kernel == "auto":
         use = (gpu_mosaic.AUTO and not interpret and not triton_options and jax.default_backend() == "gpu"
                and q.shape[1] <= gpu_mosaic.MAX_QUERIES and q.shape[0] * q.shape[1] >= gpu_mosaic.MIN_ROWS
-               and gpu_mosaic.mosaic_applies(q, keys))
+               and gpu_mosaic.mosaic_applies(q, keys) and gpu_mosaic.key_format(keys) in gpu_mosaic.AUTO_FORMATS)
         return "mosaic" if use else "triton"
     return kernel
 
@@ -463,7 +463,7 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
     if resolve_kernel(kernel, q, keys, interpret, tuned) == "mosaic":
         from .gpu_mosaic import indexer_scores_mosaic
 
-        extra = [k_ for k_, v_ in given.items() if v_ is not None and not (k_ == "precision" and v_ in ("f16", "fp8"))]
+        extra = [k_ for k_, v_ in given.items() if v_ is not None and k_ != "precision"]
         if extra:
             raise ValueError(f"kernel='mosaic' takes only {MOSAIC_OPTIONS}, got {extra}")
         out = indexer_scores_mosaic(q, weights, keys, n_visible, block_t=block_t, num_stages=num_stages,

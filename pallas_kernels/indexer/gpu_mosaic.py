@@ -1,39 +1,50 @@
-"""Lightning-indexer decode scores over fp8 keys on the H200's fp8 tensor cores (Pallas, Mosaic GPU backend).
+"""Lightning-indexer decode scores over fp8 or bf16 keys on the H200's tensor cores (Pallas, Mosaic GPU backend).
 
-    indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=128, num_stages=4, num_splits=None,
-                          pad_to_block=False) -> scores [B, S, T] f32       (the contract of reference.indexer_scores)
+    indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stages=None, num_splits=None,
+                          pad_to_block=False, precision=None) -> scores [B, S, T] f32
+                                                                (the contract of reference.indexer_scores)
 
 Why: the Triton scores kernel converts every e4m3 key to f16 in registers before its MMA; at B = 64 x 128K context
 it runs at 1.8x its byte floor (131 vs 73 us, session 18), and Triton's code for fp8 operands was slower still
-(204 us, session 10). Here no key byte is touched by an ALU: TMA streams each block of keys into shared memory in
-the layout the tensor cores read (128 B rows, 128 B swizzle) and one wgmma e4m3 x e4m3 -> f32 takes them from there.
+(204 us, session 10). Here no key byte is touched by an ALU on the fp8 path (precision "fp8"): TMA streams each
+block of keys into shared memory in the layout the tensor cores read (128 B rows, 128 B swizzle) and one wgmma
+e4m3 x e4m3 -> f32 takes them from there. Session 27 added bf16 keys (`formats` "bf16" and exact mode with a bf16
+model): the Triton kernel ran them at 1.27-1.35x their byte floor; here TMA feeds them to bf16 wgmmas unchanged.
 
-Exactness: q arrives fake-quantized like the keys (the model does so for an fp8 cache: `layers/indexer.py`), i.e.
-q = e4m3 code x 2^e per (token, head). `gpu.quantize_q_fp8` recovers that code and scale exactly (tested bit for
-bit), the scale joins the head weight (ReLU(s x) = s ReLU(x) for s > 0), and the key's power-of-two scale multiplies
-the head-weighted sum. Every product of two e4m3 codes is exact in f32, so the scores equal the reference up to the
-order (and the tensor cores' internal precision) of the f32 sums. A q that is not fp8-representable is rounded to
-e4m3 first (vLLM's fp8 indexer q does the same); the model never passes one.
+Key formats and precisions (`PRECISIONS`; the first is the default):
+* fp8 keys (`formats.QuantizedKeys`, fmt "fp8"): "f16" (e4m3 codes -> f16 in registers, exact, the wgmma's A operand
+  from registers), "fp8" (e4m3 x e4m3 wgmma straight from shared memory; ~1.3e-4 relative, the fp8 tensor cores'
+  accumulation). q arrives fake-quantized like the keys (the model does so for an fp8 cache: `layers/indexer.py`),
+  i.e. q = e4m3 code x 2^e per (token, head). `gpu.quantize_q_fp8` recovers that code and scale exactly (tested bit
+  for bit), the scale joins the head weight (ReLU(s x) = s ReLU(x) for s > 0), and the key's power-of-two scale
+  multiplies the head-weighted sum. Every product of two e4m3 codes is exact in f32, so the scores equal the
+  reference up to the order (and the tensor cores' internal precision) of the f32 sums. A q that is not
+  fp8-representable is rounded to e4m3 first (vLLM's fp8 indexer q does the same); the model never passes one.
+* bf16 keys (a bfloat16 [B, T, 128] array): "bf16x2" (q split into bf16 hi + the bf16-rounded remainder, two wgmmas
+  into one accumulator: q to ~16 mantissa bits, as the Triton kernel's default for bf16 keys), "bf16" (q rounded to
+  bf16, one wgmma; exact for a bf16 q). Products of two bf16 values are exact in f32.
 
 CTA = (query row r = (b, s), split of the key blocks), one warpgroup:
-* q [H, 128] e4m3 and the row's head weights [H] land once (TMA); n_visible[r] is read from global memory.
+* q [H, 128] (bf16x2: [2, H, 128]) and the row's head weights [H] land once (TMA); n_visible[r] is read from
+  global memory.
 * the split's visible blocks (`block_t` keys each, blocks at or past n_visible are not read) stream through a ring
-  of `num_stages` slots: keys [block_t, 128] e4m3 + their f32 scales [block_t], one barrier per slot;
+  of `num_stages` slots: keys [block_t, 128] (+ their f32 scales [block_t] for fp8), one barrier per slot;
 * per block: logits = K q^T [block_t, H] (wgmma, M = block_t, N = H, K = 128, both operands K-major in shared
-  memory), ReLU, x weight, sum over H (a row reduction of the accumulator), x key scale, -inf at t >= n_visible;
-  the [block_t] scores go out through a two-slot shared buffer by TMA, and the slot's refill is issued once every
-  thread is past it (`commit_smem` is a warpgroup barrier);
+  memory), ReLU, x weight, sum over H (a row reduction of the accumulator), x key scale (fp8), -inf at
+  t >= n_visible; the [block_t] scores go out through a two-slot shared buffer by TMA, and the slot's refill is
+  issued once every thread is past it (`commit_smem` is a warpgroup barrier);
 * the split's blocks past n_visible get -inf without reading keys.
 Keys are copied as [block_t, 128] boxes of the [B, T, 128] array (TMA fills rows past T with zeros; T must be a
-multiple of 8, the tile's rows); the scales as a flat [B * T] array (a TMA row stride must be a multiple of 16 B,
-which [B, T] f32 would need T % 4 for): a block running past T reads the next row's scales, and the mask discards
-those entries.
+multiple of 8, the tile's rows); the fp8 scales as a flat [B * T] array (a TMA row stride must be a multiple of
+16 B, which [B, T] f32 would need T % 4 for): a block running past T reads the next row's scales, and the mask
+discards those entries.
 
 Decode-oriented: one query per CTA, so S queries of one row read its keys S times (prefill stays on the Triton
 kernel, whose programs share each key block between up to 8 queries). Hopper (sm_90a) only. On the CPU it lowers
 for CUDA (tests/test_gpu_lowering.py), and `interpret=True` (or "races", with the race detector) runs it in Pallas'
-GPU interpreter (simulated shared memory, barriers and TMA; jax >= 0.10) for precision="fp8": the interpreter's wgmma
-takes no register operand (f16) and no transposed one (q is passed [128, H] there), and has no register layouts.
+GPU interpreter (simulated shared memory, barriers and TMA; jax >= 0.10) for precisions "fp8", "bf16x2" and "bf16":
+the interpreter's wgmma takes no register operand (fp8's "f16") and no transposed one (q is passed [.., 128, H]
+there), and has no register layouts.
 """
 
 from __future__ import annotations
@@ -51,7 +62,8 @@ N_SM_H200 = 132
 # f16, 9 splits = 576 CTAs 125.7 us, 4 splits = 256 CTAs 101.8 us; session 20), each with >= MIN_BLOCKS blocks
 TARGET_CTAS = 2 * N_SM_H200
 MIN_BLOCKS = 4
-DEFAULT_PRECISION = "f16"
+PRECISIONS = {"fp8": ("f16", "fp8"), "bf16": ("bf16x2", "bf16")}   # per key format; the first is the default
+Q_TERMS = {"f16": 1, "fp8": 1, "bf16x2": 2, "bf16": 1}                 # q operands per precision (bf16x2: hi + lo)
 # kernel="auto" takes the Mosaic kernel for up to MAX_QUERIES queries per row (decode, MTP) and at least MIN_ROWS
 # query rows: on the H200 (session 20, scores kernel, us) it wins at B = 64 (128K context: 106.8 vs 128.7 on Triton;
 # 32K: 39.3 vs 40.9) and does not at B = 1 (128K: 13.5 vs 11.7; 1M: 23.1 vs 23.3)
@@ -64,28 +76,51 @@ MIN_ROWS = 16
 # q than the reference path (formats.fake_quantize now keeps the rounding behind an optimization barrier). The
 # model test passes on the H200 with either kernel since.
 AUTO = True
+# the key formats kernel="auto" sends here (bf16 keys: session 27, pending its H200 timing)
+AUTO_FORMATS = ("fp8",)
+
+
+def key_format(keys):
+    """"fp8" for fp8 `formats.QuantizedKeys`, "bf16" for a bfloat16 key array, else None (not this kernel's)."""
+    if isinstance(keys, formats.QuantizedKeys):
+        return "fp8" if keys.fmt == "fp8" else None
+    return "bf16" if keys.dtype == jnp.bfloat16 else None
+
+
+def _key_values(keys):
+    return keys.values if isinstance(keys, formats.QuantizedKeys) else keys
 
 
 def mosaic_applies(q, keys) -> bool:
-    """Whether the kernel takes this call: fp8 keys with head_dim 128, a key count T divisible by 8 (a tiled TMA box
-    needs its array's dimension to be a multiple of the 8-row tile), at most 256 heads."""
-    return (isinstance(keys, formats.QuantizedKeys) and keys.fmt == "fp8" and q.shape[-1] == 128
-            and q.shape[-2] <= 256 and keys.values.ndim == 3 and keys.values.shape[1] % 8 == 0)
+    """Whether the kernel takes this call: fp8 or bf16 keys with head_dim 128, a key count T divisible by 8 (a tiled
+    TMA box needs its array's dimension to be a multiple of the 8-row tile), at most 256 heads."""
+    if key_format(keys) is None:
+        return False
+    vals = _key_values(keys)
+    return q.shape[-1] == 128 and q.shape[-2] <= 256 and vals.ndim == 3 and vals.shape[1] % 8 == 0
 
 
-def default_config(R: int, T: int):
-    """block_t 128 keys (16 KB of e4m3 per slot), 4 slots; splits for ~TARGET_CTAS CTAs of >= MIN_BLOCKS blocks."""
-    block_t = 128 if T > 64 else 64
+def default_config(R: int, T: int, fmt: str = "fp8"):
+    """fp8: block_t 128 keys (16 KB of e4m3 per slot), 4 slots. bf16: block_t 64 (16 KB per slot), 4 slots, so two
+    CTAs fit an SM next to q's hi and lo (2 x 16 KB). Splits for ~TARGET_CTAS CTAs of >= MIN_BLOCKS blocks."""
+    block_t = 128 if T > 64 and fmt == "fp8" else 64
     nb = -(-T // block_t)
     return dict(block_t=block_t, num_stages=4,
                 num_splits=max(1, min(-(-nb // MIN_BLOCKS), TARGET_CTAS // max(R, 1))))
 
 
-def _kernel(nv_ref, w_ref, q_ref, key_ref, scale_ref, out_ref, q_smem, w_smem, k_smem, s_smem, o_smem, fill_smem,
-            q_bar, k_bars, *, T, bt, stages, bps, nb, S, f16, interpret=False):
-    """nv [R] i32, w [R, H] f32, q [R, H, 128] e4m3 (f16 codes with f16), keys [B, T, 128] e4m3, scales [B*T] f32
-    -> out [R, nb*bt]."""
+def _kernel(*refs, T, bt, stages, bps, nb, S, precision, interpret=False):
+    """nv [R] i32, w [R, H] f32, q [R, H, 128] e4m3 (f16 codes with "f16"; bf16 [R, terms, H, 128] for bf16 keys),
+    keys [B, T, 128] e4m3 or bf16, scales [B*T] f32 (fp8 keys only) -> out [R, nb*bt]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    f16 = precision == "f16"
+    if precision in PRECISIONS["bf16"]:   # bf16 keys: no scales
+        nv_ref, w_ref, q_ref, key_ref, out_ref, q_smem, w_smem, k_smem, o_smem, fill_smem, q_bar, k_bars = refs
+        scale_ref = s_smem = None
+    else:
+        (nv_ref, w_ref, q_ref, key_ref, scale_ref, out_ref, q_smem, w_smem, k_smem, s_smem, o_smem, fill_smem, q_bar,
+         k_bars) = refs
 
     r = jax.lax.axis_index("r")
     split = jax.lax.axis_index("s")
@@ -108,7 +143,8 @@ def _kernel(nv_ref, w_ref, q_ref, key_ref, scale_ref, out_ref, q_smem, w_smem, k
         slot = j % stages
         t0 = pl.multiple_of((lo + j) * bt, bt)
         plgpu.copy_gmem_to_smem(key_ref.at[b, pl.ds(t0, bt)], k_smem.at[slot], k_bars.at[slot])
-        plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(base + t0, bt)], s_smem.at[slot], k_bars.at[slot])
+        if scale_ref is not None:
+            plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(base + t0, bt)], s_smem.at[slot], k_bars.at[slot])
 
     plgpu.copy_gmem_to_smem(q_ref.at[r], q_smem, q_bar)
     plgpu.copy_gmem_to_smem(w_ref.at[r], w_smem, q_bar)
@@ -121,8 +157,13 @@ def _kernel(nv_ref, w_ref, q_ref, key_ref, scale_ref, out_ref, q_smem, w_smem, k
     plgpu.barrier_wait(q_bar)
     w = load(w_smem, col_layout)
     # [128, H], K-major as fp8 operands must be (the interpreter's wgmma takes no transposed ref: q arrives [128, H])
-    q_t = q_smem if interpret else plgpu.transpose_ref(q_smem, (1, 0))
+    transpose = (lambda ref: ref) if interpret else (lambda ref: plgpu.transpose_ref(ref, (1, 0)))
     H = w_smem.shape[0]
+    if scale_ref is None:   # bf16 keys: q's terms (hi, lo) score into one accumulator; [terms * H, 128] (compiled)
+        q_ts = ([q_smem.at[i] for i in range(q_smem.shape[0])] if interpret else
+                [transpose(q_smem.at[pl.ds(i * H, H)]) for i in range(q_smem.shape[0] // H)])
+    else:
+        q_t = transpose(q_smem)
 
     def store(j, vals_smem):   # the block's scores (a [bt] smem vector, committed) to global memory
         plgpu.copy_smem_to_gmem(vals_smem, out_ref.at[r, pl.ds(pl.multiple_of((lo + j) * bt, bt), bt)])
@@ -135,13 +176,17 @@ def _kernel(nv_ref, w_ref, q_ref, key_ref, scale_ref, out_ref, q_smem, w_smem, k
             if f16:   # e4m3 codes -> f16 in registers (exact), the wgmma's A operand from registers
                 a8 = load(k_smem.at[slot], plgpu.Layout.WGMMA_UPCAST_2X)
                 plgpu.wgmma(acc_ref, cast(a8.astype(jnp.float16), plgpu.Layout.WGMMA), q_t)
+            elif scale_ref is None:   # bf16 keys, q's terms in turn: K (q_hi + q_lo)^T
+                for q_term in q_ts:
+                    plgpu.wgmma(acc_ref, k_smem.at[slot], q_term)
             else:
                 plgpu.wgmma(acc_ref, k_smem.at[slot], q_t)
             return acc_ref[...]
 
         logits = pl.run_scoped(mma, plgpu.ACC((bt, H), jnp.float32))
-        scale = load(s_smem.at[slot], row_layout)
-        s = jnp.sum(jnp.maximum(logits, 0.0) * jax.lax.broadcast_in_dim(w, (bt, H), (1,)), axis=1) * scale
+        s = jnp.sum(jnp.maximum(logits, 0.0) * jax.lax.broadcast_in_dim(w, (bt, H), (1,)), axis=1)
+        if s_smem is not None:   # fp8 keys: the key's power-of-two scale
+            s = s * load(s_smem.at[slot], row_layout)
         t = (lo + j) * bt + plgpu.broadcasted_iota(jnp.int32, (bt,), 0, layout=None if interpret else row_layout)
         s = jnp.where(t < nv, s, -jnp.inf)
         o = o_smem.at[j % 2]
@@ -167,9 +212,6 @@ def _kernel(nv_ref, w_ref, q_ref, key_ref, scale_ref, out_ref, q_smem, w_smem, k
     plgpu.wait_smem_to_gmem(0)
 
 
-PRECISIONS = ("f16", "fp8")
-
-
 def _interpret_params(detect_races=False):
     """Pallas' GPU interpret mode (jax >= 0.10: simulated shared memory, threads, barriers and TMA on the CPU).
     Reads past an array's end return NaN (a TMA box past the end fills zeros on the GPU; NaN checks the masking)."""
@@ -182,19 +224,25 @@ def _interpret_params(detect_races=False):
 def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stages=None, num_splits=None,
                           pad_to_block=False, precision=None, interpret=False):
     """Scores [B, S, T] f32 (or [B, S, roundup(T, block_t)] with -inf padding if pad_to_block) like
-    `reference.indexer_scores`, for fp8 keys (`formats.QuantizedKeys`, fmt "fp8"); q [B, S, H, 128] (fake-quantized
-    like the keys), weights [B, S, H], n_visible [B, S] int32."""
+    `reference.indexer_scores`, for fp8 keys (`formats.QuantizedKeys`, fmt "fp8") or bf16 keys (a bfloat16
+    [B, T, 128] array); q [B, S, H, 128] (fp8 keys: fake-quantized like them), weights [B, S, H], n_visible [B, S]
+    int32. precision: one of `PRECISIONS[format]`, default the first."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from .gpu import quantize_q_fp8
+    from .gpu import quantize_q_fp8, split_q
 
-    if not isinstance(keys, formats.QuantizedKeys) or keys.fmt != "fp8":
-        raise ValueError("the Mosaic indexer kernel takes fp8 keys (formats.QuantizedKeys with fmt='fp8')")
+    fmt = key_format(keys)
+    if fmt is None:
+        raise ValueError("the Mosaic indexer kernel takes fp8 keys (formats.QuantizedKeys with fmt='fp8') or bf16 "
+                         f"keys (a bfloat16 array); got {type(keys).__name__} "
+                         f"{getattr(keys, 'fmt', getattr(keys, 'dtype', ''))}; kernel='triton' takes every format")
+    key_vals = _key_values(keys)
     B, S, H, d = q.shape
-    T = keys.values.shape[1]
-    if d != 128 or keys.values.shape != (B, T, d) or keys.scale.shape != (B, T, 1):
-        raise ValueError(f"expected q [B, S, H, 128] and fp8 keys values [B, T, 128] / scale [B, T, 1], got q "
-                         f"{q.shape}, values {keys.values.shape}, scale {keys.scale.shape}")
+    T = key_vals.shape[1]
+    if d != 128 or key_vals.shape != (B, T, d) or (fmt == "fp8" and keys.scale.shape != (B, T, 1)):
+        raise ValueError(f"expected q [B, S, H, 128] and {fmt} keys [B, T, 128]"
+                         f"{' (scale [B, T, 1])' if fmt == 'fp8' else ''}, got q {q.shape}, keys {key_vals.shape}"
+                         f"{f', scale {keys.scale.shape}' if fmt == 'fp8' else ''}")
     if weights.shape != (B, S, H) or n_visible.shape != (B, S):
         raise ValueError(f"weights must be [B, S, H] = {(B, S, H)} and n_visible [B, S] = {(B, S)}, got "
                          f"{weights.shape} / {n_visible.shape}")
@@ -203,15 +251,15 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     if T % 8:
         raise ValueError(f"the Mosaic indexer kernel needs the key count T to be a multiple of 8 (TMA's 8-row tile), "
                          f"got T={T}; kernel='triton' takes any T")
-    precision = precision or DEFAULT_PRECISION
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    precision = precision or PRECISIONS[fmt][0]
+    if precision not in PRECISIONS[fmt]:
+        raise ValueError(f"precision must be one of {PRECISIONS[fmt]} for {fmt} keys, got {precision!r}")
     f16 = precision == "f16"
     if interpret and f16:
-        raise ValueError("the Mosaic indexer kernel's interpret mode runs precision='fp8' only (the interpreter's "
-                         "wgmma takes no register operand, which precision='f16' feeds)")
+        raise ValueError("the Mosaic indexer kernel's interpret mode runs precisions 'fp8', 'bf16x2' and 'bf16' "
+                         "only (the interpreter's wgmma takes no register operand, which precision='f16' feeds)")
     R = B * S
-    cfg = default_config(R, T)
+    cfg = default_config(R, T, fmt)
     for k_, v_ in dict(block_t=block_t, num_stages=num_stages, num_splits=num_splits).items():
         if v_ is not None:
             cfg[k_] = int(v_)
@@ -229,36 +277,46 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     if hp != H:
         qf = jnp.pad(qf, ((0, 0), (0, 0), (0, hp - H), (0, 0)))
         wf = jnp.pad(wf, ((0, 0), (0, 0), (0, hp - H)))
-    q8, q_scale = quantize_q_fp8(qf, "fp8")           # exact for a fake-quantized q
-    wf = (wf * q_scale).reshape(R, hp)
-    q8 = q8.reshape(R, hp, d)
-    if f16:   # the e4m3 codes as f16 (exact): the B operand of an f16 wgmma
-        q8 = q8.astype(jnp.float16)
-    if interpret:
-        q8 = jnp.swapaxes(q8, 1, 2)
-    key_vals = keys.values
-    key_scale = keys.scale.reshape(B * T).astype(jnp.float32)
+    if fmt == "fp8":
+        q_op, q_scale = quantize_q_fp8(qf, "fp8")           # exact for a fake-quantized q
+        wf = wf * q_scale
+        if f16:   # the e4m3 codes as f16 (exact): the B operand of an f16 wgmma
+            q_op = q_op.astype(jnp.float16)
+        q_op = q_op.reshape(R, hp, d)
+    else:     # bf16: hi (+ lo) as [R, terms * hp, d] (a TMA copy strides at most 5 dims: [terms, hp, d] tiled has 6)
+        q_op = jnp.stack(split_q(qf, "bf16", precision)[0], axis=2).reshape(R, Q_TERMS[precision] * hp, d)
+    wf = wf.reshape(R, hp)
+    if interpret:   # the interpreter's wgmma takes no transposed operand: [.., d, hp] per term
+        if fmt == "bf16":
+            q_op = q_op.reshape(R, Q_TERMS[precision], hp, d)
+        q_op = jnp.swapaxes(q_op, -1, -2)
     nv = n_visible.astype(jnp.int32).reshape(R)
-    tile = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))     # 128 B rows of e4m3
-    q_tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)) if f16 else tile
+    if fmt == "fp8":   # 128 B rows of e4m3
+        tile = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+        q_tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)) if f16 else tile
+    else:              # 128 B rows of 64 bf16
+        tile = q_tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     if interpret:   # the interpreter ignores shared-memory layouts (and q is transposed there)
         tile = q_tile = ()
+    args = [nv, wf, q_op, key_vals]
+    scratch = [plgpu.SMEM(q_op.shape[1:], q_op.dtype, transforms=q_tile),        # q_smem [(terms *) H, 128]
+               plgpu.SMEM((hp,), jnp.float32),                                   # w_smem
+               plgpu.SMEM((stages, bt, d), key_vals.dtype, transforms=tile)]     # k_smem
+    if fmt == "fp8":
+        args.append(keys.scale.reshape(B * T).astype(jnp.float32))
+        scratch.append(plgpu.SMEM((stages, bt), jnp.float32))                    # s_smem
+    scratch += [plgpu.SMEM((2, bt), jnp.float32),                                # o_smem
+                plgpu.SMEM((bt,), jnp.float32),                                  # fill_smem
+                plgpu.Barrier(num_arrivals=2),                                   # q_bar: q, w
+                plgpu.Barrier(num_arrivals=2 if fmt == "fp8" else 1, num_barriers=stages)]   # k_bars: keys (+ scales)
     kernel = plgpu.kernel(
-        functools.partial(_kernel, T=T, bt=bt, stages=stages, bps=bps, nb=nb, S=S, f16=f16, interpret=interpret),
+        functools.partial(_kernel, T=T, bt=bt, stages=stages, bps=bps, nb=nb, S=S, precision=precision,
+                          interpret=interpret),
         out_type=jax.ShapeDtypeStruct((R, nb * bt), jnp.float32),
         grid=(R, n_split), grid_names=("r", "s"),
-        scratch_types=[
-            plgpu.SMEM(q8.shape[1:], q8.dtype, transforms=q_tile),            # q_smem [H, 128] ([128, H] interpreted)
-            plgpu.SMEM((hp,), jnp.float32),                                   # w_smem
-            plgpu.SMEM((stages, bt, d), jnp.float8_e4m3fn, transforms=tile),  # k_smem
-            plgpu.SMEM((stages, bt), jnp.float32),                            # s_smem
-            plgpu.SMEM((2, bt), jnp.float32),                                 # o_smem
-            plgpu.SMEM((bt,), jnp.float32),                                   # fill_smem
-            plgpu.Barrier(num_arrivals=2),                                    # q_bar
-            plgpu.Barrier(num_arrivals=2, num_barriers=stages),               # k_bars
-        ],
-        kernel_name=f"indexer_scores_fp8_mosaic_{precision}_t{bt}",
+        scratch_types=scratch,
+        kernel_name=f"indexer_scores_{fmt}_mosaic_{precision}_t{bt}",
         **(dict(interpret=_interpret_params(interpret == "races")) if interpret else {}),
     )
-    out = kernel(nv, wf, q8, key_vals, key_scale).reshape(B, S, nb * bt)
+    out = kernel(*args).reshape(B, S, nb * bt)
     return out if pad_to_block else out[..., :T]
