@@ -338,7 +338,7 @@ def test_gpu_mosaic_fp8_scores(B, S, H, T, opts):
 
 @gpu
 @pytest.mark.parametrize("B,S,H,T,opts", [(4, 1, 64, 5000, {}), (2, 2, 64, 70000, {}), (3, 1, 16, 776, {}),
-                                          (2, 1, 128, 296, {}), (3, 1, 64, 4104, dict(block_t=128, num_stages=2)),
+                                          (2, 1, 128, 296, {}), (3, 1, 64, 4104, dict(block_t=64, num_stages=4)),
                                           (2, 1, 64, 9000, dict(block_t=128, num_stages=3, num_splits=3)),
                                           (5, 1, 40, 2000, dict(num_splits=1, num_stages=1)),
                                           (4, 1, 64, 5000, dict(precision="bf16"))])
@@ -351,7 +351,7 @@ def test_gpu_mosaic_bf16_scores(B, S, H, T, opts):
     one_term = opts.get("precision") == "bf16"
     check_scores(q, w, keys, nv, "pallas", 1e-2 if one_term else 1e-5, kernel="mosaic", **opts)
     out = np.asarray(indexer_scores_pallas(q, w, keys, nv, impl="pallas", kernel="mosaic", pad_to_block=True, **opts))
-    assert out.shape[-1] % opts.get("block_t", 64) == 0 and np.all(out[..., T:] == -np.inf)
+    assert out.shape[-1] % opts.get("block_t", 128) == 0 and np.all(out[..., T:] == -np.inf)
     if one_term:
         return
     picks = indexer_topk(q, w, keys, nv, k=512, impl="pallas", kernel="mosaic", **opts)
@@ -362,9 +362,9 @@ def test_gpu_mosaic_bf16_scores(B, S, H, T, opts):
 
 @gpu
 def test_gpu_auto_takes_mosaic_for_fp8_decode(monkeypatch):
-    """kernel "auto": decode (<= 2 queries per row, >= 16 query rows) over fp8 keys with head_dim 128 and T % 8 == 0
-    goes to the Mosaic kernel; prefill, batch < 16, other key formats, T % 8 != 0 and explicitly tuned calls stay on
-    Triton. Scores against the reference either way."""
+    """kernel "auto": decode (<= 2 queries per row, >= 16 query rows) over fp8 or bf16 keys (session 27) with
+    head_dim 128 and T % 8 == 0 goes to the Mosaic kernel; prefill, batch < 16, other key formats (fp4, f32), T % 8
+    != 0 and explicitly tuned calls stay on Triton. Scores against the reference either way."""
     from pallas_kernels.indexer import gpu_mosaic
 
     monkeypatch.setattr(gpu_mosaic, "AUTO", True)   # the default (session 21)
@@ -374,6 +374,7 @@ def test_gpu_auto_takes_mosaic_for_fp8_decode(monkeypatch):
     for (B, S, T, fmt, opts, mosaic) in [(16, 1, 800, "fp8", {}, True), (8, 2, 800, "fp8", {}, True),
                                          (2, 1, 800, "fp8", {}, False), (6, 3, 800, "fp8", {}, False),
                                          (16, 1, 804, "fp8", {}, False), (16, 1, 800, "fp4", {}, False),
+                                         (16, 1, 800, "bf16", {}, True), (16, 1, 800, None, {}, False),
                                          (16, 1, 800, "fp8", dict(block_t=64), False)]:
         q, w, keys, nv = make(B, S, 64, T, fmt, True)
         n = len(calls)

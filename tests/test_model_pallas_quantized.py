@@ -52,12 +52,13 @@ def test_fp8_cache_bf16_model_on_mosaic_attention_matches_triton_and_reference()
 
 
 @pytest.mark.skipif(jax.default_backend() not in ("gpu", "cuda"), reason="the Mosaic GPU kernel runs only on a GPU")
-@pytest.mark.parametrize("kernel", ["mosaic", "triton"])
+@pytest.mark.parametrize("kernel,fmt", [("mosaic", "fp8"), ("triton", "fp8"), ("mosaic", "bf16")])
 @jax.default_matmul_precision("highest")
-def test_fp8_indexer_keys_on_mosaic_kernel_match_reference(monkeypatch, kernel):
-    """fp8 indexer keys with index_head_dim 128 (V4's), batch 16: with kernel "mosaic" decode's indexer scores run on
-    the Mosaic GPU kernel (kernel "auto", gpu_mosaic.AUTO on: the default), prefill's on Triton; with "triton" (AUTO
-    off) on the Triton kernel everywhere. Logits equal the reference path's own quantized mode within 2e-4 relative.
+def test_fp8_indexer_keys_on_mosaic_kernel_match_reference(monkeypatch, kernel, fmt):
+    """fp8 (and, since session 27, bf16) indexer keys with index_head_dim 128 (V4's), batch 16: with kernel "mosaic"
+    decode's indexer scores run on the Mosaic GPU kernel (kernel "auto", gpu_mosaic.AUTO on: the default), prefill's
+    on Triton; with "triton" (AUTO off) on the Triton kernel everywhere. Logits equal the reference path's own
+    quantized mode within 2e-4 relative.
     This failed on the H200 (session 20 with Mosaic, session 21 with Triton too) while XLA's GPU compiler dropped the
     indexer q's fake quantization; tests/test_indexer_formats.py::test_fake_quantize_rounds_inside_a_jitted_program
     guards that."""
@@ -72,7 +73,7 @@ def test_fp8_indexer_keys_on_mosaic_kernel_match_reference(monkeypatch, kernel):
     outs = []
     for impl in ("reference", "pallas"):
         m = DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(7), attention_impl=impl)
-        cache = m.init_cache(16, 64, indexer_dtype="fp8", indexer_rotate=True)   # 16 indexer key slots
+        cache = m.init_cache(16, 64, indexer_dtype=fmt, indexer_rotate=True)   # 16 indexer key slots
         logits, cache = m.prefill(ids[:, :36], cache)
         steps = []
         for t in range(36, 40):

@@ -76,8 +76,9 @@ MIN_ROWS = 16
 # q than the reference path (formats.fake_quantize now keeps the rounding behind an optimization barrier). The
 # model test passes on the H200 with either kernel since.
 AUTO = True
-# the key formats kernel="auto" sends here (bf16 keys: session 27, pending its H200 timing)
-AUTO_FORMATS = ("fp8",)
+# the key formats kernel="auto" sends here. bf16 since session 27 (H200, B = 64, scores us: 128K context 155.8 vs
+# 189.4 on Triton, 32K 52.1 vs 61.7; B = 16 x 128K 46.7 vs 58.7)
+AUTO_FORMATS = ("fp8", "bf16")
 
 
 def key_format(keys):
@@ -101,11 +102,13 @@ def mosaic_applies(q, keys) -> bool:
 
 
 def default_config(R: int, T: int, fmt: str = "fp8"):
-    """fp8: block_t 128 keys (16 KB of e4m3 per slot), 4 slots. bf16: block_t 64 (16 KB per slot), 4 slots, so two
-    CTAs fit an SM next to q's hi and lo (2 x 16 KB). Splits for ~TARGET_CTAS CTAs of >= MIN_BLOCKS blocks."""
-    block_t = 128 if T > 64 and fmt == "fp8" else 64
+    """block_t 128 keys; fp8: 4 slots (16 KB of e4m3 each); bf16: 2 slots (32 KB each), so two CTAs fit an SM next
+    to q's hi and lo (2 x 16 KB). On the H200 (session 27, B = 64 x 128K, scores us) bf16 at 128 x 2 slots took
+    155.8, 64 x 4 161.2, 64 x 6 (one CTA per SM) 189.9, 128 x 3 (one CTA per SM) 172.8. Splits for ~TARGET_CTAS CTAs
+    of >= MIN_BLOCKS blocks."""
+    block_t = 128 if T > 64 else 64
     nb = -(-T // block_t)
-    return dict(block_t=block_t, num_stages=4,
+    return dict(block_t=block_t, num_stages=4 if fmt == "fp8" else 2,
                 num_splits=max(1, min(-(-nb // MIN_BLOCKS), TARGET_CTAS // max(R, 1))))
 
 
