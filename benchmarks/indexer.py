@@ -16,8 +16,9 @@ scores_fp8ops (fp8 tensor-core operands, session 10), pallas_fp4asm / pallas_fp4
 decoded by packed inline PTX, session 12, the fp4 default since session 13; fp4 cases only), pallas_fp4op /
 pallas_fp4op_set / scores_fp4op (fp4 group scales on the f16 key operands, session 13; fp4 cases only), scores_only / scores_bt128 /
 scores_fp4reshape (the scores kernel alone and its knobs: top-k cost = difference), scores_mosaic / pallas_mosaic /
-pallas_mosaic_set (the Mosaic GPU fp8 kernel, session 20; fp8 cases only; --scores-configs 'kernel=mosaic,block_t=64'
-times its knobs), xla_ref.
+pallas_mosaic_set (the Mosaic GPU kernel: fp8 keys since session 20, bf16 keys since session 27; fp8 and bf16 cases
+only; --scores-configs 'kernel=mosaic,block_t=64' times its knobs), scores_triton / pallas_triton_set (the Triton
+kernel where kernel="auto" would take Mosaic), xla_ref.
 Note: caches smaller than L2 (8K context, batch 1) are re-read from L2 across iterations.
 
 topk_only: just the selection (k = 512) on random scores [B, T], (B, T) in {1, 64} x {32768, 262144}, methods
