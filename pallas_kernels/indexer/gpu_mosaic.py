@@ -113,8 +113,9 @@ def default_config(R: int, T: int, fmt: str = "fp8"):
 
 
 def _kernel(*refs, T, bt, stages, bps, nb, S, precision, interpret=False):
-    """nv [R] i32, w [R, H] f32, q [R, H, 128] e4m3 (f16 codes with "f16"; bf16 [R, terms, H, 128] for bf16 keys),
-    keys [B, T, 128] e4m3 or bf16, scales [B*T] f32 (fp8 keys only) -> out [R, nb*bt]."""
+    """nv [R] i32, w [R, H] f32, q [R, H, 128] e4m3 (f16 codes with "f16"; for bf16 keys bf16 [R, terms * H, 128],
+    the terms stacked along the heads), keys [B, T, 128] e4m3 or bf16, scales [B*T] f32 (fp8 keys only)
+    -> out [R, nb*bt]. Interpreted, q is transposed: [R, 128, H] / [R, terms, 128, H]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     f16 = precision == "f16"
