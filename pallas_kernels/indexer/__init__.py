@@ -7,9 +7,9 @@
 impl: "reference" (plain jnp), "pallas" (GPU: Triton-backend Pallas scores kernel + top-k; TPU: Mosaic kernel +
 top-k; CPU: the GPU kernel in the Pallas interpreter, slow, for tests), "auto" (pallas on GPU/TPU, reference on
 CPU). `kernel_options` (precision, block_q, block_t, topk, topk_block, radix_bits, num_warps, kernel, ...) go to
-the kernel and are ignored by the reference. kernel (GPU): "auto" (the Mosaic kernel for fp8-key decode with >= 16
-query rows and no Triton tuning option, else Triton: `gpu.resolve_kernel`), "triton", or "mosaic" (the Mosaic GPU
-scores kernel for fp8 keys, `gpu_mosaic.py`). topk (every method exact, the same picks as the reference): GPU default
+the kernel and are ignored by the reference. kernel (GPU): "auto" (the Mosaic kernel for fp8- or bf16-key decode with
+>= 16 query rows and no Triton tuning option, else Triton: `gpu.resolve_kernel`), "triton", or "mosaic" (the Mosaic
+GPU scores kernel for fp8 and bf16 keys, `gpu_mosaic.py`). topk (every method exact, the same picks as the reference): GPU default
 "threshold" (strided-group bound + Triton compaction + lax.top_k over ~4k survivors, `topk.topk_threshold`), or
 "lax" | "blockwise" | "radix" | "radix4" | "grouped[N]" | "threshold_rank" | "threshold_select"; TPU default "lax".
 picks: "sorted" (best first, ties -> lower index: the reference's order) or "set" (the same entries in ascending
