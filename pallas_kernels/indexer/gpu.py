@@ -425,7 +425,7 @@ def resolve_kernel(kernel, q, keys, interpret, triton_options=()):
     if kernel == "auto":
         use = (gpu_mosaic.AUTO and not interpret and not triton_options and jax.default_backend() == "gpu"
                and q.shape[1] <= gpu_mosaic.MAX_QUERIES and q.shape[0] * q.shape[1] >= gpu_mosaic.MIN_ROWS
-               and gpu_mosaic.mosaic_applies(q, keys) and gpu_mosaic.key_format(keys) in gpu_mosaic.AUTO_FORMATS)
+               and gpu_mosaic.mosaic_applies(q, keys) and key_format_of(keys) in gpu_mosaic.AUTO_FORMATS)
         return "mosaic" if use else "triton"
     return kernel
 

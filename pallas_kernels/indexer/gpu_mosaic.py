@@ -63,7 +63,6 @@ N_SM_H200 = 132
 TARGET_CTAS = 2 * N_SM_H200
 MIN_BLOCKS = 4
 PRECISIONS = {"fp8": ("f16", "fp8"), "bf16": ("bf16x2", "bf16")}   # per key format; the first is the default
-Q_TERMS = {"f16": 1, "fp8": 1, "bf16x2": 2, "bf16": 1}                 # q operands per precision (bf16x2: hi + lo)
 # kernel="auto" takes the Mosaic kernel for up to MAX_QUERIES queries per row (decode, MTP) and at least MIN_ROWS
 # query rows: on the H200 (session 20, scores kernel, us) it wins at B = 64 (128K context: 106.8 vs 128.7 on Triton;
 # 32K: 39.3 vs 40.9) and does not at B = 1 (128K: 13.5 vs 11.7; 1M: 23.1 vs 23.3)
@@ -82,10 +81,11 @@ AUTO_FORMATS = ("fp8", "bf16")
 
 
 def key_format(keys):
-    """"fp8" for fp8 `formats.QuantizedKeys`, "bf16" for a bfloat16 key array, else None (not this kernel's)."""
-    if isinstance(keys, formats.QuantizedKeys):
-        return "fp8" if keys.fmt == "fp8" else None
-    return "bf16" if keys.dtype == jnp.bfloat16 else None
+    """"fp8" or "bf16" (`gpu.key_format_of`) where this kernel takes the keys, else None."""
+    from .gpu import key_format_of
+
+    fmt = key_format_of(keys)
+    return fmt if fmt in PRECISIONS else None
 
 
 def _key_values(keys):
@@ -288,11 +288,12 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
             q_op = q_op.astype(jnp.float16)
         q_op = q_op.reshape(R, hp, d)
     else:     # bf16: hi (+ lo) as [R, terms * hp, d] (a TMA copy strides at most 5 dims: [terms, hp, d] tiled has 6)
-        q_op = jnp.stack(split_q(qf, "bf16", precision)[0], axis=2).reshape(R, Q_TERMS[precision] * hp, d)
+        q_terms, n_terms = split_q(qf, "bf16", precision)
+        q_op = jnp.stack(q_terms, axis=2).reshape(R, n_terms * hp, d)
     wf = wf.reshape(R, hp)
     if interpret:   # the interpreter's wgmma takes no transposed operand: [.., d, hp] per term
         if fmt == "bf16":
-            q_op = q_op.reshape(R, Q_TERMS[precision], hp, d)
+            q_op = q_op.reshape(R, n_terms, hp, d)
         q_op = jnp.swapaxes(q_op, -1, -2)
     nv = n_visible.astype(jnp.int32).reshape(R)
     if fmt == "fp8":   # 128 B rows of e4m3
