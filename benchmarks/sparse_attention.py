@@ -175,7 +175,8 @@ def main():
                          "s25 (FP8: 'consumers' against 'converter' alone and sharing the conversion with the "
                          "producer, conv_units from --conv-units), s25d (FP8: the diagonal chunk order in each conversion mode), s26 (FP8 default vs a three-tile ring, "
                          "tile_slots=3, with and without conv_units=5), s26b (FP8 default vs conv_batch 2 / 3 / 9, "
-                         "and 3 with tile_slots=3), s26c (lazy_rescale on bf16 / FP8 decode and FP8 prefill)")
+                         "and 3 with tile_slots=3), s26c (lazy_rescale on bf16 / FP8 decode and FP8 prefill), s28 (FP8 "
+                         "prefill: pools dequantized first, fp8_pools='dequantize', vs in-kernel, bf16 alongside)")
     ap.add_argument("--dtypes", default="bf16,fp8", help="decode / prefill / b1 groups: the KV dtypes to run")
     ap.add_argument("--ref-batches", default=None,
                     help="decode / prefill / b1 groups: time the XLA reference only at these batch sizes (comma "
@@ -356,6 +357,15 @@ def main():
                     record(bench_case(rng, ceil, kind, b, 1, kc, fp8, opts=o, ref=False))
         for o in (dict(mos), dict(mos, lazy_rescale=True), dict(mos, lazy_rescale=True, conv_batch=3)):
             record(bench_case(rng, ceil, "csa", 1, 16384, 512, True, opts=o, ref=False, csa_cap=4096))
+    if "s28" in groups:  # session 28: FP8 prefill with the pools dequantized to bf16 first (fp8_pools) vs in-kernel
+        # (S queries, compressed pool rows): the prefill rows; a 16K chunk against a 1M-context pool (the
+        # dequantization pass at its largest); few queries over a big pool (reuse 2.5 / 9.9: the auto rule's edge)
+        for t, cap in ((4096, 1024), (16384, 4096), (16384, 262144), (256, 16384), (64, 16384)):
+            if t >= 4096:   # bf16 pools of the same rows: the kernel the dequantized pools run on
+                record(bench_case(rng, ceil, "csa", 1, t, 512, False, ref=False, csa_cap=cap))
+            for mode in ("kernel", "dequantize"):
+                record(bench_case(rng, ceil, "csa", 1, t, 512, True, opts=dict(fp8_pools=mode), ref=False,
+                                  csa_cap=cap))
     if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor
         for kind, b, kc, fp8 in [("csa", 16, 512, False), ("csa", 64, 512, True), ("hca", 16, 8192, True)]:
             for o in ({}, dict(partial_dtype="bfloat16"), dict(fp8_scales="vector"),

@@ -360,6 +360,23 @@ def test_gpu_mosaic_bf16_scores(B, S, H, T, opts):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(picks)))
 
 
+def test_mosaic_auto_rule_shapes():
+    """`gpu_mosaic.auto_takes` on V4 shapes (no kernel runs): B=64 decode over fp8 / bf16 keys; batch 1 over bf16
+    keys only where its 128-key blocks fill a wave of CTAs (1M context: 2048 blocks; 128K: 256, stays on Triton);
+    never fp4, prefill, or batch 1 over fp8."""
+    from pallas_kernels.indexer import formats, gpu_mosaic
+
+    sds = jax.ShapeDtypeStruct
+    q = lambda B, S: sds((B, S, 64, 128), jnp.float32)
+    bf16 = lambda B, T: sds((B, T, 128), jnp.bfloat16)
+    fp8 = lambda B, T: formats.QuantizedKeys(sds((B, T, 128), jnp.float8_e4m3fn), sds((B, T, 1), jnp.float32), "fp8")
+    fp4 = lambda B, T: formats.QuantizedKeys(sds((B, T, 64), jnp.uint8), sds((B, T, 4), jnp.uint8), "fp4")
+    assert gpu_mosaic.auto_takes(q(64, 1), bf16(64, 32768)) and gpu_mosaic.auto_takes(q(64, 1), fp8(64, 32768))
+    assert gpu_mosaic.auto_takes(q(1, 1), bf16(1, 262144))
+    assert not gpu_mosaic.auto_takes(q(1, 1), bf16(1, 32768)) and not gpu_mosaic.auto_takes(q(1, 1), fp8(1, 262144))
+    assert not gpu_mosaic.auto_takes(q(64, 1), fp4(64, 32768)) and not gpu_mosaic.auto_takes(q(1, 8), bf16(1, 262144))
+
+
 @gpu
 def test_gpu_auto_takes_mosaic_for_fp8_decode(monkeypatch):
     """kernel "auto": decode (<= 2 queries per row, >= 16 query rows) over fp8 or bf16 keys (session 27) with
@@ -380,6 +397,12 @@ def test_gpu_auto_takes_mosaic_for_fp8_decode(monkeypatch):
         n = len(calls)
         check_scores(q, w, keys, nv, "pallas", 1e-5, **opts)
         assert (len(calls) > n) == mosaic, (B, S, T, fmt, opts)
+    # fewer rows over bf16 keys whose blocks fill a wave of CTAs (2 rows x 7 blocks of 128 keys >= 14; session 28)
+    monkeypatch.setattr(gpu_mosaic, "MIN_KEY_BLOCKS", 14)
+    for (B, T, fmt, mosaic) in [(2, 800, "bf16", True), (1, 800, "bf16", False), (2, 800, "fp8", False)]:
+        n = len(calls)
+        check_scores(*make(B, 1, 64, T, fmt, True), "pallas", 1e-5)
+        assert (len(calls) > n) == mosaic, (B, T, fmt)
     monkeypatch.setattr(gpu_mosaic, "AUTO", False)   # switched off: Triton everywhere
     n = len(calls)
     check_scores(*make(16, 1, 64, 800, "fp8", True), "pallas", 1e-5)

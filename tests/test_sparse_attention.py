@@ -226,6 +226,53 @@ def test_gpu_kernel_interpret(case):
     check_close(out, ref)
 
 
+def test_fp8_pools_dequantized_first_in_interpreter():
+    """fp8_pools="dequantize": the FP8 pools become bf16 once, then the bf16 kernel; the reference's result, and bit
+    for bit the kernel's on pools dequantized by hand (the same bf16 operands)."""
+    inp = make_inputs(1, 6, 4, 512, 24, 40, 8, 20, fp8=True, ragged=True, dupes=True, wide_scales=True)
+    out = call(sparse_attention, inp, impl="pallas", fp8_pools="dequantize", block_k=16)
+    check_close(out, call(sparse_attention_reference, inp))
+    deq = dict(inp, window_kv=dequantize_kv_fp8(inp["window_kv"], jnp.bfloat16),
+               compressed_kv=dequantize_kv_fp8(inp["compressed_kv"], jnp.bfloat16))
+    by_hand = call(sparse_attention, deq, impl="pallas", block_k=16)
+    np.testing.assert_array_equal(np.asarray(out[0].astype(jnp.float32)), np.asarray(by_hand[0].astype(jnp.float32)))
+    with pytest.raises(ValueError, match="fp8_pools must be one of"):
+        call(sparse_attention, inp, impl="reference", fp8_pools="bf16")
+
+
+def test_dequantize_first_rule(monkeypatch):
+    """fp8_pools="auto" dequantizes first on a GPU only, untuned, where the Mosaic kernel takes the bf16 pools and
+    each pool row is gathered >= DEQUANT_MIN_REUSE times on average, the bf16 copy fitting DEQUANT_MAX_BYTES."""
+    import pallas_kernels.sparse_attention as sa
+
+    def decide(inp, **kw):
+        return sa.dequantize_first(inp["q"], inp["window_kv"], inp["window_idx"], inp["compressed_kv"],
+                                   inp["compressed_idx"], **kw)
+
+    prefill = make_inputs(1, 64, 64, 512, 96, 40, 16, 24, fp8=True)    # 64 x 40 gathered over 136 rows: 18.8
+    decode = make_inputs(4, 1, 64, 512, 96, 40, 16, 24, fp8=True)      # 4 x 40 over 136: 1.2
+    bf16 = make_inputs(1, 64, 64, 512, 96, 40, 16, 24)
+    assert decide(prefill) and decide(prefill, kernel="mosaic") and not decide(decode) and not decide(bf16)
+    assert not decide(prefill, target="interpret") and not decide(prefill, target="tpu")
+    assert not decide(prefill, kernel_options=dict(block_k=32))        # a tuned call keeps its kernel
+    # only where the Mosaic kernel takes the bf16 pools (the measured case)
+    assert not decide(prefill, kernel="triton") and not decide(prefill, out_dtype=jnp.float32)
+    assert not decide(dict(prefill, q=prefill["q"].astype(jnp.float32)))
+    assert not decide(dict(prefill, q=prefill["q"][:, :, :16]))
+    assert decide(dict(prefill, q=prefill["q"][:, :, :16]), mode="dequantize")
+    assert not decide(prefill, mode="kernel") and decide(decode, mode="dequantize")
+    assert not decide(bf16, mode="dequantize")                          # nothing to dequantize
+    window_only = dict(prefill, compressed_kv=None, compressed_idx=None)
+    assert decide(window_only)                                          # 64 x 16 over 96 rows: 10.7
+    monkeypatch.setattr(sa, "DEQUANT_MIN_REUSE", 20)
+    assert not decide(prefill)
+    monkeypatch.setattr(sa, "DEQUANT_MIN_REUSE", 4)
+    monkeypatch.setattr(sa, "DEQUANT_MAX_BYTES", 136 * 512 * 2 - 1)     # one byte short of the bf16 pools
+    assert not decide(prefill)
+    with pytest.raises(ValueError, match="fp8_pools must be one of"):
+        decide(prefill, mode="yes")
+
+
 def test_gpu_kernel_option_errors():
     inp = make_inputs(2, 1, 4, 512, 24, 40, 8, 20, fp8=True)
     with pytest.raises(ValueError, match="d_chunk 64 or 128"):

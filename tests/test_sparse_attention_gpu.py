@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from test_sparse_attention import call, check_close, make_inputs, opts_id
@@ -258,8 +259,43 @@ def test_gpu_mosaic_kernel(case):
     b, t, n_w, n_c, k_w, k_c, flags, opts = case
     flags = dict(flags)
     inp = make_inputs(b, t, flags.pop("heads", 64), 512, n_w, n_c, k_w, k_c, **flags)
-    out = call(sparse_attention, inp, impl="pallas", kernel="mosaic", **opts)
+    # fp8_pools="kernel": the FP8 prefill cases would otherwise be dequantized first (fp8_pools="auto", session 28)
+    out = call(sparse_attention, inp, impl="pallas", kernel="mosaic", **{"fp8_pools": "kernel", **opts})
     check_close(out, call(sparse_attention_reference, inp))
+
+
+FP8_POOL_CASES = [   # (b, t, heads, n_w, n_c, k_w, k_c, flags, kernel, fp8_pools): prefill-shaped, each pool row
+    # gathered often; "auto" dequantizes first where the Mosaic kernel takes the bf16 pools
+    (1, 256, 64, 2048, 1024, 128, 512, dict(dupes=True, ragged=True), "auto", "auto"),
+    (2, 64, 128, 400, 100, 128, 96, dict(ragged=True), "mosaic", "auto"),
+    (1, 256, 64, 2048, 1024, 128, 512, dict(all_invalid_c=True, wide_scales=True), "triton", "dequantize"),
+    # an f32 q over the bf16 rows at head_dim 512 (3 Triton stages overflowed shared memory before session 28)
+    (1, 64, 4, 300, 100, 128, 96, dict(ragged=True, q_dtype=jnp.float32), "triton", "dequantize"),
+    (2, 8, 64, 300, 100, 128, 96, dict(ragged=True, q_dtype=jnp.float32), "auto", "dequantize"),
+]
+
+
+@pytest.mark.parametrize("case", FP8_POOL_CASES, ids=lambda c: f"b{c[0]}t{c[1]}h{c[2]}_{c[8]}_{c[9]}"
+                         f"{'_f32' if 'q_dtype' in c[7] else ''}")
+def test_gpu_fp8_pools_dequantized_first(case):
+    """FP8 pools dequantized to bf16 once before the kernel (fp8_pools="auto" takes it for the Mosaic kernel's
+    prefill shapes): the reference's result, and the kernel's on the pools dequantized by hand bit for bit (the
+    same operands)."""
+    from pallas_kernels.sparse_attention import dequantize_first, dequantize_kv_fp8
+
+    b, t, h, n_w, n_c, k_w, k_c, flags, kernel, mode = case
+    inp = make_inputs(b, t, h, 512, n_w, n_c, k_w, k_c, fp8=True, **flags)
+    assert dequantize_first(inp["q"], inp["window_kv"], inp["window_idx"], inp["compressed_kv"],
+                            inp["compressed_idx"], target="gpu", kernel=kernel, mode=mode)
+    out = jax.jit(lambda i: call(sparse_attention, i, impl="pallas", kernel=kernel, fp8_pools=mode))(inp)
+    ref = call(sparse_attention_reference, inp)
+    check_close(out, ref)
+    deq = dict(inp, window_kv=dequantize_kv_fp8(inp["window_kv"], jnp.bfloat16),
+               compressed_kv=dequantize_kv_fp8(inp["compressed_kv"], jnp.bfloat16))
+    bf16 = jax.jit(lambda i: call(sparse_attention, i, impl="pallas", kernel=kernel))(deq)
+    np.testing.assert_array_equal(np.asarray(out[0].astype(jnp.float32)), np.asarray(bf16[0].astype(jnp.float32)))
+    # the in-kernel dequantization on the same call agrees with both
+    check_close(call(sparse_attention, inp, impl="pallas", kernel=kernel, fp8_pools="kernel"), ref)
 
 
 @pytest.mark.parametrize("fp8", [False, True])

@@ -415,8 +415,8 @@ def resolve_kernel(kernel, q, keys, interpret, triton_options=()):
     """kernel "auto" / None -> "triton" if `gpu_mosaic.AUTO` is False; with it True (the default since session 21),
     "mosaic" for decode over keys in `gpu_mosaic.AUTO_FORMATS` where the Mosaic kernel applies (compiled on a GPU,
     head_dim 128, T % 8 == 0, at most `gpu_mosaic.MAX_QUERIES` queries per row and at least `MIN_ROWS` query rows
-    in all, no tuning option given: those in `triton_options` keep the Triton kernel they were written for), else
-    "triton". "mosaic" explicitly: `gpu_mosaic.indexer_scores_mosaic` says why where it does not apply."""
+    in all, or bf16 keys filling a wave of CTAs from fewer rows: `gpu_mosaic.auto_takes`; no tuning option given:
+    those in `triton_options` keep the Triton kernel they were written for), else "triton". "mosaic" explicitly: `gpu_mosaic.indexer_scores_mosaic` says why where it does not apply."""
     from . import gpu_mosaic
 
     kernel = kernel or "auto"
@@ -424,8 +424,7 @@ def resolve_kernel(kernel, q, keys, interpret, triton_options=()):
         raise ValueError(f"kernel must be one of {KERNELS + ('auto',)}, got {kernel!r}")
     if kernel == "auto":
         use = (gpu_mosaic.AUTO and not interpret and not triton_options and jax.default_backend() == "gpu"
-               and q.shape[1] <= gpu_mosaic.MAX_QUERIES and q.shape[0] * q.shape[1] >= gpu_mosaic.MIN_ROWS
-               and gpu_mosaic.mosaic_applies(q, keys) and key_format_of(keys) in gpu_mosaic.AUTO_FORMATS)
+               and gpu_mosaic.auto_takes(q, keys))
         return "mosaic" if use else "triton"
     return kernel
 

@@ -78,6 +78,11 @@ AUTO = True
 # the key formats kernel="auto" sends here. bf16 since session 27 (H200, B = 64, scores us: 128K context 155.8 vs
 # 189.4 on Triton, 32K 52.1 vs 61.7; B = 16 x 128K 46.7 vs 58.7)
 AUTO_FORMATS = ("fp8", "bf16")
+# ... and below MIN_ROWS query rows for these formats where the rows' 128-key blocks fill a wave of CTAs
+# (>= MIN_KEY_BLOCKS): bf16 keys, B = 1 x 1M context (2048 blocks), 30.9 vs 39.5 us on Triton; at 128K (256
+# blocks) 14.1 vs 14.4 (session 28). fp8 keys at B = 1 x 1M: 23.1 vs 23.3 (session 20), so they stay on Triton
+FEW_ROW_FORMATS = ("bf16",)
+MIN_KEY_BLOCKS = TARGET_CTAS * MIN_BLOCKS
 
 
 def key_format(keys):
@@ -90,6 +95,18 @@ def key_format(keys):
 
 def _key_values(keys):
     return keys.values if isinstance(keys, formats.QuantizedKeys) else keys
+
+
+def auto_takes(q, keys) -> bool:
+    """kernel="auto"'s row / key count rule (the caller checks the rest): decode (<= MAX_QUERIES queries a row) over
+    AUTO_FORMATS keys with >= MIN_ROWS query rows, or FEW_ROW_FORMATS keys whose rows hold >= MIN_KEY_BLOCKS
+    128-key blocks in all."""
+    fmt = key_format(keys)
+    if fmt not in AUTO_FORMATS or q.shape[1] > MAX_QUERIES or not mosaic_applies(q, keys):
+        return False
+    rows = q.shape[0] * q.shape[1]
+    return rows >= MIN_ROWS or (fmt in FEW_ROW_FORMATS and rows * -(-_key_values(keys).shape[1] // 128)
+                                >= MIN_KEY_BLOCKS)
 
 
 def mosaic_applies(q, keys) -> bool:
