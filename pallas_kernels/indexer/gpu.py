@@ -416,7 +416,8 @@ def resolve_kernel(kernel, q, keys, interpret, triton_options=()):
     "mosaic" for decode over keys in `gpu_mosaic.AUTO_FORMATS` where the Mosaic kernel applies (compiled on a GPU,
     head_dim 128, T % 8 == 0, at most `gpu_mosaic.MAX_QUERIES` queries per row and at least `MIN_ROWS` query rows
     in all, or bf16 keys filling a wave of CTAs from fewer rows: `gpu_mosaic.auto_takes`; no tuning option given:
-    those in `triton_options` keep the Triton kernel they were written for), else "triton". "mosaic" explicitly: `gpu_mosaic.indexer_scores_mosaic` says why where it does not apply."""
+    those in `triton_options` keep the Triton kernel they were written for), else "triton". "mosaic" explicitly:
+    `gpu_mosaic.indexer_scores_mosaic` says why where it does not apply."""
     from . import gpu_mosaic
 
     kernel = kernel or "auto"

@@ -229,20 +229,19 @@ def default_config(bt: int, h: int, total_k: int, any_fp8: bool, prefill: bool, 
     """Defaults picked from the H200 sweep (benchmarks/NOTES_sparse_attention.md): 64 heads x 64 entries per
     step, 8 warps; split-K so that about one program per SM runs when B*T*head_blocks*col_splits is below the SM
     count."""
-    block_h = 64 if h >= 64 else 16
+    # an f32 q at head_dim 512 overflows the H200's 232,448 B of shared memory on the defaults (session 28): with
+    # bf16 rows Triton takes them to f32 for the dot, 64 x 512 x 4 B a stage (3 stages asked for 262,656 B, 2 for
+    # 262,400); with FP8 rows 64 heads a program asked for 315,648 B. 16 heads keep q's f32 tile at 32 KB, and over
+    # bf16 rows 32 rows x 2 stages halve the staging; bf16 q keeps 64 heads x 64 rows x 3 stages
+    f32_q = q_bytes > 2 and d >= 512
+    block_h = 64 if h >= 64 and not f32_q else 16
     block_k = 64
-    if q_bytes > 2 and d >= 512:   # an f32 q: 16 heads a program (below)
-        block_h = 16
     n_hb = -(-h // block_h)
     programs = bt * n_hb * col_splits
     total_blocks = -(-total_k // block_k)
     n_splits = max(1, min(N_SM_H200 // programs, max(1, total_blocks // 2)))
     num_stages = 2 if any_fp8 else 3
-    # an f32 q over bf16 rows at head_dim 512 (an f32 model on dequantized FP8 pools): the rows go to f32 for the
-    # dot, 64 x 512 x 4 B a stage; 3 stages asked for 262,656 B of shared memory on the H200, 2 for 262,400 (232,448
-    # available; session 28). 32 rows a step halve it, and 16 heads keep q's f32 tile at 32 KB; bf16 q keeps 64 x 3.
-    # FP8 rows with an f32 q and 64 heads a program asked for 315,648 B (session 28): 16 heads there too
-    if not any_fp8 and q_bytes > 2 and d >= 512:
+    if f32_q and not any_fp8:
         block_k, num_stages = 32, 2
     return dict(block_h=block_h, block_k=block_k, n_splits=n_splits, num_warps=8 if block_h >= 64 else 4,
                 num_stages=num_stages, d_chunk=64 if any_fp8 else 128)
