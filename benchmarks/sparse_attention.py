@@ -176,7 +176,9 @@ def main():
                          "producer, conv_units from --conv-units), s25d (FP8: the diagonal chunk order in each conversion mode), s26 (FP8 default vs a three-tile ring, "
                          "tile_slots=3, with and without conv_units=5), s26b (FP8 default vs conv_batch 2 / 3 / 9, "
                          "and 3 with tile_slots=3), s26c (lazy_rescale on bf16 / FP8 decode and FP8 prefill), s28 (FP8 "
-                         "prefill: pools dequantized first, fp8_pools='dequantize', vs in-kernel, bf16 alongside)")
+                         "prefill: pools dequantized first, fp8_pools='dequantize', vs in-kernel, bf16 alongside), "
+                         "s29 (index rows streamed, idx_stream, vs whole lists: HCA decode and CSA decode), s29p (the same, "
+                         "HCA prefill: 2048 queries x 8320 entries)")
     ap.add_argument("--dtypes", default="bf16,fp8", help="decode / prefill / b1 groups: the KV dtypes to run")
     ap.add_argument("--ref-batches", default=None,
                     help="decode / prefill / b1 groups: time the XLA reference only at these batch sizes (comma "
@@ -366,6 +368,20 @@ def main():
             for mode in ("kernel", "dequantize"):
                 record(bench_case(rng, ceil, "csa", 1, t, 512, True, opts=dict(fp8_pools=mode), ref=False,
                                   csa_cap=cap))
+    if "s29" in groups:  # session 29: index rows streamed through a ring (idx_stream) vs whole lists in shared memory
+        # the decode rows whose lists did not fit at the default split count (HCA-8K; HCA-1K at B=128), where the
+        # default now streams: idx_stream=False is the split-further behaviour of sessions 18-28
+        for fp8 in (False, True):
+            for kind, b, kc in [("hca", 16, 8192), ("hca", 64, 8192), ("hca", 128, 8192), ("hca", 128, 1024)]:
+                for o in (dict(mos), dict(mos, idx_stream=False)):
+                    record(bench_case(rng, ceil, kind, b, 1, kc, fp8, opts=o, ref=False))
+        for fp8 in (False, True):   # lists that fit: forced streaming against the default (which keeps them whole)
+            for kind, b, kc in [("csa", 64, 512), ("csa", 128, 512)]:
+                for o in (dict(mos), dict(mos, idx_stream=True)):
+                    record(bench_case(rng, ceil, kind, b, 1, kc, fp8, opts=o, ref=False))
+    if "s29p" in groups:  # session 29: HCA prefill (every query attends 128 + 8192 entries), streamed vs whole lists
+        for o in (dict(mos), dict(mos, idx_stream=False)):
+            record(bench_case(rng, ceil, "hca", 1, 2048, 8192, False, opts=o, ref=False))
     if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor
         for kind, b, kc, fp8 in [("csa", 16, 512, False), ("csa", 64, 512, True), ("hca", 16, 8192, True)]:
             for o in ({}, dict(partial_dtype="bfloat16"), dict(fp8_scales="vector"),

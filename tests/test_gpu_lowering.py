@@ -317,7 +317,16 @@ def lower_model_steps(model, cache, marker):
                                               (1, 64, 60, dict(lazy_rescale=True, split_scores=False), False),
                                               (3, 1, 512, dict(lazy_rescale=True), True),
                                               (1, 64, 60, dict(lazy_rescale=True, conv_batch=3), True),
-                                              (3, 1, 512, dict(lazy_rescale=True, fp8_dequant="consumers"), True)])
+                                              (3, 1, 512, dict(lazy_rescale=True, fp8_dequant="consumers"), True),
+                                              # index rows streamed through a ring (idx_stream), each producer mode
+                                              (2, 1, 8192, dict(idx_stream=True, n_splits=2), False),
+                                              (1, 64, 60, dict(idx_stream=True, split_scores=True), False),
+                                              (3, 1, 512, dict(idx_stream=True, pingpong=True), False),
+                                              (2, 1, 8192, dict(idx_stream=True, heads=128, n_splits=1), False),
+                                              (2, 1, 8192, dict(idx_stream=True, n_splits=2), True),
+                                              (2, 1, 8192, dict(idx_stream=True, fp8_dequant="consumers"), True),
+                                              (2, 1, 8192, dict(idx_stream=True, fp8_dequant="producer"), True),
+                                              (1, 64, 60, dict(idx_stream=True), True)])
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -367,20 +376,25 @@ def test_sparse_attention_mosaic_split_d_rejects_what_it_cannot_do():
                                 fp8_dequant="consumers")
     lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, scale=0.1, split_d=True, n_splits=1),
                *(inp[k] for k in keys))
-    # an HCA-8K row in at most 8 cluster splits: 1040 index rows per CTA leave no room for the 32 KB exchange, so
-    # the default (split_d=None) lowers without it and an explicit split_d=True says why it cannot
+    # an HCA-8K row in at most 8 cluster splits with its whole index lists in shared memory (idx_stream=False):
+    # 1040 index rows per CTA leave no room for the 32 KB exchange, so the default (split_d=None) lowers without it
+    # and an explicit split_d=True says why it cannot; streamed (the default there since session 29) both fit
     inp = make_attention(2, 1, 64, 512, 300, 9000, 128, 8192, ragged=True, fp8=False)
     with pytest.raises(ValueError, match="shared memory .* over"):
-        sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, split_d=True, combine="cluster")
-    lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, scale=0.1, combine="cluster"),
-               *(inp[k] for k in keys))
-    # FP8 prefill in one split over 8320 index rows (33 KB): split_d's buffer does not fit, the default drops it
-    # and keeps one staging slot (two would not fit either), and split_scores stays off (it never fits with FP8)
+        sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, split_d=True, combine="cluster",
+                                idx_stream=False)
+    for opts in (dict(idx_stream=False), dict(split_d=True), {}):
+        lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, scale=0.1, combine="cluster", **opts),
+                   *(inp[k] for k in keys))
+    # FP8 prefill in one split over 8320 index rows (33 KB) held whole: split_d's buffer does not fit, the default
+    # drops it and keeps one staging slot (two would not fit either), and split_scores stays off (it never fits with
+    # FP8); streamed, split_d fits
     inp = make_attention(1, 64, 64, 512, 300, 9000, 128, 8192, ragged=True, fp8=True)
-    lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, scale=0.1, n_splits=1),
-               *(inp[k] for k in keys))
+    for opts in (dict(idx_stream=False), dict(split_d=True)):
+        lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, scale=0.1, n_splits=1, **opts),
+                   *(inp[k] for k in keys))
     with pytest.raises(ValueError, match="shared memory .* over"):
-        sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, n_splits=1, split_d=True)
+        sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, n_splits=1, split_d=True, idx_stream=False)
 
 
 def test_sparse_attention_mosaic_fp8_dequant_producer_rejects_what_it_cannot_do():
@@ -434,8 +448,8 @@ def test_sparse_attention_mosaic_fp8_dequant_producer_rejects_what_it_cannot_do(
         with pytest.raises(ValueError, match="conv_batch"):
             sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant=mode, conv_batch=batch)
     long = [make_attention(1, 64, 64, 512, 300, 9000, 128, 8192, ragged=True, fp8=True)[k] for k in keys]
-    with pytest.raises(ValueError, match="shared memory .* over"):   # the default falls back here (below)
-        sparse_attention_mosaic(*long, scale=0.1, n_splits=1, conv_batch=2)
+    with pytest.raises(ValueError, match="shared memory .* over"):   # whole index lists: the default falls back
+        sparse_attention_mosaic(*long, scale=0.1, n_splits=1, conv_batch=2, idx_stream=False)
     with pytest.raises(ValueError, match="producer, converter, consumer"):   # the shared default is (56, 56, 200)
         sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant="converter", conv_units=5, regs=(64, 64, 200))
 
@@ -483,6 +497,50 @@ def test_sparse_attention_mosaic_counts_its_barriers_in_shared_memory():
     lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, **kw), *(inp[k] for k in keys))
     with pytest.raises(ValueError, match="shared memory .* over"):
         sparse_attention_mosaic(*(inp[k] for k in keys), **kw, n_splits=1)
+
+
+@pytest.mark.parametrize("b,k_c,fp8,opts,ring,max_ns", [
+    (16, 8192, False, {}, 3, 8),            # HCA-8K decode: whole lists would not fit at 8 splits -> streamed
+    (16, 8192, False, dict(idx_stream=False), 0, None),   # ... whole: split further (more, shorter CTAs)
+    (16, 8192, True, dict(n_splits=2), 0, 2),   # FP8 tile ring: 4160 entries a split still fit whole ...
+    (16, 8192, True, dict(n_splits=1), 6, 1),   # ... 8320 do not: a ring of 3 staging + 2 tiles + 1 steps
+    (4, 512, False, {}, 0, None),            # CSA decode: the lists fit, held whole
+    (4, 512, False, dict(idx_stream=True), 3, None),
+])
+def test_sparse_attention_mosaic_streams_long_index_lists(monkeypatch, b, k_c, fp8, opts, ring, max_ns):
+    """idx_stream=None streams a CTA's index rows through a ring of (stages + tiles + 1) steps where its split's
+    whole lists do not fit next to the rest of shared memory at the default split count, and keeps them whole
+    elsewhere; idx_stream=False is the old behaviour (split further). Checked on the kernel the wrapper builds."""
+    from pallas_kernels.sparse_attention import gpu_mosaic
+
+    built = []
+    real = gpu_mosaic._build
+    monkeypatch.setattr(gpu_mosaic, "_build", lambda *a, **k: built.append((a[1], a[-1])) or real(*a, **k))
+    inp = make_attention(b, 1, 64, 512, 300, 9000, 128, k_c, ragged=True, fp8=fp8)
+    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
+    lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(
+        *a, scale=0.1, window_len=inp["window_len"], compressed_len=inp["compressed_len"], **opts),
+        *(inp[k] for k in keys))
+    (ns, idx_ring), = built
+    assert idx_ring == ring
+    if max_ns is not None:
+        assert ns <= max_ns
+    elif not ring and k_c == 8192:
+        assert ns > 8
+
+
+def test_sparse_attention_mosaic_idx_stream_rejects_what_it_cannot_do():
+    """The ring is filled by the TMA producer's threads one step ahead: not with the cp.async producer (block_k=32
+    over bf16 pools), L2 prefetches of later steps' rows (they read the entries ahead of the ring), or more than one
+    entry per producer thread (block_k > 128)."""
+    from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
+
+    inp = make_attention(3, 1, 64, 512, 300, 9000, 128, 512, ragged=True)
+    args = [inp[k] for k in ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")]
+    for opts in (dict(block_k=32, num_stages=4), dict(producer="cp_async"), dict(l2_ahead=2),
+                 dict(block_k=256, num_stages=1, n_splits=1, split_d=False)):
+        with pytest.raises(ValueError, match="idx_stream=True"):
+            sparse_attention_mosaic(*args, scale=0.1, idx_stream=True, **opts)
 
 
 def test_sparse_attention_mosaic_block_k32_rejects_bulk_copies():
@@ -618,11 +676,12 @@ def test_sparse_attention_mosaic_fp8_dequant_default(monkeypatch):
     keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
     fp8 = [make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)[k] for k in keys]
     bf16 = [make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True)[k] for k in keys]
-    # FP8 prefill over 8320 index rows in one split: the default's tile ring does not fit next to them
+    # FP8 prefill over 8320 index rows in one split: the default's tile ring does not fit next to them whole
+    # (idx_stream=False: the consumers convert), streamed it does
     long = [make_attention(1, 64, 64, 512, 300, 9000, 128, 8192, ragged=True, fp8=True)[k] for k in keys]
     cases = [(fp8, {}, True), (fp8, dict(block_k=64), False), (fp8, dict(split_d=False), False),
              (fp8, dict(fp8_overlap=True), False), (fp8, dict(regs=(40, 232)), False), (bf16, {}, False),
-             (long, dict(n_splits=1), False)]
+             (long, dict(n_splits=1), True), (long, dict(n_splits=1, idx_stream=False), False)]
     for args, opts, conv in cases:
         lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(*a, scale=0.1, **opts), *args)
         assert built[-1]["conv"] is conv and not built[-1]["pdq"], (opts, built[-1])

@@ -79,7 +79,8 @@ def opts_id(opts):
         f"_cu{opts['conv_units']}" if "conv_units" in opts else "",
         "_dg" if opts.get("fp8_chunk_order") == "diagonal" else "",
         f"_ts{opts['tile_slots']}" if "tile_slots" in opts else "",
-        f"_cb{opts['conv_batch']}" if "conv_batch" in opts else "", {True: "_lazy", False: "_eager"}.get(opts.get("lazy_rescale"), "")])
+        f"_cb{opts['conv_batch']}" if "conv_batch" in opts else "", {True: "_lazy", False: "_eager"}.get(opts.get("lazy_rescale"), ""),
+        {True: "_ist", False: "_noist"}.get(opts.get("idx_stream"), "")])
 
 
 def call(fn, inp, **kw):

@@ -252,6 +252,33 @@ MOSAIC_CASES += [(*c[:7], dict(lazy_rescale=False, **c[7])) for c in [
     TILE_RING_CASES[0], TILE_RING_CASES[2], (3, 2, 128, 600, 128, 1024, dict(ragged=True, heads=128), {})]]
 
 
+# the index rows streamed through a ring of a few steps' entries (idx_stream; session 29): long lists with one or
+# two splits (the case the ring is for), many short splits (a source change within a CTA's first steps), all-invalid
+# and ragged lists, prefill (split_d, split_scores), 128 heads, pingpong, and each FP8 conversion path
+STREAM_CASES = [
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True), dict(n_splits=2)),                           # cluster merge
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True, wide_scales=True), dict(n_splits=1, lazy_rescale=True)),
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True), dict(n_splits=3, combine="xla", split_d=False)),
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), {}),
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True), dict(n_splits=1)),
+    (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True), {}),
+    (1, 64, 512, 200, 100, 60, dict(ragged=True), dict(split_scores=True, split_d=False)),
+    (3, 2, 128, 600, 128, 1024, dict(ragged=True, heads=128), dict(n_splits=1)),
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(pingpong=True, split_d=False)),
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True, fp8=True, wide_scales=True), dict(n_splits=2)),
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True, fp8=True), dict(n_splits=1, fp8_dequant="consumers")),
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True, fp8=True), dict(n_splits=2, fp8_dequant="producer")),
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True, fp8=True), dict(n_splits=2, fp8_dequant="consumers",
+                                                                    split_d=False, num_stages=2)),
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, fp8=True), dict(n_splits=3, combine="xla")),
+    (1, 64, 512, 200, 100, 60, dict(ragged=True, fp8=True), dict(n_splits=1)),
+]
+MOSAIC_CASES += [(*c[:7], dict(idx_stream=True, **c[7])) for c in STREAM_CASES]
+# ... and where the default streams by itself: B=16 x (128 + 8192) entries (8 splits of 17 blocks: whole lists
+# would not fit next to split_d's buffer), bf16 and FP8
+MOSAIC_CASES += [(16, 1, 128, 9000, 128, 8192, dict(ragged=True, fp8=f), {}) for f in (False, True)]
+
+
 @pytest.mark.parametrize("case", MOSAIC_CASES,
                          ids=lambda c: f"b{c[0]}t{c[1]}k{c[5]}{'_fp8' if c[6].get('fp8') else ''}"
                                        f"{'_h%d' % c[6]['heads'] if 'heads' in c[6] else ''}{opts_id(c[7])}")

@@ -19,6 +19,14 @@ side by side and the second group's gathers of the same KV rows mostly hit L2.
   phase profile): a 64 KB block takes ~4600-4770 cycles to issue at any occupancy, ~1/132 of HBM, with bulk copies
   and with `producer="cp_async"` alike; decode is slow where SMs are not issuing (setup, the last step, the
   epilogue, waits for one of the two slots), see NOTES_sparse_attention.md session 14.
+  Index rows held whole cost 4 B an entry of shared memory, so a long list (HCA decode: 128 + 8192 entries a row)
+  used to force the default into many short splits (HCA-8K B=64: 15 x 9 blocks, 960 CTAs and an XLA merge). Where a
+  split's whole lists do not fit, they are **streamed** instead (`idx_stream`, session 29): each producer thread
+  loads its entry of the next step from global memory while the current step waits and issues, cleans it into a
+  ring of a few steps' entries in shared memory, and the consumers read the ring slot after the step's full
+  barrier. H200, net of dispatch: HCA-8K B=64 253.5 -> 187.6-206.5 us (1.74x -> 1.29-1.42x the floor), B=128
+  493 -> 373-390 us, HCA-1K B=128 77.2 -> 62.6-63.0 us; HCA prefill (2048 queries x 8320 entries) 347 -> 401
+  TFLOP/s. Lists that fit stay whole (streaming them costs CSA decode 3-5%).
 * warpgroups 0 and 1, the **consumers**: both hold the scores S = q K^T [64, block_k] (wgmma, both operands in
   shared memory). By default (`split_d`, session 18) each computes S over its own half of d and the two swap their
   f32 partials through a 32 KB shared buffer, so the score work is done once (CSA decode 14-16% faster, prefill
@@ -156,7 +164,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
            regs=None, n_hg=1, split_scores=False, profile=None, cp_async=False, l2_ahead=0, ccomb=False,
            store_wait_read=False, idx_first=False, pingpong=False, cluster_early=False, split_d=False,
            fp8_convert="cvt", fp8_overlap=False, pdq=False, conv=False, conv_units=None, chunk_order="rows",
-           n_tiles=PDQ_TILES, conv_batch=1, lazy=False):
+           n_tiles=PDQ_TILES, conv_batch=1, lazy=False, idx_ring=0):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -172,6 +180,13 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     read as they read a bf16 ring. conv (`fp8_dequant="converter"`): the same rings, but a fourth warpgroup (wg 3, 512
     threads per CTA) converts, so the producer only issues copies (staging slots released by the converter's 128
     arrivals) and regs is (producer, converter, consumer).
+    idx_ring (0 or the ring's depth in steps): 0 = the split's whole index lists land in shared memory at the start
+    (one bulk copy, cleaned in place by the producer). n > 0 = streamed: shared memory holds the entries of n steps,
+    a ring slot per step; the producer loads each step's entries from global memory a step ahead (one per thread,
+    into a register), cleans them into slot g % n when it issues step g, and the consumers read that slot after
+    the step's full barrier. Shared memory then no longer grows with the list, so a long split (HCA's 8K entries)
+    keeps split_d, the FP8 tile ring and one CTA per SM instead of splitting into many short CTAs. n must exceed
+    the producer's lead over the consumers (stages, + the tile ring's depth with FP8 tiles).
     profile ((entries per warpgroup, dump directory) or None): Mosaic GPU's on-device profiler records each
     warpgroup's named regions (thread 0 of the warpgroup: SM clock at entry and exit) and the wrapper dumps a Chrome
     trace per call into the directory (benchmarks/mosaic_phase_profile.py reads it). Without it the regions emit
@@ -197,6 +212,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     tc = swz // 2          # bf16 columns per tile row (one swizzle span)
     pieces = d // tc
     idx_base = [sum(idx_rows[:k]) for k in range(len(idx_rows))]   # source k's rows in the flat idx_smem
+    idx_len = idx_ring * bk if idx_ring else sum(idx_rows)           # idx_smem's entries
+    assert not idx_ring or (bk <= 128 and not cp_async and not l2_ahead
+                            and idx_ring > stages + (n_tiles if tiles else 0)), (idx_ring, bk, cp_async, l2_ahead)
 
     def body(ctx, *refs):
         q_gmem, sink_gmem = refs[0], refs[1]
@@ -286,12 +304,15 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             e, ok = entry(k, i)
             return arith.index_cast(index, arith.select(ok, e, ci(0)))
 
-        def steps(fn, carry):
-            """Runs fn(k, j, g, carry) over the step sequence; g counts steps across the sources."""
+        def steps(fn, carry, init=None):
+            """Runs fn(k, j, g, carry) over the step sequence; g counts steps across the sources. init(k, carry):
+            the carry source k's steps start from (None: the previous source's)."""
             g = c(0)
             for k in range(n_src):
                 lo, hi, start = ranges[k]
                 n = arith.maxsi(arith.subi(hi, lo), c(0))
+                if init is not None:
+                    carry = init(k, carry)
 
                 @mu.fori(n, (g, carry))
                 def loop(t, gc, k=k, lo=lo):
@@ -481,24 +502,27 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                                        gmem_slice=(row, mu.ds(arith.addi(arith.muli(start, c(bk)), c(c0)), w)),
                                        barrier=idx_bar, arrive=False, predicate=one)
 
-            # idx_first: the few KB of index rows ahead of the 64 KB q tile, so the first gathers need not wait for
-            # q to stream in at the SM's ~14 B per cycle (the gathers need the rows, not q)
-            for load in ((load_idx, load_q) if idx_first else (load_q, load_idx)):
-                load()
-            idx_bar.wait()
-            # the index lists as given: entries outside [0, n_rows) or at positions >= the row's length become -1
-            # here, in shared memory, for the consumers' masks (one pass of the 128 producer threads, no XLA kernel
-            # before the call); then named barrier 9 (the 384 threads) releases the consumers. The issue loop
-            # below tests the entries itself, so the producer needs no barrier of its own.
             ptid = arith.remui(arith.index_cast(index, mu.thread_idx()), c(128))
-            for k in range(n_src):
-                @mu.fori(c(-(-idx_rows[k] // 128)), None)
-                def _(it, _c, k=k):
-                    i = arith.addi(arith.muli(it, c(128)), ptid)
-                    with mu.when(arith.cmpi(arith.CmpIPredicate.ult, i, c(idx_rows[k]))):
-                        e, ok = entry(k, i)
-                        memref.store(arith.select(ok, e, ci(-1)), idx_smem, [arith.addi(c(idx_base[k]), i)])
-                    return _c
+            if idx_ring:   # streamed index rows: each step loads and cleans its own (see produce)
+                load_q()
+            else:
+                # idx_first: the few KB of index rows ahead of the 64 KB q tile, so the first gathers need not wait
+                # for q to stream in at the SM's ~14 B per cycle (the gathers need the rows, not q)
+                for load in ((load_idx, load_q) if idx_first else (load_q, load_idx)):
+                    load()
+                idx_bar.wait()
+                # the index lists as given: entries outside [0, n_rows) or at positions >= the row's length become
+                # -1 here, in shared memory, for the consumers' masks (one pass of the 128 producer threads, no XLA
+                # kernel before the call); then named barrier 9 (the 384 threads) releases the consumers. The issue
+                # loop below tests the entries itself, so the producer needs no barrier of its own.
+                for k in range(n_src):
+                    @mu.fori(c(-(-idx_rows[k] // 128)), None)
+                    def _(it, _c, k=k):
+                        i = arith.addi(arith.muli(it, c(128)), ptid)
+                        with mu.when(arith.cmpi(arith.CmpIPredicate.ult, i, c(idx_rows[k]))):
+                            e, ok = entry(k, i)
+                            memref.store(arith.select(ok, e, ci(-1)), idx_smem, [arith.addi(c(idx_base[k]), i)])
+                        return _c
             llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "bar.arrive 9, 384;", "", has_side_effects=True)
             end(region)
             lane0 = mu.single_thread_predicate(mu.ThreadSubset.WARP)
@@ -599,9 +623,28 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             for gp in range(stages, stages + l2_ahead):   # the first steps past the ring's initial fill
                 prefetch_step(c(gp))
 
+            if idx_ring:
+                idx_gptrs = [llvm.addrspacecast(llvm.PointerType.get(address_space=1), mu.memref_ptr(src_gmem[k][0]))
+                             for k in range(n_src)]
+
+            def raw_entry(k, j):
+                """idx_ring: this thread's entry of block j of source k as given (i32, from global memory; thread
+                ptid takes entry ptid, threads past bk re-read the last one)."""
+                pos = arith.addi(arith.muli(j, c(bk)), arith.minui(ptid, c(bk - 1)))
+                at = arith.addi(arith.muli(row, c(srcs[k]["k"])), pos)
+                return llvm.load(i32, mu.getelementptr(idx_gptrs[k], [arith.index_cast(i64, at)], i32))
+
+            def ring_row(u, r):
+                """idx_ring: the row to copy for entry r of ring slot u (cleaned: -1 copies row 0, masked out)."""
+                e = memref.load(idx_smem, [arith.addi(arith.muli(u, c(bk)), r)])
+                return arith.index_cast(index, arith.maxsi(e, ci(0)))
+
             def produce(k, j, g, carry):
-                """Block j of source k into ring / staging slot g % stages, once both consumers are done with it."""
+                """Block j of source k into ring / staging slot g % stages, once both consumers are done with it.
+                idx_ring: carry = this thread's entry of the step (loaded a step ago); returns the next step's."""
                 slot = arith.remui(g, c(stages))
+                if idx_ring:   # the next step's entry: its global load flies while this step waits and issues
+                    nxt = raw_entry(k, arith.minsi(arith.addi(j, c(1)), arith.subi(ranges[k][1], c(1))))
                 if l2_ahead:   # the step whose slot frees l2_ahead steps from now: its rows into L2 now
                     prefetch_step(arith.addi(g, c(stages + l2_ahead)))
                 if not pdq:   # (pdq: this warpgroup converted the slot's last step itself, a barrier ago)
@@ -612,6 +655,24 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 region = begin("p_issue")
                 full = st_bars[slot] if tiles else full_bars[slot]
                 off = arith.muli(arith.subi(j, ranges[k][2]), c(bk))
+                if idx_ring:
+                    # the step's entries, cleaned as `entry` does, into ring slot u: the consumers that read the
+                    # slot's previous step (g - idx_ring) are past it, as idx_ring exceeds the producer's lead. The
+                    # warpgroup barrier puts every thread's store before the copies' issue (lane 0 of each warp
+                    # reads the slot) and before the full barrier's arrival (its release publishes them)
+                    u = arith.remui(g, c(idx_ring))
+                    pos = arith.addi(arith.muli(j, c(bk)), ptid)
+                    e = carry
+                    ok = arith.andi(arith.andi(arith.cmpi(arith.CmpIPredicate.sge, e, ci(0)),
+                                               arith.cmpi(arith.CmpIPredicate.slt, e, ci(srcs[k]["n_rows"]))),
+                                    arith.cmpi(arith.CmpIPredicate.slt, pos, lengths[k]))
+                    with mu.when(arith.cmpi(arith.CmpIPredicate.ult, ptid, c(bk))):
+                        memref.store(arith.select(ok, e, ci(-1)), idx_smem, [arith.addi(arith.muli(u, c(bk)), ptid)])
+                    mu.warpgroup_barrier()
+                    carry = nxt
+                    src_row = lambda r: ring_row(u, r)
+                else:
+                    src_row = lambda r: row_of(k, arith.addi(off, r))
                 if cp_async:
                     issue_cp_async(k, slot, full, off)
                     end(region)
@@ -621,7 +682,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 @mu.fori(c(bk // 4), None)
                 def _(t, _c):
                     r = arith.addi(arith.muli(t, c(4)), warp)
-                    copy_row(k, slot, full, r, row_of(k, arith.addi(off, r)))
+                    copy_row(k, slot, full, r, src_row(r))
                     return _c
 
                 if fp8:
@@ -635,7 +696,12 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                         convert_step(arith.subi(g, c(stages - 1)), "p", lambda _s: mu.warpgroup_barrier(), p_units)
                 return carry
 
-            steps(produce, None)
+            if idx_ring:   # each source's first step: its entry loaded here, the rest a step ahead in produce
+                first_entry = lambda k, _c: raw_entry(k, arith.minsi(ranges[k][0], c(srcs[k]["k"] // bk - 1))) \
+                    if srcs[k]["k"] else ci(0)
+                steps(produce, ci(0), first_entry)
+            else:
+                steps(produce, None)
             if p_units:   # the last (stages - 1) staged steps
                 total = total_steps()
                 n_tail = arith.minsi(total, c(stages - 1))
@@ -1006,18 +1072,27 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 m, l, acc = carry
                 slot = arith.remui(g, c(n_tiles if tiles else stages))
                 off = arith.muli(arith.subi(j, ranges[k][2]), c(bk))
-                first = arith.addi(c(idx_base[k]), off)   # this consumer's entries: all, or its half with split_scores
+                # this consumer's entries: all, or its half with split_scores. idx_ring: in ring slot g % idx_ring,
+                # written by the producer before the step's full barrier (read after it)
+                first = arith.muli(arith.remui(g, c(idx_ring)), c(bk)) if idx_ring else arith.addi(c(idx_base[k]), off)
                 if split_scores:
                     first = arith.addi(first, arith.muli(wgi, c(half)))
-                ids = fa.FragmentedArray.load_untiled(mu.memref_slice(idx_smem, mu.ds(first, n_scored)),
-                                                      layout=fa.WGMMA_COL_LAYOUT, is_signed=True, optimized=False)
-                valid = (ids >= 0).broadcast_in_dim((BLOCK_H, n_scored), (1,), fa.WGMMA_LAYOUT)
+
+                def load_valid():
+                    ids = fa.FragmentedArray.load_untiled(mu.memref_slice(idx_smem, mu.ds(first, n_scored)),
+                                                          layout=fa.WGMMA_COL_LAYOUT, is_signed=True, optimized=False)
+                    return (ids >= 0).broadcast_in_dim((BLOCK_H, n_scored), (1,), fa.WGMMA_LAYOUT)
+
+                if not idx_ring:
+                    valid = load_valid()
                 region = begin("c_wait_full")
                 full_bars[slot].wait()
                 if cp_async:   # the block was written through the generic proxy; wgmma reads through the async one
                     llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.shared::cta;", "",
                                     has_side_effects=True)
                 end(region)
+                if idx_ring:
+                    valid = load_valid()
                 own = None
                 if fp8 and fp8_overlap:
                     region = begin("c_dequant_scores")   # conversions and this consumer's score wgmma, overlapped
@@ -1156,7 +1231,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
              jax.ShapeDtypeStruct((stages, bk, ROPE_DIM), jnp.bfloat16),             # staging: rope
              jax.ShapeDtypeStruct((stages, bk, SCALE_BYTES), jnp.uint8),             # staging: scales
              jax.ShapeDtypeStruct((2, BLOCK_H // 8, bk // 32, 8, 32), jnp.float32),  # split_d's partials | sinks, lse
-             jax.ShapeDtypeStruct((sum(idx_rows),), jnp.int32)),
+             jax.ShapeDtypeStruct((idx_len,), jnp.int32)),
             (mgpu.TMABarrier(1), mgpu.TMABarrier(1)),
             # staging: the expect_tx arrival + one cp.async arrival per producer warp; tile full: the 128 producer
             # threads; tile empty / cons: the 256 consumer threads
@@ -1175,7 +1250,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
              jax.ShapeDtypeStruct((stages, bk, SCALE_BYTES), jnp.uint8),             # staging: scales
              # split_d: the consumers' f32 partial scores, the sinks | lse inside them (as for bf16 pools)
              *((jax.ShapeDtypeStruct((2, BLOCK_H // 8, bk // 32, 8, 32), jnp.float32),) if split_d else ()),
-             jax.ShapeDtypeStruct((sum(idx_rows),), jnp.int32),
+             jax.ShapeDtypeStruct((idx_len,), jnp.int32),
              *(() if split_d else (jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32),))),
             (mgpu.TMABarrier(1), mgpu.TMABarrier(1)),
             # full: the expect_tx arrival + one cp.async arrival per producer warp; empty / cons: 256 consumer threads
@@ -1195,7 +1270,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 (jax.ShapeDtypeStruct((BLOCK_H // 8, d // tc, 8, tc), jnp.bfloat16),     # q, then o
                  jax.ShapeDtypeStruct((stages, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # KV ring
                  jax.ShapeDtypeStruct((2, BLOCK_H // 8, bk // 32, 8, 32), jnp.float32),  # partial S per consumer
-                 jax.ShapeDtypeStruct((sum(idx_rows),), jnp.int32)),
+                 jax.ShapeDtypeStruct((idx_len,), jnp.int32)),
                 (mgpu.TMABarrier(1), mgpu.TMABarrier(1),
                  mgpu.Barrier(arrival_count=128, num_barriers=stages) if cp_async else mgpu.TMABarrier(stages)),
                 (mgpu.Barrier(arrival_count=256, num_barriers=stages), mgpu.Barrier(arrival_count=256)),
@@ -1205,7 +1280,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 (jax.ShapeDtypeStruct((BLOCK_H // 8, d // tc, 8, tc), jnp.bfloat16),     # q, then o
                  jax.ShapeDtypeStruct((stages, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # KV ring
                  *(() if tail else exch),
-                 jax.ShapeDtypeStruct((sum(idx_rows),), jnp.int32),                        # this split's index rows
+                 jax.ShapeDtypeStruct((idx_len,), jnp.int32),                        # this split's index rows
                  jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32)),                     # sinks | lse
                 # full: the expect_tx arrival (TMA), or the 128 producer threads' cp.async arrivals
                 (mgpu.TMABarrier(1), mgpu.TMABarrier(1),
@@ -1358,6 +1433,7 @@ def sparse_attention_mosaic(
     fp8_chunk_order: str | None = None,
     tile_slots: int | None = None,
     conv_batch: int | None = None,
+    idx_stream: bool | None = None,
     lazy_rescale: bool | None = None,
     _diag: str | None = None,
     _profile: str | None = None,
@@ -1518,6 +1594,13 @@ def sparse_attention_mosaic(
     lazy vs eager): FP8 CSA B=128 47.7 vs 48.8 us, HCA-8K B=64 249 vs 276, prefill S=16K 268 vs 253 TFLOP/s; bf16
     within noise at CSA (B=64 24.5 vs 27.3, B=128 36.7 vs 34.3), HCA-8K B=64 258 vs 262. On by default for FP8.
     conv_batch (session 26): no faster at 2 or 3 (CSA B=128 50.6 / 51.8 vs 47.9 us), much slower at 9 (spills).
+    idx_stream (None = where needed): where a CTA's index rows live. False: the split's whole lists, loaded into
+    shared memory at the start (~4 B an entry: 2.5 KB for a CSA decode row). True: a ring of a few steps' entries,
+    which the producer fills from global memory a step ahead as it issues each step (`_build`'s idx_ring), so
+    shared memory does not grow with the list. None: the whole lists where they fit next to the rest at the
+    default split count, else streamed. Without it a long list (HCA: 8K + 128 entries a decode row, 33 KB) made
+    the default split the row into short CTAs until the lists fit (HCA-8K B=64: 15 splits, 960 CTAs, and the XLA
+    merge) or drop split_d / the FP8 tile ring. Not with producer="cp_async", l2_ahead or block_k > 128.
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -1665,6 +1748,13 @@ def sparse_attention_mosaic(
 
     cluster = combine == "cluster"
     max_splits = MAX_CLUSTER if cluster else total_blocks   # combine="cluster": a row's splits are one cluster
+    # idx_stream: a ring of this many steps' entries, one more than the producer can run ahead of the consumers
+    idx_ring_steps = stages + (n_tiles if tiles else 0) + 1
+    ring_ok = producer != "cp_async" and not l2_ahead and bk <= 128
+    if idx_stream and not ring_ok:
+        raise ValueError("idx_stream=True streams the index rows through the TMA producer: not with "
+                         "producer='cp_async' (block_k=32 with bf16 pools), l2_ahead or block_k > 128")
+    stream = bool(idx_stream)
     if cluster and n_splits is not None and n_splits > MAX_CLUSTER:
         raise ValueError(f"combine='cluster' merges a row's splits in one thread-block cluster: n_splits <= "
                          f"{MAX_CLUSTER}, got {n_splits}")
@@ -1678,9 +1768,14 @@ def sparse_attention_mosaic(
         # + the mbarriers (8 B each: q, idx, cons, and full / empty per slot), which Mosaic packs after the buffers:
         # without them a ring that fills shared memory to the byte (block_k=32 x 5 slots) passed this check and
         # failed in Mosaic's own (232552 > 232448 B)
-        smem = BLOCK_H * d * 2 + ring_bytes + sum(idx_rows) * 4 + 2 * BLOCK_H * 4 + exchange_bytes() + \
+        idx_bytes = idx_ring_steps * bk * 4 if stream else sum(idx_rows) * 4
+        smem = BLOCK_H * d * 2 + ring_bytes + idx_bytes + 2 * BLOCK_H * 4 + exchange_bytes() + \
             (3 + 2 * stages + (2 * n_tiles if tiles else 0) + (stages if conv else 0)) * 8 + \
             ((4 if conv else 3) * 4 * prof_entries + 1024 if _profile else 0)   # + the profiler's alignment
+        if smem > SMEM_BUDGET and idx_stream is None and ring_ok and not stream:
+            # the split's whole lists do not fit next to the rest: stream them, at the default split count
+            stream, bps = True, -(-total_blocks // ns0)
+            continue
         if smem <= SMEM_BUDGET or n_splits is not None or bps <= max(1, min_bps):
             if smem > SMEM_BUDGET and split_d and split_d_default and not tiles:
                 # the default split_d where its 32 KB do not fit next to this split's index rows (an explicit
@@ -1736,7 +1831,8 @@ def sparse_attention_mosaic(
                     ccomb, store_wait == "read", DEFAULT_IDX_FIRST if idx_first is None else bool(idx_first),
                     pingpong, cluster_loads == "early", split_d, fp8_convert, fp8_overlap, pdq, conv,
                     conv_units if conv else None, fp8_chunk_order, n_tiles,
-                    DEFAULT_CONV_BATCH if conv_batch is None else conv_batch, lazy_rescale)
+                    DEFAULT_CONV_BATCH if conv_batch is None else conv_batch, lazy_rescale,
+                    idx_ring_steps if stream else 0)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1 and not ccomb:
         o, lse = combine_lib.combine(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h), sinks.astype(jnp.float32),
