@@ -387,12 +387,13 @@ def test_mosaic_kernel_input_errors():
     with pytest.raises(ValueError, match="block_k=64"):
         sparse_attention_mosaic(*args, scale=0.1, block_k=128)
     with pytest.raises(ValueError, match="shared memory .* over"):
-        # 8320 index rows of one CTA next to two 64-row staging slots where the consumers convert (their default,
-        # one slot with split_d, fits)
-        sparse_attention_mosaic(*args, scale=0.1, n_splits=1, num_stages=2, fp8_dequant="consumers")
+        # 8320 index rows of one CTA held whole next to two 64-row staging slots where the consumers convert (their
+        # default, one slot with split_d, fits; so do the rows streamed, idx_stream's default here)
+        sparse_attention_mosaic(*args, scale=0.1, n_splits=1, num_stages=2, fp8_dequant="consumers",
+                                idx_stream=False)
     with pytest.raises(ValueError, match="shared memory .* over"):
         # ... and next to the converter's three bf16 tiles (an explicit tile ring: no fallback to the consumers)
-        sparse_attention_mosaic(*args, scale=0.1, n_splits=1, num_stages=2, tile_slots=3)
+        sparse_attention_mosaic(*args, scale=0.1, n_splits=1, num_stages=2, tile_slots=3, idx_stream=False)
     with pytest.raises(ValueError, match="producer='cp_async' gathers bf16 rows"):
         sparse_attention_mosaic(*args, scale=0.1, producer="cp_async")
     bf = make_inputs(2, 1, 64, 512, 300, 900, 128, 512)
