@@ -288,15 +288,17 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             ranges.append((lo, hi, start))
             base += nb
 
+        def names_row(k, e, pos):
+            """Whether entry e (i32) at position pos (index) of source k's list names a row to attend to:
+            0 <= e < n_rows and pos < the row's length."""
+            return arith.andi(arith.andi(arith.cmpi(arith.CmpIPredicate.sge, e, ci(0)),
+                                         arith.cmpi(arith.CmpIPredicate.slt, e, ci(srcs[k]["n_rows"]))),
+                              arith.cmpi(arith.CmpIPredicate.slt, pos, lengths[k]))
+
         def entry(k, i):
-            """Entry i (index) of source k's rows in idx_smem -> (index e as i32, whether it names a row to attend
-            to: 0 <= e < n_rows and its position in the row's list < the row's length)."""
+            """Entry i (index) of source k's rows in idx_smem -> (index e as i32, `names_row` of it)."""
             e = memref.load(idx_smem, [arith.addi(c(idx_base[k]), i)])
-            pos = arith.addi(arith.muli(ranges[k][2], c(bk)), i)
-            ok = arith.andi(arith.andi(arith.cmpi(arith.CmpIPredicate.sge, e, ci(0)),
-                                       arith.cmpi(arith.CmpIPredicate.slt, e, ci(srcs[k]["n_rows"]))),
-                            arith.cmpi(arith.CmpIPredicate.slt, pos, lengths[k]))
-            return e, ok
+            return e, names_row(k, e, arith.addi(arith.muli(ranges[k][2], c(bk)), i))
 
         def row_of(k, i):
             """Entry i's row to copy (index): invalid entries copy row 0 (never out of bounds; the consumers mask
@@ -661,13 +663,10 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     # warpgroup barrier puts every thread's store before the copies' issue (lane 0 of each warp
                     # reads the slot) and before the full barrier's arrival (its release publishes them)
                     u = arith.remui(g, c(idx_ring))
-                    pos = arith.addi(arith.muli(j, c(bk)), ptid)
-                    e = carry
-                    ok = arith.andi(arith.andi(arith.cmpi(arith.CmpIPredicate.sge, e, ci(0)),
-                                               arith.cmpi(arith.CmpIPredicate.slt, e, ci(srcs[k]["n_rows"]))),
-                                    arith.cmpi(arith.CmpIPredicate.slt, pos, lengths[k]))
+                    ok = names_row(k, carry, arith.addi(arith.muli(j, c(bk)), ptid))
                     with mu.when(arith.cmpi(arith.CmpIPredicate.ult, ptid, c(bk))):
-                        memref.store(arith.select(ok, e, ci(-1)), idx_smem, [arith.addi(arith.muli(u, c(bk)), ptid)])
+                        memref.store(arith.select(ok, carry, ci(-1)), idx_smem,
+                                     [arith.addi(arith.muli(u, c(bk)), ptid)])
                     mu.warpgroup_barrier()
                     carry = nxt
                     src_row = lambda r: ring_row(u, r)
