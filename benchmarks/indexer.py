@@ -52,7 +52,8 @@ def floor_s(bytes_, flops, ceil):
     return max(bytes_ / ceil["copy_Bps"], flops / ceil["bf16_flops"])
 
 
-def case(B, S, ctx, fmt, ceil, n_iter, variants):
+def make_inputs(B, S, ctx, fmt):
+    """(q, w, keys, nv) of one benchmark case: V4-Flash indexer shapes, random data, the fmt key format."""
     T = ctx // 4
     key = jax.random.key(B * 7 + T + S)
     k1, k2, k3 = jax.random.split(key, 3)
@@ -70,6 +71,12 @@ def case(B, S, ctx, fmt, ceil, n_iter, variants):
         nv = jnp.full((B, 1), T, jnp.int32)
     else:  # the chunk's last S queries of a ctx-token prefix: causal
         nv = ((ctx - S + jnp.arange(S, dtype=jnp.int32) + 1) // 4)[None, :].repeat(B, 0)
+    return q, w, keys, nv
+
+
+def case(B, S, ctx, fmt, ceil, n_iter, variants):
+    T = ctx // 4
+    q, w, keys, nv = make_inputs(B, S, ctx, fmt)
     visible = float(jnp.sum(jnp.minimum(nv, T)))
     bytes_ = B * T * F.BYTES_PER_KEY[fmt](D) + q.size * 4 + w.size * 4 + B * S * min(TOPK, T) * 4
     flops = 2 * H * D * visible
@@ -161,6 +168,10 @@ def main():
     ap.add_argument("--scores-configs", default=None,
                     help="';'-separated scores-kernel option sets, each timed as a variant 'scores[<set>]', e.g. "
                          "'block_t=128,num_warps=8;waves=2;precision=bf16' (options of indexer_scores_gpu)")
+    ap.add_argument("--set-configs", default=None,
+                    help="';'-separated option sets of the whole default pipeline (indexer_topk with "
+                         "topk='threshold_set'), each timed as a variant 'set[<set>]', e.g. "
+                         "'kernel=mosaic,convert=alu,fuse_group_max=1'")
     ap.add_argument("--fused-config", default=None,
                     help="options of topk_fused.FUSED_KERNEL_CONFIG for every variant that runs the fused top-k "
                          "(pallas_fused_set), e.g. 'resident=1,num_warps=32'")
@@ -272,6 +283,12 @@ def main():
     for cfg in (a.scores_configs.split(";") if a.scores_configs else []):
         opts = parse_options(cfg)
         variants[f"scores[{cfg}]"] = lambda q, w, k, n, o=opts: indexer_scores_pallas(q, w, k, n, impl="pallas", **o)
+    for cfg in (a.set_configs.split(";") if a.set_configs else []):
+        opts = parse_options(cfg)
+        if "fuse_group_max" in opts:
+            opts["fuse_group_max"] = bool(opts["fuse_group_max"])
+        variants[f"set[{cfg}]"] = lambda q, w, k, n, o=opts: indexer_topk(q, w, k, n, k=TOPK, impl="pallas",
+                                                                          **{"topk": "threshold_set", **o})
     # the chain's own iteration (q update + the dependency reduction, no indexer): included in every column
     variants = dict(harness=lambda q, w, k, n: jnp.zeros(q.shape[:2] + (1,), jnp.int32), **variants)
     cases = []

@@ -117,7 +117,7 @@ def test_decode_breakdown_script_runs(tmp_path):
 
 def test_topk_and_indexer_benchmark_scripts_run(tmp_path):
     """benchmarks/topk_stages.py (Triton kernels in the interpreter on CPU, with --fused-configs and
-    --select-configs) and benchmarks/indexer.py --tiny (with --fused-config) run end to end, so the option sets a
+    --select-configs) and benchmarks/indexer.py --tiny (with --fused-config and --set-configs) run end to end, so the option sets a
     GPU session passes them do not rot: every requested row is timed (no NaN) and written."""
     import json
 
@@ -131,10 +131,12 @@ def test_topk_and_indexer_benchmark_scripts_run(tmp_path):
     assert {"fused_set", "fused_set[num_warps=16,early_exit=1]", "full_set[select_matrix=1]"} <= set(timed), timed
     assert all(v == v for v in timed.values()), rows                      # no stage failed (NaN)
     subprocess.run([sys.executable, "benchmarks/indexer.py", "--tiny", "--skip-topk-only", "--variants",
-                    "pallas_threshold_set,pallas_fused_set", "--fused-config", "num_warps=4", "--out", str(tmp_path)],
+                    "pallas_threshold_set,pallas_fused_set", "--fused-config", "num_warps=4",
+                    "--set-configs", "topk=threshold_regions_set", "--out", str(tmp_path)],
                    cwd=root, env=env, check=True, capture_output=True)
     row = json.loads((tmp_path / "indexer_bench.json").read_text())["rows"][0]
     assert row["pallas_fused_set_us"] == row["pallas_fused_set_us"], row
+    assert row["set[topk=threshold_regions_set]_us"] == row["set[topk=threshold_regions_set]_us"], row
 
 
 def test_fp8_conversion_bank_model():

@@ -117,6 +117,7 @@ def test_topk_compact_kernel_lowers():
     lowers_for_cuda(lambda x: topk_threshold(x, 512, impl="pallas_select"), s)           # bound + select kernels
     lowers_for_cuda(lambda x: topk_threshold(x, 512, impl="pallas_select", sorted=False), s)
     lowers_for_cuda(lambda x: topk_threshold(x, 512, impl="pallas_fused", sorted=False), s)   # one kernel a row
+    lowers_for_cuda(lambda x: topk_threshold(x, 512, impl="pallas_regions", sorted=False), s)  # two kernels
 
 
 def test_topk_radix_count_matrix_lowers(monkeypatch):
@@ -623,7 +624,10 @@ def test_fp8_rebias_conversion_is_exact_for_every_byte_and_scale():
 
 @pytest.mark.parametrize("B,S,H,T,opts", [(2, 1, 64, 296, {}), (3, 2, 16, 1000, dict(block_t=64, num_stages=2)),
                                           (1, 1, 128, 5000, dict(block_t=256, num_splits=3)),
-                                          (2, 1, 64, 296, dict(precision="fp8"))])
+                                          (2, 1, 64, 296, dict(precision="fp8")),
+                                          (2, 1, 64, 296, dict(convert="alu")), (3, 2, 16, 1000, dict(convert="mix")),
+                                          (2, 1, 64, 296, dict(convert="raw")), (2, 1, 64, 296, dict(split_m=True)),
+                                          (3, 2, 16, 1000, dict(split_m=True, precision="fp8", num_stages=2))])
 def test_indexer_mosaic_fp8_lowers(B, S, H, T, opts):
     """The Mosaic GPU fp8 indexer kernel (e4m3 keys from TMA straight into wgmma) lowers for CUDA; heads padded to
     a multiple of 32, T a multiple of 8 (not of the block: TMA fills the last box), 1-2 queries per row."""
@@ -634,6 +638,8 @@ def test_indexer_mosaic_fp8_lowers(B, S, H, T, opts):
     lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_scores_mosaic(*a, **opts), q, w, keys, nv)
     lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=64, kernel="mosaic", topk="threshold_set",
                                                                 **opts), q, w, keys, nv)
+    lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=64, kernel="mosaic", fuse_group_max=True,
+                                                                topk="threshold_regions_set", **opts), q, w, keys, nv)
     with pytest.raises(ValueError, match="block_t must be"):
         indexer_scores_mosaic(q, w, keys, nv, block_t=96)
     with pytest.raises(ValueError, match="precision must be"):
@@ -647,7 +653,7 @@ def test_indexer_mosaic_fp8_lowers(B, S, H, T, opts):
 
 @pytest.mark.parametrize("B,S,H,T,opts", [(2, 1, 64, 296, {}), (3, 2, 16, 1000, dict(block_t=128, num_stages=2)),
                                           (1, 1, 128, 5000, dict(block_t=256, num_splits=3, num_stages=2)),
-                                          (2, 1, 40, 296, dict(precision="bf16"))])
+                                          (2, 1, 40, 296, dict(precision="bf16")), (2, 1, 64, 296, dict(split_m=True))])
 def test_indexer_mosaic_bf16_lowers(B, S, H, T, opts):
     """The Mosaic GPU indexer kernel over bf16 keys (session 27: TMA into bf16 wgmmas, q as bf16 hi + lo into one
     accumulator, or one bf16 term) lowers for CUDA, alone and under the threshold top-k."""

@@ -318,12 +318,19 @@ def test_gpu_fp4_scale_placements(B, S, T, causal, opts, at):
                                           (2, 1, 64, 9000, dict(block_t=256, num_splits=3)),
                                           (5, 1, 40, 2000, dict(num_splits=1, num_stages=1)),
                                           (4, 1, 64, 5000, dict(precision="fp8")),
-                                          (3, 1, 16, 776, dict(precision="fp8", block_t=64))])
+                                          (3, 1, 16, 776, dict(precision="fp8", block_t=64)),
+                                          (4, 1, 64, 5000, dict(convert="alu")), (2, 2, 64, 70000, dict(convert="mix")),
+                                          (3, 1, 64, 4104, dict(block_t=64, num_stages=2, convert="alu")),
+                                          (3, 1, 16, 776, dict(convert="mix")),
+                                          (2, 2, 64, 70000, dict(split_m=True)), (3, 1, 16, 776, dict(split_m=True)),
+                                          (4, 1, 64, 5000, dict(split_m=True, precision="fp8"))])
 def test_gpu_mosaic_fp8_scores(B, S, H, T, opts):
     """The Mosaic GPU kernel over fp8 keys: scores and picks against the reference; ragged n_visible (0, inside,
     past T), heads padded to 32, odd splits, 1-8 slots. precision "f16" (the default: e4m3 codes to f16 in registers,
     f32 accumulation) agrees to f32 rounding; "fp8" (the codes straight from shared memory into an e4m3 wgmma) to
-    the fp8 tensor cores' accumulation, ~1.3e-4 relative on the H200 (session 20)."""
+    the fp8 tensor cores' accumulation, ~1.3e-4 relative on the H200 (session 20). convert "alu" / "mix" (the
+    codes placed as f16 bits by integer ops, alone or sharing the work with the conversion instruction, session 30)
+    give the same exact products."""
     q, w, keys, nv = make(B, S, H, T, "fp8", True)
     fp8 = opts.get("precision") == "fp8"
     check_scores(q, w, keys, nv, "pallas", 5e-4 if fp8 else 1e-5, kernel="mosaic", **opts)
@@ -341,7 +348,7 @@ def test_gpu_mosaic_fp8_scores(B, S, H, T, opts):
                                           (2, 1, 128, 296, {}), (3, 1, 64, 4104, dict(block_t=64, num_stages=4)),
                                           (2, 1, 64, 9000, dict(block_t=128, num_stages=3, num_splits=3)),
                                           (5, 1, 40, 2000, dict(num_splits=1, num_stages=1)),
-                                          (4, 1, 64, 5000, dict(precision="bf16"))])
+                                          (4, 1, 64, 5000, dict(precision="bf16")), (2, 2, 64, 70000, dict(split_m=True))])
 def test_gpu_mosaic_bf16_scores(B, S, H, T, opts):
     """The Mosaic GPU kernel over bf16 keys (session 27): scores and picks against the reference; ragged n_visible
     (0, inside, past T), heads padded to 32, odd splits, 1-4 slots, 64- and 128-key blocks. precision "bf16x2"
@@ -439,6 +446,77 @@ def test_mosaic_kernel_interpreted(B, S, H, T, opts, fmt):
     assert np.all(out[..., T:] == -np.inf)
 
 
+def test_e4m3_f16_bit_placement_constants():
+    """The integer conversion of precision="f16", convert="alu" (`gpu_mosaic.E4M3_F16_ALU_ASM`, modelled bit for
+    bit by `e4m3_to_f16_alu_reference`): every e4m3 code but NaN gives the f16 of its value x 2^-8 exactly,
+    subnormals, zeros and the sign included, in element order (bytes 0..3 -> halves 0..3)."""
+    import ml_dtypes
+    from pallas_kernels.indexer.gpu_mosaic import F16_BIAS_SHIFT, e4m3_to_f16_alu_reference
+
+    codes = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)             # 0x7F / 0xFF: NaN
+    codes = np.concatenate([codes, np.zeros((-len(codes)) % 4, np.uint8)])
+    rng = np.random.default_rng(0)
+    codes = np.concatenate([codes, rng.permutation(codes)])                              # every byte position
+    got = e4m3_to_f16_alu_reference(codes).view(np.float16)
+    want = (codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * 2.0 ** -F16_BIAS_SHIFT).astype(np.float16)
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+@pytest.mark.parametrize("fmt,opts", [("fp8", {}), ("bf16", dict(num_splits=3)), ("fp8", dict(block_t=64))])
+def test_mosaic_group_max_interpreted(fmt, opts):
+    """group_max_k: the Mosaic kernel's per-CTA strided-group maxima (ordered int32 keys) equal the maxima of its own
+    scores over each split's blocks, and the threshold top-k fed with them picks what it picks without them (GPU
+    interpreter on the CPU; precision "fp8" / "bf16x2")."""
+    if ON_GPU:
+        pytest.skip("CPU interpreter test (the GPU runs test_gpu_mosaic_group_max)")
+    pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+    from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
+
+    check_mosaic_group_max(indexer_scores_mosaic, indexer_topk_gpu, fmt, opts, interpret=True)
+
+
+def check_mosaic_group_max(scores_fn, topk_fn, fmt, opts, interpret):
+    from pallas_kernels.indexer.topk import _ordered_i32, threshold_groups
+
+    B, H, T, k = 3, 16, 4096, 64
+    q, w, keys, nv = make(B, 1, H, T, fmt, True)
+    nv = nv.at[0, 0].set(1000)                                       # a split past n_visible: maxima of -inf
+    precision = "fp8" if fmt == "fp8" and interpret else None
+    out, gmax = scores_fn(q, w, keys, nv, pad_to_block=True, group_max_k=k, precision=precision,
+                          interpret=interpret, **opts)
+    G = threshold_groups(out.shape[-1], k)
+    assert gmax is not None and gmax.dtype == jnp.int32 and gmax.shape[:2] == (B, 1) and gmax.shape[-1] == G
+    n_split = gmax.shape[2]
+    bt = opts.get("block_t", 128)
+    ok = np.asarray(_ordered_i32(out))                                # [B, 1, T_out]
+    blocks = ok.reshape(B, 1, -1, bt)
+    nb = blocks.shape[2]
+    bps = -(-nb // n_split)
+    for sp in range(n_split):
+        part = np.full((B, 1, G), np.asarray(_ordered_i32(jnp.full((), -jnp.inf))), np.int32)   # no block yet
+        for j in range(sp * bps, min(nb, (sp + 1) * bps)):
+            g0 = (j * bt) % G
+            part[..., g0:g0 + bt] = np.maximum(part[..., g0:g0 + bt], blocks[:, :, j])
+        np.testing.assert_array_equal(np.asarray(gmax[:, :, sp]), part)
+    fused = topk_fn(q, w, keys, nv, k=k, kernel="mosaic", topk="threshold_set", fuse_group_max=True,
+                    precision=precision, interpret=interpret, **opts)
+    plain = topk_fn(q, w, keys, nv, k=k, kernel="mosaic", topk="threshold_set", precision=precision,
+                    interpret=interpret, **opts)
+    np.testing.assert_array_equal(np.asarray(fused), np.asarray(plain))
+
+
+@gpu
+@pytest.mark.parametrize("fmt,opts", [("fp8", {}), ("fp8", dict(convert="mix")), ("bf16", dict(num_splits=3)),
+                                      ("fp8", dict(block_t=64))])
+def test_gpu_mosaic_group_max(fmt, opts):
+    """test_mosaic_group_max_interpreted compiled on the GPU (fp8 keys at precision "f16", the default)."""
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+    from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
+
+    check_mosaic_group_max(indexer_scores_mosaic, indexer_topk_gpu, fmt, opts, interpret=False)
+
+
 def test_mosaic_kernel_errors():
     """kernel='mosaic' is the fp8 / bf16-key Mosaic GPU kernel: no interpreter for precision 'f16', no other key
     format, no Triton knobs, T a multiple of 8."""
@@ -457,6 +535,16 @@ def test_mosaic_kernel_errors():
         indexer_scores_gpu(q, w, keys, nv, kernel="mosaic", num_warps=8)
     with pytest.raises(ValueError, match="multiple of 8"):
         indexer_scores_gpu(*make(1, 1, 16, 44, "fp8"), kernel="mosaic")
+    with pytest.raises(ValueError, match="split_m needs"):
+        indexer_scores_gpu(q, w, keys, nv, kernel="mosaic", split_m=True, precision="fp8", interpret=True)
+    with pytest.raises(ValueError, match="split_m needs"):
+        indexer_scores_gpu(*make(1, 1, 16, 400, "fp8"), kernel="mosaic", split_m=True, block_t=64)
+    with pytest.raises(ValueError, match="convert must be one of"):
+        indexer_scores_gpu(q, w, keys, nv, kernel="mosaic", convert="lut")
+    with pytest.raises(ValueError, match="applies to precision='f16'"):
+        indexer_scores_gpu(q, w, keys, nv, kernel="mosaic", convert="alu", precision="fp8")
+    with pytest.raises(ValueError, match="options of the Mosaic kernel"):
+        indexer_scores_gpu(q, w, keys, nv, kernel="triton", convert="alu")
 
 
 def test_fp4_asm_decode_errors():

@@ -170,9 +170,10 @@ def _fast_rows(R, T, rng):
     return x
 
 
-@pytest.mark.parametrize("impl,T,k", [(impl, T, k) for impl in ("xla", "pallas_compact", "pallas", "pallas_select")
+@pytest.mark.parametrize("impl,T,k", [(impl, T, k) for impl in ("xla", "pallas_compact", "pallas", "pallas_select",
+                                                                "pallas_regions")
                                       for T, k in ((5000, 64), (20000, 100), (4099, 16))
-                                      if not (impl == "pallas_select" and T == 4099)])  # CI time
+                                      if not (impl in ("pallas_select", "pallas_regions") and T == 4099)])  # CI time
 def test_threshold_matches_lax_top_k(T, k, impl):
     """Threshold top-k: bit-identical to lax on its fast path (asserted: no row overflows the slots), and on heavy-
     tie rows, which overflow and take the exact fallback."""
@@ -190,7 +191,7 @@ def test_threshold_matches_lax_top_k(T, k, impl):
     np.testing.assert_array_equal(np.asarray(f(s, k=k, impl=impl)), np.asarray(_lax(s, k=k, topk="lax")))
 
 
-@pytest.mark.parametrize("impl", ["pallas_compact", "pallas", "pallas_select"])
+@pytest.mark.parametrize("impl", ["pallas_compact", "pallas", "pallas_select", "pallas_regions"])
 def test_threshold_overflow_rows_fixed_up_per_row(impl):
     """Triton impls: rows whose survivors overflow the slots get their exact top-k from the radix-select fix-up
     kernel (interpreter) while the other rows of the same call keep the fast path: all ties, few distinct values,
@@ -261,7 +262,7 @@ def test_rank_select_matches_lax():
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas_select"])
+@pytest.mark.parametrize("impl", ["xla", "pallas_select", "pallas_regions"])
 def test_threshold_index_set_mode(impl):
     """sorted=False: the same picks as an index set (ascending index, -1s last), on fast-path rows (incl. +inf /
     NaN entries, whose picks are left out) and on heavy-tie rows that overflow the slots."""
@@ -279,7 +280,7 @@ def test_threshold_index_set_mode(impl):
         assert (np.diff(row[:m]) > 0).all() and (row[m:] == -1).all()
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas_select"])
+@pytest.mark.parametrize("impl", ["xla", "pallas_select", "pallas_regions"])
 def test_threshold_with_given_group_maxima(impl):
     """topk_threshold(group_max=partials [.., P, G]) (a producer's partial strided-group maxima, as the indexer
     scores kernel writes them) == lax.top_k, on fast-path and heavy-tie rows; a wrong layout is refused."""
@@ -427,7 +428,7 @@ def test_fused_select_refuses_bad_input():
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (compiled Triton compaction kernel)")
-@pytest.mark.parametrize("impl", ["pallas", "pallas_compact", "pallas_select", "pallas_fused"])
+@pytest.mark.parametrize("impl", ["pallas", "pallas_compact", "pallas_select", "pallas_fused", "pallas_regions"])
 @pytest.mark.parametrize("R,T,k", [(1, 262144, 512), (64, 32768, 512), (5, 70000, 1024)])
 def test_gpu_threshold_topk(R, T, k, impl):
     """The compiled threshold top-k (Triton kernels) == lax.top_k: fast-path rows and heavy-tie rows (fallback)."""
@@ -438,7 +439,7 @@ def test_gpu_threshold_topk(R, T, k, impl):
         s = jnp.asarray(s)
         want = np.asarray(_lax(s, k=k, topk="lax"))
         np.testing.assert_array_equal(np.asarray(f(s, k=k)), want)
-        if impl in ("pallas_select", "pallas_fused"):  # the index-set mode of the same pipeline
+        if impl in ("pallas_select", "pallas_fused", "pallas_regions"):  # the index-set mode of the same pipeline
             from pallas_kernels.indexer.topk import as_index_set
 
             got = jax.jit(functools.partial(topk_threshold, impl=impl, sorted=False), static_argnames=("k",))(s, k=k)
@@ -463,3 +464,26 @@ def test_gpu_topk_early_exit(R, T, monkeypatch):
         for impl in ("pallas_select", "pallas_fused"):
             got = jax.jit(functools.partial(topk_threshold, k=k, impl=impl, sorted=False))(s)
             np.testing.assert_array_equal(np.asarray(got), want, err_msg=impl)
+
+
+def test_regions_chunks_wider_than_their_regions(monkeypatch):
+    """impl="pallas_regions" with chunks wider than the capacity (regions of cap_c = capacity slots): a chunk with
+    more survivors than its region makes the row overflow, so the fix-up (not the truncated region) gives its picks;
+    the other rows keep the fast path. Sorted and as a set, against lax.top_k."""
+    from pallas_kernels.indexer import topk_regions
+    from pallas_kernels.indexer.topk import as_index_set
+
+    monkeypatch.setitem(topk_regions.REGIONS_CONFIG, "max_chunks", 2)
+    T, k = 5000, 64
+    chunk, n_chunks, cap_c = topk_regions.regions_layout(T, threshold_layout(T, k)[1])
+    assert (chunk, n_chunks, cap_c) == (4096, 2, 256)
+    rng = np.random.default_rng(next(_SEED))
+    x = _fast_rows(8, T, rng)
+    x[7] = rng.standard_normal(T)
+    x[7, :1000] = 3.0 + 0.001 * rng.random(1000)     # 1000 near-ties in chunk 0: n > capacity
+    s = jnp.asarray(x)
+    want = np.asarray(_lax(s, k=k, topk="lax"))
+    got = jax.jit(functools.partial(topk_threshold, k=k, impl="pallas_regions", interpret=True))(s)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    got = jax.jit(functools.partial(topk_threshold, k=k, impl="pallas_regions", sorted=False, interpret=True))(s)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(jnp.asarray(want))))

@@ -44,7 +44,9 @@ kernels for the bound and for picking the k-set among the survivors (`topk_thres
 sort left is over the k picks), "threshold_set" = the same without that sort: the picks as an index set (ascending
 index, -1s last), for consumers that only gather and sum; "threshold_fused" / "threshold_fused_set" = the
 threshold_select / threshold_set selection as one Triton kernel, one program per row (`topk_fused.fused_select`:
-no launches between its stages). All others give the same picks. H200, session 7 (B = 64,
+no launches between its stages), "threshold_regions" / "threshold_regions_set" = the same in two Triton kernels
+(`topk_regions.regions_select`; session 30, slower: 159 vs 136 us per fp8 indexer call at B = 64 x 128K). All
+others give the same picks. H200, session 7 (B = 64,
 128K context, bf16 keys, whole pipeline): default 218-224 us, threshold_select 220, threshold_set 210-212 (the only
 one with no sort left).
 Default "threshold": on the H200, 44 us at batch 1 x 262,144 candidates (lax.top_k ~80) and 55-60 us at batch 64 x
@@ -408,7 +410,7 @@ def default_fp4_scale_at(fmt, precision):
 
 
 KERNELS = ("triton", "mosaic")
-MOSAIC_OPTIONS = ("block_t", "num_stages", "num_splits", "precision")   # what the Mosaic kernel takes
+MOSAIC_OPTIONS = ("block_t", "num_stages", "num_splits", "precision", "convert", "split_m")   # what the Mosaic kernel takes
 
 
 def resolve_kernel(kernel, q, keys, interpret, triton_options=()):
@@ -433,7 +435,7 @@ def resolve_kernel(kernel, q, keys, interpret, triton_options=()):
 def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precision=None, block_q=None,
                        block_t=None, num_warps=None, num_stages=None, waves=None, num_splits=None, fp4_scale=None,
                        heads_major=None, pad_to_block=False, group_max_k=None, fp4_decode=None, fp4_scale_at=None,
-                       kernel=None):
+                       kernel=None, convert=None, split_m=None):
     """Scores [B, S, T] (or [B, S, roundup(T, block_t)] with -inf padding if pad_to_block) like
     `reference.indexer_scores`.
 
@@ -466,10 +468,13 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
         extra = [k_ for k_, v_ in given.items() if v_ is not None and k_ != "precision"]
         if extra:
             raise ValueError(f"kernel='mosaic' takes only {MOSAIC_OPTIONS}, got {extra}")
-        out = indexer_scores_mosaic(q, weights, keys, n_visible, block_t=block_t, num_stages=num_stages,
-                                    num_splits=num_splits, pad_to_block=pad_to_block, precision=precision,
-                                    interpret=interpret)
-        return out if group_max_k is None else (out, None)
+        return indexer_scores_mosaic(q, weights, keys, n_visible, block_t=block_t, num_stages=num_stages,
+                                     num_splits=num_splits, pad_to_block=pad_to_block, precision=precision,
+                                     convert=convert, group_max_k=group_max_k, split_m=bool(split_m),
+                                     interpret=interpret)
+    if convert is not None or split_m is not None:
+        raise ValueError("convert (how fp8 key codes become f16) and split_m are options of the Mosaic kernel "
+                         "(kernel='mosaic' or 'auto' where it applies); the Triton kernel has neither")
     B, S, H, d = q.shape
     T = keys.shape[1]
     fmt = key_format_of(keys)
@@ -568,11 +573,15 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
 
 
 TOPK_METHODS = ("lax", "blockwise", "radix", "radix4", "grouped", "grouped<N>", "threshold", "threshold_rank",
-                "threshold_select", "threshold_set", "threshold_fused", "threshold_fused_set")
+                "threshold_select", "threshold_set", "threshold_fused", "threshold_fused_set",
+                "threshold_regions", "threshold_regions_set")
 THRESHOLD_METHODS = {"threshold": "pallas_compact", "threshold_rank": "pallas", "threshold_select": "pallas_select",
                      "threshold_set": "pallas_select", "threshold_fused": "pallas_fused",
-                     "threshold_fused_set": "pallas_fused"}  # method -> topk_threshold impl on a GPU ("xla" elsewhere)
-SET_METHODS = ("threshold_set", "threshold_fused_set")  # the picks as an index set, not sorted
+                     "threshold_fused_set": "pallas_fused",
+                     "threshold_regions": "pallas_regions", "threshold_regions_set": "pallas_regions"}
+# method -> topk_threshold impl on a GPU ("xla" elsewhere)
+SET_METHODS = ("threshold_set", "threshold_fused_set", "threshold_regions_set")
+# the picks as an index set, not sorted
 
 
 def radix_bits_of(topk: str, radix_bits: Optional[int] = None) -> Optional[int]:
@@ -647,7 +656,9 @@ def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 
     `indexer_scores_gpu(group_max_k=...)`) instead of an XLA pass over the scores. Off by default: on the H200 (B =
     64, 128K context, bf16 keys) it saved nothing with topk="threshold" (218.3 vs 218.7 us) and cost 5 us with
     "threshold_set" (215.5 vs 210.3): the XLA reduction is cheap, the heavier kernel is not
-    (results/h200_s7r6_idx_fused_gmax.log)."""
+    (results/h200_s7r6_idx_fused_gmax.log). The Mosaic kernel writes them too (session 30): the XLA pass (6.8 us at
+    B = 64 x 128K) goes, the kernel takes ~3 us longer; with its split_m option the fp8 / bf16 `threshold_set`
+    pipelines took 2-6 us less (results/h200_s30r4_idx.log, h200_s30r6_idx.log). Still off by default."""
     fused = fuse_group_max and topk in THRESHOLD_METHODS
     scores = functools.partial(indexer_scores_gpu, interpret=interpret, pad_to_block=True,
                                group_max_k=min(k, keys.shape[1]) if fused else None, **kernel_options)

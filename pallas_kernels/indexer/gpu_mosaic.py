@@ -39,6 +39,15 @@ multiple of 8, the tile's rows); the fp8 scales as a flat [B * T] array (a TMA r
 16 B, which [B, T] f32 would need T % 4 for): a block running past T reads the next row's scales, and the mask
 discards those entries.
 
+Options measured in session 30 (H200, B = 64 x 128K, `results/README_indexer_compressor.md`), none the default:
+* convert (precision "f16"): "cvt" (default), "alu" / "mix" (integer bit placement, alone or sharing the work with
+  the conversion instruction), "raw" (a timing probe, wrong values). Without any conversion the kernel took as long
+  (100.4 vs 101.7 us), so the conversions are not its bound; "alu" (129.6) and "mix" (117.7) are slower.
+* group_max_k: the top-k's strided-group maxima as per-CTA partials (saves the top-k's XLA pass, ~3 us more here).
+* split_m: each block as two [block_t / 2, H] wgmmas into two accumulators, the halves' load / wgmma / epilogue
+  overlapped. With group_max_k the `threshold_set` pipeline took 2-6 us less (fp8 137.5 vs 139.7, bf16 182.1 vs
+  185.4); alone it is within the noise.
+
 Decode-oriented: one query per CTA, so S queries of one row read its keys S times (prefill stays on the Triton
 kernel, whose programs share each key block between up to 8 queries). Hopper (sm_90a) only. On the CPU it lowers
 for CUDA (tests/test_gpu_lowering.py), and `interpret=True` (or "races", with the race detector) runs it in Pallas'
@@ -83,6 +92,92 @@ AUTO_FORMATS = ("fp8", "bf16")
 # blocks) 14.1 vs 14.4 (session 28). fp8 keys at B = 1 x 1M: 23.1 vs 23.3 (session 20), so they stay on Triton
 FEW_ROW_FORMATS = ("bf16",)
 MIN_KEY_BLOCKS = TARGET_CTAS * MIN_BLOCKS
+# precision="f16": how the e4m3 key codes become the f16 A operand (`CONVERTS`; "cvt" is the default).
+# * "cvt": the hardware conversion, cvt.rn.f16x2.e4m3x2 (two per 4 codes).
+# * "alu": integer bit placement, no conversion instruction (`E4M3_F16_ALU_ASM`): byte b = s eeee mmm becomes the f16
+#   bits s 0eeee mmm0000000, which is the e4m3 value x 2^-8 exactly, subnormals included (both formats' subnormals
+#   are 0.m x 2^(1 - bias): 2^-6 vs 2^-14) and zero. The 2^8 goes into the head weights (exact, a power of two).
+#   e4m3 NaN bytes come out finite; the quantizer never writes them.
+# * "mix": "cvt" for even registers, "alu" for odd ones, the cvt'd pairs scaled by 2^-8 (one exact f16x2 multiply)
+#   so both halves carry the same factor: the conversion pipe and the integer pipe share the work.
+# * "raw" (timing diagnostic only, wrong values): the code bytes passed through as if they were f16 pairs.
+CONVERTS = ("cvt", "alu", "mix", "raw")
+F16_BIAS_SHIFT = 8   # "alu" / "mix" give the key value x 2^-8
+# $2 = 4 e4m3 codes (bytes 0..3); $0 = f16 pair of bytes 0, 1, $1 = bytes 2, 3 (low half = the lower byte), x 2^-8.
+# prmt puts byte i in the high byte of a 16-bit half; the sign bit stays, exponent and mantissa move right by one.
+E4M3_F16_ALU_ASM = """{ .reg .b32 z, p, t;
+mov.b32 z, 0;
+prmt.b32 p, $2, z, 0x1404;
+shr.b32 t, p, 1;
+and.b32 t, t, 0x3F803F80;
+and.b32 p, p, 0x80008000;
+or.b32 $0, p, t;
+prmt.b32 p, $2, z, 0x3424;
+shr.b32 t, p, 1;
+and.b32 t, t, 0x3F803F80;
+and.b32 p, p, 0x80008000;
+or.b32 $1, p, t; }"""
+# the same pairs by the hardware conversion, each x 2^-8 (f16 0x1C00) for "mix": exact, an e4m3 value x 2^-8 is at
+# least 2^-17, above f16's smallest subnormal
+E4M3_F16_CVT_SCALED_ASM = """{ .reg .b16 a, b; .reg .b32 c;
+mov.b32 {a, b}, $2;
+mov.b32 c, 0x1C001C00;
+cvt.rn.f16x2.e4m3x2 $0, a;
+cvt.rn.f16x2.e4m3x2 $1, b;
+mul.rn.f16x2 $0, $0, c;
+mul.rn.f16x2 $1, $1, c; }"""
+RAW_ASM = "{ mov.b32 $0, $2; mov.b32 $1, $2; }"
+
+
+def e4m3_to_f16_alu_reference(codes):
+    """numpy model of `E4M3_F16_ALU_ASM` on uint8 codes [4n] -> the f16 bit patterns [4n] uint16 it produces (for
+    the CPU test of the constants: they must equal float16(e4m3 value x 2^-8))."""
+    import numpy as np
+
+    w = codes.astype(np.uint32).reshape(-1, 4)
+
+    def prmt_hi(lo_byte, hi_byte):   # bytes [0, lo, 0, hi]
+        return (lo_byte << 8) | (hi_byte << 24)
+
+    def place(p):
+        return (p & 0x80008000) | ((p >> 1) & 0x3F803F80)
+
+    w0 = place(prmt_hi(w[:, 0], w[:, 1]))
+    w1 = place(prmt_hi(w[:, 2], w[:, 3]))
+    out = np.stack([w0 & 0xFFFF, w0 >> 16, w1 & 0xFFFF, w1 >> 16], axis=1)
+    return out.reshape(-1).astype(np.uint16)
+
+
+def _e4m3_to_f16(a8, mode):
+    """The loaded e4m3 key tile (WGMMA_UPCAST_2X registers, 4 codes each) -> f16 in the same layout, by `mode` in
+    ("alu", "mix", "raw") through inline PTX, register by register ("cvt" is a plain astype)."""
+    import numpy as np
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm, vector
+    from jax.experimental import mosaic as _mosaic  # noqa: F401  (registers the dialects)
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    layout = plgpu.Layout.WGMMA_UPCAST_2X
+
+    @plgpu.inline_mgpu(arg_types=(layout,),
+                       return_type=plgpu.ShapeDtypeStruct(a8.shape, jnp.float16, layout=layout))
+    def convert(_, x):
+        i32 = ir.IntegerType.get_signless(32)
+        pair_ty = ir.Type.parse("!llvm.struct<(i32, i32)>")
+        regs = np.empty(x.registers.shape, dtype=object)
+        for n, (idx, reg) in enumerate(np.ndenumerate(x.registers)):
+            word = mgpu_utils.bitcast(reg, i32)
+            asm = RAW_ASM if mode == "raw" else (
+                E4M3_F16_CVT_SCALED_ASM if mode == "mix" and n % 2 == 0 else E4M3_F16_ALU_ASM)
+            pair = llvm.inline_asm(pair_ty, [word], asm, "=r,=r,r")
+            words = [llvm.extractvalue(i32, pair, [i]) for i in range(2)]
+            regs[idx] = vector.bitcast(ir.VectorType.get((4,), ir.F16Type.get()),
+                                       vector.from_elements(ir.VectorType.get((2,), i32), words))
+        return mgpu.FragmentedArray(_registers=regs, _layout=x.layout, _is_signed=None)
+
+    return convert(a8)
 
 
 def key_format(keys):
@@ -118,30 +213,47 @@ def mosaic_applies(q, keys) -> bool:
     return q.shape[-1] == 128 and q.shape[-2] <= 256 and vals.ndim == 3 and vals.shape[1] % 8 == 0
 
 
+def block_t_of(block_t, T):
+    """The block_t a call runs with: the given one, else `default_config`'s."""
+    return int(block_t) if block_t is not None else (128 if T > 64 else 64)
+
+
 def default_config(R: int, T: int, fmt: str = "fp8"):
     """block_t 128 keys; fp8: 4 slots (16 KB of e4m3 each); bf16: 2 slots (32 KB each), so two CTAs fit an SM next
     to q's hi and lo (2 x 16 KB). On the H200 (session 27, B = 64 x 128K, scores us) bf16 at 128 x 2 slots took
     155.8, 64 x 4 161.2, 64 x 6 (one CTA per SM) 189.9, 128 x 3 (one CTA per SM) 172.8. Splits for ~TARGET_CTAS CTAs
     of >= MIN_BLOCKS blocks."""
-    block_t = 128 if T > 64 else 64
+    block_t = block_t_of(None, T)
     nb = -(-T // block_t)
     return dict(block_t=block_t, num_stages=4 if fmt == "fp8" else 2,
                 num_splits=max(1, min(-(-nb // MIN_BLOCKS), TARGET_CTAS // max(R, 1))))
 
 
-def _kernel(*refs, T, bt, stages, bps, nb, S, precision, interpret=False):
+def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=0, split_m=False,
+            interpret=False):
     """nv [R] i32, w [R, H] f32, q [R, H, 128] e4m3 (f16 codes with "f16"; for bf16 keys bf16 [R, terms * H, 128],
     the terms stacked along the heads), keys [B, T, 128] e4m3 or bf16, scales [B*T] f32 (fp8 keys only)
     -> out [R, nb*bt]. Interpreted, q is transposed: [R, 128, H] / [R, terms, 128, H]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     f16 = precision == "f16"
+    refs = list(refs)
+    gm_smem = gi_smem = gmax_ref = None
+    if n_phase:   # the group maxima's running f32 values and their ordered-int32 copy for the store
+        refs, (gm_smem, gi_smem) = refs[:-2], refs[-2:]
     if precision in PRECISIONS["bf16"]:   # bf16 keys: no scales
-        nv_ref, w_ref, q_ref, key_ref, out_ref, q_smem, w_smem, k_smem, o_smem, fill_smem, q_bar, k_bars = refs
-        scale_ref = s_smem = None
+        (nv_ref, w_ref, q_ref, key_ref), refs = refs[:4], refs[4:]
+        scale_ref = None
     else:
-        (nv_ref, w_ref, q_ref, key_ref, scale_ref, out_ref, q_smem, w_smem, k_smem, s_smem, o_smem, fill_smem, q_bar,
-         k_bars) = refs
+        (nv_ref, w_ref, q_ref, key_ref, scale_ref), refs = refs[:5], refs[5:]
+    out_ref, refs = refs[0], refs[1:]
+    if n_phase:
+        gmax_ref, refs = refs[0], refs[1:]
+    if scale_ref is None:
+        q_smem, w_smem, k_smem, o_smem, fill_smem, q_bar, k_bars = refs
+        s_smem = None
+    else:
+        q_smem, w_smem, k_smem, s_smem, o_smem, fill_smem, q_bar, k_bars = refs
 
     r = jax.lax.axis_index("r")
     split = jax.lax.axis_index("s")
@@ -175,6 +287,8 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, interpret=False):
             issue(j)
 
     fill_smem[...] = cast(jnp.full((bt,), -jnp.inf, jnp.float32), row_layout)
+    for p in range(n_phase):
+        gm_smem.at[p][...] = cast(jnp.full((bt,), -jnp.inf, jnp.float32), row_layout)
     plgpu.barrier_wait(q_bar)
     w = load(w_smem, col_layout)
     # [128, H], K-major as fp8 operands must be (the interpreter's wgmma takes no transposed ref: q arrives [128, H])
@@ -189,30 +303,53 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, interpret=False):
     def store(j, vals_smem):   # the block's scores (a [bt] smem vector, committed) to global memory
         plgpu.copy_smem_to_gmem(vals_smem, out_ref.at[r, pl.ds(pl.multiple_of((lo + j) * bt, bt), bt)])
 
+    def a_operand(slot, rows):   # the A operand of the block's keys `rows` (a pl.ds) for precision "f16" / others
+        if not f16:
+            return k_smem.at[slot, rows]
+        # e4m3 codes -> f16 in registers (exact), the wgmma's A operand from registers
+        a8 = load(k_smem.at[slot, rows], plgpu.Layout.WGMMA_UPCAST_2X)
+        a16 = a8.astype(jnp.float16) if convert == "cvt" else _e4m3_to_f16(a8, convert)
+        return cast(a16, plgpu.Layout.WGMMA)
+
+    def mma(acc_ref, slot, rows):
+        if f16 or scale_ref is not None:
+            plgpu.wgmma(acc_ref, a_operand(slot, rows), q_t)
+        else:   # bf16 keys, q's terms in turn: K (q_hi + q_lo)^T
+            for q_term in q_ts:
+                plgpu.wgmma(acc_ref, k_smem.at[slot, rows], q_term)
+
+    def finish(j, slot, logits, r0, m, o):   # rows [r0, r0 + m) of block j: scores into o, the group maxima
+        rl = row_layout
+        s = jnp.sum(jnp.maximum(logits, 0.0) * jax.lax.broadcast_in_dim(w, (m, H), (1,)), axis=1)
+        if s_smem is not None:   # fp8 keys: the key's power-of-two scale
+            s = s * load(s_smem.at[slot, pl.ds(r0, m)], rl)
+        t = (lo + j) * bt + r0 + plgpu.broadcasted_iota(jnp.int32, (m,), 0, layout=None if interpret else rl)
+        s = jnp.where(t < nv, s, -jnp.inf)
+        if n_phase:   # key t is in strided group t mod (n_phase * bt): this block's keys fill phase (lo + j) % n_phase
+            g = gm_smem.at[(lo + j) % n_phase, pl.ds(r0, m)]
+            g[...] = jnp.maximum(load(g, rl), s)
+        o.at[pl.ds(r0, m)][...] = s
+
     def body(j, carry):
         slot = j % stages
-        plgpu.barrier_wait(k_bars.at[slot])
-
-        def mma(acc_ref):
-            if f16:   # e4m3 codes -> f16 in registers (exact), the wgmma's A operand from registers
-                a8 = load(k_smem.at[slot], plgpu.Layout.WGMMA_UPCAST_2X)
-                plgpu.wgmma(acc_ref, cast(a8.astype(jnp.float16), plgpu.Layout.WGMMA), q_t)
-            elif scale_ref is None:   # bf16 keys, q's terms in turn: K (q_hi + q_lo)^T
-                for q_term in q_ts:
-                    plgpu.wgmma(acc_ref, k_smem.at[slot], q_term)
-            else:
-                plgpu.wgmma(acc_ref, k_smem.at[slot], q_t)
-            return acc_ref[...]
-
-        logits = pl.run_scoped(mma, plgpu.ACC((bt, H), jnp.float32))
-        s = jnp.sum(jnp.maximum(logits, 0.0) * jax.lax.broadcast_in_dim(w, (bt, H), (1,)), axis=1)
-        if s_smem is not None:   # fp8 keys: the key's power-of-two scale
-            s = s * load(s_smem.at[slot], row_layout)
-        t = (lo + j) * bt + plgpu.broadcasted_iota(jnp.int32, (bt,), 0, layout=None if interpret else row_layout)
-        s = jnp.where(t < nv, s, -jnp.inf)
         o = o_smem.at[j % 2]
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # the store that last read this output slot is done
-        o[...] = s
+        plgpu.barrier_wait(k_bars.at[slot])
+        if split_m:   # two [bt / 2, H] accumulators: half 1's operand and wgmma overlap half 0's, half 0's
+            h = bt // 2   # epilogue overlaps half 1's wgmma
+            def halves(acc0, acc1):
+                mma(acc0, slot, pl.ds(0, h))
+                mma(acc1, slot, pl.ds(h, h))
+                finish(j, slot, plgpu.wgmma_accumulator_load(acc0, wait_n=1), 0, h, o)
+                finish(j, slot, plgpu.wgmma_accumulator_load(acc1, wait_n=0), h, h, o)
+
+            pl.run_scoped(halves, plgpu.ACC((h, H), jnp.float32), plgpu.ACC((h, H), jnp.float32))
+        else:
+            def whole(acc_ref):
+                mma(acc_ref, slot, pl.ds(0, bt))
+                return acc_ref[...]
+
+            finish(j, slot, pl.run_scoped(whole, plgpu.ACC((bt, H), jnp.float32)), 0, bt, o)
         plgpu.commit_smem()   # also a warpgroup barrier: every thread is past this slot's keys and scales
 
         @pl.when(j + stages < n_read)
@@ -230,6 +367,12 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, interpret=False):
         return carry
 
     jax.lax.fori_loop(n_read, hi - lo, fill, 0)
+    if n_phase:   # the split's partial maxima as ordered int32 keys (`topk._ordered_i32`: signed order = float order)
+        for p in range(n_phase):
+            bits = jax.lax.bitcast_convert_type(load(gm_smem.at[p], row_layout), jnp.int32)
+            gi_smem.at[p][...] = bits ^ ((bits >> 31) & jnp.int32(0x7FFFFFFF))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(gi_smem, gmax_ref.at[r, split])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -243,11 +386,22 @@ def _interpret_params(detect_races=False):
 
 
 def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stages=None, num_splits=None,
-                          pad_to_block=False, precision=None, interpret=False):
+                          pad_to_block=False, precision=None, convert=None, group_max_k=None, split_m=False,
+                          interpret=False):
     """Scores [B, S, T] f32 (or [B, S, roundup(T, block_t)] with -inf padding if pad_to_block) like
     `reference.indexer_scores`, for fp8 keys (`formats.QuantizedKeys`, fmt "fp8") or bf16 keys (a bfloat16
     [B, T, 128] array); q [B, S, H, 128] (fp8 keys: fake-quantized like them), weights [B, S, H], n_visible [B, S]
-    int32. precision: one of `PRECISIONS[format]`, default the first."""
+    int32. precision: one of `PRECISIONS[format]`, default the first. convert: how precision "f16" turns the key
+    codes into f16 (`CONVERTS`, default "cvt"; same scores).
+    group_max_k (the k of a threshold top-k that consumes the scores): returns (scores, group_max), group_max
+    [B, S, n_split, G] int32 = each CTA's maxima of the ordered keys (`topk._ordered_i32`) of the top-k's strided
+    groups (G = `topk.threshold_groups(T_out, k)`), or None where that does not fit: G == 0, G not a multiple of
+    block_t or above 4096, the partials not under half the row (n_split * G > T_out / 2), or T_out (the returned
+    row length) != the padded length. The maxima cost one [block_t] max per block in shared memory and save the
+    top-k's XLA pass over the scores.
+    split_m: each block as two [block_t / 2, H] wgmmas into two accumulators, so the second half's operand load
+    (and f16 conversion) and wgmma overlap the first's, and the first's epilogue the second's wgmma (compiled
+    kernels only)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from .gpu import quantize_q_fp8, split_q
@@ -276,6 +430,14 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     if precision not in PRECISIONS[fmt]:
         raise ValueError(f"precision must be one of {PRECISIONS[fmt]} for {fmt} keys, got {precision!r}")
     f16 = precision == "f16"
+    convert = convert or "cvt"
+    if convert not in CONVERTS:
+        raise ValueError(f"convert must be one of {CONVERTS}, got {convert!r}")
+    if convert != "cvt" and not f16:
+        raise ValueError(f"convert={convert!r} applies to precision='f16' (fp8 keys) only, got precision {precision!r}")
+    if split_m and (interpret or block_t_of(block_t, T) < 128):
+        raise ValueError("split_m needs a compiled kernel (the interpreter has no wgmma_accumulator_load) and "
+                         "block_t >= 128 (two halves of >= 64 rows, one wgmma M each)")
     if interpret and f16:
         raise ValueError("the Mosaic indexer kernel's interpret mode runs precisions 'fp8', 'bf16x2' and 'bf16' "
                          "only (the interpreter's wgmma takes no register operand, which precision='f16' feeds)")
@@ -292,6 +454,15 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     nb = -(-T // bt)
     bps = -(-nb // max(1, min(cfg["num_splits"], nb)))
     n_split = -(-nb // bps)
+    G = 0
+    if group_max_k is not None:
+        from .topk import threshold_groups
+
+        T_out = nb * bt
+        G = threshold_groups(T_out, min(int(group_max_k), T_out))
+        if (not G or G % bt or G > 4096 or n_split * G > T_out // 2 or (T_out != T and not pad_to_block)):
+            G = 0
+    n_phase = G // bt
     hp = -(-H // 32) * 32   # the weights' copy moves a multiple of 128 B; padded heads have weight 0
     qf = q.astype(jnp.float32)
     wf = weights.astype(jnp.float32)
@@ -301,6 +472,8 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     if fmt == "fp8":
         q_op, q_scale = quantize_q_fp8(qf, "fp8")           # exact for a fake-quantized q
         wf = wf * q_scale
+        if f16 and convert in ("alu", "mix"):   # those key operands are the values x 2^-8
+            wf = wf * float(2 ** F16_BIAS_SHIFT)
         if f16:   # the e4m3 codes as f16 (exact): the B operand of an f16 wgmma
             q_op = q_op.astype(jnp.float16)
         q_op = q_op.reshape(R, hp, d)
@@ -331,14 +504,24 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                 plgpu.SMEM((bt,), jnp.float32),                                  # fill_smem
                 plgpu.Barrier(num_arrivals=2),                                   # q_bar: q, w
                 plgpu.Barrier(num_arrivals=2 if fmt == "fp8" else 1, num_barriers=stages)]   # k_bars: keys (+ scales)
+    out_type = jax.ShapeDtypeStruct((R, nb * bt), jnp.float32)
+    if n_phase:
+        scratch += [plgpu.SMEM((n_phase, bt), jnp.float32), plgpu.SMEM((n_phase, bt), jnp.int32)]  # gm, gi
+        out_type = (out_type, jax.ShapeDtypeStruct((R, n_split, n_phase, bt), jnp.int32))
     kernel = plgpu.kernel(
         functools.partial(_kernel, T=T, bt=bt, stages=stages, bps=bps, nb=nb, S=S, precision=precision,
-                          interpret=interpret),
-        out_type=jax.ShapeDtypeStruct((R, nb * bt), jnp.float32),
+                          convert=convert, n_phase=n_phase, split_m=bool(split_m), interpret=interpret),
+        out_type=out_type,
         grid=(R, n_split), grid_names=("r", "s"),
         scratch_types=scratch,
-        kernel_name=f"indexer_scores_{fmt}_mosaic_{precision}_t{bt}",
+        kernel_name=(f"indexer_scores_{fmt}_mosaic_{precision}_t{bt}" + (f"_{convert}" if convert != "cvt" else "")
+                     + (f"_g{G}" if n_phase else "") + ("_m2" if split_m else "")),
         **(dict(interpret=_interpret_params(interpret == "races")) if interpret else {}),
     )
-    out = kernel(*args).reshape(B, S, nb * bt)
-    return out if pad_to_block else out[..., :T]
+    res = kernel(*args)
+    out, gmax = res if n_phase else (res, None)
+    out = out.reshape(B, S, nb * bt)
+    out = out if pad_to_block else out[..., :T]
+    if group_max_k is None:
+        return out
+    return out, (gmax.reshape(B, S, n_split, G) if n_phase else None)

@@ -675,7 +675,7 @@ def as_index_set(picks):
     return jnp.where(ordered == big, -1, ordered).astype(jnp.int32)
 
 
-THRESHOLD_IMPLS = ("xla", "pallas_compact", "pallas", "pallas_select", "pallas_fused")
+THRESHOLD_IMPLS = ("xla", "pallas_compact", "pallas", "pallas_select", "pallas_fused", "pallas_regions")
 
 
 def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str = "xla", sorted: bool = True,
@@ -701,8 +701,9 @@ def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str 
     group maximum by radix select), the compaction and fix-up, then `select_pallas` picks
     the exact top-k set among the ~1.4k survivors by radix select; the order is a `lax.top_k` over those k only,
     and none at all with sorted=False), "pallas_fused" (the same selection as "pallas_select" in one Triton kernel,
-    one program per row: `topk_fused.fused_select`; group_max unused); `interpret` runs the Triton kernels in the
-    Pallas interpreter.
+    one program per row: `topk_fused.fused_select`; group_max unused), "pallas_regions" (the same selection in two
+    Triton kernels: bound + compaction into per-chunk regions, then the fix-up and the selection;
+    `topk_regions.regions_select`); `interpret` runs the Triton kernels in the Pallas interpreter.
     group_max: [..., P, G] int32, partial maxima of the ordered keys (`_ordered_i32`) of the scores' strided groups
     (group g = entries g, g + G, ...; G = `threshold_groups(T, k)`), whose max over P is the group maxima; a
     producer that already passed over the scores (the indexer scores kernel) saves the XLA pass over the row.
@@ -725,6 +726,15 @@ def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str 
         gpart = group_max.reshape(R, group_max.shape[-2], G)
     if impl == "pallas_select" and bounded:
         return _select_path(s, lead, k, group, capacity, sorted, interpret, gpart)
+    if impl == "pallas_regions" and bounded:
+        from .topk_regions import regions_select   # the same k-set as "pallas_select", in two kernels
+
+        if gpart is None:   # one XLA pass over the row: its group maxima as a single partial
+            gpart = _strided_group_max(_ordered_i32(s), group)[:, None, :]
+        keys_k, pos_k = regions_select(s, gpart, k, capacity, finite_only=not sorted, interpret=interpret)
+        if not sorted:
+            return jnp.where(keys_k > NEG_INF_KEY, pos_k, -1).reshape(lead + (k,))
+        return _order_slots(keys_k, pos_k, k, lead)
     if impl == "pallas_fused" and bounded:
         from .topk_fused import fused_select   # the same k-set as "pallas_select", in one kernel
 
