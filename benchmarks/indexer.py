@@ -285,8 +285,6 @@ def main():
         variants[f"scores[{cfg}]"] = lambda q, w, k, n, o=opts: indexer_scores_pallas(q, w, k, n, impl="pallas", **o)
     for cfg in (a.set_configs.split(";") if a.set_configs else []):
         opts = parse_options(cfg)
-        if "fuse_group_max" in opts:
-            opts["fuse_group_max"] = bool(opts["fuse_group_max"])
         variants[f"set[{cfg}]"] = lambda q, w, k, n, o=opts: indexer_topk(q, w, k, n, k=TOPK, impl="pallas",
                                                                           **{"topk": "threshold_set", **o})
     # the chain's own iteration (q update + the dependency reduction, no indexer): included in every column

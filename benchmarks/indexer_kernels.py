@@ -13,7 +13,7 @@ stages and the idle gaps between them:
         [--configs 'kernel=mosaic;kernel=mosaic,fuse_group_max=1'] [--unroll 8]
 
 A config is a ','-separated option set of `indexer_topk(..., impl="pallas", k=512, topk="threshold_set")`
-(ints, true / false; topk=... replaces the method). Needs a GPU (CUPTI).
+(ints, flags as 0 / 1; topk=... replaces the method). Needs a GPU (CUPTI).
 """
 
 from __future__ import annotations
@@ -47,9 +47,7 @@ def main():
         B, S, ctx, fmt = cs.split("x")
         q, w, keys, nv = make_inputs(int(B), int(S), int(ctx), fmt)
         for cfg in args.configs.split(";"):
-            opts = {k: {"true": True, "false": False}.get(str(v).lower(), v) for k, v in parse_options(cfg).items()}
-            if "fuse_group_max" in opts:
-                opts["fuse_group_max"] = bool(opts["fuse_group_max"])
+            opts = parse_options(cfg)   # flags as 0 / 1
 
             def chain(n, opts=opts):
                 def run(q, w, keys, nv):

@@ -69,7 +69,7 @@ except ImportError:  # pragma: no cover
     plgpu = None
 
 from . import formats
-from .topk import INT32_MIN, _ordered_i32, threshold_groups
+from .topk import INT32_MIN, _ordered_i32, producer_groups
 from ..numerics import round_to_bf16
 from ..chunking import map_query_chunks
 
@@ -524,12 +524,8 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
     n_split = num_splits or max(1, -(-cfg["waves"] * N_SM_H200 // (B * (Sp // bq))))
     bps = -(-nb // min(n_split, nb))
     n_split = -(-nb // bps)
-    G = 0
-    if group_max_k is not None:
-        T_out = Tp if pad_to_block else T
-        G = threshold_groups(T_out, min(int(group_max_k), T_out))
-        if not (G and G % bt == 0 and n_split * G <= T_out // 2 and bq * G <= 4096 and T_out == Tp):
-            G = 0
+    G = 0 if group_max_k is None else producer_groups(T, Tp, group_max_k, block=bt, n_split=n_split,
+                                                      pad_to_block=pad_to_block, queries=bq)
     qf = q.astype(jnp.float32)
     wf = weights.astype(jnp.float32)
     if hp != H:  # tensor-core dots need >= 16 columns; padded heads have weight 0

@@ -154,7 +154,6 @@ def _e4m3_to_f16(a8, mode):
     import numpy as np
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import llvm, vector
-    from jax.experimental import mosaic as _mosaic  # noqa: F401  (registers the dialects)
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -367,10 +366,11 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
         return carry
 
     jax.lax.fori_loop(n_read, hi - lo, fill, 0)
-    if n_phase:   # the split's partial maxima as ordered int32 keys (`topk._ordered_i32`: signed order = float order)
+    if n_phase:   # the split's partial maxima as ordered int32 keys (signed order = float order)
+        from .topk import _ordered_i32
+
         for p in range(n_phase):
-            bits = jax.lax.bitcast_convert_type(load(gm_smem.at[p], row_layout), jnp.int32)
-            gi_smem.at[p][...] = bits ^ ((bits >> 31) & jnp.int32(0x7FFFFFFF))
+            gi_smem.at[p][...] = _ordered_i32(load(gm_smem.at[p], row_layout))
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(gi_smem, gmax_ref.at[r, split])
     plgpu.wait_smem_to_gmem(0)
@@ -454,14 +454,10 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     nb = -(-T // bt)
     bps = -(-nb // max(1, min(cfg["num_splits"], nb)))
     n_split = -(-nb // bps)
-    G = 0
-    if group_max_k is not None:
-        from .topk import threshold_groups
+    from .topk import producer_groups
 
-        T_out = nb * bt
-        G = threshold_groups(T_out, min(int(group_max_k), T_out))
-        if (not G or G % bt or G > 4096 or n_split * G > T_out // 2 or (T_out != T and not pad_to_block)):
-            G = 0
+    G = 0 if group_max_k is None else producer_groups(T, nb * bt, group_max_k, block=bt, n_split=n_split,
+                                                      pad_to_block=pad_to_block)
     n_phase = G // bt
     hp = -(-H // 32) * 32   # the weights' copy moves a multiple of 128 B; padded heads have weight 0
     qf = q.astype(jnp.float32)

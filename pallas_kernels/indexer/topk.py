@@ -232,6 +232,18 @@ def _threshold(keys, k: int, group: int, gmax=None):
     return jax.lax.top_k(_strided_group_max(keys, group) if gmax is None else gmax, k)[0][:, k - 1]
 
 
+def producer_groups(T: int, Tp: int, k: int, *, block: int, n_split: int, pad_to_block: bool,
+                    queries: int = 1) -> int:
+    """G, the strided groups a scores kernel writes partial maxima of for `topk_threshold(group_max=...)`, or 0 where
+    that does not pay or fit: rows returned at T (not padded to the kernel's Tp = blocks x block), no groups (the
+    small-row shortcut), G not a multiple of the block, the n_split partials not under half the row, or more than
+    4096 running maxima per program (`queries` rows of G each)."""
+    if (Tp if pad_to_block else T) != Tp:
+        return 0
+    G = threshold_groups(Tp, min(int(k), Tp))
+    return G if G and G % block == 0 and n_split * G <= Tp // 2 and queries * G <= 4096 else 0
+
+
 def threshold_groups(T: int, k: int) -> int:
     """G, the number of strided groups `topk_threshold` bounds rows of T candidates with (0: it takes its
     small-row shortcut there, a plain lax.top_k, and needs no group maxima)."""
@@ -269,9 +281,10 @@ def _compact_kernel(tau_ref, counts_ref, scores_ref, keys_out, pos_out, *, T, ch
     jax.lax.fori_loop(0, chunk // sub, body, offset)
 
 
-def _compact_step(scores_ref, keys_out, pos_out, r, start, lanes, off, tau, *, T, capacity):
-    """Row r's scores [start, start + len(lanes)): their survivors (`_survives` of tau) go to slots off + running
-    count (those below the capacity); returns off + their number."""
+def _compact_step(scores_ref, keys_out, pos_out, r, start, lanes, off, tau, *, T, capacity, base=0, tail=None):
+    """Row r's scores [start, start + len(lanes)): their survivors (`_survives` of tau) go to slots base + off +
+    running count (those below the capacity, counted from base); returns off + their number. The lanes not stored
+    write nowhere real: a lane-wide tail from `tail` (default: right past the capacity)."""
     cols = start + lanes
     inside = cols < T
     key = _ordered_i32(plgpu.load(scores_ref.at[r, cols], mask=inside, other=-jnp.inf))
@@ -279,9 +292,9 @@ def _compact_step(scores_ref, keys_out, pos_out, r, start, lanes, off, tau, *, T
     mi = m.astype(jnp.int32)
     at = off + jnp.cumsum(mi) - 1
     ok = m & (at < capacity)
-    # lanes not stored get distinct slots in a lane-wide tail past the capacity: the interpreter implements a
-    # masked scatter as read-select-write, where a repeated index could overwrite a stored survivor
-    at = jnp.where(ok, at, capacity + lanes)
+    # lanes not stored get distinct slots in a lane-wide tail: the interpreter implements a masked scatter as
+    # read-select-write, where a repeated index could overwrite a stored survivor
+    at = jnp.where(ok, base + at, (capacity if tail is None else tail) + lanes)
     plgpu.store(keys_out.at[r, at], key, mask=ok)
     plgpu.store(pos_out.at[r, at], cols, mask=ok)
     return off + jnp.sum(mi)
@@ -558,16 +571,19 @@ def _take_set(gt, eq, r_eq):
                         lambda: gt | (eq & (jnp.cumsum(eq.astype(jnp.int32)) <= r_eq)))
 
 
-def _bound_kernel(gmax_ref, tau_ref, *, P, G, Gp, k, bits, matrix, early_exit):
-    """One program per row: tau = the k-th largest of the row's G group maxima (the max over its P partial maxima
-    first), by radix select in registers (no sort)."""
-    r = pl.program_id(0)
+def _row_bound(gmax_ref, r, *, P, G, Gp, k, bits, matrix, early_exit):
+    """In a Triton program: tau of row r = the k-th largest of its G group maxima (the max over its P partial maxima
+    [R, P, G] first), by radix select in registers (no sort)."""
     lanes = jax.lax.iota(jnp.int32, Gp)
     real = lanes < G
     load = lambda p: plgpu.load(gmax_ref.at[r, jnp.full_like(lanes, p), lanes], mask=real, other=INT32_MIN)
     gmax = jax.lax.fori_loop(1, P, lambda p, m: jnp.maximum(m, load(p)), load(0)) if P > 1 else load(0)
-    tau, _ = _radix_select_regs(gmax, real, k, bits, matrix, early_exit)
-    tau_ref[...] = jnp.full((1,), tau, jnp.int32)
+    return _radix_select_regs(gmax, real, k, bits, matrix, early_exit)[0]
+
+
+def _bound_kernel(gmax_ref, tau_ref, **kw):
+    """One program per row: tau (`_row_bound`)."""
+    tau_ref[...] = jnp.full((1,), _row_bound(gmax_ref, pl.program_id(0), **kw), jnp.int32)
 
 
 # Triton launch settings of the two radix-select kernels (one program per row). Swept on the H200 in session 7

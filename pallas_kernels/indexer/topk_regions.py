@@ -40,8 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .topk import (INT32_MIN, SELECT_KERNEL_CONFIG, _fill_exact_row, _ordered_i32, _radix_select_regs, _survives,
-                   _write_topk_set)
+from .topk import INT32_MIN, SELECT_KERNEL_CONFIG, _compact_step, _fill_exact_row, _row_bound, _write_topk_set
 
 try:
     from jax.experimental.pallas import triton as plgpu
@@ -71,30 +70,11 @@ def _bound_compact_kernel(gmax_ref, scores_ref, keys_out, pos_out, counts_out, t
     position; those past cap_c are dropped: their row has n > capacity). counts_out[r, c] = the chunk's survivors,
     tau_out[r, c] = tau (the same for every c)."""
     r, c = pl.program_id(0), pl.program_id(1)
-    glanes = jax.lax.iota(jnp.int32, Gp)
-    real = glanes < G
-    load = lambda p: plgpu.load(gmax_ref.at[r, jnp.full_like(glanes, p), glanes], mask=real, other=INT32_MIN)
-    gmax = jax.lax.fori_loop(1, P, lambda p, m: jnp.maximum(m, load(p)), load(0)) if P > 1 else load(0)
-    tau, _ = _radix_select_regs(gmax, real, k, bits, matrix, early_exit)
-
+    tau = _row_bound(gmax_ref, r, P=P, G=G, Gp=Gp, k=k, bits=bits, matrix=matrix, early_exit=early_exit)
     lanes = jax.lax.iota(jnp.int32, sub)
-    base = c * cap_c
-
-    def step(j, off):
-        cols = c * chunk + j * sub + lanes
-        inside = cols < T
-        key = _ordered_i32(plgpu.load(scores_ref.at[r, cols], mask=inside, other=-jnp.inf))
-        m = inside & _survives(key, tau)
-        mi = m.astype(jnp.int32)
-        at = off + jnp.cumsum(mi) - 1
-        ok = m & (at < cap_c)
-        # lanes not stored get distinct slots in the tail past every region (the interpreter implements a masked
-        # scatter as read-select-write, where a repeated index could overwrite a stored survivor)
-        at = jnp.where(ok, base + at, tail + lanes)
-        plgpu.store(keys_out.at[r, at], key, mask=ok)
-        plgpu.store(pos_out.at[r, at], cols, mask=ok)
-        return off + jnp.sum(mi)
-
+    # region c = slots [c * cap_c, (c + 1) * cap_c); the lanes not stored go to the tail past every region
+    step = lambda j, off: _compact_step(scores_ref, keys_out, pos_out, r, c * chunk + j * sub, lanes, off, tau, T=T,
+                                        capacity=cap_c, base=c * cap_c, tail=tail)
     n = jax.lax.fori_loop(0, chunk // sub, step, jnp.int32(0))
     counts_out[...] = jnp.full((1, 1), n, jnp.int32)
     tau_out[...] = jnp.full((1, 1), tau, jnp.int32)
