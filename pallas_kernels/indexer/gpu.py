@@ -458,11 +458,8 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
     B = 64: scores 202.7 -> 170.4 us at 128K, 1550 -> 1277 us at 1M (session 14)."""
     given = dict(block_q=block_q, num_warps=num_warps, waves=waves, fp4_scale=fp4_scale, heads_major=heads_major,
                  fp4_decode=fp4_decode, fp4_scale_at=fp4_scale_at, precision=precision)
-    # kernel "auto" with any tuning option given keeps the Triton kernel (whose knobs they are); Mosaic is tuned
-    # with kernel="mosaic"
-    tuned = tuple(k_ for k_, v_ in dict(given, block_t=block_t, num_stages=num_stages,
-                                       num_splits=num_splits).items() if v_ is not None)
-    if resolve_kernel(kernel, q, keys, interpret, tuned) == "mosaic":
+    if scores_kernel_of(q, keys, interpret, dict(given, block_t=block_t, num_stages=num_stages,
+                                                 num_splits=num_splits, kernel=kernel)) == "mosaic":
         from .gpu_mosaic import indexer_scores_mosaic
 
         extra = [k_ for k_, v_ in given.items() if v_ is not None and k_ != "precision"]
@@ -470,7 +467,7 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
             raise ValueError(f"kernel='mosaic' takes only {MOSAIC_OPTIONS}, got {extra}")
         return indexer_scores_mosaic(q, weights, keys, n_visible, block_t=block_t, num_stages=num_stages,
                                      num_splits=num_splits, pad_to_block=pad_to_block, precision=precision,
-                                     convert=convert, group_max_k=group_max_k, split_m=bool(split_m),
+                                     convert=convert, group_max_k=group_max_k, split_m=split_m,
                                      interpret=interpret)
     if convert is not None or split_m is not None:
         raise ValueError("convert (how fp8 key codes become f16) and split_m are options of the Mosaic kernel "
@@ -644,17 +641,31 @@ def topk_over_query_chunks(scores_fn, q, weights, keys, n_visible, *, k: int, qu
     return map_query_chunks(select, (q, weights, n_visible), query_chunk)
 
 
+# kernel "auto" with any of these given keeps the Triton kernel (whose knobs they are); Mosaic is tuned with
+# kernel="mosaic"
+TUNING_OPTIONS = ("block_q", "block_t", "num_warps", "num_stages", "waves", "num_splits", "fp4_scale", "heads_major",
+                  "fp4_decode", "fp4_scale_at", "precision")
+
+
+def scores_kernel_of(q, keys, interpret, kernel_options) -> str:
+    """The scores kernel ("mosaic" / "triton") `indexer_scores_gpu` runs for these `kernel_options`."""
+    tuned = tuple(k_ for k_ in TUNING_OPTIONS if kernel_options.get(k_) is not None)
+    return resolve_kernel(kernel_options.get("kernel"), q, keys, interpret, tuned)
+
+
 def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256, interpret=False,
                      topk: str = "threshold", topk_block: int = 4096, radix_bits: Optional[int] = None,
-                     fuse_group_max: bool = False, **kernel_options):
+                     fuse_group_max: Optional[bool] = None, **kernel_options):
     """Pallas GPU implementation of `reference.indexer_topk` (same arguments and results). fuse_group_max: with a
     threshold top-k, the scores kernel also writes the strided-group maxima the top-k bounds with (where that fits:
-    `indexer_scores_gpu(group_max_k=...)`) instead of an XLA pass over the scores. Off by default: on the H200 (B =
-    64, 128K context, bf16 keys) it saved nothing with topk="threshold" (218.3 vs 218.7 us) and cost 5 us with
-    "threshold_set" (215.5 vs 210.3): the XLA reduction is cheap, the heavier kernel is not
-    (results/h200_s7r6_idx_fused_gmax.log). The Mosaic kernel writes them too (session 30): the XLA pass (6.8 us at
-    B = 64 x 128K) goes, the kernel takes ~3 us longer; with its split_m option the fp8 / bf16 `threshold_set`
-    pipelines took 2-6 us less (results/h200_s30r4_idx.log, h200_s30r6_idx.log). Still off by default."""
+    `indexer_scores_gpu(group_max_k=...)`) instead of an XLA pass over the scores. Default (None): on where the
+    scores run on the Mosaic kernel, off on Triton. On the H200 the Triton kernel saved nothing with it
+    (B = 64, 128K context, bf16 keys: topk="threshold" 218.3 vs 218.7 us, "threshold_set" 215.5 vs 210.3:
+    results/h200_s7r6_idx_fused_gmax.log). The Mosaic kernel's maxima (session 30) drop the XLA pass (6.8 us at
+    B = 64 x 128K) for ~3 us more in the kernel; with its split_m default the fp8 / bf16 `threshold_set` pipelines
+    took 2-6 us less (results/h200_s30r4_idx.log, h200_s30r6_idx.log); the default since session 31."""
+    if fuse_group_max is None:
+        fuse_group_max = scores_kernel_of(q, keys, interpret, kernel_options) == "mosaic"
     fused = fuse_group_max and topk in THRESHOLD_METHODS
     scores = functools.partial(indexer_scores_gpu, interpret=interpret, pad_to_block=True,
                                group_max_k=min(k, keys.shape[1]) if fused else None, **kernel_options)

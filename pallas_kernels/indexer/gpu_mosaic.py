@@ -39,7 +39,8 @@ multiple of 8, the tile's rows); the fp8 scales as a flat [B * T] array (a TMA r
 16 B, which [B, T] f32 would need T % 4 for): a block running past T reads the next row's scales, and the mask
 discards those entries.
 
-Options measured in session 30 (H200, B = 64 x 128K, `results/README_indexer_compressor.md`), none the default:
+Options measured in session 30 (H200, B = 64 x 128K, `results/README_indexer_compressor.md`); split_m and the
+group maxima (`gpu.indexer_topk_gpu`'s fuse_group_max) are the defaults since session 31:
 * convert (precision "f16"): "cvt" (default), "alu" / "mix" (integer bit placement, alone or sharing the work with
   the conversion instruction), "raw" (a timing probe, wrong values). Without any conversion the kernel took as long
   (100.4 vs 101.7 us), so the conversions are not its bound; "alu" (129.6) and "mix" (117.7) are slower.
@@ -102,6 +103,9 @@ MIN_KEY_BLOCKS = TARGET_CTAS * MIN_BLOCKS
 #   so both halves carry the same factor: the conversion pipe and the integer pipe share the work.
 # * "raw" (timing diagnostic only, wrong values): the code bytes passed through as if they were f16 pairs.
 CONVERTS = ("cvt", "alu", "mix", "raw")
+# split_m's default where it applies (session 31; with the top-k's group maxima from this kernel, the `threshold_set`
+# pipelines took 2-6 us less on the H200, session 30: results/README_indexer_compressor.md)
+DEFAULT_SPLIT_M = True
 F16_BIAS_SHIFT = 8   # "alu" / "mix" give the key value x 2^-8
 # $2 = 4 e4m3 codes (bytes 0..3); $0 = f16 pair of bytes 0, 1, $1 = bytes 2, 3 (low half = the lower byte), x 2^-8.
 # prmt puts byte i in the high byte of a 16-bit half; the sign bit stays, exponent and mantissa move right by one.
@@ -386,7 +390,7 @@ def _interpret_params(detect_races=False):
 
 
 def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stages=None, num_splits=None,
-                          pad_to_block=False, precision=None, convert=None, group_max_k=None, split_m=False,
+                          pad_to_block=False, precision=None, convert=None, group_max_k=None, split_m=None,
                           interpret=False):
     """Scores [B, S, T] f32 (or [B, S, roundup(T, block_t)] with -inf padding if pad_to_block) like
     `reference.indexer_scores`, for fp8 keys (`formats.QuantizedKeys`, fmt "fp8") or bf16 keys (a bfloat16
@@ -401,7 +405,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     top-k's XLA pass over the scores.
     split_m: each block as two [block_t / 2, H] wgmmas into two accumulators, so the second half's operand load
     (and f16 conversion) and wgmma overlap the first's, and the first's epilogue the second's wgmma (compiled
-    kernels only)."""
+    kernels only). Default (None): `DEFAULT_SPLIT_M` where it applies (compiled, block_t >= 128)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from .gpu import quantize_q_fp8, split_q
@@ -435,6 +439,8 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         raise ValueError(f"convert must be one of {CONVERTS}, got {convert!r}")
     if convert != "cvt" and not f16:
         raise ValueError(f"convert={convert!r} applies to precision='f16' (fp8 keys) only, got precision {precision!r}")
+    if split_m is None:
+        split_m = DEFAULT_SPLIT_M and not interpret and block_t_of(block_t, T) >= 128
     if split_m and (interpret or block_t_of(block_t, T) < 128):
         raise ValueError("split_m needs a compiled kernel (the interpreter has no wgmma_accumulator_load) and "
                          "block_t >= 128 (two halves of >= 64 rows, one wgmma M each)")
