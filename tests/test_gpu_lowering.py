@@ -646,9 +646,30 @@ def test_indexer_mosaic_fp8_lowers(B, S, H, T, opts):
         indexer_scores_mosaic(q, w, keys, nv, precision="bf16")
     with pytest.raises(ValueError, match="multiple of 8"):
         indexer_scores_mosaic(*make_indexer(1, 1, 16, 300, "fp8"))
-    for fmt in (None, "fp4"):   # f32 keys, fp4 keys: the Triton kernel's
-        with pytest.raises(ValueError, match="takes fp8 keys .* or bf16"):
-            indexer_scores_mosaic(*make_indexer(1, 1, 16, 40, fmt))
+    with pytest.raises(ValueError, match="takes fp8 or fp4 keys .* or bf16"):   # f32 keys: the Triton kernel's
+        indexer_scores_mosaic(*make_indexer(1, 1, 16, 40, None))
+
+
+@pytest.mark.parametrize("B,S,H,T,opts", [(2, 1, 64, 296, {}), (3, 2, 16, 1000, dict(block_t=64, num_stages=2)),
+                                          (1, 1, 128, 5000, dict(block_t=256, num_splits=3)),
+                                          (2, 1, 64, 296, dict(split_m=False)), (2, 1, 40, 2000, dict(block_t=192))])
+def test_indexer_mosaic_fp4_lowers(B, S, H, T, opts):
+    """The Mosaic GPU kernel over fp4 keys (session 31: packed e2m1 + group scales -> f16 registers by inline PTX in
+    `mosaic_fp4`'s register plan) lowers for CUDA, alone and under the threshold top-k with the group maxima; its
+    option errors."""
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+    from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
+
+    q, w, keys, nv = make_indexer(B, S, H, T, "fp4", True)
+    lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_scores_mosaic(*a, **opts), q, w, keys, nv)
+    lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=64, kernel="mosaic", topk="threshold_set",
+                                                                **opts), q, w, keys, nv)
+    with pytest.raises(ValueError, match="precision must be"):
+        indexer_scores_mosaic(q, w, keys, nv, precision="fp8")
+    with pytest.raises(ValueError, match="convert="):
+        indexer_scores_mosaic(q, w, keys, nv, convert="alu")
+    with pytest.raises(ValueError, match="interpret mode"):
+        indexer_scores_mosaic(q, w, keys, nv, interpret=True)
 
 
 @pytest.mark.parametrize("B,S,H,T,opts", [(2, 1, 64, 296, {}), (3, 2, 16, 1000, dict(block_t=128, num_stages=2)),

@@ -345,6 +345,41 @@ def test_gpu_mosaic_fp8_scores(B, S, H, T, opts):
 
 @gpu
 @pytest.mark.parametrize("B,S,H,T,opts", [(4, 1, 64, 5000, {}), (2, 2, 64, 70000, {}), (3, 1, 16, 776, {}),
+                                          (2, 1, 128, 296, {}), (3, 1, 64, 4104, dict(block_t=64, num_stages=2)),
+                                          (2, 1, 64, 9000, dict(block_t=256, num_splits=3)),
+                                          (5, 1, 40, 2000, dict(num_splits=1, num_stages=1)),
+                                          (4, 1, 64, 5000, dict(split_m=False)), (3, 1, 64, 3000, dict(block_t=192))])
+def test_gpu_mosaic_fp4_scores(B, S, H, T, opts):
+    """The Mosaic GPU kernel over fp4 keys (session 31): scores, picks and the set picks against the reference;
+    ragged n_visible (0, inside, past T), heads padded to 32, odd splits, 1-4 slots, 64- to 256-key blocks, split_m
+    on (the default) and off. The f16 operands are exact (`mosaic_fp4`), so the scores agree to f32 rounding."""
+    q, w, keys, nv = make(B, S, H, T, "fp4", True)
+    check_scores(q, w, keys, nv, "pallas", 1e-5, kernel="mosaic", **opts)
+    out = np.asarray(indexer_scores_pallas(q, w, keys, nv, impl="pallas", kernel="mosaic", pad_to_block=True, **opts))
+    assert out.shape[-1] % opts.get("block_t", 128) == 0 and np.all(out[..., T:] == -np.inf)
+    picks = indexer_topk(q, w, keys, nv, k=512, impl="pallas", kernel="mosaic", **opts)
+    check_picks(picks, q, w, keys, nv, 512)
+    got = indexer_topk(q, w, keys, nv, k=512, impl="pallas", kernel="mosaic", picks="set", **opts)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(picks)))
+
+
+@gpu
+def test_gpu_mosaic_fp4_wide_group_scales():
+    """fp4 keys whose 32-channel groups lie up to 2^20 apart (the operand factors 2^(15 - D) down to 2^-5) and q
+    whose groups do too: still the reference's scores to f32 rounding on the Mosaic kernel."""
+    rng = np.random.default_rng(31)
+    B, T, H = 4, 3000, 64
+    k = rng.standard_normal((B, T, 128)) * np.ldexp(1.0, -rng.integers(0, 21, (B, T, 4)).repeat(32, -1))
+    q = rng.standard_normal((B, 1, H, 128)) * np.ldexp(1.0, -rng.integers(0, 12, (B, 1, H, 4)).repeat(32, -1))
+    q = F.fake_quantize(jnp.asarray(q, jnp.float32), "fp4")
+    keys = F.quantize(jnp.asarray(k, jnp.float32), "fp4")
+    w = jnp.asarray(rng.standard_normal((B, 1, H)), jnp.float32)
+    nv = jnp.asarray(rng.integers(1, T + 1, (B, 1)), jnp.int32)
+    check_scores(q, w, keys, nv, "pallas", 1e-5, kernel="mosaic")
+
+
+@gpu
+@pytest.mark.parametrize("B,S,H,T,opts", [(4, 1, 64, 5000, {}), (2, 2, 64, 70000, {}), (3, 1, 16, 776, {}),
                                           (2, 1, 128, 296, {}), (3, 1, 64, 4104, dict(block_t=64, num_stages=4)),
                                           (2, 1, 64, 9000, dict(block_t=128, num_stages=3, num_splits=3)),
                                           (5, 1, 40, 2000, dict(num_splits=1, num_stages=1)),
@@ -518,7 +553,7 @@ def test_gpu_mosaic_group_max(fmt, opts):
 
 
 def test_mosaic_kernel_errors():
-    """kernel='mosaic' is the fp8 / bf16-key Mosaic GPU kernel: no interpreter for precision 'f16', no other key
+    """kernel='mosaic' is the fp8 / fp4 / bf16-key Mosaic GPU kernel: no interpreter for precision 'f16', no other key
     format, no Triton knobs, T a multiple of 8."""
     from pallas_kernels.indexer.gpu import indexer_scores_gpu
 
@@ -528,9 +563,11 @@ def test_mosaic_kernel_errors():
     with pytest.raises(ValueError, match="kernel must be one of"):
         indexer_scores_gpu(q, w, keys, nv, interpret=True, kernel="cuda")
     # an explicit kernel="mosaic" is validated before anything is compiled: these run on the CPU too
-    qb, wb, kb, nb = make(1, 1, 16, 40, "fp4")
-    with pytest.raises(ValueError, match="takes fp8 keys .* or bf16"):
+    qb, wb, kb, nb = make(1, 1, 16, 40, None)
+    with pytest.raises(ValueError, match="takes fp8 or fp4 keys .* or bf16"):
         indexer_scores_gpu(qb, wb, kb, nb, kernel="mosaic")
+    with pytest.raises(ValueError, match="interpret mode runs"):   # fp4 keys: compiled only
+        indexer_scores_gpu(*make(1, 1, 16, 40, "fp4"), kernel="mosaic", interpret=True)
     with pytest.raises(ValueError, match="takes only"):
         indexer_scores_gpu(q, w, keys, nv, kernel="mosaic", num_warps=8)
     with pytest.raises(ValueError, match="multiple of 8"):

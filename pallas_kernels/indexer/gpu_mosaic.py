@@ -63,6 +63,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from . import formats
@@ -72,7 +73,8 @@ N_SM_H200 = 132
 # f16, 9 splits = 576 CTAs 125.7 us, 4 splits = 256 CTAs 101.8 us; session 20), each with >= MIN_BLOCKS blocks
 TARGET_CTAS = 2 * N_SM_H200
 MIN_BLOCKS = 4
-PRECISIONS = {"fp8": ("f16", "fp8"), "bf16": ("bf16x2", "bf16")}   # per key format; the first is the default
+PRECISIONS = {"fp8": ("f16", "fp8"), "bf16": ("bf16x2", "bf16"), "fp4": ("f16",)}   # per key format; the first is
+# the default
 # kernel="auto" takes the Mosaic kernel for up to MAX_QUERIES queries per row (decode, MTP) and at least MIN_ROWS
 # query rows: on the H200 (session 20, scores kernel, us) it wins at B = 64 (128K context: 106.8 vs 128.7 on Triton;
 # 32K: 39.3 vs 40.9) and does not at B = 1 (128K: 13.5 vs 11.7; 1M: 23.1 vs 23.3)
@@ -228,15 +230,16 @@ def default_config(R: int, T: int, fmt: str = "fp8"):
     of >= MIN_BLOCKS blocks."""
     block_t = block_t_of(None, T)
     nb = -(-T // block_t)
-    return dict(block_t=block_t, num_stages=4 if fmt == "fp8" else 2,
+    return dict(block_t=block_t, num_stages=2 if fmt == "bf16" else 4,
                 num_splits=max(1, min(-(-nb // MIN_BLOCKS), TARGET_CTAS // max(R, 1))))
 
 
 def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=0, split_m=False,
-            interpret=False):
+            fp4=False, interpret=False):
     """nv [R] i32, w [R, H] f32, q [R, H, 128] e4m3 (f16 codes with "f16"; for bf16 keys bf16 [R, terms * H, 128],
     the terms stacked along the heads), keys [B, T, 128] e4m3 or bf16, scales [B*T] f32 (fp8 keys only)
-    -> out [R, nb*bt]. Interpreted, q is transposed: [R, 128, H] / [R, terms, 128, H]."""
+    -> out [R, nb*bt]. Interpreted, q is transposed: [R, 128, H] / [R, terms, 128, H]. fp4: keys [B, T, 64] uint8
+    (packed e2m1), scales [B*T] int32 (a key's 4 ue8m0 bytes), q [R, H, 128] f16 in `mosaic_fp4`'s column order."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     f16 = precision == "f16"
@@ -307,6 +310,11 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
         plgpu.copy_smem_to_gmem(vals_smem, out_ref.at[r, pl.ds(pl.multiple_of((lo + j) * bt, bt), bt)])
 
     def a_operand(slot, rows):   # the A operand of the block's keys `rows` (a pl.ds) for precision "f16" / others
+        if fp4:   # packed e2m1 + group scales -> f16 registers (exact), and each key's factor for its score
+            from .mosaic_fp4 import fp4_operand
+
+            return fp4_operand(load(k_smem.at[slot, rows], plgpu.Layout.WGMMA_UPCAST_2X),
+                               load(s_smem.at[slot, rows], plgpu.Layout.WGMMA.reduce(1)))
         if not f16:
             return k_smem.at[slot, rows]
         # e4m3 codes -> f16 in registers (exact), the wgmma's A operand from registers
@@ -314,17 +322,23 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
         a16 = a8.astype(jnp.float16) if convert == "cvt" else _e4m3_to_f16(a8, convert)
         return cast(a16, plgpu.Layout.WGMMA)
 
-    def mma(acc_ref, slot, rows):
+    def mma(acc_ref, slot, rows):   # -> fp4: the keys' score factors [rows], else None
+        if fp4:
+            a16, key_factor = a_operand(slot, rows)
+            plgpu.wgmma(acc_ref, cast(a16, plgpu.Layout.WGMMA), q_t)
+            return key_factor
         if f16 or scale_ref is not None:
             plgpu.wgmma(acc_ref, a_operand(slot, rows), q_t)
         else:   # bf16 keys, q's terms in turn: K (q_hi + q_lo)^T
             for q_term in q_ts:
                 plgpu.wgmma(acc_ref, k_smem.at[slot, rows], q_term)
 
-    def finish(j, slot, logits, r0, m, o):   # rows [r0, r0 + m) of block j: scores into o, the group maxima
-        rl = row_layout
+    def finish(j, slot, logits, r0, m, o, key_factor=None):   # rows [r0, r0 + m) of block j: scores into o,
+        rl = row_layout                                          # the group maxima
         s = jnp.sum(jnp.maximum(logits, 0.0) * jax.lax.broadcast_in_dim(w, (m, H), (1,)), axis=1)
-        if s_smem is not None:   # fp8 keys: the key's power-of-two scale
+        if key_factor is not None:   # fp4 keys: 2^(the key's largest group scale - 128)
+            s = s * key_factor
+        elif s_smem is not None:   # fp8 keys: the key's power-of-two scale
             s = s * load(s_smem.at[slot, pl.ds(r0, m)], rl)
         t = (lo + j) * bt + r0 + plgpu.broadcasted_iota(jnp.int32, (m,), 0, layout=None if interpret else rl)
         s = jnp.where(t < nv, s, -jnp.inf)
@@ -341,18 +355,19 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
         if split_m:   # two [bt / 2, H] accumulators: half 1's operand and wgmma overlap half 0's, half 0's
             h = bt // 2   # epilogue overlaps half 1's wgmma
             def halves(acc0, acc1):
-                mma(acc0, slot, pl.ds(0, h))
-                mma(acc1, slot, pl.ds(h, h))
-                finish(j, slot, plgpu.wgmma_accumulator_load(acc0, wait_n=1), 0, h, o)
-                finish(j, slot, plgpu.wgmma_accumulator_load(acc1, wait_n=0), h, h, o)
+                f0 = mma(acc0, slot, pl.ds(0, h))
+                f1 = mma(acc1, slot, pl.ds(h, h))
+                finish(j, slot, plgpu.wgmma_accumulator_load(acc0, wait_n=1), 0, h, o, f0)
+                finish(j, slot, plgpu.wgmma_accumulator_load(acc1, wait_n=0), h, h, o, f1)
 
             pl.run_scoped(halves, plgpu.ACC((h, H), jnp.float32), plgpu.ACC((h, H), jnp.float32))
         else:
             def whole(acc_ref):
-                mma(acc_ref, slot, pl.ds(0, bt))
-                return acc_ref[...]
+                key_factor = mma(acc_ref, slot, pl.ds(0, bt))
+                return acc_ref[...], key_factor
 
-            finish(j, slot, pl.run_scoped(whole, plgpu.ACC((bt, H), jnp.float32)), 0, bt, o)
+            logits, key_factor = pl.run_scoped(whole, plgpu.ACC((bt, H), jnp.float32))
+            finish(j, slot, logits, 0, bt, o, key_factor)
         plgpu.commit_smem()   # also a warpgroup barrier: every thread is past this slot's keys and scales
 
         @pl.when(j + stages < n_read)
@@ -405,23 +420,24 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     top-k's XLA pass over the scores.
     split_m: each block as two [block_t / 2, H] wgmmas into two accumulators, so the second half's operand load
     (and f16 conversion) and wgmma overlap the first's, and the first's epilogue the second's wgmma (compiled
-    kernels only). Default (None): `DEFAULT_SPLIT_M` where it applies (compiled, block_t >= 128)."""
+    kernels only). Default (None): `DEFAULT_SPLIT_M` where it applies (compiled, block_t 128 or 256)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from .gpu import quantize_q_fp8, split_q
 
     fmt = key_format(keys)
     if fmt is None:
-        raise ValueError("the Mosaic indexer kernel takes fp8 keys (formats.QuantizedKeys with fmt='fp8') or bf16 "
-                         f"keys (a bfloat16 array); got {type(keys).__name__} "
+        raise ValueError("the Mosaic indexer kernel takes fp8 or fp4 keys (formats.QuantizedKeys with fmt 'fp8' / "
+                         f"'fp4') or bf16 keys (a bfloat16 array); got {type(keys).__name__} "
                          f"{getattr(keys, 'fmt', getattr(keys, 'dtype', ''))}; kernel='triton' takes every format")
     key_vals = _key_values(keys)
     B, S, H, d = q.shape
     T = key_vals.shape[1]
-    if d != 128 or key_vals.shape != (B, T, d) or (fmt == "fp8" and keys.scale.shape != (B, T, 1)):
-        raise ValueError(f"expected q [B, S, H, 128] and {fmt} keys [B, T, 128]"
-                         f"{' (scale [B, T, 1])' if fmt == 'fp8' else ''}, got q {q.shape}, keys {key_vals.shape}"
-                         f"{f', scale {keys.scale.shape}' if fmt == 'fp8' else ''}")
+    key_cols, n_scales = {"fp8": (d, 1), "fp4": (d // 2, d // 32), "bf16": (d, None)}[fmt]
+    if d != 128 or key_vals.shape != (B, T, key_cols) or (n_scales and keys.scale.shape != (B, T, n_scales)):
+        raise ValueError(f"expected q [B, S, H, 128] and {fmt} keys [B, T, {key_cols}]"
+                         f"{f' (scale [B, T, {n_scales}])' if n_scales else ''}, got q {q.shape}, keys "
+                         f"{key_vals.shape}{f', scale {keys.scale.shape}' if n_scales else ''}")
     if weights.shape != (B, S, H) or n_visible.shape != (B, S):
         raise ValueError(f"weights must be [B, S, H] = {(B, S, H)} and n_visible [B, S] = {(B, S)}, got "
                          f"{weights.shape} / {n_visible.shape}")
@@ -437,16 +453,17 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     convert = convert or "cvt"
     if convert not in CONVERTS:
         raise ValueError(f"convert must be one of {CONVERTS}, got {convert!r}")
-    if convert != "cvt" and not f16:
+    if convert != "cvt" and not (f16 and fmt == "fp8"):
         raise ValueError(f"convert={convert!r} applies to precision='f16' (fp8 keys) only, got precision {precision!r}")
     if split_m is None:
-        split_m = DEFAULT_SPLIT_M and not interpret and block_t_of(block_t, T) >= 128
-    if split_m and (interpret or block_t_of(block_t, T) < 128):
+        split_m = DEFAULT_SPLIT_M and not interpret and block_t_of(block_t, T) % 128 == 0
+    if split_m and (interpret or block_t_of(block_t, T) % 128):
         raise ValueError("split_m needs a compiled kernel (the interpreter has no wgmma_accumulator_load) and "
-                         "block_t >= 128 (two halves of >= 64 rows, one wgmma M each)")
+                         "block_t 128 or 256 (two halves of a multiple of 64 rows, the wgmma M)")
     if interpret and f16:
         raise ValueError("the Mosaic indexer kernel's interpret mode runs precisions 'fp8', 'bf16x2' and 'bf16' "
-                         "only (the interpreter's wgmma takes no register operand, which precision='f16' feeds)")
+                         "only (the interpreter's wgmma takes no register operand, which precision='f16' feeds; fp4 "
+                         "keys have no other)")
     R = B * S
     cfg = default_config(R, T, fmt)
     for k_, v_ in dict(block_t=block_t, num_stages=num_stages, num_splits=num_splits).items():
@@ -479,6 +496,15 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         if f16:   # the e4m3 codes as f16 (exact): the B operand of an f16 wgmma
             q_op = q_op.astype(jnp.float16)
         q_op = q_op.reshape(R, hp, d)
+    elif fmt == "fp4":   # q's channels in the order the key operand's columns hold them (`mosaic_fp4`), per
+        from .mosaic_fp4 import register_plan   # (token, head) / 2^e (e: its largest magnitude's exponent) in f16
+
+        _, columns = register_plan(64)
+        _, e = jnp.frexp(jnp.max(jnp.abs(qf), axis=-1))
+        e = jnp.where(jnp.max(jnp.abs(qf), axis=-1) > 0, e, 0)
+        q_op = (qf * jnp.ldexp(jnp.float32(1), -e)[..., None])[..., np.argsort(columns)].astype(jnp.float16)
+        wf = wf * jnp.ldexp(jnp.float32(1), e)
+        q_op = q_op.reshape(R, hp, d)
     else:     # bf16: hi (+ lo) as [R, terms * hp, d] (a TMA copy strides at most 5 dims: [terms, hp, d] tiled has 6)
         q_terms, n_terms = split_q(qf, "bf16", precision)
         q_op = jnp.stack(q_terms, axis=2).reshape(R, n_terms * hp, d)
@@ -491,6 +517,9 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     if fmt == "fp8":   # 128 B rows of e4m3
         tile = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
         q_tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)) if f16 else tile
+    elif fmt == "fp4":   # 64 B rows of packed e2m1; q as f16
+        tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
+        q_tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     else:              # 128 B rows of 64 bf16
         tile = q_tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     if interpret:   # the interpreter ignores shared-memory layouts (and q is transposed there)
@@ -498,21 +527,25 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     args = [nv, wf, q_op, key_vals]
     scratch = [plgpu.SMEM(q_op.shape[1:], q_op.dtype, transforms=q_tile),        # q_smem [(terms *) H, 128]
                plgpu.SMEM((hp,), jnp.float32),                                   # w_smem
-               plgpu.SMEM((stages, bt, d), key_vals.dtype, transforms=tile)]     # k_smem
+               plgpu.SMEM((stages, bt, key_cols), key_vals.dtype, transforms=tile)]  # k_smem
     if fmt == "fp8":
         args.append(keys.scale.reshape(B * T).astype(jnp.float32))
         scratch.append(plgpu.SMEM((stages, bt), jnp.float32))                    # s_smem
+    elif fmt == "fp4":   # a key's 4 ue8m0 bytes as one int32 (byte g = group g)
+        args.append(jax.lax.bitcast_convert_type(keys.scale, jnp.int32).reshape(B * T))
+        scratch.append(plgpu.SMEM((stages, bt), jnp.int32))                      # s_smem
     scratch += [plgpu.SMEM((2, bt), jnp.float32),                                # o_smem
                 plgpu.SMEM((bt,), jnp.float32),                                  # fill_smem
                 plgpu.Barrier(num_arrivals=2),                                   # q_bar: q, w
-                plgpu.Barrier(num_arrivals=2 if fmt == "fp8" else 1, num_barriers=stages)]   # k_bars: keys (+ scales)
+                plgpu.Barrier(num_arrivals=1 if fmt == "bf16" else 2, num_barriers=stages)]   # k_bars: keys (+ scales)
     out_type = jax.ShapeDtypeStruct((R, nb * bt), jnp.float32)
     if n_phase:
         scratch += [plgpu.SMEM((n_phase, bt), jnp.float32), plgpu.SMEM((n_phase, bt), jnp.int32)]  # gm, gi
         out_type = (out_type, jax.ShapeDtypeStruct((R, n_split, n_phase, bt), jnp.int32))
     kernel = plgpu.kernel(
         functools.partial(_kernel, T=T, bt=bt, stages=stages, bps=bps, nb=nb, S=S, precision=precision,
-                          convert=convert, n_phase=n_phase, split_m=bool(split_m), interpret=interpret),
+                          convert=convert, n_phase=n_phase, split_m=bool(split_m), fp4=fmt == "fp4",
+                          interpret=interpret),
         out_type=out_type,
         grid=(R, n_split), grid_names=("r", "s"),
         scratch_types=scratch,

@@ -1,0 +1,106 @@
+"""fp4 keys on the Mosaic indexer kernel (`pallas_kernels/indexer/mosaic_fp4.py`): the register plan derived from
+Mosaic GPU's layouts, the nibble decode's bit model, the group factors, and the whole arithmetic (decode x factor
+in the plan's column order against q permuted the same way, x the key's score factor) against the reference scores
+in numpy. The kernel itself runs only compiled (tests/test_indexer_kernels.py::test_gpu_mosaic_fp4_scores on a
+GPU; tests/test_gpu_lowering.py lowers it for CUDA here)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.indexer import formats as F, indexer_scores
+from pallas_kernels.indexer.mosaic_fp4 import (ASM_CHANNELS, fp4_f16x4_reference, group_factor_bits,
+                                               register_plan)
+
+
+def e2m1(nib):
+    mag = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)[nib & 7]
+    return np.where(nib & 8, -mag, mag)
+
+
+@pytest.mark.parametrize("rows", [64, 128, 192, 256])
+def test_register_plan_is_one_permutation(rows):
+    """register_plan checks every thread itself (same row, 4 consecutive bytes of one group, one channel -> column
+    map); here: the map is a permutation, the same for every block height, and each target register appears once."""
+    plan, columns = register_plan(rows)
+    assert sorted(columns.tolist()) == list(range(128))
+    np.testing.assert_array_equal(columns, register_plan(64)[1])
+    targets = [t for _, ts, _, _ in plan for t in ts]
+    assert len(targets) == len(set(targets)) == rows * 128 // 128 // 2   # f16x2 registers per thread
+    assert sorted(g for *_, g in plan) == sorted(list(range(4)) * (len(plan) // 4))
+
+
+def test_nibble_decode_model_every_byte():
+    """FP4_F16X4_SCALED_ASM's model: every byte value in each of the 4 positions of a word, factor 1 and 2^-9:
+    e2m1 x 2^-14 x factor exactly, channels in ASM_CHANNELS order."""
+    rng = np.random.default_rng(0)
+    words = rng.integers(0, 2 ** 32, 256, dtype=np.uint64).astype(np.uint32)
+    words[:256] = (words[:256] & ~np.uint32(0xFF)) | np.arange(256, dtype=np.uint32)
+    for factor in (1.0, 2.0 ** -9, 2.0 ** 15):
+        bits = np.full(words.shape, np.float16(factor).view(np.uint16))
+        got = fp4_f16x4_reference(words, bits).astype(np.float64)
+        for r, chans in enumerate(ASM_CHANNELS):
+            for h, ch in enumerate(chans):
+                nib = (words >> (4 * ch)) & 0xF
+                np.testing.assert_array_equal(got[:, r, h], e2m1(nib.astype(np.int64)) * 2.0 ** -14 * factor)
+
+
+def test_group_factors():
+    s = np.array([[127, 127, 127, 127], [130, 100, 127, 91], [10, 50, 60, 5], [0, 0, 0, 0], [254, 200, 225, 160]])
+    bits, shift = group_factor_bits(s)
+    f = bits.view(np.float16).astype(np.float64)
+    d = s.max(-1, keepdims=True) - s
+    want = np.where(d <= 39, 2.0 ** (15 - d), 0.0)
+    np.testing.assert_array_equal(f, want)
+    np.testing.assert_array_equal(shift, s.max(-1) - 128)
+
+
+def model_scores(q, w, keys, nv):
+    """The Mosaic fp4 path's arithmetic in numpy (f16 operands and factors exactly as the kernel forms them, f64
+    sums): q per (token, head) / 2^e in f16 in the plan's column order; keys decoded x group factor into the same
+    columns; ReLU, head weights x 2^e, x 2^(smax - 128)."""
+    _, columns = register_plan(128)
+    q = np.asarray(q, np.float64)
+    amax = np.abs(q).max(-1)
+    _, e = np.frexp(amax)
+    e = np.where(amax > 0, e, 0)
+    q_op = np.zeros_like(q)
+    q_op[..., columns] = (q * np.ldexp(1.0, -e)[..., None]).astype(np.float16)
+    wf = np.asarray(w, np.float64) * np.ldexp(1.0, e)
+    packed = np.asarray(keys.values).astype(np.uint32)            # [B, T, 64]
+    bits, shift = group_factor_bits(np.asarray(keys.scale))        # [B, T, 4], [B, T]
+    B, T = packed.shape[:2]
+    words = packed.reshape(B, T, 16, 4)
+    words = words[..., 0] | (words[..., 1] << 8) | (words[..., 2] << 16) | (words[..., 3] << 24)   # [B, T, 16]
+    fac = np.repeat(bits, 4, axis=-1)                              # word i is in group i // 4
+    vals = fp4_f16x4_reference(words, fac).astype(np.float64)      # [B, T, 16, 4, 2]
+    k_op = np.zeros((B, T, 128))
+    for r, chans in enumerate(ASM_CHANNELS):
+        for h, ch in enumerate(chans):
+            k_op[..., columns[np.arange(16) * 8 + ch]] = vals[..., r, h]
+    logits = np.einsum("bshc,btc->bsht", q_op, k_op)
+    s = np.einsum("bsht,bsh->bst", np.maximum(logits, 0), wf) * np.ldexp(1.0, shift)[:, None, :]
+    t = np.arange(T)
+    return np.where(t[None, None] < np.asarray(nv)[..., None], s, -np.inf)
+
+
+@pytest.mark.parametrize("spread", [0, 12, 22])
+def test_model_matches_reference(spread):
+    """The arithmetic the kernel runs equals the reference scores to f32 rounding, also with each key's groups
+    spread over 2^spread (scaled channels groups) and one all-zero key."""
+    rng = np.random.default_rng(spread)
+    B, S, H, T = 2, 1, 16, 64
+    q = F.fake_quantize(F.hadamard(jnp.asarray(rng.standard_normal((B, S, H, 128)), jnp.float32)), "fp4")
+    k = rng.standard_normal((B, T, 128))
+    k = k * np.ldexp(1.0, -rng.integers(0, spread + 1, (B, T, 4)).repeat(32, -1))
+    k[0, 3] = 0
+    keys = F.quantize(jnp.asarray(k, jnp.float32), "fp4")
+    w = jnp.asarray(rng.standard_normal((B, S, H)), jnp.float32)
+    nv = jnp.asarray([[T], [T - 5]], jnp.int32)
+    ref = np.asarray(indexer_scores(q, w, keys, nv), np.float64)
+    got = model_scores(q, w, keys, nv)
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(ref))
+    fin = np.isfinite(ref)
+    np.testing.assert_allclose(got[fin], ref[fin], rtol=1e-5, atol=1e-6 * np.abs(ref[fin]).max())
