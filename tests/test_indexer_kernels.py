@@ -405,7 +405,7 @@ def test_gpu_mosaic_bf16_scores(B, S, H, T, opts):
 def test_mosaic_auto_rule_shapes():
     """`gpu_mosaic.auto_takes` on V4 shapes (no kernel runs): B=64 decode over fp8 / bf16 keys; batch 1 over bf16
     keys only where its 128-key blocks fill a wave of CTAs (1M context: 2048 blocks; 128K: 256, stays on Triton);
-    never fp4, prefill, or batch 1 over fp8."""
+    fp4 keys at B=64 (session 31); never prefill, or batch 1 over fp8 / fp4."""
     from pallas_kernels.indexer import formats, gpu_mosaic
 
     sds = jax.ShapeDtypeStruct
@@ -416,13 +416,14 @@ def test_mosaic_auto_rule_shapes():
     assert gpu_mosaic.auto_takes(q(64, 1), bf16(64, 32768)) and gpu_mosaic.auto_takes(q(64, 1), fp8(64, 32768))
     assert gpu_mosaic.auto_takes(q(1, 1), bf16(1, 262144))
     assert not gpu_mosaic.auto_takes(q(1, 1), bf16(1, 32768)) and not gpu_mosaic.auto_takes(q(1, 1), fp8(1, 262144))
-    assert not gpu_mosaic.auto_takes(q(64, 1), fp4(64, 32768)) and not gpu_mosaic.auto_takes(q(1, 8), bf16(1, 262144))
+    assert gpu_mosaic.auto_takes(q(64, 1), fp4(64, 32768)) and not gpu_mosaic.auto_takes(q(1, 1), fp4(1, 262144))
+    assert not gpu_mosaic.auto_takes(q(1, 8), bf16(1, 262144))
 
 
 @gpu
 def test_gpu_auto_takes_mosaic_for_fp8_decode(monkeypatch):
-    """kernel "auto": decode (<= 2 queries per row, >= 16 query rows) over fp8 or bf16 keys (session 27) with
-    head_dim 128 and T % 8 == 0 goes to the Mosaic kernel; prefill, batch < 16, other key formats (fp4, f32), T % 8
+    """kernel "auto": decode (<= 2 queries per row, >= 16 query rows) over fp8, bf16 (session 27) or fp4 keys
+    (session 31) with head_dim 128 and T % 8 == 0 goes to the Mosaic kernel; prefill, batch < 16, f32 keys, T % 8
     != 0 and explicitly tuned calls stay on Triton. Scores against the reference either way."""
     from pallas_kernels.indexer import gpu_mosaic
 
@@ -432,7 +433,7 @@ def test_gpu_auto_takes_mosaic_for_fp8_decode(monkeypatch):
     monkeypatch.setattr(gpu_mosaic, "indexer_scores_mosaic", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     for (B, S, T, fmt, opts, mosaic) in [(16, 1, 800, "fp8", {}, True), (8, 2, 800, "fp8", {}, True),
                                          (2, 1, 800, "fp8", {}, False), (6, 3, 800, "fp8", {}, False),
-                                         (16, 1, 804, "fp8", {}, False), (16, 1, 800, "fp4", {}, False),
+                                         (16, 1, 804, "fp8", {}, False), (16, 1, 800, "fp4", {}, True),
                                          (16, 1, 800, "bf16", {}, True), (16, 1, 800, None, {}, False),
                                          (16, 1, 800, "fp8", dict(block_t=64), False)]:
         q, w, keys, nv = make(B, S, 64, T, fmt, True)

@@ -52,10 +52,10 @@ def test_fp8_cache_bf16_model_on_mosaic_attention_matches_triton_and_reference()
 
 
 @pytest.mark.skipif(jax.default_backend() not in ("gpu", "cuda"), reason="the Mosaic GPU kernel runs only on a GPU")
-@pytest.mark.parametrize("kernel,fmt", [("mosaic", "fp8"), ("triton", "fp8"), ("mosaic", "bf16")])
+@pytest.mark.parametrize("kernel,fmt", [("mosaic", "fp8"), ("triton", "fp8"), ("mosaic", "bf16"), ("mosaic", "fp4")])
 @jax.default_matmul_precision("highest")
 def test_fp8_indexer_keys_on_mosaic_kernel_match_reference(monkeypatch, kernel, fmt):
-    """fp8 (and, since session 27, bf16) indexer keys with index_head_dim 128 (V4's), batch 16: with kernel "mosaic"
+    """fp8 (and, since session 27, bf16; since session 31, fp4) indexer keys with index_head_dim 128 (V4's), batch 16: with kernel "mosaic"
     decode's indexer scores run on the Mosaic GPU kernel (kernel "auto", gpu_mosaic.AUTO on: the default), prefill's
     on Triton; with "triton" (AUTO off) on the Triton kernel everywhere. Logits equal the reference path's own
     quantized mode within 2e-4 relative.

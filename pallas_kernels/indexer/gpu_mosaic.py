@@ -89,7 +89,8 @@ MIN_ROWS = 16
 AUTO = True
 # the key formats kernel="auto" sends here. bf16 since session 27 (H200, B = 64, scores us: 128K context 155.8 vs
 # 189.4 on Triton, 32K 52.1 vs 61.7; B = 16 x 128K 46.7 vs 58.7)
-AUTO_FORMATS = ("fp8", "bf16")
+# fp4 since session 31 (H200, B = 64, scores us: 128K context 118.5 vs 168.2 on Triton, 1M 888.9 vs 1283.4)
+AUTO_FORMATS = ("fp8", "bf16", "fp4")
 # ... and below MIN_ROWS query rows for these formats where the rows' 128-key blocks fill a wave of CTAs
 # (>= MIN_KEY_BLOCKS): bf16 keys, B = 1 x 1M context (2048 blocks), 30.9 vs 39.5 us on Triton; at 128K (256
 # blocks) 14.1 vs 14.4 (session 28). fp8 keys at B = 1 x 1M: 23.1 vs 23.3 (session 20), so they stay on Triton
