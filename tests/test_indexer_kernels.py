@@ -348,11 +348,11 @@ def test_gpu_mosaic_fp8_scores(B, S, H, T, opts):
                                           (2, 1, 128, 296, {}), (3, 1, 64, 4104, dict(block_t=64, num_stages=2)),
                                           (2, 1, 64, 9000, dict(block_t=256, num_splits=3)),
                                           (5, 1, 40, 2000, dict(num_splits=1, num_stages=1)),
-                                          (4, 1, 64, 5000, dict(split_m=False)), (3, 1, 64, 3000, dict(block_t=192))])
+                                          (4, 1, 64, 5000, dict(split_m=True)), (3, 1, 64, 3000, dict(block_t=192))])
 def test_gpu_mosaic_fp4_scores(B, S, H, T, opts):
     """The Mosaic GPU kernel over fp4 keys (session 31): scores, picks and the set picks against the reference;
     ragged n_visible (0, inside, past T), heads padded to 32, odd splits, 1-4 slots, 64- to 256-key blocks, split_m
-    on (the default) and off. The f16 operands are exact (`mosaic_fp4`), so the scores agree to f32 rounding."""
+    off (the fp4 default) and on. The f16 operands are exact (`mosaic_fp4`), so the scores agree to f32 rounding."""
     q, w, keys, nv = make(B, S, H, T, "fp4", True)
     check_scores(q, w, keys, nv, "pallas", 1e-5, kernel="mosaic", **opts)
     out = np.asarray(indexer_scores_pallas(q, w, keys, nv, impl="pallas", kernel="mosaic", pad_to_block=True, **opts))

@@ -106,9 +106,10 @@ MIN_KEY_BLOCKS = TARGET_CTAS * MIN_BLOCKS
 #   so both halves carry the same factor: the conversion pipe and the integer pipe share the work.
 # * "raw" (timing diagnostic only, wrong values): the code bytes passed through as if they were f16 pairs.
 CONVERTS = ("cvt", "alu", "mix", "raw")
-# split_m's default where it applies (session 31; with the top-k's group maxima from this kernel, the `threshold_set`
-# pipelines took 2-6 us less on the H200, session 30: results/README_indexer_compressor.md)
-DEFAULT_SPLIT_M = True
+# split_m's default per key format where it applies (session 31). fp8 / bf16: with the top-k's group maxima from this
+# kernel, the `threshold_set` pipelines took 2-6 us less on the H200 (session 30). fp4: off, its two halves' decode
+# is slower (B = 64 `threshold_set`: 128K 157.6 us with, 144.7 without; 1M 983.6 / 913.4; results/h200_s31r4_idx.log)
+DEFAULT_SPLIT_M = {"fp8": True, "bf16": True, "fp4": False}
 F16_BIAS_SHIFT = 8   # "alu" / "mix" give the key value x 2^-8
 # $2 = 4 e4m3 codes (bytes 0..3); $0 = f16 pair of bytes 0, 1, $1 = bytes 2, 3 (low half = the lower byte), x 2^-8.
 # prmt puts byte i in the high byte of a 16-bit half; the sign bit stays, exponent and mantissa move right by one.
@@ -421,7 +422,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     top-k's XLA pass over the scores.
     split_m: each block as two [block_t / 2, H] wgmmas into two accumulators, so the second half's operand load
     (and f16 conversion) and wgmma overlap the first's, and the first's epilogue the second's wgmma (compiled
-    kernels only). Default (None): `DEFAULT_SPLIT_M` where it applies (compiled, block_t 128 or 256)."""
+    kernels only). Default (None): `DEFAULT_SPLIT_M[format]` where it applies (compiled, block_t 128 or 256)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from .gpu import quantize_q_fp8, split_q
@@ -457,7 +458,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     if convert != "cvt" and not (f16 and fmt == "fp8"):
         raise ValueError(f"convert={convert!r} applies to precision='f16' (fp8 keys) only, got precision {precision!r}")
     if split_m is None:
-        split_m = DEFAULT_SPLIT_M and not interpret and block_t_of(block_t, T) % 128 == 0
+        split_m = DEFAULT_SPLIT_M[fmt] and not interpret and block_t_of(block_t, T) % 128 == 0
     if split_m and (interpret or block_t_of(block_t, T) % 128):
         raise ValueError("split_m needs a compiled kernel (the interpreter has no wgmma_accumulator_load) and "
                          "block_t 128 or 256 (two halves of a multiple of 64 rows, the wgmma M)")
