@@ -1,4 +1,4 @@
-"""Lightning-indexer decode scores over fp8 or bf16 keys on the H200's tensor cores (Pallas, Mosaic GPU backend).
+"""Lightning-indexer decode scores over fp8, fp4 or bf16 keys on the H200's tensor cores (Pallas, Mosaic GPU backend).
 
     indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stages=None, num_splits=None,
                           pad_to_block=False, precision=None) -> scores [B, S, T] f32
@@ -10,6 +10,8 @@ it runs at 1.8x its byte floor (131 vs 73 us, session 18), and Triton's code for
 block of keys into shared memory in the layout the tensor cores read (128 B rows, 128 B swizzle) and one wgmma
 e4m3 x e4m3 -> f32 takes them from there. Session 27 added bf16 keys (`formats` "bf16" and exact mode with a bf16
 model): the Triton kernel ran them at 1.27-1.35x their byte floor; here TMA feeds them to bf16 wgmmas unchanged.
+Session 31 added fp4 keys (packed e2m1 + 4 ue8m0 group scales, 68 B): the Triton kernel ran them at 3.2x their
+floor (168 us at B = 64 x 128K); here 110 us (scores alone; B = 64 x 1M: 797 vs 1283 us on Triton).
 
 Key formats and precisions (`PRECISIONS`; the first is the default):
 * fp8 keys (`formats.QuantizedKeys`, fmt "fp8"): "f16" (e4m3 codes -> f16 in registers, exact, the wgmma's A operand
@@ -20,6 +22,13 @@ Key formats and precisions (`PRECISIONS`; the first is the default):
   multiplies the head-weighted sum. Every product of two e4m3 codes is exact in f32, so the scores equal the
   reference up to the order (and the tensor cores' internal precision) of the f32 sums. A q that is not
   fp8-representable is rounded to e4m3 first (vLLM's fp8 indexer q does the same); the model never passes one.
+* fp4 keys (`formats.QuantizedKeys`, fmt "fp4"): "f16" only. TMA brings each block's packed bytes [block_t, 64]
+  (64 B rows, 64 B swizzle) and its scales (a key's 4 bytes as one int32); `mosaic_fp4.fp4_operand` turns them into
+  the f16 A operand in registers by inline PTX: the nibbles' bits placed as f16 (e2m1 x 2^-14, exact) times the
+  group's factor 2^(15 - D) (D: the group's distance below the key's largest scale; exact for D <= 24), written
+  into WGMMA registers of `mosaic_fp4.register_plan`'s choosing, with q's 128 channels permuted to match (a dot
+  product is indifferent to the order of its K dimension). The key's 2^(smax - 128) multiplies its score. q arrives
+  fake-quantized to fp4; each (token, head) is divided by a power of two (into the head weight) and rounded to f16.
 * bf16 keys (a bfloat16 [B, T, 128] array): "bf16x2" (q split into bf16 hi + the bf16-rounded remainder, two wgmmas
   into one accumulator: q to ~16 mantissa bits, as the Triton kernel's default for bf16 keys), "bf16" (q rounded to
   bf16, one wgmma; exact for a bf16 q). Products of two bf16 values are exact in f32.
@@ -410,10 +419,11 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                           pad_to_block=False, precision=None, convert=None, group_max_k=None, split_m=None,
                           interpret=False):
     """Scores [B, S, T] f32 (or [B, S, roundup(T, block_t)] with -inf padding if pad_to_block) like
-    `reference.indexer_scores`, for fp8 keys (`formats.QuantizedKeys`, fmt "fp8") or bf16 keys (a bfloat16
-    [B, T, 128] array); q [B, S, H, 128] (fp8 keys: fake-quantized like them), weights [B, S, H], n_visible [B, S]
-    int32. precision: one of `PRECISIONS[format]`, default the first. convert: how precision "f16" turns the key
-    codes into f16 (`CONVERTS`, default "cvt"; same scores).
+    `reference.indexer_scores`, for fp8 / fp4 keys (`formats.QuantizedKeys`, fmt "fp8": values [B, T, 128], scale
+    [B, T, 1]; "fp4": packed [B, T, 64] uint8, scale [B, T, 4] ue8m0; compiled only) or bf16 keys (a bfloat16
+    [B, T, 128] array); q [B, S, H, 128] (fp8 / fp4 keys: fake-quantized like them), weights [B, S, H], n_visible
+    [B, S] int32. precision: one of `PRECISIONS[format]`, default the first. convert: how precision "f16" turns fp8
+    key codes into f16 (`CONVERTS`, default "cvt"; same scores).
     group_max_k (the k of a threshold top-k that consumes the scores): returns (scores, group_max), group_max
     [B, S, n_split, G] int32 = each CTA's maxima of the ordered keys (`topk._ordered_i32`) of the top-k's strided
     groups (G = `topk.threshold_groups(T_out, k)`), or None where that does not fit: G == 0, G not a multiple of
