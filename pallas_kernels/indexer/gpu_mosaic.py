@@ -335,8 +335,8 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
 
     def mma(acc_ref, slot, rows):   # -> fp4: the keys' score factors [rows], else None
         if fp4:
-            a16, key_factor = a_operand(slot, rows)
-            plgpu.wgmma(acc_ref, cast(a16, plgpu.Layout.WGMMA), q_t)
+            a16, key_factor = a_operand(slot, rows)   # already in the WGMMA layout
+            plgpu.wgmma(acc_ref, a16, q_t)
             return key_factor
         if f16 or scale_ref is not None:
             plgpu.wgmma(acc_ref, a_operand(slot, rows), q_t)
@@ -512,8 +512,8 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         from .mosaic_fp4 import register_plan   # (token, head) / 2^e (e: its largest magnitude's exponent) in f16
 
         _, columns = register_plan(64)
-        _, e = jnp.frexp(jnp.max(jnp.abs(qf), axis=-1))
-        e = jnp.where(jnp.max(jnp.abs(qf), axis=-1) > 0, e, 0)
+        amax = jnp.max(jnp.abs(qf), axis=-1)
+        e = jnp.where(amax > 0, jnp.frexp(amax)[1], 0)
         q_op = (qf * jnp.ldexp(jnp.float32(1), -e)[..., None])[..., np.argsort(columns)].astype(jnp.float16)
         wf = wf * jnp.ldexp(jnp.float32(1), e)
         q_op = q_op.reshape(R, hp, d)
