@@ -5,6 +5,8 @@
 # pallas-vs-reference parity on the GPU), comp / idx / attn (benchmarks/compressor.py, indexer.py,
 # sparse_attention.py; diag = benchmarks/diag_indexer_prefill.py; topk / topk_cb = benchmarks/topk_stages.py (topk_cb with
 # XLA command buffers incl. conditionals, CB_TYPES); kres = benchmarks/kernel_resources.sh (ptxas registers/spills); compv = compressor kernel variants on COMPV_CASES), decode (benchmarks/decode.py ref vs pallas), picks (decode.py, Pallas, indexer picks sorted vs set), gather (benchmarks/tma_row_gather_{raw,probe}.py: row-gather producer bandwidth), mosaic (benchmarks/mosaic_attention.py: Mosaic vs Triton attention; MOSAIC_ARGS='--cases prefill|splits'), breakdown (benchmarks/decode_breakdown.py), mres (benchmarks/mosaic_resources.py: ptxas registers / spills of the Mosaic attention kernel's variants), ss (benchmarks/mosaic_split_scores.py: split_scores checked per variant in its own process, then timed), ssdiag (benchmarks/diag_split_scores_model.py: the tiny model's attention calls, default vs split_scores vs the reference op, per call), mprof (benchmarks/mosaic_phase_profile.py: the Mosaic attention kernel's per-warpgroup phases from Mosaic GPU's on-device profiler; MPROF_ARGS='--cases ...'), dk (benchmarks/decode_kernels.py: the kernels one decode call launches, CUPTI durations vs wall; DK_ARGS), mdiag (benchmarks/diag_indexer_mosaic_model.py: the Mosaic indexer kernel on the failing model test's captured decode inputs of both model paths, row by row, saved to mdiag_captures.npz), fq (benchmarks/diag_fake_quantize.py + the jitted fake-quantization tests: does q's quantization survive XLA's GPU compiler), ikern (benchmarks/indexer_kernels.py: the kernels one indexer call launches, CUPTI durations vs the net time per call; IKERN_ARGS), mops (benchmarks/diag_model_ops.py: every kernel call of the fp8-indexer model test against its reference op on the same inputs; MOPS_ARGS), msmall (benchmarks/diag_indexer_mosaic_small_t.py: the kernel alone at the model test's shape), dk_nocb / dk_cb (the same with XLA's command buffers off / on for CB_TYPES incl. custom calls, graphs from 1 thunk).
+# PYTEST_N=<workers>: the test steps run in that many pytest-xdist processes sharing the GPU (compiling dominates the
+# tests, and the device machine has 16 cores): e.g. PYTEST_N=8 STEPS=tests5.
 # XLA_FLAGS set by the caller reach every step (the tests add --xla_gpu_autotune_level=0 to them), e.g.
 #   XLA_FLAGS=--xla_gpu_enable_pdl=true STEPS="dk tests4" ... (programmatic dependent launch, untried as of session 16)
 # Per-step limit: T_<step> seconds (defaults below). A test that hangs dumps its Python stack (faulthandler) into
@@ -18,7 +20,7 @@ cat "$OUT/env.log"
 # tests: XLA's GEMM autotuning off (compile time, not kernel speed, dominates the tiny test models); -rf lists
 # failures at the end, --tb=short keeps them readable
 PYT=(bash -c 'XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_autotune_level=0" exec python3 -m pytest -v -rfP \
-  --tb=short -p no:cacheprovider -o faulthandler_timeout=${FAULT_T:-100} --durations=8 "$@"' pytest)
+  --tb=short -p no:cacheprovider -o faulthandler_timeout=${FAULT_T:-100} --durations=8 ${PYTEST_N:+-n $PYTEST_N} "$@"' pytest)
 PY="python3 -X faulthandler"
 run_step() {  # name, default limit, command...
   local name=$1 lim=$2; shift 2
