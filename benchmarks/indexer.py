@@ -110,6 +110,32 @@ def parse_options(spec: str) -> dict:
     return out
 
 
+def set_pipeline(cfg: str):
+    """The model's pipeline (`indexer_topk(..., impl="pallas", k=TOPK, topk="threshold_set")`) with the options of
+    cfg ('name=value,...'; topk=... replaces the method). An item 'topk.NAME=value' sets the module constant NAME of
+    pallas_kernels.indexer.topk (converted to its type) while the call traces, e.g. 'topk.CHAIN_EPILOGUE_IN_KERNELS=0'."""
+    from pallas_kernels.indexer import indexer_topk
+    from pallas_kernels.indexer import topk as topk_mod
+
+    opts = parse_options(cfg)
+    consts = {name[5:]: opts.pop(name) for name in list(opts) if name.startswith("topk.")}
+    for c in consts:
+        if not hasattr(topk_mod, c):
+            raise ValueError(f"set config {cfg!r}: pallas_kernels.indexer.topk has no constant {c!r}")
+
+    def run(q, w, keys, n_visible):
+        saved = {c: getattr(topk_mod, c) for c in consts}
+        try:
+            for c, v in consts.items():
+                setattr(topk_mod, c, type(saved[c])(v))
+            return indexer_topk(q, w, keys, n_visible, k=TOPK, impl="pallas", **{"topk": "threshold_set", **opts})
+        finally:
+            for c, v in saved.items():
+                setattr(topk_mod, c, v)
+
+    return run
+
+
 TOPK_ONLY_METHODS = {"lax": dict(topk="lax"), "radix": dict(topk="radix"), "radix4": dict(topk="radix4"),
                      "grouped16": dict(topk="grouped16"), "grouped32": dict(topk="grouped32"),
                      "grouped64": dict(topk="grouped64"), "threshold": dict(topk="threshold"),
@@ -284,9 +310,7 @@ def main():
         opts = parse_options(cfg)
         variants[f"scores[{cfg}]"] = lambda q, w, k, n, o=opts: indexer_scores_pallas(q, w, k, n, impl="pallas", **o)
     for cfg in (a.set_configs.split(";") if a.set_configs else []):
-        opts = parse_options(cfg)
-        variants[f"set[{cfg}]"] = lambda q, w, k, n, o=opts: indexer_topk(q, w, k, n, k=TOPK, impl="pallas",
-                                                                          **{"topk": "threshold_set", **o})
+        variants[f"set[{cfg}]"] = set_pipeline(cfg)
     # the chain's own iteration (q update + the dependency reduction, no indexer): included in every column
     variants = dict(harness=lambda q, w, k, n: jnp.zeros(q.shape[:2] + (1,), jnp.int32), **variants)
     cases = []

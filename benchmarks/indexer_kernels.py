@@ -13,7 +13,8 @@ stages and the idle gaps between them:
         [--configs 'kernel=mosaic;kernel=mosaic,fuse_group_max=1'] [--unroll 8]
 
 A config is a ','-separated option set of `indexer_topk(..., impl="pallas", k=512, topk="threshold_set")`
-(ints, flags as 0 / 1; topk=... replaces the method). Needs a GPU (CUPTI).
+(ints, flags as 0 / 1; topk=... replaces the method; topk.NAME=value sets a constant of the top-k module, see
+`benchmarks.indexer.set_pipeline`). Needs a GPU (CUPTI).
 """
 
 from __future__ import annotations
@@ -37,9 +38,8 @@ def main():
     import jax.numpy as jnp
 
     from benchmarks.decode_kernels import group_kernels
-    from benchmarks.indexer import TOPK, make_inputs, parse_options
+    from benchmarks.indexer import make_inputs, set_pipeline
     from benchmarks.timing import cupti_kernels, record_case, wall_net
-    from pallas_kernels.indexer import indexer_topk
 
     u = args.unroll
     results = {}
@@ -47,14 +47,13 @@ def main():
         B, S, ctx, fmt = cs.split("x")
         q, w, keys, nv = make_inputs(int(B), int(S), int(ctx), fmt)
         for cfg in args.configs.split(";"):
-            opts = parse_options(cfg)   # flags as 0 / 1
+            pipeline = set_pipeline(cfg)   # flags as 0 / 1; topk.NAME=value sets a constant of the top-k module
 
-            def chain(n, opts=opts):
+            def chain(n, pipeline=pipeline):
                 def run(q, w, keys, nv):
                     acc = jnp.zeros((), jnp.int32)
                     for _ in range(n):   # unrolled: CUPTI sees each call's kernels
-                        picks = indexer_topk(q, w, keys, nv, k=TOPK, impl="pallas", **{"topk": "threshold_set",
-                                                                                        **opts})
+                        picks = pipeline(q, w, keys, nv)
                         dep = jnp.sum(picks[..., :1])
                         q = q + 0.0 * dep.astype(q.dtype)
                         acc = acc + dep
