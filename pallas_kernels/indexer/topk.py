@@ -311,6 +311,11 @@ def _compact_step(scores_ref, keys_out, pos_out, r, start, lanes, off, tau, *, T
 # the small XLA fusions between them that it was before (False: kept to time the two side by side,
 # `benchmarks/indexer.py --set-configs 'topk.CHAIN_EPILOGUE_IN_KERNELS=0'`).
 CHAIN_EPILOGUE_IN_KERNELS = True
+# Session-32 diagnostics of the selection kernel's output (its time doubled with the bookkeeping inside, call 2):
+# SELECT_TAIL_COMPILED: the unstored lanes' distinct tail slots (outputs k + Cp wide, sliced after) also compiled;
+# SELECT_PICKS_ONLY: the set path's kernel writes the picks with -1 padding (else keys / pos, and XLA makes picks).
+SELECT_TAIL_COMPILED = False
+SELECT_PICKS_ONLY = True
 
 
 def _compact_raw(scores, keys, tau, capacity: int, chunk: int, sub: int, interpret: bool):
@@ -702,7 +707,8 @@ def select_pallas(cand_keys, cand_pos, n, k: int, capacity: int, *, bits: int | 
         raise ValueError("select_pallas: picks_only needs finite_only (a -1 pick stands for every non-finite one)")
     Cp = 1 << (capacity - 1).bit_length()
     kp = 1 << (k - 1).bit_length()
-    width = k + Cp if interpret else k               # the interpreter's tail for unstored lanes (see _select_kernel)
+    tail = bool(interpret or SELECT_TAIL_COMPILED)
+    width = k + Cp if tail else k                    # the interpreter's tail for unstored lanes (see _select_kernel)
     full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
     extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1))
     n_out = 1 if picks_only else 2
@@ -710,7 +716,7 @@ def select_pallas(cand_keys, cand_pos, n, k: int, capacity: int, *, bits: int | 
         functools.partial(_select_kernel, W=W, Cp=Cp, k=k, kp=kp, bits=bits, finite_only=finite_only,
                           matrix=bool(SELECT_KERNEL_CONFIG["select_matrix"]),
                           early_exit=bool(SELECT_KERNEL_CONFIG["early_exit"]), capacity=capacity,
-                          picks_only=picks_only, tail=bool(interpret)), grid=(R,),
+                          picks_only=picks_only, tail=tail), grid=(R,),
         in_specs=[full((R,)), full((R, W)), full((R, W))], out_specs=[full((R, width))] * n_out,
         out_shape=[jax.ShapeDtypeStruct((R, width), jnp.int32)] * n_out, interpret=interpret, name="topk_select",
         **extra,
@@ -829,6 +835,9 @@ def _select_path(s, lead, k: int, group: int, capacity: int, sorted: bool, inter
             return jnp.where(keys_k > NEG_INF_KEY, pos_k, -1).reshape(lead + (k,))
         return _order_slots(keys_k, pos_k, k, lead)
     raw_keys, raw_pos, n = _compact_fixed(s, keys, tau, k, capacity, interpret, raw_n=True)
+    if not sorted and not SELECT_PICKS_ONLY:
+        keys_k, pos_k = select_pallas(raw_keys, raw_pos, n, k, capacity, finite_only=True, interpret=interpret)
+        return jnp.where(keys_k > NEG_INF_KEY, pos_k, -1).reshape(lead + (k,))
     if not sorted:  # ascending position, non-finite picks left out, -1 padding after them: the kernel's own output
         picks = select_pallas(raw_keys, raw_pos, n, k, capacity, finite_only=True, picks_only=True,
                               interpret=interpret)
