@@ -316,6 +316,7 @@ CHAIN_EPILOGUE_IN_KERNELS = True
 # SELECT_PICKS_ONLY: the set path's kernel writes the picks with -1 padding (else keys / pos, and XLA makes picks).
 SELECT_TAIL_COMPILED = False
 SELECT_PICKS_ONLY = True
+COMPACT_KERNEL_N = True     # n from the compaction kernel (else one XLA sum over its chunk counts)
 
 
 def _compact_raw(scores, keys, tau, capacity: int, chunk: int, sub: int, interpret: bool):
@@ -345,7 +346,7 @@ def _compact_raw(scores, keys, tau, capacity: int, chunk: int, sub: int, interpr
         out_shape=[jax.ShapeDtypeStruct((R, width), jnp.int32)] * 2 + [jax.ShapeDtypeStruct((R,), jnp.int32)],
         interpret=interpret, name="topk_compact", **extra,
     )(tau, counts_p, scores)
-    return cand_keys, cand_pos, (n if CHAIN_EPILOGUE_IN_KERNELS else jnp.sum(counts, axis=1))
+    return cand_keys, cand_pos, (n if CHAIN_EPILOGUE_IN_KERNELS and COMPACT_KERNEL_N else jnp.sum(counts, axis=1))
 
 
 def _finish_slots(cand_keys, cand_pos, n, capacity: int):
