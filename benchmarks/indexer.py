@@ -113,7 +113,7 @@ def parse_options(spec: str) -> dict:
 def set_pipeline(cfg: str):
     """The model's pipeline (`indexer_topk(..., impl="pallas", k=TOPK, topk="threshold_set")`) with the options of
     cfg ('name=value,...'; topk=... replaces the method). An item 'topk.NAME=value' sets the module constant NAME of
-    pallas_kernels.indexer.topk (converted to its type) while the call traces, e.g. 'topk.CHAIN_EPILOGUE_IN_KERNELS=0'."""
+    pallas_kernels.indexer.topk (converted to its type) while the call traces, e.g. 'topk.COUNT_WIDTH=512'."""
     from pallas_kernels.indexer import indexer_topk
     from pallas_kernels.indexer import topk as topk_mod
 

@@ -23,7 +23,8 @@ negatives): -NaN < -inf < ... < -0.0 < +0.0 < ... < +inf < +NaN, so -0.0 and +0.
 above -0.0 even at a higher index), and NaNs have a definite rank. The key map below is that same total order
 on uint32, so no special case is needed for signed zeros, and NaN inputs give the same picks as `lax.top_k` too
 (their picks come out as -1, like +inf ones, since the final mask is `isfinite`). The indexer never produces
-NaN / +inf; -inf marks invalid entries.
+NaN / +inf; -inf marks invalid entries. (XLA's GPU top-k itself strayed from the total order for NaN at k = 16 on
+the H200, session 32: the tests take the CPU's lax.top_k as the oracle.)
 
 Algorithm (per row; every shape static, no data-dependent sizes):
   1. keys = bits ^ (0xFFFFFFFF if sign else 0x80000000)  (uint32, order-preserving: key order = total order).
@@ -265,21 +266,15 @@ def compact_reference(keys, tau, capacity: int):
     return cand_keys, cand_pos, c[:, -1]
 
 
-def _compact_kernel(tau_ref, counts_ref, scores_ref, keys_out, pos_out, n_out, *, T, chunk, sub, n_chunks, nc_pad,
+def _compact_kernel(tau_ref, counts_ref, scores_ref, keys_out, pos_out, *, T, chunk, sub, n_chunks, nc_pad,
                     capacity):
     """One program = (row r, chunk c of `chunk` scores): its survivors go to positions offset + running count, where
-    offset = survivors of the row's earlier chunks (counted by XLA beforehand). Program (r, 0) also writes the row's
-    total n (so no XLA reduction over the counts follows the kernel)."""
+    offset = survivors of the row's earlier chunks (counted by XLA beforehand)."""
     r, c = pl.program_id(0), pl.program_id(1)
     tau = tau_ref[r]
     ci = jax.lax.iota(jnp.int32, nc_pad)
     before = plgpu.load(counts_ref.at[r, ci], mask=ci < jnp.minimum(c, n_chunks), other=0)
     offset = jnp.sum(before)
-
-    @pl.when(c == 0)
-    def _():
-        total = jnp.sum(plgpu.load(counts_ref.at[r, ci], mask=ci < n_chunks, other=0))
-        n_out[...] = jnp.full((1,), total, jnp.int32)
 
     lanes = jax.lax.iota(jnp.int32, sub)
     body = lambda j, off: _compact_step(scores_ref, keys_out, pos_out, r, c * chunk + j * sub, lanes, off, tau,
@@ -306,19 +301,6 @@ def _compact_step(scores_ref, keys_out, pos_out, r, start, lanes, off, tau, *, T
     return off + jnp.sum(mi)
 
 
-# The chain's bookkeeping between its kernels (the row totals n, the fix-up's n -> k rule, the capacity clamp, the
-# set's -1 padding) done inside the compaction and selection kernels (True, the default since session 32), or as
-# the small XLA fusions between them that it was before (False: kept to time the two side by side,
-# `benchmarks/indexer.py --set-configs 'topk.CHAIN_EPILOGUE_IN_KERNELS=0'`).
-CHAIN_EPILOGUE_IN_KERNELS = True
-# Session-32 diagnostics of the selection kernel's output (its time doubled with the bookkeeping inside, call 2):
-# SELECT_TAIL_COMPILED: the unstored lanes' distinct tail slots (outputs k + Cp wide, sliced after) also compiled;
-# SELECT_PICKS_ONLY: the set path's kernel writes the picks with -1 padding (else keys / pos, and XLA makes picks).
-SELECT_TAIL_COMPILED = False
-SELECT_PICKS_ONLY = True
-COMPACT_KERNEL_N = True     # n from the compaction kernel (else one XLA sum over its chunk counts)
-
-
 def _compact_raw(scores, keys, tau, capacity: int, chunk: int, sub: int, interpret: bool):
     """compact_pallas before its epilogue: (cand_keys [R, capacity + sub], cand_pos [same], n [R]); slots >= min(n,
     capacity) hold garbage (the `sub` tail takes the lanes a program does not store)."""
@@ -339,14 +321,14 @@ def _compact_raw(scores, keys, tau, capacity: int, chunk: int, sub: int, interpr
                                nc_pad=nc_pad, capacity=capacity)
     extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1))
     width = capacity + sub                                                          # + the tail of unstored lanes
-    cand_keys, cand_pos, n = pl.pallas_call(
+    cand_keys, cand_pos = pl.pallas_call(
         kernel, grid=(R, n_chunks),
         in_specs=[full((R,)), full((R, nc_pad)), full((R, T))],
-        out_specs=[full((R, width)), full((R, width)), pl.BlockSpec((1,), lambda i, j: (i,))],
-        out_shape=[jax.ShapeDtypeStruct((R, width), jnp.int32)] * 2 + [jax.ShapeDtypeStruct((R,), jnp.int32)],
-        interpret=interpret, name="topk_compact", **extra,
+        out_specs=[full((R, width)), full((R, width))],
+        out_shape=[jax.ShapeDtypeStruct((R, width), jnp.int32)] * 2, interpret=interpret,
+        name="topk_compact", **extra,
     )(tau, counts_p, scores)
-    return cand_keys, cand_pos, (n if CHAIN_EPILOGUE_IN_KERNELS and COMPACT_KERNEL_N else jnp.sum(counts, axis=1))
+    return cand_keys, cand_pos, jnp.sum(counts, axis=1)
 
 
 def _finish_slots(cand_keys, cand_pos, n, capacity: int):
@@ -638,33 +620,27 @@ def bound_pallas(gmax, k: int, *, bits: int | None = None, num_warps: int | None
     )(gmax.astype(jnp.int32))
 
 
-def _select_kernel(n_ref, keys_ref, pos_ref, *outs, W, Cp, k, kp, bits, finite_only, matrix, early_exit,
-                   capacity, picks_only, tail):
+def _select_kernel(n_ref, keys_ref, pos_ref, keys_out, pos_out, *, W, Cp, k, kp, bits, finite_only, matrix,
+                   early_exit):
     """One program per row: of the row's n valid slots (ascending position), keep the exact top-k set -- every key
     > K* and the first k' - #{key > K*} keys == K* (k' = min(k, n), K* = the k'-th largest) -- and write it in
     ascending position to [0, k'), padding (INT32_MIN, 0) in [k', k). finite_only: picks whose score is not finite
     (+inf / NaN keys; -inf never survives the compaction) are left out, so the padding starts at the number of
-    finite picks. n_ref holds the compaction's raw counts: a row past the capacity holds exactly its k picks (the
-    overflow fix-up wrote them), so n -> k there. picks_only: one output, the positions with -1 padding (what the
-    caller would otherwise make of keys / pos with one more XLA pass). Lanes not stored go to distinct tail slots
-    k + lane when `tail` (the interpreter implements a masked scatter as read-select-write); compiled, a masked
-    store writes nothing and the outputs are exactly k wide (no slice, so no copy, after the kernel)."""
+    finite picks. Lanes not stored go to distinct tail slots k + lane (the interpreter implements a masked scatter
+    as read-select-write)."""
     r = pl.program_id(0)
     n = n_ref[r]
-    n = jnp.where(n > capacity, k, n)
     lanes = jax.lax.iota(jnp.int32, Cp)
     inside = (lanes < n) & (lanes < W)
     key = plgpu.load(keys_ref.at[r, lanes], mask=inside, other=INT32_MIN)
     pos = plgpu.load(pos_ref.at[r, lanes], mask=inside, other=0)
-    _write_topk_set(outs, r, key, pos, lanes, n, k=k, kp=kp, bits=bits, matrix=matrix, early_exit=early_exit,
-                    finite_only=finite_only, picks_only=picks_only, tail=tail)
+    _write_topk_set(keys_out, pos_out, r, key, pos, lanes, n, k=k, kp=kp, bits=bits, matrix=matrix,
+                    early_exit=early_exit, finite_only=finite_only)
 
 
-def _write_topk_set(outs, r, key, pos, lanes, n, *, k, kp, bits, matrix, early_exit, finite_only, picks_only=False,
-                    tail=True):
+def _write_topk_set(keys_out, pos_out, r, key, pos, lanes, n, *, k, kp, bits, matrix, early_exit, finite_only):
     """`_select_kernel`'s selection on in-register slots key / pos [Cp] (lanes [Cp]; valid: lanes < n): writes row
-    r's exact top-k set in ascending slot order to outs = (keys_out, pos_out) [R, k (+ Cp with `tail`)], padding
-    (INT32_MIN, 0) in [k', k); picks_only: outs = (picks_out,), the positions with -1 padding."""
+    r's exact top-k set to keys_out / pos_out [R, k + Cp] in ascending slot order, padding in [k', k)."""
     valid = lanes < n
     kk = jnp.minimum(n, k)
     kstar, c_gt = _radix_select_regs(key, valid, jnp.maximum(kk, 1), bits, matrix, early_exit)
@@ -674,56 +650,39 @@ def _write_topk_set(outs, r, key, pos, lanes, n, *, k, kp, bits, matrix, early_e
     if finite_only:
         sel = sel & (key < POS_INF_KEY)
     n_out = jnp.sum(sel.astype(jnp.int32))
-    at = jnp.cumsum(sel.astype(jnp.int32)) - 1
-    at = jnp.where(sel, at, k + lanes if tail else 0)
-    pad_lanes = jax.lax.iota(jnp.int32, kp)
-    pad = (pad_lanes >= n_out) & (pad_lanes < k)
-    pad_at = pad_lanes if tail or kp == k else jnp.where(pad, pad_lanes, 0)
-    if picks_only:
-        (picks_out,) = outs
-        plgpu.store(picks_out.at[r, at], pos, mask=sel)
-        plgpu.store(picks_out.at[r, pad_at], jnp.full((kp,), -1, jnp.int32), mask=pad)
-        return
-    keys_out, pos_out = outs
+    at = jnp.where(sel, jnp.cumsum(sel.astype(jnp.int32)) - 1, k + lanes)
     plgpu.store(keys_out.at[r, at], key, mask=sel)
     plgpu.store(pos_out.at[r, at], pos, mask=sel)
-    plgpu.store(keys_out.at[r, pad_at], jnp.full((kp,), INT32_MIN, jnp.int32), mask=pad)
-    plgpu.store(pos_out.at[r, pad_at], jnp.zeros((kp,), jnp.int32), mask=pad)
+    pad_lanes = jax.lax.iota(jnp.int32, kp)
+    pad = (pad_lanes >= n_out) & (pad_lanes < k)
+    plgpu.store(keys_out.at[r, pad_lanes], jnp.full((kp,), INT32_MIN, jnp.int32), mask=pad)
+    plgpu.store(pos_out.at[r, pad_lanes], jnp.zeros((kp,), jnp.int32), mask=pad)
 
 
 def select_pallas(cand_keys, cand_pos, n, k: int, capacity: int, *, bits: int | None = None,
-                  num_warps: int | None = None, finite_only: bool = False, picks_only: bool = False,
-                  interpret: bool = False):
-    """Raw slot buffers [R, >= capacity] (valid slots [0, n'), ascending position; n' = n, or k where n > capacity:
-    the overflow fix-up's rows, `exact_rows`) -> (keys [R, k], pos [R, k]): the exact top-k set among the valid
-    slots (ties -> lower slot) in ascending position, padded with (INT32_MIN, 0) past min(n', k) (finite_only: the
-    set's +inf / NaN keys left out, padding after the rest). picks_only (with finite_only): picks [R, k] alone, the
-    positions with -1 padding. One Triton kernel, no sort; n is the compaction's raw count (no XLA pass over it)."""
+                  num_warps: int | None = None, finite_only: bool = False, interpret: bool = False):
+    """Raw slot buffers [R, >= capacity] (valid slots [0, n), n <= capacity, ascending position) -> (keys [R, k],
+    pos [R, k]): the exact top-k set among the valid slots (ties -> lower slot) in ascending position, padded with
+    (INT32_MIN, 0) past min(n, k) (finite_only: the set's +inf / NaN keys left out, padding after the rest). One
+    Triton kernel, no sort."""
     R, W = cand_keys.shape
     bits = bits or SELECT_KERNEL_CONFIG["select_bits"]
     num_warps = num_warps or SELECT_KERNEL_CONFIG["select_warps"]
     if not 1 <= k <= capacity <= W or 32 % bits:
         raise ValueError(f"select_pallas: need 1 <= k ({k}) <= capacity ({capacity}) <= slots ({W}), bits | 32")
-    if picks_only and not finite_only:
-        raise ValueError("select_pallas: picks_only needs finite_only (a -1 pick stands for every non-finite one)")
     Cp = 1 << (capacity - 1).bit_length()
     kp = 1 << (k - 1).bit_length()
-    tail = bool(interpret or SELECT_TAIL_COMPILED)
-    width = k + Cp if tail else k                    # the interpreter's tail for unstored lanes (see _select_kernel)
     full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
     extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1))
-    n_out = 1 if picks_only else 2
-    outs = pl.pallas_call(
+    keys_k, pos_k = pl.pallas_call(
         functools.partial(_select_kernel, W=W, Cp=Cp, k=k, kp=kp, bits=bits, finite_only=finite_only,
                           matrix=bool(SELECT_KERNEL_CONFIG["select_matrix"]),
-                          early_exit=bool(SELECT_KERNEL_CONFIG["early_exit"]), capacity=capacity,
-                          picks_only=picks_only, tail=tail), grid=(R,),
-        in_specs=[full((R,)), full((R, W)), full((R, W))], out_specs=[full((R, width))] * n_out,
-        out_shape=[jax.ShapeDtypeStruct((R, width), jnp.int32)] * n_out, interpret=interpret, name="topk_select",
+                          early_exit=bool(SELECT_KERNEL_CONFIG["early_exit"])), grid=(R,),
+        in_specs=[full((R,)), full((R, W)), full((R, W))], out_specs=[full((R, k + Cp))] * 2,
+        out_shape=[jax.ShapeDtypeStruct((R, k + Cp), jnp.int32)] * 2, interpret=interpret, name="topk_select",
         **extra,
-    )(n.astype(jnp.int32), cand_keys, cand_pos)
-    outs = [o[:, :k] for o in outs] if width != k else list(outs)
-    return outs[0] if picks_only else tuple(outs)
+    )(jnp.minimum(n, capacity).astype(jnp.int32), cand_keys, cand_pos)
+    return keys_k[:, :k], pos_k[:, :k]
 
 
 def as_index_set(picks):
@@ -804,14 +763,13 @@ def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str 
     return picks if sorted else as_index_set(picks)
 
 
-def _compact_fixed(s, keys, tau, k: int, capacity: int, interpret: bool, raw_n: bool = False):
+def _compact_fixed(s, keys, tau, k: int, capacity: int, interpret: bool):
     """The Triton impls' compaction + overflow fix-up: raw slot buffers (cand_keys, cand_pos) and n [R], the valid
-    slots of each row (an overflowing row holds exactly its k picks, so n = k there; raw_n: the compaction's count
-    as is, for `select_pallas`, which applies that rule itself)."""
+    slots of each row (an overflowing row holds exactly its k picks, so n = k there)."""
     sub = 1024
     raw_keys, raw_pos, n = _compact_raw(s, keys, tau, capacity, 2048, sub, interpret)
     raw_keys, raw_pos = exact_rows(s, n, tau, raw_keys, raw_pos, k, capacity, chunk=sub, interpret=interpret)
-    return raw_keys, raw_pos, (n if raw_n else jnp.where(n > capacity, k, n))
+    return raw_keys, raw_pos, jnp.where(n > capacity, k, n)
 
 
 def _order_slots(cand_keys, cand_pos, k: int, lead):
@@ -828,22 +786,10 @@ def _select_path(s, lead, k: int, group: int, capacity: int, sorted: bool, inter
     """topk_threshold(impl="pallas_select") past its small-row shortcut (gpart: partial group maxima [R, P, G])."""
     keys = _ordered_i32(s)
     tau = bound_pallas(_strided_group_max(keys, group) if gpart is None else gpart, k, interpret=interpret)
-    if not CHAIN_EPILOGUE_IN_KERNELS:   # the session-31 chain, timed side by side (see the constant)
-        raw_keys, raw_pos, n = _compact_fixed(s, keys, tau, k, capacity, interpret)
-        keys_k, pos_k = select_pallas(raw_keys, raw_pos, jnp.minimum(n, capacity), k, capacity,
-                                      finite_only=not sorted, interpret=interpret)
-        if not sorted:
-            return jnp.where(keys_k > NEG_INF_KEY, pos_k, -1).reshape(lead + (k,))
-        return _order_slots(keys_k, pos_k, k, lead)
-    raw_keys, raw_pos, n = _compact_fixed(s, keys, tau, k, capacity, interpret, raw_n=True)
-    if not sorted and not SELECT_PICKS_ONLY:
-        keys_k, pos_k = select_pallas(raw_keys, raw_pos, n, k, capacity, finite_only=True, interpret=interpret)
+    raw_keys, raw_pos, n = _compact_fixed(s, keys, tau, k, capacity, interpret)
+    keys_k, pos_k = select_pallas(raw_keys, raw_pos, n, k, capacity, finite_only=not sorted, interpret=interpret)
+    if not sorted:  # ascending position, non-finite picks left out, padding (INT32_MIN) after them
         return jnp.where(keys_k > NEG_INF_KEY, pos_k, -1).reshape(lead + (k,))
-    if not sorted:  # ascending position, non-finite picks left out, -1 padding after them: the kernel's own output
-        picks = select_pallas(raw_keys, raw_pos, n, k, capacity, finite_only=True, picks_only=True,
-                              interpret=interpret)
-        return picks.reshape(lead + (k,))
-    keys_k, pos_k = select_pallas(raw_keys, raw_pos, n, k, capacity, interpret=interpret)
     return _order_slots(keys_k, pos_k, k, lead)
 
 

@@ -142,7 +142,7 @@ def _fused_kernel(scores_ref, slot_keys, slot_pos, keys_out, pos_out, *, T, k, k
     slanes = jax.lax.iota(jnp.int32, Cp)
     key = plgpu.load(slot_keys.at[r, slanes], mask=slanes < n, other=INT32_MIN)
     pos = plgpu.load(slot_pos.at[r, slanes], mask=slanes < n, other=0)
-    _write_topk_set((keys_out, pos_out), r, key, pos, slanes, n, k=k, kp=kp, bits=select_bits, matrix=matrix,
+    _write_topk_set(keys_out, pos_out, r, key, pos, slanes, n, k=k, kp=kp, bits=select_bits, matrix=matrix,
                     early_exit=early_exit, finite_only=finite_only)
 
 

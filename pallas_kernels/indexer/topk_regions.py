@@ -110,7 +110,7 @@ def _select_regions_kernel(counts_ref, tau_ref, scores_ref, keys_ref, pos_ref, f
                     plgpu.load(keys_ref.at[r, jnp.where(from_regions, slot, 0)], mask=from_regions, other=INT32_MIN))
     pos = jnp.where(over, plgpu.load(fix_pos.at[r, slanes], mask=from_fix, other=0),
                     plgpu.load(pos_ref.at[r, jnp.where(from_regions, slot, 0)], mask=from_regions, other=0))
-    _write_topk_set((keys_out, pos_out), r, key, pos, slanes, jnp.where(over, k, n), k=k, kp=kp, bits=bits,
+    _write_topk_set(keys_out, pos_out, r, key, pos, slanes, jnp.where(over, k, n), k=k, kp=kp, bits=bits,
                     matrix=matrix, early_exit=early_exit, finite_only=finite_only)
 
 
