@@ -23,11 +23,18 @@ Stages (k = 512, random normal scores [R, T]; each timed as dependent calls in o
   order_k          lax.top_k over k picks + the index gather (the sort left in full_select)
   fused_set        full_set's selection as one Triton kernel, one program per row (`topk_fused.fused_select`)
   fused_ties       the same on full_ties' rows (every row overflows: the in-kernel fix-up runs)
+  hist_set         impl="pallas_hist", sorted=False: one Triton program per row, radix select by 11-bit histograms
+                   (`topk_hist.hist_select`, session 33), the index set written by the kernel
+  hist             the same with sorted picks (the k picks' keys ordered by lax.top_k)
+  hist_ties        hist_set on full_ties' rows (heavy ties: hot histogram counters, entries equal to K*)
+  hist_prefix      hist_set on rows valid only in their first T / 10 entries (a decode cache filled to L < T)
   touch            the chain's own carry update alone (the harness overhead, subtracted from nothing)
 Prints a table of us per call; writes DIR/topk_stages.json. --stages picks a subset (comma list; touch always runs).
 --select-configs 'bound_warps=2,select_warps=2;select_bits=4' times bound / select / full_select / full_set once per
 option set of `topk.SELECT_KERNEL_CONFIG` (rows named like `full_set[select_warps=2]`); --fused-configs
-'num_warps=16;matrix=0,rows_per_step=8' times fused_set once per option set of `topk_fused.FUSED_KERNEL_CONFIG`.
+'num_warps=16;matrix=0,rows_per_step=8' times fused_set once per option set of `topk_fused.FUSED_KERNEL_CONFIG`;
+--hist-configs 'num_warps=16,chunk=16384;resident=0' times the hist stages once per option set of
+`topk_hist.HIST_KERNEL_CONFIG`.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import jax.numpy as jnp
 from benchmarks.timing import timed_chain
 from pallas_kernels.indexer import topk as T_
 from pallas_kernels.indexer import topk_fused as TF
+from pallas_kernels.indexer import topk_hist as TH
 
 K = 512
 
@@ -91,6 +99,12 @@ def stages(R, T, k=K, only=None, label=""):
         "fused_set": lambda s: T_.topk_threshold(s, k, impl="pallas_fused", sorted=False, interpret=interp),
         "fused_ties": lambda s: T_.topk_threshold(jnp.where(s[:, :1] > 1e30, 0.0, ties), k, impl="pallas_fused",
                                                   sorted=False, interpret=interp),
+        "hist_set": lambda s: T_.topk_threshold(s, k, impl="pallas_hist", sorted=False, interpret=interp),
+        "hist": lambda s: T_.topk_threshold(s, k, impl="pallas_hist", interpret=interp),
+        "hist_ties": lambda s: T_.topk_threshold(jnp.where(s[:, :1] > 1e30, 0.0, ties), k, impl="pallas_hist",
+                                                 sorted=False, interpret=interp),
+        "hist_prefix": lambda s: T_.topk_threshold(jnp.where(jnp.arange(T) < T // 10, s, -jnp.inf), k,
+                                                   impl="pallas_hist", sorted=False, interpret=interp),
         "bound": lambda s: T_.bound_pallas(T_._strided_group_max(T_._ordered_i32(s), group), k,
                                            interpret=interp)[:, None],
         "select": lambda s: T_.select_pallas(jnp.where(s[:, :1] > 1e30, 0, ck0), cp0, n0, k, capacity,
@@ -162,6 +176,8 @@ def main():
                          "kernels' stages timed once per set")
     ap.add_argument("--fused-configs", default=None,
                     help="';'-separated option sets of topk_fused.FUSED_KERNEL_CONFIG: fused_set timed once per set")
+    ap.add_argument("--hist-configs", default=None,
+                    help="';'-separated option sets of topk_hist.HIST_KERNEL_CONFIG: the hist stages timed once per set")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     rows = []
@@ -172,6 +188,8 @@ def main():
         rows += sweep(R, T, a.select_configs, T_.SELECT_KERNEL_CONFIG, "--select-configs",
                       ("bound", "select", "full_select", "full_set"))
         rows += sweep(R, T, a.fused_configs, TF.FUSED_KERNEL_CONFIG, "--fused-configs", ("fused_set",))
+        rows += sweep(R, T, a.hist_configs, TH.HIST_KERNEL_CONFIG, "--hist-configs",
+                      ("hist_set", "hist_ties", "hist_prefix"))
         with open(os.path.join(a.out, "topk_stages.json"), "w") as f:
             json.dump(rows, f, indent=1)
 

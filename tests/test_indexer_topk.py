@@ -180,9 +180,10 @@ def _fast_rows(R, T, rng):
 
 
 @pytest.mark.parametrize("impl,T,k", [(impl, T, k) for impl in ("xla", "pallas_compact", "pallas", "pallas_select",
-                                                                "pallas_regions")
+                                                                "pallas_regions", "pallas_hist")
                                       for T, k in ((5000, 64), (20000, 100), (4099, 16))
-                                      if not (impl in ("pallas_select", "pallas_regions") and T == 4099)])  # CI time
+                                      if not (impl in ("pallas_select", "pallas_regions", "pallas_hist")
+                                              and T == 4099)])  # CI time
 def test_threshold_matches_lax_top_k(T, k, impl):
     """Threshold top-k: bit-identical to lax on its fast path (asserted: no row overflows the slots), and on heavy-
     tie rows, which overflow and take the exact fallback."""
@@ -271,7 +272,7 @@ def test_rank_select_matches_lax():
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas_select", "pallas_regions"])
+@pytest.mark.parametrize("impl", ["xla", "pallas_select", "pallas_regions", "pallas_hist"])
 def test_threshold_index_set_mode(impl):
     """sorted=False: the same picks as an index set (ascending index, -1s last), on fast-path rows (incl. +inf /
     NaN entries, whose picks are left out) and on heavy-tie rows that overflow the slots."""
@@ -437,7 +438,8 @@ def test_fused_select_refuses_bad_input():
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (compiled Triton compaction kernel)")
-@pytest.mark.parametrize("impl", ["pallas", "pallas_compact", "pallas_select", "pallas_fused", "pallas_regions"])
+@pytest.mark.parametrize("impl", ["pallas", "pallas_compact", "pallas_select", "pallas_fused", "pallas_regions",
+                                  "pallas_hist"])
 @pytest.mark.parametrize("R,T,k", [(1, 262144, 512), (64, 32768, 512), (5, 70000, 1024)])
 def test_gpu_threshold_topk(R, T, k, impl):
     """The compiled threshold top-k (Triton kernels) == lax.top_k: fast-path rows and heavy-tie rows (fallback)."""
@@ -448,7 +450,7 @@ def test_gpu_threshold_topk(R, T, k, impl):
         s = jnp.asarray(s)
         want = np.asarray(_lax(s, k=k, topk="lax"))
         np.testing.assert_array_equal(np.asarray(f(s, k=k)), want)
-        if impl in ("pallas_select", "pallas_fused", "pallas_regions"):  # the index-set mode of the same pipeline
+        if impl in ("pallas_select", "pallas_fused", "pallas_regions", "pallas_hist"):  # the pipeline's index-set mode
             from pallas_kernels.indexer.topk import as_index_set
 
             got = jax.jit(functools.partial(topk_threshold, impl=impl, sorted=False), static_argnames=("k",))(s, k=k)
@@ -496,3 +498,125 @@ def test_regions_chunks_wider_than_their_regions(monkeypatch):
     np.testing.assert_array_equal(np.asarray(got), want)
     got = jax.jit(functools.partial(topk_threshold, k=k, impl="pallas_regions", sorted=False, interpret=True))(s)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(jnp.asarray(want))))
+
+
+# ---- the histogram top-k (topk_hist.py) and its block histogram (histogram.py) ----------------------------------------
+
+
+def test_histogram_reference_and_primitive_agree():
+    """`histogram` (the primitive, outside a kernel: XLA) == a numpy bincount: masked lanes and values outside
+    [0, num_bins) not counted; bad shapes / bin counts refused."""
+    from pallas_kernels.indexer.histogram import histogram
+
+    rng = np.random.default_rng(next(_SEED))
+    v = rng.integers(-300, 2300, 5000).astype(np.int32)
+    m = rng.random(5000) < 0.7
+    got = np.asarray(jax.jit(lambda v, m: histogram(v, 2048, mask=m))(v, m))
+    keep = m & (v >= 0) & (v < 2048)
+    np.testing.assert_array_equal(got, np.bincount(v[keep], minlength=2048))
+    with pytest.raises(ValueError, match="power of two"):
+        histogram(jnp.zeros(8, jnp.int32), 100)
+    with pytest.raises(ValueError, match="1-D"):
+        histogram(jnp.zeros((2, 8), jnp.int32), 64)
+
+
+def _histogram_kernel_run(v, m, bins, interpret):
+    """`histogram` inside a Pallas Triton kernel (one program) over v [N] with mask m."""
+    from jax.experimental import pallas as pl
+
+    from pallas_kernels.indexer.histogram import histogram
+
+    def kernel(v_ref, m_ref, o_ref):
+        o_ref[...] = histogram(v_ref[...], bins, mask=m_ref[...] != 0)
+
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((bins,), jnp.int32), interpret=interpret)(
+        jnp.asarray(v), jnp.asarray(m.astype(np.int32)))
+
+
+@pytest.mark.parametrize("N,bins", [(1024, 2048), (4096, 64), (512, 16)])
+def test_histogram_in_kernel_interpreted(N, bins):
+    rng = np.random.default_rng(next(_SEED))
+    v = rng.integers(-5, bins + 40, N).astype(np.int32)
+    m = rng.random(N) < 0.8
+    keep = m & (v >= 0) & (v < bins)
+    np.testing.assert_array_equal(np.asarray(_histogram_kernel_run(v, m, bins, True)),
+                                  np.bincount(v[keep], minlength=bins))
+
+
+def test_hist_pass1_bins_are_monotone_intervals():
+    """Pass-1 bins of the distance d: monotone in d, below 1728, and `bin_interval` is exactly each bin's range."""
+    from pallas_kernels.indexer.topk_hist import bin_interval, pass1_bin
+
+    rng = np.random.default_rng(next(_SEED))
+    d = np.unique(np.concatenate([np.arange(0, 5000), rng.integers(0, 2 ** 32, 200000, dtype=np.uint64),
+                                  [2 ** 32 - 1, 2 ** 31, 2 ** 31 - 1, 2 ** 24 - 1, 2 ** 24]]).astype(np.uint32))
+    b = np.asarray(pass1_bin(jnp.asarray(d)))
+    assert (np.diff(b) >= 0).all() and b.min() == 0 and b.max() == 1727
+    lo, w = (np.asarray(x).astype(np.uint64) for x in bin_interval(jnp.asarray(b)))
+    dn = d.astype(np.uint64)
+    assert ((dn >= lo) & (dn < lo + (np.uint64(1) << w))).all()
+
+
+@pytest.mark.parametrize("chunk,resident", [(None, True), (2048, False), (4096, True)])
+def test_hist_select_matches_lax_top_k(chunk, resident):
+    """hist_select (interpreted) == lax: fast rows (+inf / NaN / -0.0 / -inf prefixes), heavy ties (w = 0 with more
+    entries equal to K* than needed), rows with fewer than k valid entries, scores spanning the whole float range
+    (distances up to 2**32 - 1); one tile, several tiles, tiles loaded per pass; sorted and index-set outputs."""
+    from pallas_kernels.indexer.topk import _order_slots, as_index_set
+    from pallas_kernels.indexer.topk_hist import hist_select
+
+    rng = np.random.default_rng(next(_SEED))
+    T, k = 9000, 100
+    wide = (rng.standard_normal((2, T)) * 10.0 ** rng.integers(-30, 30, (2, T))).astype(np.float32)
+    wide[1, :50] = np.float32(3e38)
+    wide[1, 50:60] = -np.float32(3e38)
+    for s in (_fast_rows(8, T, rng), random_scores((6, T), rng), wide):
+        s = jnp.asarray(s)
+        want = np.asarray(_lax(s, k=k, topk="lax"))
+        keys, pos = hist_select(s, k, chunk=chunk, resident=resident, interpret=True)
+        np.testing.assert_array_equal(np.asarray(_order_slots(keys, pos, k, (s.shape[0],))), want)
+        got = hist_select(s, k, chunk=chunk, resident=resident, finite_only=True, set_out=True, interpret=True)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(jnp.asarray(want))))
+
+
+def test_hist_select_refuses_bad_input():
+    from pallas_kernels.indexer.topk_hist import hist_select
+
+    s = jnp.zeros((2, 300), jnp.float32)
+    with pytest.raises(ValueError, match="1 <= k"):
+        hist_select(s, 301, interpret=True)
+    with pytest.raises(ValueError, match="set_out needs finite_only"):
+        hist_select(s, 8, set_out=True, interpret=True)
+    with pytest.raises(ValueError, match="power of two"):
+        hist_select(s, 8, chunk=1000, interpret=True)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (compiled Triton tt.histogram)")
+@pytest.mark.parametrize("N,bins", [(32768, 2048), (4096, 64), (1024, 2048)])
+def test_gpu_histogram_in_kernel(N, bins):
+    """The compiled tt.histogram: out-of-range and masked values not counted, hot bins (heavy contention) exact."""
+    rng = np.random.default_rng(next(_SEED))
+    v = rng.integers(-5, bins + 40, N).astype(np.int32)
+    v[: N // 4] = 7                                                        # one hot counter
+    m = rng.random(N) < 0.8
+    keep = m & (v >= 0) & (v < bins)
+    np.testing.assert_array_equal(np.asarray(_histogram_kernel_run(v, m, bins, False)),
+                                  np.bincount(v[keep], minlength=bins))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (compiled Triton kernels)")
+@pytest.mark.parametrize("opts", [dict(), dict(chunk=8192), dict(resident=False), dict(num_warps=16, chunk=16384)])
+def test_gpu_hist_select_configs(opts):
+    """hist_select compiled under each launch setting == lax (64 x 32768, k = 512, and rows of 100000 in tiles)."""
+    from pallas_kernels.indexer.topk import as_index_set
+    from pallas_kernels.indexer.topk_hist import hist_select
+
+    rng = np.random.default_rng(next(_SEED))
+    for R, T in ((64, 32768), (3, 100000)):
+        s = np.concatenate([_fast_rows(8, T, rng), random_scores((6, T), rng),
+                            rng.standard_normal((R - 14, T)).astype(np.float32)])[:R] if R > 14 else \
+            random_scores((R, T), rng)
+        s = jnp.asarray(s)
+        want = as_index_set(jnp.asarray(_lax(s, k=512, topk="lax")))
+        got = jax.jit(lambda x: hist_select(x, 512, finite_only=True, set_out=True, **opts))(s)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -567,13 +567,14 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
 
 TOPK_METHODS = ("lax", "blockwise", "radix", "radix4", "grouped", "grouped<N>", "threshold", "threshold_rank",
                 "threshold_select", "threshold_set", "threshold_fused", "threshold_fused_set",
-                "threshold_regions", "threshold_regions_set")
+                "threshold_regions", "threshold_regions_set", "hist", "hist_set")
 THRESHOLD_METHODS = {"threshold": "pallas_compact", "threshold_rank": "pallas", "threshold_select": "pallas_select",
                      "threshold_set": "pallas_select", "threshold_fused": "pallas_fused",
                      "threshold_fused_set": "pallas_fused",
-                     "threshold_regions": "pallas_regions", "threshold_regions_set": "pallas_regions"}
+                     "threshold_regions": "pallas_regions", "threshold_regions_set": "pallas_regions",
+                     "hist": "pallas_hist", "hist_set": "pallas_hist"}
 # method -> topk_threshold impl on a GPU ("xla" elsewhere)
-SET_METHODS = ("threshold_set", "threshold_fused_set", "threshold_regions_set")
+SET_METHODS = ("threshold_set", "threshold_fused_set", "threshold_regions_set", "hist_set")
 # the picks as an index set, not sorted
 
 
@@ -666,7 +667,7 @@ def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 
     took 2-6 us less (results/h200_s30r4_idx.log, h200_s30r6_idx.log); the default since session 31."""
     if fuse_group_max is None:
         fuse_group_max = scores_kernel_of(q, keys, interpret, kernel_options) == "mosaic"
-    fused = fuse_group_max and topk in THRESHOLD_METHODS
+    fused = fuse_group_max and THRESHOLD_METHODS.get(topk, "pallas_hist") != "pallas_hist"   # hist: no bound
     scores = functools.partial(indexer_scores_gpu, interpret=interpret, pad_to_block=True,
                                group_max_k=min(k, keys.shape[1]) if fused else None, **kernel_options)
     return topk_over_query_chunks(scores, q, weights, keys, n_visible, k=k, query_chunk=query_chunk, topk=topk,

@@ -692,7 +692,7 @@ def as_index_set(picks):
     return jnp.where(ordered == big, -1, ordered).astype(jnp.int32)
 
 
-THRESHOLD_IMPLS = ("xla", "pallas_compact", "pallas", "pallas_select", "pallas_fused", "pallas_regions")
+THRESHOLD_IMPLS = ("xla", "pallas_compact", "pallas", "pallas_select", "pallas_fused", "pallas_regions", "pallas_hist")
 
 
 def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str = "xla", sorted: bool = True,
@@ -720,7 +720,9 @@ def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str 
     and none at all with sorted=False), "pallas_fused" (the same selection as "pallas_select" in one Triton kernel,
     one program per row: `topk_fused.fused_select`; group_max unused), "pallas_regions" (the same selection in two
     Triton kernels: bound + compaction into per-chunk regions, then the fix-up and the selection;
-    `topk_regions.regions_select`); `interpret` runs the Triton kernels in the Pallas interpreter.
+    `topk_regions.regions_select`), "pallas_hist" (no bound, no compaction: one Triton program per row selects the
+    k-set by radix select with 11-bit histogram digits and writes it in index order, `topk_hist.hist_select`;
+    group_max unused); `interpret` runs the Triton kernels in the Pallas interpreter.
     group_max: [..., P, G] int32, partial maxima of the ordered keys (`_ordered_i32`) of the scores' strided groups
     (group g = entries g, g + G, ...; G = `threshold_groups(T, k)`), whose max over P is the group maxima; a
     producer that already passed over the scores (the indexer scores kernel) saves the XLA pass over the row.
@@ -751,6 +753,13 @@ def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str 
         keys_k, pos_k = regions_select(s, gpart, k, capacity, finite_only=not sorted, interpret=interpret)
         if not sorted:
             return jnp.where(keys_k > NEG_INF_KEY, pos_k, -1).reshape(lead + (k,))
+        return _order_slots(keys_k, pos_k, k, lead)
+    if impl == "pallas_hist" and bounded:
+        from .topk_hist import hist_select   # the same k-set, one kernel, no bound
+
+        if not sorted:
+            return hist_select(s, k, finite_only=True, set_out=True, interpret=interpret).reshape(lead + (k,))
+        keys_k, pos_k = hist_select(s, k, interpret=interpret)
         return _order_slots(keys_k, pos_k, k, lead)
     if impl == "pallas_fused" and bounded:
         from .topk_fused import fused_select   # the same k-set as "pallas_select", in one kernel

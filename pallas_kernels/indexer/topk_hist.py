@@ -1,0 +1,226 @@
+"""Exact top-k set of each row in one Triton program: radix select with 11-bit histogram digits, then the set
+written in index order. The GPU top-k of `topk_threshold(impl="pallas_hist")` (indexer topk="hist" / "hist_set").
+
+    hist_select(scores [R, T] f32, k, *, finite_only=False, set_out=False, chunk=None, num_warps=None,
+                interpret=False)
+        -> (keys [R, k] int32, pos [R, k] int32)   ascending position, padding (INT32_MIN, 0) past the picks
+        -> pos [R, k] int32                         set_out: the index set itself, -1 padding (needs finite_only)
+
+Contract: the same k-set as `topk_from_scores(scores, k, topk="lax")` (ties -> lower index) over XLA's float total
+order (`_ordered_i32` keys), for every input; finite_only leaves out picks whose score is not finite.
+
+Why one program per row, and why histograms. The threshold chain (`topk.py`) spreads a row over 16 compaction
+programs, but pays for it in launches: bound, counts, compaction, fix-up and selection kernels plus XLA glue, ~35 us
+for 64 x 32K candidates on the H200, most of it the latency of small steps. A radix select needs few steps only if
+a step fixes many bits: the chain's in-register selects fix 2 bits per block-wide reduction (16 passes), while one
+`histogram` (`histogram.py`: shared-memory atomics, one per element) counts all 2048 values of an 11-bit digit at
+once. Per row (all in one program, 32 warps):
+
+  0. M = the largest valid key (valid: above -inf's key; entries at or below it can only give -1 picks, and they are
+     left out of every histogram, so rows that are mostly -inf (a cache filled to L < T) cost no atomic contention).
+     Work with distances d = M - key (uint32, 0 = the best): the k-th largest key is the k-th smallest d.
+  1. Pass 1 bins d logarithmically: bin = 64 j + (d >> j), j = max(floor(log2 d) - 6, 0), i.e. d with 7 significant
+     bits, 1728 bins, monotone in d. Scores near the top get fine bins whatever their scale (an 11-bit digit of the
+     raw key would put a row's scores into the few bins of their exponents: every atomic on the same counters).
+     The bin holding the k-th smallest d gives an interval [lo, lo + 2^w) of d, the count c of valid entries
+     below it (all picked) and the count in it.
+  2. Further passes take the next 11 bits of d - lo inside the interval (2^min(w, 11) bins), until w = 0 (one
+     distance: the k-th key K*) or the interval holds exactly the k - c entries still needed (all picked).
+     Typically 2-3 passes in all.
+  3. The set: every valid entry with d < lo, and the first k - c entries of the interval in index order (ties ->
+     lower index; with w = 0 they are the entries equal to K*), compacted in index order by one packed cumsum per
+     tile. Padding past the picks.
+A bin search is a cumsum over the 2048 counters and two reductions. Rows longer than `chunk` are processed in
+tiles of `chunk` (every pass loops over them; the histograms add up). With one tile the row is loaded once and
+stays in registers for all passes (`resident`).
+
+Reading a row takes one SM, so with few rows the GPU is mostly idle: the threshold chain suits batch 1 (its
+compaction spreads a row over 16 programs). `topk_threshold` picks by impl; the indexer's "hist" methods take this
+kernel for any row count.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from .histogram import histogram
+from .topk import INT32_MIN, NEG_INF_KEY, POS_INF_KEY, _ordered_i32
+
+try:
+    from jax.experimental.pallas import triton as plgpu
+except ImportError:  # pragma: no cover
+    plgpu = None
+
+__all__ = ["hist_select", "HIST_KERNEL_CONFIG", "pass1_bin", "bin_interval"]
+
+BINS = 2048          # counters per histogram (11-bit digits)
+MANT = 6             # pass 1: 2**MANT bins per octave of d beyond the first 128 exact ones
+PACK = 4096          # _pick_bin packs (number of bins, entries) into one int32 sum: bins < PACK, entries < 2**19
+
+# Launch settings (one program per row). chunk: the tile of a row held in registers (a power of two); rows up to
+# `chunk` are loaded once. Measured on the H200: benchmarks/results/README_indexer_compressor.md (session 33).
+HIST_KERNEL_CONFIG = dict(num_warps=32, chunk=32768, resident=True)
+
+
+def _u32(x):
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)
+
+
+def _i32(x):
+    return jax.lax.bitcast_convert_type(x, jnp.int32)
+
+
+def pass1_bin(d):
+    """d uint32 [...] -> int32 bin in [0, 1728), monotone non-decreasing in d: d itself below 128, else
+    64 j + (d >> j) with j = floor(log2 d) - 6 (d to 7 significant bits)."""
+    e = 31 - jax.lax.clz(_i32(d))                                   # floor(log2 d); -1 for d = 0
+    j = jnp.maximum(e - MANT, 0)
+    return (j << MANT) + _i32(d >> _u32(j))
+
+
+def bin_interval(b):
+    """A pass-1 bin b (int32 scalar or array) -> (lo uint32, w int32): the bin holds exactly d in [lo, lo + 2**w)."""
+    j = jnp.maximum((b >> MANT) - 1, 0)
+    return _u32((b - (j << MANT)) << j), j
+
+
+def _pick_bin(hist, need):
+    """hist [BINS] int32 (counts over increasing d), 1 <= need -> (b, below, in_bin): the bin of the need-th smallest
+    d, the count in the bins before it, the count in it. b = BINS (and in_bin meaningless) when the histogram holds
+    fewer than `need` entries."""
+    cum = jnp.cumsum(hist)
+    under = cum < need
+    packed = jnp.sum(jnp.where(under, 1 + hist * PACK, 0))         # one reduction: number of bins, entries
+    b, below = packed & (PACK - 1), packed // PACK
+    at = jnp.min(jnp.where(under, jnp.int32(2 ** 31 - 1), cum))
+    return b, below, at - below
+
+
+def _hist_kernel(scores_ref, *outs, T, k, kp, chunk, n_tiles, resident, finite_only, set_out, tail):
+    r = pl.program_id(0)
+    lanes = jax.lax.iota(jnp.int32, chunk)
+
+    def load(t):
+        cols = t * chunk + lanes
+        inside = cols < T
+        x = plgpu.load(scores_ref.at[r, cols], mask=inside, other=-jnp.inf)
+        return _ordered_i32(x), cols
+
+    first = load(0) if resident else None
+    tile = (lambda t: first) if resident else load
+
+    def over_tiles(fn, init):
+        """fn(key [chunk], cols [chunk], carry) -> carry, folded over the row's tiles."""
+        if n_tiles == 1:
+            return fn(*tile(0), init)
+        return jax.lax.fori_loop(0, n_tiles, lambda t, c: fn(*tile(t), c), init)
+
+    # 0. the largest valid key; distances d = M - key (uint32 in the unsigned-key domain: no wrap, d >= 0)
+    m = over_tiles(lambda key, cols, acc: jnp.maximum(acc, jnp.max(jnp.where(key > NEG_INF_KEY, key, INT32_MIN))),
+                   jnp.int32(INT32_MIN))
+    um = _u32(m ^ jnp.int32(INT32_MIN))
+    dist = lambda key: um - _u32(key ^ jnp.int32(INT32_MIN))
+    zeros = jnp.zeros((BINS,), jnp.int32)
+
+    # 1. logarithmic bins of d
+    hist = over_tiles(lambda key, cols, acc: acc + histogram(pass1_bin(dist(key)), BINS, mask=key > NEG_INF_KEY),
+                      zeros)
+    b, below, in_bin = _pick_bin(hist, jnp.int32(k))
+    take_all = b >= BINS                                            # fewer than k valid entries: all of them
+    lo, w = bin_interval(jnp.minimum(b, BINS - 1))
+    w = jnp.where(take_all, 0, w)
+
+    # 2. 11 more bits of d - lo per pass, until one distance is left or the interval is exactly what is needed
+    def cond(s):
+        lo, w, c, n_in = s
+        return (w > 0) & (n_in > k - c)
+
+    def body(s):
+        lo, w, c, _ = s
+        sh = jnp.maximum(w - 11, 0)
+
+        def count(key, cols, acc):
+            dd = dist(key) - lo
+            inside = (key > NEG_INF_KEY) & ((dd >> _u32(w)) == 0)
+            return acc + histogram(_i32(dd >> _u32(sh)), BINS, mask=inside)
+
+        b2, below2, in2 = _pick_bin(over_tiles(count, zeros), k - c)
+        return lo + _u32(b2 << sh), sh, c + below2, in2
+
+    lo, w, c, _ = jax.lax.while_loop(cond, body, (lo, w, below, in_bin))
+
+    # 3. the set in index order: d < lo (all), then the first k - c of the interval; one packed cumsum per tile
+    need = k - c
+    sh_a = int(k).bit_length()                                      # A's running count (< k) in the low bits
+    mask_a = (1 << sh_a) - 1
+
+    def write(key, cols, carry):
+        off_a, off_e = carry
+        valid = key > NEG_INF_KEY
+        if finite_only:
+            valid = valid & (key < POS_INF_KEY)
+        d = dist(key)
+        below_lo = valid & (take_all | (d < lo))
+        interval = valid & ~take_all & (((d - lo) >> _u32(w)) == 0)
+        packed = jnp.cumsum(below_lo.astype(jnp.int32) + (interval.astype(jnp.int32) << sh_a))
+        ca = off_a + (packed & mask_a)
+        ce = off_e + (packed >> sh_a)
+        sel = below_lo | (interval & (ce <= need))
+        at = jnp.where(sel, ca + jnp.minimum(ce, need) - 1, (k + lanes) if tail else 0)
+        if set_out:
+            plgpu.store(outs[0].at[r, at], cols, mask=sel)
+        else:
+            plgpu.store(outs[0].at[r, at], key, mask=sel)
+            plgpu.store(outs[1].at[r, at], cols, mask=sel)
+        total = jnp.max(packed)                                     # the tile's last (largest) running count
+        return off_a + (total & mask_a), off_e + (total >> sh_a)
+
+    off_a, off_e = over_tiles(write, (jnp.int32(0), jnp.int32(0)))
+    n_out = off_a + jnp.minimum(off_e, need)
+    pad_lanes = jax.lax.iota(jnp.int32, kp)
+    pad = (pad_lanes >= n_out) & (pad_lanes < k)
+    if set_out:
+        plgpu.store(outs[0].at[r, pad_lanes], jnp.full((kp,), -1, jnp.int32), mask=pad)
+    else:
+        plgpu.store(outs[0].at[r, pad_lanes], jnp.full((kp,), INT32_MIN, jnp.int32), mask=pad)
+        plgpu.store(outs[1].at[r, pad_lanes], jnp.zeros((kp,), jnp.int32), mask=pad)
+
+
+def hist_select(scores, k: int, *, finite_only: bool = False, set_out: bool = False, chunk: int | None = None,
+                num_warps: int | None = None, resident: bool | None = None, interpret: bool = False):
+    """scores [R, T] float32 -> the exact top-k set of each row in ascending position (see module doc): (keys [R, k],
+    pos [R, k]) with (INT32_MIN, 0) padding, or with set_out=True (requires finite_only) pos [R, k] with -1
+    padding, the final index set. One Triton program per row; 1 <= k <= T."""
+    R, T = scores.shape
+    if not 1 <= k <= T:
+        raise ValueError(f"hist_select: need 1 <= k ({k}) <= T ({T})")
+    if set_out and not finite_only:
+        raise ValueError("hist_select: set_out needs finite_only (the set's -1s stand for non-finite picks)")
+    cfg = HIST_KERNEL_CONFIG
+    chunk = int(chunk or cfg["chunk"])
+    if chunk & (chunk - 1):
+        raise ValueError(f"hist_select: chunk must be a power of two, got {chunk}")
+    chunk = min(chunk, 1 << (T - 1).bit_length())                   # one tile of the row's padded length
+    n_tiles = -(-T // chunk)
+    resident = (cfg["resident"] if resident is None else resident) and n_tiles == 1
+    if (chunk << int(k).bit_length()) >= 2 ** 31 or T >= 2 ** 19:
+        raise ValueError(f"hist_select: chunk {chunk} x k {k} or T {T} too large for the packed counts")
+    kp = 1 << (k - 1).bit_length()
+    width = k + chunk if interpret else k                           # interpreter: a tail for the unstored lanes
+    kernel = functools.partial(_hist_kernel, T=T, k=k, kp=kp, chunk=chunk, n_tiles=n_tiles, resident=resident,
+                               finite_only=finite_only, set_out=set_out, tail=interpret)
+    extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(
+        num_warps=int(num_warps or cfg["num_warps"]), num_stages=1))
+    n_out = 1 if set_out else 2
+    full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
+    outs = pl.pallas_call(
+        kernel, grid=(R,), in_specs=[full((R, T))], out_specs=[full((R, width))] * n_out,
+        out_shape=[jax.ShapeDtypeStruct((R, width), jnp.int32)] * n_out, interpret=interpret, name="topk_hist",
+        **extra,
+    )(scores.astype(jnp.float32))
+    outs = [o[:, :k] for o in outs] if interpret else outs
+    return outs[0] if set_out else tuple(outs)
