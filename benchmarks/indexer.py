@@ -113,23 +113,33 @@ def parse_options(spec: str) -> dict:
 def set_pipeline(cfg: str):
     """The model's pipeline (`indexer_topk(..., impl="pallas", k=TOPK, topk="threshold_set")`) with the options of
     cfg ('name=value,...'; topk=... replaces the method). An item 'topk.NAME=value' sets the module constant NAME of
-    pallas_kernels.indexer.topk (converted to its type) while the call traces, e.g. 'topk.COUNT_WIDTH=512'."""
+    pallas_kernels.indexer.topk (converted to its type) while the call traces, e.g. 'topk.COUNT_WIDTH=512';
+    'hist.NAME=value' an entry of `topk_hist.HIST_KERNEL_CONFIG` (topk=hist_set), e.g. 'hist.num_warps=32'."""
     from pallas_kernels.indexer import indexer_topk
     from pallas_kernels.indexer import topk as topk_mod
 
     opts = parse_options(cfg)
     consts = {name[5:]: opts.pop(name) for name in list(opts) if name.startswith("topk.")}
+    from pallas_kernels.indexer import topk_hist
+
+    hist_cfg = {name[5:]: opts.pop(name) for name in list(opts) if name.startswith("hist.")}
+    if set(hist_cfg) - set(topk_hist.HIST_KERNEL_CONFIG):
+        raise ValueError(f"set config {cfg!r}: unknown hist options {sorted(set(hist_cfg) - set(topk_hist.HIST_KERNEL_CONFIG))}")
     for c in consts:
         if not hasattr(topk_mod, c):
             raise ValueError(f"set config {cfg!r}: pallas_kernels.indexer.topk has no constant {c!r}")
 
     def run(q, w, keys, n_visible):
         saved = {c: getattr(topk_mod, c) for c in consts}
+        saved_hist = dict(topk_hist.HIST_KERNEL_CONFIG)
+        topk_hist.HIST_KERNEL_CONFIG.update(hist_cfg)
         try:
             for c, v in consts.items():
                 setattr(topk_mod, c, type(saved[c])(v))
             return indexer_topk(q, w, keys, n_visible, k=TOPK, impl="pallas", **{"topk": "threshold_set", **opts})
         finally:
+            topk_hist.HIST_KERNEL_CONFIG.clear()
+            topk_hist.HIST_KERNEL_CONFIG.update(saved_hist)
             for c, v in saved.items():
                 setattr(topk_mod, c, v)
 

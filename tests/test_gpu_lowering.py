@@ -716,3 +716,14 @@ def test_sparse_attention_mosaic_fp8_dequant_default(monkeypatch):
         assert built[-1]["chunk_order"] == ("diagonal" if conv else "rows"), (opts, built[-1])
         # the lazy rescale of the output accumulator: the FP8 default (session 26), bf16 keeps the eager update
         assert built[-1]["lazy"] is (args is not bf16), (opts, built[-1])
+
+
+@pytest.mark.parametrize("opts", [dict(finite_only=True, set_out=True), dict(), dict(chunk=8192, finite_only=True,
+                                                                                     set_out=True)])
+def test_hist_topk_lowers(opts):
+    """The histogram top-k (`topk_hist`, Triton's tt.histogram through our lowering rule) for 64 x 32768 rows, one
+    resident tile or four reloaded ones."""
+    from pallas_kernels.indexer.topk_hist import hist_select
+
+    s = jnp.zeros((64, 32768), jnp.float32)
+    lowers_for("cuda", "topk_hist", lambda x: hist_select(x, 512, **opts), s)

@@ -11,7 +11,8 @@ the kernel and are ignored by the reference. kernel (GPU): "auto" (the Mosaic ke
 >= 16 query rows and no Triton tuning option, else Triton: `gpu.resolve_kernel`), "triton", or "mosaic" (the Mosaic
 GPU scores kernel for fp8 and bf16 keys, `gpu_mosaic.py`). topk (every method exact, the same picks as the reference): GPU default
 "threshold" (strided-group bound + Triton compaction + lax.top_k over ~4k survivors, `topk.topk_threshold`), or
-"lax" | "blockwise" | "radix" | "radix4" | "grouped[N]" | "threshold_rank" | "threshold_select"; TPU default "lax".
+"lax" | "blockwise" | "radix" | "radix4" | "grouped[N]" | "threshold_rank" | "threshold_select" | "hist" | "hist_set"
+(one Triton program per row, histogram radix select: `topk_hist.py`); TPU default "lax".
 picks: "sorted" (best first, ties -> lower index: the reference's order) or "set" (the same entries in ascending
 index order, the -1s last: all a gather-and-sum consumer such as the sparse attention needs; on the GPU kernel path
 it selects topk="threshold_set", which skips the last sort, unless a topk option is given).

@@ -45,8 +45,11 @@ sort left is over the k picks), "threshold_set" = the same without that sort: th
 index, -1s last), for consumers that only gather and sum; "threshold_fused" / "threshold_fused_set" = the
 threshold_select / threshold_set selection as one Triton kernel, one program per row (`topk_fused.fused_select`:
 no launches between its stages), "threshold_regions" / "threshold_regions_set" = the same in two Triton kernels
-(`topk_regions.regions_select`; session 30, slower: 159 vs 136 us per fp8 indexer call at B = 64 x 128K). All
-others give the same picks. H200, session 7 (B = 64,
+(`topk_regions.regions_select`; session 30, slower: 159 vs 136 us per fp8 indexer call at B = 64 x 128K), "hist" /
+"hist_set" = no bound and no compaction chain: one Triton program per row selects the k-set by radix select with
+11-bit histogram digits (`topk_hist.hist_select`, Triton's tt.histogram; session 33: 131.6 vs 135.0 us per fp8 call
+at B = 64 x 128K, but 1036 vs 848 at 1M and 286 vs 32 us for one row of 262,144, where one SM per row idles the
+GPU; so not a default). All others give the same picks. H200, session 7 (B = 64,
 128K context, bf16 keys, whole pipeline): default 218-224 us, threshold_select 220, threshold_set 210-212 (the only
 one with no sort left).
 Default "threshold": on the H200, 44 us at batch 1 x 262,144 candidates (lax.top_k ~80) and 55-60 us at batch 64 x

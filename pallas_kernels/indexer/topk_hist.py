@@ -11,32 +11,38 @@ order (`_ordered_i32` keys), for every input; finite_only leaves out picks whose
 
 Why one program per row, and why histograms. The threshold chain (`topk.py`) spreads a row over 16 compaction
 programs, but pays for it in launches: bound, counts, compaction, fix-up and selection kernels plus XLA glue, ~35 us
-for 64 x 32K candidates on the H200, most of it the latency of small steps. A radix select needs few steps only if
-a step fixes many bits: the chain's in-register selects fix 2 bits per block-wide reduction (16 passes), while one
-`histogram` (`histogram.py`: shared-memory atomics, one per element) counts all 2048 values of an 11-bit digit at
-once. Per row (all in one program, 32 warps):
+of GPU time for 64 x 32K candidates on the H200, most of it the latency of small steps. A radix select needs few
+steps only if a step fixes many bits: the chain's in-register selects fix 2 bits per block-wide reduction (16
+passes), while one `histogram` (`histogram.py`: shared-memory atomics, one per element) counts all 2048 values of an
+11-bit digit at once. Per row (all in one program):
 
   0. M = the largest valid key (valid: above -inf's key; entries at or below it can only give -1 picks, and they are
-     left out of every histogram, so rows that are mostly -inf (a cache filled to L < T) cost no atomic contention).
+     left out of every histogram, so rows that are mostly -inf (a cache filled to L < T) add no atomic contention).
      Work with distances d = M - key (uint32, 0 = the best): the k-th largest key is the k-th smallest d.
   1. Pass 1 bins d logarithmically: bin = 64 j + (d >> j), j = max(floor(log2 d) - 6, 0), i.e. d with 7 significant
      bits, 1728 bins, monotone in d. Scores near the top get fine bins whatever their scale (an 11-bit digit of the
-     raw key would put a row's scores into the few bins of their exponents: every atomic on the same counters).
-     The bin holding the k-th smallest d gives an interval [lo, lo + 2^w) of d, the count c of valid entries
-     below it (all picked) and the count in it.
+     raw key would put a row's scores into the few bins of their exponents). The bin holding the k-th smallest d
+     gives an interval [lo, lo + 2^w) of d, the count c of valid entries below it (all picked) and the count in it.
   2. Further passes take the next 11 bits of d - lo inside the interval (2^min(w, 11) bins), until w = 0 (one
      distance: the k-th key K*) or the interval holds exactly the k - c entries still needed (all picked).
-     Typically 2-3 passes in all.
+     Normal scores need one such pass (the 64-ulp bin it leaves usually holds exactly the one entry needed).
   3. The set: every valid entry with d < lo, and the first k - c entries of the interval in index order (ties ->
-     lower index; with w = 0 they are the entries equal to K*), compacted in index order by one packed cumsum per
-     tile. Padding past the picks.
+     lower index; with w = 0 they are the entries equal to K*), compacted in index order by one packed running
+     count per tile (two-level: along rows of 16 lanes, then over the row sums; `scan2d`). Padding past the picks.
 A bin search is a cumsum over the 2048 counters and two reductions. Rows longer than `chunk` are processed in
-tiles of `chunk` (every pass loops over them; the histograms add up). With one tile the row is loaded once and
-stays in registers for all passes (`resident`).
+tiles of `chunk`, every pass reloading them (from L2) and adding up the histograms; with one tile the row is
+loaded once and stays in registers (`resident`).
 
-Reading a row takes one SM, so with few rows the GPU is mostly idle: the threshold chain suits batch 1 (its
-compaction spreads a row over 16 programs). `topk_threshold` picks by impl; the indexer's "hist" methods take this
-kernel for any row count.
+Measured on the H200 (session 33, CUPTI; benchmarks/results/README_indexer_compressor.md): 31.8 us for 64 x 32K
+(k = 512) at the defaults, against ~35 us of kernels plus gaps for the chain; in the fp8 indexer pipeline at
+B = 64 x 128K 131.6 vs 135.0 us (bf16 keys 179.2 vs 181.5, fp4 142.7 vs 146.1). Where the time goes: loading the
+row and its max ~4.7 us, pass 1 ~5-7, the refining pass ~7, the compaction ~13-15: like the one-program-per-row
+kernel of session 24 (`topk_fused`), the index-order compaction inside one program costs the most, since block
+scans are slow in Triton (`benchmarks/triton_block_ops.py`: a 1-D cumsum over 16K lanes ~3 us, the two-level one
+~1.6, a 2048-bin histogram ~1.2, a reduction ~0.5). A resident 32K row (64 values a thread) spills: 36.6 us.
+Reading a row takes one SM, so few or very long rows leave the GPU idle: 286 us for 1 x 262144 (the chain: 32),
+1036 vs 847.5 us for the B = 64 x 1M fp8 pipeline. So it is an option, not the default: `topk_threshold` picks by
+impl, and the indexer's "hist" / "hist_set" methods take this kernel for any row count.
 """
 
 from __future__ import annotations
@@ -61,9 +67,13 @@ BINS = 2048          # counters per histogram (11-bit digits)
 MANT = 6             # pass 1: 2**MANT bins per octave of d beyond the first 128 exact ones
 PACK = 4096          # _pick_bin packs (number of bins, entries) into one int32 sum: bins < PACK, entries < 2**19
 
-# Launch settings (one program per row). chunk: the tile of a row held in registers (a power of two); rows up to
-# `chunk` are loaded once. Measured on the H200: benchmarks/results/README_indexer_compressor.md (session 33).
-HIST_KERNEL_CONFIG = dict(num_warps=32, chunk=32768, resident=True)
+# Launch settings (one program per row), swept on the H200 in session 33 (CUPTI, fp8 pipeline at B = 64 x 128K):
+# chunk (the tile of a row in registers, a power of two) 16384 at 16 warps 31.8 us; 8192 33.7; 32768 (resident, 64
+# values a thread) 36.6; 8 warps 38.6-42.3; 32 warps 36.9. scan2d: the compaction's two-level running count (46.1 us
+# with a 1-D cumsum). refine: the passes after the first as 0 = a while loop (36.6), 1 = three passes each behind a
+# cond (41.3), 2 = three passes always run, results masked (62.6). stop_after (a timing probe, wrong results): 0 =
+# only the max, 1 = through pass 1, 2 = through the refining passes; the program then writes its state to slot 0.
+HIST_KERNEL_CONFIG = dict(num_warps=16, chunk=16384, resident=True, scan2d=True, refine=0, stop_after=3)
 
 
 def _u32(x):
@@ -100,7 +110,8 @@ def _pick_bin(hist, need):
     return b, below, at - below
 
 
-def _hist_kernel(scores_ref, *outs, T, k, kp, chunk, n_tiles, resident, finite_only, set_out, tail):
+def _hist_kernel(scores_ref, *outs, T, k, kp, chunk, n_tiles, resident, finite_only, set_out, tail, stop_after=3,
+                 scan2d=True, refine=0):
     r = pl.program_id(0)
     lanes = jax.lax.iota(jnp.int32, chunk)
 
@@ -125,6 +136,9 @@ def _hist_kernel(scores_ref, *outs, T, k, kp, chunk, n_tiles, resident, finite_o
     um = _u32(m ^ jnp.int32(INT32_MIN))
     dist = lambda key: um - _u32(key ^ jnp.int32(INT32_MIN))
     zeros = jnp.zeros((BINS,), jnp.int32)
+    probe = lambda v: plgpu.store(outs[0].at[r, jax.lax.iota(jnp.int32, 2)], jnp.full((2,), v, jnp.int32))
+    if stop_after == 0:
+        return probe(m)
 
     # 1. logarithmic bins of d
     hist = over_tiles(lambda key, cols, acc: acc + histogram(pass1_bin(dist(key)), BINS, mask=key > NEG_INF_KEY),
@@ -133,6 +147,8 @@ def _hist_kernel(scores_ref, *outs, T, k, kp, chunk, n_tiles, resident, finite_o
     take_all = b >= BINS                                            # fewer than k valid entries: all of them
     lo, w = bin_interval(jnp.minimum(b, BINS - 1))
     w = jnp.where(take_all, 0, w)
+    if stop_after == 1:
+        return probe(_i32(lo) + w + below + in_bin)
 
     # 2. 11 more bits of d - lo per pass, until one distance is left or the interval is exactly what is needed
     def cond(s):
@@ -151,32 +167,57 @@ def _hist_kernel(scores_ref, *outs, T, k, kp, chunk, n_tiles, resident, finite_o
         b2, below2, in2 = _pick_bin(over_tiles(count, zeros), k - c)
         return lo + _u32(b2 << sh), sh, c + below2, in2
 
-    lo, w, c, _ = jax.lax.while_loop(cond, body, (lo, w, below, in_bin))
+    state = (lo, w, below, in_bin)
+    if refine == 0:     # a dynamic loop
+        state = jax.lax.while_loop(cond, body, state)
+    else:               # at most ceil(25 / 11) = 3 passes (w <= 25 after pass 1), each skipped (1) or masked (2)
+        for _ in range(3):
+            if refine == 1:
+                state = jax.lax.cond(cond(state), body, lambda s: s, state)
+            else:
+                new, go = body(state), cond(state)
+                state = tuple(jnp.where(go, a, b) for a, b in zip(new, state))
+    lo, w, c, _ = state
+    if stop_after == 2:
+        return probe(_i32(lo) + w + c)
 
     # 3. the set in index order: d < lo (all), then the first k - c of the interval; one packed cumsum per tile
     need = k - c
     sh_a = int(k).bit_length()                                      # A's running count (< k) in the low bits
     mask_a = (1 << sh_a) - 1
 
+    def running(p):
+        """Inclusive running sum of p and its total. scan2d: two levels, [chunk / 16, 16]: a scan along each row's
+        16 lanes and one over the row sums (a 1-D block scan costs ~3 us at 16K, the two levels ~1.6: session 33,
+        benchmarks/triton_block_ops.py)."""
+        if p.ndim == 1:
+            c = jnp.cumsum(p)
+            return c, jnp.max(c)
+        rows = jnp.sum(p, axis=1)
+        rows_c = jnp.cumsum(rows)
+        return jnp.cumsum(p, axis=1) + (rows_c - rows)[:, None], jnp.max(rows_c)
+
     def write(key, cols, carry):
         off_a, off_e = carry
+        tail_lanes = lanes
+        if scan2d:   # the whole pass on [chunk / 16, 16]
+            key, cols, tail_lanes = (v.reshape(chunk // 16, 16) for v in (key, cols, lanes))
         valid = key > NEG_INF_KEY
         if finite_only:
             valid = valid & (key < POS_INF_KEY)
         d = dist(key)
         below_lo = valid & (take_all | (d < lo))
         interval = valid & ~take_all & (((d - lo) >> _u32(w)) == 0)
-        packed = jnp.cumsum(below_lo.astype(jnp.int32) + (interval.astype(jnp.int32) << sh_a))
+        packed, total = running(below_lo.astype(jnp.int32) + (interval.astype(jnp.int32) << sh_a))
         ca = off_a + (packed & mask_a)
         ce = off_e + (packed >> sh_a)
         sel = below_lo | (interval & (ce <= need))
-        at = jnp.where(sel, ca + jnp.minimum(ce, need) - 1, (k + lanes) if tail else 0)
+        at = jnp.where(sel, ca + jnp.minimum(ce, need) - 1, (k + tail_lanes) if tail else 0)
         if set_out:
             plgpu.store(outs[0].at[r, at], cols, mask=sel)
         else:
             plgpu.store(outs[0].at[r, at], key, mask=sel)
             plgpu.store(outs[1].at[r, at], cols, mask=sel)
-        total = jnp.max(packed)                                     # the tile's last (largest) running count
         return off_a + (total & mask_a), off_e + (total >> sh_a)
 
     off_a, off_e = over_tiles(write, (jnp.int32(0), jnp.int32(0)))
@@ -212,7 +253,9 @@ def hist_select(scores, k: int, *, finite_only: bool = False, set_out: bool = Fa
     kp = 1 << (k - 1).bit_length()
     width = k + chunk if interpret else k                           # interpreter: a tail for the unstored lanes
     kernel = functools.partial(_hist_kernel, T=T, k=k, kp=kp, chunk=chunk, n_tiles=n_tiles, resident=resident,
-                               finite_only=finite_only, set_out=set_out, tail=interpret)
+                               finite_only=finite_only, set_out=set_out, tail=interpret,
+                               stop_after=int(cfg.get("stop_after", 3)),
+                               scan2d=bool(cfg.get("scan2d", True)) and chunk >= 32, refine=int(cfg.get("refine", 0)))
     extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(
         num_warps=int(num_warps or cfg["num_warps"]), num_stages=1))
     n_out = 1 if set_out else 2
