@@ -117,14 +117,14 @@ def set_pipeline(cfg: str):
     'hist.NAME=value' an entry of `topk_hist.HIST_KERNEL_CONFIG` (topk=hist_set), e.g. 'hist.num_warps=32'."""
     from pallas_kernels.indexer import indexer_topk
     from pallas_kernels.indexer import topk as topk_mod
+    from pallas_kernels.indexer import topk_hist
 
     opts = parse_options(cfg)
     consts = {name[5:]: opts.pop(name) for name in list(opts) if name.startswith("topk.")}
-    from pallas_kernels.indexer import topk_hist
-
     hist_cfg = {name[5:]: opts.pop(name) for name in list(opts) if name.startswith("hist.")}
-    if set(hist_cfg) - set(topk_hist.HIST_KERNEL_CONFIG):
-        raise ValueError(f"set config {cfg!r}: unknown hist options {sorted(set(hist_cfg) - set(topk_hist.HIST_KERNEL_CONFIG))}")
+    unknown = sorted(set(hist_cfg) - set(topk_hist.HIST_KERNEL_CONFIG))
+    if unknown:
+        raise ValueError(f"set config {cfg!r}: topk_hist.HIST_KERNEL_CONFIG has no options {unknown}")
     for c in consts:
         if not hasattr(topk_mod, c):
             raise ValueError(f"set config {cfg!r}: pallas_kernels.indexer.topk has no constant {c!r}")

@@ -670,7 +670,8 @@ def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 
     took 2-6 us less (results/h200_s30r4_idx.log, h200_s30r6_idx.log); the default since session 31."""
     if fuse_group_max is None:
         fuse_group_max = scores_kernel_of(q, keys, interpret, kernel_options) == "mosaic"
-    fused = fuse_group_max and THRESHOLD_METHODS.get(topk, "pallas_hist") != "pallas_hist"   # hist: no bound
+    # the threshold methods bound with the group maxima; the histogram top-k ("hist*") needs none
+    fused = fuse_group_max and THRESHOLD_METHODS.get(topk) not in (None, "pallas_hist")
     scores = functools.partial(indexer_scores_gpu, interpret=interpret, pad_to_block=True,
                                group_max_k=min(k, keys.shape[1]) if fused else None, **kernel_options)
     return topk_over_query_chunks(scores, q, weights, keys, n_visible, k=k, query_chunk=query_chunk, topk=topk,

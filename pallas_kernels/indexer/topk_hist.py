@@ -110,8 +110,8 @@ def _pick_bin(hist, need):
     return b, below, at - below
 
 
-def _hist_kernel(scores_ref, *outs, T, k, kp, chunk, n_tiles, resident, finite_only, set_out, tail, stop_after=3,
-                 scan2d=True, refine=0):
+def _hist_kernel(scores_ref, *outs, T, k, kp, chunk, n_tiles, resident, finite_only, set_out, tail, stop_after,
+                 scan2d, refine):
     r = pl.program_id(0)
     lanes = jax.lax.iota(jnp.int32, chunk)
 
@@ -254,8 +254,8 @@ def hist_select(scores, k: int, *, finite_only: bool = False, set_out: bool = Fa
     width = k + chunk if interpret else k                           # interpreter: a tail for the unstored lanes
     kernel = functools.partial(_hist_kernel, T=T, k=k, kp=kp, chunk=chunk, n_tiles=n_tiles, resident=resident,
                                finite_only=finite_only, set_out=set_out, tail=interpret,
-                               stop_after=int(cfg.get("stop_after", 3)),
-                               scan2d=bool(cfg.get("scan2d", True)) and chunk >= 32, refine=int(cfg.get("refine", 0)))
+                               stop_after=int(cfg["stop_after"]), scan2d=bool(cfg["scan2d"]) and chunk >= 32,
+                               refine=int(cfg["refine"]))
     extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(
         num_warps=int(num_warps or cfg["num_warps"]), num_stages=1))
     n_out = 1 if set_out else 2
