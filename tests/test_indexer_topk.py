@@ -620,3 +620,74 @@ def test_gpu_hist_select_configs(opts):
         want = as_index_set(jnp.asarray(_lax(s, k=512, topk="lax")))
         got = jax.jit(lambda x: hist_select(x, 512, finite_only=True, set_out=True, **opts))(s)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# ---- the multi-program histogram top-k (topk_mhist.py) -------------------------------------------------------------
+def _mhist_rows(T, rng):
+    """Rows for mhist: _fast_rows and random_scores kinds, plus rows whose boundary bin holds ties (a grid of 2**-6
+    steps: equal distances inside the bin, still under `cap`) and a row whose scores span the float range."""
+    grid = np.round(rng.standard_normal((2, T)) * 64.0).astype(np.float32) / 64.0
+    wide = (rng.standard_normal((1, T)) * 10.0 ** rng.integers(-30, 30, (1, T))).astype(np.float32)
+    return np.concatenate([_fast_rows(8, T, rng), random_scores((6, T), rng), grid, wide])
+
+
+@pytest.mark.parametrize("T,k,cfg", [(9000, 100, dict(chunk=1024, tile=512, cap=64)),
+                                     (9000, 100, dict(chunk=2048, tile=2048, cap=128, max_chunks=4)),
+                                     (5000, 512, dict(chunk=4096, tile=1024, cap=32))])
+def test_mhist_select_matches_lax_top_k(T, k, cfg):
+    """mhist_select (interpreted) == the lax index set, with M from one XLA reduction, from partial group maxima
+    (as the scores kernel writes them) and from a wrong (too small) M; both paths taken: the fast merge on normal
+    rows (also with ties inside the boundary bin and fewer than k valid entries) and the slow one-program path on
+    heavy ties, +inf / NaN rows and flagged chunks."""
+    from pallas_kernels.indexer.topk import _ordered_i32, _strided_group_max, as_index_set
+    from pallas_kernels.indexer.topk_mhist import mhist_select, mhist_slow_rows
+
+    rng = np.random.default_rng(next(_SEED))
+    s = jnp.asarray(_mhist_rows(T, rng))
+    want = np.asarray(as_index_set(jnp.asarray(_lax(s, k=k, topk="lax"))))
+    got = mhist_select(s, k, config=cfg, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    slow = np.asarray(mhist_slow_rows(s, k, config=cfg, interpret=True))
+    kinds = np.isfinite(np.asarray(s)).sum(1)
+    assert (~slow).sum() >= 8 and slow.sum() >= 2, slow          # both paths exercised
+    assert not slow[-3:-1].any()                                  # ties inside the boundary bin: the fast merge
+    assert (~slow[kinds < k]).any()                               # fewer than k valid entries: the fast path
+    keys = _ordered_i32(s)
+    gpart = jnp.stack([_strided_group_max(keys, 16), _strided_group_max(keys, 16)], axis=1)   # [R, 2, G]
+    np.testing.assert_array_equal(np.asarray(mhist_select(s, k, group_max=gpart, config=cfg, interpret=True)), want)
+    low = jnp.max(keys, axis=1) - 1000                              # M below the row's max: flagged, slow, exact
+    np.testing.assert_array_equal(np.asarray(mhist_select(s, k, row_max=low, config=cfg, interpret=True)), want)
+    assert np.asarray(mhist_slow_rows(s, k, row_max=low, config=cfg, interpret=True))[kinds > 0].all()
+
+
+def test_mhist_select_refuses_bad_input():
+    from pallas_kernels.indexer.topk_mhist import mhist_select
+
+    s = jnp.zeros((2, 300), jnp.float32)
+    with pytest.raises(ValueError, match="1 <= k"):
+        mhist_select(s, 301, interpret=True)
+    with pytest.raises(ValueError, match="group_max"):
+        mhist_select(s, 8, group_max=jnp.zeros((2, 30), jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match="row_max"):
+        mhist_select(s, 8, row_max=jnp.zeros((3,), jnp.int32), interpret=True)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (compiled Triton kernels)")
+@pytest.mark.parametrize("R,T,k,opts", [(64, 32768, 512, {}), (64, 32768, 512, dict(chunk=16384, tile=8192)),
+                                        (3, 100000, 512, {}), (1, 262144, 1024, {}), (16, 8192, 512, {})])
+def test_gpu_mhist_select(R, T, k, opts):
+    """mhist_select compiled == lax, with M from XLA and from group maxima; the rows of `_mhist_rows` (both paths)."""
+    from pallas_kernels.indexer.topk import _ordered_i32, _strided_group_max, as_index_set
+    from pallas_kernels.indexer.topk_mhist import mhist_select
+
+    rng = np.random.default_rng(next(_SEED))
+    s = _mhist_rows(T, rng)
+    s = np.concatenate([s, rng.standard_normal((max(R - len(s), 0), T)).astype(np.float32)])[:R] if R > 3 else \
+        np.concatenate([s[8:9], s[15:16], s[0:1]])[:R]
+    s = jnp.asarray(s)
+    want = np.asarray(as_index_set(jnp.asarray(_lax(s, k=k, topk="lax"))))
+    got = jax.jit(lambda x: mhist_select(x, k, config=opts))(s)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    gpart = _strided_group_max(_ordered_i32(s), 32)[:, None, :]
+    got = jax.jit(lambda x, g: mhist_select(x, k, group_max=g, config=opts))(s, gpart)
+    np.testing.assert_array_equal(np.asarray(got), want)
