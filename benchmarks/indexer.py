@@ -114,39 +114,32 @@ def set_pipeline(cfg: str):
     """The model's pipeline (`indexer_topk(..., impl="pallas", k=TOPK, topk="threshold_set")`) with the options of
     cfg ('name=value,...'; topk=... replaces the method). An item 'topk.NAME=value' sets the module constant NAME of
     pallas_kernels.indexer.topk (converted to its type) while the call traces, e.g. 'topk.COUNT_WIDTH=512';
-    'hist.NAME=value' an entry of `topk_hist.HIST_KERNEL_CONFIG` (topk=hist_set), e.g. 'hist.num_warps=32';
-    'mhist.NAME=value' an entry of `topk_mhist.MHIST_KERNEL_CONFIG` (topk=mhist_set), e.g. 'mhist.chunk=4096'."""
+    'hist.NAME=value' an entry of `topk_hist.HIST_KERNEL_CONFIG` (topk=hist_set), e.g. 'hist.num_warps=32'."""
     from pallas_kernels.indexer import indexer_topk
     from pallas_kernels.indexer import topk as topk_mod
-    from pallas_kernels.indexer import topk_hist, topk_mhist
+    from pallas_kernels.indexer import topk_hist
 
     opts = parse_options(cfg)
     consts = {name[5:]: opts.pop(name) for name in list(opts) if name.startswith("topk.")}
-    tables = {"hist.": topk_hist.HIST_KERNEL_CONFIG, "mhist.": topk_mhist.MHIST_KERNEL_CONFIG}
-    table_opts = {}
-    for prefix, table in tables.items():
-        given = {name[len(prefix):]: opts.pop(name) for name in list(opts) if name.startswith(prefix)}
-        unknown = sorted(set(given) - set(table))
-        if unknown:
-            raise ValueError(f"set config {cfg!r}: the {prefix[:-1]} kernel config has no options {unknown}")
-        table_opts[prefix] = given
+    hist_cfg = {name[5:]: opts.pop(name) for name in list(opts) if name.startswith("hist.")}
+    unknown = sorted(set(hist_cfg) - set(topk_hist.HIST_KERNEL_CONFIG))
+    if unknown:
+        raise ValueError(f"set config {cfg!r}: topk_hist.HIST_KERNEL_CONFIG has no options {unknown}")
     for c in consts:
         if not hasattr(topk_mod, c):
             raise ValueError(f"set config {cfg!r}: pallas_kernels.indexer.topk has no constant {c!r}")
 
     def run(q, w, keys, n_visible):
         saved = {c: getattr(topk_mod, c) for c in consts}
-        saved_tables = {prefix: dict(table) for prefix, table in tables.items()}
-        for prefix, table in tables.items():
-            table.update(table_opts[prefix])
+        saved_hist = dict(topk_hist.HIST_KERNEL_CONFIG)
+        topk_hist.HIST_KERNEL_CONFIG.update(hist_cfg)
         try:
             for c, v in consts.items():
                 setattr(topk_mod, c, type(saved[c])(v))
             return indexer_topk(q, w, keys, n_visible, k=TOPK, impl="pallas", **{"topk": "threshold_set", **opts})
         finally:
-            for prefix, table in tables.items():
-                table.clear()
-                table.update(saved_tables[prefix])
+            topk_hist.HIST_KERNEL_CONFIG.clear()
+            topk_hist.HIST_KERNEL_CONFIG.update(saved_hist)
             for c, v in saved.items():
                 setattr(topk_mod, c, v)
 
@@ -158,8 +151,7 @@ TOPK_ONLY_METHODS = {"lax": dict(topk="lax"), "radix": dict(topk="radix"), "radi
                      "grouped64": dict(topk="grouped64"), "threshold": dict(topk="threshold"),
                      "threshold_rank": dict(topk="threshold_rank"),
                      "threshold_select": dict(topk="threshold_select"), "threshold_set": dict(topk="threshold_set"),
-                     "threshold_fused_set": dict(topk="threshold_fused_set"), "hist_set": dict(topk="hist_set"),
-                     "mhist_set": dict(topk="mhist_set")}
+                     "threshold_fused_set": dict(topk="threshold_fused_set")}
 QUICK_DROP = ("radix", "pallas_radix", "pallas_blockwise")  # slower than lax on the H200 / 8-bit radix compiles for
                                                             # minutes at batch 64 (results/h200_s3r1, s3r3)
 

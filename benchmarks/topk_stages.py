@@ -29,19 +29,13 @@ Stages (k = 512, random normal scores [R, T]; each timed as dependent calls in o
   hist_ties        hist_set on full_ties' rows (heavy ties: hot histogram counters, entries equal to K*)
   hist_pos         hist_set on |scores| (no negative half: the log bins of pass 1 spread them, less atomic contention)
   hist_prefix      hist_set on rows valid only in their first T / 10 entries (a decode cache filled to L < T)
-  mhist_set        impl="pallas_mhist", sorted=False: the histogram select over several programs per row, three
-                   kernels (`topk_mhist.mhist_select`, session 34), the row max from one XLA reduction
-  mhist_gmax       the same with the row max from group maxima (as the indexer scores kernel writes them)
-  mhist_ties       mhist_set on full_ties' rows (boundary bins past `cap`: every row takes the slow path)
-  mhist_prefix     mhist_set on rows valid only in their first T / 10 entries
   touch            the chain's own carry update alone (the harness overhead, subtracted from nothing)
 Prints a table of us per call; writes DIR/topk_stages.json. --stages picks a subset (comma list; touch always runs).
 --select-configs 'bound_warps=2,select_warps=2;select_bits=4' times bound / select / full_select / full_set once per
 option set of `topk.SELECT_KERNEL_CONFIG` (rows named like `full_set[select_warps=2]`); --fused-configs
 'num_warps=16;matrix=0,rows_per_step=8' times fused_set once per option set of `topk_fused.FUSED_KERNEL_CONFIG`;
 --hist-configs 'num_warps=16,chunk=16384;resident=0' times the hist stages once per option set of
-`topk_hist.HIST_KERNEL_CONFIG`; --mhist-configs 'chunk=4096;cap=64' the mhist stages per option set of
-`topk_mhist.MHIST_KERNEL_CONFIG`.
+`topk_hist.HIST_KERNEL_CONFIG`.
 """
 
 from __future__ import annotations
@@ -57,7 +51,6 @@ from benchmarks.timing import timed_chain
 from pallas_kernels.indexer import topk as T_
 from pallas_kernels.indexer import topk_fused as TF
 from pallas_kernels.indexer import topk_hist as TH
-from pallas_kernels.indexer import topk_mhist as TM
 
 K = 512
 
@@ -69,7 +62,6 @@ def stages(R, T, k=K, only=None, label=""):
     keys0 = T_._ordered_i32(scores)
     tau0 = T_._threshold(keys0, k, group)
     ck0, cp0, n0 = T_.compact_reference(keys0, tau0, capacity)
-    gmax0 = T_._strided_group_max(keys0, group)[:, None, :]   # [R, 1, G]: as the scores kernel writes them
     kk0, pk0 = jax.lax.top_k(ck0, k)                  # some k keys / positions (order_k's input)
     pk0 = jnp.take_along_axis(cp0, pk0, axis=1)
 
@@ -115,12 +107,6 @@ def stages(R, T, k=K, only=None, label=""):
         "hist_pos": lambda s: T_.topk_threshold(jnp.abs(s), k, impl="pallas_hist", sorted=False, interpret=interp),
         "hist_prefix": lambda s: T_.topk_threshold(jnp.where(jnp.arange(T) < T // 10, s, -jnp.inf), k,
                                                    impl="pallas_hist", sorted=False, interpret=interp),
-        "mhist_set": lambda s: T_.topk_threshold(s, k, impl="pallas_mhist", sorted=False, interpret=interp),
-        "mhist_gmax": lambda s: TM.mhist_select(s, k, group_max=gmax0, interpret=interp),
-        "mhist_ties": lambda s: T_.topk_threshold(jnp.where(s[:, :1] > 1e30, 0.0, ties), k, impl="pallas_mhist",
-                                                  sorted=False, interpret=interp),
-        "mhist_prefix": lambda s: T_.topk_threshold(jnp.where(jnp.arange(T) < T // 10, s, -jnp.inf), k,
-                                                    impl="pallas_mhist", sorted=False, interpret=interp),
         "bound": lambda s: T_.bound_pallas(T_._strided_group_max(T_._ordered_i32(s), group), k,
                                            interpret=interp)[:, None],
         "select": lambda s: T_.select_pallas(jnp.where(s[:, :1] > 1e30, 0, ck0), cp0, n0, k, capacity,
@@ -194,9 +180,6 @@ def main():
                     help="';'-separated option sets of topk_fused.FUSED_KERNEL_CONFIG: fused_set timed once per set")
     ap.add_argument("--hist-configs", default=None,
                     help="';'-separated option sets of topk_hist.HIST_KERNEL_CONFIG: the hist stages timed once per set")
-    ap.add_argument("--mhist-configs", default=None,
-                    help="';'-separated option sets of topk_mhist.MHIST_KERNEL_CONFIG: the mhist stages timed once "
-                         "per set")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     rows = []
@@ -209,8 +192,6 @@ def main():
         rows += sweep(R, T, a.fused_configs, TF.FUSED_KERNEL_CONFIG, "--fused-configs", ("fused_set",))
         rows += sweep(R, T, a.hist_configs, TH.HIST_KERNEL_CONFIG, "--hist-configs",
                       ("hist_set", "hist_ties", "hist_prefix", "hist_pos"))
-        rows += sweep(R, T, a.mhist_configs, TM.MHIST_KERNEL_CONFIG, "--mhist-configs",
-                      ("mhist_set", "mhist_gmax", "mhist_ties", "mhist_prefix"))
         with open(os.path.join(a.out, "topk_stages.json"), "w") as f:
             json.dump(rows, f, indent=1)
 

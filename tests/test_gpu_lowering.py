@@ -727,14 +727,3 @@ def test_hist_topk_lowers(opts):
 
     s = jnp.zeros((64, 32768), jnp.float32)
     lowers_for("cuda", "topk_hist", lambda x: hist_select(x, 512, **opts), s)
-
-
-@pytest.mark.parametrize("R,T,k,with_groups", [(64, 32768, 512, True), (64, 262144, 512, False), (1, 262144, 1024, False)])
-def test_mhist_topk_lowers(R, T, k, with_groups):
-    """The multi-program histogram top-k (`topk_mhist`: three Triton kernels, the last with `topk_hist`'s selection
-    as its slow path inside a conditional), with the row max from group maxima or from XLA."""
-    from pallas_kernels.indexer.topk_mhist import mhist_select
-
-    s = jnp.zeros((R, T), jnp.float32)
-    g = jnp.zeros((R, 1, T // 32), jnp.int32) if with_groups else None
-    lowers_for("cuda", "topk_mhist", lambda x: mhist_select(x, k, group_max=g), s)

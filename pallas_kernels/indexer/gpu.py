@@ -49,9 +49,7 @@ no launches between its stages), "threshold_regions" / "threshold_regions_set" =
 "hist_set" = no bound and no compaction chain: one Triton program per row selects the k-set by radix select with
 11-bit histogram digits (`topk_hist.hist_select`, Triton's tt.histogram; session 33: 131.6 vs 135.0 us per fp8 call
 at B = 64 x 128K, but 1036 vs 848 at 1M and 286 vs 32 us for one row of 262,144, where one SM per row idles the
-GPU; so not a default), "mhist_set" = the same histogram select over several programs per row in three Triton
-kernels (`topk_mhist.mhist_select`: histograms per chunk, then each chunk places its picks, then one short merge per
-row; the row max from the scores kernel's group maxima). All others give the same picks. H200, session 7 (B = 64,
+GPU; so not a default). All others give the same picks. H200, session 7 (B = 64,
 128K context, bf16 keys, whole pipeline): default 218-224 us, threshold_select 220, threshold_set 210-212 (the only
 one with no sort left).
 Default "threshold": on the H200, 44 us at batch 1 x 262,144 candidates (lax.top_k ~80) and 55-60 us at batch 64 x
@@ -572,14 +570,14 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
 
 TOPK_METHODS = ("lax", "blockwise", "radix", "radix4", "grouped", "grouped<N>", "threshold", "threshold_rank",
                 "threshold_select", "threshold_set", "threshold_fused", "threshold_fused_set",
-                "threshold_regions", "threshold_regions_set", "hist", "hist_set", "mhist_set")
+                "threshold_regions", "threshold_regions_set", "hist", "hist_set")
 THRESHOLD_METHODS = {"threshold": "pallas_compact", "threshold_rank": "pallas", "threshold_select": "pallas_select",
                      "threshold_set": "pallas_select", "threshold_fused": "pallas_fused",
                      "threshold_fused_set": "pallas_fused",
                      "threshold_regions": "pallas_regions", "threshold_regions_set": "pallas_regions",
-                     "hist": "pallas_hist", "hist_set": "pallas_hist", "mhist_set": "pallas_mhist"}
+                     "hist": "pallas_hist", "hist_set": "pallas_hist"}
 # method -> topk_threshold impl on a GPU ("xla" elsewhere)
-SET_METHODS = ("threshold_set", "threshold_fused_set", "threshold_regions_set", "hist_set", "mhist_set")
+SET_METHODS = ("threshold_set", "threshold_fused_set", "threshold_regions_set", "hist_set")
 # the picks as an index set, not sorted
 
 

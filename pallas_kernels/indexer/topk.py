@@ -692,8 +692,7 @@ def as_index_set(picks):
     return jnp.where(ordered == big, -1, ordered).astype(jnp.int32)
 
 
-THRESHOLD_IMPLS = ("xla", "pallas_compact", "pallas", "pallas_select", "pallas_fused", "pallas_regions", "pallas_hist",
-                   "pallas_mhist")
+THRESHOLD_IMPLS = ("xla", "pallas_compact", "pallas", "pallas_select", "pallas_fused", "pallas_regions", "pallas_hist")
 
 
 def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str = "xla", sorted: bool = True,
@@ -723,9 +722,7 @@ def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str 
     Triton kernels: bound + compaction into per-chunk regions, then the fix-up and the selection;
     `topk_regions.regions_select`), "pallas_hist" (no bound, no compaction: one Triton program per row selects the
     k-set by radix select with 11-bit histogram digits and writes it in index order, `topk_hist.hist_select`;
-    group_max unused), "pallas_mhist" (the same histogram select spread over several programs per row in three
-    Triton kernels, `topk_mhist.mhist_select`; the row max from group_max when given; index set only: sorted=False);
-    `interpret` runs the Triton kernels in the Pallas interpreter.
+    group_max unused); `interpret` runs the Triton kernels in the Pallas interpreter.
     group_max: [..., P, G] int32, partial maxima of the ordered keys (`_ordered_i32`) of the scores' strided groups
     (group g = entries g, g + G, ...; G = `threshold_groups(T, k)`), whose max over P is the group maxima; a
     producer that already passed over the scores (the indexer scores kernel) saves the XLA pass over the row.
@@ -764,13 +761,6 @@ def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str 
             return hist_select(s, k, finite_only=True, set_out=True, interpret=interpret).reshape(lead + (k,))
         keys_k, pos_k = hist_select(s, k, interpret=interpret)
         return _order_slots(keys_k, pos_k, k, lead)
-    if impl == "pallas_mhist":
-        if sorted:
-            raise ValueError("impl='pallas_mhist' gives the index set only (sorted=False)")
-        if bounded:
-            from .topk_mhist import mhist_select   # the same k-set, three kernels, several programs per row
-
-            return mhist_select(s, k, group_max=gpart, interpret=interpret).reshape(lead + (k,))
     if impl == "pallas_fused" and bounded:
         from .topk_fused import fused_select   # the same k-set as "pallas_select", in one kernel
 

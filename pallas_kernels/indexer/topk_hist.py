@@ -111,8 +111,8 @@ def _pick_bin(hist, need):
 
 
 def _hist_kernel(scores_ref, *outs, T, k, kp, chunk, n_tiles, resident, finite_only, set_out, tail, stop_after,
-                 scan2d, refine, row=None):
-    r = pl.program_id(0) if row is None else row     # row: given by a caller that runs this body as its slow path
+                 scan2d, refine):
+    r = pl.program_id(0)
     lanes = jax.lax.iota(jnp.int32, chunk)
 
     def load(t):
