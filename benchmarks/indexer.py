@@ -9,7 +9,7 @@ Per case: time per call (us) as dependent calls inside one jitted lax.scan (q_{i
 max(bytes / copy BW, FLOPs / bf16 rate) with bytes = keys read once + q read + picks written and FLOPs = 2*H*dI per
 (query, visible key), the ratio to it, and the XLA reference in the same run. Variants: pallas (scores kernel + the
 default top-k, "threshold"), pallas_lax / _blockwise / _radix / _radix4 / _grouped / _threshold_rank / _threshold_select /
-_threshold_set (other top-k methods; _set returns the picks as an index set), pallas_bf16ops / scores_bf16ops (fp8 / fp4 keys through bf16 operands: the fp8 default before session 4,
+_threshold_set / _auto_set (other top-k methods; _set returns the picks as an index set; auto_set is the model's), pallas_bf16ops / scores_bf16ops (fp8 / fp4 keys through bf16 operands: the fp8 default before session 4,
 whose call 3 measured the f16 default as "scores_f16"), pallas_f16ops / scores_f16ops (fp8 / fp4 keys through f16
 operands: fp8's default; for fp4 the bit-trick nibble decode, not the default yet), pallas_fp8ops / pallas_fp8ops_set /
 scores_fp8ops (fp8 tensor-core operands, session 10), pallas_fp4asm / pallas_fp4asm_set / scores_fp4asm (fp4 keys
@@ -111,7 +111,8 @@ def parse_options(spec: str) -> dict:
 
 
 def set_pipeline(cfg: str):
-    """The model's pipeline (`indexer_topk(..., impl="pallas", k=TOPK, topk="threshold_set")`) with the options of
+    """The chain's pipeline (`indexer_topk(..., impl="pallas", k=TOPK, topk="threshold_set")`; the model's default
+    before session 34, now `topk="auto_set"`, which picks it or "hist_set" by the rows' shape) with the options of
     cfg ('name=value,...'; topk=... replaces the method). An item 'topk.NAME=value' sets the module constant NAME of
     pallas_kernels.indexer.topk (converted to its type) while the call traces, e.g. 'topk.COUNT_WIDTH=512';
     'hist.NAME=value' an entry of `topk_hist.HIST_KERNEL_CONFIG` (topk=hist_set), e.g. 'hist.num_warps=32'."""
@@ -259,6 +260,8 @@ def main():
                                                                    topk="threshold_select"),
         "pallas_threshold_set": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas",
                                                                 topk="threshold_set"),
+        # session 34: the model's GPU default for set picks (hist_set up to 32768 candidates, threshold_set above)
+        "pallas_auto_set": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="auto_set"),
         # session 7: the strided-group maxima written by the scores kernel instead of an XLA pass over the scores
         # (measured: no gain; off by default; the session-7 log names these columns *_nofuse for the default)
         "pallas_fused": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", fuse_group_max=True),

@@ -26,6 +26,8 @@ Stages (k = 512, random normal scores [R, T]; each timed as dependent calls in o
   hist_set         impl="pallas_hist", sorted=False: one Triton program per row, radix select by 11-bit histograms
                    (`topk_hist.hist_select`, session 33), the index set written by the kernel
   hist             the same with sorted picks (the k picks' keys ordered by lax.top_k)
+  hist_direct      `topk_hist.hist_select` called directly, also on rows short enough for topk_threshold's
+                   small-row shortcut (T <= capacity: a plain lax.top_k)
   hist_ties        hist_set on full_ties' rows (heavy ties: hot histogram counters, entries equal to K*)
   hist_pos         hist_set on |scores| (no negative half: the log bins of pass 1 spread them, less atomic contention)
   hist_prefix      hist_set on rows valid only in their first T / 10 entries (a decode cache filled to L < T)
@@ -102,6 +104,7 @@ def stages(R, T, k=K, only=None, label=""):
                                                   sorted=False, interpret=interp),
         "hist_set": lambda s: T_.topk_threshold(s, k, impl="pallas_hist", sorted=False, interpret=interp),
         "hist": lambda s: T_.topk_threshold(s, k, impl="pallas_hist", interpret=interp),
+        "hist_direct": lambda s: TH.hist_select(s, k, finite_only=True, set_out=True, interpret=interp),
         "hist_ties": lambda s: T_.topk_threshold(jnp.where(s[:, :1] > 1e30, 0.0, ties), k, impl="pallas_hist",
                                                  sorted=False, interpret=interp),
         "hist_pos": lambda s: T_.topk_threshold(jnp.abs(s), k, impl="pallas_hist", sorted=False, interpret=interp),
@@ -191,7 +194,7 @@ def main():
                       ("bound", "select", "full_select", "full_set"))
         rows += sweep(R, T, a.fused_configs, TF.FUSED_KERNEL_CONFIG, "--fused-configs", ("fused_set",))
         rows += sweep(R, T, a.hist_configs, TH.HIST_KERNEL_CONFIG, "--hist-configs",
-                      ("hist_set", "hist_ties", "hist_prefix", "hist_pos"))
+                      ("hist_set", "hist_ties", "hist_prefix", "hist_pos", "hist_direct"))
         with open(os.path.join(a.out, "topk_stages.json"), "w") as f:
             json.dump(rows, f, indent=1)
 

@@ -20,9 +20,11 @@ from test_sparse_attention import make_inputs as make_attention
 
 
 def lowers_for(platform, marker, fn, *args):
-    """jit(fn) lowers for `platform` from this (CPU) machine, and the module holds a kernel (`marker` in its text)."""
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
-    assert marker in text.lower(), f"no {marker} kernel in the module lowered for {platform}"
+    """jit(fn) lowers for `platform` from this (CPU) machine, and the module holds a kernel (`marker` in its text);
+    returns the module's text, lower-cased."""
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text().lower()
+    assert marker in text, f"no {marker} kernel in the module lowered for {platform}"
+    return text
 
 
 def lowers_for_cuda(fn, *args):
@@ -58,6 +60,18 @@ def test_indexer_fused_group_maxima_lower(fmt, topk):
     q, w, keys, nv = make_indexer(2, 1, 64, 32768, fmt, fmt == "fp8")
     fused = lambda q, w, k, n: indexer_topk_gpu(q, w, k, n, k=512, topk=topk, num_splits=8, fuse_group_max=True)
     lowers_for("cuda", "_g1024", fused, q, w, keys, nv)
+
+
+@pytest.mark.parametrize("T,marker,absent", [(4096, "topk_hist", "_g1024"), (65536, "_g1024", "topk_hist")])
+def test_indexer_auto_set_lowers(T, marker, absent, monkeypatch):
+    """topk="auto_set" (the model's set picks on the GPU) at 16 decode rows: the histogram top-k kernel at 4096 keys
+    (and no group maxima from the Mosaic scores kernel), the chain with the maxima (..._g1024) at 65536."""
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")    # the GPU's top-k impls, not XLA's
+    q, w, keys, nv = make_indexer(16, 1, 64, T, "fp8", False)
+    fn = lambda q, w, k, n: indexer_topk_gpu(q, w, k, n, k=512, topk="auto_set")
+    assert absent not in lowers_for("cuda", marker, fn, q, w, keys, nv)
 
 
 def test_indexer_fp4_bf16_operands_lower():

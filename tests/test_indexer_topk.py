@@ -440,7 +440,7 @@ def test_fused_select_refuses_bad_input():
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (compiled Triton compaction kernel)")
 @pytest.mark.parametrize("impl", ["pallas", "pallas_compact", "pallas_select", "pallas_fused", "pallas_regions",
                                   "pallas_hist"])
-@pytest.mark.parametrize("R,T,k", [(1, 262144, 512), (64, 32768, 512), (5, 70000, 1024)])
+@pytest.mark.parametrize("R,T,k", [(1, 262144, 512), (64, 32768, 512), (5, 70000, 1024), (64, 2048, 512)])
 def test_gpu_threshold_topk(R, T, k, impl):
     """The compiled threshold top-k (Triton kernels) == lax.top_k: fast-path rows and heavy-tie rows (fallback)."""
     rng = np.random.default_rng(next(_SEED))
@@ -579,6 +579,41 @@ def test_hist_select_matches_lax_top_k(chunk, resident):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(jnp.asarray(want))))
 
 
+@pytest.mark.parametrize("T,k", [(300, 100), (2048, 512), (513, 512)])
+def test_hist_impl_on_short_rows(T, k):
+    """topk_threshold(impl="pallas_hist") takes the histogram kernel on rows short enough for the small-row
+    shortcut too (T <= capacity; any T > k), sorted and as an index set (interpreted == lax)."""
+    from pallas_kernels.indexer.topk import as_index_set, threshold_layout
+
+    assert T <= threshold_layout(T, k)[1]                                 # the shortcut's range
+    rng = np.random.default_rng(next(_SEED))
+    s = jnp.asarray(np.concatenate([_fast_rows(8, T, rng), random_scores((6, T), rng)]))
+    want = np.asarray(_lax(s, k=k, topk="lax"))
+    got = topk_threshold(s, k, impl="pallas_hist", interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    got = topk_threshold(s, k, impl="pallas_hist", sorted=False, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(jnp.asarray(want))))
+
+
+def test_auto_set_resolution():
+    """"auto_set" (the model's set picks on the GPU): the histogram kernel on rows of 2048-4096 candidates, and of up
+    to 32768 (128K context) from 64 rows on, the chain elsewhere (where each measured faster on the H200)."""
+    from pallas_kernels.indexer.gpu import SET_METHODS, resolve_set_method
+    from pallas_kernels.indexer.topk import as_index_set
+
+    assert "auto_set" in SET_METHODS
+    assert resolve_set_method(2048, 512, 1) == resolve_set_method(4096, 512, 16) == "hist_set"
+    assert resolve_set_method(32768, 512, 64) == resolve_set_method(32768, 512, 1024) == "hist_set"
+    assert resolve_set_method(32768, 512, 1) == resolve_set_method(8192, 512, 63) == "threshold_set"
+    assert resolve_set_method(32769, 512, 64) == resolve_set_method(262144, 512, 64) == "threshold_set"
+    assert resolve_set_method(2047, 512, 64) == resolve_set_method(512, 512, 64) == "threshold_set"
+    assert resolve_set_method(2048, 4096, 64) == "threshold_set"                # every candidate picked
+    rng = np.random.default_rng(next(_SEED))
+    s = jnp.asarray(random_scores((6, 3000), rng))
+    want = as_index_set(jnp.asarray(_lax(s, k=100, topk="lax")))
+    np.testing.assert_array_equal(np.asarray(topk_from_scores(s, 100, topk="auto_set")), np.asarray(want))
+
+
 def test_hist_select_refuses_bad_input():
     from pallas_kernels.indexer.topk_hist import hist_select
 
@@ -602,6 +637,20 @@ def test_gpu_histogram_in_kernel(N, bins):
     keep = m & (v >= 0) & (v < bins)
     np.testing.assert_array_equal(np.asarray(_histogram_kernel_run(v, m, bins, False)),
                                   np.bincount(v[keep], minlength=bins))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (compiled Triton kernels)")
+@pytest.mark.parametrize("R,T,k", [(4, 8, 3), (4, 24, 6), (4, 100, 16), (8, 600, 64), (3, 1500, 512)])
+def test_gpu_hist_small_rows(R, T, k):
+    """hist_select compiled on short rows (a tiny model's indexer: a few dozen entries), == lax."""
+    from pallas_kernels.indexer.topk import as_index_set
+    from pallas_kernels.indexer.topk_hist import hist_select
+
+    rng = np.random.default_rng(next(_SEED))
+    s = jnp.asarray(rng.standard_normal((R, T)).astype(np.float32))
+    want = as_index_set(jnp.asarray(_lax(s, k=k, topk="lax")))
+    got = jax.jit(lambda x: hist_select(x, k, finite_only=True, set_out=True))(s)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (compiled Triton kernels)")

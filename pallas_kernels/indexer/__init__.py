@@ -12,10 +12,12 @@ the kernel and are ignored by the reference. kernel (GPU): "auto" (the Mosaic ke
 GPU scores kernel for fp8 and bf16 keys, `gpu_mosaic.py`). topk (every method exact, the same picks as the reference): GPU default
 "threshold" (strided-group bound + Triton compaction + lax.top_k over ~4k survivors, `topk.topk_threshold`), or
 "lax" | "blockwise" | "radix" | "radix4" | "grouped[N]" | "threshold_rank" | "threshold_select" | "hist" | "hist_set"
-(one Triton program per row, histogram radix select: `topk_hist.py`); TPU default "lax".
-picks: "sorted" (best first, ties -> lower index: the reference's order) or "set" (the same entries in ascending
-index order, the -1s last: all a gather-and-sum consumer such as the sparse attention needs; on the GPU kernel path
-it selects topk="threshold_set", which skips the last sort, unless a topk option is given).
+(one Triton program per row, histogram radix select: `topk_hist.py`) | "threshold_set" | "auto_set"; TPU default
+"lax". picks: "sorted" (best first, ties -> lower index: the reference's order) or "set" (the same entries in
+ascending index order, the -1s last: all a gather-and-sum consumer such as the sparse attention needs; on the GPU
+kernel path it selects topk="auto_set" -- "hist_set" or "threshold_set" by the rows' shape, where each measured
+faster (`gpu.resolve_set_method`), neither sorting its picks -- unless another set method is given; any other topk option is followed by the set
+conversion).
 """
 
 from __future__ import annotations
@@ -49,10 +51,15 @@ def indexer_topk(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256,
 
         # the GPU kernel path selects the set directly (sort-free top-k); the reference and the TPU path (default
         # top-k "lax") convert their sorted picks
-        if target not in ("gpu", "interpret") or kernel_options.get("topk", "threshold_set") != "threshold_set":
+        direct = target in ("gpu", "interpret")
+        if direct:
+            from .gpu import SET_METHODS
+
+            direct = kernel_options.get("topk", "auto_set") in SET_METHODS
+        if not direct:
             return as_index_set(indexer_topk(q, weights, keys, n_visible, k=k, query_chunk=query_chunk, impl=impl,
                                              **kernel_options))
-        kernel_options = dict(kernel_options, topk="threshold_set")
+        kernel_options = dict(kernel_options, topk=kernel_options.get("topk", "auto_set"))
     if target == "reference":
         return indexer_topk_reference(q, weights, keys, n_visible, k=k, query_chunk=query_chunk)
     if target in ("gpu", "interpret"):
