@@ -112,7 +112,7 @@ def parse_options(spec: str) -> dict:
 
 def set_pipeline(cfg: str):
     """The chain's pipeline (`indexer_topk(..., impl="pallas", k=TOPK, topk="threshold_set")`; the model's default
-    before session 34, now `topk="auto_set"`, which picks it or "hist_set" by the rows' shape) with the options of
+    before session 34, now `topk="auto_set"`, which picks it or "hist_set" by the rows' length) with the options of
     cfg ('name=value,...'; topk=... replaces the method). An item 'topk.NAME=value' sets the module constant NAME of
     pallas_kernels.indexer.topk (converted to its type) while the call traces, e.g. 'topk.COUNT_WIDTH=512';
     'hist.NAME=value' an entry of `topk_hist.HIST_KERNEL_CONFIG` (topk=hist_set), e.g. 'hist.num_warps=32'."""
@@ -260,7 +260,8 @@ def main():
                                                                    topk="threshold_select"),
         "pallas_threshold_set": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas",
                                                                 topk="threshold_set"),
-        # session 34: the model's GPU default for set picks (hist_set up to 32768 candidates, threshold_set above)
+        # session 34: the model's GPU default for set picks (hist_set on rows of 2048-4096 candidates, else
+        # threshold_set: gpu.resolve_set_method)
         "pallas_auto_set": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="auto_set"),
         # session 7: the strided-group maxima written by the scores kernel instead of an XLA pass over the scores
         # (measured: no gain; off by default; the session-7 log names these columns *_nofuse for the default)
