@@ -260,8 +260,8 @@ def main():
                                                                    topk="threshold_select"),
         "pallas_threshold_set": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas",
                                                                 topk="threshold_set"),
-        # session 34: the model's GPU default for set picks (hist_set on rows of 2048-4096 candidates, else
-        # threshold_set: gpu.resolve_set_method)
+        # session 34: the model's GPU default for set picks (hist_set on rows of 2048-16384 candidates and on
+        # calls of >= 96 rows of up to 32768 since session 35, else threshold_set: gpu.resolve_set_method)
         "pallas_auto_set": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="auto_set"),
         # session 7: the strided-group maxima written by the scores kernel instead of an XLA pass over the scores
         # (measured: no gain; off by default; the session-7 log names these columns *_nofuse for the default)

@@ -31,6 +31,9 @@ Stages (k = 512, random normal scores [R, T]; each timed as dependent calls in o
   hist_ties        hist_set on full_ties' rows (heavy ties: hot histogram counters, entries equal to K*)
   hist_pos         hist_set on |scores| (no negative half: the log bins of pass 1 spread them, less atomic contention)
   hist_prefix      hist_set on rows valid only in their first T / 10 entries (a decode cache filled to L < T)
+  set_prefix       full_set (the chain) on hist_prefix's rows
+  hist_half        hist_set on rows valid only in their first T / 2 entries
+  set_half         full_set on hist_half's rows
   touch            the chain's own carry update alone (the harness overhead, subtracted from nothing)
 Prints a table of us per call; writes DIR/topk_stages.json. --stages picks a subset (comma list; touch always runs).
 --select-configs 'bound_warps=2,select_warps=2;select_bits=4' times bound / select / full_select / full_set once per
@@ -110,6 +113,12 @@ def stages(R, T, k=K, only=None, label=""):
         "hist_pos": lambda s: T_.topk_threshold(jnp.abs(s), k, impl="pallas_hist", sorted=False, interpret=interp),
         "hist_prefix": lambda s: T_.topk_threshold(jnp.where(jnp.arange(T) < T // 10, s, -jnp.inf), k,
                                                    impl="pallas_hist", sorted=False, interpret=interp),
+        "set_prefix": lambda s: T_.topk_threshold(jnp.where(jnp.arange(T) < T // 10, s, -jnp.inf), k,
+                                                  impl="pallas_select", sorted=False, interpret=interp),
+        "hist_half": lambda s: T_.topk_threshold(jnp.where(jnp.arange(T) < T // 2, s, -jnp.inf), k,
+                                                 impl="pallas_hist", sorted=False, interpret=interp),
+        "set_half": lambda s: T_.topk_threshold(jnp.where(jnp.arange(T) < T // 2, s, -jnp.inf), k,
+                                                impl="pallas_select", sorted=False, interpret=interp),
         "bound": lambda s: T_.bound_pallas(T_._strided_group_max(T_._ordered_i32(s), group), k,
                                            interpret=interp)[:, None],
         "select": lambda s: T_.select_pallas(jnp.where(s[:, :1] > 1e30, 0, ck0), cp0, n0, k, capacity,
@@ -194,7 +203,7 @@ def main():
                       ("bound", "select", "full_select", "full_set"))
         rows += sweep(R, T, a.fused_configs, TF.FUSED_KERNEL_CONFIG, "--fused-configs", ("fused_set",))
         rows += sweep(R, T, a.hist_configs, TH.HIST_KERNEL_CONFIG, "--hist-configs",
-                      ("hist_set", "hist_ties", "hist_prefix", "hist_pos", "hist_direct"))
+                      ("hist_set", "hist_ties", "hist_prefix", "hist_pos", "hist_direct", "hist_half"))
         with open(os.path.join(a.out, "topk_stages.json"), "w") as f:
             json.dump(rows, f, indent=1)
 

@@ -595,17 +595,29 @@ def test_hist_impl_on_short_rows(T, k):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(jnp.asarray(want))))
 
 
-def test_auto_set_resolution():
-    """"auto_set" (the model's set picks on the GPU): the histogram kernel on rows of 2048-4096 candidates (where it
-    measured faster on the H200), the chain elsewhere."""
+def test_auto_set_resolution(monkeypatch):
+    """"auto_set" (the model's set picks on the GPU): the histogram kernel on rows of 2048-16384 candidates, and on
+    rows of up to 32768 from 96 rows per call on (where it measured faster on the H200), the chain elsewhere; the
+    indexer resolves it with its rows per top-k call (batch x query chunk)."""
+    from pallas_kernels.indexer import gpu
     from pallas_kernels.indexer.gpu import SET_METHODS, resolve_set_method
     from pallas_kernels.indexer.topk import as_index_set
 
     assert "auto_set" in SET_METHODS
-    assert resolve_set_method(2048, 512) == resolve_set_method(4096, 512) == "hist_set"
-    assert resolve_set_method(4097, 512) == resolve_set_method(32768, 512) == "threshold_set"
+    assert resolve_set_method(2048, 512) == resolve_set_method(16384, 512, rows=1) == "hist_set"
+    assert resolve_set_method(16385, 512, rows=95) == resolve_set_method(32768, 512, rows=64) == "threshold_set"
+    assert resolve_set_method(32768, 512, rows=96) == resolve_set_method(20000, 512, rows=4096) == "hist_set"
+    assert resolve_set_method(32769, 512, rows=4096) == resolve_set_method(262144, 512, rows=64) == "threshold_set"
     assert resolve_set_method(2047, 512) == resolve_set_method(512, 512) == "threshold_set"
     assert resolve_set_method(2048, 4096) == "threshold_set"                # every candidate picked
+    seen = []
+    real = gpu.resolve_set_method
+    monkeypatch.setattr(gpu, "resolve_set_method", lambda T, k, rows=1: seen.append((T, k, rows)) or real(T, k, rows))
+    sds = jax.ShapeDtypeStruct
+    jax.eval_shape(lambda q, w, keys, nv: gpu.indexer_topk_gpu(q, w, keys, nv, k=64, topk="auto_set", query_chunk=4),
+                   sds((3, 10, 2, 32), jnp.float32), sds((3, 10, 2), jnp.float32), sds((3, 3000, 32), jnp.bfloat16),
+                   sds((3, 10), jnp.int32))
+    assert seen == [(3000, 64, 12)], seen                                   # 3 batch rows x query chunks of 4
     rng = np.random.default_rng(next(_SEED))
     s = jnp.asarray(random_scores((6, 3000), rng))
     want = as_index_set(jnp.asarray(_lax(s, k=100, topk="lax")))

@@ -15,8 +15,8 @@ GPU scores kernel for fp8 and bf16 keys, `gpu_mosaic.py`). topk (every method ex
 (one Triton program per row, histogram radix select: `topk_hist.py`) | "threshold_set" | "auto_set"; TPU default
 "lax". picks: "sorted" (best first, ties -> lower index: the reference's order) or "set" (the same entries in
 ascending index order, the -1s last: all a gather-and-sum consumer such as the sparse attention needs; on the GPU
-kernel path it selects topk="auto_set" -- "hist_set" or "threshold_set" by the rows' length, where each measured
-faster (`gpu.resolve_set_method`), neither sorting its picks -- unless another set method is given; any other
+kernel path it selects topk="auto_set" -- "hist_set" or "threshold_set" by the rows' length and count, where each
+measured faster (`gpu.resolve_set_method`), neither sorting its picks -- unless another set method is given; any other
 topk option is followed by the set conversion).
 """
 

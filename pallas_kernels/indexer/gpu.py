@@ -49,8 +49,8 @@ no launches between its stages), "threshold_regions" / "threshold_regions_set" =
 "hist_set" = no bound and no compaction chain: one Triton program per row selects the k-set by radix select with
 11-bit histogram digits (`topk_hist.hist_select`, Triton's tt.histogram; session 33: 131.6 vs 135.0 us per fp8 call
 at B = 64 x 128K, but 1036 vs 848 at 1M and 286 vs 32 us for one row of 262,144, where one SM per row idles the
-GPU; so not a default on their own), "auto_set" = "hist_set" for rows of 2048-4096 candidates (8K-16K context),
-"threshold_set" elsewhere (`resolve_set_method`; the model's GPU default since session 34). All others give the
+GPU; so not a default on their own), "auto_set" = "hist_set" for rows of 2048-16384 candidates (8K-64K context) and
+for calls of >= 96 rows of up to 32768 (128K context), "threshold_set" elsewhere (`resolve_set_method`; the model's GPU default since session 34). All others give the
 same picks. H200, session 7 (B = 64, 128K context, bf16 keys, whole pipeline): default 218-224 us, threshold_select
 220, threshold_set 210-212 (the only one with no sort left).
 Default "threshold": on the H200, 44 us at batch 1 x 262,144 candidates (lax.top_k ~80) and 55-60 us at batch 64 x
@@ -61,6 +61,7 @@ materialized per query chunk only ([B, query_chunk, T] f32), so prefill memory s
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import jax
@@ -581,25 +582,37 @@ THRESHOLD_METHODS = {"threshold": "pallas_compact", "threshold_rank": "pallas", 
 SET_METHODS = ("threshold_set", "threshold_fused_set", "threshold_regions_set", "hist_set", "auto_set")
 # the picks as an index set, not sorted
 
-# "auto_set" (the model's GPU default for index-set picks): "hist_set" for rows of 2048-4096 candidates (8K-16K
-# context), "threshold_set" (the chain) elsewhere. H200, session 34 (topk_stages.py, us per call with ~10-15 us of
-# harness; and the indexer pipelines): T = 2048, 64 rows 13.7 vs 30.8 (lax.top_k, the chain's small-row shortcut),
-# 16 rows 11.4 vs 29.4, 1 row 10.9 vs 29.0 (pipelines at 8K context: B = 64 43.1 -> 25.0 us fp8, 44.1 -> 27.4 bf16;
-# B = 1 34.2 -> 16.8 bf16); T = 4096, 64 rows: 14.8 vs 30.5. At T = 32768 (128K context) the kernel was 2-3% faster
-# on full rows from 64 rows on (pipelines at B = 64: fp8 136.5 -> 133.0, bf16 186.6 -> 184.7, fp4 146.9 -> 142.5;
-# 1024 rows 330 vs 365) but slower at 1 row (bf16 pipeline 42.5 vs 34.3), and rows valid only in a prefix (a cache
-# filled to L < T) were not timed against the chain on the final kernel (session 33's earlier configuration: 56.7
-# vs 48.8 us on full rows), so the chain keeps them; T = 262144 (1M context): 1 row 219 vs 32, 64 rows 379 vs 162.
-# Rows shorter than 2048 keep the shortcut: not timed there, and the one GPU run of the model test with the kernel on
-# its tiny rows lost its pytest worker (cause not found; the kernel alone passes on rows of 8-1500,
-# `test_gpu_hist_small_rows`, and the model test passes with this rule).
-AUTO_SET_HIST_T = (2048, 4096)
+# "auto_set" (the model's GPU default for index-set picks): "hist_set" (one Triton program per row, histogram radix
+# select) for rows of 2048-16384 candidates (8K-64K context), and for rows of up to 32768 (128K context) where a call
+# has >= 96 rows; "threshold_set" (the chain) elsewhere. H200 (topk_stages.py, us per call including ~8-12 us of
+# harness, "prefix" = rows valid only in their first T / 10 entries, a cache filled to L < T):
+# - session 34: T = 2048, 64 rows 13.7 vs 30.8 (lax.top_k, the chain's small-row shortcut), 1 row 10.9 vs 29.0
+#   (pipelines at 8K context: B = 64 43.1 -> 25.0 us fp8, 44.1 -> 27.4 bf16; B = 1 34.2 -> 16.8 bf16); T = 4096, 64
+#   rows 14.8 vs 30.5. T = 262144 (1M context): 1 row 219 vs 32, 64 rows 379 vs 162.
+# - session 35 (results/h200_s35r{1,2,3}_topk.log), hist vs chain, full / prefix rows:
+#   T = 8192: 1 row 16.6 / 16.8 vs 28.3 / 28.9; 64 rows 18.7 / 22.7 vs 33.7 / 37.6; 256 rows 32.8 / 36.2 vs 50.1 / 50.1
+#   T = 16384: 1 row 22.1 / 22.8 vs 30.3 / 29.8; 64 rows 27.6 / 38.9 vs 38.5 / 44.0; 256 rows 48.1 / 54.0 vs 56.5 / 69.0
+#   T = 32768: 8 rows 36.5 / 37.9 vs 30.2 / 30.2; 32 rows 43.3 / 47.6 vs 41.1 / 43.2; 64 rows 45.1 / 53.2 vs
+#   46.2 / 48.2 (so the chain keeps <= 64 rows); 96 rows 51.7 / 48.4 vs 54.0 / 54.1; 128 rows 52.0 / 51.5 vs
+#   59.1 / 65.7; 512 rows 174.0 / 207.6 vs 195.0 / 204.9
+#   T = 65536: 64 rows 70.7 / 76.1 vs 64.4 / 68.0; 128 rows 81.6 / 112.9 vs 87.2 / 106.3 (mixed: the chain keeps it)
+#   T = 262144, 128 rows: 425.9 / 491.0 vs 274.8 / 358.5.
+# Rows shorter than 2048 keep the chain's shortcut (a plain lax.top_k): not timed there, and the one GPU run of the
+# model test with the kernel on its tiny rows lost its pytest worker (cause not found; the kernel alone passes on rows
+# of 8-1500, `test_gpu_hist_small_rows`, and the model test passes with this rule).
+AUTO_SET_HIST_T = (2048, 16384)       # candidates per row: the kernel at any row count
+AUTO_SET_HIST_WIDE = (32768, 96)      # up to this many candidates per row: the kernel from this many rows per call
 
 
-def resolve_set_method(T: int, k: int) -> str:
-    """The set method "auto_set" runs for rows of T candidates and k picks (see above)."""
+def resolve_set_method(T: int, k: int, rows: int = 1) -> str:
+    """The set method "auto_set" runs for `rows` rows (per top-k call) of T candidates and k picks (see above)."""
     lo, hi = AUTO_SET_HIST_T
-    return "hist_set" if min(k, T) < T and lo <= T <= hi else "threshold_set"
+    t_wide, rows_wide = AUTO_SET_HIST_WIDE
+    if min(k, T) >= T:                 # every candidate picked: the chain's shortcut returns them all
+        return "threshold_set"
+    if lo <= T <= hi or (hi < T <= t_wide and rows >= rows_wide):
+        return "hist_set"
+    return "threshold_set"
 
 
 def radix_bits_of(topk: str, radix_bits: Optional[int] = None) -> Optional[int]:
@@ -620,7 +633,7 @@ def topk_from_scores(scores, k, *, topk="lax", topk_block=4096, radix_bits=None,
     picks as an index set (`topk.as_index_set`: ascending index, the -1s last). group_max: the scores kernel's
     partial strided-group maxima for the threshold methods (`topk.topk_threshold`), else unused."""
     if topk == "auto_set":
-        topk = resolve_set_method(scores.shape[-1], k)
+        topk = resolve_set_method(scores.shape[-1], k, rows=math.prod(scores.shape[:-1]))
     bits = radix_bits_of(topk, radix_bits)
     if topk in THRESHOLD_METHODS:
         from .topk import topk_threshold
@@ -692,7 +705,7 @@ def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 
     B = 64 x 128K) for ~3 us more in the kernel; with its split_m default the fp8 / bf16 `threshold_set` pipelines
     took 2-6 us less (results/h200_s30r4_idx.log, h200_s30r6_idx.log); the default since session 31."""
     if topk == "auto_set":   # resolved here, so the scores kernel writes group maxima only for the chain
-        topk = resolve_set_method(keys.shape[1], k)
+        topk = resolve_set_method(keys.shape[1], k, rows=q.shape[0] * min(q.shape[1], query_chunk))
     if fuse_group_max is None:
         fuse_group_max = scores_kernel_of(q, keys, interpret, kernel_options) == "mosaic"
     # the threshold methods bound with the group maxima; the histogram top-k ("hist*") needs none
