@@ -74,6 +74,7 @@ def test_random_splits_match_stateless_and_oracle(loaded, seed):
         assert rel(got[:, t], ref[:, t]) <= 1e-4 * np.abs(ref).max() / np.abs(ref[:, t]).max(), t
 
 
+@pytest.mark.core_params(loaded=["sliding-csa-hca"])
 def test_ragged_batch_rows_are_independent(loaded):
     cfg, hf, model = loaded
     rng = np.random.default_rng(7)
@@ -97,6 +98,7 @@ def test_ragged_batch_rows_are_independent(loaded):
     np.testing.assert_array_equal(np.asarray(logits2)[0, :37], logits[0, :37])
 
 
+@pytest.mark.core_params(loaded=["sliding-csa-hca"])
 def test_decode_loop_compiles_once(loaded):
     cfg, _, model = loaded
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 10))
@@ -110,6 +112,7 @@ def test_decode_loop_compiles_once(loaded):
     assert (np.asarray(cache.lengths) == 23).all()
 
 
+@pytest.mark.core_params(loaded=["sliding-csa-hca"])
 def test_cache_is_donated(loaded):
     cfg, _, model = loaded
     cache = model.init_cache(1, 16)
@@ -134,6 +137,7 @@ def test_cache_layout(loaded):
             assert lc.compressor.prev_kv.shape == (2, r, cfg.head_dim)
 
 
+@pytest.mark.core_params(loaded=["sliding-csa-hca"])
 def test_bad_input_errors(loaded):
     cfg, _, model = loaded
     cache = model.init_cache(2, 16)

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from dsv4_jax import cli
+from tiers import full_tier
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,6 +75,7 @@ def test_generate_embedded_default(capsys):
     assert re.search(r"cache: allocated [\d.]+ KiB", out)
 
 
+@full_tier
 def test_generate_cache_formats(capsys):
     out = run(capsys, "generate", "--prompt", "3 1 4 1 5", "--max-new-tokens", "6", "--indexer-dtype", "fp4",
               "--indexer-rotate", "--warmup", "0", "--temperature", "0.7", "--top-k", "20", "--seed", "5",
@@ -102,6 +104,7 @@ def test_module_entry_point_runs():
             assert 'dsv4-jax = "dsv4_jax.cli:main"' in f.read()
 
 
+@full_tier
 def test_decode_breakdown_script_runs(tmp_path):
     """benchmarks/decode_breakdown.py (the GPU's per-component decode profile) runs end to end on a tiny model, so
     it does not rot between GPU sessions: every component row and the sum are written."""
@@ -115,6 +118,7 @@ def test_decode_breakdown_script_runs(tmp_path):
         assert row in text, text
 
 
+@full_tier
 def test_topk_and_indexer_benchmark_scripts_run(tmp_path):
     """benchmarks/topk_stages.py (Triton kernels in the interpreter on CPU, with --fused-configs and
     --select-configs) and benchmarks/indexer.py --tiny (with --fused-config and --set-configs) run end to end, so the option sets a

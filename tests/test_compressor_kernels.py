@@ -14,6 +14,7 @@ import pytest
 
 from pallas_kernels.compressor import compress_chunk, resolve_impl
 from pallas_kernels.indexer import formats as F
+from tiers import full, full_tier
 
 _SEED = itertools.count(7000)
 INV_FREQ = tuple(1.0 / (10000.0 ** (np.arange(0, 64, 2) / 64)))
@@ -70,30 +71,32 @@ def check(inp, kw, impl, tol=0.0, **extra):
 TOL = {None: 1e-5, "bf16": 1e-2, "fp8": 3e-2, "fp4": 1e-1}
 
 
-@pytest.mark.parametrize("impl,fmt,rotate", [("pallas", None, False), ("pallas", "bf16", True), ("pallas", "fp8", True),
-                                             ("pallas", "fp4", True), ("pallas", "fp4", False),
-                                             ("interpret_tpu", None, False), ("interpret_tpu", "fp8", True),
-                                             ("interpret_tpu", "fp4", False)])
+@pytest.mark.parametrize("impl,fmt,rotate", [full("pallas", None, False), full("pallas", "bf16", True),
+                                             ("pallas", "fp8", True),
+                                             ("pallas", "fp4", True), full("pallas", "fp4", False),
+                                             full("interpret_tpu", None, False), ("interpret_tpu", "fp8", True),
+                                             full("interpret_tpu", "fp4", False)])
 def test_indexer_compressor_prefill_every_offset(impl, fmt, rotate):
     """ratio 4 overlap, d = 128: chunk of 9 tokens at window offsets 0..3 (rows), ragged n_valid incl. 0 and S."""
     inp, kw = make(4, 9, 4, True, 128, fmt, starts=[0, 5, 10, 15], n_valid=[9, 0, 6, 9])
     assert check(inp, kw, impl, TOL[fmt], rotate=rotate) > 0
 
 
-@pytest.mark.parametrize("impl", INTERP)
+@pytest.mark.parametrize("impl", ["pallas", full("interpret_tpu")])
 def test_decode_every_offset_fresh_and_overlap(impl):
     """S = 1 decode at every offset of the window (0 or 1 entry per row), fresh prev state (-inf) for row 0."""
     inp, kw = make(8, 1, 4, True, 128, "fp8", starts=[3, 0, 1, 2, 3, 7, 11, 6], n_valid=[1] * 7 + [0], fresh=True)
     assert check(inp, kw, impl, TOL["fp8"], rotate=True) >= 2
 
 
-@pytest.mark.parametrize("impl", INTERP)
+@pytest.mark.parametrize("impl", ["pallas", full("interpret_tpu")])
 def test_main_csa_bf16_model_dtype(impl):
     """main CSA compressor: d = 512, ratio 4 overlap, bf16 norm dtype and cache."""
     inp, kw = make(2, 12, 4, True, 512, None, ndt=jnp.bfloat16, starts=[2, 8])
     check(inp, kw, impl, TOL["bf16"])
 
 
+@full_tier
 @pytest.mark.parametrize("fmt", ["fp8"])
 def test_two_pass_scratch_in_norm_dtype_is_exact(fmt):
     """Two-pass with a bf16 norm dtype keeps its pass-1 scratch in bf16 (half the round trip's bytes): the pooled
@@ -122,7 +125,7 @@ def test_finish_options_validated():
             call(inp, kw, impl="pallas", rotate=True, **opts)
 
 
-@pytest.mark.parametrize("impl", INTERP)
+@pytest.mark.parametrize("impl", ["pallas", full("interpret_tpu")])
 def test_hca_ratio128(impl):
     """ratio 128 without overlap, d = 128: offsets 0, 1, 127 and a chunk that closes two windows; S = 1 decode."""
     inp, kw = make(3, 260, 128, False, 128, None, starts=[0, 1, 127], n_valid=[256, 255, 260])
@@ -133,19 +136,20 @@ def test_hca_ratio128(impl):
 
 @pytest.mark.parametrize("r,overlap,fmt,rotate,opts", [
     # several windows per block, slots in 2 sub-blocks (online softmax), fused layout
-    (4, True, "fp8", True, dict(windows_per_block=4, slot_block=2, two_pass=False)),
+    full(4, True, "fp8", True, dict(windows_per_block=4, slot_block=2, two_pass=False)),
     # two-pass, 2-window blocks, 32-wide channel chunks (Hadamard butterflies across 4 chunks)
-    (4, True, "fp4", True, dict(windows_per_block=2, two_pass=True, dc=32)),
+    full(4, True, "fp4", True, dict(windows_per_block=2, two_pass=True, dc=32)),
     # the XLA state epilogue instead of the fused state copy; one (partial) block of 8 windows; Hadamard as a dot
     (4, True, "bf16", True, dict(windows_per_block=8, two_pass=True, fuse_state=False, mix="dot")),
     # another small ratio, no overlap
-    (8, False, "fp4", True, dict(windows_per_block=2, slot_block=4)),
+    full(8, False, "fp4", True, dict(windows_per_block=2, slot_block=4)),
     # pass 2 with its own window blocks and channel chunks (larger / smaller than pass 1's)
-    (4, True, "fp4", True, dict(windows_per_block=2, two_pass=True, dc=32, finish_windows_per_block=8,
-                                finish_dc=64)),
+    full(4, True, "fp4", True, dict(windows_per_block=2, two_pass=True, dc=32, finish_windows_per_block=8,
+                                    finish_dc=64)),
     (4, True, "fp8", True, dict(windows_per_block=8, two_pass=True, dc=64, finish_windows_per_block=2,
                                 finish_dc=32)),
 ])
+@full_tier
 def test_kernel_options_small_ratio(r, overlap, fmt, rotate, opts):
     """Kernel variants (block / slot / channel sizes, layouts): a partial last window block, chunks starting at every
     window offset, ragged n_valid, a tiny cap (windows with dest >= cap dropped)."""
@@ -155,7 +159,8 @@ def test_kernel_options_small_ratio(r, overlap, fmt, rotate, opts):
 
 
 @pytest.mark.parametrize("opts", [dict(windows_per_block=2, slot_block=32, two_pass=False),
-                                  dict(windows_per_block=1, slot_block=16, two_pass=True, dc=32)])
+                                  full(dict(windows_per_block=1, slot_block=16, two_pass=True, dc=32))])
+@full_tier
 def test_kernel_options_ratio128(opts):
     """ratio 128: slots walked in sub-blocks (online softmax), fused and two-pass layouts; cap 2 drops row 2's
     window (dest 2) while its state still advances."""
@@ -164,12 +169,13 @@ def test_kernel_options_ratio128(opts):
 
 
 @pytest.mark.parametrize("r,overlap,d,fmt,opts", [
-    (4, True, 128, "fp4", dict(windows_per_block=8, slot_block=2, two_pass=False)),
+    full(4, True, 128, "fp4", dict(windows_per_block=8, slot_block=2, two_pass=False)),
     (4, True, 128, "fp8", dict(windows_per_block=4, two_pass=True, mix="dot", dc=32)),
-    (4, True, 512, None, dict(windows_per_block=16, two_pass=True, fuse_state=False)),
+    full(4, True, 512, None, dict(windows_per_block=16, two_pass=True, fuse_state=False)),
     (4, True, 128, "fp8", dict(windows_per_block=8, two_pass=True, dc=32, finish_windows_per_block=32)),
     (128, False, 512, None, dict(windows_per_block=2, slot_block=32, two_pass=False, num_stages=3)),
 ])
+@full_tier
 def test_kernel_options_lower_for_cuda(r, overlap, d, fmt, opts):
     """The Triton lowering (no GPU needed) accepts the variants: 3-D tile reshapes, split / join, transposes,
     fori_loops, conditional state copies."""
@@ -264,8 +270,9 @@ def test_gpu_kernel_options(r, overlap, opts):
             assert check(inp, kw, "pallas", TOL[fmt], rotate=True, **opts) > 0
 
 
-@pytest.mark.parametrize("impl", ["pallas", "interpret_tpu"])
-@pytest.mark.parametrize("ratio, overlap, S", [(4, True, 9), (4, True, 1), (128, False, 130), (4, True, 70)])
+@pytest.mark.parametrize("ratio,overlap,S,impl", [
+    (r, o, S, i) if (i, S) == ("pallas", 1) else full(r, o, S, i)
+    for i in ("pallas", "interpret_tpu") for r, o, S in [(4, True, 9), (4, True, 1), (128, False, 130), (4, True, 70)]])
 def test_main_kv_fp8_rows(ratio, overlap, S, impl):
     """The main compressor writing the 584-B FP8 KV rows (Fp8KVPool entries), interpreted GPU / TPU kernel vs
     reference: same rows written, the rest untouched, dequantized entries equal up to an e4m3 rounding step."""

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 from test_compressor_kernels import make as make_compressor
+from tiers import core, full, full_tier, sweep
 from test_indexer_kernels import make as make_indexer
 from test_sparse_attention import make_inputs as make_attention
 
@@ -32,9 +33,9 @@ def lowers_for_cuda(fn, *args):
 
 
 @pytest.mark.parametrize("fmt,rotate", [(None, False), ("bf16", False), ("fp8", True), ("fp4", True)])
-@pytest.mark.parametrize("S,opts", [(1, {}), (19, {}), (1, dict(fp4_scale="reshape", block_t=32, num_splits=3)),
-                                    (1, dict(precision="bf16")), (1, dict(topk="radix")), (1, dict(topk="radix4")),
-                                    (1, dict(heads_major=True))])
+@pytest.mark.parametrize("S,opts", [(1, {}), full(19, {}), full(1, dict(fp4_scale="reshape", block_t=32, num_splits=3)),
+                                    full(1, dict(precision="bf16")), full(1, dict(topk="radix")),
+                                    full(1, dict(topk="radix4")), full(1, dict(heads_major=True))])
 def test_indexer_lowers(fmt, rotate, S, opts):
     from pallas_kernels.indexer.gpu import indexer_topk_gpu
 
@@ -42,7 +43,7 @@ def test_indexer_lowers(fmt, rotate, S, opts):
     lowers_for_cuda(lambda q, w, k, n: indexer_topk_gpu(q, w, k, n, k=64, **opts), q, w, keys, nv)
 
 
-@pytest.mark.parametrize("fmt", [None, "bf16", "fp8", "fp4"])
+@pytest.mark.parametrize("fmt", [None, "bf16", "fp8", full("fp4")])
 def test_indexer_decode_wide_blocks_lower(fmt):
     """Decode over T >= 2048 keys: the 256-key x 8-warp default (f32 keys keep 64 x 4)."""
     from pallas_kernels.indexer.gpu import indexer_topk_gpu
@@ -51,7 +52,8 @@ def test_indexer_decode_wide_blocks_lower(fmt):
     lowers_for_cuda(lambda q, w, k, n: indexer_topk_gpu(q, w, k, n, k=512), q, w, keys, nv)
 
 
-@pytest.mark.parametrize("fmt,topk", [("bf16", "threshold"), ("bf16", "threshold_set"), ("fp8", "threshold_select")])
+@pytest.mark.parametrize("fmt,topk", [full("bf16", "threshold"), ("bf16", "threshold_set"),
+                                      full("fp8", "threshold_select")])
 def test_indexer_fused_group_maxima_lower(fmt, topk):
     """Decode over a 32768-key cache with few splits: the scores kernel carries the top-k's 1024 strided-group
     maxima (4 phases of 256-key blocks over bf16 keys, 16 of 64 over fp8) and writes them (kernel name ..._g1024)."""
@@ -62,7 +64,7 @@ def test_indexer_fused_group_maxima_lower(fmt, topk):
     lowers_for("cuda", "_g1024", fused, q, w, keys, nv)
 
 
-@pytest.mark.parametrize("T,marker,absent", [(4096, "topk_hist", "_g1024"), (65536, "_g1024", "topk_hist")])
+@pytest.mark.parametrize("T,marker,absent", [(4096, "topk_hist", "_g1024"), full(65536, "_g1024", "topk_hist")])
 def test_indexer_auto_set_lowers(T, marker, absent, monkeypatch):
     """topk="auto_set" (the model's set picks on the GPU) at 16 decode rows: the histogram top-k kernel at 4096 keys
     (and no group maxima from the Mosaic scores kernel), the chain with the maxima (..._g1024) at 65536."""
@@ -84,7 +86,7 @@ def test_indexer_fp4_bf16_operands_lower():
                         q, w, keys, nv)
 
 
-@pytest.mark.parametrize("S", [1, 19])
+@pytest.mark.parametrize("S", [full(1), full(19)])
 def test_indexer_fp4_asm_decode_lowers(S):
     """fp4 keys decoded by the packed inline PTX (fp4_decode="asm", the compiled default for fp4 / f16) lower."""
     from pallas_kernels.indexer.gpu import default_config, default_fp4_decode, indexer_topk_gpu
@@ -102,7 +104,7 @@ def test_indexer_fp4_asm_decode_lowers(S):
         == ["operand", "result", "result", "result"]
 
 
-@pytest.mark.parametrize("S,decode", [(1, "asm"), (19, "asm"), (1, "alu")])
+@pytest.mark.parametrize("S,decode", [full(1, "asm"), full(19, "asm"), full(1, "alu")])
 def test_indexer_fp4_scales_on_operands_lower(S, decode):
     """fp4_scale_at="operand": the group scales on the f16 key operands (either nibble decode)."""
     from pallas_kernels.indexer.gpu import indexer_topk_gpu
@@ -134,6 +136,7 @@ def test_topk_compact_kernel_lowers():
     lowers_for_cuda(lambda x: topk_threshold(x, 512, impl="pallas_regions", sorted=False), s)  # two kernels
 
 
+@full_tier
 def test_topk_radix_count_matrix_lowers(monkeypatch):
     """The bound / select kernels with all digit counts of a pass as one [N, 2**bits] reduction, and the fused
     kernel with both count modes and 4-bit digits."""
@@ -153,14 +156,14 @@ def test_topk_radix_count_matrix_lowers(monkeypatch):
 
 @pytest.mark.parametrize("flags,opts", [
     (dict(fp8=False, ragged=True), {}),
-    (dict(fp8=True, ragged=True, dupes=True), dict(n_splits=3)),
-    (dict(fp8=True, ragged=True), dict(n_splits=3, fp8_scales="vector", partial_dtype=jnp.bfloat16)),
+    full(dict(fp8=True, ragged=True, dupes=True), dict(n_splits=3)),
+    full(dict(fp8=True, ragged=True), dict(n_splits=3, fp8_scales="vector", partial_dtype=jnp.bfloat16)),
     (dict(fp8=False, q_dtype=jnp.float32), dict(n_splits=1)),
-    (dict(fp8=True, ragged=True), dict(n_splits=2, d_chunk=128, fp8_operands="f16")),
-    (dict(fp8=False, ragged=True), dict(n_splits=1, col_splits=2)),
-    (dict(fp8=True, ragged=True), dict(n_splits=2, col_splits=2)),
-    (dict(fp8=False, ragged=True), dict(n_splits=2, prefetch="idx")),
-    (dict(fp8=True, ragged=True), dict(n_splits=2, prefetch="rows")),
+    full(dict(fp8=True, ragged=True), dict(n_splits=2, d_chunk=128, fp8_operands="f16")),
+    full(dict(fp8=False, ragged=True), dict(n_splits=1, col_splits=2)),
+    full(dict(fp8=True, ragged=True), dict(n_splits=2, col_splits=2)),
+    full(dict(fp8=False, ragged=True), dict(n_splits=2, prefetch="idx")),
+    full(dict(fp8=True, ragged=True), dict(n_splits=2, prefetch="rows")),
 ])
 def test_sparse_attention_lowers(flags, opts):
     from pallas_kernels.sparse_attention.gpu import sparse_attention_gpu
@@ -172,8 +175,8 @@ def test_sparse_attention_lowers(flags, opts):
 
 
 @pytest.mark.parametrize("r,overlap,d,fmt,rotate,S", [
-    (4, True, 128, "fp4", True, 1), (4, True, 128, "fp8", True, 33), (4, True, 128, "bf16", False, 9),
-    (4, True, 512, None, False, 40), (128, False, 512, None, False, 300), (128, False, 512, None, False, 1),
+    full(4, True, 128, "fp4", True, 1), (4, True, 128, "fp8", True, 33), full(4, True, 128, "bf16", False, 9),
+    (4, True, 512, None, False, 40), full(128, False, 512, None, False, 300), (128, False, 512, None, False, 1),
     (4, True, 512, "kv_fp8", False, 40)])
 def test_compressor_lowers(r, overlap, d, fmt, rotate, S):
     from pallas_kernels.compressor.gpu import compress_chunk_gpu
@@ -189,7 +192,7 @@ def test_compressor_lowers(r, overlap, d, fmt, rotate, S):
     lowers_for_cuda(lambda *a: compress_chunk_gpu(*a, **kw, rotate=rotate), *(inp[k] for k in keys))
 
 
-@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("quantized", [full(False), full(True)])
 def test_whole_model_lowers_with_gpu_kernels(monkeypatch, quantized):
     """prefill + decode of a tiny model (sliding, CSA, HCA layers) with every attention op on its GPU kernel."""
     from flax import nnx
@@ -220,13 +223,16 @@ def lower_model_steps(model, cache, marker):
         lowers_for("cuda", marker, step, state, ids, cache, jnp.full((2,), S, jnp.int32))
 
 
-@pytest.mark.parametrize("b,t,k_c,opts,fp8", [(3, 1, 512, {}, False), (2, 1, 1024, dict(n_splits=1), False),
-                                              (1, 64, 60, {}, False), (2, 1, 8192, {}, False), (3, 1, 512, {}, True),
-                                              (2, 1, 8192, dict(n_splits=3), True), (1, 64, 60, {}, True),
+# the default tier lowers each default shape (decode, streamed long lists, prefill; bf16 and FP8), 128 heads, the
+# cluster merge and the streamed FP8 ring; the full tier every knob
+@pytest.mark.parametrize("b,t,k_c,opts,fp8", sweep([core(3, 1, 512, {}, False), (2, 1, 1024, dict(n_splits=1), False),
+                                              core(1, 64, 60, {}, False), core(2, 1, 8192, {}, False),
+                                              core(3, 1, 512, {}, True),
+                                              (2, 1, 8192, dict(n_splits=3), True), core(1, 64, 60, {}, True),
                                               (3, 1, 512, dict(regs=(40, 232)), False),
                                               (1, 64, 60, dict(regs=(24, 240)), True),
                                               (3, 1, 512, dict(_diag="loop"), True),
-                                              (3, 1, 512, dict(heads=128), False),
+                                              core(3, 1, 512, dict(heads=128), False),
                                               (2, 1, 1024, dict(heads=128, n_splits=2), True),
                                               (3, 1, 512, dict(split_scores=True), False),
                                               (1, 64, 60, dict(split_scores=True, heads=128), False),
@@ -246,7 +252,7 @@ def lower_model_steps(model, cache, marker):
                                               (2, 1, 8192, dict(n_splits=3, combine="pallas"), False),
                                               (2, 1, 1024, dict(n_splits=2, combine="pallas", heads=128), True),
                                               (2, 1, 8192, dict(n_splits=3, combine="cluster"), False),
-                                              (2, 1, 8192, dict(combine="cluster"), False),
+                                              core(2, 1, 8192, dict(combine="cluster"), False),
                                               (2, 1, 1024, dict(n_splits=2, combine="cluster", heads=128), True),
                                               (3, 1, 512, dict(combine="cluster", block_k=32, num_stages=4), False),
                                               (1, 64, 60, dict(store_wait="read"), True),
@@ -338,10 +344,10 @@ def lower_model_steps(model, cache, marker):
                                               (1, 64, 60, dict(idx_stream=True, split_scores=True), False),
                                               (3, 1, 512, dict(idx_stream=True, pingpong=True), False),
                                               (2, 1, 8192, dict(idx_stream=True, heads=128, n_splits=1), False),
-                                              (2, 1, 8192, dict(idx_stream=True, n_splits=2), True),
+                                              core(2, 1, 8192, dict(idx_stream=True, n_splits=2), True),
                                               (2, 1, 8192, dict(idx_stream=True, fp8_dequant="consumers"), True),
                                               (2, 1, 8192, dict(idx_stream=True, fp8_dequant="producer"), True),
-                                              (1, 64, 60, dict(idx_stream=True), True)])
+                                              (1, 64, 60, dict(idx_stream=True), True)]))
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -374,6 +380,7 @@ def test_sparse_attention_cluster_combine_rejects_what_it_cannot_do():
     assert resolve_combine("pallas", jnp.float32) == "pallas"
 
 
+@full_tier
 def test_sparse_attention_mosaic_split_d_rejects_what_it_cannot_do():
     """split_d (each consumer scores half of d, f32 partials swapped through shared memory) excludes split_scores and
     pingpong; with FP8 pools its 32 KB fit next to one staging slot only."""
@@ -412,6 +419,7 @@ def test_sparse_attention_mosaic_split_d_rejects_what_it_cannot_do():
         sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, n_splits=1, split_d=True, idx_stream=False)
 
 
+@full_tier
 def test_sparse_attention_mosaic_fp8_dequant_producer_rejects_what_it_cannot_do():
     """fp8_dequant="producer" / "converter" convert FP8 pools into 32-row bf16 tiles for the split_d consumers: bf16
     pools, other block sizes, split_d off, the consumers' own dequantization variants and register splits the CTA
@@ -516,11 +524,11 @@ def test_sparse_attention_mosaic_counts_its_barriers_in_shared_memory():
 
 @pytest.mark.parametrize("b,k_c,fp8,opts,ring,max_ns", [
     (16, 8192, False, {}, 3, 8),            # HCA-8K decode: whole lists would not fit at 8 splits -> streamed
-    (16, 8192, False, dict(idx_stream=False), 0, None),   # ... whole: split further (more, shorter CTAs)
-    (16, 8192, True, dict(n_splits=2), 0, 2),   # FP8 tile ring: 4160 entries a split still fit whole ...
+    full(16, 8192, False, dict(idx_stream=False), 0, None),   # ... whole: split further (more, shorter CTAs)
+    full(16, 8192, True, dict(n_splits=2), 0, 2),   # FP8 tile ring: 4160 entries a split still fit whole ...
     (16, 8192, True, dict(n_splits=1), 6, 1),   # ... 8320 do not: a ring of 3 staging + 2 tiles + 1 steps
     (4, 512, False, {}, 0, None),            # CSA decode: the lists fit, held whole
-    (4, 512, False, dict(idx_stream=True), 3, None),
+    full(4, 512, False, dict(idx_stream=True), 3, None),
 ])
 def test_sparse_attention_mosaic_streams_long_index_lists(monkeypatch, b, k_c, fp8, opts, ring, max_ns):
     """idx_stream=None streams a CTA's index rows through a ring of (stages + tiles + 1) steps where its split's
@@ -570,8 +578,9 @@ def test_sparse_attention_mosaic_block_k32_rejects_bulk_copies():
                                 compressed_len=inp["compressed_len"], block_k=32, num_stages=4, producer="tma")
 
 
-@pytest.mark.parametrize("b,t,k_c,opts,fp8", [(3, 1, 512, {}, False), (1, 64, 60, {}, False), (3, 1, 512, {}, True),
-                                              (2, 1, 1024, dict(n_splits=2, heads=128), False)])
+@pytest.mark.parametrize("b,t,k_c,opts,fp8", [(3, 1, 512, {}, False), full(1, 64, 60, {}, False),
+                                              full(3, 1, 512, {}, True),
+                                              full(2, 1, 1024, dict(n_splits=2, heads=128), False)])
 def test_sparse_attention_mosaic_profiled_builds(b, t, k_c, opts, fp8):
     """With `_profile` the kernel records its phases through Mosaic GPU's profiler: its module builds (tracing the
     call builds it; the per-call trace dump is a host callback, which does not lower for another platform)."""
@@ -586,7 +595,7 @@ def test_sparse_attention_mosaic_profiled_builds(b, t, k_c, opts, fp8):
     assert "mosaic_gpu" in jaxpr and "callback" in jaxpr   # the kernel, and the dump of its profile buffer
 
 
-@pytest.mark.parametrize("kv_dtype,heads", [(None, 64), ("fp8", 64), (None, 128)])
+@pytest.mark.parametrize("kv_dtype,heads", [(None, 64), full("fp8", 64), full(None, 128)])
 def test_whole_bf16_model_lowers_with_mosaic_attention(monkeypatch, kv_dtype, heads):
     """A bf16 model with 64 heads (128: V4-Pro's, two head groups per query row) takes the Mosaic GPU attention
     kernel in every layer type (prefill and decode), with exact caches and with FP8 KV caches (head_dim 512, the FP8
@@ -636,12 +645,13 @@ def test_fp8_rebias_conversion_is_exact_for_every_byte_and_scale():
     assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
 
 
-@pytest.mark.parametrize("B,S,H,T,opts", [(2, 1, 64, 296, {}), (3, 2, 16, 1000, dict(block_t=64, num_stages=2)),
+@pytest.mark.parametrize("B,S,H,T,opts", sweep([core(2, 1, 64, 296, {}),
+                                          (3, 2, 16, 1000, dict(block_t=64, num_stages=2)),
                                           (1, 1, 128, 5000, dict(block_t=256, num_splits=3)),
                                           (2, 1, 64, 296, dict(precision="fp8")),
                                           (2, 1, 64, 296, dict(convert="alu")), (3, 2, 16, 1000, dict(convert="mix")),
                                           (2, 1, 64, 296, dict(convert="raw")), (2, 1, 64, 296, dict(split_m=True)),
-                                          (3, 2, 16, 1000, dict(split_m=True, precision="fp8", num_stages=2))])
+                                          (3, 2, 16, 1000, dict(split_m=True, precision="fp8", num_stages=2))]))
 def test_indexer_mosaic_fp8_lowers(B, S, H, T, opts):
     """The Mosaic GPU fp8 indexer kernel (e4m3 keys from TMA straight into wgmma) lowers for CUDA; heads padded to
     a multiple of 32, T a multiple of 8 (not of the block: TMA fills the last box), 1-2 queries per row."""
@@ -664,9 +674,10 @@ def test_indexer_mosaic_fp8_lowers(B, S, H, T, opts):
         indexer_scores_mosaic(*make_indexer(1, 1, 16, 40, None))
 
 
-@pytest.mark.parametrize("B,S,H,T,opts", [(2, 1, 64, 296, {}), (3, 2, 16, 1000, dict(block_t=64, num_stages=2)),
+@pytest.mark.parametrize("B,S,H,T,opts", sweep([core(2, 1, 64, 296, {}),
+                                          (3, 2, 16, 1000, dict(block_t=64, num_stages=2)),
                                           (1, 1, 128, 5000, dict(block_t=256, num_splits=3)),
-                                          (2, 1, 64, 296, dict(split_m=False)), (2, 1, 40, 2000, dict(block_t=192))])
+                                          (2, 1, 64, 296, dict(split_m=False)), (2, 1, 40, 2000, dict(block_t=192))]))
 def test_indexer_mosaic_fp4_lowers(B, S, H, T, opts):
     """The Mosaic GPU kernel over fp4 keys (session 31: packed e2m1 + group scales -> f16 registers by inline PTX in
     `mosaic_fp4`'s register plan) lowers for CUDA, alone and under the threshold top-k with the group maxima; its
@@ -686,9 +697,11 @@ def test_indexer_mosaic_fp4_lowers(B, S, H, T, opts):
         indexer_scores_mosaic(q, w, keys, nv, interpret=True)
 
 
-@pytest.mark.parametrize("B,S,H,T,opts", [(2, 1, 64, 296, {}), (3, 2, 16, 1000, dict(block_t=128, num_stages=2)),
-                                          (1, 1, 128, 5000, dict(block_t=256, num_splits=3, num_stages=2)),
-                                          (2, 1, 40, 296, dict(precision="bf16")), (2, 1, 64, 296, dict(split_m=True))])
+@pytest.mark.parametrize("B,S,H,T,opts", sweep([core(2, 1, 64, 296, {}),
+                                                (3, 2, 16, 1000, dict(block_t=128, num_stages=2)),
+                                                (1, 1, 128, 5000, dict(block_t=256, num_splits=3, num_stages=2)),
+                                                (2, 1, 40, 296, dict(precision="bf16")),
+                                                (2, 1, 64, 296, dict(split_m=True))]))
 def test_indexer_mosaic_bf16_lowers(B, S, H, T, opts):
     """The Mosaic GPU indexer kernel over bf16 keys (session 27: TMA into bf16 wgmmas, q as bf16 hi + lo into one
     accumulator, or one bf16 term) lowers for CUDA, alone and under the threshold top-k."""
@@ -703,6 +716,7 @@ def test_indexer_mosaic_bf16_lowers(B, S, H, T, opts):
         indexer_scores_mosaic(q, w, keys, nv, precision="f16")
 
 
+@full_tier
 def test_sparse_attention_mosaic_fp8_dequant_default(monkeypatch):
     """fp8_dequant=None takes DEFAULT_FP8_DEQUANT where it applies (FP8 pools, no option that needs the consumers
     to convert) and the consumers' own dequantization otherwise, so an explicit block_k=64, split_d=False or

@@ -8,6 +8,7 @@ from flax import nnx
 from dsv4_jax.config import tiny
 from dsv4_jax.model import DeepseekV4ForCausalLM
 from pallas_kernels.indexer import formats as F
+from tiers import full_tier
 
 
 def test_fp8_key_hand_computed():
@@ -53,6 +54,7 @@ def test_hadamard():
         F.hadamard(jnp.ones((3, 96)))
 
 
+@full_tier
 def test_rotation_without_quantization_is_a_no_op_in_the_model():
     cfg = tiny()
     model = DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(2), attention_impl="reference")

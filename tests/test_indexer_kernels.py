@@ -16,6 +16,7 @@ from pallas_kernels.indexer import (formats as F, indexer_scores, indexer_scores
                                     indexer_topk_reference, resolve_impl)
 from pallas_kernels.indexer.gpu import topk_from_scores
 from pallas_kernels.indexer.topk import as_index_set
+from tiers import core, full, full_tier, sweep
 
 _SEED = itertools.count(9000)
 ON_GPU = jax.default_backend() == "gpu"
@@ -71,8 +72,12 @@ def check_scores(q, w, keys, nv, impl, tol, **opts):
         assert err <= tol, err
 
 
-@pytest.mark.parametrize("impl", INTERP)
-@pytest.mark.parametrize("fmt,rotate", [(None, False), ("bf16", False), ("fp8", True), ("fp4", True), ("fp4", False)])
+# the default tier: every key format on the GPU kernel's interpreter, the quantized ones on the TPU kernel's
+@pytest.mark.parametrize("impl,fmt,rotate", [(i, f, r) if (i == "pallas" and (f, r) != ("fp4", False))
+                                             or (f in ("fp8", "fp4") and r) else full(i, f, r)
+                                             for i in INTERP for f, r in [(None, False), ("bf16", False),
+                                                                          ("fp8", True), ("fp4", True),
+                                                                          ("fp4", False)]])
 def test_decode_all_formats(impl, fmt, rotate):
     """decode: one query per row against its whole key cache; T not a multiple of the key block."""
     q, w, keys, nv = make(3, 1, 64, 300, fmt, rotate)
@@ -87,7 +92,7 @@ def test_prefill_chunked_causal(impl):
     check_picks(indexer_topk(q, w, keys, nv, k=24, query_chunk=8, impl=impl), q, w, keys, nv, 24)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp4"])
+@pytest.mark.parametrize("fmt", ["bf16", full("fp4")])
 def test_decode_wide_default_blocks(fmt):
     """T >= 2048 decode takes the 256-key x 8-warp default: ragged visible lengths, one row ending mid-block."""
     q, w, keys, nv = make(2, 1, 16, 2300, fmt, rotate=fmt == "fp4")
@@ -113,6 +118,7 @@ def test_picks_as_index_set(impl):
         indexer_topk(q, w, keys, nv, k=40, impl=impl, picks="best")
 
 
+@full_tier
 @pytest.mark.parametrize("fmt,block_t", [("bf16", 64)])
 def test_decode_fused_group_maxima(fmt, block_t):
     """Decode over a power-of-two key cache: the scores kernel also writes the threshold top-k's strided-group maxima,
@@ -144,15 +150,16 @@ def test_decode_fused_group_maxima(fmt, block_t):
 
 # fp4 with bf16 operands (the nibble decode to bf16, both scale broadcasts): no longer the default (f16 is), still
 # an option
-@pytest.mark.parametrize("fmt,opts", [("fp4", dict(fp4_scale="reshape", block_t=16, num_splits=3, precision="bf16")),
-                                      ("fp4", dict(fp4_scale="gather", block_t=32, num_splits=2, precision="bf16")),
-                                      ("fp8", dict(block_t=16, num_splits=5)), ("bf16", dict(block_t=32, waves=1)),
-                                      ("bf16", dict(block_t=32, heads_major=True, num_splits=2)),
-                                      ("fp4", dict(block_t=16, heads_major=True, precision="f16")),
-                                      ("fp4", dict(block_t=16, num_splits=3, fp4_scale_at="result")),
-                                      ("fp4", dict(block_t=16, heads_major=True, fp4_scale_at="operand")),
-                                      ("fp4", dict(block_t=16, num_splits=3, precision="fp8")),
-                                      ("fp8", dict(block_t=32, num_splits=2, precision="fp8"))])
+@pytest.mark.parametrize("fmt,opts", sweep([
+    ("fp4", dict(fp4_scale="reshape", block_t=16, num_splits=3, precision="bf16")),
+    ("fp4", dict(fp4_scale="gather", block_t=32, num_splits=2, precision="bf16")),
+    ("fp8", dict(block_t=16, num_splits=5)), core("bf16", dict(block_t=32, waves=1)),
+    ("bf16", dict(block_t=32, heads_major=True, num_splits=2)),
+    ("fp4", dict(block_t=16, heads_major=True, precision="f16")),
+    ("fp4", dict(block_t=16, num_splits=3, fp4_scale_at="result")),
+    ("fp4", dict(block_t=16, heads_major=True, fp4_scale_at="operand")),
+    ("fp4", dict(block_t=16, num_splits=3, precision="fp8")),
+    ("fp8", dict(block_t=32, num_splits=2, precision="fp8"))]))
 def test_split_sweep_options(fmt, opts):
     """Several key blocks per split (the pipelined sweep), splits that end past the last visible block (the -inf
     fill loop), both fp4 scale-broadcast variants; decode and causal prefill."""
@@ -163,6 +170,7 @@ def test_split_sweep_options(fmt, opts):
     check_scores(q, w, keys, nv, "pallas", 1e-5, **opts)
 
 
+@full_tier
 def test_fp4_scales_on_operands_wide_group_range():
     """fp4_scale_at="operand": each 32-channel group's scale goes onto its f16 operands relative to the key's largest
     group scale. Keys whose groups span 2^-30 .. 2^12 (scale bytes far apart, some groups all zero) still match the
@@ -186,6 +194,7 @@ def test_fp4_scales_on_operands_wide_group_range():
         np.testing.assert_array_less(np.abs(out[fin] - ref[fin]), 1e-5 * bound[fin] + 1e-30)
 
 
+@full_tier
 def test_fp4_scale_at_errors():
     from pallas_kernels.indexer.gpu import indexer_scores_gpu
 
@@ -212,6 +221,7 @@ def test_topk_larger_than_cache_and_blockwise():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@full_tier
 def test_precision_options():
     """bf16 keys with float queries: default bf16x2 is ~1e-5 accurate; plain bf16 operands ~1e-3; fp8 keys through
     f16 operands are exact (fp4 keys take f16 operands by default: every default-path test covers them)."""
@@ -229,6 +239,7 @@ def test_precision_options():
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+@full_tier
 def test_fp8_operands_exact(fmt):
     """precision="fp8": the key codes go to the tensor cores as fp8 (fp4 nibbles moved to e5m2 by bit arithmetic,
     checked here for all 256 bytes) and a q fake-quantized like the keys is reproduced exactly by its fp8 operand
@@ -452,10 +463,12 @@ def test_gpu_auto_takes_mosaic_for_fp8_decode(monkeypatch):
     assert len(calls) == n
 
 
-@pytest.mark.parametrize("B,S,H,T,opts", [(16, 1, 16, 16, {}), (3, 1, 16, 776, dict(num_splits=2, num_stages=2)),
-                                          (2, 2, 32, 1000, dict(block_t=64, num_stages=3)),
-                                          (2, 1, 64, 1544, dict(block_t=256, num_splits=3, num_stages=1))])
-@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+@pytest.mark.parametrize("B,S,H,T,opts,fmt", [
+    (B, S, H, T, o, f) if (f, T) == ("fp8", 1544) else full(B, S, H, T, o, f)
+    for f in ("fp8", "bf16")
+    for B, S, H, T, o in [(16, 1, 16, 16, {}), (3, 1, 16, 776, dict(num_splits=2, num_stages=2)),
+                          (2, 2, 32, 1000, dict(block_t=64, num_stages=3)),
+                          (2, 1, 64, 1544, dict(block_t=256, num_splits=3, num_stages=1))]])
 def test_mosaic_kernel_interpreted(B, S, H, T, opts, fmt):
     """The Mosaic GPU kernel (precision "fp8") in Pallas' GPU interpreter: simulated shared memory, barriers and TMA
     with the race detector on, reads past an array's end returning NaN (the masking must drop them): scores equal the
@@ -498,7 +511,7 @@ def test_e4m3_f16_bit_placement_constants():
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
 
 
-@pytest.mark.parametrize("fmt,opts", [("fp8", {}), ("bf16", dict(num_splits=3)), ("fp8", dict(block_t=64))])
+@pytest.mark.parametrize("fmt,opts", [full("fp8", {}), full("bf16", dict(num_splits=3)), full("fp8", dict(block_t=64))])
 def test_mosaic_group_max_interpreted(fmt, opts):
     """group_max_k: the Mosaic kernel's per-CTA strided-group maxima (ordered int32 keys) equal the maxima of its own
     scores over each split's blocks, and the threshold top-k fed with them picks what it picks without them (GPU
@@ -553,6 +566,7 @@ def test_gpu_mosaic_group_max(fmt, opts):
     check_mosaic_group_max(indexer_scores_mosaic, indexer_topk_gpu, fmt, opts, interpret=False)
 
 
+@full_tier
 def test_mosaic_kernel_errors():
     """kernel='mosaic' is the fp8 / fp4 / bf16-key Mosaic GPU kernel: no interpreter for precision 'f16', no other key
     format, no Triton knobs, T a multiple of 8."""
@@ -585,6 +599,7 @@ def test_mosaic_kernel_errors():
         indexer_scores_gpu(q, w, keys, nv, kernel="triton", convert="alu")
 
 
+@full_tier
 def test_fp4_asm_decode_errors():
     """The inline-PTX decode has no interpreter and only applies to fp4 keys with f16 operands."""
     from pallas_kernels.indexer.gpu import indexer_scores_gpu
@@ -628,6 +643,7 @@ def test_bf16x2_split_survives_jit():
         np.testing.assert_array_equal(np.asarray(round_to(q, dt)), np.asarray(q.astype(dt).astype(jnp.float32)))
 
 
+@full_tier
 def test_default_threshold_topk_end_to_end():
     """The default top-k ("threshold": bound, compaction, top_k over the survivors) through indexer_topk: T large
     enough for the compaction path, causal prefill in query chunks (lax.map) with short valid prefixes, k = 64."""

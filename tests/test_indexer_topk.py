@@ -18,6 +18,7 @@ import pytest
 from pallas_kernels.indexer import formats as F, indexer_topk, indexer_topk_reference
 from pallas_kernels.indexer.gpu import radix_bits_of, topk_from_scores
 from pallas_kernels.indexer.topk import float_keys, threshold_layout, topk_grouped, topk_radix, topk_threshold
+from tiers import full, full_tier
 
 _SEED = itertools.count(31000)
 
@@ -72,7 +73,7 @@ def check(s, k, bits):
 
 
 @pytest.mark.parametrize("bits,lead", [(4, (3,)), (8, (2, 3))])
-@pytest.mark.parametrize("T", [5, 100, 1000, 4097])
+@pytest.mark.parametrize("T", [full(5), full(100), 1000, full(4097)])
 def test_matches_lax_top_k(T, bits, lead):
     """Every row kind, k in {1, 7, 64, T} (<= T), two fresh draws per compiled shape."""
     rng = np.random.default_rng(next(_SEED))
@@ -122,6 +123,7 @@ def test_other_digit_widths_and_validation():
         radix_bits_of("radixx")
 
 
+@full_tier
 def test_indexer_topk_radix_end_to_end():
     """indexer_topk(impl="pallas", topk="radix") == the lax top-k on the same kernel (interpreter on CPU); the same
     -1s as the reference."""
@@ -141,7 +143,7 @@ def test_indexer_topk_radix_end_to_end():
 _grouped = jax.jit(topk_grouped, static_argnames=("k", "group", "direct_max"))
 
 
-@pytest.mark.parametrize("T,group,direct_max", [(300, 4, 16), (1000, 8, 64), (4096, 32, 256), (777, 2, 8)])
+@pytest.mark.parametrize("T,group,direct_max", [(300, 4, 16), full(1000, 8, 64), full(4096, 32, 256), full(777, 2, 8)])
 def test_grouped_matches_lax_top_k(T, group, direct_max):
     """Two-stage (grouped) top-k: every row kind (heavy ties, signed zeros, -inf holes, all -inf), T not a multiple
     of the group, recursion over group maxima (small direct_max), k in {1, 7, 64, T}: bit-identical to lax."""
@@ -179,11 +181,15 @@ def _fast_rows(R, T, rng):
     return x
 
 
-@pytest.mark.parametrize("impl,T,k", [(impl, T, k) for impl in ("xla", "pallas_compact", "pallas", "pallas_select",
-                                                                "pallas_regions", "pallas_hist")
+# the default tier: each default impl (xla: CPU / TPU; pallas_compact: "threshold"; pallas_select: the chain of
+# "threshold_set"; pallas_hist: "hist_set") on rows of 5000; the full tier adds the other impls and shapes
+@pytest.mark.parametrize("impl,T,k", [(impl, T, k) if T == 5000 and impl in ("xla", "pallas_compact", "pallas_select",
+                                                                              "pallas_hist") else full(impl, T, k)
+                                      for impl in ("xla", "pallas_compact", "pallas", "pallas_select",
+                                                   "pallas_regions", "pallas_hist")
                                       for T, k in ((5000, 64), (20000, 100), (4099, 16))
                                       if not (impl in ("pallas_select", "pallas_regions", "pallas_hist")
-                                              and T == 4099)])  # CI time
+                                              and T == 4099)])
 def test_threshold_matches_lax_top_k(T, k, impl):
     """Threshold top-k: bit-identical to lax on its fast path (asserted: no row overflows the slots), and on heavy-
     tie rows, which overflow and take the exact fallback."""
@@ -201,7 +207,7 @@ def test_threshold_matches_lax_top_k(T, k, impl):
     np.testing.assert_array_equal(np.asarray(f(s, k=k, impl=impl)), np.asarray(_lax(s, k=k, topk="lax")))
 
 
-@pytest.mark.parametrize("impl", ["pallas_compact", "pallas", "pallas_select", "pallas_regions"])
+@pytest.mark.parametrize("impl", ["pallas_compact", full("pallas"), full("pallas_select"), full("pallas_regions")])
 def test_threshold_overflow_rows_fixed_up_per_row(impl):
     """Triton impls: rows whose survivors overflow the slots get their exact top-k from the radix-select fix-up
     kernel (interpreter) while the other rows of the same call keep the fast path: all ties, few distinct values,
@@ -272,7 +278,7 @@ def test_rank_select_matches_lax():
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas_select", "pallas_regions", "pallas_hist"])
+@pytest.mark.parametrize("impl", ["xla", full("pallas_select"), full("pallas_regions"), "pallas_hist"])
 def test_threshold_index_set_mode(impl):
     """sorted=False: the same picks as an index set (ascending index, -1s last), on fast-path rows (incl. +inf /
     NaN entries, whose picks are left out) and on heavy-tie rows that overflow the slots."""
@@ -290,7 +296,7 @@ def test_threshold_index_set_mode(impl):
         assert (np.diff(row[:m]) > 0).all() and (row[m:] == -1).all()
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas_select", "pallas_regions"])
+@pytest.mark.parametrize("impl", ["xla", full("pallas_select"), full("pallas_regions")])
 def test_threshold_with_given_group_maxima(impl):
     """topk_threshold(group_max=partials [.., P, G]) (a producer's partial strided-group maxima, as the indexer
     scores kernel writes them) == lax.top_k, on fast-path and heavy-tie rows; a wrong layout is refused."""
@@ -311,6 +317,7 @@ def test_threshold_with_given_group_maxima(impl):
         topk_threshold(s, k, impl=impl, group_max=parts[..., :-1], interpret=impl != "xla")
 
 
+@full_tier
 def test_bound_and_select_kernels_match_references():
     """bound_pallas == _threshold (the k-th largest strided group max), and select_pallas == the exact top-k set of
     the valid slots in ascending slot order (heavy ties, n < k, n = 0, +inf keys), both in the interpreter."""
@@ -350,6 +357,7 @@ def test_bound_and_select_kernels_match_references():
 
 @pytest.mark.parametrize("cfg", [{}, dict(matrix=False, rows_per_step=1, chunk=512, bound_bits=4, select_bits=1,
                                       early_exit=True), dict(resident=True)])
+@full_tier
 def test_fused_select_matches_lax_top_k(cfg):
     """The one-kernel threshold top-k (`topk_fused.fused_select`, interpreter), sorted and as a set, == lax.top_k on
     every kind of row in one call: fast-path rows with -inf / +inf / NaN / -0.0 and short valid prefixes, heavy-tie
@@ -384,7 +392,7 @@ def test_fused_select_matches_lax_top_k(cfg):
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4])
-@pytest.mark.parametrize("matrix,early_exit", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("matrix,early_exit", [(False, False), full(True, False), full(False, True), full(True, True)])
 def test_radix_select_regs_modes(bits, matrix, early_exit):
     """The in-kernel radix select (plain jnp here) == the kk-th largest valid key and the count above it, in every
     count mode: wide and narrow key ranges (few or many common top bits), heavy ties, all keys equal, kk = 1 and
@@ -408,6 +416,7 @@ def test_radix_select_regs_modes(bits, matrix, early_exit):
 
 @pytest.mark.parametrize("opts", [dict(bound_matrix=True, select_matrix=True, select_bits=4),
                                   dict(early_exit=True), dict(early_exit=True, select_matrix=True)])
+@full_tier
 def test_radix_select_count_modes_match(monkeypatch, opts):
     """The bound and select kernels with all digit counts of a pass as one [N, 2**bits] reduction, or with the early
     exit (interpreter): the same picks as lax.top_k, as a set, on fast-path and heavy-tie rows."""
@@ -477,6 +486,7 @@ def test_gpu_topk_early_exit(R, T, monkeypatch):
             np.testing.assert_array_equal(np.asarray(got), want, err_msg=impl)
 
 
+@full_tier
 def test_regions_chunks_wider_than_their_regions(monkeypatch):
     """impl="pallas_regions" with chunks wider than the capacity (regions of cap_c = capacity slots): a chunk with
     more survivors than its region makes the row overflow, so the fix-up (not the truncated region) gives its picks;
@@ -557,7 +567,7 @@ def test_hist_pass1_bins_are_monotone_intervals():
     assert ((dn >= lo) & (dn < lo + (np.uint64(1) << w))).all()
 
 
-@pytest.mark.parametrize("chunk,resident", [(None, True), (2048, False), (4096, True)])
+@pytest.mark.parametrize("chunk,resident", [(None, True), full(2048, False), full(4096, True)])
 def test_hist_select_matches_lax_top_k(chunk, resident):
     """hist_select (interpreted) == lax: fast rows (+inf / NaN / -0.0 / -inf prefixes), heavy ties (w = 0 with more
     entries equal to K* than needed), rows with fewer than k valid entries, scores spanning the whole float range
@@ -579,7 +589,7 @@ def test_hist_select_matches_lax_top_k(chunk, resident):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(jnp.asarray(want))))
 
 
-@pytest.mark.parametrize("T,k", [(300, 100), (2048, 512), (513, 512)])
+@pytest.mark.parametrize("T,k", [(300, 100), full(2048, 512), full(513, 512)])
 def test_hist_impl_on_short_rows(T, k):
     """topk_threshold(impl="pallas_hist") takes the histogram kernel on rows short enough for the small-row
     shortcut too (T <= capacity; any T > k), sorted and as an index set (interpreted == lax)."""

@@ -7,12 +7,15 @@ from flax import nnx
 
 from dsv4_jax.config import tiny
 from dsv4_jax.model import DeepseekV4ForCausalLM
+from tiers import full_tier
 
 
+@full_tier   # the GPU runs it every session; CI covers each quantized kernel alone and the quantized reference model
 @jax.default_matmul_precision("highest")
 def test_pallas_model_matches_reference_in_quantized_cache_mode():
-    """FP8 KV rows (584 B) + FP4 rotated indexer keys: the kernels read the same stored bytes as the reference."""
-    cfg = tiny(head_dim=512, qk_rope_head_dim=64, index_head_dim=64)
+    """FP8 KV rows (584 B) + FP4 rotated indexer keys: the kernels read the same stored bytes as the reference. A CSA
+    and an HCA layer (every quantized cache; a sliding-only layer adds none, test_model_pallas has one)."""
+    cfg = tiny(ratios=[4, 8], head_dim=512, qk_rope_head_dim=64, index_head_dim=64)
     models = [DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(5), attention_impl=impl) for impl in ("reference", "pallas")]
     ids = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 19))
     outs = []

@@ -19,6 +19,7 @@ from pallas_kernels.sparse_attention import (
     sparse_attention_reference,
     to_packed_u8,
 )
+from tiers import full, full_tier
 
 _SEED = itertools.count(1000)
 
@@ -144,6 +145,7 @@ def test_fp8_roundtrip_and_packing():
     np.testing.assert_array_equal(np.asarray(y3), np.asarray(y))
 
 
+@full_tier
 def test_reference_accepts_fp8_pool():
     inp = make_inputs(2, 1, 4, 512, 16, 24, 6, 10, fp8=True)
     deq = dict(inp, window_kv=dequantize_kv_fp8(inp["window_kv"]), compressed_kv=dequantize_kv_fp8(inp["compressed_kv"]))
@@ -216,7 +218,9 @@ GPU_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"h{c[2]}_d{c[3]}_{'fp8' if c[8].get('fp8') else 'bf16'}"
+# the default tier: the first three cases (bf16 and FP8, split-K, 64 heads of 128, f32 q); the full tier every knob
+@pytest.mark.parametrize("case", [c if i < 3 else full(c) for i, c in enumerate(GPU_CASES)],
+                         ids=lambda c: f"h{c[2]}_d{c[3]}_{'fp8' if c[8].get('fp8') else 'bf16'}"
                          f"{opts_id(c[9])}{'_ns%d' % c[9]['n_splits'] if 'n_splits' in c[9] else ''}")
 def test_gpu_kernel_interpret(case):
     b, t, h, d, n_w, n_c, k_w, k_c, flags, opts = case
@@ -309,7 +313,8 @@ TPU_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", TPU_CASES, ids=lambda c: f"h{c[2]}_{'fp8' if c[8].get('fp8') else 'bf16'}")
+@pytest.mark.parametrize("case", [c if i == 0 else full(c) for i, c in enumerate(TPU_CASES)],
+                         ids=lambda c: f"h{c[2]}_{'fp8' if c[8].get('fp8') else 'bf16'}")
 def test_tpu_kernel_interpret(case):
     from pallas_kernels.sparse_attention.tpu import sparse_attention_tpu
 
@@ -355,6 +360,7 @@ def test_mosaic_only_knobs_with_auto_kernel_say_where_they_run():
         call(sparse_attention, inp, impl="pallas", cluster_loads="early")
 
 
+@full_tier
 def test_mosaic_kernel_input_errors():
     """The Mosaic GPU kernel's wrapper refuses what it cannot run, with a reason, before building anything (so this
     runs on CPU): mixed bf16 / FP8 pools, FP8 pools with a block_k other than 64 (or 32 with the tile ring), shared
@@ -409,8 +415,8 @@ def test_mosaic_kernel_input_errors():
         sparse_attention_mosaic(q96, *args[1:5], jnp.zeros((96,), jnp.float32), scale=0.1)
 
 
-@pytest.mark.parametrize("n_splits,heads,dtype", [(1, 4, jnp.float32), (3, 8, jnp.bfloat16), (5, 64, jnp.bfloat16),
-                                                  (2, 24, jnp.float32)])
+@pytest.mark.parametrize("n_splits,heads,dtype", [(1, 4, jnp.float32), (3, 8, jnp.bfloat16),
+                                                  full(5, 64, jnp.bfloat16), full(2, 24, jnp.float32)])
 def test_combine_splits_pallas_matches_xla(n_splits, heads, dtype):
     """The one-kernel split-K merge (Pallas interpreter) equals `common.combine_splits` on fresh partials, with
     empty splits (lse -inf, garbage partials) and a row whose splits are all empty; head blocks of 8 or fewer."""

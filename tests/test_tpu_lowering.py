@@ -17,6 +17,7 @@ from test_compressor_kernels import make as make_compressor
 from test_gpu_lowering import lowers_for
 from test_indexer_kernels import make as make_indexer
 from test_sparse_attention import make_inputs as make_attention
+from tiers import full
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +33,7 @@ def lowers_for_tpu(fn, *args):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("t", [1, 4])
+@pytest.mark.parametrize("t", [1, full(4)])
 def test_sparse_attention_lowers_for_tpu(fp8, t):
     from pallas_kernels.sparse_attention.tpu import sparse_attention_tpu
 
@@ -43,7 +44,7 @@ def test_sparse_attention_lowers_for_tpu(fp8, t):
 
 
 @pytest.mark.parametrize("fmt,rotate", [(None, False), ("bf16", False), ("fp8", True), ("fp4", True)])
-@pytest.mark.parametrize("S", [1, 19])
+@pytest.mark.parametrize("S", [1, full(19)])
 def test_indexer_lowers_for_tpu(fmt, rotate, S):
     from pallas_kernels.indexer.tpu import indexer_topk_tpu
 
@@ -52,8 +53,8 @@ def test_indexer_lowers_for_tpu(fmt, rotate, S):
 
 
 @pytest.mark.parametrize("r,overlap,d,fmt,S", [
-    (4, True, 128, "fp4", 1), (4, True, 128, "fp8", 33), (4, True, 128, "bf16", 9), (4, True, 512, None, 40),
-    (128, False, 512, None, 300), (128, False, 512, None, 1)])
+    (4, True, 128, "fp4", 1), (4, True, 128, "fp8", 33), full(4, True, 128, "bf16", 9), (4, True, 512, None, 40),
+    full(128, False, 512, None, 300), (128, False, 512, None, 1)])
 def test_compressor_lowers_for_tpu(r, overlap, d, fmt, S):
     from pallas_kernels.compressor.tpu import compress_chunk_tpu
 
