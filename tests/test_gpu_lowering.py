@@ -595,7 +595,7 @@ def test_sparse_attention_mosaic_profiled_builds(b, t, k_c, opts, fp8):
     assert "mosaic_gpu" in jaxpr and "callback" in jaxpr   # the kernel, and the dump of its profile buffer
 
 
-@pytest.mark.parametrize("kv_dtype,heads", [(None, 64), full("fp8", 64), full(None, 128)])
+@pytest.mark.parametrize("kv_dtype,heads", [full(None, 64), full("fp8", 64), full(None, 128)])
 def test_whole_bf16_model_lowers_with_mosaic_attention(monkeypatch, kv_dtype, heads):
     """A bf16 model with 64 heads (128: V4-Pro's, two head groups per query row) takes the Mosaic GPU attention
     kernel in every layer type (prefill and decode), with exact caches and with FP8 KV caches (head_dim 512, the FP8

@@ -41,7 +41,7 @@ def round_trips(stablehlo: str):
 
 
 @pytest.mark.parametrize("dtype,kv,idx", [full(jnp.float32, "fp8", "fp8"), full(jnp.float32, None, "fp4"),
-                                          full(jnp.bfloat16, "fp8", "fp8"), (jnp.bfloat16, "bf16", "fp4")])
+                                          full(jnp.bfloat16, "fp8", "fp8"), full(jnp.bfloat16, "bf16", "fp4")])
 def test_no_foldable_narrowing_round_trip(dtype, kv, idx):
     cfg = tiny(head_dim=512, qk_rope_head_dim=64, index_head_dim=64)
     model = DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype, attention_impl="reference")
