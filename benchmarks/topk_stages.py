@@ -82,6 +82,7 @@ def stages(R, T, k=K, only=None, label=""):
         return jax.lax.cond(pred, lambda: jnp.ones((R, 1), jnp.int32), lambda: jnp.zeros((R, 1), jnp.int32))
 
     ties = jnp.round(scores * 0.5) * 2.0    # even integers: ~16% of a row ties at the bound, every row overflows
+    prefix = lambda s, n: jnp.where(jnp.arange(T) < T // n, s, -jnp.inf)   # valid in the first T / n entries only
 
     fns = {
         "touch": lambda s: jnp.zeros((R, 1), jnp.int32),
@@ -111,14 +112,12 @@ def stages(R, T, k=K, only=None, label=""):
         "hist_ties": lambda s: T_.topk_threshold(jnp.where(s[:, :1] > 1e30, 0.0, ties), k, impl="pallas_hist",
                                                  sorted=False, interpret=interp),
         "hist_pos": lambda s: T_.topk_threshold(jnp.abs(s), k, impl="pallas_hist", sorted=False, interpret=interp),
-        "hist_prefix": lambda s: T_.topk_threshold(jnp.where(jnp.arange(T) < T // 10, s, -jnp.inf), k,
-                                                   impl="pallas_hist", sorted=False, interpret=interp),
-        "set_prefix": lambda s: T_.topk_threshold(jnp.where(jnp.arange(T) < T // 10, s, -jnp.inf), k,
-                                                  impl="pallas_select", sorted=False, interpret=interp),
-        "hist_half": lambda s: T_.topk_threshold(jnp.where(jnp.arange(T) < T // 2, s, -jnp.inf), k,
-                                                 impl="pallas_hist", sorted=False, interpret=interp),
-        "set_half": lambda s: T_.topk_threshold(jnp.where(jnp.arange(T) < T // 2, s, -jnp.inf), k,
-                                                impl="pallas_select", sorted=False, interpret=interp),
+        "hist_prefix": lambda s: T_.topk_threshold(prefix(s, 10), k, impl="pallas_hist", sorted=False,
+                                                   interpret=interp),
+        "set_prefix": lambda s: T_.topk_threshold(prefix(s, 10), k, impl="pallas_select", sorted=False,
+                                                  interpret=interp),
+        "hist_half": lambda s: T_.topk_threshold(prefix(s, 2), k, impl="pallas_hist", sorted=False, interpret=interp),
+        "set_half": lambda s: T_.topk_threshold(prefix(s, 2), k, impl="pallas_select", sorted=False, interpret=interp),
         "bound": lambda s: T_.bound_pallas(T_._strided_group_max(T_._ordered_i32(s), group), k,
                                            interpret=interp)[:, None],
         "select": lambda s: T_.select_pallas(jnp.where(s[:, :1] > 1e30, 0, ck0), cp0, n0, k, capacity,

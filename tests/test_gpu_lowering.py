@@ -86,7 +86,8 @@ def test_indexer_fp4_bf16_operands_lower():
                         q, w, keys, nv)
 
 
-@pytest.mark.parametrize("S", [full(1), full(19)])
+@full_tier
+@pytest.mark.parametrize("S", [1, 19])
 def test_indexer_fp4_asm_decode_lowers(S):
     """fp4 keys decoded by the packed inline PTX (fp4_decode="asm", the compiled default for fp4 / f16) lower."""
     from pallas_kernels.indexer.gpu import default_config, default_fp4_decode, indexer_topk_gpu
@@ -104,7 +105,8 @@ def test_indexer_fp4_asm_decode_lowers(S):
         == ["operand", "result", "result", "result"]
 
 
-@pytest.mark.parametrize("S,decode", [full(1, "asm"), full(19, "asm"), full(1, "alu")])
+@full_tier
+@pytest.mark.parametrize("S,decode", [(1, "asm"), (19, "asm"), (1, "alu")])
 def test_indexer_fp4_scales_on_operands_lower(S, decode):
     """fp4_scale_at="operand": the group scales on the f16 key operands (either nibble decode)."""
     from pallas_kernels.indexer.gpu import indexer_topk_gpu
@@ -192,7 +194,8 @@ def test_compressor_lowers(r, overlap, d, fmt, rotate, S):
     lowers_for_cuda(lambda *a: compress_chunk_gpu(*a, **kw, rotate=rotate), *(inp[k] for k in keys))
 
 
-@pytest.mark.parametrize("quantized", [full(False), full(True)])
+@full_tier
+@pytest.mark.parametrize("quantized", [False, True])
 def test_whole_model_lowers_with_gpu_kernels(monkeypatch, quantized):
     """prefill + decode of a tiny model (sliding, CSA, HCA layers) with every attention op on its GPU kernel."""
     from flax import nnx
@@ -595,7 +598,8 @@ def test_sparse_attention_mosaic_profiled_builds(b, t, k_c, opts, fp8):
     assert "mosaic_gpu" in jaxpr and "callback" in jaxpr   # the kernel, and the dump of its profile buffer
 
 
-@pytest.mark.parametrize("kv_dtype,heads", [full(None, 64), full("fp8", 64), full(None, 128)])
+@full_tier
+@pytest.mark.parametrize("kv_dtype,heads", [(None, 64), ("fp8", 64), (None, 128)])
 def test_whole_bf16_model_lowers_with_mosaic_attention(monkeypatch, kv_dtype, heads):
     """A bf16 model with 64 heads (128: V4-Pro's, two head groups per query row) takes the Mosaic GPU attention
     kernel in every layer type (prefill and decode), with exact caches and with FP8 KV caches (head_dim 512, the FP8

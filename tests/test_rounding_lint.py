@@ -19,7 +19,7 @@ from flax import nnx
 
 from dsv4_jax.config import tiny
 from dsv4_jax.model import DeepseekV4ForCausalLM, _jitted_chunk_impl
-from tiers import full
+from tiers import full_tier
 
 _CONVERT = re.compile(r"\s*(%[\w#.]+) = stablehlo\.convert (%[\w#.]+) : \(tensor<([^>]*)>\) -> tensor<([^>]*)>")
 
@@ -40,8 +40,9 @@ def round_trips(stablehlo: str):
     return found
 
 
-@pytest.mark.parametrize("dtype,kv,idx", [full(jnp.float32, "fp8", "fp8"), full(jnp.float32, None, "fp4"),
-                                          full(jnp.bfloat16, "fp8", "fp8"), full(jnp.bfloat16, "bf16", "fp4")])
+@full_tier   # ~35 s a case (lowering the whole model); the CPU / GPU fake-quantize tests stay in the default tier
+@pytest.mark.parametrize("dtype,kv,idx", [(jnp.float32, "fp8", "fp8"), (jnp.float32, None, "fp4"),
+                                          (jnp.bfloat16, "fp8", "fp8"), (jnp.bfloat16, "bf16", "fp4")])
 def test_no_foldable_narrowing_round_trip(dtype, kv, idx):
     cfg = tiny(head_dim=512, qk_rope_head_dim=64, index_head_dim=64)
     model = DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype, attention_impl="reference")

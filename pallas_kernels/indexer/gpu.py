@@ -50,9 +50,9 @@ no launches between its stages), "threshold_regions" / "threshold_regions_set" =
 11-bit histogram digits (`topk_hist.hist_select`, Triton's tt.histogram; session 33: 131.6 vs 135.0 us per fp8 call
 at B = 64 x 128K, but 1036 vs 848 at 1M and 286 vs 32 us for one row of 262,144, where one SM per row idles the
 GPU; so not a default on their own), "auto_set" = "hist_set" for rows of 2048-16384 candidates (8K-64K context) and
-for calls of >= 96 rows of up to 32768 (128K context), "threshold_set" elsewhere (`resolve_set_method`; the model's GPU default since session 34). All others give the
-same picks. H200, session 7 (B = 64, 128K context, bf16 keys, whole pipeline): default 218-224 us, threshold_select
-220, threshold_set 210-212 (the only one with no sort left).
+for calls of >= 96 rows of up to 32768 (128K context), "threshold_set" elsewhere (`resolve_set_method`; the model's
+GPU default since session 34). All others give the same picks. H200, session 7 (B = 64, 128K context, bf16 keys,
+whole pipeline): default 218-224 us, threshold_select 220, threshold_set 210-212 (the only one with no sort left).
 Default "threshold": on the H200, 44 us at batch 1 x 262,144 candidates (lax.top_k ~80) and 55-60 us at batch 64 x
 32K (lax ~260), the chain harness included (results/README_indexer_compressor.md, session 5). Scores are
 materialized per query chunk only ([B, query_chunk, T] f32), so prefill memory stays bounded.
