@@ -115,7 +115,8 @@ def set_pipeline(cfg: str):
     before session 34, now `topk="auto_set"`, which picks it or "hist_set" by the rows' length) with the options of
     cfg ('name=value,...'; topk=... replaces the method). An item 'topk.NAME=value' sets the module constant NAME of
     pallas_kernels.indexer.topk (converted to its type) while the call traces, e.g. 'topk.COUNT_WIDTH=512';
-    'hist.NAME=value' an entry of `topk_hist.HIST_KERNEL_CONFIG` (topk=hist_set), e.g. 'hist.num_warps=32'."""
+    'hist.NAME=value' an entry of `topk_hist.HIST_KERNEL_CONFIG` (topk=hist_set / tour_set), e.g. 'hist.num_warps=32';
+    'tour.NAME=value' an entry of `topk_hist.TOUR_CONFIG` (topk=tour_set), e.g. 'tour.seg_len=2048'."""
     from pallas_kernels.indexer import indexer_topk
     from pallas_kernels.indexer import topk as topk_mod
     from pallas_kernels.indexer import topk_hist
@@ -123,24 +124,29 @@ def set_pipeline(cfg: str):
     opts = parse_options(cfg)
     consts = {name[5:]: opts.pop(name) for name in list(opts) if name.startswith("topk.")}
     hist_cfg = {name[5:]: opts.pop(name) for name in list(opts) if name.startswith("hist.")}
-    unknown = sorted(set(hist_cfg) - set(topk_hist.HIST_KERNEL_CONFIG))
-    if unknown:
-        raise ValueError(f"set config {cfg!r}: topk_hist.HIST_KERNEL_CONFIG has no options {unknown}")
+    tour_cfg = {name[5:]: opts.pop(name) for name in list(opts) if name.startswith("tour.")}
+    for given, table, what in ((hist_cfg, topk_hist.HIST_KERNEL_CONFIG, "HIST_KERNEL_CONFIG"),
+                               (tour_cfg, topk_hist.TOUR_CONFIG, "TOUR_CONFIG")):
+        unknown = sorted(set(given) - set(table))
+        if unknown:
+            raise ValueError(f"set config {cfg!r}: topk_hist.{what} has no options {unknown}")
     for c in consts:
         if not hasattr(topk_mod, c):
             raise ValueError(f"set config {cfg!r}: pallas_kernels.indexer.topk has no constant {c!r}")
 
     def run(q, w, keys, n_visible):
         saved = {c: getattr(topk_mod, c) for c in consts}
-        saved_hist = dict(topk_hist.HIST_KERNEL_CONFIG)
+        saved_hist, saved_tour = dict(topk_hist.HIST_KERNEL_CONFIG), dict(topk_hist.TOUR_CONFIG)
         topk_hist.HIST_KERNEL_CONFIG.update(hist_cfg)
+        topk_hist.TOUR_CONFIG.update(tour_cfg)
         try:
             for c, v in consts.items():
                 setattr(topk_mod, c, type(saved[c])(v))
             return indexer_topk(q, w, keys, n_visible, k=TOPK, impl="pallas", **{"topk": "threshold_set", **opts})
         finally:
-            topk_hist.HIST_KERNEL_CONFIG.clear()
-            topk_hist.HIST_KERNEL_CONFIG.update(saved_hist)
+            for table, saved_t in ((topk_hist.HIST_KERNEL_CONFIG, saved_hist), (topk_hist.TOUR_CONFIG, saved_tour)):
+                table.clear()
+                table.update(saved_t)
             for c, v in saved.items():
                 setattr(topk_mod, c, v)
 
@@ -261,7 +267,8 @@ def main():
         "pallas_threshold_set": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas",
                                                                 topk="threshold_set"),
         # session 34: the model's GPU default for set picks (hist_set on rows of 2048-16384 candidates and on
-        # calls of >= 96 rows of up to 32768 since session 35, else threshold_set: gpu.resolve_set_method)
+        # calls of >= 96 rows of up to 32768 since session 35, tour_set on longer rows in calls of <= 2^21
+        # candidates since session 36, else threshold_set: gpu.resolve_set_method)
         "pallas_auto_set": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="auto_set"),
         # session 7: the strided-group maxima written by the scores kernel instead of an XLA pass over the scores
         # (measured: no gain; off by default; the session-7 log names these columns *_nofuse for the default)

@@ -34,13 +34,19 @@ Stages (k = 512, random normal scores [R, T]; each timed as dependent calls in o
   set_prefix       full_set (the chain) on hist_prefix's rows
   hist_half        hist_set on rows valid only in their first T / 2 entries
   set_half         full_set on hist_half's rows
+  tour_set         impl="pallas_tour", sorted=False: `topk_hist.tournament_select` (segments of a row keep their own
+                   top-k sets, one program each, then one program per row selects among them; session 36)
+  tour_prefix / tour_half / tour_ties   tour_set on hist_prefix's / hist_half's / full_ties' rows
+  tour_seg         the tournament's first stage alone (each segment's top-k set)
   touch            the chain's own carry update alone (the harness overhead, subtracted from nothing)
-Prints a table of us per call; writes DIR/topk_stages.json. --stages picks a subset (comma list; touch always runs).
+Prints a table of us per call; writes DIR/topk_stages.json. --stages picks a subset (comma list; touch always runs;
+it also restricts the stages the *-configs sweeps time).
 --select-configs 'bound_warps=2,select_warps=2;select_bits=4' times bound / select / full_select / full_set once per
 option set of `topk.SELECT_KERNEL_CONFIG` (rows named like `full_set[select_warps=2]`); --fused-configs
 'num_warps=16;matrix=0,rows_per_step=8' times fused_set once per option set of `topk_fused.FUSED_KERNEL_CONFIG`;
 --hist-configs 'num_warps=16,chunk=16384;resident=0' times the hist stages once per option set of
-`topk_hist.HIST_KERNEL_CONFIG`.
+`topk_hist.HIST_KERNEL_CONFIG`; --tour-configs 'seg_len=2048,seg_warps=4;final_max=4096' the tour stages once per
+option set of `topk_hist.TOUR_CONFIG`.
 """
 
 from __future__ import annotations
@@ -118,6 +124,14 @@ def stages(R, T, k=K, only=None, label=""):
                                                   interpret=interp),
         "hist_half": lambda s: T_.topk_threshold(prefix(s, 2), k, impl="pallas_hist", sorted=False, interpret=interp),
         "set_half": lambda s: T_.topk_threshold(prefix(s, 2), k, impl="pallas_select", sorted=False, interpret=interp),
+        "tour_set": lambda s: T_.topk_threshold(s, k, impl="pallas_tour", sorted=False, interpret=interp),
+        "tour_prefix": lambda s: T_.topk_threshold(prefix(s, 10), k, impl="pallas_tour", sorted=False,
+                                                   interpret=interp),
+        "tour_half": lambda s: T_.topk_threshold(prefix(s, 2), k, impl="pallas_tour", sorted=False, interpret=interp),
+        "tour_seg": lambda s: TH.hist_select(s, k, seg_len=TH.TOUR_CONFIG["seg_len"],
+                                             num_warps=TH.TOUR_CONFIG["seg_warps"], interpret=interp)[1],
+        "tour_ties": lambda s: T_.topk_threshold(jnp.where(s[:, :1] > 1e30, 0.0, ties), k, impl="pallas_tour",
+                                                 sorted=False, interpret=interp),
         "bound": lambda s: T_.bound_pallas(T_._strided_group_max(T_._ordered_i32(s), group), k,
                                            interpret=interp)[:, None],
         "select": lambda s: T_.select_pallas(jnp.where(s[:, :1] > 1e30, 0, ck0), cp0, n0, k, capacity,
@@ -179,6 +193,11 @@ def sweep(R, T, configs, table, flag, names):
     return rows
 
 
+def _only(names, stages_arg):
+    """The sweep's stages, restricted to --stages where given."""
+    return tuple(n for n in names if not stages_arg or n in stages_arg.split(","))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="1x262144,64x32768,64x262144")
@@ -191,6 +210,8 @@ def main():
                     help="';'-separated option sets of topk_fused.FUSED_KERNEL_CONFIG: fused_set timed once per set")
     ap.add_argument("--hist-configs", default=None,
                     help="';'-separated option sets of topk_hist.HIST_KERNEL_CONFIG: the hist stages timed once per set")
+    ap.add_argument("--tour-configs", default=None,
+                    help="';'-separated option sets of topk_hist.TOUR_CONFIG: the tour stages timed once per set")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     rows = []
@@ -199,10 +220,12 @@ def main():
         R, T = (int(x) for x in c.split("x"))
         rows.append(stages(R, T, only=set(a.stages.split(",")) if a.stages else None))
         rows += sweep(R, T, a.select_configs, T_.SELECT_KERNEL_CONFIG, "--select-configs",
-                      ("bound", "select", "full_select", "full_set"))
-        rows += sweep(R, T, a.fused_configs, TF.FUSED_KERNEL_CONFIG, "--fused-configs", ("fused_set",))
+                      _only(("bound", "select", "full_select", "full_set"), a.stages))
+        rows += sweep(R, T, a.fused_configs, TF.FUSED_KERNEL_CONFIG, "--fused-configs", _only(("fused_set",), a.stages))
         rows += sweep(R, T, a.hist_configs, TH.HIST_KERNEL_CONFIG, "--hist-configs",
-                      ("hist_set", "hist_ties", "hist_prefix", "hist_pos", "hist_direct", "hist_half"))
+                      _only(("hist_set", "hist_ties", "hist_prefix", "hist_pos", "hist_direct", "hist_half"), a.stages))
+        rows += sweep(R, T, a.tour_configs, TH.TOUR_CONFIG, "--tour-configs",
+                      _only(("tour_set", "tour_prefix", "tour_half", "tour_ties", "tour_seg"), a.stages))
         with open(os.path.join(a.out, "topk_stages.json"), "w") as f:
             json.dump(rows, f, indent=1)
 

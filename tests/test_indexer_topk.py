@@ -589,6 +589,49 @@ def test_hist_select_matches_lax_top_k(chunk, resident):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(jnp.asarray(want))))
 
 
+@pytest.mark.parametrize("T,k,seg_len,final_max,slack", [(9000, 100, 1024, 2048, 24), full(20000, 64, 512, 1024, 0),
+                                                          full(5000, 200, 512, 512, 0), full(20000, 64, 512, 1024, 64)])
+def test_tournament_select_matches_lax_top_k(T, k, seg_len, final_max, slack):
+    """tournament_select (interpreted: segments keep their top-k sets, then the survivors; two or three stages)
+    == lax, sorted and as an index set: ties across segments (-> lower index), short valid prefixes, rows whose last
+    segment is partial, NaN / +-inf, the whole float range; bad arguments refused."""
+    from pallas_kernels.indexer.topk import _order_slots, as_index_set
+    from pallas_kernels.indexer.topk_hist import tournament_select
+
+    rng = np.random.default_rng(next(_SEED))
+    s = np.concatenate([_fast_rows(8, T, rng), random_scores((2, T), rng)])
+    s[0, rng.integers(0, T, 3 * k)] = 1.5                                 # ties spread over every segment
+    s[1, :] = np.round(s[1, :] * 2.0)                                      # heavy ties at the k-th value
+    s[2, :] = (rng.standard_normal(T) * 10.0 ** rng.integers(-30, 30, T)).astype(np.float32)
+    s = jnp.asarray(s)
+    want = np.asarray(_lax(s, k=k, topk="lax"))
+    opts = dict(seg_len=seg_len, final_max=final_max, seg_slack=slack, interpret=True)
+    keys, pos = tournament_select(s, k, **opts)
+    np.testing.assert_array_equal(np.asarray(_order_slots(keys, pos, k, (s.shape[0],))), want)
+    got = tournament_select(s, k, finite_only=True, set_out=True, **opts)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(jnp.asarray(want))))
+    got = topk_threshold(s, k, impl="pallas_tour", sorted=False, interpret=True)   # the default launch settings
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(jnp.asarray(want))))
+    if T == 9000:   # a first stage alone: k + slack slots, a superset of each segment's top-k set, ascending
+        from pallas_kernels.indexer.topk_hist import hist_select
+
+        keys, pos = (np.asarray(a) for a in hist_select(s, k, seg_len=seg_len, slack=slack, interpret=True))
+        n_seg = -(-T // seg_len)
+        assert keys.shape == pos.shape == (s.shape[0] * n_seg, k + slack)
+        for r in range(s.shape[0]):
+            seg = np.asarray(s[r]).copy()
+            for j in range(n_seg):
+                part = jnp.asarray(seg[None, j * seg_len:(j + 1) * seg_len])
+                top = set((np.asarray(_lax(part, k=min(k, part.shape[1]), topk="lax"))[0] + j * seg_len).tolist())
+                top.discard(-1 + j * seg_len)
+                got_pos = pos[r * n_seg + j][keys[r * n_seg + j] > -2139095041]
+                assert top <= set(got_pos.tolist()) and (np.diff(got_pos) > 0).all()
+        with pytest.raises(ValueError, match="1 <= k"):
+            tournament_select(s, T + 1, interpret=True)
+        with pytest.raises(ValueError, match="seg_len must be a power of two"):
+            tournament_select(s, k, seg_len=1000, interpret=True)
+
+
 @pytest.mark.parametrize("T,k", [(300, 100), full(2048, 512), full(513, 512)])
 def test_hist_impl_on_short_rows(T, k):
     """topk_threshold(impl="pallas_hist") takes the histogram kernel on rows short enough for the small-row
@@ -607,17 +650,20 @@ def test_hist_impl_on_short_rows(T, k):
 
 def test_auto_set_resolution(monkeypatch):
     """"auto_set" (the model's set picks on the GPU): the histogram kernel on rows of 2048-16384 candidates, and on
-    rows of up to 32768 from 96 rows per call on (where it measured faster on the H200), the chain elsewhere; the
-    indexer resolves it with its rows per top-k call (batch x query chunk)."""
+    rows of up to 32768 from 96 rows per call on, the tournament on longer rows where a call holds <= 2^21
+    candidates (where each measured faster on the H200), the chain elsewhere; the indexer resolves it with its rows
+    per top-k call (batch x query chunk)."""
     from pallas_kernels.indexer import gpu
     from pallas_kernels.indexer.gpu import SET_METHODS, resolve_set_method
     from pallas_kernels.indexer.topk import as_index_set
 
     assert "auto_set" in SET_METHODS
     assert resolve_set_method(2048, 512) == resolve_set_method(16384, 512, rows=1) == "hist_set"
-    assert resolve_set_method(16385, 512, rows=95) == resolve_set_method(32768, 512, rows=64) == "threshold_set"
+    assert resolve_set_method(16385, 512, rows=95) == resolve_set_method(32768, 512, rows=64) == "tour_set"
+    assert resolve_set_method(262144, 512, rows=8) == resolve_set_method(65536, 512, rows=1) == "tour_set"
     assert resolve_set_method(32768, 512, rows=96) == resolve_set_method(20000, 512, rows=4096) == "hist_set"
     assert resolve_set_method(32769, 512, rows=4096) == resolve_set_method(262144, 512, rows=64) == "threshold_set"
+    assert resolve_set_method(65536, 512, rows=33) == resolve_set_method(262144, 512, rows=9) == "threshold_set"
     assert resolve_set_method(2047, 512) == resolve_set_method(512, 512) == "threshold_set"
     assert resolve_set_method(2048, 4096) == "threshold_set"                # every candidate picked
     seen = []
@@ -671,6 +717,28 @@ def test_gpu_hist_small_rows(R, T, k):
     want = as_index_set(jnp.asarray(_lax(s, k=k, topk="lax")))
     got = jax.jit(lambda x: hist_select(x, k, finite_only=True, set_out=True))(s)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (compiled Triton kernels)")
+@pytest.mark.parametrize("opts", [dict(), dict(seg_len=2048, seg_warps=4), dict(seg_len=8192, final_max=16384),
+                                  dict(final_max=4096, final_warps=8), dict(seg_slack=0), dict(seg_slack=256)])
+def test_gpu_tournament_select(opts):
+    """tournament_select compiled (segments, then the survivors) == lax: 64 x 32768 with fast / tie / prefix rows,
+    1 x 262144 (three stages), 3 x 100000 (a partial last segment), 128 x 8192, sorted and as an index set."""
+    from pallas_kernels.indexer.topk import _order_slots, as_index_set
+    from pallas_kernels.indexer.topk_hist import tournament_select
+
+    rng = np.random.default_rng(next(_SEED))
+    for R, T in ((64, 32768), (1, 262144), (3, 100000), (128, 8192)):
+        s = np.concatenate([_fast_rows(8, T, rng), random_scores((6, T), rng),
+                            rng.standard_normal((R - 14, T)).astype(np.float32)])[:R] if R > 14 else \
+            random_scores((R, T), rng)
+        s = jnp.asarray(s)
+        want = np.asarray(_lax(s, k=512, topk="lax"))
+        got = jax.jit(lambda x: tournament_select(x, 512, finite_only=True, set_out=True, **opts))(s)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(jnp.asarray(want))))
+        keys, pos = jax.jit(lambda x: tournament_select(x, 512, **opts))(s)
+        np.testing.assert_array_equal(np.asarray(_order_slots(keys, pos, 512, (R,))), want)
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (compiled Triton kernels)")

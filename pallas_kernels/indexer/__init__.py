@@ -12,12 +12,13 @@ the kernel and are ignored by the reference. kernel (GPU): "auto" (the Mosaic ke
 GPU scores kernel for fp8 and bf16 keys, `gpu_mosaic.py`). topk (every method exact, the same picks as the reference): GPU default
 "threshold" (strided-group bound + Triton compaction + lax.top_k over ~4k survivors, `topk.topk_threshold`), or
 "lax" | "blockwise" | "radix" | "radix4" | "grouped[N]" | "threshold_rank" | "threshold_select" | "hist" | "hist_set"
-(one Triton program per row, histogram radix select: `topk_hist.py`) | "threshold_set" | "auto_set"; TPU default
+(one Triton program per row, histogram radix select: `topk_hist.py`) | "tour" | "tour_set" (the same kernel as a
+tournament over segments of a row) | "threshold_set" | "auto_set"; TPU default
 "lax". picks: "sorted" (best first, ties -> lower index: the reference's order) or "set" (the same entries in
 ascending index order, the -1s last: all a gather-and-sum consumer such as the sparse attention needs; on the GPU
-kernel path it selects topk="auto_set" -- "hist_set" or "threshold_set" by the rows' length and count, where each
-measured faster (`gpu.resolve_set_method`), neither sorting its picks -- unless another set method is given; any other
-topk option is followed by the set conversion).
+kernel path it selects topk="auto_set" -- "hist_set", "tour_set" or "threshold_set" by the rows' length and count,
+where each measured faster (`gpu.resolve_set_method`), none sorting its picks -- unless another set method is given;
+any other topk option is followed by the set conversion).
 """
 
 from __future__ import annotations

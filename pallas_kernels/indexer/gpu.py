@@ -49,9 +49,12 @@ no launches between its stages), "threshold_regions" / "threshold_regions_set" =
 "hist_set" = no bound and no compaction chain: one Triton program per row selects the k-set by radix select with
 11-bit histogram digits (`topk_hist.hist_select`, Triton's tt.histogram; session 33: 131.6 vs 135.0 us per fp8 call
 at B = 64 x 128K, but 1036 vs 848 at 1M and 286 vs 32 us for one row of 262,144, where one SM per row idles the
-GPU; so not a default on their own), "auto_set" = "hist_set" for rows of 2048-16384 candidates (8K-64K context) and
-for calls of >= 96 rows of up to 32768 (128K context), "threshold_set" elsewhere (`resolve_set_method`; the model's
-GPU default since session 34). All others give the same picks. H200, session 7 (B = 64, 128K context, bf16 keys,
+GPU; so not a default on their own), "tour" / "tour_set" = the same kernel as a tournament: segments of 4096
+candidates keep their own top-k sets (one program each, so a few long rows still fill the GPU), then one program per
+row selects among the survivors (`topk_hist.tournament_select`, session 36), "auto_set" = "hist_set" for rows of
+2048-16384 candidates (8K-64K context) and for calls of >= 96 rows of up to 32768 (128K context), "tour_set" for
+longer rows where a call holds <= 2^21 candidates, "threshold_set" elsewhere (`resolve_set_method`; the model's GPU
+default since session 34). All others give the same picks. H200, session 7 (B = 64, 128K context, bf16 keys,
 whole pipeline): default 218-224 us, threshold_select 220, threshold_set 210-212 (the only one with no sort left).
 Default "threshold": on the H200, 44 us at batch 1 x 262,144 candidates (lax.top_k ~80) and 55-60 us at batch 64 x
 32K (lax ~260), the chain harness included (results/README_indexer_compressor.md, session 5). Scores are
@@ -572,19 +575,20 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
 
 TOPK_METHODS = ("lax", "blockwise", "radix", "radix4", "grouped", "grouped<N>", "threshold", "threshold_rank",
                 "threshold_select", "threshold_set", "threshold_fused", "threshold_fused_set",
-                "threshold_regions", "threshold_regions_set", "hist", "hist_set", "auto_set")
+                "threshold_regions", "threshold_regions_set", "hist", "hist_set", "tour", "tour_set", "auto_set")
 THRESHOLD_METHODS = {"threshold": "pallas_compact", "threshold_rank": "pallas", "threshold_select": "pallas_select",
                      "threshold_set": "pallas_select", "threshold_fused": "pallas_fused",
                      "threshold_fused_set": "pallas_fused",
                      "threshold_regions": "pallas_regions", "threshold_regions_set": "pallas_regions",
-                     "hist": "pallas_hist", "hist_set": "pallas_hist"}
+                     "hist": "pallas_hist", "hist_set": "pallas_hist", "tour": "pallas_tour", "tour_set": "pallas_tour"}
 # method -> topk_threshold impl on a GPU ("xla" elsewhere)
-SET_METHODS = ("threshold_set", "threshold_fused_set", "threshold_regions_set", "hist_set", "auto_set")
+SET_METHODS = ("threshold_set", "threshold_fused_set", "threshold_regions_set", "hist_set", "tour_set", "auto_set")
 # the picks as an index set, not sorted
 
 # "auto_set" (the model's GPU default for index-set picks): "hist_set" (one Triton program per row, histogram radix
 # select) for rows of 2048-16384 candidates (8K-64K context), and for rows of up to 32768 (128K context) where a call
-# has >= 96 rows; "threshold_set" (the chain) elsewhere. H200 (topk_stages.py, us per call including ~8-12 us of
+# has >= 96 rows; "tour_set" (the same kernel as a tournament over segments) for longer rows where a call holds at
+# most 2^21 candidates; "threshold_set" (the chain) elsewhere. H200 (topk_stages.py, us per call including ~8-12 us of
 # harness, "prefix" = rows valid only in their first T / 10 entries, a cache filled to L < T):
 # - session 34: T = 2048, 64 rows 13.7 vs 30.8 (lax.top_k, the chain's small-row shortcut), 1 row 10.9 vs 29.0
 #   (pipelines at 8K context: B = 64 43.1 -> 25.0 us fp8, 44.1 -> 27.4 bf16; B = 1 34.2 -> 16.8 bf16); T = 4096, 64
@@ -600,8 +604,16 @@ SET_METHODS = ("threshold_set", "threshold_fused_set", "threshold_regions_set", 
 # Rows shorter than 2048 keep the chain's shortcut (a plain lax.top_k): not timed there, and the one GPU run of the
 # model test with the kernel on its tiny rows lost its pytest worker (cause not found; the kernel alone passes on rows
 # of 8-1500, `test_gpu_hist_small_rows`, and the model test passes with this rule).
+# - session 36 (results/h200_s36r{3,4}_idx.log): the tournament ("tour_set") on rows longer than 16384 where a call
+#   holds at most 2^21 candidates (the whole GPU then works on few rows), whole fp8 / bf16 indexer calls, us, auto_set
+#   of the time vs tour_set: B = 64 x 128K fp8 136.5 / 137.2 vs 125.5 / 126.5; B = 16 x 128K 75.5 / 74.8 vs 51.5 /
+#   51.7; B = 1 x 128K bf16 38.3 / 34.6 vs 28.3 / 27.0; B = 1 x 256K bf16 44.7 vs 33.7; B = 1 x 1M fp8 52.0 / 47.0 vs
+#   41.5 / 41.6; B = 4 x 1M bf16 120.7 vs 111.0; B = 8 x 1M fp8 143.0 vs 138.6; B = 32 x 256K fp8 146.9 vs 132.6.
+#   Larger calls keep their methods: B = 128 x 128K fp8 (hist) 223.3 / 228.5 vs 230.6 / 229.1; B = 64 x 256K
+#   (the chain) 74.0 vs 76.6 fp8 (T = 16384: hist), 64 x 1M rows in topk_stages 155.8 vs 217.9.
 AUTO_SET_HIST_T = (2048, 16384)       # candidates per row: the kernel at any row count
 AUTO_SET_HIST_WIDE = (32768, 96)      # up to this many candidates per row: the kernel from this many rows per call
+AUTO_SET_TOUR_MAX = 1 << 21           # rows x candidates per call up to which longer rows take the tournament
 
 
 def resolve_set_method(T: int, k: int, rows: int = 1) -> str:
@@ -612,6 +624,8 @@ def resolve_set_method(T: int, k: int, rows: int = 1) -> str:
         return "threshold_set"
     if lo <= T <= hi or (hi < T <= t_wide and rows >= rows_wide):
         return "hist_set"
+    if T > hi and rows * T <= AUTO_SET_TOUR_MAX:
+        return "tour_set"
     return "threshold_set"
 
 
@@ -708,8 +722,8 @@ def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 
         topk = resolve_set_method(keys.shape[1], k, rows=q.shape[0] * min(q.shape[1], query_chunk))
     if fuse_group_max is None:
         fuse_group_max = scores_kernel_of(q, keys, interpret, kernel_options) == "mosaic"
-    # the threshold methods bound with the group maxima; the histogram top-k ("hist*") needs none
-    fused = fuse_group_max and THRESHOLD_METHODS.get(topk) not in (None, "pallas_hist")
+    # the threshold methods bound with the group maxima; the histogram top-k ("hist*", "tour*") needs none
+    fused = fuse_group_max and THRESHOLD_METHODS.get(topk) not in (None, "pallas_hist", "pallas_tour")
     scores = functools.partial(indexer_scores_gpu, interpret=interpret, pad_to_block=True,
                                group_max_k=min(k, keys.shape[1]) if fused else None, **kernel_options)
     return topk_over_query_chunks(scores, q, weights, keys, n_visible, k=k, query_chunk=query_chunk, topk=topk,

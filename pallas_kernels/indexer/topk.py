@@ -692,7 +692,8 @@ def as_index_set(picks):
     return jnp.where(ordered == big, -1, ordered).astype(jnp.int32)
 
 
-THRESHOLD_IMPLS = ("xla", "pallas_compact", "pallas", "pallas_select", "pallas_fused", "pallas_regions", "pallas_hist")
+THRESHOLD_IMPLS = ("xla", "pallas_compact", "pallas", "pallas_select", "pallas_fused", "pallas_regions", "pallas_hist",
+                   "pallas_tour")
 
 
 def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str = "xla", sorted: bool = True,
@@ -722,8 +723,10 @@ def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str 
     Triton kernels: bound + compaction into per-chunk regions, then the fix-up and the selection;
     `topk_regions.regions_select`), "pallas_hist" (no bound, no compaction: one Triton program per row selects the
     k-set by radix select with 11-bit histogram digits and writes it in index order, `topk_hist.hist_select`;
-    group_max unused; it skips the small-row shortcut: any row longer than k); `interpret` runs the Triton kernels
-    in the Pallas interpreter.
+    group_max unused; it skips the small-row shortcut: any row longer than k), "pallas_tour" (the same kernel as a
+    tournament: each segment of a long row keeps its own top-k set, one program per segment, then one program per
+    row selects among those; `topk_hist.tournament_select`); `interpret` runs the Triton kernels in the Pallas
+    interpreter.
     group_max: [..., P, G] int32, partial maxima of the ordered keys (`_ordered_i32`) of the scores' strided groups
     (group g = entries g, g + G, ...; G = `threshold_groups(T, k)`), whose max over P is the group maxima; a
     producer that already passed over the scores (the indexer scores kernel) saves the XLA pass over the row.
@@ -755,14 +758,15 @@ def topk_threshold(scores, k: int, *, capacity: Optional[int] = None, impl: str 
         if not sorted:
             return jnp.where(keys_k > NEG_INF_KEY, pos_k, -1).reshape(lead + (k,))
         return _order_slots(keys_k, pos_k, k, lead)
-    if impl == "pallas_hist" and T > k:
-        # the same k-set, one kernel, no bound; also on rows short enough for the small-row shortcut, where it is
-        # faster than lax.top_k (H200, session 34: 64 x 2048, k = 512: ~3 vs ~20 us net)
-        from .topk_hist import hist_select
+    if impl in ("pallas_hist", "pallas_tour") and T > k:
+        # the same k-set, no bound; also on rows short enough for the small-row shortcut, where it is faster than
+        # lax.top_k (H200, session 34: 64 x 2048, k = 512: ~3 vs ~20 us net). pallas_tour: segments first.
+        from .topk_hist import hist_select, tournament_select
 
+        select = tournament_select if impl == "pallas_tour" else hist_select
         if not sorted:
-            return hist_select(s, k, finite_only=True, set_out=True, interpret=interpret).reshape(lead + (k,))
-        keys_k, pos_k = hist_select(s, k, interpret=interpret)
+            return select(s, k, finite_only=True, set_out=True, interpret=interpret).reshape(lead + (k,))
+        keys_k, pos_k = select(s, k, interpret=interpret)
         return _order_slots(keys_k, pos_k, k, lead)
     if impl == "pallas_fused" and bounded:
         from .topk_fused import fused_select   # the same k-set as "pallas_select", in one kernel

@@ -1,10 +1,23 @@
 """Exact top-k set of each row in one Triton program: radix select with 11-bit histogram digits, then the set
-written in index order. The GPU top-k of `topk_threshold(impl="pallas_hist")` (indexer topk="hist" / "hist_set").
+written in index order. The GPU top-k of `topk_threshold(impl="pallas_hist")` (indexer topk="hist" / "hist_set"),
+and as a tournament over segments of each row, `topk_threshold(impl="pallas_tour")` (topk="tour" / "tour_set").
 
     hist_select(scores [R, T] f32, k, *, finite_only=False, set_out=False, chunk=None, num_warps=None,
-                interpret=False)
+                seg_len=None, posmap=None, slack=0, interpret=False)
         -> (keys [R, k] int32, pos [R, k] int32)   ascending position, padding (INT32_MIN, 0) past the picks
         -> pos [R, k] int32                         set_out: the index set itself, -1 padding (needs finite_only)
+    tournament_select(scores [R, T], k, *, finite_only=False, set_out=False, ...) -> the same results
+
+The tournament (session 36). One program per row leaves most of the GPU idle when a call has few rows (64 rows on
+132 SMs, 1 row at batch 1), and one SM works through the whole row. `tournament_select` cuts each row into segments
+of 4096 candidates, one program each (`seg_len`), which keep a superset of their own top-k set (k + 64 slots:
+`slack`, so a segment skips its refining pass when the k-th's pass-1 bin fits); the survivors, still in ascending
+position, go through the same kernel again until a row holds <= 8192 of them, and one program per row selects the
+exact set among those (`posmap` carries the positions through). Every entry of the row's top k is among its
+segment's top k, so the result is the same k-set, ties included. H200 (benchmarks/results/README_indexer_compressor.md,
+session 36), whole fp8 indexer calls: B = 64 x 128K 135.0 -> 124.9 us, B = 16 x 128K 73.5 -> 50.0, B = 1 x 128K
+34.3 -> 24.7, B = 1 x 1M 46.0 -> 41.7; slower than the chain where a call has more than ~2^21 candidates (64 x 1M
+rows: 218 vs 156 us in topk_stages), and than one program per row at 128 x 32768.
 
 Contract: the same k-set as `topk_from_scores(scores, k, topk="lax")` (ties -> lower index) over XLA's float total
 order (`_ordered_i32` keys), for every input; finite_only leaves out picks whose score is not finite.
@@ -61,7 +74,7 @@ try:
 except ImportError:  # pragma: no cover
     plgpu = None
 
-__all__ = ["hist_select", "HIST_KERNEL_CONFIG", "pass1_bin", "bin_interval"]
+__all__ = ["hist_select", "tournament_select", "HIST_KERNEL_CONFIG", "TOUR_CONFIG", "pass1_bin", "bin_interval"]
 
 BINS = 2048          # counters per histogram (11-bit digits)
 MANT = 6             # pass 1: 2**MANT bins per octave of d beyond the first 128 exact ones
@@ -110,14 +123,25 @@ def _pick_bin(hist, need):
     return b, below, at - below
 
 
-def _hist_kernel(scores_ref, *outs, T, k, kp, chunk, n_tiles, resident, finite_only, set_out, tail, stop_after,
-                 scan2d, refine):
-    r = pl.program_id(0)
+def _hist_kernel(scores_ref, *refs, T, k, slots, kp, chunk, n_tiles, resident, finite_only, set_out, tail, stop_after,
+                 scan2d, refine, segments, seg_len, keys_in, mapped):
+    """Program p: the top-k set of segment p % segments (columns [base, base + seg_len) of row p // segments), into
+    output row p. keys_in: scores_ref holds ordered int32 keys (`_ordered_i32`; INT32_MIN = padding) instead of
+    floats. mapped: the first ref after the scores is a position map [R, T] int32, and the positions written are
+    map[row, column] instead of the column. slots >= k: the output slots of a row; with slots > k the program
+    stops refining as soon as the entries up to the k-th's interval fit in them and writes all of those (a superset
+    of the top-k set, ascending position: a tournament's first stage needs no exact set)."""
+    posmap_ref, outs = (refs[0], refs[1:]) if mapped else (None, refs)
+    p = pl.program_id(0)
+    r, base = (p // segments, (p % segments) * seg_len) if segments > 1 else (p, 0)
+    end = jnp.minimum(base + seg_len, T) if segments > 1 else T
     lanes = jax.lax.iota(jnp.int32, chunk)
 
     def load(t):
-        cols = t * chunk + lanes
-        inside = cols < T
+        cols = base + t * chunk + lanes
+        inside = cols < end
+        if keys_in:
+            return plgpu.load(scores_ref.at[r, cols], mask=inside, other=INT32_MIN), cols
         x = plgpu.load(scores_ref.at[r, cols], mask=inside, other=-jnp.inf)
         return _ordered_i32(x), cols
 
@@ -136,7 +160,7 @@ def _hist_kernel(scores_ref, *outs, T, k, kp, chunk, n_tiles, resident, finite_o
     um = _u32(m ^ jnp.int32(INT32_MIN))
     dist = lambda key: um - _u32(key ^ jnp.int32(INT32_MIN))
     zeros = jnp.zeros((BINS,), jnp.int32)
-    probe = lambda v: plgpu.store(outs[0].at[r, jax.lax.iota(jnp.int32, 2)], jnp.full((2,), v, jnp.int32))
+    probe = lambda v: plgpu.store(outs[0].at[p, jax.lax.iota(jnp.int32, 2)], jnp.full((2,), v, jnp.int32))
     if stop_after == 0:
         return probe(m)
 
@@ -153,7 +177,7 @@ def _hist_kernel(scores_ref, *outs, T, k, kp, chunk, n_tiles, resident, finite_o
     # 2. 11 more bits of d - lo per pass, until one distance is left or the interval is exactly what is needed
     def cond(s):
         lo, w, c, n_in = s
-        return (w > 0) & (n_in > k - c)
+        return (w > 0) & (n_in > slots - c)
 
     def body(s):
         lo, w, c, _ = s
@@ -181,9 +205,9 @@ def _hist_kernel(scores_ref, *outs, T, k, kp, chunk, n_tiles, resident, finite_o
     if stop_after == 2:
         return probe(_i32(lo) + w + c)
 
-    # 3. the set in index order: d < lo (all), then the first k - c of the interval; one packed cumsum per tile
-    need = k - c
-    sh_a = int(k).bit_length()                                      # A's running count (< k) in the low bits
+    # 3. the set in index order: d < lo (all), then the first slots - c of the interval; one packed cumsum per tile
+    need = slots - c
+    sh_a = int(slots).bit_length()                                  # A's running count (< k) in the low bits
     mask_a = (1 << sh_a) - 1
 
     def running(p):
@@ -212,58 +236,117 @@ def _hist_kernel(scores_ref, *outs, T, k, kp, chunk, n_tiles, resident, finite_o
         ca = off_a + (packed & mask_a)
         ce = off_e + (packed >> sh_a)
         sel = below_lo | (interval & (ce <= need))
-        at = jnp.where(sel, ca + jnp.minimum(ce, need) - 1, (k + tail_lanes) if tail else 0)
+        at = jnp.where(sel, ca + jnp.minimum(ce, need) - 1, (slots + tail_lanes) if tail else 0)
+        pos = plgpu.load(posmap_ref.at[r, cols], mask=sel, other=0) if mapped else cols
         if set_out:
-            plgpu.store(outs[0].at[r, at], cols, mask=sel)
+            plgpu.store(outs[0].at[p, at], pos, mask=sel)
         else:
-            plgpu.store(outs[0].at[r, at], key, mask=sel)
-            plgpu.store(outs[1].at[r, at], cols, mask=sel)
+            plgpu.store(outs[0].at[p, at], key, mask=sel)
+            plgpu.store(outs[1].at[p, at], pos, mask=sel)
         return off_a + (total & mask_a), off_e + (total >> sh_a)
 
     off_a, off_e = over_tiles(write, (jnp.int32(0), jnp.int32(0)))
     n_out = off_a + jnp.minimum(off_e, need)
     pad_lanes = jax.lax.iota(jnp.int32, kp)
-    pad = (pad_lanes >= n_out) & (pad_lanes < k)
+    pad = (pad_lanes >= n_out) & (pad_lanes < slots)
     if set_out:
-        plgpu.store(outs[0].at[r, pad_lanes], jnp.full((kp,), -1, jnp.int32), mask=pad)
+        plgpu.store(outs[0].at[p, pad_lanes], jnp.full((kp,), -1, jnp.int32), mask=pad)
     else:
-        plgpu.store(outs[0].at[r, pad_lanes], jnp.full((kp,), INT32_MIN, jnp.int32), mask=pad)
-        plgpu.store(outs[1].at[r, pad_lanes], jnp.zeros((kp,), jnp.int32), mask=pad)
+        plgpu.store(outs[0].at[p, pad_lanes], jnp.full((kp,), INT32_MIN, jnp.int32), mask=pad)
+        plgpu.store(outs[1].at[p, pad_lanes], jnp.zeros((kp,), jnp.int32), mask=pad)
 
 
 def hist_select(scores, k: int, *, finite_only: bool = False, set_out: bool = False, chunk: int | None = None,
-                num_warps: int | None = None, resident: bool | None = None, interpret: bool = False):
-    """scores [R, T] float32 -> the exact top-k set of each row in ascending position (see module doc): (keys [R, k],
-    pos [R, k]) with (INT32_MIN, 0) padding, or with set_out=True (requires finite_only) pos [R, k] with -1
-    padding, the final index set. One Triton program per row; 1 <= k <= T."""
+                num_warps: int | None = None, resident: bool | None = None, seg_len: int | None = None,
+                posmap=None, slack: int = 0, interpret: bool = False):
+    """scores [R, T] float32 (or int32: ordered keys as `_ordered_i32` writes them, INT32_MIN = padding) -> the
+    exact top-k set of each row in ascending position (see module doc): (keys [R, k], pos [R, k]) with
+    (INT32_MIN, 0) padding, or with set_out=True (requires finite_only) pos [R, k] with -1 padding, the final index
+    set. One Triton program per row; 1 <= k <= T.
+    seg_len: each row cut into NS = ceil(T / seg_len) segments of seg_len columns (a power of two), one program
+    each: the outputs are [R * NS, k], row r * NS + j = the top-k set of segment j of row r (positions in the row).
+    posmap [R, T] int32: the positions written are posmap[row, column] instead of the column (a later stage of
+    `tournament_select` writes the first stage's positions).
+    slack > 0: outputs of k + slack slots a row holding a superset of the top-k set (every entry up to the k-th's
+    last refined interval, ties -> lower position), ascending position, padding after: one histogram pass fewer
+    where the k-th's bin fits (a tournament's first stage)."""
     R, T = scores.shape
     if not 1 <= k <= T:
         raise ValueError(f"hist_select: need 1 <= k ({k}) <= T ({T})")
     if set_out and not finite_only:
         raise ValueError("hist_select: set_out needs finite_only (the set's -1s stand for non-finite picks)")
+    if scores.dtype not in (jnp.float32, jnp.int32) and not jnp.issubdtype(scores.dtype, jnp.floating):
+        raise ValueError(f"hist_select: scores must be floating or int32 ordered keys, got {scores.dtype}")
+    if posmap is not None and (posmap.shape != (R, T) or posmap.dtype != jnp.int32):
+        raise ValueError(f"hist_select: posmap must be int32 [{R}, {T}], got {posmap.dtype} {posmap.shape}")
+    segments = 1
+    if seg_len is not None:
+        if seg_len < 1 or seg_len & (seg_len - 1):
+            raise ValueError(f"hist_select: seg_len must be a power of two, got {seg_len}")
+        segments = -(-T // seg_len)
+    span = T if segments == 1 else seg_len                          # columns one program covers
     cfg = HIST_KERNEL_CONFIG
     chunk = int(chunk or cfg["chunk"])
     if chunk & (chunk - 1):
         raise ValueError(f"hist_select: chunk must be a power of two, got {chunk}")
-    chunk = min(chunk, 1 << (T - 1).bit_length())                   # one tile of the row's padded length
-    n_tiles = -(-T // chunk)
+    chunk = min(chunk, 1 << (span - 1).bit_length())                # one tile of the span's padded length
+    n_tiles = -(-span // chunk)
     resident = (cfg["resident"] if resident is None else resident) and n_tiles == 1
-    if (chunk << int(k).bit_length()) >= 2 ** 31 or T >= 2 ** 19:
-        raise ValueError(f"hist_select: chunk {chunk} x k {k} or T {T} too large for the packed counts")
-    kp = 1 << (k - 1).bit_length()
-    width = k + chunk if interpret else k                           # interpreter: a tail for the unstored lanes
-    kernel = functools.partial(_hist_kernel, T=T, k=k, kp=kp, chunk=chunk, n_tiles=n_tiles, resident=resident,
+    if slack < 0:
+        raise ValueError(f"hist_select: slack must be >= 0, got {slack}")
+    slots = k + int(slack)
+    if (chunk << int(slots).bit_length()) >= 2 ** 31 or span >= 2 ** 19:
+        raise ValueError(f"hist_select: chunk {chunk} x k {k} or {span} columns a program too large for the "
+                         f"packed counts")
+    kp = 1 << (slots - 1).bit_length()
+    width = slots + chunk if interpret else slots                   # interpreter: a tail for the unstored lanes
+    keys_in = scores.dtype == jnp.int32
+    kernel = functools.partial(_hist_kernel, T=T, k=k, slots=slots, kp=kp, chunk=chunk, n_tiles=n_tiles, resident=resident,
                                finite_only=finite_only, set_out=set_out, tail=interpret,
                                stop_after=int(cfg["stop_after"]), scan2d=bool(cfg["scan2d"]) and chunk >= 32,
-                               refine=int(cfg["refine"]))
+                               refine=int(cfg["refine"]), segments=segments, seg_len=span, keys_in=keys_in,
+                               mapped=posmap is not None)
     extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(
         num_warps=int(num_warps or cfg["num_warps"]), num_stages=1))
     n_out = 1 if set_out else 2
+    rows = R * segments
     full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
+    inputs = [scores if keys_in else scores.astype(jnp.float32)] + ([] if posmap is None else [posmap])
     outs = pl.pallas_call(
-        kernel, grid=(R,), in_specs=[full((R, T))], out_specs=[full((R, width))] * n_out,
-        out_shape=[jax.ShapeDtypeStruct((R, width), jnp.int32)] * n_out, interpret=interpret, name="topk_hist",
-        **extra,
-    )(scores.astype(jnp.float32))
-    outs = [o[:, :k] for o in outs] if interpret else outs
+        kernel, grid=(rows,), in_specs=[full((R, T))] * len(inputs), out_specs=[full((rows, width))] * n_out,
+        out_shape=[jax.ShapeDtypeStruct((rows, width), jnp.int32)] * n_out, interpret=interpret,
+        name="topk_hist" if segments == 1 else "topk_hist_segments", **extra,
+    )(*inputs)
+    outs = [o[:, :slots] for o in outs] if interpret else outs
     return outs[0] if set_out else tuple(outs)
+
+
+# tournament_select's launch settings (module doc; swept on the H200 in session 36: benchmarks/topk_stages.py)
+TOUR_CONFIG = dict(seg_len=4096, final_max=8192, seg_warps=8, final_warps=16, seg_slack=64)
+
+
+def tournament_select(scores, k: int, *, finite_only: bool = False, set_out: bool = False,
+                      seg_len: int | None = None, final_max: int | None = None, seg_warps: int | None = None,
+                      final_warps: int | None = None, seg_slack: int | None = None, interpret: bool = False):
+    """`hist_select`'s results (same arguments and contract) by a tournament: while a row holds more than
+    `final_max` candidates, cut it into segments of `seg_len` and keep each segment's top-k set (one program per
+    segment: the whole GPU works on a few rows); the last call selects among the survivors, <= final_max a row.
+    Exact, ties included: an entry among the row's top k (by score, then lower position) is among its segment's
+    top k, and the survivors stay in ascending position (segment by segment), so ties still go to the lower
+    position. Each stage keeps k + seg_slack of every seg_len entries (seg_len >= 2k): a superset of the segment's
+    top-k set, so a segment program skips its refining histogram pass where the k-th's pass-1 bin fits the slack."""
+    R, T = scores.shape
+    cfg = TOUR_CONFIG
+    seg_len = int(seg_len or cfg["seg_len"])
+    final_max = max(int(final_max or cfg["final_max"]), seg_len)
+    if not 1 <= k <= T:
+        raise ValueError(f"tournament_select: need 1 <= k ({k}) <= T ({T})")
+    slack = int(cfg["seg_slack"] if seg_slack is None else seg_slack)
+    x, posmap = scores, None
+    while x.shape[1] > final_max and seg_len >= 2 * (k + slack):
+        n_seg = -(-x.shape[1] // seg_len)
+        keys, pos = hist_select(x, k, seg_len=seg_len, posmap=posmap, num_warps=seg_warps or cfg["seg_warps"],
+                                slack=slack, interpret=interpret)
+        x, posmap = keys.reshape(R, n_seg * (k + slack)), pos.reshape(R, n_seg * (k + slack))
+    return hist_select(x, k, finite_only=finite_only, set_out=set_out, posmap=posmap,
+                       num_warps=final_warps or cfg["final_warps"], interpret=interpret)
