@@ -301,8 +301,8 @@ def hist_select(scores, k: int, *, finite_only: bool = False, set_out: bool = Fa
     kp = 1 << (slots - 1).bit_length()
     width = slots + chunk if interpret else slots                   # interpreter: a tail for the unstored lanes
     keys_in = scores.dtype == jnp.int32
-    kernel = functools.partial(_hist_kernel, T=T, k=k, slots=slots, kp=kp, chunk=chunk, n_tiles=n_tiles, resident=resident,
-                               finite_only=finite_only, set_out=set_out, tail=interpret,
+    kernel = functools.partial(_hist_kernel, T=T, k=k, slots=slots, kp=kp, chunk=chunk, n_tiles=n_tiles,
+                               resident=resident, finite_only=finite_only, set_out=set_out, tail=interpret,
                                stop_after=int(cfg["stop_after"]), scan2d=bool(cfg["scan2d"]) and chunk >= 32,
                                refine=int(cfg["refine"]), segments=segments, seg_len=span, keys_in=keys_in,
                                mapped=posmap is not None)
