@@ -321,8 +321,10 @@ def hist_select(scores, k: int, *, finite_only: bool = False, set_out: bool = Fa
     return outs[0] if set_out else tuple(outs)
 
 
-# tournament_select's launch settings (module doc; swept on the H200 in session 36: benchmarks/topk_stages.py)
-TOUR_CONFIG = dict(seg_len=4096, final_max=8192, seg_warps=8, final_warps=16, seg_slack=64)
+# tournament_select's launch settings (module doc; swept on the H200 in session 36: benchmarks/topk_stages.py,
+# benchmarks/indexer.py --set-configs 'topk=tour_set,tour.NAME=value'). seg_chunk: a segment program's tile
+# (0 = HIST_KERNEL_CONFIG's; below seg_len the tiles are reloaded every pass)
+TOUR_CONFIG = dict(seg_len=4096, final_max=8192, seg_warps=8, final_warps=16, seg_slack=64, seg_chunk=0)
 
 
 def tournament_select(scores, k: int, *, finite_only: bool = False, set_out: bool = False,
@@ -346,7 +348,7 @@ def tournament_select(scores, k: int, *, finite_only: bool = False, set_out: boo
     while x.shape[1] > final_max and seg_len >= 2 * (k + slack):
         n_seg = -(-x.shape[1] // seg_len)
         keys, pos = hist_select(x, k, seg_len=seg_len, posmap=posmap, num_warps=seg_warps or cfg["seg_warps"],
-                                slack=slack, interpret=interpret)
+                                slack=slack, chunk=cfg["seg_chunk"] or None, interpret=interpret)
         x, posmap = keys.reshape(R, n_seg * (k + slack)), pos.reshape(R, n_seg * (k + slack))
     return hist_select(x, k, finite_only=finite_only, set_out=set_out, posmap=posmap,
                        num_warps=final_warps or cfg["final_warps"], interpret=interpret)
