@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/topk_stages.py [--cases 1x262144,64x32768] [--out DIR]
 
-Stages (k = 512, random normal scores [R, T]; each timed as dependent calls in one jitted scan, `timing.timed_chain`):
+Stages (k = 512 or --k, random normal scores [R, T]; each timed as dependent calls in one jitted scan, `timing.timed_chain`):
   full_lax         lax.top_k over all T (the baseline)
   full_threshold   the GPU default (`topk_threshold(impl="pallas_compact")`)
   full_nocond      the same without any overflow handling (fast path only): the price of exactness
@@ -172,7 +172,7 @@ def stages(R, T, k=K, only=None, label=""):
     return row
 
 
-def sweep(R, T, configs, table, flag, names):
+def sweep(R, T, configs, table, flag, names, k=K):
     """The stages `names` timed once per ';'-separated option set of `configs`, each set applied to the config dict
     `table` (read at trace time by the kernels' wrappers) and restored after; rows named like `full_set[opts]`."""
     rows = []
@@ -184,7 +184,7 @@ def sweep(R, T, configs, table, flag, names):
         saved = dict(table)
         table.update(opts)
         try:
-            row = stages(R, T, only=set(names), label=f" [{cfg}]")
+            row = stages(R, T, k=k, only=set(names), label=f" [{cfg}]")
         finally:
             table.clear()
             table.update(saved)
@@ -203,6 +203,7 @@ def main():
     ap.add_argument("--cases", default="1x262144,64x32768,64x262144")
     ap.add_argument("--out", default="/tmp/topk_stages")
     ap.add_argument("--stages", default=None, help="comma list of stage names (default: all)")
+    ap.add_argument("--k", type=int, default=K, help="picks per row (default 512, V4-Flash's index_topk)")
     ap.add_argument("--select-configs", default=None,
                     help="';'-separated option sets of topk.SELECT_KERNEL_CONFIG (k=v,k=v): the radix-select "
                          "kernels' stages timed once per set")
@@ -218,14 +219,16 @@ def main():
     print(jax.devices(), flush=True)
     for c in a.cases.split(","):
         R, T = (int(x) for x in c.split("x"))
-        rows.append(stages(R, T, only=set(a.stages.split(",")) if a.stages else None))
+        rows.append(stages(R, T, k=a.k, only=set(a.stages.split(",")) if a.stages else None))
         rows += sweep(R, T, a.select_configs, T_.SELECT_KERNEL_CONFIG, "--select-configs",
-                      _only(("bound", "select", "full_select", "full_set"), a.stages))
-        rows += sweep(R, T, a.fused_configs, TF.FUSED_KERNEL_CONFIG, "--fused-configs", _only(("fused_set",), a.stages))
+                      _only(("bound", "select", "full_select", "full_set"), a.stages), k=a.k)
+        rows += sweep(R, T, a.fused_configs, TF.FUSED_KERNEL_CONFIG, "--fused-configs", _only(("fused_set",), a.stages),
+                      k=a.k)
         rows += sweep(R, T, a.hist_configs, TH.HIST_KERNEL_CONFIG, "--hist-configs",
-                      _only(("hist_set", "hist_ties", "hist_prefix", "hist_pos", "hist_direct", "hist_half"), a.stages))
+                      _only(("hist_set", "hist_ties", "hist_prefix", "hist_pos", "hist_direct", "hist_half"), a.stages),
+                      k=a.k)
         rows += sweep(R, T, a.tour_configs, TH.TOUR_CONFIG, "--tour-configs",
-                      _only(("tour_set", "tour_prefix", "tour_half", "tour_ties", "tour_seg"), a.stages))
+                      _only(("tour_set", "tour_prefix", "tour_half", "tour_ties", "tour_seg"), a.stages), k=a.k)
         with open(os.path.join(a.out, "topk_stages.json"), "w") as f:
             json.dump(rows, f, indent=1)
 

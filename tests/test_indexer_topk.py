@@ -664,6 +664,8 @@ def test_auto_set_resolution(monkeypatch):
     assert resolve_set_method(32768, 512, rows=96) == resolve_set_method(20000, 512, rows=4096) == "hist_set"
     assert resolve_set_method(32769, 512, rows=4096) == resolve_set_method(262144, 512, rows=64) == "threshold_set"
     assert resolve_set_method(65536, 512, rows=33) == resolve_set_method(262144, 512, rows=9) == "threshold_set"
+    assert resolve_set_method(65536, 1024, rows=1) == resolve_set_method(32768, 1024, rows=64) == "tour_set"
+    assert resolve_set_method(262144, 1024, rows=1) == "threshold_set"      # three segment stages: the chain
     assert resolve_set_method(2047, 512) == resolve_set_method(512, 512) == "threshold_set"
     assert resolve_set_method(2048, 4096) == "threshold_set"                # every candidate picked
     seen = []

@@ -588,7 +588,8 @@ SET_METHODS = ("threshold_set", "threshold_fused_set", "threshold_regions_set", 
 # "auto_set" (the model's GPU default for index-set picks): "hist_set" (one Triton program per row, histogram radix
 # select) for rows of 2048-16384 candidates (8K-64K context), and for rows of up to 32768 (128K context) where a call
 # has >= 96 rows; "tour_set" (the same kernel as a tournament over segments) for longer rows where a call holds at
-# most 2^21 candidates; "threshold_set" (the chain) elsewhere. H200 (topk_stages.py, us per call including ~8-12 us of
+# most 2^21 candidates and the tournament needs at most two segment stages (all k <= 512 up to 1M context; k = 1024
+# up to 256K); "threshold_set" (the chain) elsewhere. H200 (topk_stages.py, us per call including ~8-12 us of
 # harness, "prefix" = rows valid only in their first T / 10 entries, a cache filled to L < T):
 # - session 34: T = 2048, 64 rows 13.7 vs 30.8 (lax.top_k, the chain's small-row shortcut), 1 row 10.9 vs 29.0
 #   (pipelines at 8K context: B = 64 43.1 -> 25.0 us fp8, 44.1 -> 27.4 bf16; B = 1 34.2 -> 16.8 bf16); T = 4096, 64
@@ -614,6 +615,9 @@ SET_METHODS = ("threshold_set", "threshold_fused_set", "threshold_regions_set", 
 AUTO_SET_HIST_T = (2048, 16384)       # candidates per row: the kernel at any row count
 AUTO_SET_HIST_WIDE = (32768, 96)      # up to this many candidates per row: the kernel from this many rows per call
 AUTO_SET_TOUR_MAX = 1 << 21           # rows x candidates per call up to which longer rows take the tournament
+AUTO_SET_TOUR_STAGES = 2              # ... when it needs at most this many segment stages before its final one
+# (k = 1024, call 10, topk_stages with the harness: 8 x 262144, three stages, 67.1 vs the chain's 55.5 us; two
+# stages: 64 x 32768 49.8 vs 51.1, 16 x 32768 25.8 vs 42.3, 1 x 65536 27.5 vs 35.3)
 
 
 def resolve_set_method(T: int, k: int, rows: int = 1) -> str:
@@ -625,7 +629,10 @@ def resolve_set_method(T: int, k: int, rows: int = 1) -> str:
     if lo <= T <= hi or (hi < T <= t_wide and rows >= rows_wide):
         return "hist_set"
     if T > hi and rows * T <= AUTO_SET_TOUR_MAX:
-        return "tour_set"
+        from .topk_hist import tournament_stages
+
+        if tournament_stages(T, k) <= AUTO_SET_TOUR_STAGES:
+            return "tour_set"
     return "threshold_set"
 
 

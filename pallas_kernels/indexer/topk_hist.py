@@ -74,7 +74,8 @@ try:
 except ImportError:  # pragma: no cover
     plgpu = None
 
-__all__ = ["hist_select", "tournament_select", "HIST_KERNEL_CONFIG", "TOUR_CONFIG", "pass1_bin", "bin_interval"]
+__all__ = ["hist_select", "tournament_select", "tournament_stages", "HIST_KERNEL_CONFIG", "TOUR_CONFIG", "pass1_bin",
+           "bin_interval"]
 
 BINS = 2048          # counters per histogram (11-bit digits)
 MANT = 6             # pass 1: 2**MANT bins per octave of d beyond the first 128 exact ones
@@ -325,6 +326,18 @@ def hist_select(scores, k: int, *, finite_only: bool = False, set_out: bool = Fa
 # benchmarks/indexer.py --set-configs 'topk=tour_set,tour.NAME=value'). seg_chunk: a segment program's tile
 # (0 = HIST_KERNEL_CONFIG's; below seg_len the tiles are reloaded every pass)
 TOUR_CONFIG = dict(seg_len=4096, final_max=8192, seg_warps=8, final_warps=16, seg_slack=64, seg_chunk=0)
+
+
+def tournament_stages(T: int, k: int) -> int:
+    """How many segment stages `tournament_select` (at TOUR_CONFIG) runs on rows of T candidates before its final
+    selection."""
+    cfg = TOUR_CONFIG
+    seg_len, slack = int(cfg["seg_len"]), int(cfg["seg_slack"])
+    final_max = max(int(cfg["final_max"]), seg_len)
+    n = 0
+    while T > final_max and seg_len >= 2 * (k + slack):
+        T, n = -(-T // seg_len) * (k + slack), n + 1
+    return n
 
 
 def tournament_select(scores, k: int, *, finite_only: bool = False, set_out: bool = False,
