@@ -225,7 +225,8 @@ def main():
         rows += sweep(R, T, a.fused_configs, TF.FUSED_KERNEL_CONFIG, "--fused-configs", _only(("fused_set",), a.stages),
                       k=a.k)
         rows += sweep(R, T, a.hist_configs, TH.HIST_KERNEL_CONFIG, "--hist-configs",
-                      _only(("hist_set", "hist_ties", "hist_prefix", "hist_pos", "hist_direct", "hist_half"), a.stages),
+                      _only(("hist_set", "hist_ties", "hist_prefix", "hist_pos", "hist_direct", "hist_half", "tour_seg"),
+                            a.stages),
                       k=a.k)
         rows += sweep(R, T, a.tour_configs, TH.TOUR_CONFIG, "--tour-configs",
                       _only(("tour_set", "tour_prefix", "tour_half", "tour_ties", "tour_seg"), a.stages), k=a.k)
