@@ -589,6 +589,27 @@ def test_hist_select_matches_lax_top_k(chunk, resident):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(jnp.asarray(want))))
 
 
+@full_tier
+@pytest.mark.parametrize("group", [8, 64])
+def test_hist_select_scan_groups(group, monkeypatch):
+    """The compaction's running count over rows of 8 or 64 lanes (HIST_KERNEL_CONFIG["scan_group"]) == lax
+    (interpreted), one tile and a tournament's segments."""
+    from pallas_kernels.indexer import topk_hist
+    from pallas_kernels.indexer.topk import as_index_set
+
+    monkeypatch.setitem(topk_hist.HIST_KERNEL_CONFIG, "scan_group", group)
+    rng = np.random.default_rng(next(_SEED))
+    s = np.concatenate([_fast_rows(8, 3000, rng), random_scores((2, 3000), rng)])
+    s[0, rng.integers(0, 3000, 200)] = 1.5
+    s = jnp.asarray(s)
+    want = np.asarray(as_index_set(jnp.asarray(_lax(s, k=100, topk="lax"))))
+    got = topk_hist.hist_select(s, 100, finite_only=True, set_out=True, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    got = topk_hist.tournament_select(s, 100, finite_only=True, set_out=True, seg_len=512, final_max=1024,
+                                      seg_slack=16, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
 @pytest.mark.parametrize("T,k,seg_len,final_max,slack", [(9000, 100, 1024, 2048, 24), full(20000, 64, 512, 1024, 0),
                                                           full(5000, 200, 512, 512, 0), full(20000, 64, 512, 1024, 64)])
 def test_tournament_select_matches_lax_top_k(T, k, seg_len, final_max, slack):

@@ -87,7 +87,9 @@ PACK = 4096          # _pick_bin packs (number of bins, entries) into one int32 
 # with a 1-D cumsum). refine: the passes after the first as 0 = a while loop (36.6), 1 = three passes each behind a
 # cond (41.3), 2 = three passes always run, results masked (62.6). stop_after (a timing probe, wrong results): 0 =
 # only the max, 1 = through pass 1, 2 = through the refining passes; the program then writes its state to slot 0.
-HIST_KERNEL_CONFIG = dict(num_warps=16, chunk=16384, resident=True, scan2d=True, refine=0, stop_after=3)
+# scan_group: lanes per row of the two-level running count (session 36, results/h200_s36r12_topk.log: 8-128 within
+# the noise of each other).
+HIST_KERNEL_CONFIG = dict(num_warps=16, chunk=16384, resident=True, scan2d=True, refine=0, stop_after=3, scan_group=16)
 
 
 def _u32(x):
@@ -212,8 +214,8 @@ def _hist_kernel(scores_ref, *refs, T, k, slots, kp, chunk, n_tiles, resident, f
     mask_a = (1 << sh_a) - 1
 
     def running(p):
-        """Inclusive running sum of p and its total. scan2d: two levels, [chunk / 16, 16]: a scan along each row's
-        16 lanes and one over the row sums (a 1-D block scan costs ~3 us at 16K, the two levels ~1.6: session 33,
+        """Inclusive running sum of p and its total. scan2d: two levels, [chunk / G, G]: a scan along each row's
+        G lanes and one over the row sums (a 1-D block scan costs ~3 us at 16K, the two levels ~1.6: session 33,
         benchmarks/triton_block_ops.py)."""
         if p.ndim == 1:
             c = jnp.cumsum(p)
@@ -225,8 +227,8 @@ def _hist_kernel(scores_ref, *refs, T, k, slots, kp, chunk, n_tiles, resident, f
     def write(key, cols, carry):
         off_a, off_e = carry
         tail_lanes = lanes
-        if scan2d:   # the whole pass on [chunk / 16, 16]
-            key, cols, tail_lanes = (v.reshape(chunk // 16, 16) for v in (key, cols, lanes))
+        if scan2d:   # the whole pass on [chunk / G, G], G = scan_group lanes a row
+            key, cols, tail_lanes = (v.reshape(chunk // scan2d, scan2d) for v in (key, cols, lanes))
         valid = key > NEG_INF_KEY
         if finite_only:
             valid = valid & (key < POS_INF_KEY)
@@ -304,7 +306,8 @@ def hist_select(scores, k: int, *, finite_only: bool = False, set_out: bool = Fa
     keys_in = scores.dtype == jnp.int32
     kernel = functools.partial(_hist_kernel, T=T, k=k, slots=slots, kp=kp, chunk=chunk, n_tiles=n_tiles,
                                resident=resident, finite_only=finite_only, set_out=set_out, tail=interpret,
-                               stop_after=int(cfg["stop_after"]), scan2d=bool(cfg["scan2d"]) and chunk >= 32,
+                               stop_after=int(cfg["stop_after"]),
+                               scan2d=int(cfg["scan_group"]) if cfg["scan2d"] and chunk >= 2 * cfg["scan_group"] else 0,
                                refine=int(cfg["refine"]), segments=segments, seg_len=span, keys_in=keys_in,
                                mapped=posmap is not None)
     extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(
