@@ -213,16 +213,16 @@ def _hist_kernel(scores_ref, *refs, T, k, slots, kp, chunk, n_tiles, resident, f
     sh_a = int(slots).bit_length()                                  # A's running count (< k) in the low bits
     mask_a = (1 << sh_a) - 1
 
-    def running(p):
-        """Inclusive running sum of p and its total. scan2d: two levels, [chunk / G, G]: a scan along each row's
+    def running(x):
+        """Inclusive running sum of x and its total. scan2d: two levels, [chunk / G, G]: a scan along each row's
         G lanes and one over the row sums (a 1-D block scan costs ~3 us at 16K, the two levels ~1.6: session 33,
         benchmarks/triton_block_ops.py)."""
-        if p.ndim == 1:
-            c = jnp.cumsum(p)
+        if x.ndim == 1:
+            c = jnp.cumsum(x)
             return c, jnp.max(c)
-        rows = jnp.sum(p, axis=1)
+        rows = jnp.sum(x, axis=1)
         rows_c = jnp.cumsum(rows)
-        return jnp.cumsum(p, axis=1) + (rows_c - rows)[:, None], jnp.max(rows_c)
+        return jnp.cumsum(x, axis=1) + (rows_c - rows)[:, None], jnp.max(rows_c)
 
     def write(key, cols, carry):
         off_a, off_e = carry
