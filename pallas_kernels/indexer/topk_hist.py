@@ -74,8 +74,8 @@ try:
 except ImportError:  # pragma: no cover
     plgpu = None
 
-__all__ = ["hist_select", "tournament_select", "tournament_stages", "HIST_KERNEL_CONFIG", "TOUR_CONFIG", "pass1_bin",
-           "bin_interval"]
+__all__ = ["hist_select", "tournament_select", "tournament_stage", "tournament_stages", "HIST_KERNEL_CONFIG",
+           "TOUR_CONFIG", "pass1_bin", "bin_interval"]
 
 BINS = 2048          # counters per histogram (11-bit digits)
 MANT = 6             # pass 1: 2**MANT bins per octave of d beyond the first 128 exact ones
@@ -331,16 +331,40 @@ def hist_select(scores, k: int, *, finite_only: bool = False, set_out: bool = Fa
 TOUR_CONFIG = dict(seg_len=4096, final_max=8192, seg_warps=8, final_warps=16, seg_slack=64, seg_chunk=0)
 
 
+def _tour_settings(seg_len=None, final_max=None, seg_slack=None):
+    """(seg_len, final_max, slack): the arguments given, else TOUR_CONFIG's; final_max at least one segment."""
+    cfg = TOUR_CONFIG
+    seg_len = int(seg_len or cfg["seg_len"])
+    slack = int(cfg["seg_slack"] if seg_slack is None else seg_slack)
+    return seg_len, max(int(final_max or cfg["final_max"]), seg_len), slack
+
+
+def _stage_runs(width: int, k: int, seg_len: int, final_max: int, slack: int) -> bool:
+    """Whether the tournament cuts rows of `width` candidates into segments once more before its final selection."""
+    return width > final_max and seg_len >= 2 * (k + slack)
+
+
 def tournament_stages(T: int, k: int) -> int:
     """How many segment stages `tournament_select` (at TOUR_CONFIG) runs on rows of T candidates before its final
     selection."""
-    cfg = TOUR_CONFIG
-    seg_len, slack = int(cfg["seg_len"]), int(cfg["seg_slack"])
-    final_max = max(int(cfg["final_max"]), seg_len)
+    seg_len, final_max, slack = _tour_settings()
     n = 0
-    while T > final_max and seg_len >= 2 * (k + slack):
+    while _stage_runs(T, k, seg_len, final_max, slack):
         T, n = -(-T // seg_len) * (k + slack), n + 1
     return n
+
+
+def tournament_stage(scores, k: int, posmap=None, *, seg_len: int | None = None, seg_warps: int | None = None,
+                     seg_slack: int | None = None, interpret: bool = False):
+    """One segment stage of `tournament_select`: scores [R, T] (floats or ordered int32 keys), posmap [R, T] int32 or
+    None -> (keys, pos) [R, NS * (k + slack)], each segment's k + slack slots (a superset of its top-k set, ascending
+    position, padding (INT32_MIN, 0)) side by side; pos are positions in the original row."""
+    R, _ = scores.shape
+    seg_len, _, slack = _tour_settings(seg_len, None, seg_slack)
+    cfg = TOUR_CONFIG
+    keys, pos = hist_select(scores, k, seg_len=seg_len, posmap=posmap, num_warps=seg_warps or cfg["seg_warps"],
+                            slack=slack, chunk=cfg["seg_chunk"] or None, interpret=interpret)
+    return keys.reshape(R, -1), pos.reshape(R, -1)
 
 
 def tournament_select(scores, k: int, *, finite_only: bool = False, set_out: bool = False,
@@ -353,18 +377,13 @@ def tournament_select(scores, k: int, *, finite_only: bool = False, set_out: boo
     top k, and the survivors stay in ascending position (segment by segment), so ties still go to the lower
     position. Each stage keeps k + seg_slack of every seg_len entries (seg_len >= 2k): a superset of the segment's
     top-k set, so a segment program skips its refining histogram pass where the k-th's pass-1 bin fits the slack."""
-    R, T = scores.shape
-    cfg = TOUR_CONFIG
-    seg_len = int(seg_len or cfg["seg_len"])
-    final_max = max(int(final_max or cfg["final_max"]), seg_len)
+    T = scores.shape[1]
     if not 1 <= k <= T:
         raise ValueError(f"tournament_select: need 1 <= k ({k}) <= T ({T})")
-    slack = int(cfg["seg_slack"] if seg_slack is None else seg_slack)
+    seg_len, final_max, slack = _tour_settings(seg_len, final_max, seg_slack)
     x, posmap = scores, None
-    while x.shape[1] > final_max and seg_len >= 2 * (k + slack):
-        n_seg = -(-x.shape[1] // seg_len)
-        keys, pos = hist_select(x, k, seg_len=seg_len, posmap=posmap, num_warps=seg_warps or cfg["seg_warps"],
-                                slack=slack, chunk=cfg["seg_chunk"] or None, interpret=interpret)
-        x, posmap = keys.reshape(R, n_seg * (k + slack)), pos.reshape(R, n_seg * (k + slack))
+    while _stage_runs(x.shape[1], k, seg_len, final_max, slack):
+        x, posmap = tournament_stage(x, k, posmap, seg_len=seg_len, seg_warps=seg_warps, seg_slack=slack,
+                                     interpret=interpret)
     return hist_select(x, k, finite_only=finite_only, set_out=set_out, posmap=posmap,
-                       num_warps=final_warps or cfg["final_warps"], interpret=interpret)
+                       num_warps=final_warps or TOUR_CONFIG["final_warps"], interpret=interpret)
