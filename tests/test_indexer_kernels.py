@@ -565,6 +565,78 @@ def test_gpu_mosaic_group_max(fmt, opts):
     check_mosaic_group_max(indexer_scores_mosaic, indexer_topk_gpu, fmt, opts, interpret=False)
 
 
+def check_overlapped_topk(fmt, B, T, k, cases, interpret, topk="auto_set"):
+    """overlap_chunks: a chunk's scores with key_batch_offset equal the whole call's rows, and the pipelined picks
+    equal the one-call picks (same kernels, same scores), chunk by chunk, for each (chunks, stream) in `cases`."""
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+    from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
+
+    q, w, keys, nv = make(B, 1, 16 if interpret else 64, T, fmt, True)
+    precision = "fp8" if fmt == "fp8" and interpret else None
+    opts = dict(precision=precision, interpret=interpret)
+    whole = np.asarray(indexer_scores_mosaic(q, w, keys, nv, **opts))
+    b0 = B // 2
+    part = np.asarray(indexer_scores_mosaic(q[b0:], w[b0:], keys, nv[b0:], key_batch_offset=b0, **opts))
+    np.testing.assert_array_equal(part, whole[b0:])
+    plain = np.asarray(indexer_topk_gpu(q, w, keys, nv, k=k, kernel="mosaic", topk=topk, **opts))
+    assert plain.shape == (B, 1, k)
+    for chunks, stream in cases:
+        got = indexer_topk_gpu(q, w, keys, nv, k=k, kernel="mosaic", topk=topk, overlap_chunks=chunks,
+                               overlap_stream=stream, **opts)
+        np.testing.assert_array_equal(np.asarray(got), plain, err_msg=f"chunks={chunks} stream={stream}")
+    return q, w, keys, nv, opts
+
+
+@full_tier   # ~1 min in the GPU interpreter
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+def test_overlapped_topk_interpreted(fmt):
+    """The batch pipelined in chunks (`gpu.overlapped_topk`), Mosaic kernel in the GPU interpreter: the stream
+    annotation is ignored on the CPU, so this checks the chunking, the key offsets and the concatenation."""
+    if ON_GPU:
+        pytest.skip("CPU interpreter test (the GPU runs test_gpu_overlapped_topk)")
+    pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
+    check_overlapped_topk(fmt, 4, 1024, 64, [(2, "gpu_stream:1"), (4, "main")], interpret=True, topk="hist_set")
+
+
+@gpu
+@pytest.mark.parametrize("fmt,B,T", [("fp8", 64, 32768), ("bf16", 16, 32768), ("fp8", 8, 65536)])
+def test_gpu_overlapped_topk(fmt, B, T):
+    """overlap_chunks compiled on the GPU at decode shapes (the tournament top-k per chunk): the same picks as one
+    call with the top-k on a second stream and on the main one, and the compiled program carries the stream
+    annotation (XLA ran the chunks' top-k as async calls on stream 1)."""
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+
+    q, w, keys, nv, opts = check_overlapped_topk(fmt, B, T, 512, [(2, "gpu_stream:1"), (4, "gpu_stream:1"),
+                                                                  (4, "main")], interpret=False)
+    hlo = jax.jit(lambda *a: indexer_topk_gpu(*a, k=512, kernel="mosaic", topk="auto_set", overlap_chunks=4)
+                  ).lower(q, w, keys, nv).compile().as_text()
+    assert '_xla_stream_annotation="1"' in hlo
+
+
+def test_overlap_errors():
+    """overlap_chunks / key_batch_offset: clear errors before anything is compiled."""
+    from pallas_kernels.indexer.gpu import indexer_scores_gpu, indexer_topk_gpu
+    from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
+
+    q, w, keys, nv = make(4, 1, 16, 64, "fp8")
+    with pytest.raises(ValueError, match="must divide the batch 4"):
+        indexer_topk_gpu(q, w, keys, nv, k=8, kernel="mosaic", precision="fp8", interpret=True, overlap_chunks=3)
+    with pytest.raises(ValueError, match="topk must be hist_set"):
+        indexer_topk_gpu(q, w, keys, nv, k=8, kernel="mosaic", precision="fp8", interpret=True, overlap_chunks=2,
+                         topk="threshold_set")
+    with pytest.raises(ValueError, match="needs the Mosaic scores kernel"):
+        indexer_topk_gpu(q, w, keys, nv, k=8, kernel="triton", interpret=True, overlap_chunks=2)
+    with pytest.raises(ValueError, match="pipelines decode calls"):
+        indexer_topk_gpu(*make(2, 4, 16, 64, "fp8"), k=8, kernel="mosaic", precision="fp8", interpret=True,
+                         overlap_chunks=2, query_chunk=2)
+    with pytest.raises(ValueError, match="a chunk of the batch needs key_batch_offset"):
+        indexer_scores_mosaic(q[:2], w[:2], keys, nv[:2], precision="fp8", interpret=True)
+    with pytest.raises(ValueError, match="must lie within the keys' batch 4"):
+        indexer_scores_mosaic(q[:2], w[:2], keys, nv[:2], key_batch_offset=3, precision="fp8", interpret=True)
+    with pytest.raises(ValueError, match="key_batch_offset needs the Mosaic scores kernel"):
+        indexer_scores_gpu(q[:2], w[:2], keys, nv[:2], kernel="triton", key_batch_offset=2, interpret=True)
+
+
 @full_tier
 def test_mosaic_kernel_errors():
     """kernel='mosaic' is the fp8 / fp4 / bf16-key Mosaic GPU kernel: no interpreter for precision 'f16', no other key
