@@ -80,7 +80,6 @@ from . import formats
 from .topk import INT32_MIN, _ordered_i32, producer_groups
 from ..numerics import round_to_bf16
 from ..chunking import map_query_chunks
-from ..streams import kernel_stream
 
 N_SM_H200 = 132
 # fp8 -> f16: measured 18% faster than bf16 operands (session 5); fp4 -> f16: 222.6 vs 289.5 us for the scores at
@@ -444,10 +443,9 @@ def resolve_kernel(kernel, q, keys, interpret, triton_options=()):
 def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precision=None, block_q=None,
                        block_t=None, num_warps=None, num_stages=None, waves=None, num_splits=None, fp4_scale=None,
                        heads_major=None, pad_to_block=False, group_max_k=None, fp4_decode=None, fp4_scale_at=None,
-                       kernel=None, convert=None, split_m=None, key_batch_offset=None):
+                       kernel=None, convert=None, split_m=None):
     """Scores [B, S, T] (or [B, S, roundup(T, block_t)] with -inf padding if pad_to_block) like
-    `reference.indexer_scores`. key_batch_offset (Mosaic kernel only): q's batch rows are entries key_batch_offset ..
-    key_batch_offset + B - 1 of the keys' batch (`gpu_mosaic.indexer_scores_mosaic`).
+    `reference.indexer_scores`.
 
     group_max_k (k of a threshold top-k that will consume the scores): returns (scores, group_max) where
     group_max [B, S, n_split, G] int32 holds each program's maxima of the ordered keys of the threshold top-k's
@@ -478,10 +476,7 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
         return indexer_scores_mosaic(q, weights, keys, n_visible, block_t=block_t, num_stages=num_stages,
                                      num_splits=num_splits, pad_to_block=pad_to_block, precision=precision,
                                      convert=convert, group_max_k=group_max_k, split_m=split_m,
-                                     interpret=interpret, key_batch_offset=key_batch_offset)
-    if key_batch_offset is not None:
-        raise ValueError("key_batch_offset needs the Mosaic scores kernel (kernel='mosaic'); the Triton kernel reads "
-                         "q's own batch entries of the keys")
+                                     interpret=interpret)
     if convert is not None or split_m is not None:
         raise ValueError("convert (how fp8 key codes become f16) and split_m are options of the Mosaic kernel "
                          "(kernel='mosaic' or 'auto' where it applies); the Triton kernel has neither")
@@ -719,40 +714,9 @@ def scores_kernel_of(q, keys, interpret, kernel_options) -> str:
     return resolve_kernel(kernel_options.get("kernel"), q, keys, interpret, tuned)
 
 
-OVERLAP_STREAM = "gpu_stream:1"   # the XLA stream the chunks' top-k run on with overlap_chunks (`compute_on`)
-
-
-def overlapped_topk(scores_fn, q, weights, keys, n_visible, *, k: int, chunks: int, topk: str, topk_block: int,
-                    radix_bits: Optional[int] = None, stream: Optional[str] = OVERLAP_STREAM):
-    """`topk_over_query_chunks` for decode, pipelined over `chunks` equal chunks of the batch: chunk c's top-k runs on
-    a second XLA stream (`stream`, a `jax.experimental.compute_on` annotation; None: the main stream, the control)
-    while chunk c + 1's scores run on the main one, so the top-k's small, latency-bound kernels fill what the
-    memory-bound scores kernel leaves of the GPU. `scores_fn(q_c, w_c, keys, nv_c, key_batch_offset=b0)` scores a
-    chunk against the whole key cache (no slice of it is copied). q [B, S, H, D] with S <= the query chunk,
-    weights [B, S, H], n_visible [B, S] -> picks [B, S, k] (the same picks as one call)."""
-    B = q.shape[0]
-    if chunks < 1 or B % chunks:
-        raise ValueError(f"overlap_chunks={chunks} must divide the batch {B}")
-    bc = B // chunks
-
-    if stream is not None and THRESHOLD_METHODS.get(topk) not in ("pallas_hist", "pallas_tour"):
-        raise ValueError(f"overlap_stream puts the histogram top-k's kernels on a stream: topk must be hist_set / "
-                         f"tour_set / hist / tour (or auto_set resolving to one), got {topk!r}")
-    picks = []
-    for c in range(chunks):
-        rows = slice(c * bc, (c + 1) * bc)
-        out = scores_fn(q[rows], weights[rows], keys, n_visible[rows], key_batch_offset=c * bc)
-        scores, group_max = out if isinstance(out, tuple) else (out, None)   # (scores, partial maxima or None)
-        with kernel_stream(stream):   # the top-k's kernels (only: see `streams`) on the second stream
-            picks.append(topk_from_scores(scores, k, topk=topk, topk_block=topk_block, radix_bits=radix_bits,
-                                          group_max=group_max))
-    return jnp.concatenate(picks, axis=0) if chunks > 1 else picks[0]
-
-
 def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256, interpret=False,
                      topk: str = "threshold", topk_block: int = 4096, radix_bits: Optional[int] = None,
-                     fuse_group_max: Optional[bool] = None, overlap_chunks: Optional[int] = None,
-                     overlap_stream: Optional[str] = OVERLAP_STREAM, **kernel_options):
+                     fuse_group_max: Optional[bool] = None, **kernel_options):
     """Pallas GPU implementation of `reference.indexer_topk` (same arguments and results). fuse_group_max: with a
     threshold top-k, the scores kernel also writes the strided-group maxima the top-k bounds with (where that fits:
     `indexer_scores_gpu(group_max_k=...)`) instead of an XLA pass over the scores. Default (None): on where the
@@ -761,30 +725,13 @@ def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 
     results/h200_s7r6_idx_fused_gmax.log). The Mosaic kernel's maxima (session 30) drop the XLA pass (6.8 us at
     B = 64 x 128K) for ~3 us more in the kernel; with its split_m default the fp8 / bf16 `threshold_set` pipelines
     took 2-6 us less (results/h200_s30r4_idx.log, h200_s30r6_idx.log); the default since session 31."""
-    chunks = int(overlap_chunks or 1)
-    if overlap_stream in ("none", "main"):   # the control: chunked, every kernel on the main stream
-        overlap_stream = None
-    if chunks > 1:
-        if q.shape[1] > query_chunk:
-            raise ValueError(f"overlap_chunks pipelines decode calls (S <= query_chunk = {query_chunk}), got S = "
-                             f"{q.shape[1]}")
-        if scores_kernel_of(q, keys, interpret, kernel_options) != "mosaic":
-            raise ValueError("overlap_chunks needs the Mosaic scores kernel (it scores a chunk of the batch against "
-                             "the whole cache: key_batch_offset); this call runs the Triton kernel")
-        if q.shape[0] % chunks:
-            raise ValueError(f"overlap_chunks={chunks} must divide the batch {q.shape[0]}")
-        kernel_options = dict(kernel_options, kernel="mosaic")   # also for chunks below "auto"'s row minimum
-    rows = q.shape[0] // chunks * min(q.shape[1], query_chunk)
     if topk == "auto_set":   # resolved here, so the scores kernel writes group maxima only for the chain
-        topk = resolve_set_method(keys.shape[1], k, rows=rows)
+        topk = resolve_set_method(keys.shape[1], k, rows=q.shape[0] * min(q.shape[1], query_chunk))
     if fuse_group_max is None:
         fuse_group_max = scores_kernel_of(q, keys, interpret, kernel_options) == "mosaic"
     # the threshold methods bound with the group maxima; the histogram top-k ("hist*", "tour*") needs none
     fused = fuse_group_max and THRESHOLD_METHODS.get(topk) not in (None, "pallas_hist", "pallas_tour")
     scores = functools.partial(indexer_scores_gpu, interpret=interpret, pad_to_block=True,
                                group_max_k=min(k, keys.shape[1]) if fused else None, **kernel_options)
-    if chunks > 1:
-        return overlapped_topk(scores, q, weights, keys, n_visible, k=min(k, keys.shape[1]), chunks=chunks,
-                               topk=topk, topk_block=topk_block, radix_bits=radix_bits, stream=overlap_stream)
     return topk_over_query_chunks(scores, q, weights, keys, n_visible, k=k, query_chunk=query_chunk, topk=topk,
                                   topk_block=topk_block, radix_bits=radix_bits)

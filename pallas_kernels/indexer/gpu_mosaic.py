@@ -246,7 +246,7 @@ def default_config(R: int, T: int, fmt: str = "fp8"):
 
 
 def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=0, split_m=False,
-            fp4=False, interpret=False, b_off=0):
+            fp4=False, interpret=False):
     """nv [R] i32, w [R, H] f32, q [R, H, 128] e4m3 (f16 codes with "f16"; for bf16 keys bf16 [R, terms * H, 128],
     the terms stacked along the heads), keys [B, T, 128] e4m3 or bf16, scales [B*T] f32 (fp8 keys only)
     -> out [R, nb*bt]. Interpreted, q is transposed: [R, 128, H] / [R, terms, 128, H]. fp4: keys [B, T, 64] uint8
@@ -274,7 +274,7 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
 
     r = jax.lax.axis_index("r")
     split = jax.lax.axis_index("s")
-    b = r // S + b_off                                # the row's batch entry in the keys
+    b = r // S
     base = b * T                                      # the row's first key in the flat scale array
     nv = jnp.clip(nv_ref[r], 0, T)
     lo = split * bps
@@ -417,7 +417,7 @@ def _interpret_params(detect_races=False):
 
 def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stages=None, num_splits=None,
                           pad_to_block=False, precision=None, convert=None, group_max_k=None, split_m=None,
-                          interpret=False, key_batch_offset=None):
+                          interpret=False):
     """Scores [B, S, T] f32 (or [B, S, roundup(T, block_t)] with -inf padding if pad_to_block) like
     `reference.indexer_scores`, for fp8 / fp4 keys (`formats.QuantizedKeys`, fmt "fp8": values [B, T, 128], scale
     [B, T, 1]; "fp4": packed [B, T, 64] uint8, scale [B, T, 4] ue8m0; compiled only) or bf16 keys (a bfloat16
@@ -432,10 +432,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     top-k's XLA pass over the scores.
     split_m: each block as two [block_t / 2, H] wgmmas into two accumulators, so the second half's operand load
     (and f16 conversion) and wgmma overlap the first's, and the first's epilogue the second's wgmma (compiled
-    kernels only). Default (None): `DEFAULT_SPLIT_M[format]` where it applies (compiled, block_t 128 or 256).
-    key_batch_offset: q's batch rows b read the keys of batch entry key_batch_offset + b, so a caller scores a chunk of
-    the batch against the whole cache without slicing (copying) it: keys [B_keys, T, ...], B_keys >=
-    key_batch_offset + B (None: the keys' batch must be q's) (`gpu.indexer_topk_gpu(overlap_chunks=...)`)."""
+    kernels only). Default (None): `DEFAULT_SPLIT_M[format]` where it applies (compiled, block_t 128 or 256)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from .gpu import quantize_q_fp8, split_q
@@ -448,14 +445,8 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     key_vals = _key_values(keys)
     B, S, H, d = q.shape
     T = key_vals.shape[1]
-    BK = key_vals.shape[0]   # the keys' batch entries: B, or more with key_batch_offset
-    if key_batch_offset is None and BK != B:
-        raise ValueError(f"q's batch {B} != the keys' batch {BK} (a chunk of the batch needs key_batch_offset)")
-    b_off = int(key_batch_offset or 0)
-    if b_off < 0 or b_off + B > BK:
-        raise ValueError(f"key_batch_offset {b_off} + q's batch {B} must lie within the keys' batch {BK}")
     key_cols, n_scales = {"fp8": (d, 1), "fp4": (d // 2, d // 32), "bf16": (d, None)}[fmt]
-    if d != 128 or key_vals.shape != (BK, T, key_cols) or (n_scales and keys.scale.shape != (BK, T, n_scales)):
+    if d != 128 or key_vals.shape != (B, T, key_cols) or (n_scales and keys.scale.shape != (B, T, n_scales)):
         raise ValueError(f"expected q [B, S, H, 128] and {fmt} keys [B, T, {key_cols}]"
                          f"{f' (scale [B, T, {n_scales}])' if n_scales else ''}, got q {q.shape}, keys "
                          f"{key_vals.shape}{f', scale {keys.scale.shape}' if n_scales else ''}")
@@ -550,10 +541,10 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                plgpu.SMEM((hp,), jnp.float32),                                   # w_smem
                plgpu.SMEM((stages, bt, key_cols), key_vals.dtype, transforms=tile)]  # k_smem
     if fmt == "fp8":
-        args.append(keys.scale.reshape(BK * T).astype(jnp.float32))
+        args.append(keys.scale.reshape(B * T).astype(jnp.float32))
         scratch.append(plgpu.SMEM((stages, bt), jnp.float32))                    # s_smem
     elif fmt == "fp4":   # a key's 4 ue8m0 bytes as one int32 (byte g = group g)
-        args.append(jax.lax.bitcast_convert_type(keys.scale, jnp.int32).reshape(BK * T))
+        args.append(jax.lax.bitcast_convert_type(keys.scale, jnp.int32).reshape(B * T))
         scratch.append(plgpu.SMEM((stages, bt), jnp.int32))                      # s_smem
     scratch += [plgpu.SMEM((2, bt), jnp.float32),                                # o_smem
                 plgpu.SMEM((bt,), jnp.float32),                                  # fill_smem
@@ -566,7 +557,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     kernel = plgpu.kernel(
         functools.partial(_kernel, T=T, bt=bt, stages=stages, bps=bps, nb=nb, S=S, precision=precision,
                           convert=convert, n_phase=n_phase, split_m=bool(split_m), fp4=fmt == "fp4",
-                          interpret=interpret, b_off=b_off),
+                          interpret=interpret),
         out_type=out_type,
         grid=(R, n_split), grid_names=("r", "s"),
         scratch_types=scratch,

@@ -66,7 +66,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ..streams import maybe_on_stream
 from .histogram import histogram
 from .topk import INT32_MIN, NEG_INF_KEY, POS_INF_KEY, _ordered_i32
 
@@ -317,12 +316,11 @@ def hist_select(scores, k: int, *, finite_only: bool = False, set_out: bool = Fa
     rows = R * segments
     full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
     inputs = [scores if keys_in else scores.astype(jnp.float32)] + ([] if posmap is None else [posmap])
-    call = pl.pallas_call(
+    outs = pl.pallas_call(
         kernel, grid=(rows,), in_specs=[full((R, T))] * len(inputs), out_specs=[full((rows, width))] * n_out,
         out_shape=[jax.ShapeDtypeStruct((rows, width), jnp.int32)] * n_out, interpret=interpret,
         name="topk_hist" if segments == 1 else "topk_hist_segments", **extra,
-    )
-    outs = maybe_on_stream(call)(*inputs)   # on `streams.kernel_stream`'s stream where one is set
+    )(*inputs)
     outs = [o[:, :slots] for o in outs] if interpret else outs
     return outs[0] if set_out else tuple(outs)
 
