@@ -188,15 +188,44 @@ def test_kernel_options_lower_for_cuda(r, overlap, d, fmt, opts):
     assert "__gpu$xla.gpu.triton" in text
 
 
-def test_custom_encode_fallback():
-    """a custom `encode` without key_format falls back to the reference (windows past cap: the tests above)."""
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_compressor_argument_errors(impl):
+    """Malformed arguments raise a ValueError naming the argument on every impl, before any kernel runs: before
+    session 37 a [1] start broadcast over the batch in the reference and a larger entries batch ran the kernel."""
+    inp, kw = make(2, 9, 4, True, 128, None, starts=[0, 4], n_valid=[9, 9], cap=2)
+    cases = [
+        (dict(gate=inp["gate"][..., :64]), "gate must have shape \\(2, 9, 256\\)"),
+        (dict(kv=inp["kv"][0]), "kv must be \\[batch, chunk, c \\* dim\\]"),
+        (dict(start=inp["start"][:1]), "start must have shape \\(2,\\)"),
+        (dict(n_valid=inp["n_valid"].astype(jnp.float32)), "n_valid must be an integer array"),
+        (dict(state_kv=inp["state_kv"][:1]), "state_kv must have shape"),
+        (dict(state_gate=inp["state_gate"][:, :2]), "state_gate must have shape \\(2, 4, 256\\)"),
+        (dict(prev_kv=None), "needs prev_kv and prev_gate"),
+        (dict(prev_gate=inp["prev_gate"][..., :64]), "prev_gate must have shape \\(2, 4, 128\\)"),
+        (dict(entries=jnp.concatenate([inp["entries"]] * 2)), "leading \\[batch=2, capacity\\]"),
+    ]
+    for change, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            call(dict(inp, **change), kw, impl=impl)
+    with pytest.raises(ValueError, match="norm_weight must have shape \\(128,\\)"):
+        call(inp, dict(kw, norm_weight=kw["norm_weight"][:64]), impl=impl)
+    with pytest.raises(ValueError, match="ratio must be an integer >= 1"):
+        call(inp, dict(kw, ratio=0), impl=impl)
+
+
+def test_custom_encode_runs_on_the_reference_only():
+    """a custom `encode` without key_format: impl="auto" runs the reference (the one implementation that can call
+    it), an explicit kernel impl raises instead of falling back in silence."""
     inp, kw = make(2, 9, 4, True, 128, None, starts=[0, 4], n_valid=[9, 9], cap=2)
     kw2 = dict(kw)
     kw2.pop("key_format")
     enc = lambda x: (x * 2.0).astype(jnp.float32)
-    out = call(inp, kw2, impl="pallas", encode=enc)
+    out = call(inp, kw2, impl="auto", encode=enc)
     ref = call(inp, kw2, impl="reference", encode=enc)
     np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(ref[0]))
+    for impl in ("pallas", "interpret_tpu"):
+        with pytest.raises(ValueError, match="custom `encode` callable runs only in the reference"):
+            call(inp, kw2, impl=impl, encode=enc)
 
 
 def test_decode_chain_matches_reference():

@@ -565,6 +565,51 @@ def test_gpu_mosaic_group_max(fmt, opts):
     check_mosaic_group_max(indexer_scores_mosaic, indexer_topk_gpu, fmt, opts, interpret=False)
 
 
+@pytest.mark.parametrize("impl", ["reference", "pallas", "interpret_tpu"])
+def test_indexer_argument_errors(impl):
+    """Every implementation rejects malformed arguments before any kernel runs, naming the argument: before
+    session 37 a wrong weights shape or a larger keys batch ran the GPU kernel on the wrong rows, and a [B] n_visible
+    broadcast silently in the reference."""
+    from pallas_kernels.indexer.reference import indexer_scores as scores_reference
+
+    q, w, keys, nv = make(2, 3, 4, 40, None)
+    q8, w8, keys8, nv8 = make(2, 3, 4, 40, "fp8")
+    q4, w4, keys4, nv4 = make(2, 3, 4, 64, "fp4")
+    bad = [
+        (dict(q=q[0]), "q must be \\[batch, queries, heads, head_dim\\]"),
+        (dict(q=q.astype(jnp.int32)), "q must be floating point"),
+        (dict(weights=w[..., :3]), "weights must be \\[batch, queries, heads\\] = \\(2, 3, 4\\)"),
+        (dict(weights=w.astype(jnp.int32)), "weights must be floating point"),
+        (dict(keys=keys[:1]), "keys must be \\[batch=2, T, head_dim=128\\]"),
+        (dict(keys=jnp.concatenate([keys, keys])), "keys must be \\[batch=2"),
+        (dict(keys=keys[..., :64]), "head_dim=128"),
+        (dict(keys=keys[:, :0]), "at least one entry"),
+        (dict(keys=keys.astype(jnp.int32)), "keys must be floating point"),
+        (dict(keys=F.QuantizedKeys(keys8.values, keys8.scale[..., 0], "fp8")), "fp8 keys' scale must be"),
+        (dict(keys=F.QuantizedKeys(keys8.values.astype(jnp.float32), keys8.scale, "fp8")), "must hold float8_e4m3fn"),
+        (dict(keys=F.QuantizedKeys(keys4.values, keys4.scale[..., :2], "fp4")), "fp4 keys' scale must be"),
+        (dict(keys=F.QuantizedKeys(keys4.values[..., :32], keys4.scale, "fp4")), "fp4 keys' values must be"),
+        (dict(keys=F.QuantizedKeys(keys8.values, keys8.scale, "fp6")), "fmt must be one of"),
+        (dict(n_visible=nv[:, 0]), "n_visible must be \\[batch, queries\\] = \\(2, 3\\)"),
+        (dict(n_visible=nv.astype(jnp.float32)), "n_visible must be an integer array"),
+        (dict(k=0), "k must be an integer >= 1"),
+        (dict(k=2.5), "k must be an integer >= 1"),
+        (dict(query_chunk=0), "query_chunk must be an integer >= 1"),
+    ]
+    good = dict(q=q, weights=w, keys=keys, n_visible=nv)
+    for change, msg in bad:
+        args = dict(good, **change)
+        k = args.pop("k", 8)
+        query_chunk = args.pop("query_chunk", 256)
+        with pytest.raises(ValueError, match=msg):
+            indexer_topk(**args, k=k, query_chunk=query_chunk, impl=impl)
+        if "k" not in change and "query_chunk" not in change:
+            with pytest.raises(ValueError, match=msg):
+                indexer_scores_pallas(**args, impl=impl)
+    with pytest.raises(ValueError, match="n_visible must be"):   # the contract itself checks too
+        scores_reference(q, w, keys, nv[:, 0])
+
+
 @full_tier
 def test_mosaic_kernel_errors():
     """kernel='mosaic' is the fp8 / fp4 / bf16-key Mosaic GPU kernel: no interpreter for precision 'f16', no other key

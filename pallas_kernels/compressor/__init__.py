@@ -11,8 +11,9 @@ The reference encodes through an arbitrary `encode` callable; the kernels suppor
 `key_format` (None: cast to the cache dtype; "bf16" | "fp8" | "fp4": the indexer key formats of `indexer.formats`;
 "kv_fp8": the main KV cache's 584-B FP8 rows, entries an `Fp8KVPool`, written by every kernel)
 and `rotate` (128-point Walsh-Hadamard before quantization). Passing key_format/rotate instead of encode gives
-the same results on every impl (the reference then uses `encode_for(key_format, rotate)`). If a custom `encode` is
-passed without `key_format`, the call falls back to the reference (the kernel cannot know the format).
+the same results on every impl (the reference then uses `encode_for(key_format, rotate)`). A custom `encode` without
+`key_format` runs on the reference with impl="auto" (the kernel cannot know the format) and raises with an explicit
+kernel impl ("pallas", "interpret_tpu").
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ import jax.numpy as jnp
 from ..indexer import formats
 from ..sparse_attention.fp8_layout import Fp8KVPool, quantize_kv_fp8_rows
 from ..dispatch import resolve_impl as _resolve
+from .common import validate
 from .reference import compress_chunk as compress_chunk_reference
 
 __all__ = ["compress_chunk", "compress_chunk_reference", "encode_for", "resolve_impl"]
 
 UNSET = "unset"
 KV_FP8 = "kv_fp8"  # the main KV cache's 584-B rows (sparse_attention.fp8_layout), entries an Fp8KVPool
+KEY_FORMATS = (None, "bf16", "fp8", "fp4", KV_FP8)
 
 
 def resolve_impl(impl: str) -> str:
@@ -55,10 +58,15 @@ def compress_chunk(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, prev
                    key_format=UNSET, rotate: bool = False, impl: str = "reference", **kernel_options):
     """Same signature and results as :func:`reference.compress_chunk`, plus `key_format`/`rotate`, `impl` and
     kernel tuning options (ignored by the reference)."""
+    validate(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, prev_gate, entries, ratio=ratio,
+             overlap=overlap, norm_weight=norm_weight)
     target = resolve_impl(impl)
     explicit = key_format is not UNSET
     if target != "reference" and encode is not None and not explicit:
-        target = "reference"  # unknown encoding: only the reference can run a custom callable
+        if impl != "auto":   # an explicit kernel request is never answered by the reference in silence
+            raise ValueError(f"impl={impl!r}: the kernels write the formats named by key_format ({KEY_FORMATS}); "
+                             "a custom `encode` callable runs only in the reference (impl='reference' or 'auto')")
+        target = "reference"  # "auto": the reference is the one implementation that runs a custom callable
     pos = (kv, gate, start, n_valid, state_kv, state_gate, prev_kv, prev_gate, entries)
     kw = dict(ratio=ratio, overlap=overlap, norm_weight=norm_weight, eps=eps, inv_freq=inv_freq,
               norm_dtype=norm_dtype)

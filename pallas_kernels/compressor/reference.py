@@ -22,12 +22,15 @@ import jax.numpy as jnp
 
 from ..numerics import round_to
 from ..rope import apply_rope
+from .common import validate
 
 
 def compress_chunk(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, prev_gate, entries, *, ratio: int,
                    overlap: bool, norm_weight, eps: float, inv_freq, norm_dtype=jnp.float32,
                    encode: Optional[Callable] = None):
     """-> (entries, state_kv, state_gate, prev_kv, prev_gate), all updated."""
+    validate(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, prev_gate, entries, ratio=ratio,
+             overlap=overlap, norm_weight=norm_weight)
     r = ratio
     B, S, cd = kv.shape
     d = cd // 2 if overlap else cd

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 
 from . import formats
+from .common import validate
 from ..dispatch import resolve_impl as _resolve
 from .reference import indexer_scores, indexer_topk as indexer_topk_reference
 
@@ -46,6 +47,7 @@ def indexer_topk(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256,
     reference's order; "set": ascending index, -1s last) and kernel options."""
     if picks not in PICKS:
         raise ValueError(f"picks must be one of {PICKS}, got {picks!r}")
+    validate(q, weights, keys, n_visible, k=k, query_chunk=query_chunk)
     target = resolve_impl(impl)
     if picks == "set":
         from .topk import as_index_set
@@ -76,6 +78,7 @@ def indexer_topk(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256,
 
 def indexer_scores_pallas(q, weights, keys, n_visible, *, impl: str = "pallas", **kernel_options):
     """The kernels' scores [B, S, T] (same contract as `indexer_scores`); impl as for `indexer_topk`."""
+    validate(q, weights, keys, n_visible)
     target = resolve_impl(impl)
     if target == "reference":
         return indexer_scores(q, weights, keys, n_visible)

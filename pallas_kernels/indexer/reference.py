@@ -17,10 +17,12 @@ import jax.numpy as jnp
 
 from ..chunking import map_query_chunks
 from . import formats
+from .common import validate
 
 
 def indexer_scores(q, weights, keys, n_visible):
     """q [B, S, H, dI] f32, weights [B, S, H] f32, keys [B, T, dI] storage, n_visible [B, S] -> [B, S, T] f32."""
+    validate(q, weights, keys, n_visible)
     k = formats.dequantize(keys, jnp.float32)
     logits = jnp.einsum("bshd,btd->bsht", q.astype(jnp.float32), k, precision=jax.lax.Precision.HIGHEST)
     s = jnp.einsum("bsht,bsh->bst", jax.nn.relu(logits), weights.astype(jnp.float32),
@@ -31,6 +33,7 @@ def indexer_scores(q, weights, keys, n_visible):
 
 def indexer_topk(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256):
     """-> picks [B, S, min(k, T)] int32 (entry indices, -1 = none), sorted by descending score."""
+    validate(q, weights, keys, n_visible, k=k, query_chunk=query_chunk)
     k = min(k, keys.shape[1])
 
     def select(args):
