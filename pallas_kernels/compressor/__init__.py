@@ -13,7 +13,8 @@ The reference encodes through an arbitrary `encode` callable; the kernels suppor
 and `rotate` (128-point Walsh-Hadamard before quantization). Passing key_format/rotate instead of encode gives
 the same results on every impl (the reference then uses `encode_for(key_format, rotate)`). A custom `encode` without
 `key_format` runs on the reference with impl="auto" (the kernel cannot know the format) and raises with an explicit
-kernel impl ("pallas", "interpret_tpu").
+kernel impl ("pallas", "interpret_tpu"). Every impl checks its arguments first (`common.validate`: shapes and
+dtypes of the chunk, the state and the entries): a ValueError naming the argument, at trace time.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ ascending index order, the -1s last: all a gather-and-sum consumer such as the s
 kernel path it selects topk="auto_set" -- "hist_set", "tour_set" or "threshold_set" by the rows' length and count,
 where each measured faster (`gpu.resolve_set_method`), none sorting its picks -- unless another set method is given;
 any other topk option is followed by the set conversion).
+Every impl checks its arguments first (`common.validate`: shapes, dtypes, key storage, k): a ValueError naming the
+argument, at trace time.
 """
 
 from __future__ import annotations
