@@ -31,7 +31,7 @@ __all__ = ["compress_chunk", "compress_chunk_reference", "encode_for", "resolve_
 
 UNSET = "unset"
 KV_FP8 = "kv_fp8"  # the main KV cache's 584-B rows (sparse_attention.fp8_layout), entries an Fp8KVPool
-KEY_FORMATS = (None, "bf16", "fp8", "fp4", KV_FP8)
+KEY_FORMATS = formats.FORMATS + (KV_FP8,)   # what key_format names (every impl writes each)
 
 
 def resolve_impl(impl: str) -> str:

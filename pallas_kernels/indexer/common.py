@@ -14,8 +14,8 @@ import numpy as np
 
 from . import formats
 
-# the storage each key format arrives in: values dtype, values' last dim as a function of head_dim, scale dtype and
-# scale's last dim (None: no scale)
+# the storage of each quantized key format: values dtype, values' last dim as a function of head_dim, scale dtype,
+# scale's last dim
 _STORAGE = {
     "fp8": (jnp.float8_e4m3fn, lambda d: d, jnp.float32, lambda d: 1),
     "fp4": (jnp.uint8, lambda d: d // 2, jnp.uint8, lambda d: d // formats.FP4_BLOCK),

@@ -23,6 +23,11 @@ from .common import validate
 def indexer_scores(q, weights, keys, n_visible):
     """q [B, S, H, dI] f32, weights [B, S, H] f32, keys [B, T, dI] storage, n_visible [B, S] -> [B, S, T] f32."""
     validate(q, weights, keys, n_visible)
+    return _scores(q, weights, keys, n_visible)
+
+
+def _scores(q, weights, keys, n_visible):
+    """`indexer_scores` on arguments already validated (indexer_topk's query chunks)."""
     k = formats.dequantize(keys, jnp.float32)
     logits = jnp.einsum("bshd,btd->bsht", q.astype(jnp.float32), k, precision=jax.lax.Precision.HIGHEST)
     s = jnp.einsum("bsht,bsh->bst", jax.nn.relu(logits), weights.astype(jnp.float32),
@@ -38,7 +43,7 @@ def indexer_topk(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256)
 
     def select(args):
         qc, wc, nc = args
-        vals, idx = jax.lax.top_k(indexer_scores(qc, wc, keys, nc), k)
+        vals, idx = jax.lax.top_k(_scores(qc, wc, keys, nc), k)
         return jnp.where(jnp.isfinite(vals), idx, -1).astype(jnp.int32)
 
     return map_query_chunks(select, (q, weights, n_visible), query_chunk)
