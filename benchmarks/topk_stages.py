@@ -38,6 +38,9 @@ Stages (k = 512 or --k, random normal scores [R, T]; each timed as dependent cal
                    top-k sets, one program each, then one program per row selects among them; session 36)
   tour_prefix / tour_half / tour_ties   tour_set on hist_prefix's / hist_half's / full_ties' rows
   tour_seg         the tournament's first stage alone (each segment's top-k set)
+  tour_fused       tour_set with its last segment stage and the final selection in one kernel (fuse_final=True:
+                   the last program of a row to finish selects among the row's survivors; session 38)
+  tour_fused_prefix  tour_fused on hist_prefix's rows
   touch            the chain's own carry update alone (the harness overhead, subtracted from nothing)
 Prints a table of us per call; writes DIR/topk_stages.json. --stages picks a subset (comma list; touch always runs;
 it also restricts the stages the *-configs sweeps time).
@@ -129,6 +132,10 @@ def stages(R, T, k=K, only=None, label=""):
                                                    interpret=interp),
         "tour_half": lambda s: T_.topk_threshold(prefix(s, 2), k, impl="pallas_tour", sorted=False, interpret=interp),
         "tour_seg": lambda s: TH.tournament_stage(s, k, interpret=interp)[1],
+        "tour_fused": lambda s: TH.tournament_select(s, k, finite_only=True, set_out=True, fuse_final=True,
+                                                     interpret=interp),
+        "tour_fused_prefix": lambda s: TH.tournament_select(prefix(s, 10), k, finite_only=True, set_out=True,
+                                                            fuse_final=True, interpret=interp),
         "tour_ties": lambda s: T_.topk_threshold(jnp.where(s[:, :1] > 1e30, 0.0, ties), k, impl="pallas_tour",
                                                  sorted=False, interpret=interp),
         "bound": lambda s: T_.bound_pallas(T_._strided_group_max(T_._ordered_i32(s), group), k,
@@ -228,7 +235,8 @@ def main():
                             a.stages),
                       k=a.k)
         rows += sweep(R, T, a.tour_configs, TH.TOUR_CONFIG, "--tour-configs",
-                      _only(("tour_set", "tour_prefix", "tour_half", "tour_ties", "tour_seg"), a.stages), k=a.k)
+                      _only(("tour_set", "tour_prefix", "tour_half", "tour_ties", "tour_seg", "tour_fused",
+                             "tour_fused_prefix"), a.stages), k=a.k)
         with open(os.path.join(a.out, "topk_stages.json"), "w") as f:
             json.dump(rows, f, indent=1)
 

@@ -128,7 +128,7 @@ def test_topk_and_indexer_benchmark_scripts_run(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root}
     subprocess.run([sys.executable, "benchmarks/topk_stages.py", "--cases", "4x1500", "--stages",
-                    "fused_set,hist_set,full_set,hist_prefix,tour_set", "--fused-configs", "num_warps=16,early_exit=1",
+                    "fused_set,hist_set,full_set,hist_prefix,tour_set,tour_fused", "--fused-configs", "num_warps=16,early_exit=1",
                     "--select-configs", "select_matrix=1", "--hist-configs", "chunk=512", "--tour-configs",
                     "seg_len=512,seg_slack=0,final_max=512", "--out", str(tmp_path)], cwd=root, env=env, check=True,
                    capture_output=True)
@@ -136,14 +136,15 @@ def test_topk_and_indexer_benchmark_scripts_run(tmp_path):
     timed = {k: v for r in rows for k, v in r.items() if k.startswith(("fused_set", "full_set", "select", "hist",
                                                                        "tour"))}
     assert {"fused_set", "fused_set[num_warps=16,early_exit=1]", "full_set[select_matrix=1]", "hist_set",
-            "hist_set[chunk=512]", "hist_prefix[chunk=512]", "tour_set",
+            "hist_set[chunk=512]", "hist_prefix[chunk=512]", "tour_set", "tour_fused",
             "tour_set[seg_len=512,seg_slack=0,final_max=512]"} <= set(timed), timed
     assert "tour_prefix[seg_len=512,seg_slack=0,final_max=512]" not in timed   # --stages restricts the sweeps too
     assert all(v == v for v in timed.values()), rows                      # no stage failed (NaN)
     subprocess.run([sys.executable, "benchmarks/indexer.py", "--tiny", "--skip-topk-only", "--variants",
                     "pallas_threshold_set,pallas_fused_set", "--fused-config", "num_warps=4",
                     "--set-configs", "topk=threshold_regions_set;topk=hist_set,hist.chunk=1024;"
-                    "topk=tour_set,tour.seg_len=1024,tour.final_max=1024", "--out", str(tmp_path)],
+                    "topk=tour_set,tour.seg_len=1024,tour.final_max=1024;topk=tour_set,tour.fuse_final=1", "--out",
+                    str(tmp_path)],
                    cwd=root, env=env, check=True, capture_output=True)
     row = json.loads((tmp_path / "indexer_bench.json").read_text())["rows"][0]
     assert row["pallas_fused_set_us"] == row["pallas_fused_set_us"], row
@@ -151,6 +152,7 @@ def test_topk_and_indexer_benchmark_scripts_run(tmp_path):
     assert row["set[topk=hist_set,hist.chunk=1024]_us"] == row["set[topk=hist_set,hist.chunk=1024]_us"], row
     tour = row["set[topk=tour_set,tour.seg_len=1024,tour.final_max=1024]_us"]
     assert tour == tour, row
+    assert row["set[topk=tour_set,tour.fuse_final=1]_us"] == row["set[topk=tour_set,tour.fuse_final=1]_us"], row
 
 
 def test_fp8_conversion_bank_model():

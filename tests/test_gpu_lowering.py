@@ -765,3 +765,14 @@ def test_hist_topk_lowers(opts):
 
     s = jnp.zeros((64, 32768), jnp.float32)
     lowers_for("cuda", "topk_hist", lambda x: hist_select(x, 512, **opts), s)
+
+
+@pytest.mark.parametrize("R,T,opts", [(64, 32768, dict(finite_only=True, set_out=True)), full(1, 262144, dict())])
+def test_tournament_last_stage_lowers(R, T, opts):
+    """The tournament with its last segment stage and final selection in one kernel (`fuse_final`: an arrival
+    counter per row, zeroed by XLA and aliased into the kernel) lowers for CUDA: one stage before it at 262144."""
+    from pallas_kernels.indexer.topk_hist import tournament_select
+
+    s = jnp.zeros((R, T), jnp.float32)
+    text = lowers_for("cuda", "topk_tour_last", lambda x: tournament_select(x, 512, fuse_final=True, **opts), s)
+    assert ("topk_hist_segments" in text) == (T > 65536), T

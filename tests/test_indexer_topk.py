@@ -614,8 +614,10 @@ def test_hist_select_scan_groups(group, monkeypatch):
                                                           full(5000, 200, 512, 512, 0), full(20000, 64, 512, 1024, 64)])
 def test_tournament_select_matches_lax_top_k(T, k, seg_len, final_max, slack):
     """tournament_select (interpreted: segments keep their top-k sets, then the survivors; two or three stages)
-    == lax, sorted and as an index set: ties across segments (-> lower index), short valid prefixes, rows whose last
-    segment is partial, NaN / +-inf, the whole float range; bad arguments refused."""
+    == lax, sorted and as an index set, also with the last stage fused with the final selection (fuse_final: the
+    row's last program selects; after an earlier stage where there is one, through its position map): ties across
+    segments (-> lower index), short valid prefixes, rows whose last segment is partial, NaN / +-inf, the whole
+    float range; bad arguments refused."""
     from pallas_kernels.indexer.topk import _order_slots, as_index_set
     from pallas_kernels.indexer.topk_hist import tournament_select
 
@@ -632,6 +634,11 @@ def test_tournament_select_matches_lax_top_k(T, k, seg_len, final_max, slack):
     got = tournament_select(s, k, finite_only=True, set_out=True, **opts)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(jnp.asarray(want))))
     got = topk_threshold(s, k, impl="pallas_tour", sorted=False, interpret=True)   # the default launch settings
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(jnp.asarray(want))))
+    # the last segment stage and the final selection in one kernel (the row's last program selects)
+    keys, pos = tournament_select(s, k, fuse_final=True, **opts)
+    np.testing.assert_array_equal(np.asarray(_order_slots(keys, pos, k, (s.shape[0],))), want)
+    got = tournament_select(s, k, finite_only=True, set_out=True, fuse_final=True, **opts)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(jnp.asarray(want))))
     if T == 9000:   # a first stage alone: k + slack slots, a superset of each segment's top-k set, ascending
         from pallas_kernels.indexer.topk_hist import hist_select
@@ -651,6 +658,16 @@ def test_tournament_select_matches_lax_top_k(T, k, seg_len, final_max, slack):
             tournament_select(s, T + 1, interpret=True)
         with pytest.raises(ValueError, match="seg_len must be a power of two"):
             tournament_select(s, k, seg_len=1000, interpret=True)
+        from pallas_kernels.indexer.topk_hist import tournament_last_stage
+
+        with pytest.raises(ValueError, match="1 <= k"):
+            tournament_last_stage(s, T + 1, interpret=True)
+        with pytest.raises(ValueError, match="seg_len must be a power of two"):
+            tournament_last_stage(s, k, seg_len=1000, interpret=True)
+        with pytest.raises(ValueError, match="set_out needs finite_only"):
+            tournament_last_stage(s, k, set_out=True, interpret=True)
+        with pytest.raises(ValueError, match="posmap must be int32"):
+            tournament_last_stage(s, k, jnp.zeros(s.shape, jnp.float32), interpret=True)
 
 
 @pytest.mark.parametrize("T,k", [(300, 100), full(2048, 512), full(513, 512)])
@@ -762,6 +779,36 @@ def test_gpu_tournament_select(opts):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(jnp.asarray(want))))
         keys, pos = jax.jit(lambda x: tournament_select(x, 512, **opts))(s)
         np.testing.assert_array_equal(np.asarray(_order_slots(keys, pos, 512, (R,))), want)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (compiled Triton kernels)")
+@pytest.mark.parametrize("cfg", [dict(), dict(fused_chunk=8192), dict(fused_warps=16), dict(seg_len=2048)])
+def test_gpu_tournament_last_stage(cfg, monkeypatch):
+    """The tournament with its last segment stage and final selection in one kernel (fuse_final), compiled, under
+    each TOUR_CONFIG setting == lax: 64 x 32768 with fast / tie / prefix rows, 1 x 262144 and 16 x 65536 (a stage
+    before it), 3 x 100000 (a partial last segment); each shape five times on fresh rows, since the row's last
+    program reads what the others published through the arrival counter (a missing fence would show as a wrong
+    set now and then, not every time)."""
+    from pallas_kernels.indexer import topk_hist
+    from pallas_kernels.indexer.topk import _order_slots, as_index_set
+
+    for name, v in cfg.items():
+        monkeypatch.setitem(topk_hist.TOUR_CONFIG, name, v)
+    rng = np.random.default_rng(next(_SEED))
+    for R, T in ((64, 32768), (1, 262144), (16, 65536), (3, 100000)):
+        fn_set = jax.jit(lambda x: topk_hist.tournament_select(x, 512, finite_only=True, set_out=True, fuse_final=True))
+        fn_kp = jax.jit(lambda x: topk_hist.tournament_select(x, 512, fuse_final=True))
+        for rep in range(5):
+            s = np.concatenate([_fast_rows(8, T, rng), random_scores((6, T), rng),
+                                rng.standard_normal((R - 14, T)).astype(np.float32)])[:R] if R > 14 else \
+                random_scores((R, T), rng)
+            s = jnp.asarray(s)
+            want = np.asarray(_lax(s, k=512, topk="lax"))
+            np.testing.assert_array_equal(np.asarray(fn_set(s)), np.asarray(as_index_set(jnp.asarray(want))),
+                                          err_msg=f"{R} x {T}, repetition {rep}")
+            if rep == 0:
+                keys, pos = fn_kp(s)
+                np.testing.assert_array_equal(np.asarray(_order_slots(keys, pos, 512, (R,))), want)
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (compiled Triton kernels)")

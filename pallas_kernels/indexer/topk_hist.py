@@ -6,7 +6,9 @@ and as a tournament over segments of each row, `topk_threshold(impl="pallas_tour
                 seg_len=None, posmap=None, slack=0, interpret=False)
         -> (keys [R, k] int32, pos [R, k] int32)   ascending position, padding (INT32_MIN, 0) past the picks
         -> pos [R, k] int32                         set_out: the index set itself, -1 padding (needs finite_only)
-    tournament_select(scores [R, T], k, *, finite_only=False, set_out=False, ...) -> the same results
+    tournament_select(scores [R, T], k, *, finite_only=False, set_out=False, fuse_final=None, ...) -> the same results
+    tournament_last_stage(scores, k, posmap=None, ...) -> the same results (the last segment stage + the final
+                                                          selection in one kernel; fuse_final)
 
 The tournament (session 36). One program per row leaves most of the GPU idle when a call has few rows (64 rows on
 132 SMs, 1 row at batch 1), and one SM works through the whole row. `tournament_select` cuts each row into segments
@@ -14,7 +16,11 @@ of 4096 candidates, one program each (`seg_len`), which keep a superset of their
 `slack`, so a segment skips its refining pass when the k-th's pass-1 bin fits); the survivors, still in ascending
 position, go through the same kernel again until a row holds <= 8192 of them, and one program per row selects the
 exact set among those (`posmap` carries the positions through). Every entry of the row's top k is among its
-segment's top k, so the result is the same k-set, ties included. H200 (benchmarks/results/README_indexer_compressor.md,
+segment's top k, so the result is the same k-set, ties included. With `fuse_final` (session 38, off until it is timed
+on a GPU: `TOUR_CONFIG`) the last segment stage and the final selection are one kernel: each segment program
+publishes its survivors through an atomic arrival count per row, and the row's program that arrives last selects
+the row's set, so rows that finish early overlap their final selection with other rows' segments, and the final
+kernel's launch and the gap before it go. H200 (benchmarks/results/README_indexer_compressor.md,
 session 36), whole fp8 indexer calls: B = 64 x 128K 135.0 -> 124.9 us, B = 16 x 128K 73.5 -> 50.0, B = 1 x 128K
 34.3 -> 24.7, B = 1 x 1M 46.0 -> 41.7; slower than the chain where a call has more than ~2^21 candidates (64 x 1M
 rows: 218 vs 156 us in topk_stages), and than one program per row at 128 x 32768.
@@ -74,7 +80,8 @@ try:
 except ImportError:  # pragma: no cover
     plgpu = None
 
-__all__ = ["hist_select", "tournament_select", "tournament_stage", "tournament_stages", "HIST_KERNEL_CONFIG",
+__all__ = ["hist_select", "tournament_select", "tournament_stage", "tournament_last_stage", "tournament_stages",
+           "HIST_KERNEL_CONFIG",
            "TOUR_CONFIG", "pass1_bin", "bin_interval"]
 
 BINS = 2048          # counters per histogram (11-bit digits)
@@ -126,26 +133,23 @@ def _pick_bin(hist, need):
     return b, below, at - below
 
 
-def _hist_kernel(scores_ref, *refs, T, k, slots, kp, chunk, n_tiles, resident, finite_only, set_out, tail, stop_after,
-                 scan2d, refine, segments, seg_len, keys_in, mapped):
-    """Program p: the top-k set of segment p % segments (columns [base, base + seg_len) of row p // segments), into
-    output row p. keys_in: scores_ref holds ordered int32 keys (`_ordered_i32`; INT32_MIN = padding) instead of
-    floats. mapped: the first ref after the scores is a position map [R, T] int32, and the positions written are
-    map[row, column] instead of the column. slots >= k: the output slots of a row; with slots > k the program
-    stops refining as soon as the entries up to the k-th's interval fit in them and writes all of those (a superset
-    of the top-k set, ascending position: a tournament's first stage needs no exact set)."""
-    posmap_ref, outs = (refs[0], refs[1:]) if mapped else (None, refs)
-    p = pl.program_id(0)
-    r, base = (p // segments, (p % segments) * seg_len) if segments > 1 else (p, 0)
-    end = jnp.minimum(base + seg_len, T) if segments > 1 else T
+def _select_into(src_ref, posmap_ref, outs, r, base, end, out_row, col0, tail_base, *, k, slots, kp, chunk, n_tiles,
+                 resident, finite_only, set_out, tail, stop_after, scan2d, refine, keys_in):
+    """The top-k set of columns [base, end) of row r of src_ref (floats, or ordered int32 keys if keys_in) written
+    into row out_row of `outs` (keys, pos; or the set alone), columns [col0, col0 + slots), ascending position,
+    padding after the picks. posmap_ref (or None): the positions written are posmap[r, column] instead of the
+    column. slots >= k: with slots > k the selection stops refining as soon as the entries up to the k-th's interval
+    fit and writes all of those (a superset of the top-k set: a tournament's segment stage needs no exact set).
+    tail (interpreter only): lanes that store nothing write to distinct columns from tail_base on instead (the
+    interpreter's masked scatter would otherwise let a masked lane overwrite a picked one)."""
     lanes = jax.lax.iota(jnp.int32, chunk)
 
     def load(t):
         cols = base + t * chunk + lanes
         inside = cols < end
         if keys_in:
-            return plgpu.load(scores_ref.at[r, cols], mask=inside, other=INT32_MIN), cols
-        x = plgpu.load(scores_ref.at[r, cols], mask=inside, other=-jnp.inf)
+            return plgpu.load(src_ref.at[r, cols], mask=inside, other=INT32_MIN), cols
+        x = plgpu.load(src_ref.at[r, cols], mask=inside, other=-jnp.inf)
         return _ordered_i32(x), cols
 
     first = load(0) if resident else None
@@ -163,7 +167,7 @@ def _hist_kernel(scores_ref, *refs, T, k, slots, kp, chunk, n_tiles, resident, f
     um = _u32(m ^ jnp.int32(INT32_MIN))
     dist = lambda key: um - _u32(key ^ jnp.int32(INT32_MIN))
     zeros = jnp.zeros((BINS,), jnp.int32)
-    probe = lambda v: plgpu.store(outs[0].at[p, jax.lax.iota(jnp.int32, 2)], jnp.full((2,), v, jnp.int32))
+    probe = lambda v: plgpu.store(outs[0].at[out_row, col0 + jax.lax.iota(jnp.int32, 2)], jnp.full((2,), v, jnp.int32))
     if stop_after == 0:
         return probe(m)
 
@@ -239,13 +243,13 @@ def _hist_kernel(scores_ref, *refs, T, k, slots, kp, chunk, n_tiles, resident, f
         ca = off_a + (packed & mask_a)
         ce = off_e + (packed >> sh_a)
         sel = below_lo | (interval & (ce <= need))
-        at = jnp.where(sel, ca + jnp.minimum(ce, need) - 1, (slots + tail_lanes) if tail else 0)
-        pos = plgpu.load(posmap_ref.at[r, cols], mask=sel, other=0) if mapped else cols
+        at = jnp.where(sel, col0 + ca + jnp.minimum(ce, need) - 1, (tail_base + tail_lanes) if tail else 0)
+        pos = plgpu.load(posmap_ref.at[r, cols], mask=sel, other=0) if posmap_ref is not None else cols
         if set_out:
-            plgpu.store(outs[0].at[p, at], pos, mask=sel)
+            plgpu.store(outs[0].at[out_row, at], pos, mask=sel)
         else:
-            plgpu.store(outs[0].at[p, at], key, mask=sel)
-            plgpu.store(outs[1].at[p, at], pos, mask=sel)
+            plgpu.store(outs[0].at[out_row, at], key, mask=sel)
+            plgpu.store(outs[1].at[out_row, at], pos, mask=sel)
         return off_a + (total & mask_a), off_e + (total >> sh_a)
 
     off_a, off_e = over_tiles(write, (jnp.int32(0), jnp.int32(0)))
@@ -253,10 +257,40 @@ def _hist_kernel(scores_ref, *refs, T, k, slots, kp, chunk, n_tiles, resident, f
     pad_lanes = jax.lax.iota(jnp.int32, kp)
     pad = (pad_lanes >= n_out) & (pad_lanes < slots)
     if set_out:
-        plgpu.store(outs[0].at[p, pad_lanes], jnp.full((kp,), -1, jnp.int32), mask=pad)
+        plgpu.store(outs[0].at[out_row, col0 + pad_lanes], jnp.full((kp,), -1, jnp.int32), mask=pad)
     else:
-        plgpu.store(outs[0].at[p, pad_lanes], jnp.full((kp,), INT32_MIN, jnp.int32), mask=pad)
-        plgpu.store(outs[1].at[p, pad_lanes], jnp.zeros((kp,), jnp.int32), mask=pad)
+        plgpu.store(outs[0].at[out_row, col0 + pad_lanes], jnp.full((kp,), INT32_MIN, jnp.int32), mask=pad)
+        plgpu.store(outs[1].at[out_row, col0 + pad_lanes], jnp.zeros((kp,), jnp.int32), mask=pad)
+
+
+def _hist_kernel(scores_ref, *refs, T, segments, seg_len, mapped, **opts):
+    """Program p: the top-k set of segment p % segments (columns [base, base + seg_len) of row p // segments), into
+    output row p (`_select_into`). mapped: the first ref after the scores is a position map [R, T] int32."""
+    posmap_ref, outs = (refs[0], refs[1:]) if mapped else (None, refs)
+    p = pl.program_id(0)
+    r, base = (p // segments, (p % segments) * seg_len) if segments > 1 else (p, 0)
+    end = jnp.minimum(base + seg_len, T) if segments > 1 else T
+    _select_into(scores_ref, posmap_ref, outs, r, base, end, p, 0, opts["slots"], **opts)
+
+
+def _select_opts(span, k, slots, chunk, resident, finite_only, set_out, keys_in, interpret):
+    """`_select_into`'s static options for a program covering `span` columns: the tile (`chunk`, a power of two,
+    at most the span's padded length; HIST_KERNEL_CONFIG's by default), the tile count, whether the one tile stays
+    in registers, the padded store width kp, and the kernel constants."""
+    cfg = HIST_KERNEL_CONFIG
+    chunk = int(chunk or cfg["chunk"])
+    if chunk & (chunk - 1):
+        raise ValueError(f"hist_select: chunk must be a power of two, got {chunk}")
+    chunk = min(chunk, 1 << (span - 1).bit_length())                # one tile of the span's padded length
+    n_tiles = -(-span // chunk)
+    resident = (cfg["resident"] if resident is None else resident) and n_tiles == 1
+    if (chunk << int(slots).bit_length()) >= 2 ** 31 or span >= 2 ** 19:
+        raise ValueError(f"hist_select: chunk {chunk} x k {k} or {span} columns a program too large for the "
+                         f"packed counts")
+    return dict(k=k, slots=slots, kp=1 << (slots - 1).bit_length(), chunk=chunk, n_tiles=n_tiles, resident=resident,
+                finite_only=finite_only, set_out=set_out, tail=bool(interpret), stop_after=int(cfg["stop_after"]),
+                scan2d=int(cfg["scan_group"]) if cfg["scan2d"] and chunk >= 2 * cfg["scan_group"] else 0,
+                refine=int(cfg["refine"]), keys_in=keys_in)
 
 
 def hist_select(scores, k: int, *, finite_only: bool = False, set_out: bool = False, chunk: int | None = None,
@@ -288,30 +322,16 @@ def hist_select(scores, k: int, *, finite_only: bool = False, set_out: bool = Fa
             raise ValueError(f"hist_select: seg_len must be a power of two, got {seg_len}")
         segments = -(-T // seg_len)
     span = T if segments == 1 else seg_len                          # columns one program covers
-    cfg = HIST_KERNEL_CONFIG
-    chunk = int(chunk or cfg["chunk"])
-    if chunk & (chunk - 1):
-        raise ValueError(f"hist_select: chunk must be a power of two, got {chunk}")
-    chunk = min(chunk, 1 << (span - 1).bit_length())                # one tile of the span's padded length
-    n_tiles = -(-span // chunk)
-    resident = (cfg["resident"] if resident is None else resident) and n_tiles == 1
     if slack < 0:
         raise ValueError(f"hist_select: slack must be >= 0, got {slack}")
-    slots = k + int(slack)
-    if (chunk << int(slots).bit_length()) >= 2 ** 31 or span >= 2 ** 19:
-        raise ValueError(f"hist_select: chunk {chunk} x k {k} or {span} columns a program too large for the "
-                         f"packed counts")
-    kp = 1 << (slots - 1).bit_length()
-    width = slots + chunk if interpret else slots                   # interpreter: a tail for the unstored lanes
     keys_in = scores.dtype == jnp.int32
-    kernel = functools.partial(_hist_kernel, T=T, k=k, slots=slots, kp=kp, chunk=chunk, n_tiles=n_tiles,
-                               resident=resident, finite_only=finite_only, set_out=set_out, tail=interpret,
-                               stop_after=int(cfg["stop_after"]),
-                               scan2d=int(cfg["scan_group"]) if cfg["scan2d"] and chunk >= 2 * cfg["scan_group"] else 0,
-                               refine=int(cfg["refine"]), segments=segments, seg_len=span, keys_in=keys_in,
-                               mapped=posmap is not None)
+    opts = _select_opts(span, k, k + int(slack), chunk, resident, finite_only, set_out, keys_in, interpret)
+    slots = opts["slots"]
+    width = slots + opts["chunk"] if interpret else slots          # interpreter: a tail for the unstored lanes
+    kernel = functools.partial(_hist_kernel, T=T, segments=segments, seg_len=span, mapped=posmap is not None,
+                               **opts)
     extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(
-        num_warps=int(num_warps or cfg["num_warps"]), num_stages=1))
+        num_warps=int(num_warps or HIST_KERNEL_CONFIG["num_warps"]), num_stages=1))
     n_out = 1 if set_out else 2
     rows = R * segments
     full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
@@ -328,7 +348,11 @@ def hist_select(scores, k: int, *, finite_only: bool = False, set_out: bool = Fa
 # tournament_select's launch settings (module doc; swept on the H200 in session 36: benchmarks/topk_stages.py,
 # benchmarks/indexer.py --set-configs 'topk=tour_set,tour.NAME=value'). seg_chunk: a segment program's tile
 # (0 = HIST_KERNEL_CONFIG's; below seg_len the tiles are reloaded every pass)
-TOUR_CONFIG = dict(seg_len=4096, final_max=8192, seg_warps=8, final_warps=16, seg_slack=64, seg_chunk=0)
+# fuse_final: the last segment stage and the final selection in one kernel (`tournament_last_stage`; session 38,
+# not yet timed on a GPU, so off); fused_chunk: the final selection's tile there (the survivors are reloaded from L2
+# every pass when they span more than one tile); fused_warps: that kernel's warps (0 = seg_warps)
+TOUR_CONFIG = dict(seg_len=4096, final_max=8192, seg_warps=8, final_warps=16, seg_slack=64, seg_chunk=0,
+                   fuse_final=False, fused_chunk=4096, fused_warps=0)
 
 
 def _tour_settings(seg_len=None, final_max=None, seg_slack=None):
@@ -367,22 +391,105 @@ def tournament_stage(scores, k: int, posmap=None, *, seg_len: int | None = None,
     return keys.reshape(R, -1), pos.reshape(R, -1)
 
 
+def _tour_last_kernel(scores_ref, *refs, T, segments, seg_len, width1, mapped, seg_opts, fin_opts, interpret):
+    """Program p: segment p % segments of row r = p // segments into columns [j * slots1, (j + 1) * slots1) of
+    row r of the survivor arrays (keys1, pos1); then the row's program that finishes its segment last (an arrival
+    counter per row) selects the exact set among the row's survivors into the final outputs."""
+    refs = list(refs)
+    posmap_ref = refs.pop(0) if mapped else None
+    refs.pop(0)                                                     # the counters' input, aliased to count_ref
+    keys1, pos1, count_ref, *fin = refs
+    p = pl.program_id(0)
+    r, j = p // segments, p % segments
+    base = j * seg_len
+    slots1 = seg_opts["slots"]
+    _select_into(scores_ref, posmap_ref, (keys1, pos1), r, base, jnp.minimum(base + seg_len, T), r, j * slots1,
+                 segments * slots1, **seg_opts)
+    # Every thread's survivor stores are issued before one thread's acq_rel atomic (gpu scope) publishes them: the
+    # barrier orders them within the CTA, the release makes them visible to the program that acquires the count
+    # last (RMWs on one address form a release sequence; the acquire invalidates its SM's L1, and Triton broadcasts
+    # the atomic's result through shared memory behind a barrier, so every thread's loads come after it).
+    if not interpret:   # (the interpreter runs one program at a time and has no barrier)
+        plgpu.debug_barrier()
+    arrived = plgpu.atomic_add(count_ref, (r,), jnp.int32(1))
+
+    @pl.when(arrived == segments - 1)
+    def _():
+        _select_into(keys1, pos1, fin, r, 0, width1, r, 0, fin_opts["slots"], **fin_opts)
+
+
+def tournament_last_stage(scores, k: int, posmap=None, *, finite_only: bool = False, set_out: bool = False,
+                          seg_len: int | None = None, seg_slack: int | None = None, chunk: int | None = None,
+                          num_warps: int | None = None, interpret: bool = False):
+    """A tournament's last segment stage and its final selection in one kernel: `hist_select`'s results (same
+    contract: keys / pos [R, k], or the set with set_out) for scores [R, T] (floats or ordered int32 keys) whose
+    segments' survivors, ceil(T / seg_len) x (k + slack) a row, are the last candidates (posmap: as in
+    `tournament_stage`). One program per segment writes its k + slack survivors into a per-row array; the program of
+    each row that finishes last (an atomic arrival count per row, zeroed by XLA before the call) selects the exact
+    set among them, so the rows that finish early overlap their final selection with the other rows' segments, and
+    one launch (and the gap after it) goes. chunk: the final selection's tile (TOUR_CONFIG["fused_chunk"]); num_warps:
+    TOUR_CONFIG["fused_warps"] or the segment programs' seg_warps."""
+    R, T = scores.shape
+    if not 1 <= k <= T:
+        raise ValueError(f"tournament_last_stage: need 1 <= k ({k}) <= T ({T})")
+    if set_out and not finite_only:
+        raise ValueError("tournament_last_stage: set_out needs finite_only (the set's -1s stand for non-finite picks)")
+    if scores.dtype not in (jnp.float32, jnp.int32) and not jnp.issubdtype(scores.dtype, jnp.floating):
+        raise ValueError(f"tournament_last_stage: scores must be floating or int32 ordered keys, got {scores.dtype}")
+    if posmap is not None and (posmap.shape != (R, T) or posmap.dtype != jnp.int32):
+        raise ValueError(f"tournament_last_stage: posmap must be int32 [{R}, {T}], got {posmap.dtype} {posmap.shape}")
+    seg_len, _, slack = _tour_settings(seg_len, None, seg_slack)
+    if seg_len & (seg_len - 1):
+        raise ValueError(f"tournament_last_stage: seg_len must be a power of two, got {seg_len}")
+    cfg = TOUR_CONFIG
+    keys_in = scores.dtype == jnp.int32
+    segments = -(-T // seg_len)
+    seg_opts = _select_opts(seg_len, k, k + slack, cfg["seg_chunk"] or None, None, False, False, keys_in, interpret)
+    width1 = segments * seg_opts["slots"]                           # a row's survivors
+    fin_opts = _select_opts(width1, k, k, chunk or cfg["fused_chunk"], None, finite_only, set_out, True, interpret)
+    tail = lambda opts: opts["chunk"] if interpret else 0          # interpreter: columns for the unstored lanes
+    n_fin = 1 if set_out else 2
+    kernel = functools.partial(_tour_last_kernel, T=T, segments=segments, seg_len=seg_len, width1=width1,
+                               mapped=posmap is not None, seg_opts=seg_opts, fin_opts=fin_opts, interpret=interpret)
+    warps = num_warps or cfg["fused_warps"] or cfg["seg_warps"]
+    extra = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=int(warps), num_stages=1))
+    full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
+    inputs = ([scores if keys_in else scores.astype(jnp.float32)] + ([] if posmap is None else [posmap])
+              + [jnp.zeros((R,), jnp.int32)])
+    shapes = ([(R, width1 + tail(seg_opts))] * 2 + [(R,)] + [(R, k + tail(fin_opts))] * n_fin)
+    outs = pl.pallas_call(
+        kernel, grid=(R * segments,), in_specs=[full(x.shape) for x in inputs],
+        out_specs=[full(sh) for sh in shapes], out_shape=[jax.ShapeDtypeStruct(sh, jnp.int32) for sh in shapes],
+        input_output_aliases={len(inputs) - 1: 2}, interpret=interpret, name="topk_tour_last", **extra,
+    )(*inputs)
+    fin = [o[:, :k] for o in outs[3:]]
+    return fin[0] if set_out else tuple(fin)
+
+
 def tournament_select(scores, k: int, *, finite_only: bool = False, set_out: bool = False,
                       seg_len: int | None = None, final_max: int | None = None, seg_warps: int | None = None,
-                      final_warps: int | None = None, seg_slack: int | None = None, interpret: bool = False):
+                      final_warps: int | None = None, seg_slack: int | None = None, fuse_final: bool | None = None,
+                      interpret: bool = False):
     """`hist_select`'s results (same arguments and contract) by a tournament: while a row holds more than
     `final_max` candidates, cut it into segments of `seg_len` and keep each segment's top-k set (one program per
     segment: the whole GPU works on a few rows); the last call selects among the survivors, <= final_max a row.
     Exact, ties included: an entry among the row's top k (by score, then lower position) is among its segment's
     top k, and the survivors stay in ascending position (segment by segment), so ties still go to the lower
     position. Each stage keeps k + seg_slack of every seg_len entries (seg_len >= 2k): a superset of the segment's
-    top-k set, so a segment program skips its refining histogram pass where the k-th's pass-1 bin fits the slack."""
+    top-k set, so a segment program skips its refining histogram pass where the k-th's pass-1 bin fits the slack.
+    fuse_final (default TOUR_CONFIG["fuse_final"]): the last segment stage and the final selection in one kernel
+    (`tournament_last_stage`)."""
     T = scores.shape[1]
     if not 1 <= k <= T:
         raise ValueError(f"tournament_select: need 1 <= k ({k}) <= T ({T})")
     seg_len, final_max, slack = _tour_settings(seg_len, final_max, seg_slack)
+    fuse = TOUR_CONFIG["fuse_final"] if fuse_final is None else fuse_final
     x, posmap = scores, None
     while _stage_runs(x.shape[1], k, seg_len, final_max, slack):
+        survivors = -(-x.shape[1] // seg_len) * (k + slack)
+        if fuse and not _stage_runs(survivors, k, seg_len, final_max, slack):   # the last stage: with the final
+            return tournament_last_stage(x, k, posmap, finite_only=finite_only, set_out=set_out, seg_len=seg_len,
+                                         seg_slack=slack, num_warps=seg_warps, interpret=interpret)
         x, posmap = tournament_stage(x, k, posmap, seg_len=seg_len, seg_warps=seg_warps, seg_slack=slack,
                                      interpret=interpret)
     return hist_select(x, k, finite_only=finite_only, set_out=set_out, posmap=posmap,
