@@ -313,14 +313,20 @@ TPU_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", [c if i == 0 else full(c) for i, c in enumerate(TPU_CASES)],
-                         ids=lambda c: f"h{c[2]}_{'fp8' if c[8].get('fp8') else 'bf16'}")
-def test_tpu_kernel_interpret(case):
+@pytest.mark.parametrize("case,double_buffer",
+                         [(c, True) if i == 0 else full(c, True) for i, c in enumerate(TPU_CASES)]
+                         + [full(TPU_CASES[0], False), full(TPU_CASES[1], False)],
+                         ids=lambda c: f"h{c[2]}_{'fp8' if c[8].get('fp8') else 'bf16'}" if isinstance(c, tuple)
+                         else ("ring2" if c else "ring1"))
+def test_tpu_kernel_interpret(case, double_buffer):
+    """The TPU kernel in the TPU interpreter == the reference: ragged lengths, duplicate indices, all-invalid
+    compressed lists, 4 / 64 / 128 heads, bf16 and FP8 pools; with the two-slot gather ring (the default) and
+    without it."""
     from pallas_kernels.sparse_attention.tpu import sparse_attention_tpu
 
     b, t, h, d, n_w, n_c, k_w, k_c, flags = case
     inp = make_inputs(b, t, h, d, n_w, n_c, k_w, k_c, **flags)
-    out = call(sparse_attention_tpu, inp, interpret=True, block_k=8)
+    out = call(sparse_attention_tpu, inp, interpret=True, block_k=8, double_buffer=double_buffer)
     ref = call(sparse_attention_reference, inp)
     check_close(out, ref)
 
