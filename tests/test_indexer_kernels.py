@@ -92,6 +92,17 @@ def test_prefill_chunked_causal(impl):
     check_picks(indexer_topk(q, w, keys, nv, k=24, query_chunk=8, impl=impl), q, w, keys, nv, 24)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", full("bf16"), full("fp4")])
+def test_tpu_kernel_skips_unseen_key_blocks(fmt):
+    """The TPU kernel (interpreted) on caches filled to a part of their capacity: key blocks past the last one a
+    query block sees keep that block's index (no copy) and are written -inf without compute. Rows seeing 0, part of
+    a block, several blocks, all of them; queries of one block seeing different lengths; == the reference."""
+    q, w, keys, nv = make(3, 3, 16, 2300, fmt, rotate=fmt != "bf16")
+    nv = jnp.asarray([[0, 700, 1500], [2300, 5, 512], [0, 0, 0]], jnp.int32)
+    check_scores(q, w, keys, nv, "interpret_tpu", 1e-5)
+    check_picks(indexer_topk(q, w, keys, nv, k=32, impl="interpret_tpu"), q, w, keys, nv, 32)
+
+
 @pytest.mark.parametrize("fmt", ["bf16", full("fp4")])
 def test_decode_wide_default_blocks(fmt):
     """T >= 2048 decode takes the 256-key x 8-warp default: ragged visible lengths, one row ending mid-block."""

@@ -1,7 +1,9 @@
 """TPU Pallas (Mosaic) lightning-indexer scores kernel + top-k; the contract is `reference.indexer_topk`.
 
 Grid (batch row b, block of `block_q` queries, block of `block_t` keys); all tiles through BlockSpecs (VMEM,
-double-buffered by Pallas). Per step: logits = (block_q * H) x dI queries against block_t keys on the MXU (f32
+double-buffered by Pallas). Key blocks past the last one a query block sees (n_visible, scalar-prefetched as the
+last visible block per query block) keep that block's index in the key BlockSpecs, so the pipeline copies nothing
+for them and the step writes -inf without computing: a decode cache filled to L of its capacity reads ~L keys. Per step: logits = (block_q * H) x dI queries against block_t keys on the MXU (f32
 accumulation), ReLU, reshape to [block_q, H, block_t], head-weighted sum, per-key fp8 scale, causal mask. Keys are
 dequantized in VMEM: bf16 / f32 rows; fp8 e4m3 rows (scale applied to the result; the scale is passed transposed,
 [B, 1, T], so it broadcasts over the lane axis); fp4 nibbles decoded arithmetically with the ue8m0 scales, dotted
@@ -24,7 +26,22 @@ from . import formats
 from .gpu import e2m1_value, key_format_of, split_q, topk_over_query_chunks
 
 
-def _kernel(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, H, T, op_dtype):
+def _kernel(last_ref, nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, H, T, op_dtype, n_qb):
+    o_ref = refs[-1]
+    j = pl.program_id(2)
+    last = last_ref[pl.program_id(0) * n_qb + pl.program_id(1)]
+
+    @pl.when(j <= last)
+    def _():
+        _scores(nvis_ref, w_ref, *refs, fmt=fmt, n_qparts=n_qparts, n_terms=n_terms, block_q=block_q,
+                block_t=block_t, H=H, T=T, op_dtype=op_dtype)
+
+    @pl.when(j > last)   # no query of this block sees these keys (their copy was skipped: the block index repeats)
+    def _():
+        o_ref[...] = jnp.full(o_ref.shape, -jnp.inf, o_ref.dtype)
+
+
+def _scores(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, H, T, op_dtype):
     q_refs = refs[:n_qparts]
     key_refs = refs[n_qparts:-1]
     o_ref = refs[-1]
@@ -81,31 +98,41 @@ def indexer_scores_tpu(q, weights, keys, n_visible, *, interpret=False, precisio
     qparts, n_terms = split_q(qf, fmt, precision)
     qparts = [p.reshape(B, Sp * H, p.shape[-1]) for p in qparts]
     op_dtype = jnp.float32 if precision == "f32" else jnp.bfloat16
+    # the last key block any query of a query block sees: later steps of that block repeat its index in the key
+    # BlockSpecs, so the pipeline copies nothing for them (a decode cache filled to L reads ~L keys, not its
+    # capacity), and the kernel writes -inf there without computing
+    n_qb = Sp // bq
+    seen = jnp.max(jnp.clip(nv, 0, T).reshape(B, n_qb, bq), axis=-1)
+    last = (jnp.maximum(seen, 1) - 1) // bt
+    last = jnp.where(seen > 0, last, -1).reshape(B * n_qb).astype(jnp.int32)   # -1: the block sees no key
+    at = lambda b, i, j, last_ref: jnp.minimum(j, jnp.maximum(last_ref[b * n_qb + i], 0))
     if fmt in (None, "bf16"):
         kparts = [keys]
-        kspecs = [pl.BlockSpec((None, bt, d), lambda b, i, j: (b, j, 0))]
+        kspecs = [pl.BlockSpec((None, bt, d), lambda b, i, j, lr: (b, at(b, i, j, lr), 0))]
     elif fmt == "fp8":
         kparts = [keys.values, jnp.swapaxes(keys.scale, 1, 2)]          # scale -> [B, 1, T]
-        kspecs = [pl.BlockSpec((None, bt, d), lambda b, i, j: (b, j, 0)),
-                  pl.BlockSpec((None, 1, bt), lambda b, i, j: (b, 0, j))]
+        kspecs = [pl.BlockSpec((None, bt, d), lambda b, i, j, lr: (b, at(b, i, j, lr), 0)),
+                  pl.BlockSpec((None, 1, bt), lambda b, i, j, lr: (b, 0, at(b, i, j, lr)))]
     else:
         kparts = [keys.values, keys.scale]
-        kspecs = [pl.BlockSpec((None, bt, d // 2), lambda b, i, j: (b, j, 0)),
-                  pl.BlockSpec((None, bt, d // formats.FP4_BLOCK), lambda b, i, j: (b, j, 0))]
-    in_specs = [pl.BlockSpec((None, bq, 1), lambda b, i, j: (b, i, 0)),
-                pl.BlockSpec((None, bq, H), lambda b, i, j: (b, i, 0))]
-    in_specs += [pl.BlockSpec((None, bq * H, p.shape[-1]), lambda b, i, j: (b, i, 0)) for p in qparts]
+        kspecs = [pl.BlockSpec((None, bt, d // 2), lambda b, i, j, lr: (b, at(b, i, j, lr), 0)),
+                  pl.BlockSpec((None, bt, d // formats.FP4_BLOCK), lambda b, i, j, lr: (b, at(b, i, j, lr), 0))]
+    in_specs = [pl.BlockSpec((None, bq, 1), lambda b, i, j, lr: (b, i, 0)),
+                pl.BlockSpec((None, bq, H), lambda b, i, j, lr: (b, i, 0))]
+    in_specs += [pl.BlockSpec((None, bq * H, p.shape[-1]), lambda b, i, j, lr: (b, i, 0)) for p in qparts]
     in_specs += kspecs
     kernel = functools.partial(_kernel, fmt=fmt, n_qparts=len(qparts), n_terms=n_terms, block_q=bq, block_t=bt,
-                               H=H, T=T, op_dtype=op_dtype)
+                               H=H, T=T, op_dtype=op_dtype, n_qb=n_qb)
     extra = dict(interpret=pltpu.InterpretParams()) if interpret else {}
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1, grid=(B, n_qb, Tp // bt), in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, bq, bt), lambda b, i, j, lr: (b, i, j)))
     out = pl.pallas_call(
-        kernel, grid=(B, Sp // bq, Tp // bt), in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, bq, bt), lambda b, i, j: (b, i, j)),
+        kernel, grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((B, Sp, Tp), jnp.float32),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         name=f"indexer_scores_tpu_{fmt}", **extra,
-    )(nv[..., None], wf, *qparts, *kparts)
+    )(last, nv[..., None], wf, *qparts, *kparts)
     out = out[:, :S]
     return out if pad_to_block else out[..., :T]
 
