@@ -50,12 +50,13 @@ class Block(nnx.Module):
     def _hc_kwargs(self):
         return dict(zip(("hc", "iters", "eps", "norm_eps"), self._hc))
 
-    def __call__(self, streams, ids, positions, start, n_valid, layer_cache, fmt: CacheFormat = CacheFormat()):
-        """streams [B, S, hc, D] -> (streams, layer_cache)."""
+    def __call__(self, streams, ids, positions, start, n_valid, layer_cache, fmt: CacheFormat = CacheFormat(),
+                 trace: list | None = None):
+        """streams [B, S, hc, D] -> (streams, layer_cache). trace: see `Attention.__call__`."""
         pre, post, comb = hc_weights(streams, self.hc_attn_fn[...], self.hc_attn_base[...], self.hc_attn_scale[...],
                                      **self._hc_kwargs)
         out, layer_cache = self.attn(self.attn_norm(hc_collapse(streams, pre)), positions, start, n_valid,
-                                     layer_cache, fmt)
+                                     layer_cache, fmt, trace=trace)
         streams = hc_expand(out, streams, post, comb)
         pre, post, comb = hc_weights(streams, self.hc_ffn_fn[...], self.hc_ffn_base[...], self.hc_ffn_scale[...],
                                      **self._hc_kwargs)
@@ -180,12 +181,13 @@ class DeepseekV4ForCausalLM(nnx.Module):
                              f"max_len={cache.max_len}; create a larger cache with init_cache(batch, max_len)")
 
 
-def forward_chunk(model: DeepseekV4ForCausalLM, input_ids, cache: ModelCache, lengths):
+def forward_chunk(model: DeepseekV4ForCausalLM, input_ids, cache: ModelCache, lengths, trace: list | None = None):
     """The whole model for one right-padded chunk per sequence. Pure: returns new logits and a new cache.
 
     input_ids [B, S] int32; lengths [B] int32 valid tokens of each row (<= S); cache.lengths [B] tokens already
     consumed. -> logits [B, S, vocab] float32 (rows past lengths[b] are don't-care), cache with lengths advanced.
     Row independence: nothing a row computes reads another row's tokens, lengths or cache.
+    trace: a list that receives each layer's attention inputs, in layer order (`dsv4_jax.inspect_attention`).
     """
     c = model.config
     B, S = input_ids.shape
@@ -197,7 +199,7 @@ def forward_chunk(model: DeepseekV4ForCausalLM, input_ids, cache: ModelCache, le
     streams = jnp.broadcast_to(h[:, :, None, :], (B, S, c.hc_mult, c.hidden_size))
     new_layers = []
     for block, layer_cache in zip(model.layers, cache.layers):
-        streams, layer_cache = block(streams, ids, positions, start, lengths, layer_cache, cache.fmt)
+        streams, layer_cache = block(streams, ids, positions, start, lengths, layer_cache, cache.fmt, trace=trace)
         new_layers.append(layer_cache)
     y = hc_head_collapse(streams, model.hc_head_fn[...], model.hc_head_base[...], model.hc_head_scale[...],
                          eps=c.hc_eps, norm_eps=c.rms_norm_eps)

@@ -8,7 +8,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
-TIMEOUT_S = 300  # per cell; the walkthrough takes well under a minute on 2 CPU cores
+TIMEOUT_S = 300  # per cell; each notebook takes well under a minute on 2 CPU cores
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[os.path.basename(p) for p in NOTEBOOKS])
@@ -34,4 +34,5 @@ def test_notebook_runs(path, monkeypatch):
 
 
 def test_notebooks_exist():
-    assert any(p.endswith("01_generation_walkthrough.ipynb") for p in NOTEBOOKS)
+    names = {os.path.basename(p) for p in NOTEBOOKS}
+    assert {"01_generation_walkthrough.ipynb", "02_attention_anatomy.ipynb"} <= names, names

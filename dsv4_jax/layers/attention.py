@@ -80,9 +80,12 @@ class Attention(nnx.Module):
         if self.kind == CSA:
             self.indexer = Indexer(c, self.ratio, self.inv_freq, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, start, n_valid, cache: LayerCache, fmt: CacheFormat = CacheFormat()):
+    def __call__(self, x, positions, start, n_valid, cache: LayerCache, fmt: CacheFormat = CacheFormat(),
+                 trace: list | None = None):
         """x [B, S, D] (attn_norm output), positions [B, S], start/n_valid [B] -> (out [B, S, D], cache).
-        `fmt` says how cache rows are stored; quantized rows are what every query sees, the chunk's own too."""
+        `fmt` says how cache rows are stored; quantized rows are what every query sees, the chunk's own too.
+        trace: a list that receives one dict of this call's attention inputs (the op's arguments, and for CSA the
+        indexer's q, weights, keys, visible counts and picks): `dsv4_jax.inspect_attention` builds on it."""
         B, S, _ = x.shape
         H, d, W = self.n_heads, self.head_dim, self.window
         qr = self.q_norm(self.wq_a(x))                                            # [B, S, q_lora]
@@ -119,6 +122,15 @@ class Attention(nnx.Module):
                 compressed_len = n_complete  # kernels stop after the complete entries
             compressed_pool = flatten_rows(entries)
 
+        if trace is not None:
+            record = dict(q=q, positions=positions, window_pool=flatten_rows(window_pool), window_idx=window_idx,
+                          compressed_pool=compressed_pool, compressed_idx=compressed_idx,
+                          compressed_len=compressed_len, sinks=self.attn_sink[...])
+            if self.kind == CSA:
+                iq, iw = self.indexer.query(x, qr, positions, fmt.indexer, fmt.indexer_rotate)
+                record.update(indexer_q=iq, indexer_w=iw, indexer_keys=cache.indexer_keys,
+                              indexer_n_visible=self.indexer.n_visible(positions), picks=picks)
+            trace.append(record)
         o = sparse_attention(q, flatten_rows(window_pool), window_idx, compressed_pool, compressed_idx,
                              self.attn_sink[...], scale=d ** -0.5, compressed_len=compressed_len,
                              impl=self.attention_impl, kernel=self.attention_kernel)

@@ -36,6 +36,12 @@ class Indexer(nnx.Module):
         -> picks [B, S, min(topk, T)] int32 entry indices (-1 where not causally visible), best first (picks
         "sorted") or in ascending index order (picks "set"); the -1s come last either way.
         Queries get the keys' rotation and (fake) quantization."""
+        q, w = self.query(x, qr, positions, fmt, rotate)
+        return indexer_topk(q, w, keys, self.n_visible(positions), k=self.topk, impl=impl, picks=picks)
+
+    def query(self, x, qr, positions, fmt=None, rotate=False):
+        """The scoring side of `select`: (q [B, S, n_heads, head_dim] f32 with RoPE, the keys' rotation and (fake)
+        quantization; head weights [B, S, n_heads] f32 with both scale factors folded in)."""
         B, S = x.shape[:2]
         q = matmul(qr, self.wq_b.weight[...], jnp.float32).reshape(B, S, self.n_heads, self.head_dim)
         q = apply_rope(q, positions, self.inv_freq)
@@ -44,4 +50,8 @@ class Indexer(nnx.Module):
         if fmt in ("fp8", "fp4"):
             q = formats.fake_quantize(q, fmt)
         w = matmul(x, self.weights_proj.weight[...], jnp.float32) * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
-        return indexer_topk(q, w, keys, (positions + 1) // self.ratio, k=self.topk, impl=impl, picks=picks)
+        return q, w
+
+    def n_visible(self, positions):
+        """[B, S] causally complete entries of each query: floor((t + 1) / ratio)."""
+        return (positions + 1) // self.ratio

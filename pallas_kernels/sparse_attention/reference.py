@@ -100,3 +100,27 @@ def sparse_attention(
     # Gathered rows are [B, c, K, D] float32: chunk the queries so a long prefill stays within memory.
     o, lse = map_query_chunks(attend, (q, window_idx, compressed_idx, window_len, compressed_len), query_chunk)
     return (o, lse) if return_lse else o
+
+
+def attention_probs(q, window_kv, window_idx, compressed_kv, compressed_idx, sinks, *, scale: float,
+                    window_len=None, compressed_len=None):
+    """The softmax of `sparse_attention`, split by where its mass goes (for study, not for speed: every gathered row
+    is materialised in f32). Same arguments as `sparse_attention`.
+
+    Returns (p_window [B, T, H, Kw], p_compressed [B, T, H, Kc] or None, p_sink [B, T, H]), float32: for each
+    query and head, p_window.sum(-1) + p_compressed.sum(-1) + p_sink == 1, and the op's output is
+    sum_i p_i kv[idx_i] over both lists (the sink takes its share of the mass and contributes no value).
+    Invalid entries (-1, out of range, past the valid length) get 0."""
+    q32 = q.astype(jnp.float32)
+    logits, _ = _gather_scores(q32, window_kv, window_idx, window_len, scale)
+    kw = logits.shape[-1]
+    if compressed_kv is not None:
+        c_logits, _ = _gather_scores(q32, compressed_kv, compressed_idx, compressed_len, scale)
+        logits = jnp.concatenate([logits, c_logits], axis=-1)
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, None, :], logits.shape[:-1])
+    m = jnp.maximum(jnp.max(logits, axis=-1), sink)
+    p = jnp.exp(logits - m[..., None])
+    p_sink = jnp.exp(sink - m)
+    denom = jnp.sum(p, axis=-1) + p_sink
+    p, p_sink = p / denom[..., None], p_sink / denom
+    return p[..., :kw], (p[..., kw:] if compressed_kv is not None else None), p_sink
