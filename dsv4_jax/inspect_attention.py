@@ -129,18 +129,12 @@ def trace_attention(model: DeepseekV4ForCausalLM, input_ids, cache: ModelCache |
     """Runs one right-padded chunk [B, S] like `model.prefill` (after what `cache` holds; a fresh cache of
     capacity S when None) and returns (logits [B, S, vocab], [AttentionTrace per layer], new cache).
     The same checks as prefill: ids in the vocabulary, lengths in [0, S], the cache's batch and capacity."""
-    ids = model._check_ids(input_ids)
-    B, S = ids.shape
     if cache is None:
+        B, S = model._check_ids(input_ids).shape
         cache = model.init_cache(B, S)
-    model._check_batch(cache, B)
-    lengths = np.full((B,), S, np.int32) if lengths is None else np.asarray(lengths, np.int32)
-    if lengths.shape != (B,) or (lengths < 0).any() or (lengths > S).any():
-        raise ValueError(f"lengths must be [batch={B}] ints in [0, {S}], got {lengths.tolist()}")
-    model._check_vocab(np.asarray(input_ids), lengths)
-    model._check_capacity(cache, lengths)
+    ids, lengths = model._check_chunk(input_ids, cache, lengths)
     graphdef, state = nnx.split(model)
-    logits, new_cache, records = _traced_chunk(graphdef, state, cache, ids, jnp.asarray(lengths))
+    logits, new_cache, records = _traced_chunk(graphdef, state, cache, ids, lengths)
     c = model.config
     traces = []
     for i, rec in enumerate(records):

@@ -124,15 +124,8 @@ class DeepseekV4ForCausalLM(nnx.Module):
 
     def prefill(self, input_ids, cache: ModelCache, lengths=None):
         """Feeds a right-padded chunk [B, S] (row b valid for lengths[b] tokens) after what `cache` holds."""
-        ids = self._check_ids(input_ids)
-        B, S = ids.shape
-        self._check_batch(cache, B)
-        lengths = np.full((B,), S, np.int32) if lengths is None else np.asarray(lengths, np.int32)
-        if lengths.shape != (B,) or (lengths < 0).any() or (lengths > S).any():
-            raise ValueError(f"lengths must be [batch={B}] ints in [0, {S}], got {lengths.tolist()}")
-        self._check_vocab(np.asarray(input_ids), lengths)
-        self._check_capacity(cache, lengths)
-        return _jitted_chunk(*nnx.split(self), ids, cache, jnp.asarray(lengths))
+        ids, lengths = self._check_chunk(input_ids, cache, lengths)
+        return _jitted_chunk(*nnx.split(self), ids, cache, lengths)
 
     def decode(self, tokens, cache: ModelCache):
         """One token per sequence: tokens [B] -> (logits [B, vocab], cache)."""
@@ -151,6 +144,19 @@ class DeepseekV4ForCausalLM(nnx.Module):
         return logits[:, 0], cache
 
     # ----------------------------------------------------------------- checks
+    def _check_chunk(self, input_ids, cache: ModelCache, lengths):
+        """prefill's argument checks -> (ids [B, S] int32, lengths [B] int32): ids in the vocabulary, lengths in
+        [0, S] (None: S), the cache's batch and capacity."""
+        ids = self._check_ids(input_ids)
+        B, S = ids.shape
+        self._check_batch(cache, B)
+        lengths = np.full((B,), S, np.int32) if lengths is None else np.asarray(lengths, np.int32)
+        if lengths.shape != (B,) or (lengths < 0).any() or (lengths > S).any():
+            raise ValueError(f"lengths must be [batch={B}] ints in [0, {S}], got {lengths.tolist()}")
+        self._check_vocab(np.asarray(input_ids), lengths)
+        self._check_capacity(cache, lengths)
+        return ids, jnp.asarray(lengths)
+
     def _check_ids(self, input_ids):
         ids = np.asarray(input_ids)
         if ids.ndim != 2 or ids.shape[1] == 0 or ids.shape[0] == 0:

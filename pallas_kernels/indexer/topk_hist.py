@@ -273,6 +273,21 @@ def _hist_kernel(scores_ref, *refs, T, segments, seg_len, mapped, **opts):
     _select_into(scores_ref, posmap_ref, outs, r, base, end, p, 0, opts["slots"], **opts)
 
 
+def _check_select_args(name, scores, k, finite_only, set_out, posmap):
+    """The arguments every selection entry point shares -> (R, T): 1 <= k <= T, set_out only with finite_only,
+    float or ordered-int32 scores [R, T], posmap int32 [R, T] or None."""
+    R, T = scores.shape
+    if not 1 <= k <= T:
+        raise ValueError(f"{name}: need 1 <= k ({k}) <= T ({T})")
+    if set_out and not finite_only:
+        raise ValueError(f"{name}: set_out needs finite_only (the set's -1s stand for non-finite picks)")
+    if scores.dtype not in (jnp.float32, jnp.int32) and not jnp.issubdtype(scores.dtype, jnp.floating):
+        raise ValueError(f"{name}: scores must be floating or int32 ordered keys, got {scores.dtype}")
+    if posmap is not None and (posmap.shape != (R, T) or posmap.dtype != jnp.int32):
+        raise ValueError(f"{name}: posmap must be int32 [{R}, {T}], got {posmap.dtype} {posmap.shape}")
+    return R, T
+
+
 def _select_opts(span, k, slots, chunk, resident, finite_only, set_out, keys_in, interpret):
     """`_select_into`'s static options for a program covering `span` columns: the tile (`chunk`, a power of two,
     at most the span's padded length; HIST_KERNEL_CONFIG's by default), the tile count, whether the one tile stays
@@ -307,15 +322,7 @@ def hist_select(scores, k: int, *, finite_only: bool = False, set_out: bool = Fa
     slack > 0: outputs of k + slack slots a row holding a superset of the top-k set (every entry up to the k-th's
     last refined interval, ties -> lower position), ascending position, padding after: one histogram pass fewer
     where the k-th's bin fits (a tournament's first stage)."""
-    R, T = scores.shape
-    if not 1 <= k <= T:
-        raise ValueError(f"hist_select: need 1 <= k ({k}) <= T ({T})")
-    if set_out and not finite_only:
-        raise ValueError("hist_select: set_out needs finite_only (the set's -1s stand for non-finite picks)")
-    if scores.dtype not in (jnp.float32, jnp.int32) and not jnp.issubdtype(scores.dtype, jnp.floating):
-        raise ValueError(f"hist_select: scores must be floating or int32 ordered keys, got {scores.dtype}")
-    if posmap is not None and (posmap.shape != (R, T) or posmap.dtype != jnp.int32):
-        raise ValueError(f"hist_select: posmap must be int32 [{R}, {T}], got {posmap.dtype} {posmap.shape}")
+    R, T = _check_select_args("hist_select", scores, k, finite_only, set_out, posmap)
     segments = 1
     if seg_len is not None:
         if seg_len < 1 or seg_len & (seg_len - 1):
@@ -429,15 +436,7 @@ def tournament_last_stage(scores, k: int, posmap=None, *, finite_only: bool = Fa
     set among them, so the rows that finish early overlap their final selection with the other rows' segments, and
     one launch (and the gap after it) goes. chunk: the final selection's tile (TOUR_CONFIG["fused_chunk"]); num_warps:
     TOUR_CONFIG["fused_warps"] or the segment programs' seg_warps."""
-    R, T = scores.shape
-    if not 1 <= k <= T:
-        raise ValueError(f"tournament_last_stage: need 1 <= k ({k}) <= T ({T})")
-    if set_out and not finite_only:
-        raise ValueError("tournament_last_stage: set_out needs finite_only (the set's -1s stand for non-finite picks)")
-    if scores.dtype not in (jnp.float32, jnp.int32) and not jnp.issubdtype(scores.dtype, jnp.floating):
-        raise ValueError(f"tournament_last_stage: scores must be floating or int32 ordered keys, got {scores.dtype}")
-    if posmap is not None and (posmap.shape != (R, T) or posmap.dtype != jnp.int32):
-        raise ValueError(f"tournament_last_stage: posmap must be int32 [{R}, {T}], got {posmap.dtype} {posmap.shape}")
+    R, T = _check_select_args("tournament_last_stage", scores, k, finite_only, set_out, posmap)
     seg_len, _, slack = _tour_settings(seg_len, None, seg_slack)
     if seg_len & (seg_len - 1):
         raise ValueError(f"tournament_last_stage: seg_len must be a power of two, got {seg_len}")
