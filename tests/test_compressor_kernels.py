@@ -82,6 +82,16 @@ def test_indexer_compressor_prefill_every_offset(impl, fmt, rotate):
     assert check(inp, kw, impl, TOL[fmt], rotate=rotate) > 0
 
 
+@pytest.mark.parametrize("wb", [3, full(1), full(16)])
+def test_tpu_windows_per_block(wb):
+    """The TPU kernel finishing `windows_per_block` windows a grid step (padding windows past the grid are never
+    written): a 30-token chunk at window offsets 0..3, ragged n_valid, fp8 indexer keys with the rotation."""
+    inp, kw = make(4, 30, 4, True, 128, "fp8", starts=[0, 5, 10, 15], n_valid=[30, 0, 17, 29])
+    assert check(inp, kw, "interpret_tpu", TOL["fp8"], rotate=True, windows_per_block=wb) > 0
+    with pytest.raises(ValueError, match="windows_per_block must be >= 1"):
+        call(inp, kw, impl="interpret_tpu", windows_per_block=-1)
+
+
 @pytest.mark.parametrize("impl", ["pallas", full("interpret_tpu")])
 def test_decode_every_offset_fresh_and_overlap(impl):
     """S = 1 decode at every offset of the window (0 or 1 entry per row), fresh prev state (-inf) for row 0."""

@@ -54,10 +54,16 @@ def test_indexer_lowers_for_tpu(fmt, rotate, S):
 
 @pytest.mark.parametrize("r,overlap,d,fmt,S", [
     (4, True, 128, "fp4", 1), (4, True, 128, "fp8", 33), full(4, True, 128, "bf16", 9), (4, True, 512, None, 40),
-    full(128, False, 512, None, 300), (128, False, 512, None, 1)])
+    full(128, False, 512, None, 300), (128, False, 512, None, 1), (4, True, 512, "kv_fp8", 40),
+    full(128, False, 512, "kv_fp8", 130)])
 def test_compressor_lowers_for_tpu(r, overlap, d, fmt, S):
     from pallas_kernels.compressor.tpu import compress_chunk_tpu
 
-    inp, kw = make_compressor(2, S, r, overlap, d, fmt)
+    inp, kw = make_compressor(2, S, r, overlap, d, None if fmt == "kv_fp8" else fmt)
+    if fmt == "kv_fp8":   # the main KV cache's 584-B FP8 rows
+        from pallas_kernels.sparse_attention.fp8_layout import quantize_kv_fp8_rows
+
+        inp["entries"], kw["key_format"] = quantize_kv_fp8_rows(inp["entries"]), "kv_fp8"
     keys = ("kv", "gate", "start", "n_valid", "state_kv", "state_gate", "prev_kv", "prev_gate", "entries")
-    lowers_for_tpu(lambda *a: compress_chunk_tpu(*a, **kw, rotate=fmt is not None), *(inp[k] for k in keys))
+    rotate = fmt in ("bf16", "fp8", "fp4")
+    lowers_for_tpu(lambda *a: compress_chunk_tpu(*a, **kw, rotate=rotate), *(inp[k] for k in keys))

@@ -34,25 +34,10 @@ def compress_chunk(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, prev
     r = ratio
     B, S, cd = kv.shape
     d = cd // 2 if overlap else cd
-    offset = start % r                                   # slots of the open window already in the state
-    n_windows = (r - 1 + S) // r + 1                     # enough windows that the open one is always inside
-    grid = jnp.arange(n_windows * r, dtype=jnp.int32)[None, :]
-    chunk_j = grid - offset[:, None]                     # chunk token index at each grid slot
-    from_chunk = (chunk_j >= 0) & (chunk_j < n_valid[:, None])
-    from_state = grid < offset[:, None]
-    take_chunk = lambda t: jnp.take_along_axis(t, jnp.clip(chunk_j, 0, S - 1)[..., None], axis=1)
-    take_state = lambda t: jnp.take_along_axis(t, jnp.clip(grid, 0, r - 1)[..., None], axis=1)
-    fill = lambda c, s: jnp.where(from_chunk[..., None], take_chunk(c),
-                                  jnp.where(from_state[..., None], take_state(s), 0.0))
-    win_kv = fill(kv, state_kv).reshape(B, n_windows, r, cd)
-    win_gate = fill(gate, state_gate).reshape(B, n_windows, r, cd)
-    if overlap:
-        pool_kv = jnp.concatenate([jnp.concatenate([prev_kv[:, None], win_kv[:, :-1, :, :d]], axis=1),
-                                   win_kv[..., d:]], axis=2)                     # [B, nW, 2r, d]
-        pool_gate = jnp.concatenate([jnp.concatenate([prev_gate[:, None], win_gate[:, :-1, :, :d]], axis=1),
-                                     win_gate[..., d:]], axis=2)
-    else:
-        pool_kv, pool_gate = win_kv, win_gate
+    win_kv, win_gate, pool_kv, pool_gate = window_pools(kv, gate, start, n_valid, state_kv, state_gate, prev_kv,
+                                                        prev_gate, ratio=r, overlap=overlap)
+    offset = start % r
+    n_windows = win_kv.shape[1]
     pooled = jnp.sum(jax.nn.softmax(pool_gate, axis=2) * pool_kv, axis=2)      # [B, nW, d] float32
     pooled = round_to(pooled, norm_dtype)          # bit arithmetic for bf16: XLA GPU folds a two-cast round trip
     pooled = pooled * jax.lax.rsqrt(jnp.mean(pooled * pooled, axis=-1, keepdims=True) + eps) * norm_weight
@@ -75,3 +60,35 @@ def compress_chunk(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, prev
         prev_kv = jnp.where(has_prev, pick(win_kv, km1)[..., :d], prev_kv)
         prev_gate = jnp.where(has_prev, pick(win_gate, km1)[..., :d], prev_gate)
     return entries, state_kv, state_gate, prev_kv, prev_gate
+
+
+def window_pools(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, prev_gate, *, ratio: int, overlap: bool):
+    """Each row's window grid (base = start - start % ratio; n_windows = (ratio - 1 + S) // ratio + 1, enough that
+    the window left open is always inside): (win_kv, win_gate) [B, nW, ratio, c * d], grid slot g holding chunk
+    token g - start % ratio where that is in [0, n_valid), else open-window state slot g if g < start % ratio, else
+    0; and (pool_kv, pool_gate) [B, nW, c * ratio, d], the slots each window pools: for an overlapping compressor
+    the previous window's A-half (channels [0, d); prev_kv / prev_gate for window 0) then its own B-half
+    (channels [d, 2d)), else the window itself."""
+    r = ratio
+    B, S, cd = kv.shape
+    d = cd // 2 if overlap else cd
+    offset = start % r                                   # slots of the open window already in the state
+    n_windows = (r - 1 + S) // r + 1
+    grid = jnp.arange(n_windows * r, dtype=jnp.int32)[None, :]
+    chunk_j = grid - offset[:, None]                     # chunk token index at each grid slot
+    from_chunk = (chunk_j >= 0) & (chunk_j < n_valid[:, None])
+    from_state = grid < offset[:, None]
+    take_chunk = lambda t: jnp.take_along_axis(t, jnp.clip(chunk_j, 0, S - 1)[..., None], axis=1)
+    take_state = lambda t: jnp.take_along_axis(t, jnp.clip(grid, 0, r - 1)[..., None], axis=1)
+    fill = lambda c, s: jnp.where(from_chunk[..., None], take_chunk(c),
+                                  jnp.where(from_state[..., None], take_state(s), 0.0))
+    win_kv = fill(kv, state_kv).reshape(B, n_windows, r, cd)
+    win_gate = fill(gate, state_gate).reshape(B, n_windows, r, cd)
+    if overlap:
+        pool_kv = jnp.concatenate([jnp.concatenate([prev_kv[:, None], win_kv[:, :-1, :, :d]], axis=1),
+                                   win_kv[..., d:]], axis=2)                     # [B, nW, 2r, d]
+        pool_gate = jnp.concatenate([jnp.concatenate([prev_gate[:, None], win_gate[:, :-1, :, :d]], axis=1),
+                                     win_gate[..., d:]], axis=2)
+    else:
+        pool_kv, pool_gate = win_kv, win_gate
+    return win_kv, win_gate, pool_kv, pool_gate

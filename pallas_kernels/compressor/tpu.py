@@ -1,17 +1,25 @@
 """TPU Pallas (Mosaic) fused compressor chunk kernel; the contract is `reference.compress_chunk`.
 
-Grid (batch row b, window w of the row's window grid); `start` and `n_valid` are scalar-prefetched. The chunk's kv /
-gate stay in HBM (`pl.ANY`): each step DMAs the `ratio` chunk rows of window w (and of window w - 1 for the A-half
-of an overlapping compressor) into VMEM, starting at the window's first chunk token clamped to the chunk; the
-first window of a row whose start is not window-aligned is realigned with a sublane roll (`pltpu.roll`) and its
-leading slots taken from the open-window state. Then: channel-wise softmax pooling, rounding to `norm_dtype`,
-RMSNorm, RoPE at the window position (pair partner via lane rolls), optional Hadamard (MXU, f32), encoding (cache
-dtype, indexer bf16 / fp8 / fp4, or the main KV cache's 584-B FP8 rows), and a DMA of the finished row (and its
-scales) into the aliased cache at entry w, only for complete windows with w < cap.
-The new open-window state comes from the shared XLA epilogue `gpu.next_state`.
+Windows in blocks (session 38). Up to session 37 a grid step pooled one window: it copied the window's `ratio`
+chunk rows (and the previous window's, overlapping) by blocking DMAs, computed on a [1, d] row, and wrote the entry
+by another blocking DMA. A 16K-token prefill at ratio 4 took 4096 such steps per row, each a few DMA latencies and
+the per-step overhead, for a few KB of data. Now:
+1. XLA lays each row's chunk and open-window state on its window grid: `reference.window_pools`, the slots every
+   window pools (an overlapping compressor's 2r: the previous window's A-half, then its own B-half), as the
+   reference does.
+2. The kernel, grid (batch row b, block of `wb` windows), gets [wb, c * ratio, d] tiles of kv and gate through
+   BlockSpecs (double-buffered by Pallas) and finishes the block's wb windows at once: the channel-wise softmax
+   over the slots, rounding to `norm_dtype`, RMSNorm, RoPE at each window's position (pair partner via lane
+   rolls), the optional Hadamard as a [wb, d] x [d, d] matmul (MXU, f32), and the encoding (cache dtype, indexer
+   bf16 / fp8 / fp4, or the main KV cache's 584-B FP8 rows), all per row of the block.
+3. The block's encoded rows go to a [B, n_blocks, wb, ...] output, and XLA scatters the complete windows into the
+   cache at their entries (w < cap), as the reference does.
+wb = 8 windows for ratio < 128 (a block of 8 rows fills the sublanes), 1 window of 128 slots at ratio 128. The new
+open-window state comes from the shared XLA epilogue `gpu.next_state`.
 
 Status: validated in the TPU interpreter (`pltpu.InterpretParams`) on CPU, and Pallas' Mosaic lowering for a TPU
-(v6e) target runs in CI (`tests/test_tpu_lowering.py`); no TPU compile (libtpu) has been run.
+(v6e) target runs in CI (`tests/test_tpu_lowering.py`); no TPU compile (libtpu) has been run, so the speed-up is
+designed, not measured.
 """
 
 from __future__ import annotations
@@ -29,143 +37,93 @@ from ..indexer import formats
 from ..numerics import round_to_bf16
 from ..sparse_attention.fp8_layout import NOPE_DIM as FP8_NOPE, ROPE_DIM as FP8_ROPE
 from ..sparse_attention.fp8_layout import block_exponent as fp8_block_exponent
-from .gpu import (e2m1_code, entries_from_parts, entry_parts, exp2i, mix_matrix, n_windows_of, next_state,
-                  pow2_exponent)
+from .gpu import e2m1_code, entries_from_parts, entry_parts, exp2i, mix_matrix, next_state, pow2_exponent
+from .reference import window_pools
 
 
-def _kernel(start_ref, nvalid_ref, kv_hbm, gate_hbm, skv_ref, sgate_ref, *refs, r, S, d, cd, overlap, eps,
-            norm_dtype, key_format, rotate, cap, n_parts):
-    it = iter(refs)
-    if overlap:
-        pkv_ref, pgate_ref = next(it), next(it)
-    nw_ref, freq_ref = next(it), next(it)
-    m_refs = []
-    if key_format == "fp4":
-        m_refs = [next(it), next(it)]
-    elif rotate:
-        m_refs = [next(it)]
-    ins_alias = [next(it) for _ in range(n_parts)]
-    del ins_alias
-    outs = [next(it) for _ in range(n_parts)]
-    buf_kv, buf_g, row_scr = next(it), next(it), [next(it) for _ in range(n_parts)]
-    sem = next(it)
-
+def _kernel(start_ref, kv_ref, gate_ref, nw_ref, freq_ref, *refs, r, wb, d, eps, norm_dtype, key_format, rotate,
+            n_parts):
+    """Block (b, i): windows i * wb .. i * wb + wb - 1 of row b's grid. kv_ref / gate_ref [wb, c * r, d] (the
+    slots each window pools), nw_ref / freq_ref [1, d]; refs: the mix matrices (fp4: even / odd rows; rotate: one),
+    then the outputs [wb, ...] per part of the cache format."""
+    m_refs = list(refs[:-n_parts])
+    outs = refs[-n_parts:]
     b = pl.program_id(0)
-    w = pl.program_id(1)
+    i = pl.program_id(1)
     start = start_ref[b]
-    nv = nvalid_ref[b]
-    off = start % r
-    win_pos = start - off + w * r
-    dest = win_pos // r
-    complete = (win_pos + r <= start + nv) & (dest < cap)
-    slot = jax.lax.broadcasted_iota(jnp.int32, (r, cd), 0)
-
-    def window(k, which):
-        """(kv, gate) [r, cd] of window k's slots (reference `fill`)."""
-        j_first = k * r - off
-        s0 = jnp.clip(j_first, 0, S - r)
-        copies = [pltpu.make_async_copy(src.at[b, pl.ds(s0, r)], dst.at[which], sem.at[i])
-                  for i, (src, dst) in enumerate(((kv_hbm, buf_kv), (gate_hbm, buf_g)))]
-        for c in copies:
-            c.start()
-        for c in copies:
-            c.wait()
-        shift = (s0 - j_first) % r
-        j = j_first + slot
-        from_chunk = (j >= 0) & (j < nv)
-        g = k * r + slot
-        from_state = g < off
-        out = []
-        for bref, sref in ((buf_kv, skv_ref), (buf_g, sgate_ref)):
-            x = pltpu.roll(bref[which], shift, 0)
-            out.append(jnp.where(from_chunk, x, jnp.where(from_state, sref[...], 0.0)))
-        return out
-
-    kv_b, g_b = window(w, 0)
-    if overlap:
-        kv_a, g_a = window(jnp.maximum(w - 1, 0), 1)
-        first = w == 0
-        akv = jnp.where(first, pkv_ref[...], kv_a[:, :d])
-        ag = jnp.where(first, pgate_ref[...], g_a[:, :d])
-        bkv, bg = kv_b[:, d:], g_b[:, d:]
-        m = jnp.maximum(jnp.max(ag, axis=0, keepdims=True), jnp.max(bg, axis=0, keepdims=True))
-        ea, eb = jnp.exp(ag - m), jnp.exp(bg - m)
-        num = jnp.sum(ea * akv, axis=0, keepdims=True) + jnp.sum(eb * bkv, axis=0, keepdims=True)
-        den = jnp.sum(ea, axis=0, keepdims=True) + jnp.sum(eb, axis=0, keepdims=True)
-    else:
-        m = jnp.max(g_b, axis=0, keepdims=True)
-        e = jnp.exp(g_b - m)
-        num = jnp.sum(e * kv_b, axis=0, keepdims=True)
-        den = jnp.sum(e, axis=0, keepdims=True)
-    p = (num / den).astype(norm_dtype).astype(jnp.float32)                 # [1, d]
+    g = gate_ref[...]
+    m = jnp.max(g, axis=1, keepdims=True)                                  # [wb, 1, d]
+    e = jnp.exp(g - m)
+    p = jnp.sum(e * kv_ref[...], axis=1) / jnp.sum(e, axis=1)              # [wb, d] channel-wise softmax pool
+    p = p.astype(norm_dtype).astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.sum(p * p, axis=1, keepdims=True) / d + eps)
     y = (p * inv * nw_ref[...]).astype(norm_dtype).astype(jnp.float32)
-    # RoPE: partner of channel c is c ^ 1 (lane rolls); freq row is 0 outside the rope channels
-    col = jax.lax.broadcasted_iota(jnp.int32, (1, d), 1)
+    # RoPE at each window's first grid position: partner of channel c is c ^ 1 (lane rolls); freq is 0 outside the
+    # rope channels
+    col = jax.lax.broadcasted_iota(jnp.int32, (wb, d), 1)
     even = (col & 1) == 0
     partner = jnp.where(even, pltpu.roll(y, d - 1, 1), pltpu.roll(y, 1, 1))
-    ang = win_pos.astype(jnp.float32) * freq_ref[...]
+    win = i * wb + jax.lax.broadcasted_iota(jnp.int32, (wb, 1), 0)
+    ang = (start - start % r + win * r).astype(jnp.float32) * freq_ref[...]
     rot = y * jnp.cos(ang) + jnp.where(even, -1.0, 1.0) * partner * jnp.sin(ang)
     y = jnp.where(freq_ref[...] != 0, rot.astype(norm_dtype).astype(jnp.float32), y)
 
     def mix(mref):
-        y8 = jnp.broadcast_to(y, (8, d))
-        return jax.lax.dot_general(y8, mref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                                   precision=jax.lax.Precision.HIGHEST)[0:1]
+        return jax.lax.dot_general(y, mref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                   precision=jax.lax.Precision.HIGHEST)
+
+    def block_max(x, groups, width):
+        """Per row, the max of x over each run of `width` columns -> ([wb, groups] maxima, column -> group)."""
+        grp = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) // width
+        gcol = jax.lax.broadcasted_iota(jnp.int32, (x.shape[0], groups), 1)
+        amax = jnp.zeros((x.shape[0], groups), jnp.float32)
+        for c in range(groups):
+            amax = jnp.where(gcol == c, jnp.max(jnp.where(grp == c, x, 0.0), axis=1, keepdims=True), amax)
+        return amax, grp
+
+    def spread(per_group, grp):
+        """[wb, groups] -> [wb, columns]: each column takes its group's value."""
+        out = jnp.zeros(grp.shape, per_group.dtype)
+        for c in range(per_group.shape[1]):
+            out = jnp.where(grp == c, per_group[:, c:c + 1], out)
+        return out
 
     if key_format in (None, "bf16"):
         z = mix(m_refs[0]) if rotate else y
-        row_scr[0][...] = z.astype(row_scr[0].dtype)
+        outs[0][...] = z.astype(outs[0].dtype)
     elif key_format == "fp8":
         z = mix(m_refs[0]) if rotate else y
-        s = exp2i(pow2_exponent(jnp.max(jnp.abs(z)), formats.E4M3_MAX, 1e-4))
-        row_scr[0][...] = (z / s).astype(row_scr[0].dtype)
-        row_scr[1][...] = jnp.full((1, 1), s, jnp.float32)
+        sc = exp2i(pow2_exponent(jnp.max(jnp.abs(z), axis=1, keepdims=True), formats.E4M3_MAX, 1e-4))
+        outs[0][...] = (z / sc).astype(outs[0].dtype)
+        outs[1][...] = sc
     elif key_format == "kv_fp8":  # 584-B rows: 7 x 64 e4m3 with ue8m0 scales, 64 bf16 rope, 1 pad scale byte
         z = round_to_bf16(y)                                                # the format rounds rows through bf16
         nb = FP8_NOPE // 64
-        blk = col // 64
-        scale = jnp.ones((1, d), jnp.float32)
-        sbytes = jnp.full((1, row_scr[2].shape[-1]), 127, jnp.int32)
+        amax, grp = block_max(jnp.abs(z[:, :FP8_NOPE]), nb, 64)
+        ex = fp8_block_exponent(amax)                                      # [wb, 7]
+        outs[0][...] = (z[:, :FP8_NOPE] / spread(exp2i(ex), grp)).astype(outs[0].dtype)
+        outs[1][...] = z[:, FP8_NOPE:].astype(outs[1].dtype)
+        sbytes = jnp.full((wb, outs[2].shape[-1]), 127, jnp.int32)
         scol = jax.lax.broadcasted_iota(jnp.int32, sbytes.shape, 1)
         for c in range(nb):
-            amax = jnp.max(jnp.where(blk == c, jnp.abs(z), 0.0))
-            e = fp8_block_exponent(amax)
-            scale = jnp.where(blk == c, exp2i(e), scale)
-            sbytes = jnp.where(scol == c, e + 127, sbytes)
-        row_scr[0][...] = (z / scale)[:, :FP8_NOPE].astype(row_scr[0].dtype)
-        row_scr[1][...] = z[:, FP8_NOPE:].astype(row_scr[1].dtype)
-        row_scr[2][...] = sbytes.astype(row_scr[2].dtype)
+            sbytes = jnp.where(scol == c, ex[:, c:c + 1] + 127, sbytes)
+        outs[2][...] = sbytes.astype(outs[2].dtype)
     else:
-        ze, zo = mix(m_refs[0]), mix(m_refs[1])                              # [1, d/2] even / odd channels
-        grp = jax.lax.broadcasted_iota(jnp.int32, ze.shape, 1) // (formats.FP4_BLOCK // 2)
-        a_abs = jnp.maximum(jnp.abs(ze), jnp.abs(zo))
-        scale = jnp.ones(ze.shape, jnp.float32)
-        sbytes = jnp.zeros((1, d // formats.FP4_BLOCK), jnp.int32)
-        gcol = jax.lax.broadcasted_iota(jnp.int32, sbytes.shape, 1)
-        for g in range(d // formats.FP4_BLOCK):
-            amax = jnp.max(jnp.where(grp == g, a_abs, 0.0))
-            e = jnp.clip(pow2_exponent(amax, formats.E2M1_MAX, formats.E2M1_MAX * 2.0 ** -126), -126, 127)
-            scale = jnp.where(grp == g, exp2i(e), scale)
-            sbytes = jnp.where(gcol == g, e + 127, sbytes)
-        byte = e2m1_code(ze / scale) | (e2m1_code(zo / scale) << 4)
-        row_scr[0][...] = byte.astype(row_scr[0].dtype)
-        row_scr[1][...] = sbytes.astype(row_scr[1].dtype)
-
-    @pl.when(complete)
-    def _write():
-        copies = [pltpu.make_async_copy(row_scr[i], outs[i].at[b, pl.ds(dest, 1)], sem.at[2 + i])
-                  for i in range(n_parts)]
-        for c in copies:
-            c.start()
-        for c in copies:
-            c.wait()
+        ze, zo = mix(m_refs[0]), mix(m_refs[1])                              # [wb, d/2] even / odd channels
+        n_grp = d // formats.FP4_BLOCK
+        amax, grp = block_max(jnp.maximum(jnp.abs(ze), jnp.abs(zo)), n_grp, formats.FP4_BLOCK // 2)
+        ex = jnp.clip(pow2_exponent(amax, formats.E2M1_MAX, formats.E2M1_MAX * 2.0 ** -126), -126, 127)
+        sc = spread(exp2i(ex), grp)
+        outs[0][...] = (e2m1_code(ze / sc) | (e2m1_code(zo / sc) << 4)).astype(outs[0].dtype)
+        outs[1][...] = (ex + 127).astype(outs[1].dtype)
 
 
 def compress_chunk_tpu(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, prev_gate, entries, *, ratio: int,
                        overlap: bool, norm_weight, eps: float, inv_freq, norm_dtype=jnp.float32,
-                       key_format: Optional[str] = None, rotate: bool = False, interpret: bool = False):
-    """Mosaic TPU implementation of `reference.compress_chunk` with explicit encoding (see `gpu.compress_chunk_gpu`)."""
+                       key_format: Optional[str] = None, rotate: bool = False, interpret: bool = False,
+                       windows_per_block: Optional[int] = None):
+    """Mosaic TPU implementation of `reference.compress_chunk` with explicit encoding (see `gpu.compress_chunk_gpu`).
+    windows_per_block: windows a grid step finishes (default 8 below ratio 128, else 1)."""
     r = ratio
     B, S, cd = kv.shape
     d = cd // 2 if overlap else cd
@@ -174,53 +132,54 @@ def compress_chunk_tpu(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, 
     parts = entry_parts(entries, key_format)
     if key_format == "kv_fp8" and (d != FP8_NOPE + FP8_ROPE or rd != FP8_ROPE or rotate):
         raise ValueError(f"kv_fp8 rows need d = {FP8_NOPE}+{FP8_ROPE} with {FP8_ROPE} rope dims and no rotation")
+    wb = int(windows_per_block or (8 if r < 128 else 1))
+    if wb < 1:
+        raise ValueError(f"windows_per_block must be >= 1, got {wb}")
     cap = parts[0].shape[1]
-    nw = n_windows_of(S, r)
     start = start.astype(jnp.int32)
     n_valid = n_valid.astype(jnp.int32)
     kvf, gf = kv.astype(jnp.float32), gate.astype(jnp.float32)
-    Sk = max(S, r)
-    kvk, gk = kvf, gf
-    if Sk != S:  # DMA windows of `ratio` rows need at least that many (decode: S = 1)
-        kvk = jnp.pad(kvf, ((0, 0), (0, Sk - S), (0, 0)))
-        gk = jnp.pad(gf, ((0, 0), (0, Sk - S), (0, 0)))
+    _, _, pool_kv, pool_gate = window_pools(kvf, gf, start, n_valid, state_kv, state_gate, prev_kv, prev_gate,
+                                            ratio=r, overlap=overlap)
+    nw = pool_kv.shape[1]
+    n_blk = -(-nw // wb)
+    if n_blk * wb != nw:   # whole blocks; the padding windows are never complete, so never written
+        pad = ((0, 0), (0, n_blk * wb - nw), (0, 0), (0, 0))
+        pool_kv, pool_gate = jnp.pad(pool_kv, pad), jnp.pad(pool_gate, pad)
+    slots = pool_kv.shape[2]
     freq_row = np.zeros((1, d), np.float32)
     freq_row[0, d - rd:] = np.repeat(inv_freq, 2)
-    vmem_row = lambda shape: pl.BlockSpec(shape, lambda b, w, *_: (0,) * len(shape))
-    per_row = lambda shape: pl.BlockSpec((None,) + shape, lambda b, w, *_: (b,) + (0,) * len(shape))
-    args = [kvk, gk, state_kv, state_gate]
-    in_specs = [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY), per_row((r, cd)),
-                per_row((r, cd))]
-    if overlap:
-        args += [prev_kv, prev_gate]
-        in_specs += [per_row((r, d)), per_row((r, d))]
-    args += [jnp.asarray(norm_weight, jnp.float32).reshape(1, d), jnp.asarray(freq_row)]
-    in_specs += [vmem_row((1, d)), vmem_row((1, d))]
+    whole = lambda shape: pl.BlockSpec(shape, lambda b, i, *_: (0,) * len(shape))
+    tile = pl.BlockSpec((None, wb, slots, d), lambda b, i, *_: (b, i, 0, 0))
+    args = [pool_kv, pool_gate, jnp.asarray(norm_weight, jnp.float32).reshape(1, d), jnp.asarray(freq_row)]
+    in_specs = [tile, tile, whole((1, d)), whole((1, d))]
     if key_format == "fp4" or rotate:
         m = mix_matrix(d, rotate)
         mats = [m[0::2], m[1::2]] if key_format == "fp4" else [m]
         args += [jnp.asarray(x) for x in mats]
-        in_specs += [vmem_row(x.shape) for x in mats]
-    n_in = len(args) + 2  # + the two scalar-prefetch operands
-    args += list(parts)
-    in_specs += [pl.BlockSpec(memory_space=pl.ANY) for _ in parts]
-    scratch = [pltpu.VMEM((2, r, cd), jnp.float32), pltpu.VMEM((2, r, cd), jnp.float32)]
-    scratch += [pltpu.VMEM((1,) + p.shape[2:], p.dtype) for p in parts]
-    scratch += [pltpu.SemaphoreType.DMA((2 + len(parts),))]
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=(B, nw), in_specs=in_specs,
-        out_specs=[pl.BlockSpec(memory_space=pl.ANY) for _ in parts], scratch_shapes=scratch)
-    kernel = functools.partial(
-        _kernel, r=r, S=Sk, d=d, cd=cd, overlap=overlap, eps=float(eps), norm_dtype=jnp.dtype(norm_dtype),
-        key_format=key_format, rotate=rotate, cap=cap, n_parts=len(parts))
+        in_specs += [whole(x.shape) for x in mats]
+    widths = [p.shape[2:] for p in parts]
+    out_shape = [jax.ShapeDtypeStruct((B, n_blk, wb) + w, p.dtype) for w, p in zip(widths, parts)]
+    out_specs = [pl.BlockSpec((None, None, wb) + w, lambda b, i, *_, n=len(w): (b, i, 0) + (0,) * n)
+                 for w in widths]
+    grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(B, n_blk), in_specs=in_specs,
+                                             out_specs=out_specs)
+    kernel = functools.partial(_kernel, r=r, wb=wb, d=d, eps=float(eps), norm_dtype=jnp.dtype(norm_dtype),
+                               key_format=key_format, rotate=rotate, n_parts=len(parts))
     extra = dict(interpret=pltpu.InterpretParams()) if interpret else {}
-    outs = pl.pallas_call(
-        kernel, grid_spec=grid_spec, out_shape=[jax.ShapeDtypeStruct(p.shape, p.dtype) for p in parts],
-        input_output_aliases={n_in + i: i for i in range(len(parts))},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+    rows = pl.pallas_call(
+        kernel, grid_spec=grid_spec, out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         name=f"compress_tpu_r{r}_d{d}", **extra,
-    )(start, n_valid, *args)
-    new_entries = entries_from_parts(outs, key_format)
+    )(start, *args)
+    # the complete windows' rows into the cache at their entries (w >= cap dropped), as the reference writes them
+    window_pos = (start - start % r)[:, None] + jnp.arange(nw, dtype=jnp.int32)[None, :] * r
+    complete = window_pos + r <= (start + n_valid)[:, None]
+    dest = jnp.where(complete, window_pos // r, cap)
+    b_idx = jnp.broadcast_to(jnp.arange(B)[:, None], dest.shape)
+    new_parts = [buf.at[b_idx, dest].set(o.reshape((B, n_blk * wb) + o.shape[3:])[:, :nw], mode="drop")
+                 for buf, o in zip(parts, rows)]
+    new_entries = entries_from_parts(new_parts, key_format)
     skv, sg, pkv, pg = next_state(kvf, gf, start, n_valid, state_kv, state_gate, prev_kv, prev_gate,
                                   ratio=r, overlap=overlap)
     return new_entries, skv, sg, pkv, pg
