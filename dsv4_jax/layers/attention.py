@@ -122,8 +122,9 @@ class Attention(nnx.Module):
                 compressed_len = n_complete  # kernels stop after the complete entries
             compressed_pool = flatten_rows(entries)
 
+        window_pool = flatten_rows(window_pool)                                   # [B * (W + S), d]
         if trace is not None:
-            record = dict(q=q, positions=positions, window_pool=flatten_rows(window_pool), window_idx=window_idx,
+            record = dict(q=q, positions=positions, window_pool=window_pool, window_idx=window_idx,
                           compressed_pool=compressed_pool, compressed_idx=compressed_idx,
                           compressed_len=compressed_len, sinks=self.attn_sink[...])
             if self.kind == CSA:
@@ -131,7 +132,7 @@ class Attention(nnx.Module):
                 record.update(indexer_q=iq, indexer_w=iw, indexer_keys=cache.indexer_keys,
                               indexer_n_visible=self.indexer.n_visible(positions), picks=picks)
             trace.append(record)
-        o = sparse_attention(q, flatten_rows(window_pool), window_idx, compressed_pool, compressed_idx,
+        o = sparse_attention(q, window_pool, window_idx, compressed_pool, compressed_idx,
                              self.attn_sink[...], scale=d ** -0.5, compressed_len=compressed_len,
                              impl=self.attention_impl, kernel=self.attention_kernel)
         o = apply_rope(o, positions, self.inv_freq, inverse=True)                 # [B, S, H, d]

@@ -81,8 +81,7 @@ except ImportError:  # pragma: no cover
     plgpu = None
 
 __all__ = ["hist_select", "tournament_select", "tournament_stage", "tournament_last_stage", "tournament_stages",
-           "HIST_KERNEL_CONFIG",
-           "TOUR_CONFIG", "pass1_bin", "bin_interval"]
+           "HIST_KERNEL_CONFIG", "TOUR_CONFIG", "pass1_bin", "bin_interval"]
 
 BINS = 2048          # counters per histogram (11-bit digits)
 MANT = 6             # pass 1: 2**MANT bins per octave of d beyond the first 128 exact ones
