@@ -51,7 +51,9 @@ no launches between its stages), "threshold_regions" / "threshold_regions_set" =
 at B = 64 x 128K, but 1036 vs 848 at 1M and 286 vs 32 us for one row of 262,144, where one SM per row idles the
 GPU; so not a default on their own), "tour" / "tour_set" = the same kernel as a tournament: segments of 4096
 candidates keep their own top-k sets (one program each, so a few long rows still fill the GPU), then one program per
-row selects among the survivors (`topk_hist.tournament_select`, session 36), "auto_set" = "hist_set" for rows of
+row selects among the survivors (`topk_hist.tournament_select`, session 36; `topk_hist.TOUR_CONFIG["fuse_final"]`
+runs its last segment stage and the final selection as one kernel, session 38, off until timed on a GPU),
+"auto_set" = "hist_set" for rows of
 2048-16384 candidates (8K-64K context) and for calls of >= 96 rows of up to 32768 (128K context), "tour_set" for
 longer rows where a call holds <= 2^21 candidates, "threshold_set" elsewhere (`resolve_set_method`; the model's GPU
 default since session 34). All others give the same picks. H200, session 7 (B = 64, 128K context, bf16 keys,
