@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiers import full_tier
 
 from pallas_kernels.sparse_attention.fp8_layout import take_rows
 
@@ -88,6 +89,7 @@ def test_trace_is_the_prefill(model):
         assert hi == 3 * t.ratio - 1 and lo == (t.ratio if t.kind == "csa" else 2 * t.ratio)
 
 
+@full_tier   # the default tier checks a kernel on traced lists in notebooks/02_attention_anatomy.ipynb
 def test_trace_kernel_and_quantized_cache(model):
     """A kernel checked on a real layer's lists (the Pallas kernel, interpreted on CPU) and a trace over a quantized
     cache (bf16 KV rows, fp4 indexer keys; the FP8 KV layout needs head_dim 512): the traced pools are the stored
