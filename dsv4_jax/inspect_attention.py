@@ -28,7 +28,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from pallas_kernels.indexer.reference import indexer_scores as _indexer_scores
@@ -37,6 +36,7 @@ from pallas_kernels.sparse_attention.reference import attention_probs
 
 from .cache import ModelCache
 from .config import CSA, SLIDING
+from .layers.attention import window_key_positions
 from .model import DeepseekV4ForCausalLM, forward_chunk
 
 __all__ = ["AttentionTrace", "trace_attention"]
@@ -95,8 +95,7 @@ class AttentionTrace:
     def window_positions(self) -> jax.Array:
         """[B, S, W] int32: the token position each window slot holds, oldest first (the last is the query itself);
         -1 before the sequence start."""
-        key_pos = self.positions[..., None] - (self.window - 1) + jnp.arange(self.window, dtype=jnp.int32)
-        return jnp.where(self.window_idx >= 0, key_pos, -1)
+        return jnp.where(self.window_idx >= 0, window_key_positions(self.positions, self.window), -1)
 
     def compressed_entries(self) -> jax.Array | None:
         """[B, S, Kc] int32: the compressed entry index each list slot names (CSA: the indexer's picks; HCA: every

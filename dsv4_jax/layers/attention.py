@@ -29,10 +29,16 @@ from .indexer import Indexer
 from .rope import apply_rope, rope_inv_freq
 
 
+def window_key_positions(positions, W: int):
+    """[B, S, W] token positions of each query's window, oldest first (the last is the query itself); negative
+    before the sequence start."""
+    return positions[..., None] - (W - 1) + jnp.arange(W, dtype=jnp.int32)
+
+
 def window_indices(positions, start, S: int, W: int):
     """Window index list [B, S, W] into the flat pool [B * (W + S), d] built as [ring | chunk] per row; -1 = none."""
     B = positions.shape[0]
-    key_pos = positions[..., None] - (W - 1) + jnp.arange(W, dtype=jnp.int32)   # oldest first, last = itself
+    key_pos = window_key_positions(positions, W)
     in_ring = key_pos < start[:, None, None]
     slot = jnp.where(in_ring, key_pos % W, W + key_pos - start[:, None, None])
     rows = jnp.arange(B, dtype=jnp.int32)[:, None, None] * (W + S) + slot

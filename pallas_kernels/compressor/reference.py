@@ -32,8 +32,6 @@ def compress_chunk(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, prev
     validate(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, prev_gate, entries, ratio=ratio,
              overlap=overlap, norm_weight=norm_weight)
     r = ratio
-    B, S, cd = kv.shape
-    d = cd // 2 if overlap else cd
     win_kv, win_gate, pool_kv, pool_gate = window_pools(kv, gate, start, n_valid, state_kv, state_gate, prev_kv,
                                                         prev_gate, ratio=r, overlap=overlap)
     offset = start % r
@@ -44,14 +42,34 @@ def compress_chunk(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, prev
     pooled = pooled.astype(norm_dtype)
     window_pos = (start - offset)[:, None] + jnp.arange(n_windows, dtype=jnp.int32)[None, :] * r
     pooled = apply_rope(pooled, window_pos, inv_freq)                           # RoPE at the window's first token
+    encoded = encode(pooled) if encode is not None else pooled.astype(entries.dtype)
+    entries = write_complete_windows(entries, encoded, start, n_valid, ratio=r)
+    return (entries,) + open_window_state(win_kv, win_gate, prev_kv, prev_gate, start, n_valid, ratio=r,
+                                          overlap=overlap)
+
+
+def write_complete_windows(entries, encoded, start, n_valid, *, ratio: int):
+    """entries (pytree, leading [B, cap]) with encoded (the same pytree, leading [B, nW]: one row per window of the
+    grid) written at entry w = the window's first grid position / ratio, for every window that closes at a valid
+    token; windows at w >= cap are dropped (the caller checks capacity)."""
+    r = ratio
+    n_windows = jax.tree_util.tree_leaves(encoded)[0].shape[1]
+    window_pos = (start - start % r)[:, None] + jnp.arange(n_windows, dtype=jnp.int32)[None, :] * r
     complete = window_pos + r <= (start + n_valid)[:, None]
     cap = jax.tree_util.tree_leaves(entries)[0].shape[1]
     dest = jnp.where(complete, window_pos // r, cap)                           # cap = out of bounds -> dropped
-    rows = jnp.broadcast_to(jnp.arange(B)[:, None], dest.shape)
-    encoded = encode(pooled) if encode is not None else pooled.astype(entries.dtype)
-    entries = jax.tree_util.tree_map(lambda buf, new: buf.at[rows, dest].set(new.astype(buf.dtype), mode="drop"),
-                                     entries, encoded)
-    k_open = (offset + n_valid) // r
+    rows = jnp.broadcast_to(jnp.arange(dest.shape[0])[:, None], dest.shape)
+    return jax.tree_util.tree_map(lambda buf, new: buf.at[rows, dest].set(new.astype(buf.dtype), mode="drop"),
+                                  entries, encoded)
+
+
+def open_window_state(win_kv, win_gate, prev_kv, prev_gate, start, n_valid, *, ratio: int, overlap: bool):
+    """The new (state_kv, state_gate, prev_kv, prev_gate) from `window_pools`' grid: the window left open,
+    k_open = (start % ratio + n_valid) // ratio, and for an overlapping compressor the A-half of the window before it
+    (the old prev state when k_open = 0)."""
+    r = ratio
+    d = prev_kv.shape[-1] if overlap else None
+    k_open = (start % r + n_valid) // r
     pick = lambda t, i: jnp.take_along_axis(t, i[:, None, None, None], axis=1)[:, 0]
     state_kv, state_gate = pick(win_kv, k_open), pick(win_gate, k_open)
     if overlap:
@@ -59,7 +77,7 @@ def compress_chunk(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, prev
         km1 = jnp.maximum(k_open - 1, 0)
         prev_kv = jnp.where(has_prev, pick(win_kv, km1)[..., :d], prev_kv)
         prev_gate = jnp.where(has_prev, pick(win_gate, km1)[..., :d], prev_gate)
-    return entries, state_kv, state_gate, prev_kv, prev_gate
+    return state_kv, state_gate, prev_kv, prev_gate
 
 
 def window_pools(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, prev_gate, *, ratio: int, overlap: bool):

@@ -13,9 +13,9 @@ the per-step overhead, for a few KB of data. Now:
    rolls), the optional Hadamard as a [wb, d] x [d, d] matmul (MXU, f32), and the encoding (cache dtype, indexer
    bf16 / fp8 / fp4, or the main KV cache's 584-B FP8 rows), all per row of the block.
 3. The block's encoded rows go to a [B, n_blocks, wb, ...] output, and XLA scatters the complete windows into the
-   cache at their entries (w < cap), as the reference does.
-wb = 8 windows for ratio < 128 (a block of 8 rows fills the sublanes), 1 window of 128 slots at ratio 128. The new
-open-window state comes from the shared XLA epilogue `gpu.next_state`.
+   cache at their entries (w < cap) and takes the new open-window state from the grid of step 1, with the
+   reference's own functions (`write_complete_windows`, `open_window_state`).
+wb = 8 windows for ratio < 128 (a block of 8 rows fills the sublanes), 1 window of 128 slots at ratio 128.
 
 Status: validated in the TPU interpreter (`pltpu.InterpretParams`) on CPU, and Pallas' Mosaic lowering for a TPU
 (v6e) target runs in CI (`tests/test_tpu_lowering.py`); no TPU compile (libtpu) has been run, so the speed-up is
@@ -37,8 +37,8 @@ from ..indexer import formats
 from ..numerics import round_to_bf16
 from ..sparse_attention.fp8_layout import NOPE_DIM as FP8_NOPE, ROPE_DIM as FP8_ROPE
 from ..sparse_attention.fp8_layout import block_exponent as fp8_block_exponent
-from .gpu import e2m1_code, entries_from_parts, entry_parts, exp2i, mix_matrix, next_state, pow2_exponent
-from .reference import window_pools
+from .gpu import e2m1_code, entries_from_parts, entry_parts, exp2i, mix_matrix, pow2_exponent
+from .reference import open_window_state, window_pools, write_complete_windows
 
 
 def _kernel(start_ref, kv_ref, gate_ref, nw_ref, freq_ref, *refs, r, wb, d, eps, norm_dtype, key_format, rotate,
@@ -135,12 +135,11 @@ def compress_chunk_tpu(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, 
     wb = int(windows_per_block or (8 if r < 128 else 1))
     if wb < 1:
         raise ValueError(f"windows_per_block must be >= 1, got {wb}")
-    cap = parts[0].shape[1]
     start = start.astype(jnp.int32)
     n_valid = n_valid.astype(jnp.int32)
     kvf, gf = kv.astype(jnp.float32), gate.astype(jnp.float32)
-    _, _, pool_kv, pool_gate = window_pools(kvf, gf, start, n_valid, state_kv, state_gate, prev_kv, prev_gate,
-                                            ratio=r, overlap=overlap)
+    win_kv, win_gate, pool_kv, pool_gate = window_pools(kvf, gf, start, n_valid, state_kv, state_gate, prev_kv,
+                                                        prev_gate, ratio=r, overlap=overlap)
     nw = pool_kv.shape[1]
     n_blk = -(-nw // wb)
     if n_blk * wb != nw:   # whole blocks; the padding windows are never complete, so never written
@@ -172,14 +171,7 @@ def compress_chunk_tpu(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, 
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         name=f"compress_tpu_r{r}_d{d}", **extra,
     )(start, *args)
-    # the complete windows' rows into the cache at their entries (w >= cap dropped), as the reference writes them
-    window_pos = (start - start % r)[:, None] + jnp.arange(nw, dtype=jnp.int32)[None, :] * r
-    complete = window_pos + r <= (start + n_valid)[:, None]
-    dest = jnp.where(complete, window_pos // r, cap)
-    b_idx = jnp.broadcast_to(jnp.arange(B)[:, None], dest.shape)
-    new_parts = [buf.at[b_idx, dest].set(o.reshape((B, n_blk * wb) + o.shape[3:])[:, :nw], mode="drop")
-                 for buf, o in zip(parts, rows)]
-    new_entries = entries_from_parts(new_parts, key_format)
-    skv, sg, pkv, pg = next_state(kvf, gf, start, n_valid, state_kv, state_gate, prev_kv, prev_gate,
-                                  ratio=r, overlap=overlap)
-    return new_entries, skv, sg, pkv, pg
+    encoded = entries_from_parts([o.reshape((B, n_blk * wb) + o.shape[3:])[:, :nw] for o in rows], key_format)
+    new_entries = write_complete_windows(entries, encoded, start, n_valid, ratio=r)
+    return (new_entries,) + open_window_state(win_kv, win_gate, prev_kv, prev_gate, start, n_valid, ratio=r,
+                                              overlap=overlap)

@@ -3,11 +3,12 @@
 Grid (batch row b, block of `block_q` queries, block of `block_t` keys); all tiles through BlockSpecs (VMEM,
 double-buffered by Pallas). Key blocks past the last one a query block sees (n_visible, scalar-prefetched as the
 last visible block per query block) keep that block's index in the key BlockSpecs, so the pipeline copies nothing
-for them and the step writes -inf without computing: a decode cache filled to L of its capacity reads ~L keys. Per step: logits = (block_q * H) x dI queries against block_t keys on the MXU (f32
-accumulation), ReLU, reshape to [block_q, H, block_t], head-weighted sum, per-key fp8 scale, causal mask. Keys are
-dequantized in VMEM: bf16 / f32 rows; fp8 e4m3 rows (scale applied to the result; the scale is passed transposed,
-[B, 1, T], so it broadcasts over the lane axis); fp4 nibbles decoded arithmetically with the ue8m0 scales, dotted
-against the even / odd channels of q (split outside, as in the GPU kernel).
+for them and the step writes -inf without computing: a decode cache filled to L of its capacity reads ~L keys.
+Per step: logits = (block_q * H) x dI queries against block_t keys on the MXU (f32 accumulation), ReLU, reshape
+to [block_q, H, block_t], head-weighted sum, per-key fp8 scale, causal mask. Keys are dequantized in VMEM: bf16 /
+f32 rows; fp8 e4m3 rows (scale applied to the result; the scale is passed transposed, [B, 1, T], so it broadcasts
+over the lane axis); fp4 nibbles decoded arithmetically with the ue8m0 scales, dotted against the even / odd
+channels of q (split outside, as in the GPU kernel).
 
 Status: validated in the TPU interpreter (`pltpu.InterpretParams`) on CPU, and Pallas' Mosaic lowering for a TPU
 (v6e) target runs in CI (`tests/test_tpu_lowering.py`); no TPU compile (libtpu) has been run.
