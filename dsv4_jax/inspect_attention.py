@@ -25,6 +25,7 @@ study-sized inputs (the embedded model, a few thousand tokens of a real one), no
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -88,25 +89,21 @@ class AttentionTrace:
     def output(self, impl: str = "reference", **kernel_options):
         """The sparse-attention op on these inputs, [B, S, H, D] (before the layer's inverse RoPE): impl "reference"
         or "pallas" (a kernel; on a CPU the Pallas interpreter), so a kernel can be checked on a real layer's lists."""
-        return sparse_attention(self.q, self.window_pool, self.window_idx, self.compressed_pool, self.compressed_idx,
-                                self.sinks, scale=self.scale, compressed_len=self.compressed_len, impl=impl,
-                                **kernel_options)
+        return _output(self.q, self.window_pool, self.window_idx, self.compressed_pool, self.compressed_idx,
+                       self.sinks, self.compressed_len, scale=self.scale, impl=impl,
+                       options=tuple(sorted(kernel_options.items())))
 
     def window_positions(self) -> jax.Array:
         """[B, S, W] int32: the token position each window slot holds, oldest first (the last is the query itself);
         -1 before the sequence start."""
-        return jnp.where(self.window_idx >= 0, window_key_positions(self.positions, self.window), -1)
+        return _window_positions(self.window_idx, self.positions, window=self.window)
 
     def compressed_entries(self) -> jax.Array | None:
         """[B, S, Kc] int32: the compressed entry index each list slot names (CSA: the indexer's picks; HCA: every
         complete entry, in order), -1 where the slot is empty or past the list's valid length; None for sliding."""
         if self.compressed_idx is None:
             return None
-        B = self.q.shape[0]
-        row0 = jnp.arange(B, dtype=jnp.int32)[:, None, None] * self.capacity
-        slot = jnp.arange(self.compressed_idx.shape[-1], dtype=jnp.int32)[None, None, :]
-        valid = (self.compressed_idx >= 0) & (slot < self.compressed_len[..., None])
-        return jnp.where(valid, self.compressed_idx - row0, -1)
+        return _compressed_entries(self.compressed_idx, self.compressed_len, capacity=self.capacity)
 
     def entry_span(self, entry: int) -> tuple[int, int]:
         """Token positions (first, last) whose kv entry `entry` pools: ratio tokens, and for CSA's overlapping
@@ -122,6 +119,30 @@ class AttentionTrace:
         if self.kind != CSA:
             raise ValueError(f"layer {self.layer} is a {self.kind} layer: only CSA layers have an indexer")
         return _indexer_scores(self.indexer_q, self.indexer_w, self.indexer_keys, self.indexer_n_visible)
+
+
+# The trace's views, each one jitted program per shape: run op by op, every jnp call would compile on its own
+# (dozens of small XLA:CPU compiles per call, seconds in a notebook). attention_probs and the indexer's reference
+# scores are jitted where they are defined.
+@functools.partial(jax.jit, static_argnames=("scale", "impl", "options"), inline=True)
+def _output(q, window_pool, window_idx, compressed_pool, compressed_idx, sinks, compressed_len, *, scale, impl,
+            options):
+    return sparse_attention(q, window_pool, window_idx, compressed_pool, compressed_idx, sinks, scale=scale,
+                            compressed_len=compressed_len, impl=impl, **dict(options))
+
+
+@functools.partial(jax.jit, static_argnames=("window",), inline=True)
+def _window_positions(window_idx, positions, *, window):
+    return jnp.where(window_idx >= 0, window_key_positions(positions, window), -1)
+
+
+@functools.partial(jax.jit, static_argnames=("capacity",), inline=True)
+def _compressed_entries(compressed_idx, compressed_len, *, capacity):
+    B, _, K = compressed_idx.shape
+    row0 = jnp.arange(B, dtype=jnp.int32)[:, None, None] * capacity
+    slot = jnp.arange(K, dtype=jnp.int32)[None, None, :]
+    valid = (compressed_idx >= 0) & (slot < compressed_len[..., None])
+    return jnp.where(valid, compressed_idx - row0, -1)
 
 
 def trace_attention(model: DeepseekV4ForCausalLM, input_ids, cache: ModelCache | None = None, lengths=None):

@@ -57,6 +57,9 @@ def run_random_splits(model, ids, prompt_lens, rng, max_len):
     return out, cache
 
 
+# default tier: the config with every layer type (the other order, the learned router and hc_mult 2 run against
+# the oracle in test_model_parity; here in the full tier)
+@pytest.mark.core_params(loaded=["sliding-csa-hca"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_splits_match_stateless_and_oracle(loaded, seed):
     cfg, hf, model = loaded
@@ -123,6 +126,7 @@ def test_cache_is_donated(loaded):
     assert new.layers[0].window_kv.shape == old.shape
 
 
+@pytest.mark.core_params(loaded=["sliding-csa-hca"])
 def test_cache_layout(loaded):
     cfg, _, model = loaded
     cache = model.init_cache(2, 64)

@@ -42,14 +42,15 @@ def test_trace_is_the_prefill(model):
     c = model.config
     ids = _prompt(model, 2, 40)
     lengths = np.array([40, 27])
-    cache = model.init_cache(2, 64)
-    want_logits, want_cache = model.prefill(ids, model.init_cache(2, 64), lengths)
+    cache = model.init_cache(2, 96)
+    want_logits, want_cache = model.prefill(ids, model.init_cache(2, 96), lengths)
     logits, traces, cache = trace_attention(model, ids, cache, lengths)
     np.testing.assert_array_equal(np.asarray(logits)[0], np.asarray(want_logits)[0])
     np.testing.assert_array_equal(np.asarray(logits)[1, :27], np.asarray(want_logits)[1, :27])
     np.testing.assert_array_equal(np.asarray(cache.lengths), np.asarray(want_cache.lengths))
-    more = _prompt(model, 2, 9)
-    _, traces2, _ = trace_attention(model, more, cache)
+    # the second chunk has the first's shapes (one traced program for both): rows continue at 40 and 27
+    _, traces2, cache2 = trace_attention(model, _prompt(model, 2, 40), cache, np.array([9, 33]))
+    np.testing.assert_array_equal(np.asarray(cache2.lengths), [49, 60])
     assert [t.kind for t in traces] == list(c.layer_types)
 
     for t in traces + traces2:
@@ -125,7 +126,8 @@ def test_trace_errors(model):
         trace_attention(model, ids, model.init_cache(1, 8))
     with pytest.raises(ValueError, match="does not match the cache's batch"):
         trace_attention(model, ids, model.init_cache(2, 16))
-    _, traces, _ = trace_attention(model, ids)
+    # the shapes of test_trace_is_the_prefill's chunks: its compiled program, not a new one
+    _, traces, _ = trace_attention(model, _prompt(model, 2, 40), model.init_cache(2, 96))
     sliding = next(t for t in traces if t.kind == "sliding")
     hca = next(t for t in traces if t.kind == "hca")
     with pytest.raises(ValueError, match="only CSA layers have an indexer"):

@@ -13,6 +13,7 @@ quantization; without quantization it changes no score ((Hq).(Hk) = q.k).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import jax
@@ -45,6 +46,9 @@ def check_format(fmt: Optional[str]) -> None:
         raise ValueError(f"indexer key format must be one of {FORMATS}, got {fmt!r}")
 
 
+# The functions below are jitted (one program per shape): run op by op, each of their jnp calls would compile on
+# its own (XLA:CPU: 20-100 ms apiece, seconds for a Hadamard rotation called eagerly in a notebook or a test).
+@functools.partial(jax.jit, inline=True)
 def hadamard(x: jax.Array) -> jax.Array:
     """Orthonormal Walsh-Hadamard transform over the last axis (length a power of two), float32."""
     n = x.shape[-1]
@@ -75,6 +79,11 @@ def _exp2(e):
 def quantize(x: jax.Array, fmt: Optional[str], dtype=jnp.float32):
     """Rows x [..., dI] -> storage in `fmt` (an array for None/bf16, QuantizedKeys otherwise)."""
     check_format(fmt)
+    return _quantize(x, fmt, dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2), inline=True)
+def _quantize(x, fmt, dtype):
     if fmt is None:
         return x.astype(dtype)
     if fmt == "bf16":
@@ -92,6 +101,7 @@ def quantize(x: jax.Array, fmt: Optional[str], dtype=jnp.float32):
     return QuantizedKeys(packed, (e + 127).astype(jnp.uint8), "fp4")
 
 
+@functools.partial(jax.jit, static_argnums=1, inline=True)
 def dequantize(k, dtype=jnp.float32) -> jax.Array:
     """Storage (array or QuantizedKeys) -> float rows [..., dI] in `dtype`."""
     if not isinstance(k, QuantizedKeys):
@@ -106,6 +116,7 @@ def dequantize(k, dtype=jnp.float32) -> jax.Array:
     return vals.reshape(codes.shape).astype(dtype)
 
 
+@functools.partial(jax.jit, static_argnums=1, inline=True)
 def fake_quantize(x: jax.Array, fmt: Optional[str]) -> jax.Array:
     """dequantize(quantize(x)) in float32 (used for queries, which are never stored).
 

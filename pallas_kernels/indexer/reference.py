@@ -12,6 +12,8 @@ ones form a prefix. Queries are processed in chunks of `query_chunk` so memory s
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -26,6 +28,8 @@ def indexer_scores(q, weights, keys, n_visible):
     return _scores(q, weights, keys, n_visible)
 
 
+# jitted (inlined into a caller's jit), so that an eager call (a test's oracle, a notebook) is one program
+@functools.partial(jax.jit, inline=True)
 def _scores(q, weights, keys, n_visible):
     """`indexer_scores` on arguments already validated (indexer_topk's query chunks)."""
     k = formats.dequantize(keys, jnp.float32)
@@ -39,8 +43,11 @@ def _scores(q, weights, keys, n_visible):
 def indexer_topk(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256):
     """-> picks [B, S, min(k, T)] int32 (entry indices, -1 = none), sorted by descending score."""
     validate(q, weights, keys, n_visible, k=k, query_chunk=query_chunk)
-    k = min(k, keys.shape[1])
+    return _topk(q, weights, keys, n_visible, min(k, keys.shape[1]), query_chunk)
 
+
+@functools.partial(jax.jit, static_argnums=(4, 5), inline=True)
+def _topk(q, weights, keys, n_visible, k, query_chunk):
     def select(args):
         qc, wc, nc = args
         vals, idx = jax.lax.top_k(_scores(qc, wc, keys, nc), k)

@@ -18,6 +18,7 @@ s = 2^ceil(log2(amax / 448)), e4m3 = round(x / s) (saturating at ±448 is never 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -96,6 +97,12 @@ def quantize_kv_fp8(pool: jax.Array) -> Fp8KVPool:
     """[N, 512] float pool -> Fp8KVPool (per-64-block power-of-two scales on the first 448 dims)."""
     if pool.ndim != 2 or pool.shape[1] != HEAD_DIM:
         raise ValueError(f"quantize_kv_fp8 expects [N, {HEAD_DIM}], got {pool.shape}")
+    return _quantize_kv_fp8(pool)
+
+
+# one program per shape, not a compile per jnp call when called eagerly; inlined into a caller's jit
+@functools.partial(jax.jit, inline=True)
+def _quantize_kv_fp8(pool):
     x = round_to_bf16(pool)
     n = x.shape[0]
     nope = x[:, :NOPE_DIM].reshape(n, N_BLOCKS, BLOCK)
@@ -121,6 +128,7 @@ def dequantize_rows(nope: jax.Array, rope: jax.Array, scale: jax.Array, dtype=jn
     return jnp.concatenate([v.reshape(*lead, NOPE_DIM), rope.astype(jnp.float32)], axis=-1).astype(dtype)
 
 
+@functools.partial(jax.jit, static_argnums=1, inline=True)
 def dequantize_kv_fp8(pool: Fp8KVPool, dtype=jnp.float32) -> jax.Array:
     """Fp8KVPool -> [N, 512] array."""
     return dequantize_rows(pool.nope, pool.rope, pool.scale, dtype)

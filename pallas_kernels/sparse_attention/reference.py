@@ -23,6 +23,8 @@ Duplicate indices count as separate entries (the op gathers, it does not dedupli
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -78,8 +80,16 @@ def sparse_attention(
       o: [batch, queries, heads, head_dim] (and lse if `return_lse`).
     Out-of-range indices (>= pool rows) are treated as -1; nothing outside a pool is read.
     """
-    out_dtype = out_dtype or q.dtype
+    return _sparse_attention(q, window_kv, window_idx, compressed_kv, compressed_idx, sinks, window_len,
+                             compressed_len, scale, out_dtype=jnp.dtype(out_dtype or q.dtype), return_lse=return_lse,
+                             query_chunk=query_chunk)
 
+
+# Jitted (one program per shape and options; inlined into a caller's jit), so that an eager call is not a compile
+# per jnp call. `scale` stays an argument (a traced scale works as before).
+@functools.partial(jax.jit, static_argnames=("out_dtype", "return_lse", "query_chunk"), inline=True)
+def _sparse_attention(q, window_kv, window_idx, compressed_kv, compressed_idx, sinks, window_len, compressed_len,
+                      scale, *, out_dtype, return_lse, query_chunk):
     def attend(chunk):  # one chunk of queries: [B, c, ...] slices of the per-query inputs
         qc, widx, cidx, wlen, clen = chunk
         q32 = qc.astype(jnp.float32)
@@ -102,6 +112,7 @@ def sparse_attention(
     return (o, lse) if return_lse else o
 
 
+@functools.partial(jax.jit, inline=True)
 def attention_probs(q, window_kv, window_idx, compressed_kv, compressed_idx, sinks, *, scale: float,
                     window_len=None, compressed_len=None):
     """The softmax of `sparse_attention`, split by where its mass goes (for study, not for speed: every gathered row
