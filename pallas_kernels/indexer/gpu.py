@@ -52,7 +52,7 @@ at B = 64 x 128K, but 1036 vs 848 at 1M and 286 vs 32 us for one row of 262,144,
 GPU; so not a default on their own), "tour" / "tour_set" = the same kernel as a tournament: segments of 4096
 candidates keep their own top-k sets (one program each, so a few long rows still fill the GPU), then one program per
 row selects among the survivors (`topk_hist.tournament_select`, session 36; `topk_hist.TOUR_CONFIG["fuse_final"]`
-runs its last segment stage and the final selection as one kernel, session 38, off until timed on a GPU),
+runs its last segment stage and the final selection as one kernel, session 38: slower on the H200, off),
 "auto_set" = "hist_set" for rows of
 2048-16384 candidates (8K-64K context) and for calls of >= 96 rows of up to 32768 (128K context), "tour_set" for
 longer rows where a call holds <= 2^21 candidates, "threshold_set" elsewhere (`resolve_set_method`; the model's GPU

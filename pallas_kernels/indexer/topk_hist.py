@@ -16,8 +16,8 @@ of 4096 candidates, one program each (`seg_len`), which keep a superset of their
 `slack`, so a segment skips its refining pass when the k-th's pass-1 bin fits); the survivors, still in ascending
 position, go through the same kernel again until a row holds <= 8192 of them, and one program per row selects the
 exact set among those (`posmap` carries the positions through). Every entry of the row's top k is among its
-segment's top k, so the result is the same k-set, ties included. With `fuse_final` (session 38, off until it is timed
-on a GPU: `TOUR_CONFIG`) the last segment stage and the final selection are one kernel: each segment program
+segment's top k, so the result is the same k-set, ties included. With `fuse_final` (session 38; correct on the H200 but
+slower, so off: `TOUR_CONFIG`) the last segment stage and the final selection are one kernel: each segment program
 publishes its survivors through an atomic arrival count per row, and the row's program that arrives last selects
 the row's set, so rows that finish early overlap their final selection with other rows' segments, and the final
 kernel's launch and the gap before it go. H200 (benchmarks/results/README_indexer_compressor.md,
@@ -354,9 +354,12 @@ def hist_select(scores, k: int, *, finite_only: bool = False, set_out: bool = Fa
 # tournament_select's launch settings (module doc; swept on the H200 in session 36: benchmarks/topk_stages.py,
 # benchmarks/indexer.py --set-configs 'topk=tour_set,tour.NAME=value'). seg_chunk: a segment program's tile
 # (0 = HIST_KERNEL_CONFIG's; below seg_len the tiles are reloaded every pass)
-# fuse_final: the last segment stage and the final selection in one kernel (`tournament_last_stage`; session 38,
-# not yet timed on a GPU, so off); fused_chunk: the final selection's tile there (the survivors are reloaded from L2
-# every pass when they span more than one tile); fused_warps: that kernel's warps (0 = seg_warps)
+# fuse_final: the last segment stage and the final selection in one kernel (`tournament_last_stage`; session 38).
+# Off: on the H200 (session 39) its GPU tests pass but it is slower: 64 x 32768 36.0 -> 47-52 us, the fp8 indexer
+# at B = 64 x 128K 125.2 -> 135.0 us (not profiled; likely every segment program carrying the final's code, and
+# the last rows' selections running on 8 warps after all segments). fused_chunk: the final selection's tile there
+# (the survivors are reloaded from L2 every pass when they span more than one tile); fused_warps: that kernel's
+# warps (0 = seg_warps)
 TOUR_CONFIG = dict(seg_len=4096, final_max=8192, seg_warps=8, final_warps=16, seg_slack=64, seg_chunk=0,
                    fuse_final=False, fused_chunk=4096, fused_warps=0)
 
