@@ -18,8 +18,8 @@ the benchmark scripts' smoke runs (README lists them). The default run (README's
 and covers every code path with the representative cases: a clean-clone `.ci/run` took 758 s on 2 cores, install
 included (session 35; 2293 s before the tiers). Session 39 took the default run's pytest time from 719 to ~445 s
 (2 cores) mostly by jitting the helpers tests call eagerly (quantizers, Hadamard, the reference ops, the random
-parameter init): op by op, every jnp call compiled on its own. DSV4_FULL_TESTS=1 runs everything; on a GPU machine the full tier
-is on by default (DSV4_FULL_TESTS=0 turns it off)."""
+parameter init): op by op, every jnp call compiled on its own. DSV4_FULL_TESTS=1 runs everything; on a GPU
+machine the full tier is on by default (DSV4_FULL_TESTS=0 turns it off)."""
 
 import os
 
