@@ -116,35 +116,40 @@ def set_pipeline(cfg: str):
     cfg ('name=value,...'; topk=... replaces the method). An item 'topk.NAME=value' sets the module constant NAME of
     pallas_kernels.indexer.topk (converted to its type) while the call traces, e.g. 'topk.COUNT_WIDTH=512';
     'hist.NAME=value' an entry of `topk_hist.HIST_KERNEL_CONFIG` (topk=hist_set / tour_set), e.g. 'hist.num_warps=32';
-    'tour.NAME=value' an entry of `topk_hist.TOUR_CONFIG` (topk=tour_set), e.g. 'tour.seg_len=2048'."""
+    'tour.NAME=value' an entry of `topk_hist.TOUR_CONFIG` (topk=tour_set), e.g. 'tour.seg_len=2048';
+    'sel.NAME=value' an entry of `gpu_mosaic.SELECT_CONFIG` (topk=segment_set), e.g. 'sel.num_stages=4'."""
     from pallas_kernels.indexer import indexer_topk
     from pallas_kernels.indexer import topk as topk_mod
-    from pallas_kernels.indexer import topk_hist
+    from pallas_kernels.indexer import gpu_mosaic, topk_hist
 
     opts = parse_options(cfg)
     consts = {name[5:]: opts.pop(name) for name in list(opts) if name.startswith("topk.")}
     hist_cfg = {name[5:]: opts.pop(name) for name in list(opts) if name.startswith("hist.")}
     tour_cfg = {name[5:]: opts.pop(name) for name in list(opts) if name.startswith("tour.")}
+    sel_cfg = {name[4:]: opts.pop(name) for name in list(opts) if name.startswith("sel.")}
     for given, table, what in ((hist_cfg, topk_hist.HIST_KERNEL_CONFIG, "HIST_KERNEL_CONFIG"),
-                               (tour_cfg, topk_hist.TOUR_CONFIG, "TOUR_CONFIG")):
+                               (tour_cfg, topk_hist.TOUR_CONFIG, "TOUR_CONFIG"),
+                               (sel_cfg, gpu_mosaic.SELECT_CONFIG, "SELECT_CONFIG")):
         unknown = sorted(set(given) - set(table))
         if unknown:
-            raise ValueError(f"set config {cfg!r}: topk_hist.{what} has no options {unknown}")
+            raise ValueError(f"set config {cfg!r}: {what} has no options {unknown}")
     for c in consts:
         if not hasattr(topk_mod, c):
             raise ValueError(f"set config {cfg!r}: pallas_kernels.indexer.topk has no constant {c!r}")
 
     def run(q, w, keys, n_visible):
         saved = {c: getattr(topk_mod, c) for c in consts}
-        saved_hist, saved_tour = dict(topk_hist.HIST_KERNEL_CONFIG), dict(topk_hist.TOUR_CONFIG)
-        topk_hist.HIST_KERNEL_CONFIG.update(hist_cfg)
-        topk_hist.TOUR_CONFIG.update(tour_cfg)
+        tables = ((topk_hist.HIST_KERNEL_CONFIG, hist_cfg), (topk_hist.TOUR_CONFIG, tour_cfg),
+                  (gpu_mosaic.SELECT_CONFIG, sel_cfg))
+        saved_tables = [dict(table) for table, _ in tables]
+        for table, given in tables:
+            table.update(given)
         try:
             for c, v in consts.items():
                 setattr(topk_mod, c, type(saved[c])(v))
             return indexer_topk(q, w, keys, n_visible, k=TOPK, impl="pallas", **{"topk": "threshold_set", **opts})
         finally:
-            for table, saved_t in ((topk_hist.HIST_KERNEL_CONFIG, saved_hist), (topk_hist.TOUR_CONFIG, saved_tour)):
+            for (table, _), saved_t in zip(tables, saved_tables):
                 table.clear()
                 table.update(saved_t)
             for c, v in saved.items():
@@ -270,6 +275,9 @@ def main():
         # calls of >= 96 rows of up to 32768 since session 35, tour_set on longer rows in calls of <= 2^21
         # candidates since session 36, else threshold_set: gpu.resolve_set_method)
         "pallas_auto_set": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="auto_set"),
+        # session 40: the tournament's first stage inside the Mosaic scores kernel (mosaic_select), then the final
+        # selection among each row's survivors
+        "pallas_segment_set": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="segment_set"),
         # session 7: the strided-group maxima written by the scores kernel instead of an XLA pass over the scores
         # (measured: no gain; off by default; the session-7 log names these columns *_nofuse for the default)
         "pallas_fused": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", fuse_group_max=True),

@@ -56,7 +56,9 @@ runs its last segment stage and the final selection as one kernel, session 38: s
 "auto_set" = "hist_set" for rows of
 2048-16384 candidates (8K-64K context) and for calls of >= 96 rows of up to 32768 (128K context), "tour_set" for
 longer rows where a call holds <= 2^21 candidates, "threshold_set" elsewhere (`resolve_set_method`; the model's GPU
-default since session 34). All others give the same picks. H200, session 7 (B = 64, 128K context, bf16 keys,
+default since session 34). "segment_set" = the tournament's first stage inside the Mosaic scores kernel:
+each CTA selects its split's top-k superset from its scores in shared memory and writes only that
+(`mosaic_select`, session 40), then one program per row selects among the survivors (`segment_topk`). All others give the same picks. H200, session 7 (B = 64, 128K context, bf16 keys,
 whole pipeline): default 218-224 us, threshold_select 220, threshold_set 210-212 (the only one with no sort left).
 Default "threshold": on the H200, 44 us at batch 1 x 262,144 candidates (lax.top_k ~80) and 55-60 us at batch 64 x
 32K (lax ~260), the chain harness included (results/README_indexer_compressor.md, session 5). Scores are
@@ -577,14 +579,16 @@ def indexer_scores_gpu(q, weights, keys, n_visible, *, interpret=False, precisio
 
 TOPK_METHODS = ("lax", "blockwise", "radix", "radix4", "grouped", "grouped<N>", "threshold", "threshold_rank",
                 "threshold_select", "threshold_set", "threshold_fused", "threshold_fused_set",
-                "threshold_regions", "threshold_regions_set", "hist", "hist_set", "tour", "tour_set", "auto_set")
+                "threshold_regions", "threshold_regions_set", "hist", "hist_set", "tour", "tour_set", "auto_set",
+                "segment_set")
 THRESHOLD_METHODS = {"threshold": "pallas_compact", "threshold_rank": "pallas", "threshold_select": "pallas_select",
                      "threshold_set": "pallas_select", "threshold_fused": "pallas_fused",
                      "threshold_fused_set": "pallas_fused",
                      "threshold_regions": "pallas_regions", "threshold_regions_set": "pallas_regions",
                      "hist": "pallas_hist", "hist_set": "pallas_hist", "tour": "pallas_tour", "tour_set": "pallas_tour"}
 # method -> topk_threshold impl on a GPU ("xla" elsewhere)
-SET_METHODS = ("threshold_set", "threshold_fused_set", "threshold_regions_set", "hist_set", "tour_set", "auto_set")
+SET_METHODS = ("threshold_set", "threshold_fused_set", "threshold_regions_set", "hist_set", "tour_set", "auto_set",
+               "segment_set")
 # the picks as an index set, not sorted
 
 # "auto_set" (the model's GPU default for index-set picks): "hist_set" (one Triton program per row, histogram radix
@@ -641,7 +645,7 @@ def resolve_set_method(T: int, k: int, rows: int = 1) -> str:
 def radix_bits_of(topk: str, radix_bits: Optional[int] = None) -> Optional[int]:
     """Digit width of a radix top-k method ("radix" -> 8, "radix4" -> 4, "radixN" -> N; `radix_bits` overrides),
     None for the other methods; ValueError for an unknown method."""
-    if topk in ("lax", "blockwise", "auto_set") or topk in THRESHOLD_METHODS or topk.startswith("grouped"):
+    if topk in ("lax", "blockwise", "auto_set", "segment_set") or topk in THRESHOLD_METHODS or topk.startswith("grouped"):
         if topk.startswith("grouped") and not (topk == "grouped" or topk[7:].isdigit()):
             raise ValueError(f"unknown topk method {topk!r}; expected one of {TOPK_METHODS}")
         return None
@@ -729,6 +733,9 @@ def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 
     took 2-6 us less (results/h200_s30r4_idx.log, h200_s30r6_idx.log); the default since session 31."""
     if topk == "auto_set":   # resolved here, so the scores kernel writes group maxima only for the chain
         topk = resolve_set_method(keys.shape[1], k, rows=q.shape[0] * min(q.shape[1], query_chunk))
+    if topk == "segment_set":
+        return segment_topk(q, weights, keys, n_visible, k=k, query_chunk=query_chunk, interpret=interpret,
+                            **kernel_options)
     if fuse_group_max is None:
         fuse_group_max = scores_kernel_of(q, keys, interpret, kernel_options) == "mosaic"
     # the threshold methods bound with the group maxima; the histogram top-k ("hist*", "tour*") needs none
@@ -737,3 +744,52 @@ def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 
                                group_max_k=min(k, keys.shape[1]) if fused else None, **kernel_options)
     return topk_over_query_chunks(scores, q, weights, keys, n_visible, k=k, query_chunk=query_chunk, topk=topk,
                                   topk_block=topk_block, radix_bits=radix_bits)
+
+
+def select_from_survivors(keys, pos, k: int, interpret: bool = False):
+    """keys / pos int32 [R, W]: segments' top-k supersets side by side (ordered keys, positions in the row, ascending
+    position, padding (INT32_MIN, 0)) -> the row's top-k index set [R, k] (ascending, -1 padding for non-finite
+    picks): tournament stages over the survivors while a row holds more than TOUR_CONFIG's final_max of them, then
+    one program per row (`topk_hist.hist_select` with the position map)."""
+    from .topk_hist import TOUR_CONFIG, _stage_runs, _tour_settings, hist_select, tournament_stage
+
+    seg_len, final_max, slack = _tour_settings()
+    while _stage_runs(keys.shape[1], k, seg_len, final_max, slack):
+        keys, pos = tournament_stage(keys, k, pos, interpret=interpret)
+    return hist_select(keys, k, finite_only=True, set_out=True, posmap=pos, num_warps=TOUR_CONFIG["final_warps"],
+                       interpret=interpret)
+
+
+def segment_topk(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256, interpret=False, kernel=None,
+                 select_slack: Optional[int] = None, **kernel_options):
+    """topk="segment_set": the Mosaic scores kernel selects every split's top-k superset itself
+    (`gpu_mosaic.indexer_scores_mosaic(select_k=k)`, `mosaic_select`) and writes only those, then
+    `select_from_survivors` picks each row's set among the survivors. Same index set as the other set methods
+    (`reference.indexer_topk`'s picks, ascending, -1s last). Compiled Mosaic kernels only (fp8, fp4 or bf16 keys,
+    head_dim 128, T % 8 == 0)."""
+    from .gpu_mosaic import indexer_scores_mosaic, mosaic_applies
+
+    if interpret:
+        raise ValueError("topk='segment_set' needs the compiled Mosaic GPU kernel (its selection is inline PTX); "
+                         "interpret mode has none")
+    if kernel not in (None, "auto", "mosaic"):
+        raise ValueError(f"topk='segment_set' runs on the Mosaic scores kernel, got kernel={kernel!r}")
+    if not mosaic_applies(q, keys):
+        raise ValueError("topk='segment_set' needs what the Mosaic scores kernel takes: fp8 / fp4 / bf16 keys, "
+                         f"head_dim 128, T % 8 == 0, <= 256 heads (got q {q.shape}, keys "
+                         f"{getattr(keys, 'fmt', getattr(keys, 'dtype', type(keys).__name__))})")
+    unknown = sorted(set(kernel_options) - {"block_t", "num_stages", "num_splits", "precision", "convert",
+                                             "split_m"})
+    if unknown:
+        raise ValueError(f"topk='segment_set': options {unknown} do not apply to the Mosaic scores kernel")
+    T = (keys.values if isinstance(keys, formats.QuantizedKeys) else keys).shape[1]
+    k = min(k, T)
+
+    def select(args):
+        qc, wc, nc = args
+        sk, sp = indexer_scores_mosaic(qc, wc, keys, nc, select_k=k, select_slack=select_slack, **kernel_options)
+        lead = sk.shape[:2]
+        picks = select_from_survivors(sk.reshape(-1, sk.shape[-1]), sp.reshape(-1, sp.shape[-1]), k)
+        return picks.reshape(lead + (k,))
+
+    return map_query_chunks(select, (q, weights, n_visible), query_chunk)

@@ -196,6 +196,14 @@ def _e4m3_to_f16(a8, mode):
     return convert(a8)
 
 
+# select_k (`indexer_scores_mosaic`; the indexer's topk="segment_set"): each CTA keeps its split's scores in shared
+# memory and writes their top-k superset (`mosaic_select`). slack: slots = k + slack a CTA (the tournament's
+# seg_slack); max_segment: the most keys a split may hold (its f32 scores in shared memory: 32 KB at 8192; more splits
+# where the default's would hold more); num_stages: the key ring's depth there (3 x 16 KB of fp8 keys, so that two
+# CTAs of ~106 KB fit an SM next to the 32 KB of scores and the 8 KB histogram)
+SELECT_CONFIG = dict(slack=64, max_segment=8192, num_stages=3)
+
+
 def key_format(keys):
     """"fp8" or "bf16" (`gpu.key_format_of`) where this kernel takes the keys, else None."""
     from .gpu import key_format_of
@@ -246,16 +254,20 @@ def default_config(R: int, T: int, fmt: str = "fp8"):
 
 
 def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=0, split_m=False,
-            fp4=False, interpret=False):
+            fp4=False, select=None, interpret=False):
     """nv [R] i32, w [R, H] f32, q [R, H, 128] e4m3 (f16 codes with "f16"; for bf16 keys bf16 [R, terms * H, 128],
     the terms stacked along the heads), keys [B, T, 128] e4m3 or bf16, scales [B*T] f32 (fp8 keys only)
     -> out [R, nb*bt]. Interpreted, q is transposed: [R, 128, H] / [R, terms, 128, H]. fp4: keys [B, T, 64] uint8
-    (packed e2m1), scales [B*T] int32 (a key's 4 ue8m0 bytes), q [R, H, 128] f16 in `mosaic_fp4`'s column order."""
+    (packed e2m1), scales [B*T] int32 (a key's 4 ue8m0 bytes), q [R, H, 128] f16 in `mosaic_fp4`'s column order.
+    select = (k, slots): no scores out; the split's scores stay in shared memory (seg [bps * bt] f32) and the CTA
+    writes their top-k superset (`mosaic_select`) into out [R, n_split, slots] (keys) and pos [R, n_split, slots]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     f16 = precision == "f16"
     refs = list(refs)
-    gm_smem = gi_smem = gmax_ref = None
+    gm_smem = gi_smem = gmax_ref = seg_smem = sel_smem = pos_ref = None
+    if select:   # the split's scores, and the selection's histogram + exchange words
+        refs, (seg_smem, sel_smem) = refs[:-2], refs[-2:]
     if n_phase:   # the group maxima's running f32 values and their ordered-int32 copy for the store
         refs, (gm_smem, gi_smem) = refs[:-2], refs[-2:]
     if precision in PRECISIONS["bf16"]:   # bf16 keys: no scales
@@ -264,6 +276,8 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
     else:
         (nv_ref, w_ref, q_ref, key_ref, scale_ref), refs = refs[:5], refs[5:]
     out_ref, refs = refs[0], refs[1:]
+    if select:
+        pos_ref, refs = refs[0], refs[1:]
     if n_phase:
         gmax_ref, refs = refs[0], refs[1:]
     if scale_ref is None:
@@ -360,8 +374,11 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
 
     def body(j, carry):
         slot = j % stages
-        o = o_smem.at[j % 2]
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # the store that last read this output slot is done
+        if select:   # block j's scores stay in the segment buffer
+            o = seg_smem.at[pl.ds(pl.multiple_of(j * bt, bt), bt)]
+        else:
+            o = o_smem.at[j % 2]
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # the store that last read this output slot is done
         plgpu.barrier_wait(k_bars.at[slot])
         if split_m:   # two [bt / 2, H] accumulators: half 1's operand and wgmma overlap half 0's, half 0's
             h = bt // 2   # epilogue overlaps half 1's wgmma
@@ -385,11 +402,18 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
         def _():
             issue(j + stages)
 
-        store(j, o)
+        if not select:
+            store(j, o)
         return carry
 
     jax.lax.fori_loop(0, n_read, body, 0)
     plgpu.commit_smem()
+    if select:   # the split's blocks past n_visible hold no candidate: the selection looks at n_read blocks
+        from .mosaic_select import segment_select
+
+        segment_select(seg_smem, sel_smem, n_read * bt, lo * bt, out_ref.at[r, split], pos_ref.at[r, split],
+                       k=select[0], slots=select[1])
+        return
 
     def fill(j, carry):   # blocks of this split past n_visible: -inf, keys unread
         store(j, fill_smem)
@@ -417,7 +441,7 @@ def _interpret_params(detect_races=False):
 
 def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stages=None, num_splits=None,
                           pad_to_block=False, precision=None, convert=None, group_max_k=None, split_m=None,
-                          interpret=False):
+                          select_k=None, select_slack=None, interpret=False):
     """Scores [B, S, T] f32 (or [B, S, roundup(T, block_t)] with -inf padding if pad_to_block) like
     `reference.indexer_scores`, for fp8 / fp4 keys (`formats.QuantizedKeys`, fmt "fp8": values [B, T, 128], scale
     [B, T, 1]; "fp4": packed [B, T, 64] uint8, scale [B, T, 4] ue8m0; compiled only) or bf16 keys (a bfloat16
@@ -432,7 +456,13 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     top-k's XLA pass over the scores.
     split_m: each block as two [block_t / 2, H] wgmmas into two accumulators, so the second half's operand load
     (and f16 conversion) and wgmma overlap the first's, and the first's epilogue the second's wgmma (compiled
-    kernels only). Default (None): `DEFAULT_SPLIT_M[format]` where it applies (compiled, block_t 128 or 256)."""
+    kernels only). Default (None): `DEFAULT_SPLIT_M[format]` where it applies (compiled, block_t 128 or 256).
+    select_k (compiled kernels only): no scores; returns (keys, pos), each int32 [B, S, n_split * slots] (slots =
+    select_k + select_slack, default slack `SELECT_CONFIG["slack"]`): every split's top-select_k superset
+    (`mosaic_select`: ordered int32 keys as `topk._ordered_i32` writes them and their positions in the row,
+    ascending position, padding (INT32_MIN, 0)); splits hold at most `SELECT_CONFIG["max_segment"]` keys. The
+    row's top-select_k set is `topk_hist.hist_select(keys, select_k, posmap=pos)`'s (`gpu.indexer_topk_gpu`,
+    topk="segment_set")."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from .gpu import quantize_q_fp8, split_q
@@ -478,6 +508,18 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                          "keys have no other)")
     R = B * S
     cfg = default_config(R, T, fmt)
+    if select_k is not None:
+        if interpret:
+            raise ValueError("select_k needs a compiled kernel (its selection is inline PTX)")
+        if group_max_k is not None:
+            raise ValueError("select_k writes no scores, so no group maxima either (group_max_k)")
+        if not 1 <= int(select_k) <= T:
+            raise ValueError(f"select_k must be in [1, T = {T}], got {select_k}")
+        select_slack = SELECT_CONFIG["slack"] if select_slack is None else int(select_slack)
+        if select_slack < 0:
+            raise ValueError(f"select_slack must be >= 0, got {select_slack}")
+        cfg["num_stages"] = min(cfg["num_stages"], SELECT_CONFIG["num_stages"])
+        cfg["num_splits"] = max(cfg["num_splits"], -(-T // SELECT_CONFIG["max_segment"]))
     for k_, v_ in dict(block_t=block_t, num_stages=num_stages, num_splits=num_splits).items():
         if v_ is not None:
             cfg[k_] = int(v_)
@@ -489,6 +531,13 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     nb = -(-T // bt)
     bps = -(-nb // max(1, min(cfg["num_splits"], nb)))
     n_split = -(-nb // bps)
+    slots = None
+    if select_k is not None:
+        slots = int(select_k) + select_slack
+        if bps * bt > SELECT_CONFIG["max_segment"]:
+            raise ValueError(f"select_k: a split holds {bps * bt} keys ({bps} blocks of {bt}), more than "
+                             f"SELECT_CONFIG['max_segment'] = {SELECT_CONFIG['max_segment']} (its scores stay in "
+                             "shared memory); give more num_splits")
     from .topk import producer_groups
 
     G = 0 if group_max_k is None else producer_groups(T, nb * bt, group_max_k, block=bt, n_split=n_split,
@@ -554,18 +603,26 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     if n_phase:
         scratch += [plgpu.SMEM((n_phase, bt), jnp.float32), plgpu.SMEM((n_phase, bt), jnp.int32)]  # gm, gi
         out_type = (out_type, jax.ShapeDtypeStruct((R, n_split, n_phase, bt), jnp.int32))
+    if select_k is not None:
+        from .mosaic_select import SCRATCH_WORDS
+
+        scratch += [plgpu.SMEM((bps * bt,), jnp.float32), plgpu.SMEM((SCRATCH_WORDS,), jnp.int32)]   # seg, sel
+        out_type = (jax.ShapeDtypeStruct((R, n_split, slots), jnp.int32),) * 2
     kernel = plgpu.kernel(
         functools.partial(_kernel, T=T, bt=bt, stages=stages, bps=bps, nb=nb, S=S, precision=precision,
                           convert=convert, n_phase=n_phase, split_m=bool(split_m), fp4=fmt == "fp4",
-                          interpret=interpret),
+                          select=None if select_k is None else (int(select_k), slots), interpret=interpret),
         out_type=out_type,
         grid=(R, n_split), grid_names=("r", "s"),
         scratch_types=scratch,
         kernel_name=(f"indexer_scores_{fmt}_mosaic_{precision}_t{bt}" + (f"_{convert}" if convert != "cvt" else "")
-                     + (f"_g{G}" if n_phase else "") + ("_m2" if split_m else "")),
+                     + (f"_g{G}" if n_phase else "") + ("_m2" if split_m else "")
+                     + (f"_sel{select_k}" if select_k is not None else "")),
         **(dict(interpret=_interpret_params(interpret == "races")) if interpret else {}),
     )
     res = kernel(*args)
+    if select_k is not None:
+        return tuple(x.reshape(B, S, n_split * slots) for x in res)
     out, gmax = res if n_phase else (res, None)
     out = out.reshape(B, S, nb * bt)
     out = out if pad_to_block else out[..., :T]

@@ -1,0 +1,246 @@
+"""The segment selection inside the Mosaic indexer scores kernel (`mosaic_select`, topk="segment_set").
+
+CPU: the selection rule (`segment_select_model`) against `lax.top_k` sets on fresh random, concentrated, tied,
+ragged and non-finite scores; survivors of a row's segments composed with the final selection (`hist_select` with
+the position map, in the Triton interpreter) give the row's top-k set; the PTX assembles (ptxas, where found); the
+option errors. GPU (`test_gpu_*`, skipped elsewhere): the kernel's survivors equal the model applied to the same
+kernel's own scores bit for bit, and topk="segment_set" picks the same index set as the tournament over the same
+scores and as the reference."""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import os
+import shutil
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.indexer import mosaic_select as M
+from pallas_kernels.indexer import indexer_topk, indexer_topk_reference
+from test_indexer_kernels import make
+from tiers import core, sweep
+
+_SEED = itertools.count(40000)
+ON_GPU = jax.default_backend() == "gpu"
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU (compiled Mosaic GPU kernel)")
+
+
+def topk_set(scores, k, pos0=0):
+    """The exact top-k of valid entries (key above -inf's; ties -> lower position) as a set of positions."""
+    key = M._ordered(scores)
+    idx = np.nonzero(key > M.NEG_INF_KEY)[0]
+    order = idx[np.lexsort((idx, -key[idx].astype(np.int64)))]
+    return set((order[:k] + pos0).tolist())
+
+
+def scores_of(kind, n, rng):
+    if kind == "normal":
+        s = rng.standard_normal(n).astype(np.float32)
+    elif kind == "concentrated":      # one value +- a few ulps: the first digits say nothing, the last decide
+        s = (np.float32(1000.0) + rng.integers(-40, 40, n).astype(np.float32) * np.float32(2.0 ** -14))
+    elif kind == "ties":              # a handful of values, heavy ties at the k-th
+        s = rng.integers(0, 5, n).astype(np.float32)
+    elif kind == "relu":              # the indexer's scores: sums of ReLUs, many exact zeros
+        s = np.maximum(rng.standard_normal(n), 0).astype(np.float32) * rng.integers(0, 2, n)
+    elif kind == "wide":              # every magnitude and sign
+        s = (rng.standard_normal(n) * 10.0 ** rng.integers(-30, 30, n)).astype(np.float32)
+    else:
+        raise ValueError(kind)
+    return s.astype(np.float32)
+
+
+@pytest.mark.parametrize("n,k,slack", sweep([core(8192, 512, 64), (8192, 512, 0), core(2048, 512, 64),
+                                             (512, 512, 64), (128, 7, 0), (1024, 1, 3), (4096, 1024, 64)]))
+@pytest.mark.parametrize("kind", ["normal", "concentrated", "ties", "relu", "wide"])
+def test_segment_select_model_keeps_the_top_k(n, k, slack, kind):
+    """The rule keeps a superset of the segment's top-k set in ascending position, at most k + slack entries, each a
+    valid entry with its own key and position, (INT32_MIN, 0) padding after; also with -inf masks (a ragged tail,
+    scattered holes), fewer valid entries than k, and +inf / NaN among them."""
+    rng = np.random.default_rng(next(_SEED))
+    slots = k + slack
+    for trial in range(4):
+        s = scores_of(kind, n, rng)
+        if trial == 1:                                      # ragged tail: the cache filled to L < n
+            s[rng.integers(0, n):] = -np.inf
+        if trial == 2:                                      # holes, and fewer valid entries than k
+            s[rng.random(n) < 0.97] = -np.inf
+        if trial == 3:                                      # non-finite values among the valid ones
+            s[rng.integers(0, n, 5)] = np.inf
+            s[rng.integers(0, n, 3)] = np.nan
+            s[rng.integers(0, n, 3)] = -np.nan
+        pos0 = int(rng.integers(0, 1 << 20))
+        keys, pos = M.segment_select_model(s, pos0, k, slots)
+        used = keys != M.INT32_MIN
+        m = int(used.sum())
+        assert used[:m].all() and not used[m:].any() and (pos[m:] == 0).all()
+        kept = pos[:m] - pos0
+        assert np.all(np.diff(kept) > 0)                    # ascending position, no duplicates
+        np.testing.assert_array_equal(keys[:m], M._ordered(s)[kept])
+        assert np.all(keys[:m] > M.NEG_INF_KEY)
+        assert topk_set(s, k) <= set(kept.tolist()), "an entry of the top-k set was dropped"
+
+
+@pytest.mark.parametrize("R,T,seg", [core(2, 32768, 8192), (3, 20000, 4096)])
+def test_segment_survivors_select_the_row_set(R, T, seg):
+    """Survivors of every segment of a row (the model), side by side, through `gpu.select_from_survivors` (the final
+    `hist_select` with the position map, in the Triton interpreter) give the row's top-k index set, -1 for
+    non-finite picks: ties across segments go to the lower position."""
+    from pallas_kernels.indexer.gpu import select_from_survivors
+    from pallas_kernels.indexer.topk import as_index_set
+
+    rng = np.random.default_rng(next(_SEED))
+    k, slots = 512, 576
+    s = np.stack([scores_of(kind, T, rng) for kind in ("ties", "normal", "relu")[:R]])
+    s[0, T - 3000:] = -np.inf
+    keys, pos = [], []
+    for r in range(R):
+        parts = [M.segment_select_model(s[r, a:a + seg], a, k, slots) for a in range(0, T, seg)]
+        keys.append(np.concatenate([p[0] for p in parts]))
+        pos.append(np.concatenate([p[1] for p in parts]))
+    got = select_from_survivors(jnp.asarray(np.stack(keys)), jnp.asarray(np.stack(pos)), k, interpret=True)
+    ref_vals, ref_idx = jax.lax.top_k(jnp.asarray(s), k)
+    ref = as_index_set(jnp.where(jnp.isfinite(ref_vals), ref_idx, -1))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+
+
+def _ptxas():
+    found = os.environ.get("PTXAS") or shutil.which("ptxas")
+    if not found:   # the nvidia-cuda-nvcc wheel's copy, where installed
+        hits = glob.glob(os.path.join(os.path.dirname(np.__file__), "..", "nvidia", "cuda_nvcc", "bin", "ptxas"))
+        found = hits[0] if hits else None
+    return found
+
+
+@pytest.mark.parametrize("k,slots", [(512, 576), (1, 1), (7, 7), (1024, 1088)])
+def test_segment_select_ptx_assembles(k, slots, tmp_path):
+    """The selection's PTX (wrapped in a kernel of its own) assembles for sm_90a: no register, syntax or label error
+    waits for the GPU. Skipped where no ptxas is found (PATH, $PTXAS, or the nvidia-cuda-nvcc wheel)."""
+    ptxas = _ptxas()
+    if not ptxas:
+        pytest.skip("no ptxas (set PTXAS or pip install nvidia-cuda-nvcc-cu12)")
+    src = tmp_path / "sel.ptx"
+    src.write_text(M.standalone_ptx(k, slots))
+    res = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "sel.cubin")],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert "0 bytes spill" in res.stderr
+
+
+def test_segment_select_errors():
+    """Arguments the selection and the segment_set path refuse, with what to change."""
+    from pallas_kernels.indexer.gpu import segment_topk
+    from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
+
+    with pytest.raises(ValueError, match="1 <= k"):
+        M.segment_select_ptx(10, 5)
+    q, w, keys, nv = make(2, 1, 64, 20000, "fp8", True)
+    with pytest.raises(ValueError, match="compiled kernel"):
+        indexer_scores_mosaic(q, w, keys, nv, select_k=512, precision="fp8", interpret=True)
+    with pytest.raises(ValueError, match="group maxima"):
+        indexer_scores_mosaic(q, w, keys, nv, select_k=512, group_max_k=512)
+    with pytest.raises(ValueError, match="select_k must be in"):
+        indexer_scores_mosaic(q, w, keys, nv, select_k=20001)
+    with pytest.raises(ValueError, match="more than"):
+        indexer_scores_mosaic(q, w, keys, nv, select_k=512, num_splits=1)
+    with pytest.raises(ValueError, match="interpret mode"):
+        segment_topk(q, w, keys, nv, k=512, interpret=True)
+    with pytest.raises(ValueError, match="Mosaic scores kernel, got kernel"):
+        segment_topk(q, w, keys, nv, k=512, kernel="triton")
+    with pytest.raises(ValueError, match="do not apply"):
+        segment_topk(q, w, keys, nv, k=512, num_warps=8)
+    with pytest.raises(ValueError, match="head_dim 128"):
+        segment_topk(*make(2, 1, 16, 300, "fp8", d=64), k=64)
+
+
+def test_segment_set_lowers():
+    """The scores kernel with the selection, and the whole segment_set top-k, lower for CUDA from this machine."""
+    from test_gpu_lowering import lowers_for
+
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+    from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
+
+    for fmt in ("fp8", "bf16"):
+        q, w, keys, nv = make(2, 1, 64, 20000, fmt, True)
+        text = lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_scores_mosaic(*a, select_k=512), q, w, keys, nv)
+        assert "dsv4sel_compact" in text
+        lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=512, topk="segment_set"), q, w, keys, nv)
+
+
+def _split_layout(T, **opts):
+    """(n_split, keys a split) of the select-mode kernel's call at T (its wrapper's rule)."""
+    from pallas_kernels.indexer.gpu_mosaic import SELECT_CONFIG, block_t_of, default_config
+
+    bt = block_t_of(opts.get("block_t"), T)
+    splits = opts.get("num_splits") or max(default_config(1, T)["num_splits"], -(-T // SELECT_CONFIG["max_segment"]))
+    nb = -(-T // bt)
+    bps = -(-nb // max(1, min(splits, nb)))
+    return -(-nb // bps), bps * bt
+
+
+@gpu
+@pytest.mark.parametrize("B,S,H,T,fmt,opts", [(4, 1, 64, 20000, "fp8", {}), (2, 2, 64, 70000, "fp8", {}),
+                                               (3, 1, 16, 776, "fp8", {}), (8, 1, 64, 32768, "fp8", dict(num_splits=4)),
+                                               (2, 1, 64, 9000, "fp8", dict(block_t=64, num_splits=5)),
+                                               (3, 1, 64, 20000, "bf16", {}), (3, 1, 64, 20000, "fp4", {})])
+def test_gpu_segment_survivors_match_the_model(B, S, H, T, fmt, opts):
+    """The kernel's survivors (keys and positions, every split) equal `segment_select_model` applied to the same
+    kernel's own scores of that split, bit for bit: the PTX does what the model does. Ragged n_visible (0, inside,
+    past T)."""
+    from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
+
+    q, w, keys, nv = make(B, S, H, T, fmt, True)
+    n_split, seg = _split_layout(T, **opts)
+    sk, sp = jax.jit(lambda *a: indexer_scores_mosaic(*a, select_k=512, **opts))(q, w, keys, nv)
+    scores = np.asarray(jax.jit(lambda *a: indexer_scores_mosaic(*a, pad_to_block=True, **opts))(q, w, keys, nv))
+    sk, sp = np.asarray(sk).reshape(B * S, n_split, -1), np.asarray(sp).reshape(B * S, n_split, -1)
+    slots = sk.shape[-1]
+    for r in range(B * S):
+        for j in range(n_split):
+            part = scores.reshape(B * S, -1)[r, j * seg:(j + 1) * seg]
+            mk, mp = M.segment_select_model(part, j * seg, 512, slots)
+            np.testing.assert_array_equal(sk[r, j], mk, err_msg=f"keys of row {r}, split {j}")
+            np.testing.assert_array_equal(sp[r, j], mp, err_msg=f"positions of row {r}, split {j}")
+
+
+@gpu
+@pytest.mark.parametrize("B,S,H,T,fmt", [(4, 1, 64, 20000, "fp8"), (64, 1, 64, 32768, "fp8"), (2, 2, 64, 70000, "fp8"),
+                                         (5, 1, 16, 776, "fp8"), (3, 1, 64, 20000, "bf16"), (3, 1, 64, 20000, "fp4")])
+def test_gpu_segment_set_picks(B, S, H, T, fmt):
+    """topk="segment_set" picks the same index set as the tournament over the same Mosaic scores (exactly), and the
+    reference's picks (up to near-ties, `check_picks`)."""
+    from test_indexer_kernels import check_picks
+
+    from pallas_kernels.indexer.topk import as_index_set
+
+    q, w, keys, nv = make(B, S, H, T, fmt, True)
+    got = indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="segment_set")
+    tour = indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="tour_set", kernel="mosaic")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(tour))
+    sorted_picks = indexer_topk(q, w, keys, nv, k=512, impl="pallas", kernel="mosaic")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(sorted_picks)))
+    check_picks(sorted_picks, q, w, keys, nv, 512)
+
+
+@gpu
+def test_gpu_segment_set_ties():
+    """Keys repeated along the cache: many exactly equal scores across splits; the lower positions win, as in the
+    tournament and lax.top_k."""
+    from pallas_kernels.indexer import formats as F
+
+    rng = np.random.default_rng(next(_SEED))
+    B, H, T = 4, 64, 32768
+    base = rng.standard_normal((B, 64, 128)).astype(np.float32)
+    keys = F.quantize(F.hadamard(jnp.asarray(np.tile(base, (1, T // 64, 1)))), "fp8")
+    q = F.fake_quantize(F.hadamard(jnp.asarray(rng.standard_normal((B, 1, H, 128)), jnp.float32)), "fp8")
+    w = jnp.asarray(rng.standard_normal((B, 1, H)), jnp.float32) * 0.01
+    nv = jnp.asarray([[T], [T - 1000], [5000], [100]], jnp.int32)
+    got = indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="segment_set")
+    tour = indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="tour_set", kernel="mosaic")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(tour))
+    ref = indexer_topk_reference(q, w, keys, nv, k=512)
+    np.testing.assert_array_equal((np.asarray(got) < 0).sum(-1), (np.asarray(ref) < 0).sum(-1))
