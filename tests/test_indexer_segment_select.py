@@ -116,15 +116,16 @@ def _ptxas():
     return found
 
 
-@pytest.mark.parametrize("k,slots", [(512, 576), (1, 1), (7, 7), (1024, 1088)])
-def test_segment_select_ptx_assembles(k, slots, tmp_path):
+@pytest.mark.parametrize("k,slots,aggregate", [(512, 576, False), (512, 576, True), (1, 1, False), (7, 7, True),
+                                               (1024, 1088, False)])
+def test_segment_select_ptx_assembles(k, slots, aggregate, tmp_path):
     """The selection's PTX (wrapped in a kernel of its own) assembles for sm_90a: no register, syntax or label error
     waits for the GPU. Skipped where no ptxas is found (PATH, $PTXAS, or the nvidia-cuda-nvcc wheel)."""
     ptxas = _ptxas()
     if not ptxas:
         pytest.skip("no ptxas (set PTXAS or pip install nvidia-cuda-nvcc-cu12)")
     src = tmp_path / "sel.ptx"
-    src.write_text(M.standalone_ptx(k, slots))
+    src.write_text(M.standalone_ptx(k, slots, aggregate=aggregate))
     res = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "sel.cubin")],
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr

@@ -201,7 +201,8 @@ def _e4m3_to_f16(a8, mode):
 # seg_slack); max_segment: the most keys a split may hold (its f32 scores in shared memory: 32 KB at 8192; more splits
 # where the default's would hold more); num_stages: the key ring's depth there (3 x 16 KB of fp8 keys, so that two
 # CTAs of ~106 KB fit an SM next to the 32 KB of scores and the 8 KB histogram)
-SELECT_CONFIG = dict(slack=64, max_segment=8192, num_stages=3)
+# aggregate: the selection's histogram atomics grouped by bin within a warp (`mosaic_select.segment_select_ptx`)
+SELECT_CONFIG = dict(slack=64, max_segment=8192, num_stages=3, aggregate=False)
 
 
 def key_format(keys):
@@ -259,7 +260,7 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
     the terms stacked along the heads), keys [B, T, 128] e4m3 or bf16, scales [B*T] f32 (fp8 keys only)
     -> out [R, nb*bt]. Interpreted, q is transposed: [R, 128, H] / [R, terms, 128, H]. fp4: keys [B, T, 64] uint8
     (packed e2m1), scales [B*T] int32 (a key's 4 ue8m0 bytes), q [R, H, 128] f16 in `mosaic_fp4`'s column order.
-    select = (k, slots): no scores out; the split's scores stay in shared memory (seg [bps * bt] f32) and the CTA
+    select = (k, slots, aggregate): no scores out; the split's scores stay in shared memory (seg [bps * bt] f32) and the CTA
     writes their top-k superset (`mosaic_select`) into out [R, n_split, slots] (keys) and pos [R, n_split, slots]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -412,7 +413,7 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
         from .mosaic_select import segment_select
 
         segment_select(seg_smem, sel_smem, n_read * bt, lo * bt, out_ref.at[r, split], pos_ref.at[r, split],
-                       k=select[0], slots=select[1])
+                       k=select[0], slots=select[1], aggregate=select[2])
         return
 
     def fill(j, carry):   # blocks of this split past n_visible: -inf, keys unread
@@ -611,7 +612,9 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     kernel = plgpu.kernel(
         functools.partial(_kernel, T=T, bt=bt, stages=stages, bps=bps, nb=nb, S=S, precision=precision,
                           convert=convert, n_phase=n_phase, split_m=bool(split_m), fp4=fmt == "fp4",
-                          select=None if select_k is None else (int(select_k), slots), interpret=interpret),
+                          select=None if select_k is None else (int(select_k), slots,
+                                                                bool(SELECT_CONFIG["aggregate"])),
+                          interpret=interpret),
         out_type=out_type,
         grid=(R, n_split), grid_names=("r", "s"),
         scratch_types=scratch,

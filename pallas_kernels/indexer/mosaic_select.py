@@ -91,10 +91,12 @@ def segment_select_model(scores, pos0: int, k: int, slots: int):
     return keys, pos
 
 
-def segment_select_ptx(k: int, slots: int) -> str:
+def segment_select_ptx(k: int, slots: int, aggregate: bool = False) -> str:
     """The selection as one PTX block for 128 threads. Operands: $0 scores (shared u32 address, f32 [>= n], 16 B
     aligned), $1 scratch (shared u32 address, u32 [SCRATCH_WORDS], 16 B aligned), $2 n (entries, a multiple of 4),
-    $3 pos0, $4 / $5 the CTA's keys / positions output (generic 64-bit pointers to int32 [slots])."""
+    $3 pos0, $4 / $5 the CTA's keys / positions output (generic 64-bit pointers to int32 [slots]).
+    aggregate: the histogram's lanes that hit one bin add once (`match.any` groups them, the lowest lane adds the
+    group's size): fewer conflicting shared-memory atomics where the scores crowd into a few bins."""
     if not 1 <= k <= slots:
         raise ValueError(f"segment_select: need 1 <= k ({k}) <= slots ({slots})")
     if slots >= 1 << 24:
@@ -108,7 +110,7 @@ def segment_select_ptx(k: int, slots: int) -> str:
     a(".reg .b32 f0, f1, f2, f3, key0, key1, key2, key3, u0, u1, u2, u3, hi, bin, ad, lt, c, start;")
     a(".reg .b32 w0, w1, w2, w3, gc, ec, G, quota, ko, es, ktot, ek0, ek1, ek2, ek3, eo, r, m0, m1, m2, m3;")
     a(".reg .b32 b0, b1, b2, b3, n0, n1, n2, n3, rank, slot, pos;")
-    a(".reg .b32 cnt<16>;")
+    a(".reg .b32 cnt<16>, kb, mm, wb;")
     a(".reg .b64 ka, pa, a64;")
     a("mov.u32 tid, %tid.x;")
     a("and.b32 lane, tid, 31;")
@@ -135,12 +137,17 @@ def segment_select_ptx(k: int, slots: int) -> str:
         for m in range(per):
             a(f"st.shared.u32 [ha+{512 * m}], 0;")
         a("bar.sync 1, 128;")
+        # thread tid: entries 4 tid + 512 m .. + 3; the loop runs while the warp's first entry wb is below n (the
+        # same trip count for every lane of a warp, as match.any needs), entries past n load as -inf
         a("shl.b32 i, tid, 2;")
+        a("shl.b32 wb, warp, 7;")
         a(f"DSV4SEL_CNT{lvl}:")
-        a("setp.ge.u32 p, i, $2;")
+        a("setp.ge.u32 p, wb, $2;")
         a(f"@p bra DSV4SEL_CNTEND{lvl};")
+        a("mov.b32 f0, 0xFF800000; mov.b32 f1, 0xFF800000; mov.b32 f2, 0xFF800000; mov.b32 f3, 0xFF800000;")
+        a("setp.lt.u32 p, i, $2;")
         a("mad.lo.u32 ad, i, 4, $0;")
-        a("ld.shared.v4.b32 {f0, f1, f2, f3}, [ad];")
+        a("@p ld.shared.v4.b32 {f0, f1, f2, f3}, [ad];")
         for e in range(4):
             key_of(f"f{e}", f"key{e}", f"u{e}", "q")
             if s + w < 32:
@@ -149,8 +156,17 @@ def segment_select_ptx(k: int, slots: int) -> str:
             a(f"shr.b32 bin, u{e}, {s};" if s else f"mov.b32 bin, u{e};")
             a(f"and.b32 bin, bin, {nb - 1};")
             a("mad.lo.u32 ad, bin, 4, $1;")
-            a("@q red.shared.add.u32 [ad], 1;")
+            if aggregate:   # lanes of one bin: the lowest adds the group's size (invalid lanes share key ~0)
+                a("selp.b32 kb, bin, 0xFFFFFFFF, q;")
+                a("match.any.sync.b32 mm, kb, 0xffffffff;")
+                a("and.b32 t, mm, lt;")
+                a("setp.eq.and.u32 q, t, 0, q;")
+                a("popc.b32 t, mm;")
+                a("@q red.shared.add.u32 [ad], t;")
+            else:
+                a("@q red.shared.add.u32 [ad], 1;")
         a("add.u32 i, i, 512;")
+        a("add.u32 wb, wb, 512;")
         a(f"bra DSV4SEL_CNT{lvl};")
         a(f"DSV4SEL_CNTEND{lvl}:")
         a("bar.sync 1, 128;")
@@ -307,10 +323,10 @@ def segment_select_ptx(k: int, slots: int) -> str:
     return "\n".join(L)
 
 
-def standalone_ptx(k: int, slots: int, arch: str = "sm_90a") -> str:
+def standalone_ptx(k: int, slots: int, arch: str = "sm_90a", aggregate: bool = False) -> str:
     """A PTX module with one kernel wrapping `segment_select_ptx` (its operands from kernel parameters), for
     assembling with ptxas on a machine without a GPU (tests) or launching directly."""
-    body = segment_select_ptx(k, slots)
+    body = segment_select_ptx(k, slots, aggregate)
     for idx, name in enumerate(("%sc", "%sx", "%n", "%p0", "%ko", "%po")):
         body = body.replace(f"${idx}", name)
     return f""".version 8.0
@@ -333,7 +349,8 @@ ret;
 """
 
 
-def segment_select(seg_smem, scratch_smem, n, pos0, keys_out, pos_out, *, k: int, slots: int):
+def segment_select(seg_smem, scratch_smem, n, pos0, keys_out, pos_out, *, k: int, slots: int,
+                   aggregate: bool = False):
     """In a Mosaic GPU kernel of one warpgroup, after the segment's scores are stored: seg_smem f32 [>= n] (shared),
     scratch_smem int32 [SCRATCH_WORDS] (shared), n (int32 scalar: entries to consider, a multiple of 4), pos0 (int32
     scalar: position of entry 0), keys_out / pos_out int32 [slots] refs in global memory (this CTA's output rows).
@@ -344,7 +361,7 @@ def segment_select(seg_smem, scratch_smem, n, pos0, keys_out, pos_out, *, k: int
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    asm = segment_select_ptx(k, slots)
+    asm = segment_select_ptx(k, slots, aggregate)
     scalar = plgpu.Layout.WG_SPLAT(())
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), scalar, scalar, plgpu.RefType(),
