@@ -109,7 +109,7 @@ def segment_select_ptx(k: int, slots: int, aggregate: bool = False) -> str:
     a(".reg .b32 tid, lane, warp, need, cgt, P, sh, i, j, t, t2, x, y, st, exc, acc, bst, abv, inb, ha, base, tot;")
     a(".reg .b32 f0, f1, f2, f3, key0, key1, key2, key3, u0, u1, u2, u3, hi, bin, ad, lt, c, start;")
     a(".reg .b32 w0, w1, w2, w3, gc, ec, G, quota, ko, es, ktot, ek0, ek1, ek2, ek3, eo, r, m0, m1, m2, m3;")
-    a(".reg .b32 b0, b1, b2, b3, n0, n1, n2, n3, rank, slot, pos;")
+    a(".reg .b32 b0, b1, b2, b3, n0, n1, n2, n3, rank, slot, rank0, slot0, pos;")
     a(".reg .b32 cnt<16>, kb, mm, wb;")
     a(".reg .b64 ka, pa, a64;")
     a("mov.u32 tid, %tid.x;")
@@ -242,6 +242,17 @@ def segment_select_ptx(k: int, slots: int, aggregate: bool = False) -> str:
             a(f"setp.gt.and.u32 g{e}, hi, P, v{e};")
             a(f"setp.eq.and.u32 e{e}, hi, P, v{e};")
 
+    def lanes_below(pred, mask, acc):   # mask{e} = the warp's ballot of pred{e}; acc += its set lanes below this one
+        a(f"mov.u32 {acc}, {acc}0;")
+        for e in range(4):
+            a(f"vote.sync.ballot.b32 {mask}{e}, {pred}{e}, 0xffffffff;")
+            a(f"and.b32 t, {mask}{e}, lt; popc.b32 t, t; add.u32 {acc}, {acc}, t;")
+
+    def store(index, base, value, pred=None):   # int32 base[index] = value (64-bit global address)
+        a(f"mul.wide.u32 a64, {index}, 4;")
+        a(f"add.u64 a64, {base}, a64;")
+        a(f"{'@' + pred + ' ' if pred else ''}st.global.b32 [a64], {value};")
+
     a("mov.u32 gc, 0; mov.u32 ec, 0; mov.u32 j, 0;")
     a("DSV4SEL_CA:")
     a("setp.ge.u32 p, j, c;")
@@ -276,28 +287,21 @@ def segment_select_ptx(k: int, slots: int, aggregate: bool = False) -> str:
     a("setp.ge.u32 p, j, c;")
     a("@p bra DSV4SEL_CBEND;")
     load4()
+
     # rank of (lane, e) among the chunk's entries at P: lanes below (all 4 of each) + this lane's e' < e
-    a("mov.u32 rank, es;")
-    for e in range(4):
-        a(f"vote.sync.ballot.b32 m{e}, e{e}, 0xffffffff;")
-        a(f"and.b32 t, m{e}, lt; popc.b32 t, t; add.u32 rank, rank, t;")
+    a("mov.u32 rank0, es;")
+    lanes_below("e", "m", "rank")
     for e in range(4):
         a(f"setp.lt.u32 q, rank, quota;")
         a(f"and.pred q, q, e{e};")
         a(f"or.pred k{e}, g{e}, q;")
         a(f"selp.u32 t, 1, 0, e{e}; add.u32 rank, rank, t;")
-    a("mov.u32 slot, ko;")
+    a("mov.u32 slot0, ko;")
+    lanes_below("k", "b", "slot")
     for e in range(4):
-        a(f"vote.sync.ballot.b32 b{e}, k{e}, 0xffffffff;")
-        a(f"and.b32 t, b{e}, lt; popc.b32 t, t; add.u32 slot, slot, t;")
-    for e in range(4):
-        a(f"mul.wide.u32 a64, slot, 4;")
         a(f"add.u32 pos, $3, i; add.u32 pos, pos, {e};")
-        a(f"add.u64 a64, ka, a64;")
-        a(f"@k{e} st.global.b32 [a64], key{e};")
-        a(f"mul.wide.u32 a64, slot, 4;")
-        a(f"add.u64 a64, pa, a64;")
-        a(f"@k{e} st.global.b32 [a64], pos;")
+        store("slot", "ka", f"key{e}", f"k{e}")
+        store("slot", "pa", "pos", f"k{e}")
         a(f"selp.u32 t, 1, 0, k{e}; add.u32 slot, slot, t;")
     for e in range(4):
         a(f"popc.b32 t, b{e}; add.u32 ko, ko, t;")
@@ -310,12 +314,8 @@ def segment_select_ptx(k: int, slots: int, aggregate: bool = False) -> str:
     a("DSV4SEL_PAD:")
     a(f"setp.ge.u32 p, i, {slots};")
     a("@p bra DSV4SEL_PADEND;")
-    a("mul.wide.u32 a64, i, 4;")
-    a("add.u64 a64, ka, a64;")
-    a(f"st.global.b32 [a64], {INT32_MIN};")
-    a("mul.wide.u32 a64, i, 4;")
-    a("add.u64 a64, pa, a64;")
-    a("st.global.b32 [a64], 0;")
+    store("i", "ka", INT32_MIN)
+    store("i", "pa", 0)
     a(f"add.u32 i, i, {THREADS};")
     a("bra DSV4SEL_PAD;")
     a("DSV4SEL_PADEND:")
