@@ -116,20 +116,37 @@ def _ptxas():
     return found
 
 
-@pytest.mark.parametrize("k,slots,aggregate", [(512, 576, False), (512, 576, True), (1, 1, False), (7, 7, True),
-                                               (1024, 1088, False)])
-def test_segment_select_ptx_assembles(k, slots, aggregate, tmp_path):
-    """The selection's PTX (wrapped in a kernel of its own) assembles for sm_90a: no register, syntax or label error
-    waits for the GPU. Skipped where no ptxas is found (PATH, $PTXAS, or the nvidia-cuda-nvcc wheel)."""
+def _ptx_blocks():
+    blocks = []
+    for out, hist_ready, pos_in, aggregate in itertools.product(M.OUTS, (False, True), ("implicit", "smem"),
+                                                                 (False, True)):
+        for k, slack in ((512, 64), (1, 0), (7, 1), (1024, 64)):
+            slots = k if out == "global_set" else k + slack
+            if out == "global_set" and 2 * slots > M.BINS:
+                continue
+            name = f"sel_{out}_{int(hist_ready)}_{pos_in}_{int(aggregate)}_{k}_{slots}"
+            blocks.append((name, M.segment_select_ptx(k, slots, aggregate=aggregate, hist_ready=hist_ready,
+                                                      pos_in=pos_in, out=out), M._operand_kinds(out)))
+    blocks += [(f"hist_block_{bt}", M.hist_block_ptx(bt), "rrr") for bt in (64, 128, 192, 256)]
+    blocks += [("hist_zero", M.hist_zero_ptx(), "r")]
+    blocks += [(f"gather_{n}_{slots}", M.gather_ptx(n, slots), "rrrr") for n, slots in ((4, 576), (8, 1088), (1, 4))]
+    return blocks
+
+
+def test_segment_select_ptx_assembles(tmp_path):
+    """Every PTX block of the selection (each output mode, with / without the streamed histogram, positions
+    implicit or in shared memory, aggregated atomics; the per-block histogram, its zeroing, the cluster gather),
+    wrapped in kernels of their own, assembles for sm_90a without spills: no register, syntax or label error waits
+    for the GPU. Skipped where no ptxas is found (PATH, $PTXAS, or the nvidia-cuda-nvcc wheel)."""
     ptxas = _ptxas()
     if not ptxas:
         pytest.skip("no ptxas (set PTXAS or pip install nvidia-cuda-nvcc-cu12)")
     src = tmp_path / "sel.ptx"
-    src.write_text(M.standalone_ptx(k, slots, aggregate=aggregate))
+    src.write_text(M.standalone_ptx(_ptx_blocks()))
     res = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "sel.cubin")],
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
-    assert "0 bytes spill" in res.stderr
+    assert res.stderr.count("0 bytes spill stores, 0 bytes spill loads") == len(_ptx_blocks())
 
 
 def test_segment_select_errors():
@@ -139,6 +156,10 @@ def test_segment_select_errors():
 
     with pytest.raises(ValueError, match="1 <= k"):
         M.segment_select_ptx(10, 5)
+    with pytest.raises(ValueError, match="stages"):
+        M.segment_select_ptx(1500, 1500, out="global_set")
+    with pytest.raises(ValueError, match="out must be"):
+        M.segment_select_ptx(5, 5, out="smem_set")
     q, w, keys, nv = make(2, 1, 64, 20000, "fp8", True)
     with pytest.raises(ValueError, match="compiled kernel"):
         indexer_scores_mosaic(q, w, keys, nv, select_k=512, precision="fp8", interpret=True)
@@ -148,6 +169,15 @@ def test_segment_select_errors():
         indexer_scores_mosaic(q, w, keys, nv, select_k=20001)
     with pytest.raises(ValueError, match="more than"):
         indexer_scores_mosaic(q, w, keys, nv, select_k=512, num_splits=1)
+    with pytest.MonkeyPatch.context() as mp:
+        from pallas_kernels.indexer import gpu_mosaic
+
+        mp.setitem(gpu_mosaic.SELECT_CONFIG, "final", "cluster")   # 2 rows: ~66 splits a row, over a cluster's 8
+        with pytest.raises(ValueError, match="needs <= 8 splits"):
+            indexer_scores_mosaic(q, w, keys, nv, select_k=512)
+        mp.setitem(gpu_mosaic.SELECT_CONFIG, "final", "somewhere")
+        with pytest.raises(ValueError, match="must be 'auto'"):
+            indexer_scores_mosaic(q, w, keys, nv, select_k=512)
     with pytest.raises(ValueError, match="interpret mode"):
         segment_topk(q, w, keys, nv, k=512, interpret=True)
     with pytest.raises(ValueError, match="Mosaic scores kernel, got kernel"):
@@ -158,26 +188,33 @@ def test_segment_select_errors():
         segment_topk(*make(2, 1, 16, 300, "fp8", d=64), k=64)
 
 
-def test_segment_set_lowers():
-    """The scores kernel with the selection, and the whole segment_set top-k, lower for CUDA from this machine."""
+@pytest.mark.parametrize("final,stream_hist", [("auto", True), ("triton", True), ("auto", False)])
+def test_segment_set_lowers(final, stream_hist, monkeypatch):
+    """The scores kernel with the selection, and the whole segment_set top-k, lower for CUDA from this machine: with
+    the row's set selected in the kernel (33 rows x 8 splits: one cluster a row) or by the Triton final (2 rows,
+    ~40 splits a row), the first histogram level counted during the stream or after it."""
     from test_gpu_lowering import lowers_for
 
+    from pallas_kernels.indexer import gpu_mosaic
     from pallas_kernels.indexer.gpu import indexer_topk_gpu
-    from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
 
-    for fmt in ("fp8", "bf16"):
-        q, w, keys, nv = make(2, 1, 64, 20000, fmt, True)
-        text = lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_scores_mosaic(*a, select_k=512), q, w, keys, nv)
+    monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "final", final)
+    monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "stream_hist", stream_hist)
+    for fmt, B, T in (("fp8", 33, 4096), ("bf16", 2, 20000), ("fp4", 33, 4096)):
+        q, w, keys, nv = make(B, 1, 64, T, fmt, True)
+        text = lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=512, topk="segment_set"),
+                          q, w, keys, nv)
         assert "dsv4sel_compact" in text
-        lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=512, topk="segment_set"), q, w, keys, nv)
+        in_kernel = final == "auto" and B == 33
+        assert ("dsv4gather" in text) == in_kernel and ("triton" in text) != in_kernel
 
 
-def _split_layout(T, **opts):
-    """(n_split, keys a split) of the select-mode kernel's call at T (its wrapper's rule)."""
+def _split_layout(R, T, **opts):
+    """(n_split, keys a split) of the select-mode kernel's call of R query rows at T (its wrapper's rule)."""
     from pallas_kernels.indexer.gpu_mosaic import SELECT_CONFIG, block_t_of, default_config
 
     bt = block_t_of(opts.get("block_t"), T)
-    splits = opts.get("num_splits") or max(default_config(1, T)["num_splits"], -(-T // SELECT_CONFIG["max_segment"]))
+    splits = opts.get("num_splits") or max(default_config(R, T)["num_splits"], -(-T // SELECT_CONFIG["max_segment"]))
     nb = -(-T // bt)
     bps = -(-nb // max(1, min(splits, nb)))
     return -(-nb // bps), bps * bt
@@ -188,14 +225,18 @@ def _split_layout(T, **opts):
                                                (3, 1, 16, 776, "fp8", {}), (8, 1, 64, 32768, "fp8", dict(num_splits=4)),
                                                (2, 1, 64, 9000, "fp8", dict(block_t=64, num_splits=5)),
                                                (3, 1, 64, 20000, "bf16", {}), (3, 1, 64, 20000, "fp4", {})])
-def test_gpu_segment_survivors_match_the_model(B, S, H, T, fmt, opts):
-    """The kernel's survivors (keys and positions, every split) equal `segment_select_model` applied to the same
-    kernel's own scores of that split, bit for bit: the PTX does what the model does. Ragged n_visible (0, inside,
-    past T)."""
+@pytest.mark.parametrize("stream_hist", [True, False])
+def test_gpu_segment_survivors_match_the_model(B, S, H, T, fmt, opts, stream_hist, monkeypatch):
+    """The kernel's survivors (keys and positions, every split; the Triton final's input) equal
+    `segment_select_model` applied to the same kernel's own scores of that split, bit for bit: the PTX does what
+    the model does. Ragged n_visible (0, inside, past T); the first histogram level during the stream or after."""
+    from pallas_kernels.indexer import gpu_mosaic
     from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
 
+    monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "final", "triton")
+    monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "stream_hist", stream_hist)
     q, w, keys, nv = make(B, S, H, T, fmt, True)
-    n_split, seg = _split_layout(T, **opts)
+    n_split, seg = _split_layout(B * S, T, **opts)
     sk, sp = jax.jit(lambda *a: indexer_scores_mosaic(*a, select_k=512, **opts))(q, w, keys, nv)
     scores = np.asarray(jax.jit(lambda *a: indexer_scores_mosaic(*a, pad_to_block=True, **opts))(q, w, keys, nv))
     sk, sp = np.asarray(sk).reshape(B * S, n_split, -1), np.asarray(sp).reshape(B * S, n_split, -1)
@@ -210,14 +251,20 @@ def test_gpu_segment_survivors_match_the_model(B, S, H, T, fmt, opts):
 
 @gpu
 @pytest.mark.parametrize("B,S,H,T,fmt", [(4, 1, 64, 20000, "fp8"), (64, 1, 64, 32768, "fp8"), (2, 2, 64, 70000, "fp8"),
-                                         (5, 1, 16, 776, "fp8"), (3, 1, 64, 20000, "bf16"), (3, 1, 64, 20000, "fp4")])
-def test_gpu_segment_set_picks(B, S, H, T, fmt):
+                                         (5, 1, 16, 776, "fp8"), (3, 1, 64, 20000, "bf16"), (3, 1, 64, 20000, "fp4"),
+                                         (20, 2, 64, 20000, "fp8"), (33, 1, 64, 4096, "bf16"), (64, 1, 64, 32768, "fp4"),
+                                         (16, 1, 64, 32768, "fp8")])
+@pytest.mark.parametrize("final", ["auto", "triton"])
+def test_gpu_segment_set_picks(B, S, H, T, fmt, final, monkeypatch):
     """topk="segment_set" picks the same index set as the tournament over the same Mosaic scores (exactly), and the
-    reference's picks (up to near-ties, `check_picks`)."""
+    reference's picks (up to near-ties, `check_picks`): the row's set selected in the kernel (final "auto" where a
+    row's splits fit one cluster: 64 x 32768, 40 rows x 6 splits, 33 x 8) or by the Triton final."""
     from test_indexer_kernels import check_picks
 
+    from pallas_kernels.indexer import gpu_mosaic
     from pallas_kernels.indexer.topk import as_index_set
 
+    monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "final", final)
     q, w, keys, nv = make(B, S, H, T, fmt, True)
     got = indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="segment_set")
     tour = indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="tour_set", kernel="mosaic")
@@ -228,18 +275,22 @@ def test_gpu_segment_set_picks(B, S, H, T, fmt):
 
 
 @gpu
-def test_gpu_segment_set_ties():
+@pytest.mark.parametrize("final", ["auto", "triton"])
+def test_gpu_segment_set_ties(final, monkeypatch):
     """Keys repeated along the cache: many exactly equal scores across splits; the lower positions win, as in the
     tournament and lax.top_k."""
     from pallas_kernels.indexer import formats as F
 
+    from pallas_kernels.indexer import gpu_mosaic
+
+    monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "final", final)
     rng = np.random.default_rng(next(_SEED))
-    B, H, T = 4, 64, 32768
+    B, H, T = 64, 64, 32768
     base = rng.standard_normal((B, 64, 128)).astype(np.float32)
     keys = F.quantize(F.hadamard(jnp.asarray(np.tile(base, (1, T // 64, 1)))), "fp8")
     q = F.fake_quantize(F.hadamard(jnp.asarray(rng.standard_normal((B, 1, H, 128)), jnp.float32)), "fp8")
     w = jnp.asarray(rng.standard_normal((B, 1, H)), jnp.float32) * 0.01
-    nv = jnp.asarray([[T], [T - 1000], [5000], [100]], jnp.int32)
+    nv = jnp.asarray(np.tile([[T], [T - 1000], [5000], [100]], (B // 4, 1)), jnp.int32)
     got = indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="segment_set")
     tour = indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="tour_set", kernel="mosaic")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(tour))

@@ -58,8 +58,9 @@ runs its last segment stage and the final selection as one kernel, session 38: s
 longer rows where a call holds <= 2^21 candidates, "threshold_set" elsewhere (`resolve_set_method`; the model's GPU
 default since session 34). "segment_set" = the tournament's first stage inside the Mosaic scores kernel:
 each CTA selects its split's top-k superset from its scores in shared memory and writes only that
-(`mosaic_select`, session 40), then one program per row selects among the survivors (`segment_topk`). All others give the same picks. H200, session 7 (B = 64, 128K context, bf16 keys,
-whole pipeline): default 218-224 us, threshold_select 220, threshold_set 210-212 (the only one with no sort left).
+(`mosaic_select`, session 40), then the row's set among the survivors: in the same kernel (the
+row's splits as one thread-block cluster) or one Triton program per row (`segment_topk`, `gpu_mosaic.SELECT_CONFIG`).
+All others give the same picks. H200, session 7 (B = 64, 128K context, bf16 keys, whole pipeline): default 218-224 us, threshold_select 220, threshold_set 210-212 (the only one with no sort left).
 Default "threshold": on the H200, 44 us at batch 1 x 262,144 candidates (lax.top_k ~80) and 55-60 us at batch 64 x
 32K (lax ~260), the chain harness included (results/README_indexer_compressor.md, session 5). Scores are
 materialized per query chunk only ([B, query_chunk, T] f32), so prefill memory stays bounded.
@@ -787,7 +788,10 @@ def segment_topk(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256,
 
     def select(args):
         qc, wc, nc = args
-        sk, sp = indexer_scores_mosaic(qc, wc, keys, nc, select_k=k, select_slack=select_slack, **kernel_options)
+        res = indexer_scores_mosaic(qc, wc, keys, nc, select_k=k, select_slack=select_slack, **kernel_options)
+        if not isinstance(res, tuple):   # the kernel's clusters selected each row's set
+            return res
+        sk, sp = res
         lead = sk.shape[:2]
         picks = select_from_survivors(sk.reshape(-1, sk.shape[-1]), sp.reshape(-1, sp.shape[-1]), k)
         return picks.reshape(lead + (k,))

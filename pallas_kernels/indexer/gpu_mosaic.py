@@ -201,8 +201,15 @@ def _e4m3_to_f16(a8, mode):
 # seg_slack); max_segment: the most keys a split may hold (its f32 scores in shared memory: 32 KB at 8192; more splits
 # where the default's would hold more); num_stages: the key ring's depth there (3 x 16 KB of fp8 keys, so that two
 # CTAs of ~106 KB fit an SM next to the 32 KB of scores and the 8 KB histogram)
-# aggregate: the selection's histogram atomics grouped by bin within a warp (`mosaic_select.segment_select_ptx`)
-SELECT_CONFIG = dict(slack=64, max_segment=8192, num_stages=3, aggregate=False)
+# aggregate: the selection's histogram atomics grouped by bin within a warp (`mosaic_select.segment_select_ptx`).
+# stream_hist: the selection's first histogram level counted block by block during the stream (one atomic per key
+# after each block's barrier), so the tail after the last block starts at the bin search.
+# final: where the row's set is selected among its splits' survivors: "triton" (the survivors go to global memory,
+# then `topk_hist.hist_select` with the position map), "cluster" (the row's splits are one thread-block cluster: CTA 0
+# gathers the others' survivors from their shared memory and selects the exact set, so the call is one kernel; needs
+# <= MAX_CLUSTER splits, k + slack a multiple of 4 and k <= 1024), "auto" (cluster where it applies).
+SELECT_CONFIG = dict(slack=64, max_segment=8192, num_stages=3, aggregate=False, stream_hist=True, final="auto")
+MAX_CLUSTER = 8     # portable thread-block cluster size
 
 
 def key_format(keys):
@@ -260,8 +267,10 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
     the terms stacked along the heads), keys [B, T, 128] e4m3 or bf16, scales [B*T] f32 (fp8 keys only)
     -> out [R, nb*bt]. Interpreted, q is transposed: [R, 128, H] / [R, terms, 128, H]. fp4: keys [B, T, 64] uint8
     (packed e2m1), scales [B*T] int32 (a key's 4 ue8m0 bytes), q [R, H, 128] f16 in `mosaic_fp4`'s column order.
-    select = (k, slots, aggregate): no scores out; the split's scores stay in shared memory (seg [bps * bt] f32) and the CTA
-    writes their top-k superset (`mosaic_select`) into out [R, n_split, slots] (keys) and pos [R, n_split, slots]."""
+    select = dict(k, slots, aggregate, stream_hist, cluster): no scores out; the split's scores stay in shared memory
+    as u keys (seg int32 [>= bps * bt], `mosaic_select`) and the CTA selects their top-k superset: into out
+    [R, n_split, slots] (keys) and pos [R, n_split, slots], or with cluster (grid (R,), cluster (n_split,)) CTA 0 of
+    the row selects the row's exact set among the splits' survivors into out [R, k] (`as_index_set`'s layout)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     f16 = precision == "f16"
@@ -277,7 +286,7 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
     else:
         (nv_ref, w_ref, q_ref, key_ref, scale_ref), refs = refs[:5], refs[5:]
     out_ref, refs = refs[0], refs[1:]
-    if select:
+    if select and not select["cluster"]:
         pos_ref, refs = refs[0], refs[1:]
     if n_phase:
         gmax_ref, refs = refs[0], refs[1:]
@@ -289,6 +298,10 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
 
     r = jax.lax.axis_index("r")
     split = jax.lax.axis_index("s")
+    if select and select["stream_hist"]:
+        from .mosaic_select import hist_zero
+
+        hist_zero(sel_smem)
     b = r // S
     base = b * T                                      # the row's first key in the flat scale array
     nv = jnp.clip(nv_ref[r], 0, T)
@@ -368,6 +381,11 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
             s = s * load(s_smem.at[slot, pl.ds(r0, m)], rl)
         t = (lo + j) * bt + r0 + plgpu.broadcasted_iota(jnp.int32, (m,), 0, layout=None if interpret else rl)
         s = jnp.where(t < nv, s, -jnp.inf)
+        if select:   # the selection's u keys: ordered int32 ^ 2^31 (unsigned order = float total order)
+            from .topk import _ordered_i32
+
+            o.at[pl.ds(r0, m)][...] = _ordered_i32(s) ^ jnp.int32(-(2 ** 31))
+            return
         if n_phase:   # key t is in strided group t mod (n_phase * bt): this block's keys fill phase (lo + j) % n_phase
             g = gm_smem.at[(lo + j) % n_phase, pl.ds(r0, m)]
             g[...] = jnp.maximum(load(g, rl), s)
@@ -398,6 +416,10 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
             logits, key_factor = pl.run_scoped(whole, plgpu.ACC((bt, H), jnp.float32))
             finish(j, slot, logits, 0, bt, o, key_factor)
         plgpu.commit_smem()   # also a warpgroup barrier: every thread is past this slot's keys and scales
+        if select and select["stream_hist"]:   # this block's keys into the selection's first histogram level
+            from .mosaic_select import hist_block
+
+            hist_block(seg_smem, sel_smem, j * bt, bt=bt)
 
         @pl.when(j + stages < n_read)
         def _():
@@ -410,10 +432,34 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
     jax.lax.fori_loop(0, n_read, body, 0)
     plgpu.commit_smem()
     if select:   # the split's blocks past n_visible hold no candidate: the selection looks at n_read blocks
-        from .mosaic_select import segment_select
+        from . import mosaic_select as ms
 
-        segment_select(seg_smem, sel_smem, n_read * bt, lo * bt, out_ref.at[r, split], pos_ref.at[r, split],
-                       k=select[0], slots=select[1], aggregate=select[2])
+        k_sel, slots = select["k"], select["slots"]
+        opts = dict(k=k_sel, slots=slots, aggregate=select["aggregate"], hist_ready=select["stream_hist"])
+        if not select["cluster"]:
+            ms.segment_select(seg_smem, sel_smem, n_read * bt, lo * bt, out_ref.at[r, split], pos_ref.at[r, split],
+                              **opts)
+            return
+        # survivors (u, position) into this CTA's scratch; CTA 0 of the cluster gathers every split's into its
+        # segment buffer (u at [0, W), positions at [W, 2W)) and selects the row's set among them
+        surv_u, surv_pos = sel_smem.at[pl.ds(0, slots)], sel_smem.at[pl.ds(slots, slots)]
+        ms.segment_select(seg_smem, sel_smem, n_read * bt, lo * bt, surv_u, surv_pos, out="smem_pairs", **opts)
+        n_split = select["cluster"]
+        W = n_split * slots
+        ms.cluster_sync()
+
+        @pl.when(split == 0)
+        def _():
+            ms.gather(surv_u, surv_pos, seg_smem.at[pl.ds(0, W)], seg_smem.at[pl.ds(W, W)], n_split=n_split,
+                      slots=slots)
+
+        ms.cluster_sync()   # every CTA's survivors are read: the others may end
+
+        @pl.when(split == 0)
+        def _():
+            ms.segment_select(seg_smem, sel_smem, jnp.int32(W), seg_smem.at[pl.ds(W, W)], out_ref.at[r], k=k_sel,
+                              slots=k_sel,
+                              pos_in="smem", out="global_set", aggregate=select["aggregate"])
         return
 
     def fill(j, carry):   # blocks of this split past n_visible: -inf, keys unread
@@ -463,7 +509,9 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     (`mosaic_select`: ordered int32 keys as `topk._ordered_i32` writes them and their positions in the row,
     ascending position, padding (INT32_MIN, 0)); splits hold at most `SELECT_CONFIG["max_segment"]` keys. The
     row's top-select_k set is `topk_hist.hist_select(keys, select_k, posmap=pos)`'s (`gpu.indexer_topk_gpu`,
-    topk="segment_set")."""
+    topk="segment_set"). Where the row's splits run as one thread-block cluster (`SELECT_CONFIG["final"]`), the
+    kernel selects that set itself and returns it: int32 [B, S, select_k], ascending positions, -1 after the finite
+    picks (`topk.as_index_set`'s layout)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from .gpu import quantize_q_fp8, split_q
@@ -532,13 +580,22 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     nb = -(-T // bt)
     bps = -(-nb // max(1, min(cfg["num_splits"], nb)))
     n_split = -(-nb // bps)
-    slots = None
+    slots = cluster = None
     if select_k is not None:
         slots = int(select_k) + select_slack
         if bps * bt > SELECT_CONFIG["max_segment"]:
             raise ValueError(f"select_k: a split holds {bps * bt} keys ({bps} blocks of {bt}), more than "
                              f"SELECT_CONFIG['max_segment'] = {SELECT_CONFIG['max_segment']} (its scores stay in "
                              "shared memory); give more num_splits")
+        final = SELECT_CONFIG["final"]
+        fits = n_split <= MAX_CLUSTER and slots % 4 == 0 and int(select_k) <= 1024 and slots <= 1024
+        if final not in ("auto", "cluster", "triton"):
+            raise ValueError(f"SELECT_CONFIG['final'] must be 'auto', 'cluster' or 'triton', got {final!r}")
+        if final == "cluster" and not fits:
+            raise ValueError(f"SELECT_CONFIG['final'] = 'cluster' needs <= {MAX_CLUSTER} splits, k + slack a multiple "
+                             f"of 4 and k, k + slack <= 1024; got {n_split} splits, k {select_k}, slack "
+                             f"{select_slack}")
+        cluster = n_split if final == "cluster" or (final == "auto" and fits) else None
     from .topk import producer_groups
 
     G = 0 if group_max_k is None else producer_groups(T, nb * bt, group_max_k, block=bt, n_split=n_split,
@@ -607,23 +664,29 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     if select_k is not None:
         from .mosaic_select import SCRATCH_WORDS
 
-        scratch += [plgpu.SMEM((bps * bt,), jnp.float32), plgpu.SMEM((SCRATCH_WORDS,), jnp.int32)]   # seg, sel
-        out_type = (jax.ShapeDtypeStruct((R, n_split, slots), jnp.int32),) * 2
+        seg_len = max(bps * bt, 2 * n_split * slots if cluster else 0)
+        scratch += [plgpu.SMEM((seg_len,), jnp.int32), plgpu.SMEM((SCRATCH_WORDS,), jnp.int32)]   # seg, sel
+        out_type = (jax.ShapeDtypeStruct((R, int(select_k)), jnp.int32) if cluster else
+                    (jax.ShapeDtypeStruct((R, n_split, slots), jnp.int32),) * 2)
     kernel = plgpu.kernel(
         functools.partial(_kernel, T=T, bt=bt, stages=stages, bps=bps, nb=nb, S=S, precision=precision,
                           convert=convert, n_phase=n_phase, split_m=bool(split_m), fp4=fmt == "fp4",
-                          select=None if select_k is None else (int(select_k), slots,
-                                                                bool(SELECT_CONFIG["aggregate"])),
+                          select=None if select_k is None else dict(
+                              k=int(select_k), slots=slots, aggregate=bool(SELECT_CONFIG["aggregate"]),
+                              stream_hist=bool(SELECT_CONFIG["stream_hist"]), cluster=cluster),
                           interpret=interpret),
         out_type=out_type,
-        grid=(R, n_split), grid_names=("r", "s"),
+        **(dict(grid=(R,), grid_names=("r",), cluster=(n_split,), cluster_names=("s",)) if cluster else
+           dict(grid=(R, n_split), grid_names=("r", "s"))),
         scratch_types=scratch,
         kernel_name=(f"indexer_scores_{fmt}_mosaic_{precision}_t{bt}" + (f"_{convert}" if convert != "cvt" else "")
                      + (f"_g{G}" if n_phase else "") + ("_m2" if split_m else "")
-                     + (f"_sel{select_k}" if select_k is not None else "")),
+                     + (f"_sel{select_k}" if select_k is not None else "") + ("_cl" if cluster else "")),
         **(dict(interpret=_interpret_params(interpret == "races")) if interpret else {}),
     )
     res = kernel(*args)
+    if cluster:
+        return res.reshape(B, S, int(select_k))
     if select_k is not None:
         return tuple(x.reshape(B, S, n_split * slots) for x in res)
     out, gmax = res if n_phase else (res, None)

@@ -91,85 +91,110 @@ def segment_select_model(scores, pos0: int, k: int, slots: int):
     return keys, pos
 
 
-def segment_select_ptx(k: int, slots: int, aggregate: bool = False) -> str:
-    """The selection as one PTX block for 128 threads. Operands: $0 scores (shared u32 address, f32 [>= n], 16 B
-    aligned), $1 scratch (shared u32 address, u32 [SCRATCH_WORDS], 16 B aligned), $2 n (entries, a multiple of 4),
-    $3 pos0, $4 / $5 the CTA's keys / positions output (generic 64-bit pointers to int32 [slots]).
+U_INVALID = 0x007FFFFF                     # u of -inf: entries at or below it are not candidates
+U_POS_INF = 0xFF800000                     # u of +inf: finite entries lie strictly between the two
+OUTS = ("global_pairs", "smem_pairs", "global_set")
+
+
+def segment_select_ptx(k: int, slots: int, *, aggregate: bool = False, hist_ready: bool = False,
+                       pos_in: str = "implicit", out: str = "global_pairs") -> str:
+    """The selection as one PTX block for 128 threads, over u keys (u32 [n] in shared memory: `_ordered` ^ 2^31, at
+    most U_INVALID for entries that are no candidates). Operands: $0 u (shared u32 address, 16 B aligned), $1 scratch
+    (shared u32 address, u32 [SCRATCH_WORDS], 16 B aligned), $2 n (entries, a multiple of 4), $3 pos0 (pos_in
+    "implicit": entry i is at position pos0 + i) or the shared address of int32 positions [n] (pos_in "smem"),
+    $4 / $5 the outputs:
+      out "global_pairs": generic 64-bit pointers to int32 [slots] keys (ordered int32, `topk._ordered_i32`'s) and
+                          positions, padding (INT32_MIN, 0);
+      out "smem_pairs":   shared u32 addresses of u32 [slots] u keys and int32 positions, padding (0, 0);
+      out "global_set":   $4 a generic pointer to int32 [slots] positions of the finite kept entries, ascending,
+                          -1 padding after (slots = k: the exact top-k index set, `as_index_set`'s layout); no $5.
+                          The kept entries are staged in the scratch's histogram area first (slots <= BINS / 2).
+    hist_ready: the first level's histogram is already in the scratch (`hist_block_ptx` during the stream).
     aggregate: the histogram's lanes that hit one bin add once (`match.any` groups them, the lowest lane adds the
     group's size): fewer conflicting shared-memory atomics where the scores crowd into a few bins."""
     if not 1 <= k <= slots:
         raise ValueError(f"segment_select: need 1 <= k ({k}) <= slots ({slots})")
     if slots >= 1 << 24:
         raise ValueError(f"segment_select: slots {slots} too large")
+    if out == "global_set" and 2 * slots > BINS:
+        raise ValueError(f"segment_select: out 'global_set' stages <= {BINS // 2} entries, got slots {slots}")
+    if out not in OUTS or pos_in not in ("implicit", "smem"):
+        raise ValueError(f"segment_select: out must be one of {OUTS} and pos_in 'implicit' or 'smem', got "
+                         f"{out!r}, {pos_in!r}")
     X = 4 * BINS                                               # byte offset of the exchange words
     L = []
     a = L.append
     a("{")
-    a(".reg .pred p, q, own, fnd, v0, v1, v2, v3, g0, g1, g2, g3, e0, e1, e2, e3, k0, k1, k2, k3;")
+    a(".reg .pred p, q, own, fnd, v0, v1, v2, v3, g0, g1, g2, g3, e0, e1, e2, e3, k0, k1, k2, k3, ration;")
     a(".reg .b32 tid, lane, warp, need, cgt, P, sh, i, j, t, t2, x, y, st, exc, acc, bst, abv, inb, ha, base, tot;")
-    a(".reg .b32 f0, f1, f2, f3, key0, key1, key2, key3, u0, u1, u2, u3, hi, bin, ad, lt, c, start;")
-    a(".reg .b32 w0, w1, w2, w3, gc, ec, G, quota, ko, es, ktot, ek0, ek1, ek2, ek3, eo, r, m0, m1, m2, m3;")
+    a(".reg .b32 u0, u1, u2, u3, hi, bin, ad, lt, c, start, pv0, pv1, pv2, pv3, ov;")
+    a(".reg .b32 w0, w1, w2, w3, gc, ec, G, E, quota, ko, es, ktot, ek0, ek1, ek2, ek3, eo, r, m0, m1, m2, m3;")
     a(".reg .b32 b0, b1, b2, b3, n0, n1, n2, n3, rank, slot, rank0, slot0, pos;")
     a(".reg .b32 cnt<16>, kb, mm, wb;")
     a(".reg .b64 ka, pa, a64;")
+    a(".reg .b32 pa32;")
     a("mov.u32 tid, %tid.x;")
     a("and.b32 lane, tid, 31;")
     a("shr.u32 warp, tid, 5;")
     a("mov.u32 lt, %lanemask_lt;")
-    a("cvta.to.global.u64 ka, $4;")
-    a("cvta.to.global.u64 pa, $5;")
+    if out != "smem_pairs":
+        a("cvta.to.global.u64 ka, $4;")
+    if out == "global_pairs":
+        a("cvta.to.global.u64 pa, $5;")
+    if out == "global_set":   # the staged positions' shared address
+        a(f"add.u32 pa32, $1, {4 * slots};")
     a(f"mov.u32 need, {k};")
     a("mov.u32 cgt, 0;")
     a("mov.u32 P, 0;")
-    a("bar.sync 1, 128;")                                      # every score is in shared memory
+    a("bar.sync 1, 128;")                                      # every key (and histogram count) is in place
 
-    def key_of(f, key, u, v):   # ordered int32 key, its validity, and u = key ^ 2^31
-        a(f"shr.s32 t, {f}, 31;")
-        a("and.b32 t, t, 0x7FFFFFFF;")
-        a(f"xor.b32 {key}, {f}, t;")
-        a(f"setp.gt.s32 {v}, {key}, {NEG_INF_KEY};")
-        a(f"xor.b32 {u}, {key}, 0x80000000;")
+    def load4(first, with_pos=False):   # u of entries first..first+3 (register `first`); past n: 0 (no candidate)
+        a("mov.b32 u0, 0; mov.b32 u1, 0; mov.b32 u2, 0; mov.b32 u3, 0;")
+        a(f"setp.lt.u32 p, {first}, $2;")
+        a(f"mad.lo.u32 ad, {first}, 4, $0;")
+        a("@p ld.shared.v4.b32 {u0, u1, u2, u3}, [ad];")
+        if with_pos and pos_in == "smem":
+            a(f"mad.lo.u32 ad, {first}, 4, $3;")
+            a("@p ld.shared.v4.b32 {pv0, pv1, pv2, pv3}, [ad];")
 
     for lvl, (s, w) in enumerate(LEVELS):
         nb, per = 1 << w, (1 << w) // THREADS
         a(f"// level {lvl}: digit u[{s + w - 1}:{s}]")
-        a("mad.lo.u32 ha, tid, 4, $1;")
-        for m in range(per):
-            a(f"st.shared.u32 [ha+{512 * m}], 0;")
-        a("bar.sync 1, 128;")
-        # thread tid: entries 4 tid + 512 m .. + 3; the loop runs while the warp's first entry wb is below n (the
-        # same trip count for every lane of a warp, as match.any needs), entries past n load as -inf
-        a("shl.b32 i, tid, 2;")
-        a("shl.b32 wb, warp, 7;")
-        a(f"DSV4SEL_CNT{lvl}:")
-        a("setp.ge.u32 p, wb, $2;")
-        a(f"@p bra DSV4SEL_CNTEND{lvl};")
-        a("mov.b32 f0, 0xFF800000; mov.b32 f1, 0xFF800000; mov.b32 f2, 0xFF800000; mov.b32 f3, 0xFF800000;")
-        a("setp.lt.u32 p, i, $2;")
-        a("mad.lo.u32 ad, i, 4, $0;")
-        a("@p ld.shared.v4.b32 {f0, f1, f2, f3}, [ad];")
-        for e in range(4):
-            key_of(f"f{e}", f"key{e}", f"u{e}", "q")
-            if s + w < 32:
-                a(f"shr.b32 hi, u{e}, {s + w};")
-                a("setp.eq.and.u32 q, hi, P, q;")
-            a(f"shr.b32 bin, u{e}, {s};" if s else f"mov.b32 bin, u{e};")
-            a(f"and.b32 bin, bin, {nb - 1};")
-            a("mad.lo.u32 ad, bin, 4, $1;")
-            if aggregate:   # lanes of one bin: the lowest adds the group's size (invalid lanes share key ~0)
-                a("selp.b32 kb, bin, 0xFFFFFFFF, q;")
-                a("match.any.sync.b32 mm, kb, 0xffffffff;")
-                a("and.b32 t, mm, lt;")
-                a("setp.eq.and.u32 q, t, 0, q;")
-                a("popc.b32 t, mm;")
-                a("@q red.shared.add.u32 [ad], t;")
-            else:
-                a("@q red.shared.add.u32 [ad], 1;")
-        a("add.u32 i, i, 512;")
-        a("add.u32 wb, wb, 512;")
-        a(f"bra DSV4SEL_CNT{lvl};")
-        a(f"DSV4SEL_CNTEND{lvl}:")
-        a("bar.sync 1, 128;")
+        if not (lvl == 0 and hist_ready):
+            a("mad.lo.u32 ha, tid, 4, $1;")
+            for m in range(per):
+                a(f"st.shared.u32 [ha+{512 * m}], 0;")
+            a("bar.sync 1, 128;")
+            # thread tid: entries 4 tid + 512 m .. + 3; the loop runs while the warp's first entry wb is below n
+            # (the same trip count for every lane of a warp, as match.any needs)
+            a("shl.b32 i, tid, 2;")
+            a("shl.b32 wb, warp, 7;")
+            a(f"DSV4SEL_CNT{lvl}:")
+            a("setp.ge.u32 p, wb, $2;")
+            a(f"@p bra DSV4SEL_CNTEND{lvl};")
+            load4("i")
+            for e in range(4):
+                a(f"setp.gt.u32 q, u{e}, {U_INVALID};")
+                if s + w < 32:
+                    a(f"shr.b32 hi, u{e}, {s + w};")
+                    a("setp.eq.and.u32 q, hi, P, q;")
+                a(f"shr.b32 bin, u{e}, {s};" if s else f"mov.b32 bin, u{e};")
+                a(f"and.b32 bin, bin, {nb - 1};")
+                a("mad.lo.u32 ad, bin, 4, $1;")
+                if aggregate:   # lanes of one bin: the lowest adds the group's size (invalid lanes share key ~0)
+                    a("selp.b32 kb, bin, 0xFFFFFFFF, q;")
+                    a("match.any.sync.b32 mm, kb, 0xffffffff;")
+                    a("and.b32 t, mm, lt;")
+                    a("setp.eq.and.u32 q, t, 0, q;")
+                    a("popc.b32 t, mm;")
+                    a("@q red.shared.add.u32 [ad], t;")
+                else:
+                    a("@q red.shared.add.u32 [ad], 1;")
+            a("add.u32 i, i, 512;")
+            a("add.u32 wb, wb, 512;")
+            a(f"bra DSV4SEL_CNT{lvl};")
+            a(f"DSV4SEL_CNTEND{lvl}:")
+            a("bar.sync 1, 128;")
         # this thread's bins [tid * per, tid * per + per): their sum, then a suffix scan over the threads
         a(f"mul.lo.u32 base, tid, {per};")
         a("mad.lo.u32 ha, base, 4, $1;")
@@ -198,7 +223,7 @@ def segment_select_ptx(k: int, slots: int, aggregate: bool = False) -> str:
         a("setp.lt.u32 own, exc, need;")
         a("setp.ge.and.u32 own, t, need, own;")                 # the need-th largest is in this thread's bins
         a("mov.u32 acc, exc; mov.u32 bst, 0; mov.u32 abv, 0; mov.u32 inb, 0;")
-        a("setp.ne.u32 fnd, tid, tid;")                           # false
+        a("setp.ne.u32 fnd, tid, tid;")                         # false
         for jj in reversed(range(per)):
             a(f"add.u32 t, acc, cnt{jj};")
             a("setp.ge.u32 q, t, need;")
@@ -229,15 +254,9 @@ def segment_select_ptx(k: int, slots: int, aggregate: bool = False) -> str:
     a("add.u32 c, $2, 511; shr.u32 c, c, 9; shl.b32 c, c, 7;")
     a("mul.lo.u32 start, warp, c;")
 
-    def load4():   # entries i..i+3 (i = start + j + 4 lane); past n: -inf (invalid)
-        a("add.u32 i, start, j;")
-        a("shl.b32 t, lane, 2; add.u32 i, i, t;")
-        a("mov.b32 f0, 0xFF800000; mov.b32 f1, 0xFF800000; mov.b32 f2, 0xFF800000; mov.b32 f3, 0xFF800000;")
-        a("setp.lt.u32 p, i, $2;")
-        a("mad.lo.u32 ad, i, 4, $0;")
-        a("@p ld.shared.v4.b32 {f0, f1, f2, f3}, [ad];")
+    def classify():   # u0..u3 -> g (prefix above P), e (prefix at P) among the candidates
         for e in range(4):
-            key_of(f"f{e}", f"key{e}", f"u{e}", f"v{e}")
+            a(f"setp.gt.u32 v{e}, u{e}, {U_INVALID};")
             a(f"shr.b32 hi, u{e}, sh;")
             a(f"setp.gt.and.u32 g{e}, hi, P, v{e};")
             a(f"setp.eq.and.u32 e{e}, hi, P, v{e};")
@@ -248,16 +267,23 @@ def segment_select_ptx(k: int, slots: int, aggregate: bool = False) -> str:
             a(f"vote.sync.ballot.b32 {mask}{e}, {pred}{e}, 0xffffffff;")
             a(f"and.b32 t, {mask}{e}, lt; popc.b32 t, t; add.u32 {acc}, {acc}, t;")
 
-    def store(index, base, value, pred=None):   # int32 base[index] = value (64-bit global address)
-        a(f"mul.wide.u32 a64, {index}, 4;")
-        a(f"add.u64 a64, {base}, a64;")
-        a(f"{'@' + pred + ' ' if pred else ''}st.global.b32 [a64], {value};")
+    def store(index, base, value, pred=None, space="global"):   # int32 base[index] = value
+        guard = f"@{pred} " if pred else ""
+        if space == "global":
+            a(f"mul.wide.u32 a64, {index}, 4;")
+            a(f"add.u64 a64, {base}, a64;")
+            a(f"{guard}st.global.b32 [a64], {value};")
+        else:
+            a(f"mad.lo.u32 ad, {index}, 4, {base};")
+            a(f"{guard}st.shared.b32 [ad], {value};")
 
     a("mov.u32 gc, 0; mov.u32 ec, 0; mov.u32 j, 0;")
     a("DSV4SEL_CA:")
     a("setp.ge.u32 p, j, c;")
     a("@p bra DSV4SEL_CAEND;")
-    load4()
+    a("add.u32 i, start, j; shl.b32 t, lane, 2; add.u32 i, i, t;")
+    load4("i")
+    classify()
     for e in range(4):
         a(f"vote.sync.ballot.b32 t, g{e}, 0xffffffff; popc.b32 t, t; add.u32 gc, gc, t;")
         a(f"vote.sync.ballot.b32 t, e{e}, 0xffffffff; popc.b32 t, t; add.u32 ec, ec, t;")
@@ -272,7 +298,9 @@ def segment_select_ptx(k: int, slots: int, aggregate: bool = False) -> str:
     a(f"ld.shared.v4.u32 {{w0, w1, w2, w3}}, [$1+{X + 64}];")   # entries above P, per quarter
     a(f"ld.shared.v4.u32 {{n0, n1, n2, n3}}, [$1+{X + 80}];")   # entries at P, per quarter
     a("add.u32 G, w0, w1; add.u32 G, G, w2; add.u32 G, G, w3;")
+    a("add.u32 E, n0, n1; add.u32 E, E, n2; add.u32 E, E, n3;")
     a(f"mov.u32 quota, {slots}; sub.u32 quota, quota, G;")      # entries at P that fit, in position order
+    a("setp.gt.u32 ration, E, quota;")                          # (uniform) only then are entries at P ranked
     # quarter q keeps min(max(quota - (entries at P in quarters before q), 0), n_q) of its entries at P
     a("mov.u32 eo, 0;")
     for qq in range(4):
@@ -286,22 +314,38 @@ def segment_select_ptx(k: int, slots: int, aggregate: bool = False) -> str:
     a("DSV4SEL_CB:")
     a("setp.ge.u32 p, j, c;")
     a("@p bra DSV4SEL_CBEND;")
-    load4()
-
-    # rank of (lane, e) among the chunk's entries at P: lanes below (all 4 of each) + this lane's e' < e
+    a("add.u32 i, start, j; shl.b32 t, lane, 2; add.u32 i, i, t;")
+    load4("i", with_pos=True)
+    classify()
+    # rank of (lane, e) among the chunk's entries at P: lanes below (all 4 of each) + this lane's e' < e; only
+    # when the entries at P do not all fit (ration), else every candidate at or above P is kept
+    a("@!ration bra DSV4SEL_NORANK;")
     a("mov.u32 rank0, es;")
     lanes_below("e", "m", "rank")
     for e in range(4):
-        a(f"setp.lt.u32 q, rank, quota;")
+        a("setp.lt.u32 q, rank, quota;")
         a(f"and.pred q, q, e{e};")
         a(f"or.pred k{e}, g{e}, q;")
         a(f"selp.u32 t, 1, 0, e{e}; add.u32 rank, rank, t;")
+    a("bra DSV4SEL_RANKED;")
+    a("DSV4SEL_NORANK:")
+    for e in range(4):
+        a(f"or.pred k{e}, g{e}, e{e};")
+    a("DSV4SEL_RANKED:")
     a("mov.u32 slot0, ko;")
     lanes_below("k", "b", "slot")
     for e in range(4):
-        a(f"add.u32 pos, $3, i; add.u32 pos, pos, {e};")
-        store("slot", "ka", f"key{e}", f"k{e}")
-        store("slot", "pa", "pos", f"k{e}")
+        if pos_in == "smem":
+            a(f"mov.u32 pos, pv{e};")
+        else:
+            a(f"add.u32 pos, $3, i; add.u32 pos, pos, {e};")
+        if out == "global_pairs":
+            a(f"xor.b32 ov, u{e}, 0x80000000;")
+            store("slot", "ka", "ov", f"k{e}")
+            store("slot", "pa", "pos", f"k{e}")
+        else:   # smem_pairs, or global_set's staging in the scratch: u at [0, slots), positions after
+            store("slot", "$4" if out == "smem_pairs" else "$1", f"u{e}", f"k{e}", space="shared")
+            store("slot", "$5" if out == "smem_pairs" else "pa32", "pos", f"k{e}", space="shared")
         a(f"selp.u32 t, 1, 0, k{e}; add.u32 slot, slot, t;")
     for e in range(4):
         a(f"popc.b32 t, b{e}; add.u32 ko, ko, t;")
@@ -309,13 +353,52 @@ def segment_select_ptx(k: int, slots: int, aggregate: bool = False) -> str:
     a("add.u32 j, j, 128;")
     a("bra DSV4SEL_CB;")
     a("DSV4SEL_CBEND:")
+    if out == "global_set":   # warp 0: the staged picks' finite ones in order, then -1 for the rest
+        a("bar.sync 1, 128;")
+        a("setp.ne.u32 p, warp, 0;")
+        a("@p bra DSV4SEL_SETEND;")
+        a("mov.u32 ko, 0; mov.u32 j, 0;")
+        a("DSV4SEL_SET:")
+        a(f"setp.ge.u32 p, j, {slots};")
+        a("@p bra DSV4SEL_SETPAD;")
+        a("add.u32 i, j, lane;")
+        a("mov.u32 u0, 0; mov.u32 pos, 0;")
+        a("setp.lt.u32 p, i, ktot;")
+        a("mad.lo.u32 ad, i, 4, $1;")
+        a("@p ld.shared.u32 u0, [ad];")
+        a("mad.lo.u32 ad, i, 4, pa32;")
+        a("@p ld.shared.u32 pos, [ad];")
+        a(f"setp.lt.u32 q, u0, {U_POS_INF};")
+        a("and.pred q, q, p;")
+        a("vote.sync.ballot.b32 b0, q, 0xffffffff;")
+        a("and.b32 t, b0, lt; popc.b32 t, t; add.u32 slot, ko, t;")
+        store("slot", "ka", "pos", "q")
+        a("popc.b32 t, b0; add.u32 ko, ko, t;")
+        a("add.u32 j, j, 32;")
+        a("bra DSV4SEL_SET;")
+        a("DSV4SEL_SETPAD:")
+        a("add.u32 i, ko, lane;")
+        a("DSV4SEL_SETPADL:")
+        a(f"setp.ge.u32 p, i, {slots};")
+        a("@p bra DSV4SEL_SETEND;")
+        store("i", "ka", -1)
+        a("add.u32 i, i, 32;")
+        a("bra DSV4SEL_SETPADL;")
+        a("DSV4SEL_SETEND:")
+        a("}")
+        return "\n".join(L)
     # padding past the kept entries
     a("add.u32 i, ktot, tid;")
     a("DSV4SEL_PAD:")
     a(f"setp.ge.u32 p, i, {slots};")
     a("@p bra DSV4SEL_PADEND;")
-    store("i", "ka", INT32_MIN)
-    store("i", "pa", 0)
+    if out == "global_pairs":
+        store("i", "ka", INT32_MIN)
+        store("i", "pa", 0)
+    elif out == "smem_pairs":
+        a("mov.u32 t, 0;")
+        store("i", "$4", "t", space="shared")
+        store("i", "$5", "t", space="shared")
     a(f"add.u32 i, i, {THREADS};")
     a("bra DSV4SEL_PAD;")
     a("DSV4SEL_PADEND:")
@@ -323,58 +406,167 @@ def segment_select_ptx(k: int, slots: int, aggregate: bool = False) -> str:
     return "\n".join(L)
 
 
-def standalone_ptx(k: int, slots: int, arch: str = "sm_90a", aggregate: bool = False) -> str:
-    """A PTX module with one kernel wrapping `segment_select_ptx` (its operands from kernel parameters), for
-    assembling with ptxas on a machine without a GPU (tests) or launching directly."""
-    body = segment_select_ptx(k, slots, aggregate)
-    for idx, name in enumerate(("%sc", "%sx", "%n", "%p0", "%ko", "%po")):
-        body = body.replace(f"${idx}", name)
-    return f""".version 8.0
-.target {arch}
-.address_size 64
-.visible .entry segment_select_probe(.param .u32 sc_param, .param .u32 sx_param, .param .u32 n_param,
-    .param .u32 p0_param, .param .u64 ko_param, .param .u64 po_param)
-{{
-.reg .b32 %sc, %sx, %n, %p0;
-.reg .b64 %ko, %po;
-ld.param.u32 %sc, [sc_param];
-ld.param.u32 %sx, [sx_param];
-ld.param.u32 %n, [n_param];
-ld.param.u32 %p0, [p0_param];
-ld.param.u64 %ko, [ko_param];
-ld.param.u64 %po, [po_param];
-{body}
-ret;
-}}
-"""
+def hist_block_ptx(bt: int) -> str:
+    """The first level's histogram of one block of bt u keys, run after the block is stored (during the stream):
+    $0 u (shared u32 address of the segment's keys), $1 scratch (shared address, the histogram at its start), $2
+    the block's first entry. Each thread counts entries tid, tid + 128, ... of the block."""
+    s, w = LEVELS[0]
+    L = ["{", ".reg .pred q;", ".reg .b32 tid, i, u, ad;", "mov.u32 tid, %tid.x;"]
+    for e in range(-(-bt // THREADS)):
+        L.append(f"add.u32 i, tid, {e * THREADS};")
+        L.append(f"setp.lt.u32 q, i, {bt};")
+        L.append("add.u32 i, i, $2;")
+        L.append("mad.lo.u32 ad, i, 4, $0;")
+        L.append("mov.u32 u, 0;")
+        L.append("@q ld.shared.u32 u, [ad];")
+        L.append(f"setp.gt.u32 q, u, {U_INVALID};")
+        L.append(f"shr.u32 ad, u, {s};")
+        L.append("mad.lo.u32 ad, ad, 4, $1;")
+        L.append("@q red.shared.add.u32 [ad], 1;")
+    L.append("}")
+    return "\n".join(L)
 
 
-def segment_select(seg_smem, scratch_smem, n, pos0, keys_out, pos_out, *, k: int, slots: int,
-                   aggregate: bool = False):
-    """In a Mosaic GPU kernel of one warpgroup, after the segment's scores are stored: seg_smem f32 [>= n] (shared),
-    scratch_smem int32 [SCRATCH_WORDS] (shared), n (int32 scalar: entries to consider, a multiple of 4), pos0 (int32
-    scalar: position of entry 0), keys_out / pos_out int32 [slots] refs in global memory (this CTA's output rows).
-    Writes the segment's top-k superset (module doc)."""
-    import jax.numpy as jnp  # noqa: F401  (the decorator's types)
+def hist_zero_ptx() -> str:
+    """Zero the first level's histogram ($0: the scratch's shared address), before the stream."""
+    L = ["{", ".reg .b32 tid, ad;", "mov.u32 tid, %tid.x;", "mad.lo.u32 ad, tid, 4, $0;"]
+    L += [f"st.shared.u32 [ad+{512 * m}], 0;" for m in range(BINS // THREADS)]
+    L.append("}")
+    return "\n".join(L)
+
+
+def gather_ptx(n_split: int, slots: int) -> str:
+    """In the row's cluster CTA 0, between two cluster barriers: the survivors of every split CTA p (u keys at
+    shared address $0, positions at $1, [slots] each, in every CTA) -> u keys [p * slots + i] at shared address $2
+    and positions at $3 of this CTA, through distributed shared memory (mapa + ld.shared::cluster)."""
+    L = ["{", ".reg .pred q;", ".reg .b32 tid, i, src, dst, ra, v;", "mov.u32 tid, %tid.x;"]
+    for p in range(n_split):
+        L.append("mov.u32 i, tid;")
+        L.append(f"DSV4GATHER{p}:")
+        L.append(f"setp.ge.u32 q, i, {slots};")
+        L.append(f"@q bra DSV4GATHEREND{p};")
+        for src_op, dst_op in (("$0", "$2"), ("$1", "$3")):
+            L.append(f"mad.lo.u32 src, i, 4, {src_op};")
+            L.append(f"mapa.shared::cluster.u32 ra, src, {p};")
+            L.append("ld.shared::cluster.u32 v, [ra];")
+            L.append(f"add.u32 dst, i, {p * slots};")
+            L.append(f"mad.lo.u32 dst, dst, 4, {dst_op};")
+            L.append("st.shared.u32 [dst], v;")
+        L.append(f"add.u32 i, i, {THREADS};")
+        L.append(f"bra DSV4GATHER{p};")
+        L.append(f"DSV4GATHEREND{p}:")
+    L.append("}")
+    return "\n".join(L)
+
+
+def _operand_kinds(out: str):
+    """The select block's operands ('r': 32-bit, 'l': 64-bit pointer) for an output mode."""
+    return {"global_pairs": "rrrrll", "smem_pairs": "rrrrrr", "global_set": "rrrrl"}[out]
+
+
+def standalone_ptx(blocks, arch: str = "sm_90a") -> str:
+    """A PTX module with one kernel per (name, asm, operand kinds) in `blocks` (their $i operands from kernel
+    parameters, 'r' u32 / 'l' u64), for assembling with ptxas on a machine without a GPU (tests)."""
+    entries = []
+    for name, body, kinds in blocks:
+        params = ", ".join(f".param .{'u64' if t == 'l' else 'u32'} a{i}_param" for i, t in enumerate(kinds))
+        decl = "\n".join(f".reg .{'b64' if t == 'l' else 'b32'} %a{i};" for i, t in enumerate(kinds))
+        loads = "\n".join(f"ld.param.{'u64' if t == 'l' else 'u32'} %a{i}, [a{i}_param];"
+                          for i, t in enumerate(kinds))
+        for i in reversed(range(len(kinds))):
+            body = body.replace(f"${i}", f"%a{i}")
+        entries.append(f".visible .entry {name}({params})\n{{\n{decl}\n{loads}\n{body}\nret;\n}}\n")
+    return f".version 8.0\n.target {arch}\n.address_size 64\n" + "\n".join(entries)
+
+
+def _asm(operands, asm: str, kinds: str):
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
+
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), list(operands), asm, ",".join(kinds) + ",~{memory}",
+                    has_side_effects=True)
+
+
+def _addr(ref, bits: int):
+    """A shared (32-bit) or global (64-bit) address of a memref, for an asm operand."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import llvm
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    return llvm.ptrtoint(ir.IntegerType.get_signless(bits), mgpu_utils.memref_ptr(ref))
+
+
+def segment_select(u_smem, scratch_smem, n, pos, out0, out1=None, *, k: int, slots: int, aggregate: bool = False,
+                   hist_ready: bool = False, pos_in: str = "implicit", out: str = "global_pairs"):
+    """In a Mosaic GPU kernel of one warpgroup, after the segment's u keys are stored (`segment_select_ptx`):
+    u_smem uint32/int32 [>= n] (shared), scratch_smem int32 [SCRATCH_WORDS] (shared), n (int32 scalar: entries to
+    consider, a multiple of 4), pos (pos_in "implicit": an int32 scalar, the position of entry 0; "smem": a shared
+    int32 [>= n] ref of positions), out0 / out1: the outputs for `out` (global refs for "global_pairs" /
+    "global_set", shared refs for "smem_pairs"; no out1 for "global_set")."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    asm = segment_select_ptx(k, slots, aggregate)
+    asm = segment_select_ptx(k, slots, aggregate=aggregate, hist_ready=hist_ready, pos_in=pos_in, out=out)
     scalar = plgpu.Layout.WG_SPLAT(())
+    kinds = _operand_kinds(out)
+    refs = (out0,) if out == "global_set" else (out0, out1)
+    pos_ty = scalar if pos_in == "implicit" else plgpu.RefType()
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), scalar, scalar, plgpu.RefType(),
-                                  plgpu.RefType()))
-    def run(_, seg, scratch, n_, pos0_, kout, pout):
-        i32 = ir.IntegerType.get_signless(32)
-        i64 = ir.IntegerType.get_signless(64)
-        smem_addr = lambda ref: llvm.ptrtoint(i32, mgpu_utils.memref_ptr(ref))
-        gmem_addr = lambda ref: llvm.ptrtoint(i64, mgpu_utils.memref_ptr(ref))
-        scalar_of = lambda x: x.registers.item()
-        llvm.inline_asm(ir.Type.parse("!llvm.void"),
-                        [smem_addr(seg), smem_addr(scratch), scalar_of(n_), scalar_of(pos0_), gmem_addr(kout),
-                         gmem_addr(pout)],
-                        asm, "r,r,r,r,l,l,~{memory}", has_side_effects=True)
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), scalar, pos_ty) + (plgpu.RefType(),) * len(refs))
+    def run(_, u, scratch, n_, pos_, *outs):
+        operands = [_addr(u, 32), _addr(scratch, 32), n_.registers.item(),
+                    pos_.registers.item() if pos_in == "implicit" else _addr(pos_, 32)]
+        operands += [_addr(o, 64 if kind == "l" else 32) for o, kind in zip(outs, kinds[4:])]
+        _asm(operands, asm, kinds)
 
-    run(seg_smem, scratch_smem, n, pos0, keys_out, pos_out)
+    run(u_smem, scratch_smem, n, pos, *refs)
+
+
+def hist_zero(scratch_smem):
+    """`hist_zero_ptx` in a Mosaic GPU kernel (before the stream)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def run(_, scratch):
+        _asm([_addr(scratch, 32)], hist_zero_ptx(), "r")
+
+    run(scratch_smem)
+
+
+def hist_block(u_smem, scratch_smem, first, *, bt: int):
+    """`hist_block_ptx` in a Mosaic GPU kernel: the block of bt keys from entry `first` (int32 scalar) into the
+    first level's histogram (after the block's keys are stored and a warpgroup barrier)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT(())))
+    def run(_, u, scratch, first_):
+        _asm([_addr(u, 32), _addr(scratch, 32), first_.registers.item()], hist_block_ptx(bt), "rrr")
+
+    run(u_smem, scratch_smem, first)
+
+
+def cluster_sync():
+    """barrier.cluster over every thread of the cluster's CTAs: releases this CTA's shared-memory writes to the
+    cluster and acquires the others'."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    @plgpu.inline_mgpu()
+    def run(_):
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import llvm
+
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "barrier.cluster.arrive.release;\n"
+                        "barrier.cluster.wait.acquire;", "~{memory}", has_side_effects=True)
+
+    run()
+
+
+def gather(surv_u, surv_pos, dst_u, dst_pos, *, n_split: int, slots: int):
+    """`gather_ptx` in a Mosaic GPU kernel (the cluster's CTA 0, between two `cluster_sync`s): every split CTA's
+    survivors (shared refs at the same offsets in each CTA) into this CTA's dst_u / dst_pos [n_split * slots]."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 4)
+    def run(_, su, sp, du, dp):
+        _asm([_addr(r, 32) for r in (su, sp, du, dp)], gather_ptx(n_split, slots), "rrrr")
+
+    run(surv_u, surv_pos, dst_u, dst_pos)
