@@ -208,7 +208,9 @@ def _e4m3_to_f16(a8, mode):
 # then `topk_hist.hist_select` with the position map), "cluster" (the row's splits are one thread-block cluster: CTA 0
 # gathers the others' survivors from their shared memory and selects the exact set, so the call is one kernel; needs
 # <= MAX_CLUSTER splits, k + slack a multiple of 4 and k <= 1024), "auto" (cluster where it applies).
-SELECT_CONFIG = dict(slack=64, max_segment=8192, num_stages=3, aggregate=False, stream_hist=True, final="auto")
+# probe (a timing diagnostic, wrong picks): 1 = no selection after the stream (the outputs are left unwritten)
+SELECT_CONFIG = dict(slack=64, max_segment=8192, num_stages=3, aggregate=False, stream_hist=True, final="auto",
+                     probe=0)
 MAX_CLUSTER = 8     # portable thread-block cluster size
 
 
@@ -435,6 +437,8 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
         from . import mosaic_select as ms
 
         k_sel, slots = select["k"], select["slots"]
+        if select["probe"] == 1:
+            return
         opts = dict(k=k_sel, slots=slots, aggregate=select["aggregate"], hist_ready=select["stream_hist"])
         if not select["cluster"]:
             ms.segment_select(seg_smem, sel_smem, n_read * bt, lo * bt, out_ref.at[r, split], pos_ref.at[r, split],
@@ -673,7 +677,8 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                           convert=convert, n_phase=n_phase, split_m=bool(split_m), fp4=fmt == "fp4",
                           select=None if select_k is None else dict(
                               k=int(select_k), slots=slots, aggregate=bool(SELECT_CONFIG["aggregate"]),
-                              stream_hist=bool(SELECT_CONFIG["stream_hist"]), cluster=cluster),
+                              stream_hist=bool(SELECT_CONFIG["stream_hist"]), cluster=cluster,
+                              probe=int(SELECT_CONFIG["probe"])),
                           interpret=interpret),
         out_type=out_type,
         **(dict(grid=(R,), grid_names=("r",), cluster=(n_split,), cluster_names=("s",)) if cluster else
