@@ -127,7 +127,8 @@ def _ptx_blocks():
             name = f"sel_{out}_{int(hist_ready)}_{pos_in}_{int(aggregate)}_{k}_{slots}"
             blocks.append((name, M.segment_select_ptx(k, slots, aggregate=aggregate, hist_ready=hist_ready,
                                                       pos_in=pos_in, out=out), M._operand_kinds(out)))
-    blocks += [(f"hist_block_{bt}", M.hist_block_ptx(bt), "rrr") for bt in (64, 128, 192, 256)]
+    blocks += [(f"hist_block_{bt}_{int(agg)}", M.hist_block_ptx(bt, agg), "rrr") for bt in (64, 128, 192, 256)
+               for agg in (False, True)]
     blocks += [("hist_zero", M.hist_zero_ptx(), "r")]
     blocks += [(f"gather_{n}_{slots}", M.gather_ptx(n, slots), "rrrr") for n, slots in ((4, 576), (8, 1088), (1, 4))]
     return blocks

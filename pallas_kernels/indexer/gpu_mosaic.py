@@ -421,7 +421,7 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
         if select and select["stream_hist"]:   # this block's keys into the selection's first histogram level
             from .mosaic_select import hist_block
 
-            hist_block(seg_smem, sel_smem, j * bt, bt=bt)
+            hist_block(seg_smem, sel_smem, j * bt, bt=bt, aggregate=select["aggregate"])
 
         @pl.when(j + stages < n_read)
         def _():

@@ -406,12 +406,14 @@ def segment_select_ptx(k: int, slots: int, *, aggregate: bool = False, hist_read
     return "\n".join(L)
 
 
-def hist_block_ptx(bt: int) -> str:
+def hist_block_ptx(bt: int, aggregate: bool = False) -> str:
     """The first level's histogram of one block of bt u keys, run after the block is stored (during the stream):
     $0 u (shared u32 address of the segment's keys), $1 scratch (shared address, the histogram at its start), $2
-    the block's first entry. Each thread counts entries tid, tid + 128, ... of the block."""
+    the block's first entry. Each thread counts entries tid, tid + 128, ... of the block. aggregate: as in
+    `segment_select_ptx` (the lanes of a warp that hit one bin add once)."""
     s, w = LEVELS[0]
-    L = ["{", ".reg .pred q;", ".reg .b32 tid, i, u, ad;", "mov.u32 tid, %tid.x;"]
+    L = ["{", ".reg .pred q;", ".reg .b32 tid, i, u, ad, kb, mm, t, lt;", "mov.u32 tid, %tid.x;",
+         "mov.u32 lt, %lanemask_lt;"]
     for e in range(-(-bt // THREADS)):
         L.append(f"add.u32 i, tid, {e * THREADS};")
         L.append(f"setp.lt.u32 q, i, {bt};")
@@ -421,8 +423,13 @@ def hist_block_ptx(bt: int) -> str:
         L.append("@q ld.shared.u32 u, [ad];")
         L.append(f"setp.gt.u32 q, u, {U_INVALID};")
         L.append(f"shr.u32 ad, u, {s};")
-        L.append("mad.lo.u32 ad, ad, 4, $1;")
-        L.append("@q red.shared.add.u32 [ad], 1;")
+        if aggregate:
+            L += ["selp.b32 kb, ad, 0xFFFFFFFF, q;", "match.any.sync.b32 mm, kb, 0xffffffff;", "and.b32 t, mm, lt;",
+                  "setp.eq.and.u32 q, t, 0, q;", "popc.b32 t, mm;", "mad.lo.u32 ad, ad, 4, $1;",
+                  "@q red.shared.add.u32 [ad], t;"]
+        else:
+            L.append("mad.lo.u32 ad, ad, 4, $1;")
+            L.append("@q red.shared.add.u32 [ad], 1;")
     L.append("}")
     return "\n".join(L)
 
@@ -532,14 +539,14 @@ def hist_zero(scratch_smem):
     run(scratch_smem)
 
 
-def hist_block(u_smem, scratch_smem, first, *, bt: int):
+def hist_block(u_smem, scratch_smem, first, *, bt: int, aggregate: bool = False):
     """`hist_block_ptx` in a Mosaic GPU kernel: the block of bt keys from entry `first` (int32 scalar) into the
     first level's histogram (after the block's keys are stored and a warpgroup barrier)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT(())))
     def run(_, u, scratch, first_):
-        _asm([_addr(u, 32), _addr(scratch, 32), first_.registers.item()], hist_block_ptx(bt), "rrr")
+        _asm([_addr(u, 32), _addr(scratch, 32), first_.registers.item()], hist_block_ptx(bt, aggregate), "rrr")
 
     run(u_smem, scratch_smem, first)
 
