@@ -255,7 +255,7 @@ def test_gpu_segment_survivors_match_the_model(B, S, H, T, fmt, opts, stream_his
                                          (5, 1, 16, 776, "fp8"), (3, 1, 64, 20000, "bf16"), (3, 1, 64, 20000, "fp4"),
                                          (20, 2, 64, 20000, "fp8"), (33, 1, 64, 4096, "bf16"), (64, 1, 64, 32768, "fp4"),
                                          (16, 1, 64, 32768, "fp8")])
-@pytest.mark.parametrize("final", ["auto", "triton"])
+@pytest.mark.parametrize("final", ["auto", "triton"])   # "auto": the cluster final where it applies
 def test_gpu_segment_set_picks(B, S, H, T, fmt, final, monkeypatch):
     """topk="segment_set" picks the same index set as the tournament over the same Mosaic scores (exactly), and the
     reference's picks (up to near-ties, `check_picks`): the row's set selected in the kernel (final "auto" where a

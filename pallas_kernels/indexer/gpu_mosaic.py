@@ -207,9 +207,12 @@ def _e4m3_to_f16(a8, mode):
 # final: where the row's set is selected among its splits' survivors: "triton" (the survivors go to global memory,
 # then `topk_hist.hist_select` with the position map), "cluster" (the row's splits are one thread-block cluster: CTA 0
 # gathers the others' survivors from their shared memory and selects the exact set, so the call is one kernel; needs
-# <= MAX_CLUSTER splits, k + slack a multiple of 4 and k <= 1024), "auto" (cluster where it applies).
+# <= MAX_CLUSTER splits, k + slack a multiple of 4 and k <= 1024), "auto" (cluster where it applies). "triton" is
+# the default: on the H200 (session 40, B = 64 x 128K fp8, CUPTI) the clustered launch alone made the kernel 145 us
+# instead of 90 (no selection in either; 64 clusters of 4 CTAs of ~111 KB of shared memory), the whole call 185 vs
+# 122.5 us.
 # probe (a timing diagnostic, wrong picks): 1 = no selection after the stream (the outputs are left unwritten)
-SELECT_CONFIG = dict(slack=64, max_segment=8192, num_stages=3, aggregate=False, stream_hist=True, final="auto",
+SELECT_CONFIG = dict(slack=64, max_segment=8192, num_stages=3, aggregate=False, stream_hist=True, final="triton",
                      probe=0)
 MAX_CLUSTER = 8     # portable thread-block cluster size
 
