@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.indexer import formats as F
 from pallas_kernels.indexer import mosaic_select as M
 from pallas_kernels.indexer import indexer_topk, indexer_topk_reference
 from test_indexer_kernels import make
@@ -210,6 +211,37 @@ def test_segment_set_lowers(final, stream_hist, monkeypatch):
         assert ("dsv4gather" in text) == in_kernel and ("triton" in text) != in_kernel
 
 
+def test_auto_set_takes_segment_set(monkeypatch):
+    """"auto_set" runs "segment_set" where it resolved to the tournament and the scores run on the Mosaic kernel over
+    fp8 / fp4 keys with rows of 16385-32768 candidates (where it measured faster on the H200, session 40); bf16 keys,
+    other lengths, the Triton kernel and interpret mode keep their method."""
+    from pallas_kernels.indexer import gpu
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")   # the Mosaic kernel's auto rule asks for a GPU
+    sds = jax.ShapeDtypeStruct
+    q = lambda B: sds((B, 1, 64, 128), jnp.float32)
+    fp8 = lambda B, T: F.QuantizedKeys(sds((B, T, 128), jnp.float8_e4m3fn), sds((B, T, 1), jnp.float32), "fp8")
+    bf16 = lambda B, T: sds((B, T, 128), jnp.bfloat16)
+    assert gpu.segment_auto_takes(q(64), fp8(64, 32768), False, {})
+    assert gpu.segment_auto_takes(q(16), fp8(16, 20000), False, {})
+    assert not gpu.segment_auto_takes(q(64), fp8(64, 32768), True, {})              # interpret mode
+    assert not gpu.segment_auto_takes(q(64), bf16(64, 32768), False, {})            # bf16 keys: slower
+    assert not gpu.segment_auto_takes(q(64), fp8(64, 16384), False, {})             # hist_set's rows
+    assert not gpu.segment_auto_takes(q(8), fp8(8, 32768), False, {})               # the Triton scores kernel
+    assert not gpu.segment_auto_takes(q(64), fp8(64, 32768), False, {"kernel": "triton"})
+    seen = []
+
+    def spy(*a, **kw):
+        seen.append(kw.get("topk", "segment"))
+        return jnp.zeros((64, 1, 512), jnp.int32)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gpu, "segment_topk", spy)
+        jax.eval_shape(lambda *a: gpu.indexer_topk_gpu(*a, k=512, topk="auto_set"), q(64), sds((64, 1, 64), jnp.float32),
+                       fp8(64, 32768), sds((64, 1), jnp.int32))
+    assert seen == ["segment"]
+
+
 def _split_layout(R, T, **opts):
     """(n_split, keys a split) of the select-mode kernel's call of R query rows at T (its wrapper's rule)."""
     from pallas_kernels.indexer.gpu_mosaic import SELECT_CONFIG, block_t_of, default_config
@@ -280,8 +312,6 @@ def test_gpu_segment_set_picks(B, S, H, T, fmt, final, monkeypatch):
 def test_gpu_segment_set_ties(final, monkeypatch):
     """Keys repeated along the cache: many exactly equal scores across splits; the lower positions win, as in the
     tournament and lax.top_k."""
-    from pallas_kernels.indexer import formats as F
-
     from pallas_kernels.indexer import gpu_mosaic
 
     monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "final", final)

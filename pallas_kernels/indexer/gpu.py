@@ -734,6 +734,8 @@ def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 
     took 2-6 us less (results/h200_s30r4_idx.log, h200_s30r6_idx.log); the default since session 31."""
     if topk == "auto_set":   # resolved here, so the scores kernel writes group maxima only for the chain
         topk = resolve_set_method(keys.shape[1], k, rows=q.shape[0] * min(q.shape[1], query_chunk))
+        if topk == "tour_set" and segment_auto_takes(q, keys, interpret, kernel_options):
+            topk = "segment_set"
     if topk == "segment_set":
         return segment_topk(q, weights, keys, n_visible, k=k, query_chunk=query_chunk, interpret=interpret,
                             **kernel_options)
@@ -745,6 +747,25 @@ def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 
                                group_max_k=min(k, keys.shape[1]) if fused else None, **kernel_options)
     return topk_over_query_chunks(scores, q, weights, keys, n_visible, k=k, query_chunk=query_chunk, topk=topk,
                                   topk_block=topk_block, radix_bits=radix_bits)
+
+
+# "auto_set" takes "segment_set" instead of "tour_set" for these key formats and rows of AUTO_SEGMENT_T candidates
+# where the scores run on the Mosaic kernel (H200, session 40, results/h200_s40r{1,2,4}_idx.log, whole calls in us,
+# tour_set vs segment_set: B = 64 x 128K fp8 125.0 vs 122.5, B = 16 x 128K fp8 52.8 vs 51.2, B = 64 x 128K fp4
+# 134.5 vs 128.3; bf16 keys slower, 180.4 vs 186.6; other row lengths not timed)
+AUTO_SEGMENT = True
+AUTO_SEGMENT_FORMATS = ("fp8", "fp4")
+AUTO_SEGMENT_T = (16385, 32768)
+
+
+def segment_auto_takes(q, keys, interpret, kernel_options) -> bool:
+    """Whether "auto_set", having resolved to the tournament, runs "segment_set" instead (see AUTO_SEGMENT)."""
+    from .gpu_mosaic import key_format
+
+    lo, hi = AUTO_SEGMENT_T
+    T = (keys.values if isinstance(keys, formats.QuantizedKeys) else keys).shape[1]
+    return (AUTO_SEGMENT and not interpret and key_format(keys) in AUTO_SEGMENT_FORMATS and lo <= T <= hi
+            and scores_kernel_of(q, keys, interpret, kernel_options) == "mosaic")
 
 
 def select_from_survivors(keys, pos, k: int, interpret: bool = False):
