@@ -14,8 +14,8 @@ scores. The selection runs after each CTA's last block, on data in shared memory
 
 Measured on the H200 (session 40, benchmarks/results/README_indexer_compressor.md). The whole fp8 call at
 B = 64 x 128K takes 122.5 us, against 125.0 with the tournament (fp4 128.3 vs 134.5; bf16 slower, 186.6 vs 180.4).
-It is correct, but not the default. In CUPTI terms the kernel saves the tournament's 18 us segment kernel and pays
-~14 us itself:
+`gpu.segment_auto_takes` says where "auto_set" takes it. In CUPTI terms the kernel saves the tournament's 18 us
+segment kernel and pays ~14 us itself:
 - ~8.8 us of selection after the stream, which no CTA overlaps: the 256 CTAs are one wave and all end together;
 - ~5.3 us of slower streaming: the first histogram level's atomics crowd into a few bins.
 
