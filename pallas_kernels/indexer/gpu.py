@@ -750,7 +750,7 @@ def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 
 
 
 # "auto_set" takes "segment_set" instead of "tour_set" for these key formats and rows of AUTO_SEGMENT_T candidates
-# where the scores run on the Mosaic kernel (H200, session 40, results/h200_s40r{1,2,4}_idx.log, whole calls in us,
+# where the scores run on the Mosaic kernel (H200, session 40, results/h200_s40r{1,2}_idx.log, whole calls in us,
 # tour_set vs segment_set: B = 64 x 128K fp8 125.0 vs 122.5, B = 16 x 128K fp8 52.8 vs 51.2, B = 64 x 128K fp4
 # 134.5 vs 128.3; bf16 keys slower, 180.4 vs 186.6; other row lengths not timed)
 AUTO_SEGMENT = True
