@@ -198,9 +198,9 @@ def _e4m3_to_f16(a8, mode):
 
 # select_k (`indexer_scores_mosaic`; the indexer's topk="segment_set"): each CTA keeps its split's scores in shared
 # memory and writes their top-k superset (`mosaic_select`). slack: slots = k + slack a CTA (the tournament's
-# seg_slack); max_segment: the most keys a split may hold (its f32 scores in shared memory: 32 KB at 8192; more splits
-# where the default's would hold more); num_stages: the key ring's depth there (3 x 16 KB of fp8 keys, so that two
-# CTAs of ~106 KB fit an SM next to the 32 KB of scores and the 8 KB histogram)
+# seg_slack); max_segment: the most keys a split may hold (their int32 u keys stay in shared memory: 32 KB at 8192;
+# more splits where the default's would hold more); num_stages: the key ring's depth there (3 x 16 KB of fp8 keys,
+# so that two CTAs of ~111 KB, with the 32 KB of u keys and the 8 KB histogram, fit an SM)
 # aggregate: the selection's histogram atomics grouped by bin within a warp (`mosaic_select.segment_select_ptx`).
 # stream_hist: the selection's first histogram level counted block by block during the stream (one atomic per key
 # after each block's barrier), so the tail after the last block starts at the bin search.
