@@ -2,10 +2,11 @@
 
 CPU: the selection rule (`segment_select_model`) against `lax.top_k` sets on fresh random, concentrated, tied,
 ragged and non-finite scores; survivors of a row's segments composed with the final selection (`hist_select` with
-the position map, in the Triton interpreter) give the row's top-k set; the PTX assembles (ptxas, where found); the
-option errors. GPU (`test_gpu_*`, skipped elsewhere): the kernel's survivors equal the model applied to the same
-kernel's own scores bit for bit, and topk="segment_set" picks the same index set as the tournament over the same
-scores and as the reference."""
+the position map, in the Triton interpreter) give the row's top-k set; the PTX assembles (ptxas, where found); every
+mode lowers for CUDA; where "auto_set" takes it; the option errors. GPU (`test_gpu_*`, skipped elsewhere): the
+kernel's survivors equal the model applied to the same kernel's own scores bit for bit, and topk="segment_set" picks
+the same index set as the tournament over the same scores and as the reference, with the Triton final and with the
+row's final selection inside the kernel (a thread-block cluster)."""
 
 from __future__ import annotations
 
@@ -237,8 +238,8 @@ def test_auto_set_takes_segment_set(monkeypatch):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gpu, "segment_topk", spy)
-        jax.eval_shape(lambda *a: gpu.indexer_topk_gpu(*a, k=512, topk="auto_set"), q(64), sds((64, 1, 64), jnp.float32),
-                       fp8(64, 32768), sds((64, 1), jnp.int32))
+        jax.eval_shape(lambda *a: gpu.indexer_topk_gpu(*a, k=512, topk="auto_set"), q(64),
+                       sds((64, 1, 64), jnp.float32), fp8(64, 32768), sds((64, 1), jnp.int32))
     assert seen == ["segment"]
 
 
@@ -283,9 +284,10 @@ def test_gpu_segment_survivors_match_the_model(B, S, H, T, fmt, opts, stream_his
 
 
 @gpu
-@pytest.mark.parametrize("B,S,H,T,fmt", [(4, 1, 64, 20000, "fp8"), (64, 1, 64, 32768, "fp8"), (2, 2, 64, 70000, "fp8"),
-                                         (5, 1, 16, 776, "fp8"), (3, 1, 64, 20000, "bf16"), (3, 1, 64, 20000, "fp4"),
-                                         (20, 2, 64, 20000, "fp8"), (33, 1, 64, 4096, "bf16"), (64, 1, 64, 32768, "fp4"),
+@pytest.mark.parametrize("B,S,H,T,fmt", [(4, 1, 64, 20000, "fp8"), (64, 1, 64, 32768, "fp8"),
+                                         (2, 2, 64, 70000, "fp8"), (5, 1, 16, 776, "fp8"), (3, 1, 64, 20000, "bf16"),
+                                         (3, 1, 64, 20000, "fp4"), (20, 2, 64, 20000, "fp8"),
+                                         (33, 1, 64, 4096, "bf16"), (64, 1, 64, 32768, "fp4"),
                                          (16, 1, 64, 32768, "fp8")])
 @pytest.mark.parametrize("final", ["auto", "triton"])   # "auto": the cluster final where it applies
 def test_gpu_segment_set_picks(B, S, H, T, fmt, final, monkeypatch):

@@ -60,7 +60,8 @@ default since session 34). "segment_set" = the tournament's first stage inside t
 each CTA selects its split's top-k superset from its scores in shared memory and writes only that
 (`mosaic_select`, session 40), then the row's set among the survivors: in the same kernel (the
 row's splits as one thread-block cluster) or one Triton program per row (`segment_topk`, `gpu_mosaic.SELECT_CONFIG`).
-All others give the same picks. H200, session 7 (B = 64, 128K context, bf16 keys, whole pipeline): default 218-224 us, threshold_select 220, threshold_set 210-212 (the only one with no sort left).
+All others give the same picks. H200, session 7 (B = 64, 128K context, bf16 keys, whole pipeline): default
+218-224 us, threshold_select 220, threshold_set 210-212 (the only one with no sort left).
 Default "threshold": on the H200, 44 us at batch 1 x 262,144 candidates (lax.top_k ~80) and 55-60 us at batch 64 x
 32K (lax ~260), the chain harness included (results/README_indexer_compressor.md, session 5). Scores are
 materialized per query chunk only ([B, query_chunk, T] f32), so prefill memory stays bounded.
@@ -646,7 +647,8 @@ def resolve_set_method(T: int, k: int, rows: int = 1) -> str:
 def radix_bits_of(topk: str, radix_bits: Optional[int] = None) -> Optional[int]:
     """Digit width of a radix top-k method ("radix" -> 8, "radix4" -> 4, "radixN" -> N; `radix_bits` overrides),
     None for the other methods; ValueError for an unknown method."""
-    if topk in ("lax", "blockwise", "auto_set", "segment_set") or topk in THRESHOLD_METHODS or topk.startswith("grouped"):
+    if (topk in ("lax", "blockwise", "auto_set", "segment_set") or topk in THRESHOLD_METHODS
+            or topk.startswith("grouped")):
         if topk.startswith("grouped") and not (topk == "grouped" or topk[7:].isdigit()):
             raise ValueError(f"unknown topk method {topk!r}; expected one of {TOPK_METHODS}")
         return None
@@ -800,8 +802,7 @@ def segment_topk(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256,
         raise ValueError("topk='segment_set' needs what the Mosaic scores kernel takes: fp8 / fp4 / bf16 keys, "
                          f"head_dim 128, T % 8 == 0, <= 256 heads (got q {q.shape}, keys "
                          f"{getattr(keys, 'fmt', getattr(keys, 'dtype', type(keys).__name__))})")
-    unknown = sorted(set(kernel_options) - {"block_t", "num_stages", "num_splits", "precision", "convert",
-                                             "split_m"})
+    unknown = sorted(set(kernel_options) - set(MOSAIC_OPTIONS))
     if unknown:
         raise ValueError(f"topk='segment_set': options {unknown} do not apply to the Mosaic scores kernel")
     T = (keys.values if isinstance(keys, formats.QuantizedKeys) else keys).shape[1]
