@@ -243,15 +243,12 @@ def test_auto_set_takes_segment_set(monkeypatch):
     assert seen == ["segment"]
 
 
-def _split_layout(R, T, **opts):
-    """(n_split, keys a split) of the select-mode kernel's call of R query rows at T (its wrapper's rule)."""
-    from pallas_kernels.indexer.gpu_mosaic import SELECT_CONFIG, block_t_of, default_config
+def _split_layout(R, T, fmt, **opts):
+    """(n_split, keys a split) of the select-mode kernel's call of R query rows at T."""
+    from pallas_kernels.indexer.gpu_mosaic import launch_layout
 
-    bt = block_t_of(opts.get("block_t"), T)
-    splits = opts.get("num_splits") or max(default_config(R, T)["num_splits"], -(-T // SELECT_CONFIG["max_segment"]))
-    nb = -(-T // bt)
-    bps = -(-nb // max(1, min(splits, nb)))
-    return -(-nb // bps), bps * bt
+    bt, _, _, bps, n_split = launch_layout(R, T, fmt, select=True, **opts)
+    return n_split, bps * bt
 
 
 @gpu
@@ -270,7 +267,7 @@ def test_gpu_segment_survivors_match_the_model(B, S, H, T, fmt, opts, stream_his
     monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "final", "triton")
     monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "stream_hist", stream_hist)
     q, w, keys, nv = make(B, S, H, T, fmt, True)
-    n_split, seg = _split_layout(B * S, T, **opts)
+    n_split, seg = _split_layout(B * S, T, fmt, **opts)
     sk, sp = jax.jit(lambda *a: indexer_scores_mosaic(*a, select_k=512, **opts))(q, w, keys, nv)
     scores = np.asarray(jax.jit(lambda *a: indexer_scores_mosaic(*a, pad_to_block=True, **opts))(q, w, keys, nv))
     sk, sp = np.asarray(sk).reshape(B * S, n_split, -1), np.asarray(sp).reshape(B * S, n_split, -1)

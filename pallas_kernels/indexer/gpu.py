@@ -765,7 +765,7 @@ def segment_auto_takes(q, keys, interpret, kernel_options) -> bool:
     from .gpu_mosaic import key_format
 
     lo, hi = AUTO_SEGMENT_T
-    T = (keys.values if isinstance(keys, formats.QuantizedKeys) else keys).shape[1]
+    T = keys.shape[1]   # QuantizedKeys.shape is the logical [B, T, d]
     return (AUTO_SEGMENT and not interpret and key_format(keys) in AUTO_SEGMENT_FORMATS and lo <= T <= hi
             and scores_kernel_of(q, keys, interpret, kernel_options) == "mosaic")
 
@@ -805,7 +805,7 @@ def segment_topk(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256,
     unknown = sorted(set(kernel_options) - set(MOSAIC_OPTIONS))
     if unknown:
         raise ValueError(f"topk='segment_set': options {unknown} do not apply to the Mosaic scores kernel")
-    T = (keys.values if isinstance(keys, formats.QuantizedKeys) else keys).shape[1]
+    T = keys.shape[1]   # QuantizedKeys.shape is the logical [B, T, d]
     k = min(k, T)
 
     def select(args):

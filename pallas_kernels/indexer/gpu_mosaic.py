@@ -266,6 +266,27 @@ def default_config(R: int, T: int, fmt: str = "fp8"):
                 num_splits=max(1, min(-(-nb // MIN_BLOCKS), TARGET_CTAS // max(R, 1))))
 
 
+def launch_layout(R: int, T: int, fmt: str, *, block_t=None, num_stages=None, num_splits=None, select=False):
+    """A call's (block_t, num_stages, nb blocks of keys, bps blocks a split, n_split splits): `default_config`'s,
+    with select (select_k) at most SELECT_CONFIG's stages and enough splits for its max_segment; the options given
+    override."""
+    cfg = default_config(R, T, fmt)
+    if select:
+        cfg["num_stages"] = min(cfg["num_stages"], SELECT_CONFIG["num_stages"])
+        cfg["num_splits"] = max(cfg["num_splits"], -(-T // SELECT_CONFIG["max_segment"]))
+    for k_, v_ in dict(block_t=block_t, num_stages=num_stages, num_splits=num_splits).items():
+        if v_ is not None:
+            cfg[k_] = int(v_)
+    bt, stages = cfg["block_t"], cfg["num_stages"]
+    if bt not in (64, 128, 192, 256):
+        raise ValueError(f"block_t must be 64, 128, 192 or 256 (the wgmma M of one warpgroup), got {bt}")
+    if not 1 <= stages <= 8:
+        raise ValueError(f"num_stages must be in [1, 8], got {stages}")
+    nb = -(-T // bt)
+    bps = -(-nb // max(1, min(cfg["num_splits"], nb)))
+    return bt, stages, nb, bps, -(-nb // bps)
+
+
 def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=0, split_m=False,
             fp4=False, select=None, interpret=False):
     """nv [R] i32, w [R, H] f32, q [R, H, 128] e4m3 (f16 codes with "f16"; for bf16 keys bf16 [R, terms * H, 128],
@@ -563,7 +584,6 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                          "only (the interpreter's wgmma takes no register operand, which precision='f16' feeds; fp4 "
                          "keys have no other)")
     R = B * S
-    cfg = default_config(R, T, fmt)
     if select_k is not None:
         if interpret:
             raise ValueError("select_k needs a compiled kernel (its selection is inline PTX)")
@@ -574,19 +594,8 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         select_slack = SELECT_CONFIG["slack"] if select_slack is None else int(select_slack)
         if select_slack < 0:
             raise ValueError(f"select_slack must be >= 0, got {select_slack}")
-        cfg["num_stages"] = min(cfg["num_stages"], SELECT_CONFIG["num_stages"])
-        cfg["num_splits"] = max(cfg["num_splits"], -(-T // SELECT_CONFIG["max_segment"]))
-    for k_, v_ in dict(block_t=block_t, num_stages=num_stages, num_splits=num_splits).items():
-        if v_ is not None:
-            cfg[k_] = int(v_)
-    bt, stages = cfg["block_t"], cfg["num_stages"]
-    if bt not in (64, 128, 192, 256):
-        raise ValueError(f"block_t must be 64, 128, 192 or 256 (the wgmma M of one warpgroup), got {bt}")
-    if not 1 <= stages <= 8:
-        raise ValueError(f"num_stages must be in [1, 8], got {stages}")
-    nb = -(-T // bt)
-    bps = -(-nb // max(1, min(cfg["num_splits"], nb)))
-    n_split = -(-nb // bps)
+    bt, stages, nb, bps, n_split = launch_layout(R, T, fmt, block_t=block_t, num_stages=num_stages,
+                                                 num_splits=num_splits, select=select_k is not None)
     slots = cluster = None
     if select_k is not None:
         slots = int(select_k) + select_slack

@@ -1,7 +1,7 @@
 """A segment's top-k superset selected inside the Mosaic indexer scores kernel (`gpu_mosaic.py`, `select_k`): the
 tournament's first stage (`topk_hist.tournament_stage`) moved into the CTA that computed the scores.
 
-    segment_select(seg_smem, scratch_smem, n, pos0, keys_out, pos_out, *, k, slots)   (inside the kernel)
+    segment_select(u_smem, scratch_smem, n, pos, out0, out1, *, k, slots, ...)   (inside the kernel)
     segment_select_model(scores [n] f32, pos0, k, slots) -> (keys [slots] i32, pos [slots] i32)   (numpy, same rule)
 
 Why: at B = 64 x 128K context (fp8 keys) the scores kernel streams the keys in ~89 us and the tournament top-k runs
@@ -44,16 +44,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from .topk import INT32_MIN, NEG_INF_KEY
+
 LEVELS = ((21, 11), (10, 11), (0, 10))     # (shift, width) of each radix digit of u, from the top
 BINS = 1 << max(w for _, w in LEVELS)     # histogram counters (u32) in the scratch
 SCRATCH_WORDS = BINS + 32                  # + the exchange words: [BINS, +4) warp totals, +8.. the bin found,
 #                                            +16.. / +20.. the quarters' counts
-NEG_INF_KEY = -2139095041                  # topk._ordered_i32(-inf)
-INT32_MIN = -(2 ** 31)
 THREADS = 128
 
 
-def _ordered(scores):
+def _ordered(scores):   # numpy twin of `topk._ordered_i32` (the model runs eagerly on the host)
     bits = np.asarray(scores, np.float32).view(np.int32)
     return bits ^ ((bits >> 31) & np.int32(0x7FFFFFFF))
 
@@ -101,6 +101,24 @@ def segment_select_model(scores, pos0: int, k: int, slots: int):
 U_INVALID = 0x007FFFFF                     # u of -inf: entries at or below it are not candidates
 U_POS_INF = 0xFF800000                     # u of +inf: finite entries lie strictly between the two
 OUTS = ("global_pairs", "smem_pairs", "global_set")
+
+
+def _zero_bins(base: str, nb: int):
+    """PTX lines: threads zero the nb u32 counters at shared address `base` (tid, tid + 128, ...); needs tid, ad."""
+    return ["mad.lo.u32 ad, tid, 4, " + base + ";"] + [f"st.shared.u32 [ad+{4 * THREADS * m}], 0;"
+                                                        for m in range(nb // THREADS)]
+
+
+def _count(bin_: str, pred: str, base: str, aggregate: bool):
+    """PTX lines: counter `bin_` at shared address `base` += 1 where `pred` (clobbered). aggregate: the lanes of a
+    warp that hit one bin add once (`match.any` groups them, the lowest lane adds the group's size; lanes without
+    pred share key ~0, no bin's). Needs ad, kb, mm, t, lt (= %lanemask_lt)."""
+    lines = [f"mad.lo.u32 ad, {bin_}, 4, {base};"]
+    if not aggregate:
+        return lines + [f"@{pred} red.shared.add.u32 [ad], 1;"]
+    return lines + [f"selp.b32 kb, {bin_}, 0xFFFFFFFF, {pred};", "match.any.sync.b32 mm, kb, 0xffffffff;",
+                    "and.b32 t, mm, lt;", f"setp.eq.and.u32 {pred}, t, 0, {pred};", "popc.b32 t, mm;",
+                    f"@{pred} red.shared.add.u32 [ad], t;"]
 
 
 def segment_select_ptx(k: int, slots: int, *, aggregate: bool = False, hist_ready: bool = False,
@@ -168,9 +186,7 @@ def segment_select_ptx(k: int, slots: int, *, aggregate: bool = False, hist_read
         nb, per = 1 << w, (1 << w) // THREADS
         a(f"// level {lvl}: digit u[{s + w - 1}:{s}]")
         if not (lvl == 0 and hist_ready):
-            a("mad.lo.u32 ha, tid, 4, $1;")
-            for m in range(per):
-                a(f"st.shared.u32 [ha+{512 * m}], 0;")
+            L.extend(_zero_bins("$1", nb))
             a("bar.sync 1, 128;")
             # thread tid: entries 4 tid + 512 m .. + 3; the loop runs while the warp's first entry wb is below n
             # (the same trip count for every lane of a warp, as match.any needs)
@@ -187,16 +203,7 @@ def segment_select_ptx(k: int, slots: int, *, aggregate: bool = False, hist_read
                     a("setp.eq.and.u32 q, hi, P, q;")
                 a(f"shr.b32 bin, u{e}, {s};" if s else f"mov.b32 bin, u{e};")
                 a(f"and.b32 bin, bin, {nb - 1};")
-                a("mad.lo.u32 ad, bin, 4, $1;")
-                if aggregate:   # lanes of one bin: the lowest adds the group's size (invalid lanes share key ~0)
-                    a("selp.b32 kb, bin, 0xFFFFFFFF, q;")
-                    a("match.any.sync.b32 mm, kb, 0xffffffff;")
-                    a("and.b32 t, mm, lt;")
-                    a("setp.eq.and.u32 q, t, 0, q;")
-                    a("popc.b32 t, mm;")
-                    a("@q red.shared.add.u32 [ad], t;")
-                else:
-                    a("@q red.shared.add.u32 [ad], 1;")
+                L.extend(_count("bin", "q", "$1", aggregate))
             a("add.u32 i, i, 512;")
             a("add.u32 wb, wb, 512;")
             a(f"bra DSV4SEL_CNT{lvl};")
@@ -419,7 +426,7 @@ def hist_block_ptx(bt: int, aggregate: bool = False) -> str:
     the block's first entry. Each thread counts entries tid, tid + 128, ... of the block. aggregate: as in
     `segment_select_ptx` (the lanes of a warp that hit one bin add once)."""
     s, w = LEVELS[0]
-    L = ["{", ".reg .pred q;", ".reg .b32 tid, i, u, ad, kb, mm, t, lt;", "mov.u32 tid, %tid.x;",
+    L = ["{", ".reg .pred q;", ".reg .b32 tid, i, u, ad, bin, kb, mm, t, lt;", "mov.u32 tid, %tid.x;",
          "mov.u32 lt, %lanemask_lt;"]
     for e in range(-(-bt // THREADS)):
         L.append(f"add.u32 i, tid, {e * THREADS};")
@@ -429,22 +436,15 @@ def hist_block_ptx(bt: int, aggregate: bool = False) -> str:
         L.append("mov.u32 u, 0;")
         L.append("@q ld.shared.u32 u, [ad];")
         L.append(f"setp.gt.u32 q, u, {U_INVALID};")
-        L.append(f"shr.u32 ad, u, {s};")
-        if aggregate:
-            L += ["selp.b32 kb, ad, 0xFFFFFFFF, q;", "match.any.sync.b32 mm, kb, 0xffffffff;", "and.b32 t, mm, lt;",
-                  "setp.eq.and.u32 q, t, 0, q;", "popc.b32 t, mm;", "mad.lo.u32 ad, ad, 4, $1;",
-                  "@q red.shared.add.u32 [ad], t;"]
-        else:
-            L.append("mad.lo.u32 ad, ad, 4, $1;")
-            L.append("@q red.shared.add.u32 [ad], 1;")
+        L.append(f"shr.u32 bin, u, {s};")
+        L.extend(_count("bin", "q", "$1", aggregate))
     L.append("}")
     return "\n".join(L)
 
 
 def hist_zero_ptx() -> str:
     """Zero the first level's histogram ($0: the scratch's shared address), before the stream."""
-    L = ["{", ".reg .b32 tid, ad;", "mov.u32 tid, %tid.x;", "mad.lo.u32 ad, tid, 4, $0;"]
-    L += [f"st.shared.u32 [ad+{512 * m}], 0;" for m in range(BINS // THREADS)]
+    L = ["{", ".reg .b32 tid, ad;", "mov.u32 tid, %tid.x;"] + _zero_bins("$0", BINS)
     L.append("}")
     return "\n".join(L)
 
