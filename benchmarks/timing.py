@@ -65,6 +65,23 @@ def timed_chain(step, carry, n_iter, reps=3, unroll=1, args=()):
     return wall(f, carry, tuple(args), reps=reps) / n_iter
 
 
+def chain_net(step, carry, n_iter, reps=5, unroll=1, args=()):
+    """Seconds per iteration of `carry = step(carry, *args)` as dependent calls in one jitted scan, net of the call's
+    fixed cost: (wall of a 2 n_iter scan - wall of an n_iter scan) / n_iter (`wall_net`), so neither the Python
+    dispatch (100-250 us on the H200) nor the wait for the result is spread over the iterations, as `timed_chain`'s
+    single wall time spreads them. What remains per iteration: the step's kernels, the gaps between them and the
+    loop's own trip (shared by `unroll` steps). Arguments as `timed_chain`'s; n_iter is rounded up to a multiple of
+    unroll."""
+    unroll = max(1, int(unroll))
+    n_iter = -(-n_iter // unroll) * unroll
+
+    def build(n):
+        return jax.jit(lambda c, a: jax.lax.scan(lambda c, _: (step(c, *a), None), c, None, length=n,
+                                                 unroll=unroll)[0])
+
+    return wall_net(build, carry, tuple(args), n1=n_iter, n2=2 * n_iter, reps=reps)[0]
+
+
 def measure_ceilings(quick=False):
     """Copy bandwidth (read + write, 20 dependent passes over 1 GiB in one call) and bf16 matmul rate (10 chained
     products of 8192^3). Returns copy_Bps / bf16_flops and the same as copy_GBps / bf16_TFLOPs. `quick` is accepted
