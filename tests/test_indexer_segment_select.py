@@ -133,6 +133,12 @@ def _ptx_blocks():
                for agg in (False, True)]
     blocks += [("hist_zero", M.hist_zero_ptx(), "r")]
     blocks += [(f"gather_{n}_{slots}", M.gather_ptx(n, slots), "rrrr") for n, slots in ((4, 576), (8, 1088), (1, 4))]
+    blocks += [(f"last_{n}_{slots}_{k}", M.last_final_ptx(n, slots, k), M.LAST_KINDS)
+               for n, slots, k in ((4, 576, 512), (5, 1088, 1024), (1, 4, 1), (16, 128, 64))]
+    # the split's selection and the last CTA's in one kernel (the "last" final's kernel holds both): the same labels
+    # in two scopes of one function
+    blocks += [("split_then_last", M.segment_select_ptx(512, 576, hist_ready=True) + "\n" + M.last_final_ptx(4, 576, 512),
+                M.LAST_KINDS)]
     return blocks
 
 
@@ -159,6 +165,8 @@ def test_segment_select_errors():
 
     with pytest.raises(ValueError, match="1 <= k"):
         M.segment_select_ptx(10, 5)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        M.last_final_ptx(4, 578, 512)
     with pytest.raises(ValueError, match="stages"):
         M.segment_select_ptx(1500, 1500, out="global_set")
     with pytest.raises(ValueError, match="out must be"):
@@ -179,7 +187,7 @@ def test_segment_select_errors():
         with pytest.raises(ValueError, match="needs <= 8 splits"):
             indexer_scores_mosaic(q, w, keys, nv, select_k=512)
         mp.setitem(gpu_mosaic.SELECT_CONFIG, "final", "somewhere")
-        with pytest.raises(ValueError, match="must be 'auto'"):
+        with pytest.raises(ValueError, match="must be one of"):
             indexer_scores_mosaic(q, w, keys, nv, select_k=512)
     with pytest.raises(ValueError, match="interpret mode"):
         segment_topk(q, w, keys, nv, k=512, interpret=True)
@@ -210,6 +218,34 @@ def test_segment_set_lowers(final, stream_hist, monkeypatch):
         assert "dsv4sel_compact" in text
         in_kernel = final == "auto" and B == 33
         assert ("dsv4gather" in text) == in_kernel and ("triton" in text) != in_kernel
+
+
+def _abstract_inputs(B, T, fmt):
+    """ShapeDtypeStructs of a decode call (one query a row, 64 heads): lowering needs no data."""
+    sds = jax.ShapeDtypeStruct
+    keys = {"fp8": F.QuantizedKeys(sds((B, T, 128), jnp.float8_e4m3fn), sds((B, T, 1), jnp.float32), "fp8"),
+            "fp4": F.QuantizedKeys(sds((B, T, 64), jnp.uint8), sds((B, T, 4), jnp.uint8), "fp4"),
+            "bf16": sds((B, T, 128), jnp.bfloat16)}[fmt]
+    return sds((B, 1, 64, 128), jnp.float32), sds((B, 1, 64), jnp.float32), keys, sds((B, 1), jnp.int32)
+
+
+@pytest.mark.parametrize("fmt,B,T,opts,takes", [("fp8", 64, 32768, {}, True), ("fp8", 64, 40000, {}, True),
+                                                ("fp8", 64, 32768, dict(num_splits=6), False),
+                                                ("fp8", 16, 32768, {}, False), ("bf16", 8, 16384, {}, False)])
+def test_segment_set_last_final_lowers(fmt, B, T, opts, takes, monkeypatch):
+    """final "last": the split CTA that arrives last selects the row's set in the kernel (no Triton kernel follows)
+    where the row's survivors fit its segment buffer: 4 or 5 splits of ~8K keys at B = 64 (128K-160K context); many
+    short splits (B = 16, or 6 splits given) keep the Triton final. Lowers for CUDA from this machine."""
+    from test_gpu_lowering import lowers_for
+
+    from pallas_kernels.indexer import gpu_mosaic
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+
+    monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "final", "last")
+    text = lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=512, topk="segment_set", **opts),
+                      *_abstract_inputs(B, T, fmt))
+    assert "dsv4sel_compact" in text
+    assert ("dsv4last_load" in text) == takes and ("triton" in text) != takes
 
 
 def test_auto_set_takes_segment_set(monkeypatch):
@@ -286,11 +322,12 @@ def test_gpu_segment_survivors_match_the_model(B, S, H, T, fmt, opts, stream_his
                                          (3, 1, 64, 20000, "fp4"), (20, 2, 64, 20000, "fp8"),
                                          (33, 1, 64, 4096, "bf16"), (64, 1, 64, 32768, "fp4"),
                                          (16, 1, 64, 32768, "fp8")])
-@pytest.mark.parametrize("final", ["auto", "triton"])   # "auto": the cluster final where it applies
+@pytest.mark.parametrize("final", ["auto", "triton", "last"])   # "auto": the cluster final where it applies
 def test_gpu_segment_set_picks(B, S, H, T, fmt, final, monkeypatch):
     """topk="segment_set" picks the same index set as the tournament over the same Mosaic scores (exactly), and the
     reference's picks (up to near-ties, `check_picks`): the row's set selected in the kernel (final "auto" where a
-    row's splits fit one cluster: 64 x 32768, 40 rows x 6 splits, 33 x 8) or by the Triton final."""
+    row's splits fit one cluster: 64 x 32768, 40 rows x 6 splits, 33 x 8; final "last" where the row's survivors fit
+    the last split's segment buffer: 64 x 32768) or by the Triton final."""
     from test_indexer_kernels import check_picks
 
     from pallas_kernels.indexer import gpu_mosaic
@@ -307,7 +344,7 @@ def test_gpu_segment_set_picks(B, S, H, T, fmt, final, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("final", ["auto", "triton"])
+@pytest.mark.parametrize("final", ["auto", "triton", "last"])
 def test_gpu_segment_set_ties(final, monkeypatch):
     """Keys repeated along the cache: many exactly equal scores across splits; the lower positions win, as in the
     tournament and lax.top_k."""
@@ -326,3 +363,33 @@ def test_gpu_segment_set_ties(final, monkeypatch):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(tour))
     ref = indexer_topk_reference(q, w, keys, nv, k=512)
     np.testing.assert_array_equal((np.asarray(got) < 0).sum(-1), (np.asarray(ref) < 0).sum(-1))
+
+
+@gpu
+@pytest.mark.parametrize("B,T,fmt,k,opts", [(64, 32768, "fp8", 512, {}), (64, 40000, "fp8", 512, {}),
+                                            (8, 32768, "fp8", 512, dict(num_splits=5)),
+                                            (6, 32768, "fp4", 512, dict(num_splits=4)),
+                                            (4, 4096, "fp8", 64, dict(num_splits=4)),
+                                            (5, 4096, "bf16", 64, dict(num_splits=3)),
+                                            (3, 20000, "fp8", 4, dict(num_splits=7))])
+def test_gpu_segment_set_last_final(B, T, fmt, k, opts, monkeypatch):
+    """final "last" (the split CTA that arrives last selects the row's set in the kernel), checked where it runs
+    (the lowered module holds its PTX): 4-7 splits a row, k 512 / 64 / 4, fp8 / fp4 / bf16 keys, ragged n_visible.
+    The set equals the tournament's over the same Mosaic scores and the sorted picks' set; the picks match the
+    reference up to near-ties. Repeated three times: the arrival order of a row's CTAs changes between calls."""
+    from test_indexer_kernels import check_picks
+
+    from pallas_kernels.indexer import gpu_mosaic
+    from pallas_kernels.indexer.topk import as_index_set
+
+    monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "final", "last")
+    q, w, keys, nv = make(B, 1, 64, T, fmt, True)
+    fn = jax.jit(lambda *a: indexer_topk(*a, k=k, impl="pallas", picks="set", topk="segment_set", **opts))
+    assert "dsv4last_load" in fn.lower(q, w, keys, nv).as_text().lower()
+    tour = np.asarray(indexer_topk(q, w, keys, nv, k=k, impl="pallas", picks="set", topk="tour_set", kernel="mosaic"))
+    sorted_picks = indexer_topk(q, w, keys, nv, k=k, impl="pallas", kernel="mosaic")
+    for _ in range(3):
+        got = np.asarray(fn(q, w, keys, nv))
+        np.testing.assert_array_equal(got, tour)
+        np.testing.assert_array_equal(got, np.asarray(as_index_set(sorted_picks)))
+    check_picks(sorted_picks, q, w, keys, nv, k)

@@ -211,10 +211,17 @@ def _e4m3_to_f16(a8, mode):
 # the default: on the H200 (session 40, B = 64 x 128K fp8, CUPTI) the clustered launch alone made the kernel 145 us
 # instead of 90 (no selection in either; 64 clusters of 4 CTAs of ~111 KB of shared memory), the whole call 185 vs
 # 122.5 us.
+# "last" (session 41; lowered and assembled on the CPU, not yet run on a GPU): every split CTA writes its survivors to
+# global memory and adds 1 to its row's counter (a zeroed GMEM semaphore array); the CTA that arrives last selects
+# the row's set among the row's survivors (read back from L2), so no Triton kernel follows and no CTA waits. It
+# applies where a row's survivors (u keys and positions) fit the split's segment buffer, 2 x n_split x (k + slack)
+# <= the split's keys (B = 64 x 128K: 4 splits of 8192 keys, 4608 words), and k + slack is a multiple of 4 and
+# k <= 1024; elsewhere the Triton final runs.
 # probe (a timing diagnostic, wrong picks): 1 = no selection after the stream (the outputs are left unwritten)
 SELECT_CONFIG = dict(slack=64, max_segment=8192, num_stages=3, aggregate=False, stream_hist=True, final="triton",
                      probe=0)
 MAX_CLUSTER = 8     # portable thread-block cluster size
+FINALS = ("auto", "cluster", "triton", "last")
 
 
 def key_format(keys):
@@ -293,10 +300,12 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
     the terms stacked along the heads), keys [B, T, 128] e4m3 or bf16, scales [B*T] f32 (fp8 keys only)
     -> out [R, nb*bt]. Interpreted, q is transposed: [R, 128, H] / [R, terms, 128, H]. fp4: keys [B, T, 64] uint8
     (packed e2m1), scales [B*T] int32 (a key's 4 ue8m0 bytes), q [R, H, 128] f16 in `mosaic_fp4`'s column order.
-    select = dict(k, slots, aggregate, stream_hist, cluster): no scores out; the split's scores stay in shared memory
-    as u keys (seg int32 [>= bps * bt], `mosaic_select`) and the CTA selects their top-k superset: into out
+    select = dict(k, slots, aggregate, stream_hist, cluster, last): no scores out; the split's scores stay in shared
+    memory as u keys (seg int32 [>= bps * bt], `mosaic_select`) and the CTA selects their top-k superset: into out
     [R, n_split, slots] (keys) and pos [R, n_split, slots], or with cluster (grid (R,), cluster (n_split,)) CTA 0 of
-    the row selects the row's exact set among the splits' survivors into out [R, k] (`as_index_set`'s layout)."""
+    the row selects the row's exact set among the splits' survivors into out [R, k] (`as_index_set`'s layout). With
+    last, the outputs are (set [R, k], keys, pos) and the split CTA that writes its survivors last selects the row's
+    set among them (`mosaic_select.last_final`, a per-row arrival counter in a zeroed GMEM semaphore array)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     f16 = precision == "f16"
@@ -311,6 +320,9 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
         scale_ref = None
     else:
         (nv_ref, w_ref, q_ref, key_ref, scale_ref), refs = refs[:5], refs[5:]
+    set_ref = None
+    if select and select["last"]:   # the row's set, then the survivors (as without "last")
+        set_ref, refs = refs[0], refs[1:]
     out_ref, refs = refs[0], refs[1:]
     if select and not select["cluster"]:
         pos_ref, refs = refs[0], refs[1:]
@@ -467,6 +479,10 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
         if not select["cluster"]:
             ms.segment_select(seg_smem, sel_smem, n_read * bt, lo * bt, out_ref.at[r, split], pos_ref.at[r, split],
                               **opts)
+            if select["last"]:   # the split CTA that finishes last selects the row's set among every split's survivors
+                counters = pl.get_global(plgpu.SemaphoreType.REGULAR((out_ref.shape[0],)))   # zero at launch
+                ms.last_final(seg_smem, sel_smem, counters, out_ref.at[r], pos_ref.at[r], set_ref.at[r], r,
+                              n_split=out_ref.shape[1], slots=slots, k=k_sel)
             return
         # survivors (u, position) into this CTA's scratch; CTA 0 of the cluster gathers every split's into its
         # segment buffer (u at [0, W), positions at [W, 2W)) and selects the row's set among them
@@ -537,9 +553,9 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     (`mosaic_select`: ordered int32 keys as `topk._ordered_i32` writes them and their positions in the row,
     ascending position, padding (INT32_MIN, 0)); splits hold at most `SELECT_CONFIG["max_segment"]` keys. The
     row's top-select_k set is `topk_hist.hist_select(keys, select_k, posmap=pos)`'s (`gpu.indexer_topk_gpu`,
-    topk="segment_set"). Where the row's splits run as one thread-block cluster (`SELECT_CONFIG["final"]`), the
-    kernel selects that set itself and returns it: int32 [B, S, select_k], ascending positions, -1 after the finite
-    picks (`topk.as_index_set`'s layout)."""
+    topk="segment_set"). Where the row's splits run as one thread-block cluster, or the last split CTA of a row
+    selects (`SELECT_CONFIG["final"]` "cluster" / "last"), the kernel selects that set itself and returns it: int32
+    [B, S, select_k], ascending positions, -1 after the finite picks (`topk.as_index_set`'s layout)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from .gpu import quantize_q_fp8, split_q
@@ -597,6 +613,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     bt, stages, nb, bps, n_split = launch_layout(R, T, fmt, block_t=block_t, num_stages=num_stages,
                                                  num_splits=num_splits, select=select_k is not None)
     slots = cluster = None
+    last = False
     if select_k is not None:
         slots = int(select_k) + select_slack
         if bps * bt > SELECT_CONFIG["max_segment"]:
@@ -605,8 +622,12 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                              "shared memory); give more num_splits")
         final = SELECT_CONFIG["final"]
         fits = n_split <= MAX_CLUSTER and slots % 4 == 0 and int(select_k) <= 1024 and slots <= 1024
-        if final not in ("auto", "cluster", "triton"):
-            raise ValueError(f"SELECT_CONFIG['final'] must be 'auto', 'cluster' or 'triton', got {final!r}")
+        if final not in FINALS:
+            raise ValueError(f"SELECT_CONFIG['final'] must be one of {FINALS}, got {final!r}")
+        # "last" where the row's survivors fit the segment buffer (a few splits a row, as at decode over long rows);
+        # else (many short splits) the Triton final, whose tournament stages take any number of survivors
+        last = (final == "last" and slots % 4 == 0 and int(select_k) <= 1024
+                and 2 * n_split * slots <= bps * bt)
         if final == "cluster" and not fits:
             raise ValueError(f"SELECT_CONFIG['final'] = 'cluster' needs <= {MAX_CLUSTER} splits, k + slack a multiple "
                              f"of 4 and k, k + slack <= 1024; got {n_split} splits, k {select_k}, slack "
@@ -680,16 +701,17 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     if select_k is not None:
         from .mosaic_select import SCRATCH_WORDS
 
-        seg_len = max(bps * bt, 2 * n_split * slots if cluster else 0)
+        seg_len = max(bps * bt, 2 * n_split * slots if cluster or last else 0)
         scratch += [plgpu.SMEM((seg_len,), jnp.int32), plgpu.SMEM((SCRATCH_WORDS,), jnp.int32)]   # seg, sel
-        out_type = (jax.ShapeDtypeStruct((R, int(select_k)), jnp.int32) if cluster else
-                    (jax.ShapeDtypeStruct((R, n_split, slots), jnp.int32),) * 2)
+        set_type = jax.ShapeDtypeStruct((R, int(select_k)), jnp.int32)
+        pairs_type = (jax.ShapeDtypeStruct((R, n_split, slots), jnp.int32),) * 2
+        out_type = set_type if cluster else (set_type,) + pairs_type if last else pairs_type
     kernel = plgpu.kernel(
         functools.partial(_kernel, T=T, bt=bt, stages=stages, bps=bps, nb=nb, S=S, precision=precision,
                           convert=convert, n_phase=n_phase, split_m=bool(split_m), fp4=fmt == "fp4",
                           select=None if select_k is None else dict(
                               k=int(select_k), slots=slots, aggregate=bool(SELECT_CONFIG["aggregate"]),
-                              stream_hist=bool(SELECT_CONFIG["stream_hist"]), cluster=cluster,
+                              stream_hist=bool(SELECT_CONFIG["stream_hist"]), cluster=cluster, last=last,
                               probe=int(SELECT_CONFIG["probe"])),
                           interpret=interpret),
         out_type=out_type,
@@ -698,12 +720,15 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         scratch_types=scratch,
         kernel_name=(f"indexer_scores_{fmt}_mosaic_{precision}_t{bt}" + (f"_{convert}" if convert != "cvt" else "")
                      + (f"_g{G}" if n_phase else "") + ("_m2" if split_m else "")
-                     + (f"_sel{select_k}" if select_k is not None else "") + ("_cl" if cluster else "")),
+                     + (f"_sel{select_k}" if select_k is not None else "") + ("_cl" if cluster else "")
+                     + ("_last" if select_k is not None and last else "")),
         **(dict(interpret=_interpret_params(interpret == "races")) if interpret else {}),
     )
     res = kernel(*args)
     if cluster:
         return res.reshape(B, S, int(select_k))
+    if select_k is not None and last:   # the survivors were the kernel's own scratch
+        return res[0].reshape(B, S, int(select_k))
     if select_k is not None:
         return tuple(x.reshape(B, S, n_split * slots) for x in res)
     out, gmax = res if n_phase else (res, None)

@@ -473,6 +473,73 @@ def gather_ptx(n_split: int, slots: int) -> str:
     return "\n".join(L)
 
 
+LAST_KINDS = "rrrrllllr"   # the operands of `last_final_ptx`
+
+
+def last_final_ptx(n_split: int, slots: int, k: int) -> str:
+    """The row's final selection by the split CTA that finishes last (SELECT_CONFIG final "last"), after this CTA
+    wrote its survivors (`segment_select_ptx`, out "global_pairs"). Operands: $0 u / $1 scratch / $2 n = n_split *
+    slots / $3 positions (shared addresses: the segment buffer's [0, n) and [n, 2n), the scratch) and $4 the set's
+    output (int32 [k], generic pointer) as `segment_select_ptx(k, k, pos_in="smem", out="global_set")` takes them;
+    $5 the row counters (a generic pointer to u32 [rows], zero before the kernel), $6 / $7 the row's survivors (keys,
+    positions: int32 [n_split, slots], generic pointers), $8 the row.
+    1. Every thread fences its survivor stores (fence.acq_rel.gpu) and joins the warpgroup barrier; thread 0 adds 1 to
+       the row's counter (a relaxed atomic after the fences: a release) and fences again (acquire), and passes the
+       count it read through the scratch's first word.
+    2. The CTA that read n_split - 1 is the row's last: every other split's survivors are visible to it. It fences,
+       loads the row's n_split x slots survivors from global memory (L2: ld.global.cg; keys back to u keys, padding
+       (INT32_MIN, 0) -> u 0, no candidate) into the segment buffer, and selects the row's set among them (the
+       cluster final's selection). The other CTAs skip it. No CTA waits for another, so any grid size and order runs.
+    slots must be a multiple of 4 (16-byte rows of survivors)."""
+    if slots % 4:
+        raise ValueError(f"last_final: slots ({slots}) must be a multiple of 4")
+    n = n_split * slots
+    L = ["{", ".reg .pred dsv4_last;", "{", ".reg .pred p;",
+         ".reg .b32 tid, old, i, v0, v1, v2, v3, c0, c1, c2, c3, ad;", ".reg .b64 g, gk, gp, a64;",
+         "mov.u32 tid, %tid.x;",
+         "fence.acq_rel.gpu;",                       # this thread's survivor stores, before the arrival
+         "bar.sync 1, 128;",
+         "setp.eq.u32 p, tid, 0;",
+         "cvta.to.global.u64 g, $5;",
+         "mul.wide.u32 a64, $8, 4;",
+         "add.u64 g, g, a64;",
+         "@p atom.global.add.u32 old, [g], 1;",
+         "@p fence.acq_rel.gpu;",
+         "@p st.shared.u32 [$1], old;",
+         "bar.sync 1, 128;",
+         "ld.shared.u32 old, [$1];",
+         f"setp.eq.u32 dsv4_last, old, {n_split - 1};",
+         "@!dsv4_last bra DSV4LAST_SKIP;",
+         "fence.acq_rel.gpu;",
+         "cvta.to.global.u64 gk, $6;",
+         "cvta.to.global.u64 gp, $7;",
+         "mov.u32 i, tid;",
+         "DSV4LAST_LOAD:",
+         f"setp.ge.u32 p, i, {n // 4};",
+         "@p bra DSV4LAST_LOADED;",
+         "mul.wide.u32 a64, i, 16;",
+         "add.u64 g, gk, a64;",
+         "ld.global.cg.v4.b32 {v0, v1, v2, v3}, [g];",
+         "add.u64 g, gp, a64;",
+         "ld.global.cg.v4.b32 {c0, c1, c2, c3}, [g];",
+         "xor.b32 v0, v0, 0x80000000; xor.b32 v1, v1, 0x80000000;",
+         "xor.b32 v2, v2, 0x80000000; xor.b32 v3, v3, 0x80000000;",
+         "mad.lo.u32 ad, i, 16, $0;",
+         "st.shared.v4.b32 [ad], {v0, v1, v2, v3};",
+         "mad.lo.u32 ad, i, 16, $3;",
+         "st.shared.v4.b32 [ad], {c0, c1, c2, c3};",
+         "add.u32 i, i, 128;",
+         "bra DSV4LAST_LOAD;",
+         "DSV4LAST_LOADED:",
+         "DSV4LAST_SKIP:",
+         "}",
+         "@!dsv4_last bra DSV4LAST_END;",
+         segment_select_ptx(k, k, pos_in="smem", out="global_set"),
+         "DSV4LAST_END:",
+         "}"]
+    return "\n".join(L)
+
+
 def _operand_kinds(out: str):
     """The select block's operands ('r': 32-bit, 'l': 64-bit pointer) for an output mode."""
     return {"global_pairs": "rrrrll", "smem_pairs": "rrrrrr", "global_set": "rrrrl"}[out]
@@ -533,6 +600,31 @@ def segment_select(u_smem, scratch_smem, n, pos, out0, out1=None, *, k: int, slo
         _asm(operands, asm, kinds)
 
     run(u_smem, scratch_smem, n, pos, *refs)
+
+
+def last_final(u_smem, scratch_smem, counters, keys_row, pos_row, set_row, row, *, n_split: int, slots: int,
+               k: int):
+    """`last_final_ptx` in a Mosaic GPU kernel of one warpgroup, right after this CTA's `segment_select` into the
+    row's survivors (out "global_pairs"): u_smem int32 [>= 2 n_split slots] (the segment buffer, free again),
+    scratch_smem int32 [SCRATCH_WORDS], counters the row counters (a GMEM semaphore array [rows], zero before the
+    kernel: `pl.get_global`), keys_row / pos_row the row's survivors [n_split, slots] (global refs), set_row the
+    row's set [k] (a global ref), row the int32 row index."""
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    n = n_split * slots
+    asm = last_final_ptx(n_split, slots, k)
+    scalar = plgpu.Layout.WG_SPLAT(())
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 7 + (scalar, scalar))
+    def run(_, u, scratch, pos_, out, cnt, kr, pr, n_, row_):
+        operands = [_addr(u, 32), _addr(scratch, 32), n_.registers.item(), _addr(pos_, 32), _addr(out, 64),
+                    _addr(cnt, 64), _addr(kr, 64), _addr(pr, 64), row_.registers.item()]
+        _asm(operands, asm, LAST_KINDS)
+
+    run(u_smem.at[pl.ds(0, n)], scratch_smem, u_smem.at[pl.ds(n, n)], set_row, counters, keys_row, pos_row,
+        jnp.int32(n), row)
 
 
 def hist_zero(scratch_smem):
