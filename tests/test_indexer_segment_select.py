@@ -135,6 +135,8 @@ def _ptx_blocks():
     blocks += [(f"gather_{n}_{slots}", M.gather_ptx(n, slots), "rrrr") for n, slots in ((4, 576), (8, 1088), (1, 4))]
     blocks += [(f"last_{n}_{slots}_{k}", M.last_final_ptx(n, slots, k), M.LAST_KINDS)
                for n, slots, k in ((4, 576, 512), (5, 1088, 1024), (1, 4, 1), (16, 128, 64))]
+    blocks += [("sel_probe2", M.segment_select_ptx(512, 576, hist_ready=True, compact=False), M._operand_kinds(
+        "global_pairs"))]   # the timing probe: histogram levels and bin searches only
     # the split's selection and the last CTA's in one kernel (the "last" final's kernel holds both): the same labels
     # in two scopes of one function
     blocks += [("split_then_last", M.segment_select_ptx(512, 576, hist_ready=True) + "\n" + M.last_final_ptx(4, 576, 512),
@@ -189,6 +191,10 @@ def test_segment_select_errors():
         mp.setitem(gpu_mosaic.SELECT_CONFIG, "final", "somewhere")
         with pytest.raises(ValueError, match="must be one of"):
             indexer_scores_mosaic(q, w, keys, nv, select_k=512)
+        mp.setitem(gpu_mosaic.SELECT_CONFIG, "final", "triton")
+        mp.setitem(gpu_mosaic.SELECT_CONFIG, "probe", 3)
+        with pytest.raises(ValueError, match="must be 0, 1 or 2"):
+            indexer_scores_mosaic(q, w, keys, nv, select_k=512)
     with pytest.raises(ValueError, match="interpret mode"):
         segment_topk(q, w, keys, nv, k=512, interpret=True)
     with pytest.raises(ValueError, match="Mosaic scores kernel, got kernel"):
@@ -231,7 +237,8 @@ def _abstract_inputs(B, T, fmt):
 
 @pytest.mark.parametrize("fmt,B,T,opts,takes", [("fp8", 64, 32768, {}, True), ("fp8", 64, 40000, {}, True),
                                                 ("fp8", 64, 32768, dict(num_splits=6), False),
-                                                ("fp8", 16, 32768, {}, False), ("bf16", 8, 16384, {}, False)])
+                                                ("fp8", 16, 32768, {}, False), ("bf16", 8, 16384, {}, False),
+                                                ("fp8", 64, 32768, dict(probe=2), True)])
 def test_segment_set_last_final_lowers(fmt, B, T, opts, takes, monkeypatch):
     """final "last": the split CTA that arrives last selects the row's set in the kernel (no Triton kernel follows)
     where the row's survivors fit its segment buffer: 4 or 5 splits of ~8K keys at B = 64 (128K-160K context); many
@@ -242,10 +249,14 @@ def test_segment_set_last_final_lowers(fmt, B, T, opts, takes, monkeypatch):
     from pallas_kernels.indexer.gpu import indexer_topk_gpu
 
     monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "final", "last")
+    opts = dict(opts)
+    probe = opts.pop("probe", 0)   # 2: the timing probe (no compaction, no final)
+    monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "probe", probe)
     text = lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=512, topk="segment_set", **opts),
                       *_abstract_inputs(B, T, fmt))
     assert "dsv4sel_compact" in text
-    assert ("dsv4last_load" in text) == takes and ("triton" in text) != takes
+    assert "dsv4sel_ca:" in text or probe
+    assert ("dsv4last_load" in text) == (takes and not probe) and ("triton" in text) != takes
 
 
 def test_auto_set_takes_segment_set(monkeypatch):

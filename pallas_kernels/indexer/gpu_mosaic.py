@@ -217,7 +217,8 @@ def _e4m3_to_f16(a8, mode):
 # applies where a row's survivors (u keys and positions) fit the split's segment buffer, 2 x n_split x (k + slack)
 # <= the split's keys (B = 64 x 128K: 4 splits of 8192 keys, 4608 words), and k + slack is a multiple of 4 and
 # k <= 1024; elsewhere the Triton final runs.
-# probe (a timing diagnostic, wrong picks): 1 = no selection after the stream (the outputs are left unwritten)
+# probe (a timing diagnostic, wrong picks; the outputs are left unwritten): 1 = no selection after the stream, 2 = the
+# selection's histogram levels and bin searches but not its compaction (session 41)
 SELECT_CONFIG = dict(slack=64, max_segment=8192, num_stages=3, aggregate=False, stream_hist=True, final="triton",
                      probe=0)
 MAX_CLUSTER = 8     # portable thread-block cluster size
@@ -476,6 +477,10 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
         if select["probe"] == 1:
             return
         opts = dict(k=k_sel, slots=slots, aggregate=select["aggregate"], hist_ready=select["stream_hist"])
+        if select["probe"] == 2:   # the selection up to its compaction (a timing probe)
+            ms.segment_select(seg_smem, sel_smem, n_read * bt, lo * bt, out_ref.at[r, split], pos_ref.at[r, split],
+                              compact=False, **opts)
+            return
         if not select["cluster"]:
             ms.segment_select(seg_smem, sel_smem, n_read * bt, lo * bt, out_ref.at[r, split], pos_ref.at[r, split],
                               **opts)
@@ -633,6 +638,9 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                              f"of 4 and k, k + slack <= 1024; got {n_split} splits, k {select_k}, slack "
                              f"{select_slack}")
         cluster = n_split if final == "cluster" or (final == "auto" and fits) else None
+        if SELECT_CONFIG["probe"] not in (0, 1, 2) or (SELECT_CONFIG["probe"] == 2 and cluster):
+            raise ValueError(f"SELECT_CONFIG['probe'] must be 0, 1 or 2 (2 without the cluster final), got "
+                             f"{SELECT_CONFIG['probe']!r} (cluster final: {bool(cluster)})")
     from .topk import producer_groups
 
     G = 0 if group_max_k is None else producer_groups(T, nb * bt, group_max_k, block=bt, n_split=n_split,

@@ -122,7 +122,7 @@ def _count(bin_: str, pred: str, base: str, aggregate: bool):
 
 
 def segment_select_ptx(k: int, slots: int, *, aggregate: bool = False, hist_ready: bool = False,
-                       pos_in: str = "implicit", out: str = "global_pairs") -> str:
+                       pos_in: str = "implicit", out: str = "global_pairs", compact: bool = True) -> str:
     """The selection as one PTX block for 128 threads, over u keys (u32 [n] in shared memory: `_ordered` ^ 2^31, at
     most U_INVALID for entries that are no candidates). Operands: $0 u (shared u32 address, 16 B aligned), $1 scratch
     (shared u32 address, u32 [SCRATCH_WORDS], 16 B aligned), $2 n (entries, a multiple of 4), $3 pos0 (pos_in
@@ -136,7 +136,9 @@ def segment_select_ptx(k: int, slots: int, *, aggregate: bool = False, hist_read
                           The kept entries are staged in the scratch's histogram area first (slots <= BINS / 2).
     hist_ready: the first level's histogram is already in the scratch (`hist_block_ptx` during the stream).
     aggregate: the histogram's lanes that hit one bin add once (`match.any` groups them, the lowest lane adds the
-    group's size): fewer conflicting shared-memory atomics where the scores crowd into a few bins."""
+    group's size): fewer conflicting shared-memory atomics where the scores crowd into a few bins.
+    compact=False (a timing probe, `SELECT_CONFIG["probe"]` 2): the histogram levels and bin searches only; the
+    block ends where the compaction would start and writes no output."""
     if not 1 <= k <= slots:
         raise ValueError(f"segment_select: need 1 <= k ({k}) <= slots ({slots})")
     if slots >= 1 << 24:
@@ -265,6 +267,9 @@ def segment_select_ptx(k: int, slots: int, *, aggregate: bool = False, hist_read
             a("@p bra DSV4SEL_COMPACT;")
     # ordered compaction: warp wq takes the quarter [wq * c, wq * c + c), c = 128 * ceil(n / 512)
     a("DSV4SEL_COMPACT:")
+    if not compact:
+        a("}")
+        return "\n".join(L)
     a("add.u32 c, $2, 511; shr.u32 c, c, 9; shl.b32 c, c, 7;")
     a("mul.lo.u32 start, warp, c;")
 
@@ -578,7 +583,7 @@ def _addr(ref, bits: int):
 
 
 def segment_select(u_smem, scratch_smem, n, pos, out0, out1=None, *, k: int, slots: int, aggregate: bool = False,
-                   hist_ready: bool = False, pos_in: str = "implicit", out: str = "global_pairs"):
+                   hist_ready: bool = False, pos_in: str = "implicit", out: str = "global_pairs", compact: bool = True):
     """In a Mosaic GPU kernel of one warpgroup, after the segment's u keys are stored (`segment_select_ptx`):
     u_smem uint32/int32 [>= n] (shared), scratch_smem int32 [SCRATCH_WORDS] (shared), n (int32 scalar: entries to
     consider, a multiple of 4), pos (pos_in "implicit": an int32 scalar, the position of entry 0; "smem": a shared
@@ -586,7 +591,8 @@ def segment_select(u_smem, scratch_smem, n, pos, out0, out1=None, *, k: int, slo
     "global_set", shared refs for "smem_pairs"; no out1 for "global_set")."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    asm = segment_select_ptx(k, slots, aggregate=aggregate, hist_ready=hist_ready, pos_in=pos_in, out=out)
+    asm = segment_select_ptx(k, slots, aggregate=aggregate, hist_ready=hist_ready, pos_in=pos_in, out=out,
+                             compact=compact)
     scalar = plgpu.Layout.WG_SPLAT(())
     kinds = _operand_kinds(out)
     refs = (out0,) if out == "global_set" else (out0, out1)
