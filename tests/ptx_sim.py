@@ -1,0 +1,334 @@
+"""A small PTX interpreter for the inline-asm blocks of `pallas_kernels/indexer/mosaic_select.py`, so their logic
+(not only their syntax, which ptxas checks) is tested on a machine without a GPU.
+
+    cta = Cta(threads=128, shared=SharedMemory(), glob=GlobalMemory())
+    cta.run(asm, operands=[...])        # the block's $i operands: ints (addresses, scalars)
+
+What it models: the PTX subset those blocks use (32-bit integer arithmetic, predicates, shared / global loads,
+stores and atomics, `bar.sync`, `vote.sync.ballot`, `shfl.sync.down`, `match.any.sync`, `%tid.x`,
+`%lanemask_lt`, branches). Every thread runs on its own program counter; a thread that reaches a collective
+(`bar.sync` of the CTA's threads, or a warp's vote / shuffle / match) waits until every participant reaches the
+same instruction, then the collective completes for all of them. Threads run in a seeded random order between
+those points, so an access the block forgot to order by a barrier shows up as a run-to-run difference. Memory is
+sequentially consistent and word-addressed (4-byte words; 16-byte vectors as four words); a register read before
+it is written holds seeded garbage (`Cta.uninitialized` names them), so a result that depends on one changes with
+the seed; fences are no-ops, and
+`cvta.to.global` keeps the address. A thread-block cluster (mapa / ld.shared::cluster) is not modelled.
+
+This is test scaffolding, not a GPU model: it says nothing about speed, and what it runs is the PTX text the kernel
+embeds, so a logic error there fails here before it reaches the H200.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+MASK32 = 0xFFFFFFFF
+MASK64 = (1 << 64) - 1
+
+
+class Memory:
+    """Word-addressed memory: byte address (a multiple of 4) -> u32 word; unwritten words read as `fill`."""
+
+    def __init__(self, fill=0xDEADBEEF):
+        self.words = {}
+        self.fill = fill
+
+    def load(self, addr):
+        if addr % 4:
+            raise AssertionError(f"misaligned 32-bit access at {addr:#x}")
+        return self.words.get(addr, self.fill)
+
+    def store(self, addr, value):
+        if addr % 4:
+            raise AssertionError(f"misaligned 32-bit access at {addr:#x}")
+        self.words[addr] = value & MASK32
+
+    def write_array(self, addr, values):
+        for i, v in enumerate(values):
+            self.store(addr + 4 * i, int(v) & MASK32)
+
+    def read_array(self, addr, n, signed=True):
+        out = [self.load(addr + 4 * i) for i in range(n)]
+        return [v - (1 << 32) if signed and v >= 1 << 31 else v for v in out]
+
+
+def _int(tok):
+    return int(tok, 16) if tok.lower().startswith(("0x", "-0x")) else int(tok)
+
+
+def _split_operands(text):
+    """'d, {a, b}, [x+4], p' -> ['d', '{a, b}', '[x+4]', 'p'] (commas inside braces / brackets kept)."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        if ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return out
+
+
+def parse(asm: str, operands):
+    """The block's statements as (guard, negated, opcode, operands) and its labels -> statement index. `$i` become
+    the literal operands (ints)."""
+    for i in reversed(range(len(operands))):
+        asm = asm.replace(f"${i}", str(int(operands[i])))
+    if "$" in asm:
+        raise AssertionError("the block uses an operand that was not given: " + asm[asm.index("$"):][:20])
+    prog, labels = [], {}
+    for line in asm.split("\n"):
+        line = line.split("//", 1)[0]
+        for piece in line.split(";"):
+            s = piece.strip()
+            while s and s[0] in "{}":   # scope braces (an instruction never starts with one)
+                s = s[1:].strip()
+            if not s or s.startswith(".reg"):
+                continue
+            m = re.match(r"^([A-Za-z_][A-Za-z0-9_]*):\s*(.*)$", s)
+            if m:
+                if m.group(1) in labels:
+                    raise AssertionError(f"label {m.group(1)} defined twice in one block")
+                labels[m.group(1)] = len(prog)
+                s = m.group(2).strip()
+                if not s:
+                    continue
+            guard, neg = None, False
+            if s.startswith("@"):
+                g, s = s.split(None, 1)
+                guard, neg = (g[2:], True) if g.startswith("@!") else (g[1:], False)
+            op, _, rest = s.partition(" ")
+            prog.append((guard, neg, op, _split_operands(rest)))
+    return prog, labels
+
+
+class Thread:
+    def __init__(self, tid):
+        self.tid = tid
+        self.regs = {}
+        self.preds = {}
+        self.pc = 0
+        self.done = False
+
+
+class Cta:
+    """One CTA of `threads` threads (warps of 32) running PTX blocks over `shared` (its own) and `glob` memory."""
+
+    def __init__(self, threads=128, shared=None, glob=None, seed=0):
+        self.n = threads
+        self.shared = shared if shared is not None else Memory()
+        self.glob = glob if glob is not None else Memory()
+        self.rng = random.Random(seed)
+        self.uninitialized = set()   # registers some thread read before writing them (garbage on the GPU too)
+
+    # ---- operand access
+    def _val(self, t, tok):
+        tok = tok.strip()
+        if tok == "%tid.x":
+            return t.tid
+        if tok == "%lanemask_lt":
+            return (1 << (t.tid % 32)) - 1
+        if re.match(r"^-?(0x[0-9a-fA-F]+|\d+)$", tok):
+            return _int(tok) & MASK64
+        if tok not in t.regs:   # what an unwritten register holds on the GPU: anything (seeded garbage here)
+            self.uninitialized.add(tok)
+            t.regs[tok] = self.rng.getrandbits(32)
+        return t.regs[tok]
+
+    def _pred(self, t, tok):
+        neg = tok.startswith("!")
+        name = tok[1:] if neg else tok
+        if name not in t.preds:
+            raise AssertionError(f"thread {t.tid}: predicate {name} read before it was set")
+        return t.preds[name] != neg
+
+    def _addr(self, t, tok):
+        inner = tok.strip()[1:-1]
+        total = 0
+        for part in inner.split("+"):
+            total += self._val(t, part)
+        return total & MASK64
+
+    def _mem(self, op):
+        return self.glob if ".global" in op else self.shared
+
+    # ---- execution
+    def run(self, asm, operands=(), max_steps=50_000_000):
+        prog, labels = parse(asm, operands)
+        threads = [Thread(i) for i in range(self.n)]
+        steps = 0
+        while True:
+            live = [t for t in threads if not t.done]
+            if not live:
+                return
+            order = live[:]
+            self.rng.shuffle(order)
+            progressed = False
+            for t in order:   # each thread runs to its next collective (or its end)
+                while not t.done:
+                    if t.pc >= len(prog):
+                        t.done = True
+                        break
+                    guard, neg, op, args = prog[t.pc]
+                    if guard is not None and self._pred(t, guard) == neg:
+                        t.pc += 1
+                        progressed = True
+                        continue
+                    if op.startswith(("bar.sync", "vote.", "shfl.", "match.")):
+                        break
+                    self._step(t, op, args, labels)
+                    progressed = True
+                    steps += 1
+                    if steps > max_steps:
+                        raise AssertionError("step limit reached (an endless loop?)")
+            progressed |= self._collectives(threads, prog)
+            if not progressed:
+                waits = sorted({(t.pc, prog[t.pc][2]) for t in threads if not t.done})
+                raise AssertionError(f"deadlock: threads wait at {waits[:6]}")
+
+    def _collectives(self, threads, prog):
+        """Completes every collective whose participants all wait at it; returns whether one did."""
+        done_any = False
+        live = [t for t in threads if not t.done]
+        # CTA barrier: every thread of the CTA at a bar.sync (a finished thread would deadlock the GPU)
+        at_bar = [t for t in live if prog[t.pc][2].startswith("bar.sync")]
+        if at_bar and len(at_bar) == self.n:
+            pcs = {t.pc for t in at_bar}
+            if len(pcs) != 1:
+                # different bar.sync statements: legal PTX (same barrier id), but the blocks here never do it
+                raise AssertionError(f"threads meet at different bar.sync statements {sorted(pcs)}")
+            args = prog[at_bar[0].pc][3]
+            if [a.strip() for a in args] != ["1", str(self.n)]:
+                raise AssertionError(f"bar.sync {args}: the blocks sync barrier 1 over {self.n} threads")
+            for t in at_bar:
+                t.pc += 1
+            done_any = True
+        for w in range(self.n // 32):
+            lanes = threads[32 * w:32 * w + 32]
+            if any(t.done for t in lanes):
+                continue
+            pcs = {t.pc for t in lanes}
+            if len(pcs) != 1:
+                continue
+            _, _, op, args = prog[lanes[0].pc]
+            if not op.startswith(("vote.", "shfl.", "match.")):
+                continue
+            if args[-1].strip() not in ("0xffffffff", "0xFFFFFFFF"):
+                raise AssertionError(f"{op}: the blocks use full-warp masks, got {args[-1]}")
+            if op.startswith("vote.sync.ballot"):
+                bits = sum(1 << i for i, t in enumerate(lanes) if self._pred(t, args[1]))
+                for t in lanes:
+                    t.regs[args[0]] = bits
+            elif op.startswith("shfl.sync.down"):
+                vals = [self._val(t, args[1]) & MASK32 for t in lanes]
+                d, clamp = self._val(lanes[0], args[2]), self._val(lanes[0], args[3])
+                for i, t in enumerate(lanes):
+                    src = i + d
+                    t.regs[args[0]] = vals[src] if src <= clamp else vals[i]
+            elif op.startswith("match.any.sync"):
+                vals = [self._val(t, args[1]) & MASK32 for t in lanes]
+                for i, t in enumerate(lanes):
+                    t.regs[args[0]] = sum(1 << j for j, v in enumerate(vals) if v == vals[i])
+            else:
+                raise AssertionError(f"unmodelled collective {op}")
+            for t in lanes:
+                t.pc += 1
+            done_any = True
+        return done_any
+
+    def _step(self, t, op, a, labels):
+        v = lambda i: self._val(t, a[i])
+        setr = lambda name, x, bits=32: t.regs.__setitem__(name, x & (MASK32 if bits == 32 else MASK64))
+        s32 = lambda x: (x & MASK32) - (1 << 32) if x & (1 << 31) else x & MASK32
+        base = op.split(".")[0]
+        t.pc += 1
+        if op == "bra" or op == "bra.uni":
+            t.pc = labels[a[0]]
+        elif base == "mov":
+            setr(a[0], v(1), 64 if op.endswith("64") else 32)
+        elif op in ("add.u32", "add.s32"):
+            setr(a[0], v(1) + v(2))
+        elif op == "add.u64":
+            setr(a[0], v(1) + v(2), 64)
+        elif op in ("sub.u32", "sub.s32"):
+            setr(a[0], v(1) - v(2))
+        elif op == "mul.lo.u32":
+            setr(a[0], v(1) * v(2))
+        elif op == "mul.wide.u32":
+            setr(a[0], (v(1) & MASK32) * (v(2) & MASK32), 64)
+        elif op == "mad.lo.u32":
+            setr(a[0], v(1) * v(2) + v(3))
+        elif op == "and.b32":
+            setr(a[0], v(1) & v(2))
+        elif op == "or.b32":
+            setr(a[0], v(1) | v(2))
+        elif op == "xor.b32":
+            setr(a[0], v(1) ^ v(2))
+        elif op == "shl.b32":
+            setr(a[0], v(1) << min(v(2), 32))
+        elif op in ("shr.b32", "shr.u32"):
+            setr(a[0], (v(1) & MASK32) >> min(v(2), 32))
+        elif op == "max.s32":
+            setr(a[0], max(s32(v(1)), s32(v(2))))
+        elif op == "min.s32":
+            setr(a[0], min(s32(v(1)), s32(v(2))))
+        elif op == "popc.b32":
+            setr(a[0], bin(v(1) & MASK32).count("1"))
+        elif op in ("selp.b32", "selp.u32"):
+            setr(a[0], v(1) if self._pred(t, a[3]) else v(2))
+        elif base == "setp":
+            parts = op.split(".")
+            cmp_, typ = parts[1], parts[-1]
+            x, y = v(1), v(2)
+            if typ == "s32":
+                x, y = s32(x), s32(y)
+            else:
+                x, y = x & MASK32, y & MASK32
+            r = {"eq": x == y, "ne": x != y, "lt": x < y, "le": x <= y, "gt": x > y, "ge": x >= y}[cmp_]
+            if "and" in parts[2:-1]:
+                r = r and self._pred(t, a[3])
+            t.preds[a[0]] = r
+        elif op == "and.pred":
+            t.preds[a[0]] = self._pred(t, a[1]) and self._pred(t, a[2])
+        elif op == "or.pred":
+            t.preds[a[0]] = self._pred(t, a[1]) or self._pred(t, a[2])
+        elif base == "ld":
+            mem, addr = self._mem(op), self._addr(t, a[1])
+            if ".v4" in op:
+                regs = [r.strip() for r in a[0].strip("{}").split(",")]
+                for i, r in enumerate(regs):
+                    if addr % 16:
+                        raise AssertionError(f"misaligned vector load at {addr:#x}")
+                    setr(r, mem.load(addr + 4 * i))
+            else:
+                setr(a[0], mem.load(addr))
+        elif base == "st":
+            mem, addr = self._mem(op), self._addr(t, a[0])
+            if ".v4" in op:
+                if addr % 16:
+                    raise AssertionError(f"misaligned vector store at {addr:#x}")
+                for i, r in enumerate(x.strip() for x in a[1].strip("{}").split(",")):
+                    mem.store(addr + 4 * i, self._val(t, r))
+            else:
+                mem.store(addr, v(1))
+        elif op in ("red.shared.add.u32",):
+            addr = self._addr(t, a[0])
+            self.shared.store(addr, self.shared.load(addr) + v(1))
+        elif op in ("atom.global.add.u32", "atom.shared.add.u32"):
+            mem, addr = self._mem(op), self._addr(t, a[1])
+            old = mem.load(addr)
+            mem.store(addr, old + v(2))
+            setr(a[0], old)
+        elif op == "cvta.to.global.u64":
+            setr(a[0], v(1), 64)
+        elif base == "fence":
+            pass
+        else:
+            raise AssertionError(f"unmodelled instruction {op} {a}")

@@ -1,0 +1,148 @@
+"""The selection's inline PTX (`pallas_kernels/indexer/mosaic_select.py`) run on the CPU by a small PTX interpreter
+(`tests/ptx_sim.py`): each block's results against the numpy model of its rule, bit for bit. ptxas (test_indexer_
+segment_select.py) checks that the blocks assemble; this checks what they compute, which otherwise only the H200
+could. Threads run in a seeded random order between collectives, and unwritten registers hold seeded garbage, so a
+missing barrier or a result that depends on garbage differs between seeds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ptx_sim import Cta, Memory
+from tiers import full, full_tier
+from pallas_kernels.indexer import mosaic_select as M
+from pallas_kernels.indexer.topk import INT32_MIN
+
+U0, S0, P0 = 0x1000, 0x40000, 0x60000          # shared: u keys (+ positions after them), scratch, positions
+GK, GP, GS, GC = 0x100000, 0x200000, 0x300000, 0x400000   # global: survivors' keys / positions, the set, counters
+
+
+def _scores(rng, n, kind):
+    s = rng.standard_normal(n).astype(np.float32)
+    if kind == "ties":          # a few distinct values: long runs of equal keys
+        s = rng.integers(-3, 4, n).astype(np.float32)
+    elif kind == "holes":       # masked (-inf) entries and a masked tail
+        s[rng.random(n) < 0.3] = -np.inf
+        s[n - n // 5:] = -np.inf
+    elif kind == "nonfinite":   # +inf / NaN / -0.0 among them
+        s[rng.integers(0, n, 5)] = np.inf
+        s[rng.integers(0, n, 3)] = np.nan
+        s[rng.integers(0, n, 7)] = -0.0
+    elif kind == "few":         # fewer valid entries than k
+        s[:] = -np.inf
+        s[rng.integers(0, n, 9)] = rng.standard_normal(9)
+    elif kind == "close":       # within a few ulps of each other: the last radix level decides
+        s = (1.0 + rng.integers(0, 64, n) * np.float32(2.0 ** -23)).astype(np.float32)
+    return s
+
+
+def _u(scores):
+    return (M._ordered(scores).astype(np.int64) ^ INT32_MIN) & 0xFFFFFFFF
+
+
+def _run_split(cta, scores, pos0, k, slots, *, hist_ready, out="global_pairs", pos_in="implicit", gk=GK, gp=GP,
+               bt=128):
+    """One split CTA: its u keys into shared memory, the streamed histogram (hist_ready), then the selection."""
+    n = len(scores)
+    cta.shared.write_array(U0, _u(scores))
+    if hist_ready:
+        cta.run(M.hist_zero_ptx(), [S0])
+        for first in range(0, n, bt):
+            cta.run(M.hist_block_ptx(min(bt, n - first)), [U0, S0, first])
+    pos_op = pos0
+    if pos_in == "smem":
+        cta.shared.write_array(P0, pos0 + np.arange(n))
+        pos_op = P0
+    outs = {"global_pairs": [gk, gp], "smem_pairs": [GK, GP], "global_set": [GS]}[out]
+    cta.run(M.segment_select_ptx(k, slots, hist_ready=hist_ready, pos_in=pos_in, out=out), [U0, S0, n, pos_op]
+            + outs)
+
+
+def _exact_set(scores, k):
+    """The top-k index set (key desc, position asc) among the candidates (> -inf), its finite picks ascending,
+    -1 padding: `as_index_set` of lax.top_k's picks."""
+    key = M._ordered(scores).astype(np.int64)
+    idx = np.nonzero(key > M.NEG_INF_KEY)[0]
+    top = idx[np.lexsort((idx, -key[idx]))][:k]
+    top = np.sort(top[np.isfinite(scores[top])])
+    return np.concatenate([top, np.full(k - len(top), -1)]).astype(np.int64)
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", full("holes"), "nonfinite", full("few"), "close"])
+@pytest.mark.parametrize("hist_ready,pos_in", [(True, "implicit"), full(False, "smem")])
+def test_segment_select_ptx_matches_the_model(kind, hist_ready, pos_in):
+    """A split's survivors (out "global_pairs": ordered keys and positions, padding (INT32_MIN, 0)) equal
+    `segment_select_model`'s, for every score pattern, with the first level streamed block by block or counted
+    after, positions implicit or in shared memory; two thread orders."""
+    rng = np.random.default_rng(hash((kind, hist_ready, pos_in)) % 2 ** 32)
+    n, k, slots, pos0 = 1024, 48, 80, 777
+    scores = _scores(rng, n, kind)
+    want_k, want_p = M.segment_select_model(scores, pos0, k, slots)
+    for seed in (1, 2):
+        cta = Cta(shared=Memory(), glob=Memory(), seed=seed)
+        _run_split(cta, scores, pos0, k, slots, hist_ready=hist_ready, pos_in=pos_in)
+        np.testing.assert_array_equal(cta.glob.read_array(GK, slots), want_k, err_msg=f"keys, seed {seed}")
+        np.testing.assert_array_equal(cta.glob.read_array(GP, slots), want_p, err_msg=f"positions, seed {seed}")
+
+
+@pytest.mark.parametrize("kind", ["normal", full("ties"), "nonfinite", full("few")])
+def test_segment_select_ptx_exact_set(kind):
+    """With slots = k and out "global_set" the block writes the exact top-k index set (the cluster and "last"
+    finals' output): ascending finite picks, -1 after."""
+    rng = np.random.default_rng(hash(kind) % 2 ** 32)
+    n, k = 768, 40
+    scores = _scores(rng, n, kind)
+    cta = Cta(shared=Memory(), glob=Memory(), seed=3)
+    _run_split(cta, scores, 0, k, k, hist_ready=False, out="global_set", pos_in="smem")
+    np.testing.assert_array_equal(cta.glob.read_array(GS, k), _exact_set(scores, k))
+
+
+@pytest.mark.parametrize("n_split,kind", [(4, "normal"), full(3, "ties"), full(5, "holes"), (2, "few")])
+def test_last_final_ptx_selects_the_rows_set(n_split, kind):
+    """SELECT_CONFIG final "last": the row's split CTAs, each with its own shared memory, select their survivors into
+    global memory and arrive at the row's counter in a random order; the one that arrives last (and only it) writes
+    the row's exact top-k set. Three arrival orders; the counter ends at n_split."""
+    rng = np.random.default_rng(n_split * 31 + len(kind))
+    seg, k, slack, row = 512, 40, 24, 3
+    slots = k + slack
+    scores = _scores(rng, n_split * seg, kind)
+    want = _exact_set(scores, k)
+    for order_seed in range(3):
+        glob = Memory()
+        glob.write_array(GC, [0] * 8)                      # the semaphore array, zero at launch
+        glob.write_array(GS, [-7] * k)                     # poison: the set must be written
+        order = np.random.default_rng(order_seed).permutation(n_split)
+        for arrival, j in enumerate(order):
+            cta = Cta(shared=Memory(), glob=glob, seed=10 * order_seed + arrival)
+            part = scores[j * seg:(j + 1) * seg]
+            _run_split(cta, part, j * seg, k, slots, hist_ready=True, gk=GK + 4 * j * slots, gp=GP + 4 * j * slots)
+            before = glob.read_array(GS, k)
+            cta.run(M.last_final_ptx(n_split, slots, k), [U0, S0, n_split * slots, U0 + 4 * n_split * slots, GS,
+                                                          GC - 4 * row, GK, GP, row])
+            if arrival < n_split - 1:                      # not the last: the set is untouched
+                assert glob.read_array(GS, k) == before
+        np.testing.assert_array_equal(glob.read_array(GS, k), want, err_msg=f"arrival order {order}")
+        assert glob.read_array(GC, 1)[0] == n_split
+
+
+@full_tier
+def test_the_simulator_catches_a_missing_barrier():
+    """The harness itself: the selection with its first barrier (every key and count in place) removed reads
+    a histogram still being counted, and a thread order exposes it (or a deadlock does)."""
+    rng = np.random.default_rng(5)
+    n, k, slots = 1024, 48, 80
+    scores = _scores(rng, n, "normal")
+    asm = M.segment_select_ptx(k, slots, hist_ready=False)
+    broken = asm.replace("bar.sync 1, 128;", "", 2)   # the first two: before and after the first count
+    want_k, _ = M.segment_select_model(scores, 0, k, slots)
+    outcomes = []
+    for seed in range(4):
+        cta = Cta(shared=Memory(), glob=Memory(), seed=seed)
+        cta.shared.write_array(U0, _u(scores))
+        try:
+            cta.run(broken, [U0, S0, n, 0, GK, GP])
+            outcomes.append(np.array_equal(cta.glob.read_array(GK, slots), want_k))
+        except AssertionError:
+            outcomes.append(False)
+    assert not all(outcomes)
