@@ -175,6 +175,7 @@ class Cta:
                 while not t.done:
                     if t.pc >= len(prog):
                         t.done = True
+                        progressed = True
                         break
                     guard, neg, op, args = prog[t.pc]
                     if guard is not None and self._pred(t, guard) == neg:
@@ -198,7 +199,7 @@ class Cta:
         done_any = False
         live = [t for t in threads if not t.done]
         # CTA barrier: every thread of the CTA at a bar.sync (a finished thread would deadlock the GPU)
-        at_bar = [t for t in live if prog[t.pc][2].startswith("bar.sync")]
+        at_bar = [t for t in live if t.pc < len(prog) and prog[t.pc][2].startswith("bar.sync")]
         if at_bar and len(at_bar) == self.n:
             pcs = {t.pc for t in at_bar}
             if len(pcs) != 1:
@@ -212,7 +213,7 @@ class Cta:
             done_any = True
         for w in range(self.n // 32):
             lanes = threads[32 * w:32 * w + 32]
-            if any(t.done for t in lanes):
+            if any(t.done or t.pc >= len(prog) for t in lanes):
                 continue
             pcs = {t.pc for t in lanes}
             if len(pcs) != 1:

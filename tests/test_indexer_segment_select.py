@@ -135,6 +135,10 @@ def _ptx_blocks():
     blocks += [(f"gather_{n}_{slots}", M.gather_ptx(n, slots), "rrrr") for n, slots in ((4, 576), (8, 1088), (1, 4))]
     blocks += [(f"last_{n}_{slots}_{k}", M.last_final_ptx(n, slots, k), M.LAST_KINDS)
                for n, slots, k in ((4, 576, 512), (5, 1088, 1024), (1, 4, 1), (16, 128, 64))]
+    blocks += [(f"prune_start_{k}_{cap}", M.prune_start_ptx(k, cap), "rrrr") for k, cap in ((512, 2048), (1, 64))]
+    blocks += [(f"prune_append_{bt}", M.prune_append_ptx(bt, 2048), "rrrr") for bt in (64, 128, 192, 256)]
+    blocks += [(f"prune_final_{out}", M.prune_final_ptx(512, 576, out=out), "rrrrllr" if out == "global_pairs"
+                else "rrrrrrr") for out in ("global_pairs", "smem_pairs")]
     blocks += [("sel_probe2", M.segment_select_ptx(512, 576, hist_ready=True, compact=False), M._operand_kinds(
         "global_pairs"))]   # the timing probe: histogram levels and bin searches only
     # the split's selection and the last CTA's in one kernel (the "last" final's kernel holds both): the same labels

@@ -146,3 +146,73 @@ def test_the_simulator_catches_a_missing_barrier():
         except AssertionError:
             outcomes.append(False)
     assert not all(outcomes)
+
+
+IDX = 0x70000   # shared: the pruned selection's candidate list
+
+
+def _run_pruned(cta, scores, pos0, k, slots, *, bt, J, cap, out="global_pairs"):
+    """One split CTA with pruning, as the kernel runs it: block by block its u keys, the first level counted up to
+    block J, the threshold after block J and each later block's candidates, then the selection."""
+    u, n_blocks = _u(scores), len(scores) // bt
+    cta.run(M.hist_zero_ptx(), [S0])
+    for j in range(n_blocks):
+        cta.shared.write_array(U0 + 4 * j * bt, u[j * bt:(j + 1) * bt])
+        if j <= J:
+            cta.run(M.hist_block_ptx(bt), [U0, S0, j * bt])
+        if j == J:
+            cta.run(M.prune_start_ptx(k, cap), [U0, S0, (J + 1) * bt, IDX])
+        if j > J:
+            cta.run(M.prune_append_ptx(bt, cap), [U0, S0, j * bt, IDX])
+    outs = [GK, GP] if out == "global_pairs" else [0x80000, 0x90000]
+    cta.run(M.prune_final_ptx(k, slots, out=out), [U0, S0, n_blocks * bt, IDX] + outs + [pos0])
+    mem = cta.glob if out == "global_pairs" else cta.shared
+    return mem.read_array(outs[0], slots), mem.read_array(outs[1], slots)
+
+
+@pytest.mark.parametrize("kind,bt,n_blocks,cap,expect", [
+    ("normal", 128, 8, 512, "candidates"), ("ties", 128, 8, 512, "candidates"),
+    full("holes", 64, 12, 512, "candidates"), ("nonfinite", 256, 4, 1024, "candidates"),
+    full("few", 128, 6, 256, "candidates"),
+    ("close", 128, 8, 400, "overflow at the threshold"),
+    ("normal", 128, 8, None, "overflow in a later block"),   # cap: the first half's candidates + 8
+    ("normal", 128, 3, 512, "not engaged")])
+def test_pruned_selection_ptx_matches_its_model(kind, bt, n_blocks, cap, expect):
+    """SELECT_CONFIG prune: the threshold after the first half's blocks (the first level's bin of their k-th
+    largest), later blocks' candidates appended as they stream, the selection over the candidate list; the
+    survivors equal `segment_select_pruned_model`'s bit for bit, and contain the split's exact top-k set. Also the
+    fallbacks: candidates over the list's capacity at the threshold or in a later block, and a split too short to
+    reach the threshold's block (the selection runs over the whole split). Two thread orders."""
+    rng = np.random.default_rng(hash((kind, bt, n_blocks, cap)) % 2 ** 32)
+    k, slots, pos0, J = 48, 80, 4096, 3    # J: the kernel's bps // 2 - 1 for 8 blocks
+    scores = _scores(rng, bt * n_blocks, kind)
+    n_first = (J + 1) * bt
+    if n_blocks > J:   # the candidates with no capacity limit, and those among the first half's entries
+        every = M.prune_candidates(scores, n_first, k, 1 << 30)
+        first = int(np.sum(every < n_first))
+        cap = first + 8 if cap is None else cap
+        assert {"candidates": len(every) <= cap, "overflow at the threshold": first > cap,
+                "overflow in a later block": first <= cap < len(every)}[expect], (first, len(every), cap)
+    want = (M.segment_select_pruned_model(scores, pos0, k, slots, n_first, cap) if n_blocks > J else
+            M.segment_select_model(scores, pos0, k, slots))
+    exact = _exact_set(scores, k)
+    for seed in (1, 2):
+        got_k, got_p = _run_pruned(Cta(shared=Memory(), glob=Memory(), seed=seed), scores, pos0, k, slots, bt=bt,
+                                   J=J, cap=cap)
+        np.testing.assert_array_equal(got_k, want[0], err_msg=f"keys, seed {seed}")
+        np.testing.assert_array_equal(got_p, want[1], err_msg=f"positions, seed {seed}")
+        assert set(exact[exact >= 0] + pos0) <= set(np.asarray(got_p)[np.asarray(got_k) != INT32_MIN])
+
+
+def test_pruned_selection_ptx_shared_outputs():
+    """The pruned selection into shared memory (out "smem_pairs", the cluster final's input): u keys and positions,
+    padding (0, 0)."""
+    rng = np.random.default_rng(11)
+    k, slots, bt, J, cap = 32, 64, 128, 3, 512
+    scores = _scores(rng, 8 * bt, "normal")
+    got_u, got_p = _run_pruned(Cta(shared=Memory(), glob=Memory(), seed=4), scores, 0, k, slots, bt=bt, J=J,
+                               cap=cap, out="smem_pairs")
+    want_k, want_p = M.segment_select_pruned_model(scores, 0, k, slots, (J + 1) * bt, cap)
+    want_u = np.where(want_k == INT32_MIN, 0, want_k ^ INT32_MIN)
+    np.testing.assert_array_equal(np.asarray(got_u, np.int64) & 0xFFFFFFFF, np.asarray(want_u, np.int64) & 0xFFFFFFFF)
+    np.testing.assert_array_equal(got_p, want_p)

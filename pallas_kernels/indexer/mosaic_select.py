@@ -51,6 +51,9 @@ BINS = 1 << max(w for _, w in LEVELS)     # histogram counters (u32) in the scra
 SCRATCH_WORDS = BINS + 32                  # + the exchange words: [BINS, +4) warp totals, +8.. the bin found,
 #                                            +16.. / +20.. the quarters' counts
 THREADS = 128
+STATE = 4 * BINS + 96                      # the pruned selection's words (bytes into the scratch): +0 tau, +4 the
+PRUNE_TAU, PRUNE_COUNT, PRUNE_MODE, PRUNE_X = STATE, STATE + 4, STATE + 8, STATE + 16   # candidates, +8 mode
+#                                            (0 not engaged, 1 candidates, 2 overflow), +16..+31 warp counts
 
 
 def _ordered(scores):   # numpy twin of `topk._ordered_i32` (the model runs eagerly on the host)
@@ -58,9 +61,10 @@ def _ordered(scores):   # numpy twin of `topk._ordered_i32` (the model runs eage
     return bits ^ ((bits >> 31) & np.int32(0x7FFFFFFF))
 
 
-def segment_select_model(scores, pos0: int, k: int, slots: int):
+def segment_select_model(scores, pos0: int, k: int, slots: int, positions=None):
     """numpy model of the kernel's rule (module doc): scores [n] float32 -> (keys [slots] int32, pos [slots] int32),
-    the kept entries in ascending position, (INT32_MIN, 0) padding after."""
+    the kept entries in ascending position, (INT32_MIN, 0) padding after. positions (int [n], ascending): entry i's
+    position instead of pos0 + i."""
     key = _ordered(scores)
     valid = key > NEG_INF_KEY
     u = (key.astype(np.int64) ^ INT32_MIN) & 0xFFFFFFFF        # as unsigned, in int64
@@ -94,8 +98,35 @@ def segment_select_model(scores, pos0: int, k: int, slots: int):
     keys = np.full(slots, INT32_MIN, np.int32)
     pos = np.zeros(slots, np.int32)
     keys[:len(idx)] = key[idx]
-    pos[:len(idx)] = pos0 + idx
+    pos[:len(idx)] = pos0 + idx if positions is None else np.asarray(positions)[idx]
     return keys, pos
+
+
+def prune_candidates(scores, n_first: int, k: int, cap: int):
+    """numpy model of the pruned selection's candidates (`prune_start_ptx` / `prune_append_ptx`): the first-level
+    bin b of the k-th largest among entries [0, n_first) (all candidates when fewer than k are valid there); the
+    candidates are the valid entries with u >= b << 21, in order. None where they exceed cap (the selection then
+    runs over the whole segment)."""
+    key = _ordered(scores)
+    valid = key > NEG_INF_KEY
+    u = (key.astype(np.int64) ^ INT32_MIN) & 0xFFFFFFFF
+    s, w = LEVELS[0]
+    first = u[:n_first][valid[:n_first]]
+    if len(first) < k:
+        tau = 0
+    else:
+        tau = (int(np.sort(first >> s)[::-1][k - 1])) << s
+    idx = np.nonzero(valid & (u >= tau))[0]
+    return None if len(idx) > cap else idx
+
+
+def segment_select_pruned_model(scores, pos0: int, k: int, slots: int, n_first: int, cap: int):
+    """numpy model of the pruned selection (SELECT_CONFIG prune): `segment_select_model` over the candidates
+    (`prune_candidates`) with their positions, or over the whole segment where they overflow cap."""
+    idx = prune_candidates(scores, n_first, k, cap)
+    if idx is None:
+        return segment_select_model(scores, pos0, k, slots)
+    return segment_select_model(np.asarray(scores)[idx], 0, k, slots, positions=pos0 + idx)
 
 
 U_INVALID = 0x007FFFFF                     # u of -inf: entries at or below it are not candidates
@@ -121,8 +152,69 @@ def _count(bin_: str, pred: str, base: str, aggregate: bool):
                     f"@{pred} red.shared.add.u32 [ad], t;"]
 
 
+def _bin_search(a, per: int, X: int):
+    """PTX lines (through `a`): the bin of the need-th largest count in the histogram at the scratch ($1, BINS / 128
+    = per bins a thread), by a per-thread sum, a warp-shuffle suffix scan and one exchange at byte X: afterwards
+    every thread holds bst (the bin), abv (entries in the bins above it), inb (in it) and tot (all counted); with
+    fewer than need counted, bin 0 with inb = tot. Needs the select block's registers (tid, lane, warp, need, cnt*,
+    ...); ends past a barrier."""
+    # this thread's bins [tid * per, tid * per + per): their sum, then a suffix scan over the threads
+    a(f"mul.lo.u32 base, tid, {per};")
+    a("mad.lo.u32 ha, base, 4, $1;")
+    for jj in range(per):
+        a(f"ld.shared.u32 cnt{jj}, [ha+{4 * jj}];")
+    a("mov.u32 st, cnt0;")
+    for jj in range(1, per):
+        a(f"add.u32 st, st, cnt{jj};")
+    a("mov.u32 x, st;")
+    for d in (1, 2, 4, 8, 16):
+        a(f"shfl.sync.down.b32 y, x, {d}, 31, 0xffffffff;")   # lanes past 31 keep their own x
+        a(f"setp.lt.u32 p, lane, {32 - d};")
+        a("@p add.u32 x, x, y;")
+    a("setp.eq.u32 p, lane, 0;")
+    a("mad.lo.u32 ad, warp, 4, $1;")
+    a(f"@p st.shared.u32 [ad+{X}], x;")
+    a("bar.sync 1, 128;")
+    a(f"ld.shared.v4.u32 {{w0, w1, w2, w3}}, [$1+{X}];")
+    a("add.u32 tot, w0, w1; add.u32 tot, tot, w2; add.u32 tot, tot, w3;")
+    a("mov.u32 exc, 0;")                                   # entries in the warps above this one
+    a("setp.lt.u32 p, warp, 3; @p add.u32 exc, exc, w3;")
+    a("setp.lt.u32 p, warp, 2; @p add.u32 exc, exc, w2;")
+    a("setp.lt.u32 p, warp, 1; @p add.u32 exc, exc, w1;")
+    a("add.u32 exc, exc, x; sub.u32 exc, exc, st;")        # ... + in this warp's threads above this one
+    a("add.u32 t, exc, st;")
+    a("setp.lt.u32 own, exc, need;")
+    a("setp.ge.and.u32 own, t, need, own;")                 # the need-th largest is in this thread's bins
+    a("mov.u32 acc, exc; mov.u32 bst, 0; mov.u32 abv, 0; mov.u32 inb, 0;")
+    a("setp.ne.u32 fnd, tid, tid;")                         # false
+    for jj in reversed(range(per)):
+        a(f"add.u32 t, acc, cnt{jj};")
+        a("setp.ge.u32 q, t, need;")
+        a("and.pred q, q, !fnd;")
+        a(f"@q add.u32 bst, base, {jj};")
+        a("@q mov.u32 abv, acc;")
+        a(f"@q mov.u32 inb, cnt{jj};")
+        a("or.pred fnd, fnd, q;")
+        a("mov.u32 acc, t;")
+    a(f"@own st.shared.v4.u32 [$1+{X + 32}], {{bst, abv, inb, bst}};")
+    a("setp.lt.u32 p, tot, need;")                          # fewer than need: all of them (bin 0 and up)
+    a("setp.eq.and.u32 p, tid, 0, p;")
+    a("mov.u32 t, 0;")
+    a(f"@p st.shared.v4.u32 [$1+{X + 32}], {{t, t, tot, t}};")
+    a("bar.sync 1, 128;")
+    a(f"ld.shared.v4.u32 {{bst, abv, inb, t2}}, [$1+{X + 32}];")
+
+
 def segment_select_ptx(k: int, slots: int, *, aggregate: bool = False, hist_ready: bool = False,
                        pos_in: str = "implicit", out: str = "global_pairs", compact: bool = True) -> str:
+    """The selection block with its documented operands $0..$5 (see `_select_body`)."""
+    return _select_body(k, slots, aggregate=aggregate, hist_ready=hist_ready, pos_in=pos_in, out=out,
+                        compact=compact)
+
+
+def _select_body(k: int, slots: int, *, aggregate: bool = False, hist_ready: bool = False,
+                 pos_in: str = "implicit", out: str = "global_pairs", compact: bool = True, ops=None,
+                 tag: str = "", n_smem: bool = False) -> str:
     """The selection as one PTX block for 128 threads, over u keys (u32 [n] in shared memory: `_ordered` ^ 2^31, at
     most U_INVALID for entries that are no candidates). Operands: $0 u (shared u32 address, 16 B aligned), $1 scratch
     (shared u32 address, u32 [SCRATCH_WORDS], 16 B aligned), $2 n (entries, a multiple of 4), $3 pos0 (pos_in
@@ -138,15 +230,20 @@ def segment_select_ptx(k: int, slots: int, *, aggregate: bool = False, hist_read
     aggregate: the histogram's lanes that hit one bin add once (`match.any` groups them, the lowest lane adds the
     group's size): fewer conflicting shared-memory atomics where the scores crowd into a few bins.
     compact=False (a timing probe, `SELECT_CONFIG["probe"]` 2): the histogram levels and bin searches only; the
-    block ends where the compaction would start and writes no output."""
+    block ends where the compaction would start and writes no output.
+    pos_in "index" (the pruned selection, `prune_final_ptx`): $3 is the shared address of an int32 index list, entry
+    i is the segment's entry idx[i] (u = $0[idx[i]], position pos0 + idx[i], pos0 = operand $6); entries past n
+    hold u 0 whatever the list holds there.
+    ops: the operands standing for $0..$6 (default: themselves); n_smem: the operand for $2 is the shared address of
+    n, not n; tag: appended to the labels, so two selections can share one asm block."""
     if not 1 <= k <= slots:
         raise ValueError(f"segment_select: need 1 <= k ({k}) <= slots ({slots})")
     if slots >= 1 << 24:
         raise ValueError(f"segment_select: slots {slots} too large")
     if out == "global_set" and 2 * slots > BINS:
         raise ValueError(f"segment_select: out 'global_set' stages <= {BINS // 2} entries, got slots {slots}")
-    if out not in OUTS or pos_in not in ("implicit", "smem"):
-        raise ValueError(f"segment_select: out must be one of {OUTS} and pos_in 'implicit' or 'smem', got "
+    if out not in OUTS or pos_in not in ("implicit", "smem", "index"):
+        raise ValueError(f"segment_select: out must be one of {OUTS} and pos_in 'implicit', 'smem' or 'index', got "
                          f"{out!r}, {pos_in!r}")
     X = 4 * BINS                                               # byte offset of the exchange words
     L = []
@@ -159,11 +256,12 @@ def segment_select_ptx(k: int, slots: int, *, aggregate: bool = False, hist_read
     a(".reg .b32 b0, b1, b2, b3, n0, n1, n2, n3, rank, slot, rank0, slot0, pos;")
     a(".reg .b32 cnt<16>, kb, mm, wb;")
     a(".reg .b64 ka, pa, a64;")
-    a(".reg .b32 pa32;")
+    a(".reg .b32 pa32, nn, ix0, ix1, ix2, ix3;")
     a("mov.u32 tid, %tid.x;")
     a("and.b32 lane, tid, 31;")
     a("shr.u32 warp, tid, 5;")
     a("mov.u32 lt, %lanemask_lt;")
+    a("ld.shared.u32 nn, [$2];" if n_smem else "mov.u32 nn, $2;")
     if out != "smem_pairs":
         a("cvta.to.global.u64 ka, $4;")
     if out == "global_pairs":
@@ -177,7 +275,18 @@ def segment_select_ptx(k: int, slots: int, *, aggregate: bool = False, hist_read
 
     def load4(first, with_pos=False):   # u of entries first..first+3 (register `first`); past n: 0 (no candidate)
         a("mov.b32 u0, 0; mov.b32 u1, 0; mov.b32 u2, 0; mov.b32 u3, 0;")
-        a(f"setp.lt.u32 p, {first}, $2;")
+        a(f"setp.lt.u32 p, {first}, nn;")
+        if pos_in == "index":   # the list's 4 indices, then each entry's u where it is below n
+            a(f"mad.lo.u32 ad, {first}, 4, $3;")
+            a("@p ld.shared.v4.b32 {ix0, ix1, ix2, ix3}, [ad];")
+            for e in range(4):
+                a(f"add.u32 t, {first}, {e};")
+                a("setp.lt.u32 q, t, nn;")
+                a(f"mad.lo.u32 ad, ix{e}, 4, $0;")
+                a(f"@q ld.shared.u32 u{e}, [ad];")
+                if with_pos:
+                    a(f"add.u32 pv{e}, $6, ix{e};")
+            return
         a(f"mad.lo.u32 ad, {first}, 4, $0;")
         a("@p ld.shared.v4.b32 {u0, u1, u2, u3}, [ad];")
         if with_pos and pos_in == "smem":
@@ -195,7 +304,7 @@ def segment_select_ptx(k: int, slots: int, *, aggregate: bool = False, hist_read
             a("shl.b32 i, tid, 2;")
             a("shl.b32 wb, warp, 7;")
             a(f"DSV4SEL_CNT{lvl}:")
-            a("setp.ge.u32 p, wb, $2;")
+            a("setp.ge.u32 p, wb, nn;")
             a(f"@p bra DSV4SEL_CNTEND{lvl};")
             load4("i")
             for e in range(4):
@@ -211,51 +320,7 @@ def segment_select_ptx(k: int, slots: int, *, aggregate: bool = False, hist_read
             a(f"bra DSV4SEL_CNT{lvl};")
             a(f"DSV4SEL_CNTEND{lvl}:")
             a("bar.sync 1, 128;")
-        # this thread's bins [tid * per, tid * per + per): their sum, then a suffix scan over the threads
-        a(f"mul.lo.u32 base, tid, {per};")
-        a("mad.lo.u32 ha, base, 4, $1;")
-        for jj in range(per):
-            a(f"ld.shared.u32 cnt{jj}, [ha+{4 * jj}];")
-        a("mov.u32 st, cnt0;")
-        for jj in range(1, per):
-            a(f"add.u32 st, st, cnt{jj};")
-        a("mov.u32 x, st;")
-        for d in (1, 2, 4, 8, 16):
-            a(f"shfl.sync.down.b32 y, x, {d}, 31, 0xffffffff;")   # lanes past 31 keep their own x
-            a(f"setp.lt.u32 p, lane, {32 - d};")
-            a("@p add.u32 x, x, y;")
-        a("setp.eq.u32 p, lane, 0;")
-        a("mad.lo.u32 ad, warp, 4, $1;")
-        a(f"@p st.shared.u32 [ad+{X}], x;")
-        a("bar.sync 1, 128;")
-        a(f"ld.shared.v4.u32 {{w0, w1, w2, w3}}, [$1+{X}];")
-        a("add.u32 tot, w0, w1; add.u32 tot, tot, w2; add.u32 tot, tot, w3;")
-        a("mov.u32 exc, 0;")                                   # entries in the warps above this one
-        a("setp.lt.u32 p, warp, 3; @p add.u32 exc, exc, w3;")
-        a("setp.lt.u32 p, warp, 2; @p add.u32 exc, exc, w2;")
-        a("setp.lt.u32 p, warp, 1; @p add.u32 exc, exc, w1;")
-        a("add.u32 exc, exc, x; sub.u32 exc, exc, st;")        # ... + in this warp's threads above this one
-        a("add.u32 t, exc, st;")
-        a("setp.lt.u32 own, exc, need;")
-        a("setp.ge.and.u32 own, t, need, own;")                 # the need-th largest is in this thread's bins
-        a("mov.u32 acc, exc; mov.u32 bst, 0; mov.u32 abv, 0; mov.u32 inb, 0;")
-        a("setp.ne.u32 fnd, tid, tid;")                         # false
-        for jj in reversed(range(per)):
-            a(f"add.u32 t, acc, cnt{jj};")
-            a("setp.ge.u32 q, t, need;")
-            a("and.pred q, q, !fnd;")
-            a(f"@q add.u32 bst, base, {jj};")
-            a("@q mov.u32 abv, acc;")
-            a(f"@q mov.u32 inb, cnt{jj};")
-            a("or.pred fnd, fnd, q;")
-            a("mov.u32 acc, t;")
-        a(f"@own st.shared.v4.u32 [$1+{X + 32}], {{bst, abv, inb, bst}};")
-        a("setp.lt.u32 p, tot, need;")                          # fewer than need: all of them (bin 0 and up)
-        a("setp.eq.and.u32 p, tid, 0, p;")
-        a("mov.u32 t, 0;")
-        a(f"@p st.shared.v4.u32 [$1+{X + 32}], {{t, t, tot, t}};")
-        a("bar.sync 1, 128;")
-        a(f"ld.shared.v4.u32 {{bst, abv, inb, t2}}, [$1+{X + 32}];")
+        _bin_search(a, per, X)
         a(f"shl.b32 P, P, {w};")
         a("or.b32 P, P, bst;")
         a("add.u32 cgt, cgt, abv;")
@@ -269,8 +334,8 @@ def segment_select_ptx(k: int, slots: int, *, aggregate: bool = False, hist_read
     a("DSV4SEL_COMPACT:")
     if not compact:
         a("}")
-        return "\n".join(L)
-    a("add.u32 c, $2, 511; shr.u32 c, c, 9; shl.b32 c, c, 7;")
+        return _bind("\n".join(L), ops, tag)
+    a("add.u32 c, nn, 511; shr.u32 c, c, 9; shl.b32 c, c, 7;")
     a("mul.lo.u32 start, warp, c;")
 
     def classify():   # u0..u3 -> g (prefix above P), e (prefix at P) among the candidates
@@ -354,7 +419,7 @@ def segment_select_ptx(k: int, slots: int, *, aggregate: bool = False, hist_read
     a("mov.u32 slot0, ko;")
     lanes_below("k", "b", "slot")
     for e in range(4):
-        if pos_in == "smem":
+        if pos_in in ("smem", "index"):
             a(f"mov.u32 pos, pv{e};")
         else:
             a(f"add.u32 pos, $3, i; add.u32 pos, pos, {e};")
@@ -405,7 +470,7 @@ def segment_select_ptx(k: int, slots: int, *, aggregate: bool = False, hist_read
         a("bra DSV4SEL_SETPADL;")
         a("DSV4SEL_SETEND:")
         a("}")
-        return "\n".join(L)
+        return _bind("\n".join(L), ops, tag)
     # padding past the kept entries
     a("add.u32 i, ktot, tid;")
     a("DSV4SEL_PAD:")
@@ -422,7 +487,182 @@ def segment_select_ptx(k: int, slots: int, *, aggregate: bool = False, hist_read
     a("bra DSV4SEL_PAD;")
     a("DSV4SEL_PADEND:")
     a("}")
+    return _bind("\n".join(L), ops, tag)
+
+
+def _prune_regs(a):
+    a(".reg .pred p, q, own, fnd, kp, k0, k1, k2, k3;")
+    a(".reg .b32 tid, lane, warp, lt, need, base, ha, st, x, y, ad, w0, w1, w2, w3, tot, exc, t, t2, acc, bst, abv, "
+      "inb, tau, cnt_, mode, i, j, u0, u1, u2, u3, m0, m1, m2, m3, rank, off, all_, ent;")
+    a(".reg .b32 cnt<16>;")
+    a("mov.u32 tid, %tid.x;")
+    a("and.b32 lane, tid, 31;")
+    a("shr.u32 warp, tid, 5;")
+    a("mov.u32 lt, %lanemask_lt;")
+
+
+def _warp_offsets(a, total: str):
+    """PTX lines: lane 0 of each warp has stored its warp's count at the scratch's PRUNE_X + 4 warp; after a
+    barrier every thread holds `off` (the counts of the warps below its own) and `total` (all four)."""
+    a("bar.sync 1, 128;")
+    a(f"ld.shared.v4.u32 {{w0, w1, w2, w3}}, [$1+{PRUNE_X}];")
+    a(f"add.u32 {total}, w0, w1; add.u32 {total}, {total}, w2; add.u32 {total}, {total}, w3;")
+    a("mov.u32 off, 0;")
+    a("setp.gt.u32 p, warp, 0; @p add.u32 off, off, w0;")
+    a("setp.gt.u32 p, warp, 1; @p add.u32 off, off, w1;")
+    a("setp.gt.u32 p, warp, 2; @p add.u32 off, off, w2;")
+
+
+def prune_start_ptx(k: int, cap: int) -> str:
+    """The pruned selection's threshold, after the streamed first-level histogram holds the split's first n_first
+    entries (SELECT_CONFIG prune; `prune_candidates` is its numpy model). Operands: $0 u (shared u32 [>= n_first]),
+    $1 scratch, $2 n_first (a multiple of 4), $3 the candidate list (shared int32 [cap]).
+    1. The first level's bin b of the k-th largest among them (`_bin_search`); tau = b << 21, or 0 when fewer than k
+       are valid. Every entry of the split's top k has u >= tau (the first entries' k-th largest bounds the split's
+       from below), so later entries below tau are no candidates.
+    2. If the entries at or above tau (abv + inb, known from the histogram) fit cap: their indices, ascending, into
+       the list (4 entries a thread per 512-entry chunk, ranks by warp ballots, the warps' offsets by one exchange);
+       mode 1. Else mode 2 (overflow: the selection runs over the whole split).
+    3. Thread 0 stores tau, the count and the mode in the scratch's state words; a barrier ends the block."""
+    s, w = LEVELS[0]
+    L = ["{"]
+    a = L.append
+    _prune_regs(a)
+    a(f"mov.u32 need, {k};")
+    a("bar.sync 1, 128;")                                   # every count of the first entries is in place
+    _bin_search(a, BINS // THREADS, 4 * BINS)
+    a("setp.lt.u32 p, tot, need;")
+    a(f"shl.b32 tau, bst, {s};")
+    a("@p mov.u32 tau, 0;")
+    a("add.u32 cnt_, abv, inb;")
+    a("@p mov.u32 cnt_, tot;")
+    a(f"setp.gt.u32 p, cnt_, {cap};")
+    a("selp.u32 mode, 2, 1, p;")
+    a("@p bra DSV4PRS_STORE;")
+    a("mov.u32 all_, 0;")                                   # candidates listed so far
+    a("mov.u32 j, 0;")
+    a("DSV4PRS_CHUNK:")
+    a("setp.ge.u32 p, j, $2;")
+    a("@p bra DSV4PRS_STORE;")
+    a("shl.b32 i, tid, 2; add.u32 i, i, j;")
+    a("mov.b32 u0, 0; mov.b32 u1, 0; mov.b32 u2, 0; mov.b32 u3, 0;")
+    a("setp.lt.u32 p, i, $2;")
+    a("mad.lo.u32 ad, i, 4, $0;")
+    a("@p ld.shared.v4.b32 {u0, u1, u2, u3}, [ad];")
+    for e in range(4):
+        a(f"setp.gt.u32 k{e}, u{e}, {U_INVALID};")
+        a(f"setp.ge.and.u32 k{e}, u{e}, tau, k{e};")
+    a("mov.u32 rank, 0; mov.u32 t2, 0;")                    # rank: this lane's first candidate among the warp's
+    for e in range(4):
+        a(f"vote.sync.ballot.b32 m{e}, k{e}, 0xffffffff;")
+        a(f"and.b32 t, m{e}, lt; popc.b32 t, t; add.u32 rank, rank, t;")
+        a(f"popc.b32 t, m{e}; add.u32 t2, t2, t;")
+    a("setp.eq.u32 p, lane, 0;")
+    a("mad.lo.u32 ad, warp, 4, $1;")
+    a(f"@p st.shared.u32 [ad+{PRUNE_X}], t2;")
+    _warp_offsets(a, "tot")
+    a("add.u32 off, off, all_; add.u32 off, off, rank;")
+    for e in range(4):
+        a(f"add.u32 ent, i, {e};")
+        a("mad.lo.u32 ad, off, 4, $3;")
+        a(f"@k{e} st.shared.u32 [ad], ent;")
+        a(f"selp.u32 t, 1, 0, k{e}; add.u32 off, off, t;")
+    a("add.u32 all_, all_, tot;")
+    a("bar.sync 1, 128;")                                   # the warp counts are read before the next chunk's
+    a("add.u32 j, j, 512;")
+    a("bra DSV4PRS_CHUNK;")
+    a("DSV4PRS_STORE:")
+    a("setp.eq.u32 p, tid, 0;")
+    a(f"@p st.shared.u32 [$1+{PRUNE_TAU}], tau;")
+    a(f"@p st.shared.u32 [$1+{PRUNE_COUNT}], cnt_;")
+    a(f"@p st.shared.u32 [$1+{PRUNE_MODE}], mode;")
+    a("bar.sync 1, 128;")
+    a("}")
     return "\n".join(L)
+
+
+def prune_append_ptx(bt: int, cap: int) -> str:
+    """One block's candidates into the list, for each block after the threshold's (SELECT_CONFIG prune), after the
+    block's u keys are stored and a warpgroup barrier. Operands: $0 u (shared), $1 scratch, $2 the block's first
+    entry, $3 the candidate list. In mode 1: the block's valid entries with u >= tau, ascending, after the list's
+    count entries (ranks by ballots, the warps' offsets by one exchange); if they do not fit cap, mode 2 and the list
+    stops growing. Thread 0 updates the count and mode after a barrier; a barrier ends the block."""
+    L = ["{"]
+    a = L.append
+    _prune_regs(a)
+    a(f"ld.shared.u32 mode, [$1+{PRUNE_MODE}];")
+    a(f"ld.shared.u32 tau, [$1+{PRUNE_TAU}];")
+    a(f"ld.shared.u32 cnt_, [$1+{PRUNE_COUNT}];")
+    a("setp.ne.u32 p, mode, 1;")
+    a("@p bra DSV4PRA_END;")
+    for c in range(-(-bt // THREADS)):
+        a(f"add.u32 i, tid, {c * THREADS};")
+        a(f"setp.lt.u32 kp, i, {bt};")
+        a("add.u32 i, i, $2;")
+        a("mad.lo.u32 ad, i, 4, $0;")
+        a("mov.u32 u0, 0;")
+        a("@kp ld.shared.u32 u0, [ad];")
+        a(f"setp.gt.u32 q, u0, {U_INVALID};")
+        a("and.pred kp, kp, q;")
+        a("setp.ge.and.u32 kp, u0, tau, kp;")
+        a("vote.sync.ballot.b32 m0, kp, 0xffffffff;")
+        a("and.b32 t, m0, lt; popc.b32 rank, t;")
+        a("popc.b32 t2, m0;")
+        a("setp.eq.u32 p, lane, 0;")
+        a("mad.lo.u32 ad, warp, 4, $1;")
+        a(f"@p st.shared.u32 [ad+{PRUNE_X}], t2;")
+        _warp_offsets(a, "tot")
+        a("add.u32 t, cnt_, tot;")
+        a(f"setp.gt.u32 p, t, {cap};")
+        a("@p mov.u32 mode, 2;")
+        a("@!p mov.u32 cnt_, t;")
+        a("sub.u32 off, t, tot; add.u32 off, off, rank;")    # the list's count before this chunk + rank
+        for w in range(3):
+            a(f"setp.gt.u32 q, warp, {w}; @q add.u32 off, off, w{w};")
+        a("and.pred kp, kp, !p;")
+        a("mad.lo.u32 ad, off, 4, $3;")
+        a("@kp st.shared.u32 [ad], i;")
+        a("bar.sync 1, 128;")                               # the warp counts are read before they are rewritten
+        a("setp.ne.u32 p, mode, 1;")
+        a("@p bra DSV4PRA_DONE;")
+    a("DSV4PRA_DONE:")
+    a("setp.eq.u32 p, tid, 0;")
+    a(f"@p st.shared.u32 [$1+{PRUNE_COUNT}], cnt_;")
+    a(f"@p st.shared.u32 [$1+{PRUNE_MODE}], mode;")
+    a("bar.sync 1, 128;")
+    a("DSV4PRA_END:")
+    a("}")
+    return "\n".join(L)
+
+
+def prune_final_ptx(k: int, slots: int, *, out: str = "global_pairs", aggregate: bool = False) -> str:
+    """The split's selection with pruning (SELECT_CONFIG prune): over the candidate list in mode 1 (pos_in "index",
+    n = the list's count), else over the whole split (modes 0 and 2; the first level counted again: the streamed
+    histogram stopped at the threshold's block). Operands: $0 u, $1 scratch, $2 n (the split's entries, a multiple
+    of 4), $3 the candidate list, $4 / $5 the outputs of `out` ("global_pairs" or "smem_pairs"), $6 pos0 (the split's
+    first position). Same survivors rule, over the candidates: `segment_select_pruned_model`."""
+    if out not in ("global_pairs", "smem_pairs"):
+        raise ValueError(f"prune_final: out must be 'global_pairs' or 'smem_pairs', got {out!r}")
+    opts = dict(aggregate=aggregate, out=out, hist_ready=False)
+    cand = _select_body(k, slots, pos_in="index", ops=["$0", "$1", f"$1+{PRUNE_COUNT}", "$3", "$4", "$5", "$6"],
+                        n_smem=True, tag="C", **opts)
+    whole = _select_body(k, slots, pos_in="implicit", ops=["$0", "$1", "$2", "$6", "$4", "$5"], tag="W", **opts)
+    return "\n".join(["{", ".reg .pred dsv4_cand;", ".reg .b32 dsv4_mode;",
+                      f"ld.shared.u32 dsv4_mode, [$1+{PRUNE_MODE}];", "setp.eq.u32 dsv4_cand, dsv4_mode, 1;",
+                      "@!dsv4_cand bra DSV4PRF_WHOLE;", cand, "bra DSV4PRF_END;", "DSV4PRF_WHOLE:", whole,
+                      "DSV4PRF_END:", "}"])
+
+
+def _bind(asm: str, ops, tag: str) -> str:
+    """A select block's text with its $i operands replaced by ops[i] (where given) and its labels tagged."""
+    if tag:
+        asm = asm.replace("DSV4SEL_", f"DSV4SEL{tag}_")
+    if ops:
+        for i in reversed(range(len(ops))):
+            asm = asm.replace(f"${i}", f"@@{i}@@")
+        for i, op in enumerate(ops):
+            asm = asm.replace(f"@@{i}@@", op)
+    return asm
 
 
 def hist_block_ptx(bt: int, aggregate: bool = False) -> str:
@@ -448,9 +688,10 @@ def hist_block_ptx(bt: int, aggregate: bool = False) -> str:
 
 
 def hist_zero_ptx() -> str:
-    """Zero the first level's histogram ($0: the scratch's shared address), before the stream."""
-    L = ["{", ".reg .b32 tid, ad;", "mov.u32 tid, %tid.x;"] + _zero_bins("$0", BINS)
-    L.append("}")
+    """Zero the first level's histogram ($0: the scratch's shared address) and the spare exchange words (the pruned
+    selection's state: mode 0, not engaged), before the stream."""
+    L = ["{", ".reg .pred p;", ".reg .b32 tid, ad;", "mov.u32 tid, %tid.x;"] + _zero_bins("$0", BINS)
+    L += ["setp.lt.u32 p, tid, 8;", "mad.lo.u32 ad, tid, 4, $0;", f"@p st.shared.u32 [ad+{STATE}], 0;", "}"]
     return "\n".join(L)
 
 
