@@ -408,3 +408,91 @@ def test_gpu_segment_set_last_final(B, T, fmt, k, opts, monkeypatch):
         np.testing.assert_array_equal(got, tour)
         np.testing.assert_array_equal(got, np.asarray(as_index_set(sorted_picks)))
     check_picks(sorted_picks, q, w, keys, nv, k)
+
+
+@pytest.mark.parametrize("final,fmt,B,T", [("triton", "fp8", 64, 32768), ("last", "fp8", 64, 32768),
+                                           ("auto", "fp8", 33, 4096), ("triton", "fp4", 16, 32768),
+                                           ("triton", "bf16", 8, 16384)])
+def test_segment_set_pruned_lowers(final, fmt, B, T, monkeypatch):
+    """SELECT_CONFIG prune: the threshold after the split's first half, the candidates appended block by block and
+    the selection over the list lower for CUDA from this machine, with each final (the cluster's input in shared
+    memory); the key ring then has prune_stages slots. Its errors: a capacity below k or not a multiple of 4, and
+    the streamed histogram off."""
+    from test_gpu_lowering import lowers_for
+
+    from pallas_kernels.indexer import gpu_mosaic
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+
+    monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "final", final)
+    monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "prune", 2048)
+    assert gpu_mosaic.launch_layout(64, 32768, "fp8", select=True)[1] == 2
+    text = lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=512, topk="segment_set"),
+                      *_abstract_inputs(B, T, fmt))
+    assert all(label in text for label in ("dsv4prs_chunk", "dsv4pra_end", "dsv4prf_whole", "dsv4selc_compact"))
+    assert ("dsv4last_load" in text) == (final == "last")
+    q, w, keys, nv = _abstract_inputs(64, 32768, "fp8")
+    for cfg, match in ((dict(prune=510), "multiple of 4"), (dict(prune=256), ">= k"),
+                       (dict(stream_hist=False), "stream_hist")):
+        with pytest.MonkeyPatch.context() as mp:
+            for name, value in cfg.items():
+                mp.setitem(gpu_mosaic.SELECT_CONFIG, name, value)
+            with pytest.raises(ValueError, match=match):
+                jax.eval_shape(lambda *a: indexer_topk_gpu(*a, k=512, topk="segment_set"), q, w, keys, nv)
+
+
+@gpu
+@pytest.mark.parametrize("B,S,H,T,fmt,opts", [(4, 1, 64, 20000, "fp8", {}), (64, 1, 64, 32768, "fp8", {}),
+                                               (8, 1, 64, 32768, "fp8", dict(num_splits=4)),
+                                               (2, 1, 64, 9000, "fp8", dict(block_t=64, num_splits=5)),
+                                               (3, 1, 64, 20000, "bf16", {}), (3, 1, 64, 20000, "fp4", {})])
+@pytest.mark.parametrize("cap", [2048, 516])   # 516: the list overflows in many splits (the whole-split fallback)
+def test_gpu_pruned_survivors_match_the_model(B, S, H, T, fmt, opts, cap, monkeypatch):
+    """SELECT_CONFIG prune: the kernel's survivors equal `segment_select_pruned_model` of the same kernel's scores,
+    bit for bit, every split: the candidates' threshold from the split's first half, the list, its overflow, and
+    splits whose visible blocks end before the threshold's block (ragged n_visible: the whole-split model)."""
+    from pallas_kernels.indexer import gpu_mosaic
+    from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic, launch_layout
+
+    monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "final", "triton")
+    monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "prune", cap)
+    q, w, keys, nv = make(B, S, H, T, fmt, True)
+    bt, _, _, bps, n_split = launch_layout(B * S, T, fmt, select=True, **opts)
+    seg = bps * bt
+    sk, sp = jax.jit(lambda *a: indexer_scores_mosaic(*a, select_k=512, **opts))(q, w, keys, nv)
+    scores = np.asarray(jax.jit(lambda *a: indexer_scores_mosaic(*a, pad_to_block=True, **opts))(q, w, keys, nv))
+    sk, sp = np.asarray(sk).reshape(B * S, n_split, -1), np.asarray(sp).reshape(B * S, n_split, -1)
+    slots, J = sk.shape[-1], bps // 2 - 1
+    nvis = np.clip(np.asarray(nv).reshape(-1), 0, T)
+    engaged = 0
+    for r in range(B * S):
+        for j in range(n_split):
+            part = scores.reshape(B * S, -1)[r, j * seg:(j + 1) * seg]
+            n_read = int(np.clip(-(-nvis[r] // bt) - j * bps, 0, bps))
+            if bps >= 2 and n_read > J:
+                engaged += 1
+                mk, mp = M.segment_select_pruned_model(part, j * seg, 512, slots, (J + 1) * bt, cap)
+            else:
+                mk, mp = M.segment_select_model(part, j * seg, 512, slots)
+            np.testing.assert_array_equal(sk[r, j], mk, err_msg=f"keys of row {r}, split {j}")
+            np.testing.assert_array_equal(sp[r, j], mp, err_msg=f"positions of row {r}, split {j}")
+    assert engaged
+
+
+@gpu
+@pytest.mark.parametrize("B,T,fmt", [(64, 32768, "fp8"), (16, 32768, "fp8"), (64, 32768, "fp4"), (3, 20000, "bf16"),
+                                     (33, 4096, "fp8")])
+@pytest.mark.parametrize("final", ["triton", "last", "auto"])
+def test_gpu_pruned_segment_set_picks(B, T, fmt, final, monkeypatch):
+    """With pruning, segment_set's index set equals the tournament's over the same Mosaic scores and the sorted
+    picks' set, with each final (the cluster where "auto" applies: 33 x 4096, 64 x 32768)."""
+    from pallas_kernels.indexer import gpu_mosaic
+    from pallas_kernels.indexer.topk import as_index_set
+
+    monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "final", final)
+    monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "prune", 2048)
+    q, w, keys, nv = make(B, 1, 64, T, fmt, True)
+    got = np.asarray(indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="segment_set"))
+    tour = indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="tour_set", kernel="mosaic")
+    np.testing.assert_array_equal(got, np.asarray(tour))
+    sorted_picks = indexer_topk(q, w, keys, nv, k=512, impl="pallas", kernel="mosaic")
+    np.testing.assert_array_equal(got, np.asarray(as_index_set(sorted_picks)))

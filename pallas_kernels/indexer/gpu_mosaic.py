@@ -217,10 +217,17 @@ def _e4m3_to_f16(a8, mode):
 # applies where a row's survivors (u keys and positions) fit the split's segment buffer, 2 x n_split x (k + slack)
 # <= the split's keys (B = 64 x 128K: 4 splits of 8192 keys, 4608 words), and k + slack is a multiple of 4 and
 # k <= 1024; elsewhere the Triton final runs.
+# prune (session 41; checked in the PTX simulator and lowered on the CPU, not yet run on a GPU; 0 = off): the capacity
+# of a candidate list (int32 entries in shared memory). After the split's first half of blocks, the first level's bin
+# of their k-th largest key bounds the split's top k from below; each later block appends its entries at or above
+# that bound to the list as it streams (`mosaic_select.prune_append_ptx`), the first level stops counting, and after
+# the last block the selection runs over the list (~1.3K entries for normal scores at k = 512 of 8192) instead of
+# the split. A list that would overflow, or a split too short to reach the threshold, selects over the whole split.
+# Needs stream_hist; the key ring then has at most prune_stages slots (the list's shared memory: 2048 entries, 8 KB).
 # probe (a timing diagnostic, wrong picks; the outputs are left unwritten): 1 = no selection after the stream, 2 = the
 # selection's histogram levels and bin searches but not its compaction (session 41)
 SELECT_CONFIG = dict(slack=64, max_segment=8192, num_stages=3, aggregate=False, stream_hist=True, final="triton",
-                     probe=0)
+                     probe=0, prune=0, prune_stages=2)
 MAX_CLUSTER = 8     # portable thread-block cluster size
 FINALS = ("auto", "cluster", "triton", "last")
 
@@ -281,6 +288,8 @@ def launch_layout(R: int, T: int, fmt: str, *, block_t=None, num_stages=None, nu
     cfg = default_config(R, T, fmt)
     if select:
         cfg["num_stages"] = min(cfg["num_stages"], SELECT_CONFIG["num_stages"])
+        if SELECT_CONFIG["prune"]:
+            cfg["num_stages"] = min(cfg["num_stages"], SELECT_CONFIG["prune_stages"])
         cfg["num_splits"] = max(cfg["num_splits"], -(-T // SELECT_CONFIG["max_segment"]))
     for k_, v_ in dict(block_t=block_t, num_stages=num_stages, num_splits=num_splits).items():
         if v_ is not None:
@@ -312,6 +321,9 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
     f16 = precision == "f16"
     refs = list(refs)
     gm_smem = gi_smem = gmax_ref = seg_smem = sel_smem = pos_ref = None
+    idx_smem = None
+    if select and select["prune"]:   # the pruned selection's candidate list
+        refs, idx_smem = refs[:-1], refs[-1]
     if select:   # the split's scores, and the selection's histogram + exchange words
         refs, (seg_smem, sel_smem) = refs[:-2], refs[-2:]
     if n_phase:   # the group maxima's running f32 values and their ordered-int32 copy for the store
@@ -455,14 +467,30 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
             logits, key_factor = pl.run_scoped(whole, plgpu.ACC((bt, H), jnp.float32))
             finish(j, slot, logits, 0, bt, o, key_factor)
         plgpu.commit_smem()   # also a warpgroup barrier: every thread is past this slot's keys and scales
+        prune_j = bps // 2 - 1   # pruning: the threshold after this block (the split's first half)
         if select and select["stream_hist"]:   # this block's keys into the selection's first histogram level
             from .mosaic_select import hist_block
 
-            hist_block(seg_smem, sel_smem, j * bt, bt=bt, aggregate=select["aggregate"])
+            count = functools.partial(hist_block, seg_smem, sel_smem, j * bt, bt=bt, aggregate=select["aggregate"])
+            if select["prune"]:   # the threshold needs the first half's counts only
+                pl.when(j <= prune_j)(count)
+            else:
+                count()
 
         @pl.when(j + stages < n_read)
         def _():
             issue(j + stages)
+
+        if select and select["prune"]:   # after the next block's copy is issued: the threshold, then candidates
+            from . import mosaic_select as ms
+
+            @pl.when(j == prune_j)
+            def _():
+                ms.prune_start(seg_smem, sel_smem, (prune_j + 1) * bt, idx_smem, k=select["k"], cap=select["prune"])
+
+            @pl.when(j > prune_j)
+            def _():
+                ms.prune_append(seg_smem, sel_smem, j * bt, idx_smem, bt=bt, cap=select["prune"])
 
         if not select:
             store(j, o)
@@ -481,9 +509,13 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
             ms.segment_select(seg_smem, sel_smem, n_read * bt, lo * bt, out_ref.at[r, split], pos_ref.at[r, split],
                               compact=False, **opts)
             return
+        if select["prune"]:   # over the candidate list, or the whole split (`mosaic_select.prune_final_ptx`)
+            opts = dict(k=k_sel, slots=slots, aggregate=select["aggregate"], idx_smem=idx_smem)
+            select_split = functools.partial(ms.prune_select, seg_smem, sel_smem, n_read * bt, lo * bt)
+        else:
+            select_split = functools.partial(ms.segment_select, seg_smem, sel_smem, n_read * bt, lo * bt)
         if not select["cluster"]:
-            ms.segment_select(seg_smem, sel_smem, n_read * bt, lo * bt, out_ref.at[r, split], pos_ref.at[r, split],
-                              **opts)
+            select_split(out_ref.at[r, split], pos_ref.at[r, split], **opts)
             if select["last"]:   # the split CTA that finishes last selects the row's set among every split's survivors
                 counters = pl.get_global(plgpu.SemaphoreType.REGULAR((out_ref.shape[0],)))   # zero at launch
                 ms.last_final(seg_smem, sel_smem, counters, out_ref.at[r], pos_ref.at[r], set_ref.at[r], r,
@@ -492,7 +524,7 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
         # survivors (u, position) into this CTA's scratch; CTA 0 of the cluster gathers every split's into its
         # segment buffer (u at [0, W), positions at [W, 2W)) and selects the row's set among them
         surv_u, surv_pos = sel_smem.at[pl.ds(0, slots)], sel_smem.at[pl.ds(slots, slots)]
-        ms.segment_select(seg_smem, sel_smem, n_read * bt, lo * bt, surv_u, surv_pos, out="smem_pairs", **opts)
+        select_split(surv_u, surv_pos, out="smem_pairs", **opts)
         n_split = select["cluster"]
         W = n_split * slots
         ms.cluster_sync()
@@ -619,6 +651,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                                                  num_splits=num_splits, select=select_k is not None)
     slots = cluster = None
     last = False
+    prune = 0
     if select_k is not None:
         slots = int(select_k) + select_slack
         if bps * bt > SELECT_CONFIG["max_segment"]:
@@ -638,6 +671,11 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                              f"of 4 and k, k + slack <= 1024; got {n_split} splits, k {select_k}, slack "
                              f"{select_slack}")
         cluster = n_split if final == "cluster" or (final == "auto" and fits) else None
+        prune = int(SELECT_CONFIG["prune"]) if bps >= 2 else 0   # a split of one block has no first half
+        if prune and (prune % 4 or prune < int(select_k) or not SELECT_CONFIG["stream_hist"]):
+            raise ValueError(f"SELECT_CONFIG['prune'] (the candidate list's capacity) must be a multiple of 4 and >= k, "
+                             f"with stream_hist on; got prune {prune}, k {select_k}, stream_hist "
+                             f"{SELECT_CONFIG['stream_hist']}")
         if SELECT_CONFIG["probe"] not in (0, 1, 2) or (SELECT_CONFIG["probe"] == 2 and cluster):
             raise ValueError(f"SELECT_CONFIG['probe'] must be 0, 1 or 2 (2 without the cluster final), got "
                              f"{SELECT_CONFIG['probe']!r} (cluster final: {bool(cluster)})")
@@ -711,6 +749,8 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
 
         seg_len = max(bps * bt, 2 * n_split * slots if cluster or last else 0)
         scratch += [plgpu.SMEM((seg_len,), jnp.int32), plgpu.SMEM((SCRATCH_WORDS,), jnp.int32)]   # seg, sel
+        if prune:
+            scratch.append(plgpu.SMEM((prune,), jnp.int32))                   # the candidate list
         set_type = jax.ShapeDtypeStruct((R, int(select_k)), jnp.int32)
         pairs_type = (jax.ShapeDtypeStruct((R, n_split, slots), jnp.int32),) * 2
         out_type = set_type if cluster else (set_type,) + pairs_type if last else pairs_type
@@ -719,7 +759,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                           convert=convert, n_phase=n_phase, split_m=bool(split_m), fp4=fmt == "fp4",
                           select=None if select_k is None else dict(
                               k=int(select_k), slots=slots, aggregate=bool(SELECT_CONFIG["aggregate"]),
-                              stream_hist=bool(SELECT_CONFIG["stream_hist"]), cluster=cluster, last=last,
+                              stream_hist=bool(SELECT_CONFIG["stream_hist"]), cluster=cluster, last=last, prune=prune,
                               probe=int(SELECT_CONFIG["probe"])),
                           interpret=interpret),
         out_type=out_type,
@@ -729,7 +769,8 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         kernel_name=(f"indexer_scores_{fmt}_mosaic_{precision}_t{bt}" + (f"_{convert}" if convert != "cvt" else "")
                      + (f"_g{G}" if n_phase else "") + ("_m2" if split_m else "")
                      + (f"_sel{select_k}" if select_k is not None else "") + ("_cl" if cluster else "")
-                     + ("_last" if select_k is not None and last else "")),
+                     + ("_last" if select_k is not None and last else "")
+                     + (f"_pr{prune}" if select_k is not None and prune else "")),
         **(dict(interpret=_interpret_params(interpret == "races")) if interpret else {}),
     )
     res = kernel(*args)

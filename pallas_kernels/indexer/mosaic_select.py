@@ -874,6 +874,58 @@ def last_final(u_smem, scratch_smem, counters, keys_row, pos_row, set_row, row, 
         jnp.int32(n), row)
 
 
+def prune_start(u_smem, scratch_smem, n_first: int, idx_smem, *, k: int, cap: int):
+    """`prune_start_ptx` in a Mosaic GPU kernel of one warpgroup, after the block that completes the split's first
+    n_first entries (its keys stored, counted into the first level, a warpgroup barrier)."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    scalar = plgpu.Layout.WG_SPLAT(())
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), scalar, plgpu.RefType()))
+    def run(_, u, scratch, n_, idx):
+        _asm([_addr(u, 32), _addr(scratch, 32), n_.registers.item(), _addr(idx, 32)], prune_start_ptx(k, cap),
+             "rrrr")
+
+    run(u_smem, scratch_smem, jnp.int32(n_first), idx_smem)
+
+
+def prune_append(u_smem, scratch_smem, first, idx_smem, *, bt: int, cap: int):
+    """`prune_append_ptx` in a Mosaic GPU kernel: the block of bt keys from entry `first` (int32 scalar), after its
+    keys are stored and a warpgroup barrier."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    scalar = plgpu.Layout.WG_SPLAT(())
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), scalar, plgpu.RefType()))
+    def run(_, u, scratch, first_, idx):
+        _asm([_addr(u, 32), _addr(scratch, 32), first_.registers.item(), _addr(idx, 32)], prune_append_ptx(bt, cap),
+             "rrrr")
+
+    run(u_smem, scratch_smem, first, idx_smem)
+
+
+def prune_select(u_smem, scratch_smem, n, pos0, out0, out1, *, k: int, slots: int, idx_smem,
+                 aggregate: bool = False, out: str = "global_pairs"):
+    """`prune_final_ptx` in a Mosaic GPU kernel, after the split's last block: arguments as `segment_select`'s
+    (n the split's entries, pos0 its first position, out "global_pairs" or "smem_pairs") and the candidate list."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    asm = prune_final_ptx(k, slots, out=out, aggregate=aggregate)
+    scalar = plgpu.Layout.WG_SPLAT(())
+    kinds = ("rrrrllr" if out == "global_pairs" else "rrrrrrr")
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), scalar, plgpu.RefType(), plgpu.RefType(),
+                                  plgpu.RefType(), scalar))
+    def run(_, u, scratch, n_, idx, o0, o1, pos0_):
+        operands = [_addr(u, 32), _addr(scratch, 32), n_.registers.item(), _addr(idx, 32),
+                    _addr(o0, 64 if kinds[4] == "l" else 32), _addr(o1, 64 if kinds[5] == "l" else 32),
+                    pos0_.registers.item()]
+        _asm(operands, asm, kinds)
+
+    run(u_smem, scratch_smem, n, idx_smem, out0, out1, pos0)
+
+
 def hist_zero(scratch_smem):
     """`hist_zero_ptx` in a Mosaic GPU kernel (before the stream)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
