@@ -42,21 +42,22 @@ def _u(scores):
 
 
 def _run_split(cta, scores, pos0, k, slots, *, hist_ready, out="global_pairs", pos_in="implicit", gk=GK, gp=GP,
-               bt=128):
+               bt=128, aggregate=False):
     """One split CTA: its u keys into shared memory, the streamed histogram (hist_ready), then the selection."""
     n = len(scores)
     cta.shared.write_array(U0, _u(scores))
     if hist_ready:
         cta.run(M.hist_zero_ptx(), [S0])
         for first in range(0, n, bt):
-            cta.run(M.hist_block_ptx(min(bt, n - first)), [U0, S0, first])
+            cta.run(M.hist_block_ptx(min(bt, n - first), aggregate), [U0, S0, first])
     pos_op = pos0
     if pos_in == "smem":
         cta.shared.write_array(P0, pos0 + np.arange(n))
         pos_op = P0
     outs = {"global_pairs": [gk, gp], "smem_pairs": [GK, GP], "global_set": [GS]}[out]
-    cta.run(M.segment_select_ptx(k, slots, hist_ready=hist_ready, pos_in=pos_in, out=out), [U0, S0, n, pos_op]
-            + outs)
+    cta.run(M.segment_select_ptx(k, slots, hist_ready=hist_ready, pos_in=pos_in, out=out, aggregate=aggregate),
+            [U0, S0, n, pos_op] + outs)
+    assert not cta.uninitialized, f"registers read before written: {sorted(cta.uninitialized)}"
 
 
 def _exact_set(scores, k):
@@ -70,18 +71,20 @@ def _exact_set(scores, k):
 
 
 @pytest.mark.parametrize("kind", ["normal", "ties", full("holes"), "nonfinite", full("few"), "close"])
-@pytest.mark.parametrize("hist_ready,pos_in", [(True, "implicit"), full(False, "smem")])
-def test_segment_select_ptx_matches_the_model(kind, hist_ready, pos_in):
+@pytest.mark.parametrize("hist_ready,pos_in,aggregate", [(True, "implicit", False), full(False, "smem", False),
+                                                         full(True, "implicit", True)])
+def test_segment_select_ptx_matches_the_model(kind, hist_ready, pos_in, aggregate):
     """A split's survivors (out "global_pairs": ordered keys and positions, padding (INT32_MIN, 0)) equal
     `segment_select_model`'s, for every score pattern, with the first level streamed block by block or counted
-    after, positions implicit or in shared memory; two thread orders."""
+    after, positions implicit or in shared memory, the histogram's atomics aggregated per bin (match.any) or not;
+    two thread orders."""
     rng = np.random.default_rng(hash((kind, hist_ready, pos_in)) % 2 ** 32)
     n, k, slots, pos0 = 1024, 48, 80, 777
     scores = _scores(rng, n, kind)
     want_k, want_p = M.segment_select_model(scores, pos0, k, slots)
     for seed in (1, 2):
         cta = Cta(shared=Memory(), glob=Memory(), seed=seed)
-        _run_split(cta, scores, pos0, k, slots, hist_ready=hist_ready, pos_in=pos_in)
+        _run_split(cta, scores, pos0, k, slots, hist_ready=hist_ready, pos_in=pos_in, aggregate=aggregate)
         np.testing.assert_array_equal(cta.glob.read_array(GK, slots), want_k, err_msg=f"keys, seed {seed}")
         np.testing.assert_array_equal(cta.glob.read_array(GP, slots), want_p, err_msg=f"positions, seed {seed}")
 
@@ -120,6 +123,7 @@ def test_last_final_ptx_selects_the_rows_set(n_split, kind):
             before = glob.read_array(GS, k)
             cta.run(M.last_final_ptx(n_split, slots, k), [U0, S0, n_split * slots, U0 + 4 * n_split * slots, GS,
                                                           GC - 4 * row, GK, GP, row])
+            assert not cta.uninitialized, sorted(cta.uninitialized)
             if arrival < n_split - 1:                      # not the last: the set is untouched
                 assert glob.read_array(GS, k) == before
         np.testing.assert_array_equal(glob.read_array(GS, k), want, err_msg=f"arrival order {order}")
@@ -166,6 +170,7 @@ def _run_pruned(cta, scores, pos0, k, slots, *, bt, J, cap, out="global_pairs"):
             cta.run(M.prune_append_ptx(bt, cap), [U0, S0, j * bt, IDX])
     outs = [GK, GP] if out == "global_pairs" else [0x80000, 0x90000]
     cta.run(M.prune_final_ptx(k, slots, out=out), [U0, S0, n_blocks * bt, IDX] + outs + [pos0])
+    assert not cta.uninitialized, f"registers read before written: {sorted(cta.uninitialized)}"
     mem = cta.glob if out == "global_pairs" else cta.shared
     return mem.read_array(outs[0], slots), mem.read_array(outs[1], slots)
 

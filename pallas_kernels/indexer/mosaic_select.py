@@ -277,6 +277,7 @@ def _select_body(k: int, slots: int, *, aggregate: bool = False, hist_ready: boo
         a("mov.b32 u0, 0; mov.b32 u1, 0; mov.b32 u2, 0; mov.b32 u3, 0;")
         a(f"setp.lt.u32 p, {first}, nn;")
         if pos_in == "index":   # the list's 4 indices, then each entry's u where it is below n
+            a("mov.b32 ix0, 0; mov.b32 ix1, 0; mov.b32 ix2, 0; mov.b32 ix3, 0;")
             a(f"mad.lo.u32 ad, {first}, 4, $3;")
             a("@p ld.shared.v4.b32 {ix0, ix1, ix2, ix3}, [ad];")
             for e in range(4):
@@ -290,6 +291,7 @@ def _select_body(k: int, slots: int, *, aggregate: bool = False, hist_ready: boo
         a(f"mad.lo.u32 ad, {first}, 4, $0;")
         a("@p ld.shared.v4.b32 {u0, u1, u2, u3}, [ad];")
         if with_pos and pos_in == "smem":
+            a("mov.b32 pv0, 0; mov.b32 pv1, 0; mov.b32 pv2, 0; mov.b32 pv3, 0;")
             a(f"mad.lo.u32 ad, {first}, 4, $3;")
             a("@p ld.shared.v4.b32 {pv0, pv1, pv2, pv3}, [ad];")
 
@@ -433,7 +435,7 @@ def _select_body(k: int, slots: int, *, aggregate: bool = False, hist_ready: boo
         a(f"selp.u32 t, 1, 0, k{e}; add.u32 slot, slot, t;")
     for e in range(4):
         a(f"popc.b32 t, b{e}; add.u32 ko, ko, t;")
-        a(f"popc.b32 t, m{e}; add.u32 es, es, t;")
+        a(f"@ration popc.b32 t, m{e}; @ration add.u32 es, es, t;")   # m{e}: set on the ranking path only
     a("add.u32 j, j, 128;")
     a("bra DSV4SEL_CB;")
     a("DSV4SEL_CBEND:")
