@@ -8,7 +8,8 @@ batch 1 and 64, key formats bf16 / fp8 (132 B) / fp4 (68 B). Prefill: a 1024-que
 Per case: time per call (us) as dependent calls inside one jitted lax.scan (q_{i+1} = q_i + 0 x picks_i's first
 entry, one small fusion), net of the call's dispatch (--timing net, the default since session 41: wall of 2n calls
 less wall of n, over n), then on an "own" line less the "harness" variant (that dependency pass and the loop's trip
-alone), the floor
+alone; XLA may fuse that pass into a pipeline's first fusion, so an "own" figure can be up to one small kernel too
+kind: `benchmarks/indexer_kernels.py` lists the kernels), the floor
 max(bytes / copy BW, FLOPs / bf16 rate) with bytes = keys read once + q read + picks written and FLOPs = 2*H*dI per
 (query, visible key), the ratio to it, and the XLA reference in the same run. Variants: pallas (scores kernel + the
 default top-k, "threshold"), pallas_lax / _blockwise / _radix / _radix4 / _grouped / _threshold_rank / _threshold_select /

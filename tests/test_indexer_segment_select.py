@@ -479,9 +479,10 @@ def test_gpu_pruned_survivors_match_the_model(B, S, H, T, fmt, opts, cap, monkey
 
 
 @gpu
-@pytest.mark.parametrize("B,T,fmt", [(64, 32768, "fp8"), (16, 32768, "fp8"), (64, 32768, "fp4"), (3, 20000, "bf16"),
-                                     (33, 4096, "fp8")])
-@pytest.mark.parametrize("final", ["triton", "last", "auto"])
+@pytest.mark.parametrize("B,T,fmt,final", [(64, 32768, "fp8", "triton"), (64, 32768, "fp8", "last"),
+                                           (64, 32768, "fp8", "auto"), (16, 32768, "fp8", "triton"),
+                                           (64, 32768, "fp4", "last"), (3, 20000, "bf16", "triton"),
+                                           (33, 4096, "fp8", "auto")])
 def test_gpu_pruned_segment_set_picks(B, T, fmt, final, monkeypatch):
     """With pruning, segment_set's index set equals the tournament's over the same Mosaic scores and the sorted
     picks' set, with each final (the cluster where "auto" applies: 33 x 4096, 64 x 32768)."""
