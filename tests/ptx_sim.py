@@ -127,6 +127,8 @@ class Cta:
         self.glob = glob if glob is not None else Memory()
         self.rng = random.Random(seed)
         self.uninitialized = set()   # registers some thread read before writing them (garbage on the GPU too)
+        self.executed = 0            # instructions executed (predicated-off ones included), summed over threads
+        self.collectives = 0         # barriers and warp collectives completed (a barrier counts once)
 
     # ---- operand access
     def _val(self, t, tok):
@@ -178,6 +180,7 @@ class Cta:
                         progressed = True
                         break
                     guard, neg, op, args = prog[t.pc]
+                    self.executed += 1
                     if guard is not None and self._pred(t, guard) == neg:
                         t.pc += 1
                         progressed = True
@@ -210,6 +213,7 @@ class Cta:
                 raise AssertionError(f"bar.sync {args}: the blocks sync barrier 1 over {self.n} threads")
             for t in at_bar:
                 t.pc += 1
+            self.collectives += 1
             done_any = True
         for w in range(self.n // 32):
             lanes = threads[32 * w:32 * w + 32]
@@ -241,6 +245,7 @@ class Cta:
                 raise AssertionError(f"unmodelled collective {op}")
             for t in lanes:
                 t.pc += 1
+            self.collectives += 1
             done_any = True
         return done_any
 

@@ -221,3 +221,13 @@ def test_pruned_selection_ptx_shared_outputs():
     want_u = np.where(want_k == INT32_MIN, 0, want_k ^ INT32_MIN)
     np.testing.assert_array_equal(np.asarray(got_u, np.int64) & 0xFFFFFFFF, np.asarray(want_u, np.int64) & 0xFFFFFFFF)
     np.testing.assert_array_equal(got_p, want_p)
+
+
+def test_select_ptx_counts_script():
+    """benchmarks/select_ptx_counts.py (the per-thread instruction counts behind the pruned selection's expected
+    gain) runs, and the pruned tail issues fewer instructions and collectives than the plain one."""
+    from benchmarks.select_ptx_counts import counts
+
+    res = counts(n=2048, k=128, slack=64, cap=1024)
+    assert 0 < res["candidates"] <= 1024
+    assert res["pruned"][1] < res["plain"][1] and res["pruned"][2] < res["plain"][2], res
