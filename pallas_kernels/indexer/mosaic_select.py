@@ -36,8 +36,18 @@ search by a warp-shuffle suffix scan and one exchange through shared memory, the
 (4 consecutive entries a lane, lane-major order, `vote.ballot` + `popc` with `%lanemask_lt`), a count pass and a
 write pass over 4 contiguous quarters of the segment (one per warp), the quarters' offsets from their counts.
 
-Exactness is the numpy model's (`segment_select_model`, checked against `lax.top_k` sets on the CPU); the PTX is
-checked by ptxas on the CPU where ptxas is found, and against the model and the reference on the H200.
+Two variants built in session 41 (no GPU that session; off by default, `gpu_mosaic.SELECT_CONFIG`):
+* final "last" (`last_final_ptx`): the split CTA that arrives last at its row's counter selects the row's set among
+  every split's survivors in the same kernel (no Triton final, no CTA waits).
+* prune (`prune_start_ptx`, `prune_append_ptx`, `prune_final_ptx`; model `segment_select_pruned_model`): after the
+  split's first half, the first level's bin of its k-th largest bounds the split's top k from below; later blocks
+  append only their keys at or above it to a candidate list as they stream, and the selection after the last block
+  runs over the list (~1.3K of 8192 entries for normal scores) unless it overflowed.
+
+Exactness is the numpy models' (`segment_select_model`, `segment_select_pruned_model`, checked against `lax.top_k`
+sets on the CPU). The PTX is assembled by ptxas on the CPU (where ptxas is found) and run on the CPU by
+`tests/ptx_sim.py`, a small PTX interpreter, against the models bit for bit (`tests/test_ptx_sim.py`); the plain
+selection also on the H200 (session 40).
 """
 
 from __future__ import annotations
