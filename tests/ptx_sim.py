@@ -130,19 +130,34 @@ class Cta:
         self.executed = 0            # instructions executed (predicated-off ones included), summed over threads
         self.collectives = 0         # barriers and warp collectives completed (a barrier counts once)
 
-    # ---- operand access
+    # ---- operand access (each token decoded once: an immediate, a special register or a register name)
+    _tokens: dict = {}
+
+    @classmethod
+    def _decode(cls, tok):
+        kind = cls._tokens.get(tok)
+        if kind is None:
+            s = tok.strip()
+            if s in ("%tid.x", "%lanemask_lt"):
+                kind = ("special", s)
+            elif re.match(r"^-?(0x[0-9a-fA-F]+|\d+)$", s):
+                kind = ("imm", _int(s) & MASK64)
+            else:
+                kind = ("reg", s)
+            cls._tokens[tok] = kind
+        return kind
+
     def _val(self, t, tok):
-        tok = tok.strip()
-        if tok == "%tid.x":
-            return t.tid
-        if tok == "%lanemask_lt":
-            return (1 << (t.tid % 32)) - 1
-        if re.match(r"^-?(0x[0-9a-fA-F]+|\d+)$", tok):
-            return _int(tok) & MASK64
-        if tok not in t.regs:   # what an unwritten register holds on the GPU: anything (seeded garbage here)
-            self.uninitialized.add(tok)
-            t.regs[tok] = self.rng.getrandbits(32)
-        return t.regs[tok]
+        kind, x = self._decode(tok)
+        if kind == "reg":
+            v = t.regs.get(x)
+            if v is None:   # what an unwritten register holds on the GPU: anything (seeded garbage here)
+                self.uninitialized.add(x)
+                v = t.regs[x] = self.rng.getrandbits(32)
+            return v
+        if kind == "imm":
+            return x
+        return t.tid if x == "%tid.x" else (1 << (t.tid % 32)) - 1
 
     def _pred(self, t, tok):
         neg = tok.startswith("!")
@@ -151,10 +166,14 @@ class Cta:
             raise AssertionError(f"thread {t.tid}: predicate {name} read before it was set")
         return t.preds[name] != neg
 
+    _addrs: dict = {}
+
     def _addr(self, t, tok):
-        inner = tok.strip()[1:-1]
+        parts = self._addrs.get(tok)
+        if parts is None:
+            parts = self._addrs[tok] = tok.strip()[1:-1].split("+")
         total = 0
-        for part in inner.split("+"):
+        for part in parts:
             total += self._val(t, part)
         return total & MASK64
 
@@ -250,91 +269,107 @@ class Cta:
         return done_any
 
     def _step(self, t, op, a, labels):
-        v = lambda i: self._val(t, a[i])
-        setr = lambda name, x, bits=32: t.regs.__setitem__(name, x & (MASK32 if bits == 32 else MASK64))
-        s32 = lambda x: (x & MASK32) - (1 << 32) if x & (1 << 31) else x & MASK32
-        base = op.split(".")[0]
+        fn = self._ops.get(op)
+        if fn is None:
+            fn = self._ops[op] = self._compile(op)
         t.pc += 1
-        if op == "bra" or op == "bra.uni":
-            t.pc = labels[a[0]]
-        elif base == "mov":
-            setr(a[0], v(1), 64 if op.endswith("64") else 32)
-        elif op in ("add.u32", "add.s32"):
-            setr(a[0], v(1) + v(2))
-        elif op == "add.u64":
-            setr(a[0], v(1) + v(2), 64)
-        elif op in ("sub.u32", "sub.s32"):
-            setr(a[0], v(1) - v(2))
-        elif op == "mul.lo.u32":
-            setr(a[0], v(1) * v(2))
-        elif op == "mul.wide.u32":
-            setr(a[0], (v(1) & MASK32) * (v(2) & MASK32), 64)
-        elif op == "mad.lo.u32":
-            setr(a[0], v(1) * v(2) + v(3))
-        elif op == "and.b32":
-            setr(a[0], v(1) & v(2))
-        elif op == "or.b32":
-            setr(a[0], v(1) | v(2))
-        elif op == "xor.b32":
-            setr(a[0], v(1) ^ v(2))
-        elif op == "shl.b32":
-            setr(a[0], v(1) << min(v(2), 32))
-        elif op in ("shr.b32", "shr.u32"):
-            setr(a[0], (v(1) & MASK32) >> min(v(2), 32))
-        elif op == "max.s32":
-            setr(a[0], max(s32(v(1)), s32(v(2))))
-        elif op == "min.s32":
-            setr(a[0], min(s32(v(1)), s32(v(2))))
-        elif op == "popc.b32":
-            setr(a[0], bin(v(1) & MASK32).count("1"))
-        elif op in ("selp.b32", "selp.u32"):
-            setr(a[0], v(1) if self._pred(t, a[3]) else v(2))
-        elif base == "setp":
-            parts = op.split(".")
-            cmp_, typ = parts[1], parts[-1]
-            x, y = v(1), v(2)
-            if typ == "s32":
-                x, y = s32(x), s32(y)
-            else:
-                x, y = x & MASK32, y & MASK32
-            r = {"eq": x == y, "ne": x != y, "lt": x < y, "le": x <= y, "gt": x > y, "ge": x >= y}[cmp_]
-            if "and" in parts[2:-1]:
-                r = r and self._pred(t, a[3])
-            t.preds[a[0]] = r
-        elif op == "and.pred":
-            t.preds[a[0]] = self._pred(t, a[1]) and self._pred(t, a[2])
-        elif op == "or.pred":
-            t.preds[a[0]] = self._pred(t, a[1]) or self._pred(t, a[2])
-        elif base == "ld":
-            mem, addr = self._mem(op), self._addr(t, a[1])
-            if ".v4" in op:
-                regs = [r.strip() for r in a[0].strip("{}").split(",")]
-                for i, r in enumerate(regs):
-                    if addr % 16:
-                        raise AssertionError(f"misaligned vector load at {addr:#x}")
-                    setr(r, mem.load(addr + 4 * i))
-            else:
-                setr(a[0], mem.load(addr))
-        elif base == "st":
-            mem, addr = self._mem(op), self._addr(t, a[0])
-            if ".v4" in op:
-                if addr % 16:
-                    raise AssertionError(f"misaligned vector store at {addr:#x}")
-                for i, r in enumerate(x.strip() for x in a[1].strip("{}").split(",")):
-                    mem.store(addr + 4 * i, self._val(t, r))
-            else:
-                mem.store(addr, v(1))
-        elif op in ("red.shared.add.u32",):
-            addr = self._addr(t, a[0])
-            self.shared.store(addr, self.shared.load(addr) + v(1))
-        elif op in ("atom.global.add.u32", "atom.shared.add.u32"):
-            mem, addr = self._mem(op), self._addr(t, a[1])
-            old = mem.load(addr)
-            mem.store(addr, old + v(2))
-            setr(a[0], old)
-        elif op == "cvta.to.global.u64":
-            setr(a[0], v(1), 64)
-        elif base == "fence":
-            pass
-        else:
+        fn(self, t, a, labels)
+
+    _ops: dict = {}
+
+    @staticmethod
+    def _compile(op):
+        """The semantics of one opcode as a function (self, thread, operands, labels), built once per opcode."""
+        def s32(x):
+            x &= MASK32
+            return x - (1 << 32) if x & (1 << 31) else x
+
+        def alu(f, bits=32):
+            mask = MASK32 if bits == 32 else MASK64
+
+            def run(self, t, a, labels):
+                t.regs[a[0]] = f(*[self._val(t, x) for x in a[1:]]) & mask
+            return run
+
+        base, parts = op.split(".")[0], op.split(".")
+        table = {
+            "add.u32": (lambda x, y: x + y), "add.s32": (lambda x, y: x + y), "sub.u32": (lambda x, y: x - y),
+            "sub.s32": (lambda x, y: x - y), "mul.lo.u32": (lambda x, y: x * y),
+            "mad.lo.u32": (lambda x, y, z: x * y + z), "and.b32": (lambda x, y: x & y),
+            "or.b32": (lambda x, y: x | y), "xor.b32": (lambda x, y: x ^ y),
+            "shl.b32": (lambda x, y: x << min(y, 32)), "shr.b32": (lambda x, y: (x & MASK32) >> min(y, 32)),
+            "shr.u32": (lambda x, y: (x & MASK32) >> min(y, 32)), "max.s32": (lambda x, y: max(s32(x), s32(y))),
+            "min.s32": (lambda x, y: min(s32(x), s32(y))), "popc.b32": (lambda x: bin(x & MASK32).count("1")),
+        }
+        if op in table:
+            return alu(table[op])
+        if op in ("add.u64",):
+            return alu(lambda x, y: x + y, 64)
+        if op == "mul.wide.u32":
+            return alu(lambda x, y: (x & MASK32) * (y & MASK32), 64)
+        if op == "cvta.to.global.u64":
+            return alu(lambda x: x, 64)
+        if base == "mov":
+            return alu(lambda x: x, 64 if op.endswith("64") else 32)
+        if op in ("bra", "bra.uni"):
+            def run(self, t, a, labels):
+                t.pc = labels[a[0]]
+            return run
+        if op in ("selp.b32", "selp.u32"):
+            def run(self, t, a, labels):
+                t.regs[a[0]] = (self._val(t, a[1]) if self._pred(t, a[3]) else self._val(t, a[2])) & MASK32
+            return run
+        if base == "setp":
+            cmp_ = {"eq": lambda x, y: x == y, "ne": lambda x, y: x != y, "lt": lambda x, y: x < y,
+                    "le": lambda x, y: x <= y, "gt": lambda x, y: x > y, "ge": lambda x, y: x >= y}[parts[1]]
+            conv = s32 if parts[-1] == "s32" else (lambda x: x & MASK32)
+            with_and = "and" in parts[2:-1]
+
+            def run(self, t, a, labels):
+                r = cmp_(conv(self._val(t, a[1])), conv(self._val(t, a[2])))
+                t.preds[a[0]] = (r and self._pred(t, a[3])) if with_and else r
+            return run
+        if op in ("and.pred", "or.pred"):
+            both = op == "and.pred"
+
+            def run(self, t, a, labels):
+                x, y = self._pred(t, a[1]), self._pred(t, a[2])
+                t.preds[a[0]] = (x and y) if both else (x or y)
+            return run
+        if base in ("ld", "st"):
+            vec, glob = ".v4" in op, ".global" in op
+
+            def run(self, t, a, labels):
+                mem = self.glob if glob else self.shared
+                addr = self._addr(t, a[1] if base == "ld" else a[0])
+                if vec and addr % 16:
+                    raise AssertionError(f"misaligned vector access at {addr:#x}")
+                regs = a[0] if base == "ld" else a[1]
+                names = [r.strip() for r in regs.strip("{}").split(",")] if vec else [regs]
+                for i, r in enumerate(names):
+                    if base == "ld":
+                        t.regs[r] = mem.load(addr + 4 * i)
+                    else:
+                        mem.store(addr + 4 * i, self._val(t, r))
+            return run
+        if op == "red.shared.add.u32":
+            def run(self, t, a, labels):
+                addr = self._addr(t, a[0])
+                self.shared.store(addr, self.shared.load(addr) + self._val(t, a[1]))
+            return run
+        if op in ("atom.global.add.u32", "atom.shared.add.u32"):
+            glob = ".global" in op
+
+            def run(self, t, a, labels):
+                mem = self.glob if glob else self.shared
+                addr = self._addr(t, a[1])
+                old = mem.load(addr)
+                mem.store(addr, old + self._val(t, a[2]))
+                t.regs[a[0]] = old
+            return run
+        if base == "fence":
+            return lambda self, t, a, labels: None
+
+        def unmodelled(self, t, a, labels):
             raise AssertionError(f"unmodelled instruction {op} {a}")
+        return unmodelled

@@ -101,25 +101,34 @@ def test_segment_select_ptx_exact_set(kind):
     np.testing.assert_array_equal(cta.glob.read_array(GS, k), _exact_set(scores, k))
 
 
-@pytest.mark.parametrize("n_split,kind", [(4, "normal"), full(3, "ties"), full(5, "holes"), (2, "few")])
-def test_last_final_ptx_selects_the_rows_set(n_split, kind):
+@pytest.mark.parametrize("n_split,kind,pruned", [(4, "normal", False), full(3, "ties", False),
+                                                 full(5, "holes", False), (2, "few", False), (4, "normal", True),
+                                                 full(3, "ties", True)])
+def test_last_final_ptx_selects_the_rows_set(n_split, kind, pruned):
     """SELECT_CONFIG final "last": the row's split CTAs, each with its own shared memory, select their survivors into
-    global memory and arrive at the row's counter in a random order; the one that arrives last (and only it) writes
-    the row's exact top-k set. Three arrival orders; the counter ends at n_split."""
+    global memory (plain or pruned selection) and arrive at the row's counter in a random order; the one that arrives
+    last (and only it) writes the row's exact top-k set. Three arrival orders; the counter ends at n_split."""
     rng = np.random.default_rng(n_split * 31 + len(kind))
     seg, k, slack, row = 512, 40, 24, 3
     slots = k + slack
     scores = _scores(rng, n_split * seg, kind)
     want = _exact_set(scores, k)
+    survivors = Memory()   # every split's survivors (they do not depend on the arrival order): selected once
+    for j in range(n_split):
+        cta = Cta(shared=Memory(), glob=survivors, seed=j)
+        part, where = scores[j * seg:(j + 1) * seg], dict(gk=GK + 4 * j * slots, gp=GP + 4 * j * slots)
+        if pruned:   # 4 blocks of 128: the threshold after block 1
+            _run_pruned(cta, part, j * seg, k, slots, bt=128, J=1, cap=256, **where)
+        else:
+            _run_split(cta, part, j * seg, k, slots, hist_ready=True, **where)
     for order_seed in range(3):
         glob = Memory()
+        glob.words = dict(survivors.words)
         glob.write_array(GC, [0] * 8)                      # the semaphore array, zero at launch
         glob.write_array(GS, [-7] * k)                     # poison: the set must be written
         order = np.random.default_rng(order_seed).permutation(n_split)
         for arrival, j in enumerate(order):
             cta = Cta(shared=Memory(), glob=glob, seed=10 * order_seed + arrival)
-            part = scores[j * seg:(j + 1) * seg]
-            _run_split(cta, part, j * seg, k, slots, hist_ready=True, gk=GK + 4 * j * slots, gp=GP + 4 * j * slots)
             before = glob.read_array(GS, k)
             cta.run(M.last_final_ptx(n_split, slots, k), [U0, S0, n_split * slots, U0 + 4 * n_split * slots, GS,
                                                           GC - 4 * row, GK, GP, row])
@@ -155,7 +164,7 @@ def test_the_simulator_catches_a_missing_barrier():
 IDX = 0x70000   # shared: the pruned selection's candidate list
 
 
-def _run_pruned(cta, scores, pos0, k, slots, *, bt, J, cap, out="global_pairs"):
+def _run_pruned(cta, scores, pos0, k, slots, *, bt, J, cap, out="global_pairs", gk=GK, gp=GP):
     """One split CTA with pruning, as the kernel runs it: block by block its u keys, the first level counted up to
     block J, the threshold after block J and each later block's candidates, then the selection."""
     u, n_blocks = _u(scores), len(scores) // bt
@@ -168,7 +177,7 @@ def _run_pruned(cta, scores, pos0, k, slots, *, bt, J, cap, out="global_pairs"):
             cta.run(M.prune_start_ptx(k, cap), [U0, S0, (J + 1) * bt, IDX])
         if j > J:
             cta.run(M.prune_append_ptx(bt, cap), [U0, S0, j * bt, IDX])
-    outs = [GK, GP] if out == "global_pairs" else [0x80000, 0x90000]
+    outs = [gk, gp] if out == "global_pairs" else [0x80000, 0x90000]
     cta.run(M.prune_final_ptx(k, slots, out=out), [U0, S0, n_blocks * bt, IDX] + outs + [pos0])
     assert not cta.uninitialized, f"registers read before written: {sorted(cta.uninitialized)}"
     mem = cta.glob if out == "global_pairs" else cta.shared
