@@ -140,7 +140,8 @@ def set_pipeline(cfg: str):
     pallas_kernels.indexer.topk (converted to its type) while the call traces, e.g. 'topk.COUNT_WIDTH=512';
     'hist.NAME=value' an entry of `topk_hist.HIST_KERNEL_CONFIG` (topk=hist_set / tour_set), e.g. 'hist.num_warps=32';
     'tour.NAME=value' an entry of `topk_hist.TOUR_CONFIG` (topk=tour_set), e.g. 'tour.seg_len=2048';
-    'sel.NAME=value' an entry of `gpu_mosaic.SELECT_CONFIG` (topk=segment_set), e.g. 'sel.num_stages=4'."""
+    'sel.NAME=value' an entry of `gpu_mosaic.SELECT_CONFIG` (topk=segment_set), e.g. 'sel.num_stages=4';
+    'mosaic.NAME=value' an entry of `gpu_mosaic.MOSAIC_CONFIG` (the Mosaic scores kernel), e.g. 'mosaic.q_prep=triton'."""
     from pallas_kernels.indexer import indexer_topk
     from pallas_kernels.indexer import topk as topk_mod
     from pallas_kernels.indexer import gpu_mosaic, topk_hist
@@ -150,9 +151,11 @@ def set_pipeline(cfg: str):
     hist_cfg = {name[5:]: opts.pop(name) for name in list(opts) if name.startswith("hist.")}
     tour_cfg = {name[5:]: opts.pop(name) for name in list(opts) if name.startswith("tour.")}
     sel_cfg = {name[4:]: opts.pop(name) for name in list(opts) if name.startswith("sel.")}
+    mosaic_cfg = {name[7:]: opts.pop(name) for name in list(opts) if name.startswith("mosaic.")}
     for given, table, what in ((hist_cfg, topk_hist.HIST_KERNEL_CONFIG, "HIST_KERNEL_CONFIG"),
                                (tour_cfg, topk_hist.TOUR_CONFIG, "TOUR_CONFIG"),
-                               (sel_cfg, gpu_mosaic.SELECT_CONFIG, "SELECT_CONFIG")):
+                               (sel_cfg, gpu_mosaic.SELECT_CONFIG, "SELECT_CONFIG"),
+                               (mosaic_cfg, gpu_mosaic.MOSAIC_CONFIG, "MOSAIC_CONFIG")):
         unknown = sorted(set(given) - set(table))
         if unknown:
             raise ValueError(f"set config {cfg!r}: {what} has no options {unknown}")
@@ -163,7 +166,7 @@ def set_pipeline(cfg: str):
     def run(q, w, keys, n_visible):
         saved = {c: getattr(topk_mod, c) for c in consts}
         tables = ((topk_hist.HIST_KERNEL_CONFIG, hist_cfg), (topk_hist.TOUR_CONFIG, tour_cfg),
-                  (gpu_mosaic.SELECT_CONFIG, sel_cfg))
+                  (gpu_mosaic.SELECT_CONFIG, sel_cfg), (gpu_mosaic.MOSAIC_CONFIG, mosaic_cfg))
         saved_tables = [dict(table) for table, _ in tables]
         for table, given in tables:
             table.update(given)

@@ -229,6 +229,11 @@ def _e4m3_to_f16(a8, mode):
 SELECT_CONFIG = dict(slack=64, max_segment=8192, num_stages=3, aggregate=False, stream_hist=True, final="triton",
                      probe=0, prune=0, prune_stages=2)
 MAX_CLUSTER = 8     # portable thread-block cluster size
+# q_prep: how fp8 keys' q operand and head weights are made before the kernel: "xla" (jnp: the per-head amax, the
+# codes, w x s; two or three small XLA kernels a call) or "triton" (`q_prep.q_prep_fp8`: one Pallas kernel, equal
+# bit for bit; session 41, checked in the interpreter and lowered on the CPU, not yet timed). "triton" needs the
+# padded head count a power of two.
+MOSAIC_CONFIG = dict(q_prep="xla")
 FINALS = ("auto", "cluster", "triton", "last")
 
 
@@ -690,7 +695,16 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     if hp != H:
         qf = jnp.pad(qf, ((0, 0), (0, 0), (0, hp - H), (0, 0)))
         wf = jnp.pad(wf, ((0, 0), (0, 0), (0, hp - H)))
-    if fmt == "fp8":
+    q_prep = MOSAIC_CONFIG["q_prep"]
+    if q_prep not in ("xla", "triton"):
+        raise ValueError(f"MOSAIC_CONFIG['q_prep'] must be 'xla' or 'triton', got {q_prep!r}")
+    if fmt == "fp8" and q_prep == "triton":   # one kernel: the codes (f16, or e4m3 for "fp8") and w x s
+        from .q_prep import q_prep_fp8
+
+        q_op, wf = q_prep_fp8(qf.reshape(R, hp, d), wf.reshape(R, hp), f16=f16, interpret=bool(interpret))
+        if f16 and convert in ("alu", "mix"):
+            wf = wf * float(2 ** F16_BIAS_SHIFT)
+    elif fmt == "fp8":
         q_op, q_scale = quantize_q_fp8(qf, "fp8")           # exact for a fake-quantized q
         wf = wf * q_scale
         if f16 and convert in ("alu", "mix"):   # those key operands are the values x 2^-8
