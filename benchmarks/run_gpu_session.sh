@@ -35,7 +35,8 @@ for s in ${STEPS:-tests5 model comp idx}; do
   case $s in
     tests4) run_step tests4 200 "${PYT[@]}" tests/test_sparse_attention_gpu.py ${T4_K:+-k "$T4_K"} ;;
     tests5) run_step tests5 450 "${PYT[@]}" tests/test_indexer_kernels.py tests/test_compressor_kernels.py \
-          tests/test_indexer_topk.py tests/test_indexer_segment_select.py -k "${GPU_TEST_K:-gpu or matches_lax or edge_values}" ;;
+          tests/test_indexer_topk.py tests/test_indexer_segment_select.py tests/test_indexer_q_prep.py \
+          -k "${GPU_TEST_K:-gpu or matches_lax or edge_values}" ;;
     model) run_step model 340 "${PYT[@]}" tests/test_model_pallas.py tests/test_model_pallas_quantized.py ${MODEL_K:+-k "$MODEL_K"} ;;
     comp) run_step comp 120 $PY benchmarks/compressor.py --out "$OUT" "$@" ${COMP_ARGS:-} ;;
     compv) run_step compv 120 $PY benchmarks/compressor.py --out "$OUT/variants" --variants --cases ${COMPV_CASES:-prefill} ${COMPV_ARGS:-} ;;
