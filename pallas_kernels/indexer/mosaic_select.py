@@ -741,8 +741,9 @@ def last_final_ptx(n_split: int, slots: int, k: int) -> str:
     output (int32 [k], generic pointer) as `segment_select_ptx(k, k, pos_in="smem", out="global_set")` takes them;
     $5 the row counters (a generic pointer to u32 [rows], zero before the kernel), $6 / $7 the row's survivors (keys,
     positions: int32 [n_split, slots], generic pointers), $8 the row.
-    1. Every thread fences its survivor stores (fence.acq_rel.gpu) and joins the warpgroup barrier; thread 0 adds 1 to
-       the row's counter (a relaxed atomic after the fences: a release) and fences again (acquire), and passes the
+    1. Every thread fences its survivor stores (fence.sc.gpu, CUDA's __threadfence) and joins the warpgroup barrier;
+       thread 0 adds 1 to the row's counter (a relaxed atomic after the fences: a release; the pattern of CUDA's
+       threadFenceReduction sample) and fences again (acquire), and passes the
        count it read through the scratch's first word.
     2. The CTA that read n_split - 1 is the row's last: every other split's survivors are visible to it. It fences,
        loads the row's n_split x slots survivors from global memory (L2: ld.global.cg; keys back to u keys, padding
@@ -755,20 +756,20 @@ def last_final_ptx(n_split: int, slots: int, k: int) -> str:
     L = ["{", ".reg .pred dsv4_last;", "{", ".reg .pred p;",
          ".reg .b32 tid, old, i, v0, v1, v2, v3, c0, c1, c2, c3, ad;", ".reg .b64 g, gk, gp, a64;",
          "mov.u32 tid, %tid.x;",
-         "fence.acq_rel.gpu;",                       # this thread's survivor stores, before the arrival
+         "fence.sc.gpu;",                       # this thread's survivor stores, before the arrival
          "bar.sync 1, 128;",
          "setp.eq.u32 p, tid, 0;",
          "cvta.to.global.u64 g, $5;",
          "mul.wide.u32 a64, $8, 4;",
          "add.u64 g, g, a64;",
          "@p atom.global.add.u32 old, [g], 1;",
-         "@p fence.acq_rel.gpu;",
+         "@p fence.sc.gpu;",
          "@p st.shared.u32 [$1], old;",
          "bar.sync 1, 128;",
          "ld.shared.u32 old, [$1];",
          f"setp.eq.u32 dsv4_last, old, {n_split - 1};",
          "@!dsv4_last bra DSV4LAST_SKIP;",
-         "fence.acq_rel.gpu;",
+         "fence.sc.gpu;",
          "cvta.to.global.u64 gk, $6;",
          "cvta.to.global.u64 gp, $7;",
          "mov.u32 i, tid;",
