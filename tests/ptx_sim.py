@@ -6,14 +6,15 @@
 
 What it models: the PTX subset those blocks use (32-bit integer arithmetic, predicates, shared / global loads,
 stores and atomics, `bar.sync`, `vote.sync.ballot`, `shfl.sync.down`, `match.any.sync`, `%tid.x`,
-`%lanemask_lt`, branches). Every thread runs on its own program counter; a thread that reaches a collective
+`%lanemask_lt`, branches; a thread-block cluster's `mapa` / `ld.shared::cluster` over the cluster's shared memories,
+`Cta(cluster=[...], rank=r)`). Every thread runs on its own program counter; a thread that reaches a collective
 (`bar.sync` of the CTA's threads, or a warp's vote / shuffle / match) waits until every participant reaches the
 same instruction, then the collective completes for all of them. Threads run in a seeded random order between
 those points, so an access the block forgot to order by a barrier shows up as a run-to-run difference. Memory is
 sequentially consistent and word-addressed (4-byte words; 16-byte vectors as four words); a register read before
 it is written holds seeded garbage (`Cta.uninitialized` names them), so a result that depends on one changes with
 the seed; fences are no-ops, and
-`cvta.to.global` keeps the address. A thread-block cluster (mapa / ld.shared::cluster) is not modelled.
+`cvta.to.global` keeps the address; a `mapa` address is (CTA rank << 24) | shared address.
 
 This is test scaffolding, not a GPU model: it says nothing about speed, and what it runs is the PTX text the kernel
 embeds, so a logic error there fails here before it reaches the H200.
@@ -121,9 +122,12 @@ class Thread:
 class Cta:
     """One CTA of `threads` threads (warps of 32) running PTX blocks over `shared` (its own) and `glob` memory."""
 
-    def __init__(self, threads=128, shared=None, glob=None, seed=0):
+    def __init__(self, threads=128, shared=None, glob=None, seed=0, cluster=None, rank=0):
         self.n = threads
         self.shared = shared if shared is not None else Memory()
+        self.cluster = cluster if cluster is not None else [self.shared]   # the cluster's shared memories, by rank
+        if self.cluster[rank] is not self.shared:
+            raise AssertionError("cluster[rank] must be this CTA's shared memory")
         self.glob = glob if glob is not None else Memory()
         self.rng = random.Random(seed)
         self.uninitialized = set()   # registers some thread read before writing them (garbage on the GPU too)
@@ -309,6 +313,18 @@ class Cta:
             return alu(lambda x, y: (x & MASK32) * (y & MASK32), 64)
         if op == "cvta.to.global.u64":
             return alu(lambda x: x, 64)
+        if op == "mapa.shared::cluster.u32":
+            def run(self, t, a, labels):
+                addr, rank = self._val(t, a[1]) & MASK32, self._val(t, a[2])
+                if addr >= 1 << 24 or rank >= len(self.cluster):
+                    raise AssertionError(f"mapa of {addr:#x} in CTA {rank}: outside the modelled cluster")
+                t.regs[a[0]] = (rank << 24) | addr
+            return run
+        if op == "ld.shared::cluster.u32":
+            def run(self, t, a, labels):
+                ra = self._addr(t, a[1])
+                t.regs[a[0]] = self.cluster[ra >> 24].load(ra & 0xFFFFFF)
+            return run
         if base == "mov":
             return alu(lambda x: x, 64 if op.endswith("64") else 32)
         if op in ("bra", "bra.uni"):

@@ -240,3 +240,28 @@ def test_select_ptx_counts_script():
     res = counts(n=2048, k=128, slack=64, cap=1024)
     assert 0 < res["candidates"] <= 1024
     assert res["pruned"][1] < res["plain"][1] and res["pruned"][2] < res["plain"][2], res
+
+
+@pytest.mark.parametrize("n_split", [4, full(3)])
+def test_cluster_final_ptx_selects_the_rows_set(n_split):
+    """SELECT_CONFIG final "cluster": every split CTA of the row's cluster selects its survivors into its own shared
+    memory (out "smem_pairs"); CTA 0 gathers them all through distributed shared memory (`gather_ptx`: mapa +
+    ld.shared::cluster) and selects the row's exact top-k set (out "global_set")."""
+    rng = np.random.default_rng(90 + n_split)
+    seg, k, slack = 512, 40, 24
+    slots = k + slack
+    scores = _scores(rng, n_split * seg, "normal")
+    SU, SP = S0, S0 + 4 * slots                    # each CTA's survivors in its scratch's start, as the kernel has them
+    cluster = [Memory() for _ in range(n_split)]
+    glob = Memory()
+    for j in range(n_split):
+        cta = Cta(shared=cluster[j], glob=glob, seed=j, cluster=cluster, rank=j)
+        cta.shared.write_array(U0, _u(scores[j * seg:(j + 1) * seg]))
+        cta.run(M.segment_select_ptx(k, slots, out="smem_pairs"), [U0, S0, seg, j * seg, SU, SP])
+    W = n_split * slots
+    cta0 = Cta(shared=cluster[0], glob=glob, seed=99, cluster=cluster, rank=0)
+    cta0.run(M.gather_ptx(n_split, slots), [SU, SP, U0, U0 + 4 * W])
+    glob.write_array(GS, [-7] * k)
+    cta0.run(M.segment_select_ptx(k, k, pos_in="smem", out="global_set"), [U0, S0, W, U0 + 4 * W, GS])
+    assert not cta0.uninitialized, sorted(cta0.uninitialized)
+    np.testing.assert_array_equal(glob.read_array(GS, k), _exact_set(scores, k))
