@@ -21,7 +21,7 @@ def counts(n=8192, bt=128, k=512, slack=64, cap=2048, seed=0):
 
     from ptx_sim import Cta, Memory
     from pallas_kernels.indexer import mosaic_select as M
-    from test_ptx_sim import GK, GP, IDX, S0, U0, _u
+    from test_ptx_sim import GK, GP, IDX, S0, U0, _stream, _u
 
     slots, nb = k + slack, n // bt
     J = nb // 2 - 1
@@ -29,17 +29,8 @@ def counts(n=8192, bt=128, k=512, slack=64, cap=2048, seed=0):
     out = {}
     for name in ("plain", "pruned"):
         cta = Cta(shared=Memory(), glob=Memory(), seed=1)
-        cta.run(M.hist_zero_ptx(), [S0])
-        cta.shared.write_array(U0, u)
-        e0 = cta.executed
-        for j in range(nb):
-            if name == "plain" or j <= J:
-                cta.run(M.hist_block_ptx(bt), [U0, S0, j * bt])
-            if name == "pruned" and j == J:
-                cta.run(M.prune_start_ptx(k, cap), [U0, S0, (J + 1) * bt, IDX])
-            if name == "pruned" and j > J:
-                cta.run(M.prune_append_ptx(bt, cap), [U0, S0, j * bt, IDX])
-        stream, e0, c0 = cta.executed - e0, cta.executed, cta.collectives
+        _stream(cta, u, bt=bt, prune=(J, k, cap) if name == "pruned" else None)
+        stream, e0, c0 = cta.executed, cta.executed, cta.collectives
         if name == "plain":
             cta.run(M.segment_select_ptx(k, slots, hist_ready=True), [U0, S0, n, 0, GK, GP])
         else:

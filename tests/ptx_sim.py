@@ -181,9 +181,6 @@ class Cta:
             total += self._val(t, part)
         return total & MASK64
 
-    def _mem(self, op):
-        return self.glob if ".global" in op else self.shared
-
     # ---- execution
     def run(self, asm, operands=(), max_steps=50_000_000):
         prog, labels = parse(asm, operands)

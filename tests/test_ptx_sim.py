@@ -41,15 +41,33 @@ def _u(scores):
     return (M._ordered(scores).astype(np.int64) ^ INT32_MIN) & 0xFFFFFFFF
 
 
+IDX = 0x70000   # shared: the pruned selection's candidate list
+
+
+def _stream(cta, u, *, bt=128, aggregate=False, prune=None):
+    """A split's stream as the kernel runs it, block by block: the block's u keys into shared memory, counted into
+    the first level; with prune = (J, k, cap), counted up to block J only, the threshold after block J and each
+    later block's candidates appended."""
+    cta.run(M.hist_zero_ptx(), [S0])
+    for j, first in enumerate(range(0, len(u), bt)):
+        block = u[first:first + bt]
+        cta.shared.write_array(U0 + 4 * first, block)
+        if prune is None or j <= prune[0]:
+            cta.run(M.hist_block_ptx(len(block), aggregate), [U0, S0, first])
+        if prune is not None and j == prune[0]:
+            cta.run(M.prune_start_ptx(prune[1], prune[2]), [U0, S0, first + bt, IDX])
+        if prune is not None and j > prune[0]:
+            cta.run(M.prune_append_ptx(bt, prune[2]), [U0, S0, first, IDX])
+
+
 def _run_split(cta, scores, pos0, k, slots, *, hist_ready, out="global_pairs", pos_in="implicit", gk=GK, gp=GP,
                bt=128, aggregate=False):
     """One split CTA: its u keys into shared memory, the streamed histogram (hist_ready), then the selection."""
     n = len(scores)
-    cta.shared.write_array(U0, _u(scores))
     if hist_ready:
-        cta.run(M.hist_zero_ptx(), [S0])
-        for first in range(0, n, bt):
-            cta.run(M.hist_block_ptx(min(bt, n - first), aggregate), [U0, S0, first])
+        _stream(cta, _u(scores), bt=bt, aggregate=aggregate)
+    else:
+        cta.shared.write_array(U0, _u(scores))
     pos_op = pos0
     if pos_in == "smem":
         cta.shared.write_array(P0, pos0 + np.arange(n))
@@ -161,22 +179,11 @@ def test_the_simulator_catches_a_missing_barrier():
     assert not all(outcomes)
 
 
-IDX = 0x70000   # shared: the pruned selection's candidate list
-
-
 def _run_pruned(cta, scores, pos0, k, slots, *, bt, J, cap, out="global_pairs", gk=GK, gp=GP):
     """One split CTA with pruning, as the kernel runs it: block by block its u keys, the first level counted up to
     block J, the threshold after block J and each later block's candidates, then the selection."""
-    u, n_blocks = _u(scores), len(scores) // bt
-    cta.run(M.hist_zero_ptx(), [S0])
-    for j in range(n_blocks):
-        cta.shared.write_array(U0 + 4 * j * bt, u[j * bt:(j + 1) * bt])
-        if j <= J:
-            cta.run(M.hist_block_ptx(bt), [U0, S0, j * bt])
-        if j == J:
-            cta.run(M.prune_start_ptx(k, cap), [U0, S0, (J + 1) * bt, IDX])
-        if j > J:
-            cta.run(M.prune_append_ptx(bt, cap), [U0, S0, j * bt, IDX])
+    n_blocks = len(scores) // bt
+    _stream(cta, _u(scores), bt=bt, prune=(J, k, cap))
     outs = [gk, gp] if out == "global_pairs" else [0x80000, 0x90000]
     cta.run(M.prune_final_ptx(k, slots, out=out), [U0, S0, n_blocks * bt, IDX] + outs + [pos0])
     assert not cta.uninitialized, f"registers read before written: {sorted(cta.uninitialized)}"

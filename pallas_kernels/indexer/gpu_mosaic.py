@@ -315,12 +315,13 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
     the terms stacked along the heads), keys [B, T, 128] e4m3 or bf16, scales [B*T] f32 (fp8 keys only)
     -> out [R, nb*bt]. Interpreted, q is transposed: [R, 128, H] / [R, terms, 128, H]. fp4: keys [B, T, 64] uint8
     (packed e2m1), scales [B*T] int32 (a key's 4 ue8m0 bytes), q [R, H, 128] f16 in `mosaic_fp4`'s column order.
-    select = dict(k, slots, aggregate, stream_hist, cluster, last): no scores out; the split's scores stay in shared
+    select = dict(k, slots, aggregate, stream_hist, cluster, last, prune, probe): no scores out; the split's scores stay in shared
     memory as u keys (seg int32 [>= bps * bt], `mosaic_select`) and the CTA selects their top-k superset: into out
     [R, n_split, slots] (keys) and pos [R, n_split, slots], or with cluster (grid (R,), cluster (n_split,)) CTA 0 of
     the row selects the row's exact set among the splits' survivors into out [R, k] (`as_index_set`'s layout). With
     last, the outputs are (set [R, k], keys, pos) and the split CTA that writes its survivors last selects the row's
-    set among them (`mosaic_select.last_final`, a per-row arrival counter in a zeroed GMEM semaphore array)."""
+    set among them (`mosaic_select.last_final`, a per-row arrival counter in a zeroed GMEM semaphore array). With
+    prune (the candidate list's capacity, idx [prune] int32 scratch), `mosaic_select.prune_*` (SELECT_CONFIG)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     f16 = precision == "f16"
@@ -509,13 +510,14 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
         k_sel, slots = select["k"], select["slots"]
         if select["probe"] == 1:
             return
-        opts = dict(k=k_sel, slots=slots, aggregate=select["aggregate"], hist_ready=select["stream_hist"])
+        base = dict(k=k_sel, slots=slots, aggregate=select["aggregate"])
+        opts = dict(base, hist_ready=select["stream_hist"])
         if select["probe"] == 2:   # the selection up to its compaction (a timing probe)
             ms.segment_select(seg_smem, sel_smem, n_read * bt, lo * bt, out_ref.at[r, split], pos_ref.at[r, split],
                               compact=False, **opts)
             return
         if select["prune"]:   # over the candidate list, or the whole split (`mosaic_select.prune_final_ptx`)
-            opts = dict(k=k_sel, slots=slots, aggregate=select["aggregate"], idx_smem=idx_smem)
+            opts = dict(base, idx_smem=idx_smem)
             select_split = functools.partial(ms.prune_select, seg_smem, sel_smem, n_read * bt, lo * bt)
         else:
             select_split = functools.partial(ms.segment_select, seg_smem, sel_smem, n_read * bt, lo * bt)
@@ -664,13 +666,13 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                              f"SELECT_CONFIG['max_segment'] = {SELECT_CONFIG['max_segment']} (its scores stay in "
                              "shared memory); give more num_splits")
         final = SELECT_CONFIG["final"]
-        fits = n_split <= MAX_CLUSTER and slots % 4 == 0 and int(select_k) <= 1024 and slots <= 1024
+        staged = slots % 4 == 0 and int(select_k) <= 1024   # survivors in 16-byte rows; a set the final can stage
+        fits = n_split <= MAX_CLUSTER and staged and slots <= 1024
         if final not in FINALS:
             raise ValueError(f"SELECT_CONFIG['final'] must be one of {FINALS}, got {final!r}")
         # "last" where the row's survivors fit the segment buffer (a few splits a row, as at decode over long rows);
         # else (many short splits) the Triton final, whose tournament stages take any number of survivors
-        last = (final == "last" and slots % 4 == 0 and int(select_k) <= 1024
-                and 2 * n_split * slots <= bps * bt)
+        last = final == "last" and staged and 2 * n_split * slots <= bps * bt
         if final == "cluster" and not fits:
             raise ValueError(f"SELECT_CONFIG['final'] = 'cluster' needs <= {MAX_CLUSTER} splits, k + slack a multiple "
                              f"of 4 and k, k + slack <= 1024; got {n_split} splits, k {select_k}, slack "
@@ -698,20 +700,19 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     q_prep = MOSAIC_CONFIG["q_prep"]
     if q_prep not in ("xla", "triton"):
         raise ValueError(f"MOSAIC_CONFIG['q_prep'] must be 'xla' or 'triton', got {q_prep!r}")
-    if fmt == "fp8" and q_prep == "triton":   # one kernel: the codes (f16, or e4m3 for "fp8") and w x s
-        from .q_prep import q_prep_fp8
+    if fmt == "fp8":
+        if q_prep == "triton":   # one kernel: the codes (f16, or e4m3 for "fp8") and w x s
+            from .q_prep import q_prep_fp8
 
-        q_op, wf = q_prep_fp8(qf.reshape(R, hp, d), wf.reshape(R, hp), f16=f16, interpret=bool(interpret))
-        if f16 and convert in ("alu", "mix"):
-            wf = wf * float(2 ** F16_BIAS_SHIFT)
-    elif fmt == "fp8":
-        q_op, q_scale = quantize_q_fp8(qf, "fp8")           # exact for a fake-quantized q
-        wf = wf * q_scale
+            q_op, wf = q_prep_fp8(qf.reshape(R, hp, d), wf.reshape(R, hp), f16=f16, interpret=bool(interpret))
+        else:
+            q_op, q_scale = quantize_q_fp8(qf, "fp8")           # exact for a fake-quantized q
+            wf = wf * q_scale
+            if f16:   # the e4m3 codes as f16 (exact): the B operand of an f16 wgmma
+                q_op = q_op.astype(jnp.float16)
+            q_op = q_op.reshape(R, hp, d)
         if f16 and convert in ("alu", "mix"):   # those key operands are the values x 2^-8
             wf = wf * float(2 ** F16_BIAS_SHIFT)
-        if f16:   # the e4m3 codes as f16 (exact): the B operand of an f16 wgmma
-            q_op = q_op.astype(jnp.float16)
-        q_op = q_op.reshape(R, hp, d)
     elif fmt == "fp4":   # q's channels in the order the key operand's columns hold them (`mosaic_fp4`), per
         from .mosaic_fp4 import register_plan   # (token, head) / 2^e (e: its largest magnitude's exponent) in f16
 
@@ -761,7 +762,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     if select_k is not None:
         from .mosaic_select import SCRATCH_WORDS
 
-        seg_len = max(bps * bt, 2 * n_split * slots if cluster or last else 0)
+        seg_len = max(bps * bt, 2 * n_split * slots if cluster else 0)   # "last": they fit by its rule
         scratch += [plgpu.SMEM((seg_len,), jnp.int32), plgpu.SMEM((SCRATCH_WORDS,), jnp.int32)]   # seg, sel
         if prune:
             scratch.append(plgpu.SMEM((prune,), jnp.int32))                   # the candidate list

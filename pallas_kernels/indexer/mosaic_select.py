@@ -836,6 +836,25 @@ def _addr(ref, bits: int):
     return llvm.ptrtoint(ir.IntegerType.get_signless(bits), mgpu_utils.memref_ptr(ref))
 
 
+def _run(asm: str, spec: str, *args):
+    """`asm` inline in a Mosaic GPU kernel of one warpgroup, its operands $0.. from `args` as `spec` says, one letter
+    an operand: "S" a shared ref (its 32-bit address), "G" a global ref (its 64-bit generic address), "i" an int32
+    scalar. The asm operand kinds follow ('l' for "G", else 'r')."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    scalar = plgpu.Layout.WG_SPLAT(())
+
+    @plgpu.inline_mgpu(arg_types=tuple(scalar if c == "i" else plgpu.RefType() for c in spec))
+    def run(_, *vals):
+        operands = [v.registers.item() if c == "i" else _addr(v, 64 if c == "G" else 32) for c, v in zip(spec, vals)]
+        _asm(operands, asm, "".join("l" if c == "G" else "r" for c in spec))
+
+    run(*args)
+
+
+_OUT_SPEC = {"global_pairs": "GG", "smem_pairs": "SS", "global_set": "G"}   # a select block's outputs ($4, $5)
+
+
 def segment_select(u_smem, scratch_smem, n, pos, out0, out1=None, *, k: int, slots: int, aggregate: bool = False,
                    hist_ready: bool = False, pos_in: str = "implicit", out: str = "global_pairs", compact: bool = True):
     """In a Mosaic GPU kernel of one warpgroup, after the segment's u keys are stored (`segment_select_ptx`):
@@ -843,23 +862,10 @@ def segment_select(u_smem, scratch_smem, n, pos, out0, out1=None, *, k: int, slo
     consider, a multiple of 4), pos (pos_in "implicit": an int32 scalar, the position of entry 0; "smem": a shared
     int32 [>= n] ref of positions), out0 / out1: the outputs for `out` (global refs for "global_pairs" /
     "global_set", shared refs for "smem_pairs"; no out1 for "global_set")."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
     asm = segment_select_ptx(k, slots, aggregate=aggregate, hist_ready=hist_ready, pos_in=pos_in, out=out,
                              compact=compact)
-    scalar = plgpu.Layout.WG_SPLAT(())
-    kinds = _operand_kinds(out)
-    refs = (out0,) if out == "global_set" else (out0, out1)
-    pos_ty = scalar if pos_in == "implicit" else plgpu.RefType()
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), scalar, pos_ty) + (plgpu.RefType(),) * len(refs))
-    def run(_, u, scratch, n_, pos_, *outs):
-        operands = [_addr(u, 32), _addr(scratch, 32), n_.registers.item(),
-                    pos_.registers.item() if pos_in == "implicit" else _addr(pos_, 32)]
-        operands += [_addr(o, 64 if kind == "l" else 32) for o, kind in zip(outs, kinds[4:])]
-        _asm(operands, asm, kinds)
-
-    run(u_smem, scratch_smem, n, pos, *refs)
+    outs = (out0,) if out == "global_set" else (out0, out1)
+    _run(asm, "SSi" + ("i" if pos_in == "implicit" else "S") + _OUT_SPEC[out], u_smem, scratch_smem, n, pos, *outs)
 
 
 def last_final(u_smem, scratch_smem, counters, keys_row, pos_row, set_row, row, *, n_split: int, slots: int,
@@ -871,95 +877,43 @@ def last_final(u_smem, scratch_smem, counters, keys_row, pos_row, set_row, row, 
     row's set [k] (a global ref), row the int32 row index."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
 
     n = n_split * slots
-    asm = last_final_ptx(n_split, slots, k)
-    scalar = plgpu.Layout.WG_SPLAT(())
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 7 + (scalar, scalar))
-    def run(_, u, scratch, pos_, out, cnt, kr, pr, n_, row_):
-        operands = [_addr(u, 32), _addr(scratch, 32), n_.registers.item(), _addr(pos_, 32), _addr(out, 64),
-                    _addr(cnt, 64), _addr(kr, 64), _addr(pr, 64), row_.registers.item()]
-        _asm(operands, asm, LAST_KINDS)
-
-    run(u_smem.at[pl.ds(0, n)], scratch_smem, u_smem.at[pl.ds(n, n)], set_row, counters, keys_row, pos_row,
-        jnp.int32(n), row)
+    _run(last_final_ptx(n_split, slots, k), "SSiSGGGGi", u_smem.at[pl.ds(0, n)], scratch_smem, jnp.int32(n),
+         u_smem.at[pl.ds(n, n)], set_row, counters, keys_row, pos_row, row)
 
 
 def prune_start(u_smem, scratch_smem, n_first: int, idx_smem, *, k: int, cap: int):
     """`prune_start_ptx` in a Mosaic GPU kernel of one warpgroup, after the block that completes the split's first
     n_first entries (its keys stored, counted into the first level, a warpgroup barrier)."""
     import jax.numpy as jnp
-    from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    scalar = plgpu.Layout.WG_SPLAT(())
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), scalar, plgpu.RefType()))
-    def run(_, u, scratch, n_, idx):
-        _asm([_addr(u, 32), _addr(scratch, 32), n_.registers.item(), _addr(idx, 32)], prune_start_ptx(k, cap),
-             "rrrr")
-
-    run(u_smem, scratch_smem, jnp.int32(n_first), idx_smem)
+    _run(prune_start_ptx(k, cap), "SSiS", u_smem, scratch_smem, jnp.int32(n_first), idx_smem)
 
 
 def prune_append(u_smem, scratch_smem, first, idx_smem, *, bt: int, cap: int):
     """`prune_append_ptx` in a Mosaic GPU kernel: the block of bt keys from entry `first` (int32 scalar), after its
     keys are stored and a warpgroup barrier."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    scalar = plgpu.Layout.WG_SPLAT(())
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), scalar, plgpu.RefType()))
-    def run(_, u, scratch, first_, idx):
-        _asm([_addr(u, 32), _addr(scratch, 32), first_.registers.item(), _addr(idx, 32)], prune_append_ptx(bt, cap),
-             "rrrr")
-
-    run(u_smem, scratch_smem, first, idx_smem)
+    _run(prune_append_ptx(bt, cap), "SSiS", u_smem, scratch_smem, first, idx_smem)
 
 
 def prune_select(u_smem, scratch_smem, n, pos0, out0, out1, *, k: int, slots: int, idx_smem,
                  aggregate: bool = False, out: str = "global_pairs"):
     """`prune_final_ptx` in a Mosaic GPU kernel, after the split's last block: arguments as `segment_select`'s
     (n the split's entries, pos0 its first position, out "global_pairs" or "smem_pairs") and the candidate list."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    asm = prune_final_ptx(k, slots, out=out, aggregate=aggregate)
-    scalar = plgpu.Layout.WG_SPLAT(())
-    kinds = ("rrrrllr" if out == "global_pairs" else "rrrrrrr")
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), scalar, plgpu.RefType(), plgpu.RefType(),
-                                  plgpu.RefType(), scalar))
-    def run(_, u, scratch, n_, idx, o0, o1, pos0_):
-        operands = [_addr(u, 32), _addr(scratch, 32), n_.registers.item(), _addr(idx, 32),
-                    _addr(o0, 64 if kinds[4] == "l" else 32), _addr(o1, 64 if kinds[5] == "l" else 32),
-                    pos0_.registers.item()]
-        _asm(operands, asm, kinds)
-
-    run(u_smem, scratch_smem, n, idx_smem, out0, out1, pos0)
+    _run(prune_final_ptx(k, slots, out=out, aggregate=aggregate), "SSiS" + _OUT_SPEC[out] + "i", u_smem,
+         scratch_smem, n, idx_smem, out0, out1, pos0)
 
 
 def hist_zero(scratch_smem):
     """`hist_zero_ptx` in a Mosaic GPU kernel (before the stream)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-    def run(_, scratch):
-        _asm([_addr(scratch, 32)], hist_zero_ptx(), "r")
-
-    run(scratch_smem)
+    _run(hist_zero_ptx(), "S", scratch_smem)
 
 
 def hist_block(u_smem, scratch_smem, first, *, bt: int, aggregate: bool = False):
     """`hist_block_ptx` in a Mosaic GPU kernel: the block of bt keys from entry `first` (int32 scalar) into the
     first level's histogram (after the block's keys are stored and a warpgroup barrier)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT(())))
-    def run(_, u, scratch, first_):
-        _asm([_addr(u, 32), _addr(scratch, 32), first_.registers.item()], hist_block_ptx(bt, aggregate), "rrr")
-
-    run(u_smem, scratch_smem, first)
+    _run(hist_block_ptx(bt, aggregate), "SSi", u_smem, scratch_smem, first)
 
 
 def cluster_sync():
@@ -981,10 +935,4 @@ def cluster_sync():
 def gather(surv_u, surv_pos, dst_u, dst_pos, *, n_split: int, slots: int):
     """`gather_ptx` in a Mosaic GPU kernel (the cluster's CTA 0, between two `cluster_sync`s): every split CTA's
     survivors (shared refs at the same offsets in each CTA) into this CTA's dst_u / dst_pos [n_split * slots]."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 4)
-    def run(_, su, sp, du, dp):
-        _asm([_addr(r, 32) for r in (su, sp, du, dp)], gather_ptx(n_split, slots), "rrrr")
-
-    run(surv_u, surv_pos, dst_u, dst_pos)
+    _run(gather_ptx(n_split, slots), "SSSS", surv_u, surv_pos, dst_u, dst_pos)

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from .formats import _exp2
+
 E4M3_FLOOR = 1e-4   # formats.quantize's floor on the amax (fp8)
 
 
@@ -35,17 +37,12 @@ def _scale_exponent(amax):
     return E - 8 + above.astype(jnp.int32)
 
 
-def _pow2(e):
-    """2^e as f32 for -126 <= e <= 127 (normal)."""
-    return jax.lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
-
-
 def _kernel(q_ref, w_ref, qo_ref, wo_ref, *, f16):
     q = q_ref[0]                                   # [H, d]
     e = _scale_exponent(jnp.max(jnp.abs(q), axis=1))
-    codes = (q * _pow2(-e)[:, None]).astype(jnp.float8_e4m3fn)
+    codes = (q * _exp2(-e)[:, None]).astype(jnp.float8_e4m3fn)
     qo_ref[0] = codes.astype(jnp.float16) if f16 else codes
-    wo_ref[0] = w_ref[0] * _pow2(e)
+    wo_ref[0] = w_ref[0] * _exp2(e)
 
 
 @functools.partial(jax.jit, static_argnames=("f16", "interpret"))
