@@ -148,25 +148,23 @@ def set_pipeline(cfg: str):
 
     opts = parse_options(cfg)
     consts = {name[5:]: opts.pop(name) for name in list(opts) if name.startswith("topk.")}
-    hist_cfg = {name[5:]: opts.pop(name) for name in list(opts) if name.startswith("hist.")}
-    tour_cfg = {name[5:]: opts.pop(name) for name in list(opts) if name.startswith("tour.")}
-    sel_cfg = {name[4:]: opts.pop(name) for name in list(opts) if name.startswith("sel.")}
-    mosaic_cfg = {name[7:]: opts.pop(name) for name in list(opts) if name.startswith("mosaic.")}
-    for given, table, what in ((hist_cfg, topk_hist.HIST_KERNEL_CONFIG, "HIST_KERNEL_CONFIG"),
-                               (tour_cfg, topk_hist.TOUR_CONFIG, "TOUR_CONFIG"),
-                               (sel_cfg, gpu_mosaic.SELECT_CONFIG, "SELECT_CONFIG"),
-                               (mosaic_cfg, gpu_mosaic.MOSAIC_CONFIG, "MOSAIC_CONFIG")):
+    # prefix -> (its config table, the table's name): the items given for each
+    prefixes = {"hist.": (topk_hist.HIST_KERNEL_CONFIG, "HIST_KERNEL_CONFIG"),
+                "tour.": (topk_hist.TOUR_CONFIG, "TOUR_CONFIG"), "sel.": (gpu_mosaic.SELECT_CONFIG, "SELECT_CONFIG"),
+                "mosaic.": (gpu_mosaic.MOSAIC_CONFIG, "MOSAIC_CONFIG")}
+    tables = []
+    for prefix, (table, what) in prefixes.items():
+        given = {name[len(prefix):]: opts.pop(name) for name in list(opts) if name.startswith(prefix)}
         unknown = sorted(set(given) - set(table))
         if unknown:
             raise ValueError(f"set config {cfg!r}: {what} has no options {unknown}")
+        tables.append((table, given))
     for c in consts:
         if not hasattr(topk_mod, c):
             raise ValueError(f"set config {cfg!r}: pallas_kernels.indexer.topk has no constant {c!r}")
 
     def run(q, w, keys, n_visible):
         saved = {c: getattr(topk_mod, c) for c in consts}
-        tables = ((topk_hist.HIST_KERNEL_CONFIG, hist_cfg), (topk_hist.TOUR_CONFIG, tour_cfg),
-                  (gpu_mosaic.SELECT_CONFIG, sel_cfg), (gpu_mosaic.MOSAIC_CONFIG, mosaic_cfg))
         saved_tables = [dict(table) for table, _ in tables]
         for table, given in tables:
             table.update(given)

@@ -50,6 +50,18 @@ def wall_net(build, *args, n1: int, n2: int, reps: int = 5):
     return (t2 - t1) / (n2 - n1), t1
 
 
+def _scan_chain(step, n, unroll):
+    """jit of n dependent `carry = step(carry, *args)` calls in one lax.scan, `unroll` of them per loop iteration:
+    (carry, args) -> carry."""
+    return jax.jit(lambda c, a: jax.lax.scan(lambda c, _: (step(c, *a), None), c, None, length=n,
+                                             unroll=unroll)[0])
+
+
+def _round_up(n_iter, unroll):
+    unroll = max(1, int(unroll))
+    return -(-n_iter // unroll) * unroll, unroll
+
+
 def timed_chain(step, carry, n_iter, reps=3, unroll=1, args=()):
     """Seconds per iteration of `carry = step(carry)` run n_iter times as dependent calls in one jitted scan (so
     XLA can neither hoist nor batch them and Python dispatch is paid once). `unroll` > 1 puts that many dependent
@@ -58,11 +70,8 @@ def timed_chain(step, carry, n_iter, reps=3, unroll=1, args=()):
     step(carry, *args) and they are passed to the jitted program as arguments. Large inputs must come this way: an
     array the step closes over is a constant of the compiled program (the B=64 x 1M-context indexer keys, 2.2 GB,
     crashed XLA's compiler that way, session 11)."""
-    unroll = max(1, int(unroll))
-    n_iter = -(-n_iter // unroll) * unroll
-    f = jax.jit(lambda c, a: jax.lax.scan(lambda c, _: (step(c, *a), None), c, None, length=n_iter,
-                                          unroll=unroll)[0])
-    return wall(f, carry, tuple(args), reps=reps) / n_iter
+    n_iter, unroll = _round_up(n_iter, unroll)
+    return wall(_scan_chain(step, n_iter, unroll), carry, tuple(args), reps=reps) / n_iter
 
 
 def chain_net(step, carry, n_iter, reps=5, unroll=1, args=()):
@@ -72,14 +81,9 @@ def chain_net(step, carry, n_iter, reps=5, unroll=1, args=()):
     single wall time spreads them. What remains per iteration: the step's kernels, the gaps between them and the
     loop's own trip (shared by `unroll` steps). Arguments as `timed_chain`'s; n_iter is rounded up to a multiple of
     unroll."""
-    unroll = max(1, int(unroll))
-    n_iter = -(-n_iter // unroll) * unroll
-
-    def build(n):
-        return jax.jit(lambda c, a: jax.lax.scan(lambda c, _: (step(c, *a), None), c, None, length=n,
-                                                 unroll=unroll)[0])
-
-    return wall_net(build, carry, tuple(args), n1=n_iter, n2=2 * n_iter, reps=reps)[0]
+    n_iter, unroll = _round_up(n_iter, unroll)
+    return wall_net(lambda n: _scan_chain(step, n, unroll), carry, tuple(args), n1=n_iter, n2=2 * n_iter,
+                    reps=reps)[0]
 
 
 def measure_ceilings(quick=False):

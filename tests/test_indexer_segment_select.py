@@ -331,6 +331,16 @@ def test_gpu_segment_survivors_match_the_model(B, S, H, T, fmt, opts, stream_his
             np.testing.assert_array_equal(sp[r, j], mp, err_msg=f"positions of row {r}, split {j}")
 
 
+def _tournament_sets(q, w, keys, nv, k):
+    """What segment_set's index set must equal: (the tournament's set over the same Mosaic scores, the sorted picks'
+    set, the sorted picks)."""
+    from pallas_kernels.indexer.topk import as_index_set
+
+    tour = np.asarray(indexer_topk(q, w, keys, nv, k=k, impl="pallas", picks="set", topk="tour_set", kernel="mosaic"))
+    sorted_picks = indexer_topk(q, w, keys, nv, k=k, impl="pallas", kernel="mosaic")
+    return tour, np.asarray(as_index_set(sorted_picks)), sorted_picks
+
+
 @gpu
 @pytest.mark.parametrize("B,S,H,T,fmt", [(4, 1, 64, 20000, "fp8"), (64, 1, 64, 32768, "fp8"),
                                          (2, 2, 64, 70000, "fp8"), (5, 1, 16, 776, "fp8"), (3, 1, 64, 20000, "bf16"),
@@ -346,15 +356,13 @@ def test_gpu_segment_set_picks(B, S, H, T, fmt, final, monkeypatch):
     from test_indexer_kernels import check_picks
 
     from pallas_kernels.indexer import gpu_mosaic
-    from pallas_kernels.indexer.topk import as_index_set
 
     monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "final", final)
     q, w, keys, nv = make(B, S, H, T, fmt, True)
-    got = indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="segment_set")
-    tour = indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="tour_set", kernel="mosaic")
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(tour))
-    sorted_picks = indexer_topk(q, w, keys, nv, k=512, impl="pallas", kernel="mosaic")
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(sorted_picks)))
+    got = np.asarray(indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="segment_set"))
+    tour, sorted_set, sorted_picks = _tournament_sets(q, w, keys, nv, 512)
+    np.testing.assert_array_equal(got, tour)
+    np.testing.assert_array_equal(got, sorted_set)
     check_picks(sorted_picks, q, w, keys, nv, 512)
 
 
@@ -395,18 +403,16 @@ def test_gpu_segment_set_last_final(B, T, fmt, k, opts, monkeypatch):
     from test_indexer_kernels import check_picks
 
     from pallas_kernels.indexer import gpu_mosaic
-    from pallas_kernels.indexer.topk import as_index_set
 
     monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "final", "last")
     q, w, keys, nv = make(B, 1, 64, T, fmt, True)
     fn = jax.jit(lambda *a: indexer_topk(*a, k=k, impl="pallas", picks="set", topk="segment_set", **opts))
     assert "dsv4last_load" in fn.lower(q, w, keys, nv).as_text().lower()
-    tour = np.asarray(indexer_topk(q, w, keys, nv, k=k, impl="pallas", picks="set", topk="tour_set", kernel="mosaic"))
-    sorted_picks = indexer_topk(q, w, keys, nv, k=k, impl="pallas", kernel="mosaic")
+    tour, sorted_set, sorted_picks = _tournament_sets(q, w, keys, nv, k)
     for _ in range(3):
         got = np.asarray(fn(q, w, keys, nv))
         np.testing.assert_array_equal(got, tour)
-        np.testing.assert_array_equal(got, np.asarray(as_index_set(sorted_picks)))
+        np.testing.assert_array_equal(got, sorted_set)
     check_picks(sorted_picks, q, w, keys, nv, k)
 
 
@@ -487,13 +493,11 @@ def test_gpu_pruned_segment_set_picks(B, T, fmt, final, monkeypatch):
     """With pruning, segment_set's index set equals the tournament's over the same Mosaic scores and the sorted
     picks' set, with each final (the cluster where "auto" applies: 33 x 4096, 64 x 32768)."""
     from pallas_kernels.indexer import gpu_mosaic
-    from pallas_kernels.indexer.topk import as_index_set
 
     monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "final", final)
     monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "prune", 2048)
     q, w, keys, nv = make(B, 1, 64, T, fmt, True)
     got = np.asarray(indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="segment_set"))
-    tour = indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="tour_set", kernel="mosaic")
-    np.testing.assert_array_equal(got, np.asarray(tour))
-    sorted_picks = indexer_topk(q, w, keys, nv, k=512, impl="pallas", kernel="mosaic")
-    np.testing.assert_array_equal(got, np.asarray(as_index_set(sorted_picks)))
+    tour, sorted_set, _ = _tournament_sets(q, w, keys, nv, 512)
+    np.testing.assert_array_equal(got, tour)
+    np.testing.assert_array_equal(got, sorted_set)
