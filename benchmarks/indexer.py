@@ -22,7 +22,8 @@ pallas_fp4op_set / scores_fp4op (fp4 group scales on the f16 key operands, sessi
 scores_fp4reshape (the scores kernel alone and its knobs: top-k cost = difference), scores_mosaic / pallas_mosaic /
 pallas_mosaic_set (the Mosaic GPU kernel: fp8 keys since session 20, bf16 keys since session 27; fp8 and bf16 cases
 only; --scores-configs 'kernel=mosaic,block_t=64' times its knobs), scores_triton / pallas_triton_set (the Triton
-kernel where kernel="auto" would take Mosaic), xla_ref.
+kernel where kernel="auto" would take Mosaic), model_q_fq / model_q_raw (the model's indexer call before and since
+session 42: q fake-quantized by XLA first, or raw with quantize_q=True), xla_ref.
 Note: caches smaller than L2 (8K context, batch 1) are re-read from L2 across iterations.
 
 topk_only: just the selection (k = 512) on random scores [B, T], (B, T) in {1, 64} x {32768, 262144}, methods
@@ -306,6 +307,13 @@ def main():
         # calls of >= 96 rows of up to 32768 since session 35, tour_set on longer rows in calls of <= 2^21
         # candidates since session 36, else threshold_set: gpu.resolve_set_method)
         "pallas_auto_set": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="auto_set"),
+        # session 42: the model's indexer call as it was (q fake-quantized by XLA, then the op: the Mosaic kernel
+        # quantizes it again) and as it is (a raw q, `quantize_q=True`: the op skips the fake quantization where the
+        # kernel quantizes q itself)
+        "model_q_fq": lambda q, w, k, n: indexer_topk(F.fake_quantize(q, getattr(k, "fmt", None)), w, k, n, k=TOPK,
+                                                      impl="pallas", picks="set"),
+        "model_q_raw": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", picks="set",
+                                                       quantize_q=True),
         # session 40: the tournament's first stage inside the Mosaic scores kernel (mosaic_select), then the final
         # selection among each row's survivors
         "pallas_segment_set": lambda q, w, k, n: indexer_topk(q, w, k, n, k=TOPK, impl="pallas", topk="segment_set"),
@@ -365,7 +373,10 @@ def main():
     if a.quick:
         variants = {v: f for v, f in variants.items() if v not in QUICK_DROP}
     if a.variants:
-        variants = {v: variants[v] for v in a.variants.split(",")}
+        unknown = [v for v in a.variants.split(",") if v not in variants and v != "harness"]
+        if unknown:
+            ap.error(f"unknown variants {unknown} (the harness runs always); known: {', '.join(variants)}")
+        variants = {v: variants[v] for v in a.variants.split(",") if v != "harness"}
     for cfg in (a.scores_configs.split(";") if a.scores_configs else []):
         opts = parse_options(cfg)
         variants[f"scores[{cfg}]"] = lambda q, w, k, n, o=opts: indexer_scores_pallas(q, w, k, n, impl="pallas", **o)

@@ -114,3 +114,180 @@ def test_gpu_q_prep_triton_equals_xla(B, H, T, topk, monkeypatch):
         runs[prep] = (np.asarray(scores), np.asarray(picks))
     np.testing.assert_array_equal(runs["xla"][0], runs["triton"][0])
     np.testing.assert_array_equal(runs["xla"][1], runs["triton"][1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fp4 keys: q fake-quantized, scaled and permuted in one kernel (`q_prep.q_prep_fp4`), and the dispatcher's raw q
+
+
+def test_fp4_group_exponent_equals_formats_rule():
+    """fp4's group exponent clip(ceil(log2(max(amax, 6 x 2^-126) / 6)), -127, 127) from the bits equals formats'
+    (a division and frexp) on magnitudes over 60 decades, at and one ulp either side of every 6 x 2^j, and at 0."""
+    rng = np.random.default_rng(11)
+    edges = np.float32(6) * np.float32(2.0) ** np.arange(-130, 120)
+    vals = np.concatenate([np.abs(rng.standard_normal(100000)) * np.float32(10.0) ** rng.integers(-30, 30, 100000),
+                           edges, np.nextafter(edges, np.float32(np.inf)), np.nextafter(edges, np.float32(0)),
+                           [0.0, 1e-45, 3e38]]).astype(np.float32)
+    a = jnp.asarray(vals)
+    want = jnp.clip(F._pow2_exponent(a, F.E2M1_MAX, F.E2M1_MAX * 2.0 ** -126), -127, 127)
+    np.testing.assert_array_equal(np.asarray(q_prep._fp4_group_exponent(a)), np.asarray(want))
+
+
+def test_round_e2m1_equals_the_conversion():
+    """The bit-arithmetic e2m1 rounding equals XLA's conversion to float4_e2m1fn (ties to even, signed zeros) on
+    every quarter-step in [-6, 6], one ulp either side of each, and random values."""
+    rng = np.random.default_rng(12)
+    grid = np.arange(-24, 25) / 4
+    y = np.concatenate([rng.uniform(-6, 6, 100000), grid, np.nextafter(grid, 10), np.nextafter(grid, -10),
+                        [-0.0, 1e-30, -1e-30]]).astype(np.float32)
+    y = y[np.abs(y) <= 6]
+    got = np.asarray(q_prep._round_e2m1(jnp.asarray(y)))
+    want = np.asarray(jnp.asarray(y).astype(jnp.float4_e2m1fn).astype(jnp.float32))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+def test_frexp_exponent():
+    rng = np.random.default_rng(13)
+    vals = np.concatenate([np.abs(rng.standard_normal(50000)) * np.float32(10.0) ** rng.integers(-37, 37, 50000),
+                           np.float32(2.0) ** np.arange(-126, 127), [0.0]]).astype(np.float32)
+    x = jnp.asarray(vals)
+    np.testing.assert_array_equal(np.asarray(q_prep._frexp_exponent(x)),
+                                  np.asarray(jnp.where(x > 0, jnp.frexp(x)[1], 0)))
+
+
+def _fp4_columns():
+    from pallas_kernels.indexer.mosaic_fp4 import register_plan
+
+    return register_plan(64)[1]
+
+
+@pytest.mark.parametrize("R,H,fake", [(3, 64, True), (3, 64, False), (2, 32, False), full(2, 128, False),
+                                      (2, 16, True)])
+def test_q_prep_fp4_kernel_equals_the_jnp_path(R, H, fake):
+    """The kernel (Pallas interpreter) against `gpu_mosaic.fp4_q_operand` of the fake-quantized q: operand and
+    weights bit for bit, whether q arrives fake-quantized or raw (the kernel quantizes it the same way), with heads
+    spanning 1e-3..300 and channels within a head spanning 100x (so the 32-channel groups get different scales)."""
+    from pallas_kernels.indexer.gpu_mosaic import fp4_q_operand
+
+    rng = np.random.default_rng(R * 10 + H + fake)
+    q = jnp.asarray(rng.standard_normal((R, H, 128)) * rng.choice([1e-3, 1.0, 300.0], (R, H, 1))
+                    * rng.choice([1e-2, 1.0], (R, H, 128)), jnp.float32)
+    fq = F.fake_quantize(q, "fp4")
+    w = jnp.asarray(rng.standard_normal((R, H)), jnp.float32)
+    columns = _fp4_columns()
+    got_q, got_w = q_prep.q_prep_fp4(fq if fake else q, w, q_prep.column_permutation(columns), interpret=True)
+    want_q, want_w = fp4_q_operand(fq, w, columns)
+    assert got_q.dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(got_q, np.float32), np.asarray(want_q, np.float32))
+    np.testing.assert_array_equal(np.asarray(got_w), np.asarray(want_w))
+
+
+def test_q_prep_fp4_errors():
+    perm = q_prep.column_permutation(_fp4_columns())
+    with pytest.raises(ValueError, match="powers of two"):
+        q_prep.q_prep_fp4(jnp.zeros((2, 48, 128)), jnp.zeros((2, 48)), perm, interpret=True)
+    with pytest.raises(ValueError, match="perm"):
+        q_prep.q_prep_fp4(jnp.zeros((2, 64, 128)), jnp.zeros((2, 64)), perm[:64], interpret=True)
+    with pytest.raises(ValueError, match="not a permutation"):
+        q_prep.column_permutation(np.zeros(128, np.int32))
+
+
+@pytest.mark.parametrize("topk", ["segment_set", "tour_set"])
+def test_fp4_mosaic_with_q_prep_lowers(topk, monkeypatch):
+    """fp4 keys on the Mosaic kernel with q_prep "triton" lower for CUDA, q prepared by its own Triton kernel."""
+    from test_gpu_lowering import lowers_for
+    from test_indexer_segment_select import _abstract_inputs
+
+    from pallas_kernels.indexer import gpu_mosaic
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "q_prep", "triton")
+    text = lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=512, topk=topk, kernel="mosaic"),
+                      *_abstract_inputs(64, 32768, "fp4"))
+    assert "indexer_q_prep_fp4" in text
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4", "bf16"])
+@pytest.mark.parametrize("impl,opts", [("reference", {}), ("pallas", {}), ("pallas", dict(picks="set"))])
+def test_quantize_q_equals_fake_quantized_q(fmt, impl, opts):
+    """indexer_topk / indexer_scores_pallas with quantize_q=True and a raw q give what a fake-quantized q gives
+    without it (the reference's contract) on the reference and the Triton kernel (the interpreter: "pallas" on the CPU),
+    both pick orders."""
+    from test_indexer_kernels import make
+
+    from pallas_kernels.indexer import indexer_scores_pallas, indexer_topk
+
+    q, w, keys, nv = make(2, 1, 16, 200, fmt, True)
+    raw = F.hadamard(jnp.asarray(np.random.default_rng(5).standard_normal(q.shape), jnp.float32))
+    fq = F.fake_quantize(raw, fmt if fmt != "bf16" else None)
+    got = indexer_topk(raw, w, keys, nv, k=64, impl=impl, quantize_q=True, **opts)
+    want = indexer_topk(fq, w, keys, nv, k=64, impl=impl, **opts)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    if impl == "pallas" and not opts:
+        np.testing.assert_array_equal(np.asarray(indexer_scores_pallas(raw, w, keys, nv, impl=impl, quantize_q=True)),
+                                      np.asarray(indexer_scores_pallas(fq, w, keys, nv, impl=impl)))
+
+
+def test_prepare_q_skips_only_where_the_kernel_quantizes(monkeypatch):
+    """`prepare_q` leaves q raw exactly where the Mosaic kernel quantizes it itself: fp8 keys, and fp4 keys with
+    q_prep "triton"; it fake-quantizes for the reference, the Triton kernel and the other Mosaic fp4 preparation,
+    and leaves bf16 keys' q alone."""
+    from test_indexer_kernels import make
+
+    from pallas_kernels.indexer import gpu_mosaic, prepare_q
+
+    for fmt in ("fp8", "fp4", "bf16"):
+        q, _, keys, _ = make(2, 1, 16, 200, fmt)
+        raw = q + 0.01   # not representable in either format
+        for target, opts, prep, skips in [("reference", {}, "xla", False), ("interpret", {}, "xla", False),
+                                          ("interpret", dict(kernel="mosaic"), "xla", fmt == "fp8"),
+                                          ("interpret", dict(kernel="mosaic"), "triton", True)]:
+            monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "q_prep", prep)
+            got = np.asarray(prepare_q(raw, keys, target, opts))
+            want = raw if skips or fmt == "bf16" else F.fake_quantize(raw, fmt)
+            np.testing.assert_array_equal(got, np.asarray(want), err_msg=f"{fmt} {target} {opts} {prep}")
+
+
+@full_tier   # ~25 s in the GPU interpreter
+def test_mosaic_fp8_interpreted_takes_raw_q():
+    """The Mosaic kernel over fp8 keys (Pallas' GPU interpreter): a raw q with quantize_q=True scores bit for bit
+    as its fake-quantized q (the kernel's own quantization of either gives the same values)."""
+    if ON_GPU:
+        pytest.skip("CPU interpreter test (test_gpu_quantize_q_on_mosaic on the GPU)")
+    pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
+    from test_indexer_kernels import make
+
+    from pallas_kernels.indexer import indexer_scores_pallas
+
+    _, w, keys, nv = make(3, 1, 16, 776, "fp8", True)
+    raw = jnp.asarray(np.random.default_rng(9).standard_normal((3, 1, 16, 128)), jnp.float32)
+    opts = dict(impl="pallas", kernel="mosaic", precision="fp8", num_splits=2, num_stages=2)
+    got = indexer_scores_pallas(raw, w, keys, nv, quantize_q=True, **opts)
+    want = indexer_scores_pallas(F.fake_quantize(raw, "fp8"), w, keys, nv, **opts)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (compiled Mosaic and Triton kernels)")
+@pytest.mark.parametrize("fmt,prep", [("fp8", "xla"), ("fp8", "triton"), ("fp4", "xla"), ("fp4", "triton")])
+@pytest.mark.parametrize("B,H,T,topk", [(64, 64, 32768, "auto_set"), (20, 32, 8192, "tour_set")])
+def test_gpu_quantize_q_on_mosaic(fmt, prep, B, H, T, topk, monkeypatch):
+    """On the GPU: a raw q with quantize_q=True gives the Mosaic kernel's scores and picks of its fake-quantized q,
+    bit for bit, with either q preparation (fp4 "triton": the kernel fake-quantizes; else the dispatcher does)."""
+    from test_indexer_kernels import make
+
+    from pallas_kernels.indexer import gpu_mosaic, indexer_scores_pallas, indexer_topk
+
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "q_prep", prep)
+    _, w, keys, nv = make(B, 1, H, T, fmt, True)
+    raw = F.hadamard(jnp.asarray(np.random.default_rng(B + H).standard_normal((B, 1, H, 128)), jnp.float32))
+    fq = F.fake_quantize(raw, fmt)
+    runs = []
+    for qq, quantize in ((raw, True), (fq, False)):
+        scores = jax.jit(lambda *a: indexer_scores_pallas(*a, impl="pallas", kernel="mosaic",
+                                                          quantize_q=quantize))(qq, w, keys, nv)
+        picks = jax.jit(lambda *a: indexer_topk(*a, k=512, impl="pallas", picks="set", topk=topk, kernel="mosaic",
+                                                quantize_q=quantize))(qq, w, keys, nv)
+        runs.append((np.asarray(scores), np.asarray(picks)))
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])

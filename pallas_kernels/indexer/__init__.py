@@ -19,6 +19,9 @@ ascending index order, the -1s last: all a gather-and-sum consumer such as the s
 kernel path it selects topk="auto_set" -- "hist_set", "tour_set" or "threshold_set" by the rows' length and count,
 where each measured faster (`gpu.resolve_set_method`), none sorting its picks -- unless another set method is given;
 any other topk option is followed by the set conversion).
+quantize_q=True: q arrives raw (rotated, not quantized) and the op fake-quantizes it in the keys' format, except on the
+Mosaic GPU kernel's paths that quantize q themselves from a raw q with the same result (`prepare_q`): the model's
+indexer passes its q this way.
 Every impl checks its arguments first (`common.validate`: shapes, dtypes, key storage, k): a ValueError naming the
 argument, at trace time.
 """
@@ -43,14 +46,34 @@ def resolve_impl(impl: str) -> str:
 PICKS = ("sorted", "set")
 
 
+def prepare_q(q, keys, target, kernel_options):
+    """quantize_q=True: q as the chosen path takes it -- fake-quantized in the keys' format (`formats.fake_quantize`),
+    except where the kernel quantizes q itself and a raw q gives the same scores (`gpu.takes_raw_q`: the Mosaic
+    kernel over fp8 keys, and over fp4 keys with its one-kernel q preparation), which saves the fake quantization's
+    XLA kernels."""
+    fmt = getattr(keys, "fmt", None) if isinstance(keys, formats.QuantizedKeys) else None
+    if fmt is None:
+        return q
+    if target in ("gpu", "interpret"):
+        from .gpu import takes_raw_q
+
+        if takes_raw_q(q, keys, target == "interpret", kernel_options):
+            return q
+    return formats.fake_quantize(q, fmt)
+
+
 def indexer_topk(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256, impl: str = "reference",
-                 picks: str = "sorted", **kernel_options):
+                 picks: str = "sorted", quantize_q: bool = False, **kernel_options):
     """Same signature and results as :func:`reference.indexer_topk`, plus `impl`, `picks` ("sorted": the
-    reference's order; "set": ascending index, -1s last) and kernel options."""
+    reference's order; "set": ascending index, -1s last), `quantize_q` (False: q arrives fake-quantized as the keys'
+    format requires, the reference's contract; True: q arrives raw and the op gives it that quantization, skipping it
+    on paths whose kernel quantizes q itself: `prepare_q`) and kernel options."""
     if picks not in PICKS:
         raise ValueError(f"picks must be one of {PICKS}, got {picks!r}")
     validate(q, weights, keys, n_visible, k=k, query_chunk=query_chunk)
     target = resolve_impl(impl)
+    if quantize_q:
+        q = prepare_q(q, keys, target, kernel_options)
     if picks == "set":
         from .topk import as_index_set
 
@@ -78,10 +101,14 @@ def indexer_topk(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256,
                             interpret=(target == "interpret_tpu"), **kernel_options)
 
 
-def indexer_scores_pallas(q, weights, keys, n_visible, *, impl: str = "pallas", **kernel_options):
-    """The kernels' scores [B, S, T] (same contract as `indexer_scores`); impl as for `indexer_topk`."""
+def indexer_scores_pallas(q, weights, keys, n_visible, *, impl: str = "pallas", quantize_q: bool = False,
+                          **kernel_options):
+    """The kernels' scores [B, S, T] (same contract as `indexer_scores`); impl and quantize_q as for
+    `indexer_topk`."""
     validate(q, weights, keys, n_visible)
     target = resolve_impl(impl)
+    if quantize_q:
+        q = prepare_q(q, keys, target, kernel_options)
     if target == "reference":
         return indexer_scores(q, weights, keys, n_visible)
     if target in ("gpu", "interpret"):

@@ -723,6 +723,14 @@ def scores_kernel_of(q, keys, interpret, kernel_options) -> str:
     return resolve_kernel(kernel_options.get("kernel"), q, keys, interpret, tuned)
 
 
+def takes_raw_q(q, keys, interpret, kernel_options) -> bool:
+    """Whether these `kernel_options` run the scores on the Mosaic kernel over keys it quantizes q for itself
+    (`gpu_mosaic.quantizes_q`), so the caller need not fake-quantize q first (`indexer_topk(quantize_q=True)`)."""
+    from .gpu_mosaic import quantizes_q
+
+    return quantizes_q(keys) and scores_kernel_of(q, keys, interpret, kernel_options) == "mosaic"
+
+
 def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256, interpret=False,
                      topk: str = "threshold", topk_block: int = 4096, radix_bits: Optional[int] = None,
                      fuse_group_max: Optional[bool] = None, **kernel_options):

@@ -16,12 +16,13 @@ floor (168 us at B = 64 x 128K); here 110 us (scores alone; B = 64 x 1M: 797 vs 
 Key formats and precisions (`PRECISIONS`; the first is the default):
 * fp8 keys (`formats.QuantizedKeys`, fmt "fp8"): "f16" (e4m3 codes -> f16 in registers, exact, the wgmma's A operand
   from registers), "fp8" (e4m3 x e4m3 wgmma straight from shared memory; ~1.3e-4 relative, the fp8 tensor cores'
-  accumulation). q arrives fake-quantized like the keys (the model does so for an fp8 cache: `layers/indexer.py`),
-  i.e. q = e4m3 code x 2^e per (token, head). `gpu.quantize_q_fp8` recovers that code and scale exactly (tested bit
-  for bit), the scale joins the head weight (ReLU(s x) = s ReLU(x) for s > 0), and the key's power-of-two scale
+  accumulation). q arrives fake-quantized like the keys (q = e4m3 code x 2^e per (token, head)) or raw.
+  `gpu.quantize_q_fp8` recovers that code and scale exactly (tested bit for bit) and rounds a raw q to the same
+  values, the scale joins the head weight (ReLU(s x) = s ReLU(x) for s > 0), and the key's power-of-two scale
   multiplies the head-weighted sum. Every product of two e4m3 codes is exact in f32, so the scores equal the
-  reference up to the order (and the tensor cores' internal precision) of the f32 sums. A q that is not
-  fp8-representable is rounded to e4m3 first (vLLM's fp8 indexer q does the same); the model never passes one.
+  reference up to the order (and the tensor cores' internal precision) of the f32 sums. Since session 42 the model's
+  indexer passes q raw (`quantize_q=True`, `layers/indexer.py`), and the dispatcher fake-quantizes it only for the
+  other paths.
 * fp4 keys (`formats.QuantizedKeys`, fmt "fp4"): "f16" only. TMA brings each block's packed bytes [block_t, 64]
   (64 B rows, 64 B swizzle) and its scales (a key's 4 bytes as one int32); `mosaic_fp4.fp4_operand` turns them into
   the f16 A operand in registers by inline PTX: the nibbles' bits placed as f16 (e2m1 x 2^-14, exact) times the
@@ -29,6 +30,8 @@ Key formats and precisions (`PRECISIONS`; the first is the default):
   into WGMMA registers of `mosaic_fp4.register_plan`'s choosing, with q's 128 channels permuted to match (a dot
   product is indifferent to the order of its K dimension). The key's 2^(smax - 128) multiplies its score. q arrives
   fake-quantized to fp4; each (token, head) is divided by a power of two (into the head weight) and rounded to f16.
+  With MOSAIC_CONFIG q_prep "triton" one kernel does that and the fake quantization itself, so q may arrive raw
+  (`quantizes_q`; the dispatcher's `quantize_q=True` then skips its own).
 * bf16 keys (a bfloat16 [B, T, 128] array): "bf16x2" (q split into bf16 hi + the bf16-rounded remainder, two wgmmas
   into one accumulator: q to ~16 mantissa bits, as the Triton kernel's default for bf16 keys), "bf16" (q rounded to
   bf16, one wgmma; exact for a bf16 q). Products of two bf16 values are exact in f32.
@@ -229,10 +232,12 @@ def _e4m3_to_f16(a8, mode):
 SELECT_CONFIG = dict(slack=64, max_segment=8192, num_stages=3, aggregate=False, stream_hist=True, final="triton",
                      probe=0, prune=0, prune_stages=2)
 MAX_CLUSTER = 8     # portable thread-block cluster size
-# q_prep: how fp8 keys' q operand and head weights are made before the kernel: "xla" (jnp: the per-head amax, the
-# codes, w x s; two or three small XLA kernels a call) or "triton" (`q_prep.q_prep_fp8`: one Pallas kernel, equal
-# bit for bit; session 41, checked in the interpreter and lowered on the CPU, not yet timed). "triton" needs the
-# padded head count a power of two.
+# q_prep: how q's operand and head weights are made before the kernel over fp8 / fp4 keys: "xla" (jnp: the per-head
+# amax, the codes, w x s; two or three small XLA kernels a call) or "triton" (one Pallas kernel, equal bit for bit:
+# `q_prep.q_prep_fp8`, session 41; `q_prep.q_prep_fp4`, session 42, which also fake-quantizes q to fp4, so a raw q
+# gives the operand of a fake-quantized one, as on the fp8 path either way; checked in the interpreter and lowered on
+# the CPU, not yet timed). "triton" needs the padded head count a power of two. `quantizes_q` says which paths take a
+# raw q.
 MOSAIC_CONFIG = dict(q_prep="xla")
 FINALS = ("auto", "cluster", "triton", "last")
 
@@ -259,6 +264,26 @@ def auto_takes(q, keys) -> bool:
     rows = q.shape[0] * q.shape[1]
     return rows >= MIN_ROWS or (fmt in FEW_ROW_FORMATS and rows * -(-_key_values(keys).shape[1] // 128)
                                 >= MIN_KEY_BLOCKS)
+
+
+def fp4_q_operand(q, w, columns):
+    """fp4 keys, q_prep "xla": a fake-quantized q [..., H, d] f32 and head weights w [..., H] -> (q_op [..., H, d]
+    f16: each (token, head) divided by 2^e, e = frexp's exponent of its largest magnitude, its channels in the key
+    operand's columns (`columns`: channel -> column, `mosaic_fp4.register_plan`); w x 2^e)."""
+    amax = jnp.max(jnp.abs(q), axis=-1)
+    e = jnp.where(amax > 0, jnp.frexp(amax)[1], 0)
+    q_op = (q * jnp.ldexp(jnp.float32(1), -e)[..., None])[..., np.argsort(columns)].astype(jnp.float16)
+    return q_op, w * jnp.ldexp(jnp.float32(1), e)
+
+
+def quantizes_q(keys) -> bool:
+    """Whether the kernel makes q's quantization in the keys' format itself, so that a raw q gives the same operand
+    (and scores) as a fake-quantized one: fp8 keys always (q's own fp8 quantization reproduces a fake-quantized q's
+    values: re-quantizing one keeps its scale or halves it with the codes doubled, exactly), fp4 keys with
+    MOSAIC_CONFIG q_prep "triton" (`q_prep.q_prep_fp4` fake-quantizes first; fp4 fake quantization is idempotent the
+    same way). The dispatcher's `quantize_q` skips its own fake quantization on these paths."""
+    fmt = key_format(keys)
+    return fmt == "fp8" or (fmt == "fp4" and MOSAIC_CONFIG["q_prep"] == "triton")
 
 
 def mosaic_applies(q, keys) -> bool:
@@ -717,11 +742,14 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         from .mosaic_fp4 import register_plan   # (token, head) / 2^e (e: its largest magnitude's exponent) in f16
 
         _, columns = register_plan(64)
-        amax = jnp.max(jnp.abs(qf), axis=-1)
-        e = jnp.where(amax > 0, jnp.frexp(amax)[1], 0)
-        q_op = (qf * jnp.ldexp(jnp.float32(1), -e)[..., None])[..., np.argsort(columns)].astype(jnp.float16)
-        wf = wf * jnp.ldexp(jnp.float32(1), e)
-        q_op = q_op.reshape(R, hp, d)
+        if q_prep == "triton":   # one kernel: q's fp4 fake quantization too (a raw q gives the same operand)
+            from .q_prep import column_permutation, q_prep_fp4
+
+            q_op, wf = q_prep_fp4(qf.reshape(R, hp, d), wf.reshape(R, hp), column_permutation(columns),
+                                  interpret=bool(interpret))
+        else:
+            q_op, wf = fp4_q_operand(qf, wf, columns)
+            q_op = q_op.reshape(R, hp, d)
     else:     # bf16: hi (+ lo) as [R, terms * hp, d] (a TMA copy strides at most 5 dims: [terms, hp, d] tiled has 6)
         q_terms, n_terms = split_q(qf, "bf16", precision)
         q_op = jnp.stack(q_terms, axis=2).reshape(R, n_terms * hp, d)

@@ -21,6 +21,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from .formats import _exp2
@@ -67,3 +68,103 @@ def q_prep_fp8(q, w, f16: bool = True, interpret: bool = False):
                    jax.ShapeDtypeStruct((R, H), jnp.float32)],
         interpret=interpret, name="indexer_q_prep_fp8", **extra,
     )(q.astype(jnp.float32), w.astype(jnp.float32))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fp4 keys: q fake-quantized to fp4, scaled per head, its channels in the key operand's column order, in one kernel.
+
+FP4_FLOOR = 6.0 * 2.0 ** -126   # formats.quantize's floor on a group's amax (fp4)
+FP4_GROUP = 32
+
+
+def _fp4_group_exponent(amax):
+    """e = clip(ceil(log2(max(amax, 6 * 2^-126) / 6)), -127, 127) for f32 amax >= 0, from the bits: with
+    max(amax, floor) = m 2^E (m in [1, 2)), e = E - 2 + (m > 1.5), since 6 = 1.5 x 2^2 (the rounded quotient
+    crosses 2^k exactly where the exact one does: one ulp above m = 1.5 it is 0.67 of its ulp above, below 1.33)."""
+    a = jnp.maximum(amax, jnp.float32(FP4_FLOOR))
+    bits = jax.lax.bitcast_convert_type(a, jnp.int32)
+    E = ((bits >> 23) & 0xFF) - 127
+    above = (bits & 0x7FFFFF) > 0x400000          # mantissa m > 1.5 (1.5 = 1 + 0x400000 / 2^23)
+    return jnp.clip(E - 2 + above.astype(jnp.int32), -127, 127)
+
+
+def _round_e2m1(y):
+    """y f32 with |y| <= 6 -> y rounded to e2m1 (0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives), ties to the even code,
+    as XLA's conversion to float4_e2m1fn, by integer ops on the bits (XLA folds the add-and-subtract-2^23 trick away):
+    from 1 up e2m1 keeps one mantissa bit (the f32 mantissa rounded to its top bit, ties to even, a carry moving into
+    the exponent); below 1 its values are 0, 0.5, 1 (ties 0.25 -> 0 and 0.75 -> 1, the even codes). The sign is put
+    back by its bit (-0.0 stays -0.0)."""
+    bits = jax.lax.bitcast_convert_type(y, jnp.int32)
+    sign = bits & jnp.int32(-2 ** 31)
+    mag = bits & jnp.int32(0x7FFFFFFF)
+    a = jax.lax.bitcast_convert_type(mag, jnp.float32)
+    normal = (mag + jnp.int32(0x1FFFFF) + ((mag >> 22) & 1)) & jnp.int32(-0x400000)   # ~0x3FFFFF
+    small = jnp.where(a >= 0.75, jnp.float32(1.0), jnp.where(a > 0.25, jnp.float32(0.5), jnp.float32(0.0)))
+    r = jnp.where(a >= 1.0, normal, jax.lax.bitcast_convert_type(small, jnp.int32))
+    return jax.lax.bitcast_convert_type(r | sign, jnp.float32)
+
+
+def _frexp_exponent(amax):
+    """jnp.frexp(amax)[1] for finite f32 amax >= 0 (0 for 0), from the bits; subnormals scaled up by 2^32 first."""
+    sub = amax < jnp.float32(2.0 ** -126)
+    a = jnp.where(sub, amax * jnp.float32(2.0 ** 32), amax)
+    E = (jax.lax.bitcast_convert_type(a, jnp.int32) >> 23) & 0xFF
+    return jnp.where(amax > 0, E - 126 - jnp.where(sub, 32, 0), 0)
+
+
+def _kernel_fp4(q_ref, w_ref, perm_ref, qo_ref, wo_ref):
+    q = q_ref[0]                                   # [H, d], channels in their own order
+    H, d = q.shape
+    group = jax.lax.broadcasted_iota(jnp.int32, (H, d), 1) // FP4_GROUP
+    mag = jnp.abs(q)
+    # each element's group exponent, by masked row maxima (2-D only: Triton has no tensor slices)
+    e_el = jnp.zeros((H, d), jnp.int32)
+    for g in range(d // FP4_GROUP):
+        e_g = _fp4_group_exponent(jnp.max(jnp.where(group == g, mag, 0.0), axis=1))
+        e_el = jnp.where(group == g, e_g[:, None], e_el)
+    fq = _round_e2m1(q * _exp2(-e_el)) * _exp2(e_el)          # formats.fake_quantize(q, "fp4"), exactly
+    e = _frexp_exponent(jnp.max(jnp.abs(fq), axis=1))         # the head's scale into its weight
+    q16 = (fq * _exp2(-e)[:, None]).astype(jnp.float16)
+    # channels -> the key operand's columns: one f16 MMA with a 0/1 matrix, exact (one nonzero product a column)
+    qo_ref[0] = jnp.dot(q16, perm_ref[...], preferred_element_type=jnp.float32).astype(jnp.float16)
+    wo_ref[0] = w_ref[0] * _exp2(e)
+
+
+def column_permutation(columns):
+    """channel -> column map [d] -> the 0/1 matrix P [d, d] f16 with (x P)[:, columns[c]] = x[:, c]."""
+    columns = np.asarray(columns)
+    d = columns.shape[0]
+    if sorted(columns.tolist()) != list(range(d)):
+        raise ValueError(f"column_permutation: {columns} is not a permutation of range({d})")
+    p = np.zeros((d, d), np.float16)
+    p[np.arange(d), columns] = 1
+    return jnp.asarray(p)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def q_prep_fp4(q, w, perm, interpret: bool = False):
+    """q [R, H, d] float32 (raw, or already fake-quantized to fp4: the same result), w [R, H] f32, perm [d, d] f16
+    (`column_permutation`) -> (q_op [R, H, d] f16, w' [R, H] f32): per (row, head), q fake-quantized to fp4
+    (`formats.fake_quantize`: e2m1 codes, one power-of-two scale per 32 channels), divided by 2^e (e: frexp's
+    exponent of its largest magnitude) into f16, its channels moved to the key operand's columns; w' = w x 2^e.
+    Equal bit for bit to `gpu_mosaic`'s jnp preparation of a fake-quantized q for |q| < 2^120."""
+    R, H, d = q.shape
+    if w.shape != (R, H) or perm.shape != (d, d):
+        raise ValueError(f"q_prep_fp4: w must be [R, H] = {(R, H)} and perm [d, d] = {(d, d)}, got {w.shape}, "
+                         f"{perm.shape}")
+    if H & (H - 1) or d & (d - 1) or d % FP4_GROUP or H < 16:
+        raise ValueError(f"q_prep_fp4: heads (>= 16) and head_dim (a multiple of {FP4_GROUP}) must be powers of two "
+                         f"(Triton blocks and MMA), got {H}, {d}")
+    extra = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+
+        extra = dict(compiler_params=pltriton.CompilerParams(num_warps=4))
+    return pl.pallas_call(
+        _kernel_fp4, grid=(R,),
+        in_specs=[pl.BlockSpec((1, H, d), lambda r: (r, 0, 0)), pl.BlockSpec((1, H), lambda r: (r, 0)),
+                  pl.BlockSpec((d, d), lambda r: (0, 0))],
+        out_specs=[pl.BlockSpec((1, H, d), lambda r: (r, 0, 0)), pl.BlockSpec((1, H), lambda r: (r, 0))],
+        out_shape=[jax.ShapeDtypeStruct((R, H, d), jnp.float16), jax.ShapeDtypeStruct((R, H), jnp.float32)],
+        interpret=interpret, name="indexer_q_prep_fp4", **extra,
+    )(q.astype(jnp.float32), w.astype(jnp.float32), perm.astype(jnp.float16))
