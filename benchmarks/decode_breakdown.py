@@ -10,6 +10,14 @@ it twice); plus the LM head (hc head + norm + vocab matmul).
 Each is run `--steps` times as DEPENDENT calls inside one jitted lax.scan (its output perturbs the next input, so
 XLA can neither hoist nor batch them); µs/call = median wall time / steps after a warm-up. The per-component sum
 versus the full step shows how much is lost between components (launch gaps, copies).
+
+--parts (session 42): for compressed layers also the parts of the attention row, each alone: the compressor, the
+indexer's compressor and its selection (CSA), and the sparse-attention op on the layer's own pools and index lists
+(recorded by one traced call); the rest of the row is the projections, RoPE, quantization and the cache update.
+--kernels (GPU): for the full step and each attention row, the kernels one call launches (CUPTI over `--unroll`
+dependent calls): launches per call, the sum of their durations per call, and the largest few by name. (The CSA row
+took ~2x a sliding one's at batch 16 x 32K in session 24, with the indexer and compressor kernels a small part:
+this says which kernels fill the rest.)
 """
 
 from __future__ import annotations
@@ -38,6 +46,77 @@ def time_scan(fn, args, steps, repeats):
     return 1e6 * timed_chain(lambda c: fn(*c), args, steps, reps=repeats)
 
 
+def unrolled(fn, carry, n):
+    """n dependent calls of `carry = fn(*carry)` (a Python loop: one program, no loop kernels)."""
+    for _ in range(n):
+        carry = fn(*carry)
+    return carry
+
+
+def kernel_list(label, f, args, unroll, top, lines):
+    """Print and keep the CUPTI kernel list of f(*args) (`unroll` dependent calls): per call, the launches and the
+    sum of their durations, then the `top` largest kernels by name (launches a call, µs a call)."""
+    from benchmarks.decode_kernels import group_kernels
+    from benchmarks.timing import cupti_kernels
+
+    groups = group_kernels(cupti_kernels(f, *args), unroll)
+    launches = sum(g["per_call"] for g in groups.values())
+    total = sum(g["us_per_call"] for g in groups.values())
+    out = [f"  kernels of {label}: {launches:.0f} launches / call, {total:.1f} us of kernels / call"]
+    for name, g in list(groups.items())[:top]:
+        out.append(f"    {g['us_per_call']:8.1f} us  {g['per_call']:4.1f}x  {name[:90]}")
+    for line in out:
+        print(line, flush=True)
+    lines.extend(out)
+
+
+def attention_parts(graphdef, state, i, x, positions, start, ones, cache):
+    """[(label, fn, carry)] for layer i's compressed attention: each part of its call alone, as a dependent chain
+    (`carry = fn(*carry)`), with the same inputs as the layer's call."""
+    from pallas_kernels.sparse_attention import sparse_attention
+
+    from dsv4_jax.config import CSA
+
+    layer = nnx.merge(graphdef, state).layers[i].attn
+    lc, fmt = cache.layers[i], cache.fmt
+    kv_format = "kv_fp8" if fmt.kv == "fp8" else fmt.kv
+    parts = []
+
+    def compressor(x_, comp_state, entries, st=state):
+        a = nnx.merge(graphdef, st).layers[i].attn
+        entries, comp_state = a.compressor(x_, positions, start, ones, comp_state, entries, key_format=kv_format,
+                                           impl=a.attention_impl)
+        return x_, comp_state, entries
+    parts.append(("compressor", compressor, (x, lc.compressor, lc.compressed_kv)))
+    if layer.kind == CSA:
+        def idx_compressor(x_, idx_state, keys, st=state):
+            a = nnx.merge(graphdef, st).layers[i].attn
+            keys, idx_state = a.indexer.compressor(x_, positions, start, ones, idx_state, keys,
+                                                   key_format=fmt.indexer, rotate=fmt.indexer_rotate,
+                                                   impl=a.attention_impl)
+            return x_, idx_state, keys
+        parts.append(("indexer compressor", idx_compressor, (x, lc.indexer, lc.indexer_keys)))
+        qr = layer.q_norm(layer.wq_a(x))
+
+        def select(qr_, st=state):
+            a = nnx.merge(graphdef, st).layers[i].attn
+            picks = a.indexer.select(x, qr_, positions, lc.indexer_keys, fmt.indexer, fmt.indexer_rotate,
+                                     impl=a.attention_impl, picks=a.indexer_picks)
+            return (qr_ + 0.0 * picks[..., :1].astype(qr_.dtype),)
+        parts.append(("indexer select", select, (qr,)))
+    trace = []
+    layer(x, positions, start, ones, lc, fmt, trace=trace)
+    r = trace[0]
+
+    def op(q, r=r, a=layer):
+        o = sparse_attention(q, r["window_pool"], r["window_idx"], r["compressed_pool"], r["compressed_idx"],
+                             r["sinks"], scale=q.shape[-1] ** -0.5, compressed_len=r["compressed_len"],
+                             impl=a.attention_impl, kernel=a.attention_kernel)
+        return (q + 0.0 * o.astype(q.dtype),)
+    parts.append(("sparse attention op", op, (r["q"],)))
+    return parts
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_args(p, dtype="bfloat16")
@@ -46,6 +125,10 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--out")
+    p.add_argument("--parts", action="store_true", help="also time the parts of compressed layers' attention")
+    p.add_argument("--kernels", action="store_true", help="CUPTI kernel lists of the step and the attention rows (GPU)")
+    p.add_argument("--unroll", type=int, default=4, help="dependent calls per CUPTI kernel list")
+    p.add_argument("--top", type=int, default=8, help="kernels named per CUPTI list")
     args = p.parse_args(argv)
     model, name = build_model(args)
     cfg, B, L = model.config, args.batch, args.context
@@ -63,8 +146,9 @@ def main(argv=None):
         print(line, flush=True)
     rows = []
 
-    def report(label, us):
-        rows.append((label, us))
+    def report(label, us, part=False):
+        if not part:   # the parts of a row are inside it: not summed again
+            rows.append((label, us))
         lines.append(f"{label:<28} {us:>10.1f}")
         print(lines[-1], flush=True)
 
@@ -78,6 +162,9 @@ def main(argv=None):
         jax.block_until_ready(exe(state, cache, tok))
         times.append(time.perf_counter() - t0)
     report("full decode step", 1e6 * statistics.median(times) / args.steps)
+    if args.kernels:
+        kernel_list("full decode step", make_scan(graphdef, args.unroll), (state, cache, tok), args.unroll, args.top,
+                    lines)
 
     key = jax.random.PRNGKey(0)
     streams = jax.random.normal(key, (B, 1, cfg.hc_mult, cfg.hidden_size), jnp.float32).astype(model.dtype)
@@ -100,6 +187,12 @@ def main(argv=None):
             out, lc = nnx.merge(graphdef, st).layers[i].attn(x_, positions, start, ones, lc, cache.fmt)
             return x_ + out * 1e-3, lc
         report(f"L{i} {kind:<7} attention", time_scan(attn, (x, cache.layers[i]), args.steps, args.repeats))
+        if args.kernels:
+            kernel_list(f"L{i} {kind} attention", jax.jit(lambda c: unrolled(attn, c, args.unroll)),
+                        ((x, cache.layers[i]),), args.unroll, args.top, lines)
+        if args.parts and kind != "sliding":
+            for label, fn, carry in attention_parts(graphdef, state, i, x, positions, start, ones, cache):
+                report(f"L{i} {kind:<7}   {label}", time_scan(fn, carry, args.steps, args.repeats), part=True)
 
         def moe(x_, st=state, i=i):
             return (x_ + nnx.merge(graphdef, st).layers[i].ffn(x_, ids) * 1e-3,)

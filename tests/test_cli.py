@@ -110,11 +110,13 @@ def test_decode_breakdown_script_runs(tmp_path):
     it does not rot between GPU sessions: every component row and the sum are written."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "breakdown.txt"
-    subprocess.run([sys.executable, "benchmarks/decode_breakdown.py", "--preset", "tiny", "--layers", "2",
-                    "--batch", "2", "--context", "64", "--steps", "2", "--repeats", "1", "--out", str(out)],
+    subprocess.run([sys.executable, "benchmarks/decode_breakdown.py", "--preset", "tiny", "--layers", "3",
+                    "--batch", "2", "--context", "64", "--steps", "2", "--repeats", "1", "--parts",
+                    "--indexer-dtype", "fp8", "--out", str(out)],
                    cwd=root, env={**os.environ, "PYTHONPATH": root}, check=True, capture_output=True)
     text = out.read_text()
-    for row in ("full decode step", "L1 csa     attention", "LM head", "sum (mHC counted twice)"):
+    for row in ("full decode step", "L1 csa     attention", "L1 csa       indexer select", "L2 hca       compressor",
+                "L2 hca       sparse attention op", "LM head", "sum (mHC counted twice)"):
         assert row in text, text
 
 
