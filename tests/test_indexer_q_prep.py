@@ -291,3 +291,19 @@ def test_gpu_quantize_q_on_mosaic(fmt, prep, B, H, T, topk, monkeypatch):
         runs.append((np.asarray(scores), np.asarray(picks)))
     np.testing.assert_array_equal(runs[0][0], runs[1][0])
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
+
+
+def test_prepare_q_decides_per_query_chunk(monkeypatch):
+    """The scores kernel is chosen per query chunk: 8 rows x 2 queries make 16 query rows (Mosaic's "auto" rule on a
+    GPU) whole, but chunks of one query hold 8 (Triton), so q must arrive fake-quantized there."""
+    from test_indexer_kernels import make
+
+    from pallas_kernels.indexer import gpu_mosaic, prepare_q
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(gpu_mosaic, "AUTO", True)
+    q, _, keys, _ = make(8, 2, 64, 256, "fp8")
+    raw = q + 0.01
+    np.testing.assert_array_equal(np.asarray(prepare_q(raw, keys, "gpu", {}, query_chunk=256)), np.asarray(raw))
+    np.testing.assert_array_equal(np.asarray(prepare_q(raw, keys, "gpu", {}, query_chunk=1)),
+                                  np.asarray(F.fake_quantize(raw, "fp8")))

@@ -28,6 +28,7 @@ argument, at trace time.
 
 from __future__ import annotations
 
+import jax
 
 from . import formats
 from .common import validate
@@ -46,18 +47,21 @@ def resolve_impl(impl: str) -> str:
 PICKS = ("sorted", "set")
 
 
-def prepare_q(q, keys, target, kernel_options):
+def prepare_q(q, keys, target, kernel_options, query_chunk=None):
     """quantize_q=True: q as the chosen path takes it -- fake-quantized in the keys' format (`formats.fake_quantize`),
     except where the kernel quantizes q itself and a raw q gives the same scores (`gpu.takes_raw_q`: the Mosaic
     kernel over fp8 keys, and over fp4 keys with its one-kernel q preparation), which saves the fake quantization's
-    XLA kernels."""
+    XLA kernels. The kernel is chosen per query chunk (`chunking.map_query_chunks`: every chunk [B, query_chunk]
+    when S > query_chunk), so the choice is made for that shape."""
     fmt = getattr(keys, "fmt", None) if isinstance(keys, formats.QuantizedKeys) else None
     if fmt is None:
         return q
     if target in ("gpu", "interpret"):
         from .gpu import takes_raw_q
 
-        if takes_raw_q(q, keys, target == "interpret", kernel_options):
+        chunk = q if query_chunk is None or q.shape[1] <= query_chunk else \
+            jax.ShapeDtypeStruct((q.shape[0], query_chunk) + q.shape[2:], q.dtype)
+        if takes_raw_q(chunk, keys, target == "interpret", kernel_options):
             return q
     return formats.fake_quantize(q, fmt)
 
@@ -73,7 +77,7 @@ def indexer_topk(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256,
     validate(q, weights, keys, n_visible, k=k, query_chunk=query_chunk)
     target = resolve_impl(impl)
     if quantize_q:
-        q = prepare_q(q, keys, target, kernel_options)
+        q = prepare_q(q, keys, target, kernel_options, query_chunk)
     if picks == "set":
         from .topk import as_index_set
 
