@@ -32,7 +32,8 @@ lax.top_k / radix select 8 bits per pass / 4 bits per pass / grouped two-stage s
 (Triton bound + compaction + k-set selection, lax.top_k over k) / threshold_set (the same as an index set, no sort)
 (`topk_from_scores`), as dependent calls in one jitted scan (the next scores get + 0.0 * picks[0] in place at one entry); floor = reading the scores once at copy BW.
 --quick: topk_only at T = 262144 only, without the 8-bit radix and blockwise variants. --variants / --topk-methods
-pick subsets. --tiny (CPU smoke test): small shapes, nominal ceilings, 2 iterations.
+pick subsets. --tiny (CPU smoke test): small shapes, nominal ceilings, 2 iterations. --lower-only (a GPU command's
+dry run on any machine, session 42): every variant of every case lowered for CUDA on abstract inputs, nothing timed.
 """
 
 from __future__ import annotations
@@ -91,6 +92,23 @@ def harness_out(q, w, keys, nv):
     """The harness variant's stand-in for the indexer's output: [B, S, 1] int32 read from q, so its step runs the
     same dependency fusion as every other variant's (`dependent_q`) and nothing else."""
     return jax.lax.bitcast_convert_type(q[:, :, 0, :1], jnp.int32)
+
+
+def lower_cases(cases, variants) -> int:
+    """--lower-only: each case's chain step (the variant + `dependent_q`) lowered for CUDA on abstract inputs
+    (`jax.eval_shape` of `make_inputs`: no data is made); prints a line per variant; 1 if any failed, else 0."""
+    failed = 0
+    for B, S, ctx, fmt in cases:
+        args = jax.eval_shape(lambda B=B, S=S, ctx=ctx, fmt=fmt: make_inputs(B, S, ctx, fmt))
+        for name, fn in variants.items():
+            step = lambda qq, w, keys, nv, fn=fn: dependent_q(qq, fn(qq, w, keys, nv))
+            try:
+                jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))
+                print(f"lowers   {B}x{S}x{ctx}x{fmt} {name}", flush=True)
+            except Exception as e:  # noqa: BLE001 - report every failure, then exit 1
+                failed = 1
+                print(f"FAILS    {B}x{S}x{ctx}x{fmt} {name}: {e!r}"[:600], flush=True)
+    return failed
 
 
 def case(B, S, ctx, fmt, ceil, n_iter, variants, timing="net", unroll=1):
@@ -255,6 +273,9 @@ def main():
                          "call, 100-250 us, spread over n = 10 iterations at B = 64 x 128K)")
     ap.add_argument("--unroll", type=int, default=1,
                     help="dependent calls per scan iteration: > 1 shares the loop's own trip between them")
+    ap.add_argument("--lower-only", action="store_true",
+                    help="a dry run on any machine: lower every case's variants for CUDA (the dispatchers told the "
+                         "backend is a GPU), time nothing; exits 1 if any fails")
     a = ap.parse_args()
     if a.fused_config:
         from pallas_kernels.indexer import topk_fused
@@ -266,7 +287,9 @@ def main():
                              f"{sorted(topk_fused.FUSED_KERNEL_CONFIG)}")
         topk_fused.FUSED_KERNEL_CONFIG.update(opts)  # read at trace time
     os.makedirs(a.out, exist_ok=True)
-    if a.tiny:
+    if a.lower_only:
+        jax.default_backend = lambda: "gpu"   # the dispatchers resolve "pallas" / "auto" as on the GPU
+    if a.tiny or a.lower_only:
         ceil = dict(copy_Bps=1e11, bf16_flops=1e12, copy_GBps=100.0, bf16_TFLOPs=1.0, nominal=True)
     else:
         ceil = measure_ceilings(a.quick)
@@ -400,6 +423,8 @@ def main():
         cases += [(1, 1024, 131072, "bf16"), (1, 1024, 131072, "fp4")]
     if a.cases:
         cases = [(int(b), int(s_), int(c), f) for b, s_, c, f in (x.split("x") for x in a.cases.split(","))]
+    if a.lower_only:
+        raise SystemExit(lower_cases(cases, variants))
     rows = result["rows"]
     hdr = f"{'B':>3} {'S':>5} {'ctx':>8} {'fmt':>5} {'floor':>9} {'memfloor':>9} " + " ".join(f"{v:>17}" for v in variants)
     print(hdr, flush=True)

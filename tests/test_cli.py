@@ -121,6 +121,24 @@ def test_decode_breakdown_script_runs(tmp_path):
 
 
 @full_tier
+def test_indexer_benchmark_lower_only(tmp_path):
+    """benchmarks/indexer.py --lower-only (the GPU command's dry run on the CPU): every variant of the case lowers
+    for CUDA -- the in-kernel selection with its session-41 options, the one-kernel q preparation, the model's q
+    paths -- and a variant that cannot lower makes it exit 1."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    cmd = [sys.executable, "benchmarks/indexer.py", "--lower-only", "--skip-topk-only", "--variants",
+           "pallas_auto_set,model_q_raw", "--cases", "64x1x131072xfp4", "--out", str(tmp_path), "--set-configs",
+           "topk=segment_set,sel.prune=2048,sel.final=last,mosaic.q_prep=triton"]
+    run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("lowers ") == 4, run.stdout
+    run = subprocess.run(cmd[:-1] + ["topk=segment_set,sel.prune=100"], cwd=root, env=env, capture_output=True,
+                         text=True)
+    assert run.returncode == 1 and "FAILS" in run.stdout and "prune" in run.stdout, run.stdout + run.stderr
+
+
+@full_tier
 def test_topk_and_indexer_benchmark_scripts_run(tmp_path):
     """benchmarks/topk_stages.py (Triton kernels in the interpreter on CPU, with --fused-configs and
     --select-configs) and benchmarks/indexer.py --tiny (with --fused-config and --set-configs) run end to end, so the option sets a
