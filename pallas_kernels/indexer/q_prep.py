@@ -1,6 +1,10 @@
-"""The Mosaic indexer kernel's q operand and head weights for fp8 keys in one Pallas (Triton) kernel.
+"""The Mosaic indexer kernel's q operand and head weights in one Pallas (Triton) kernel (MOSAIC_CONFIG q_prep).
 
     q_prep_fp8(q [R, H, 128] f32, w [R, H] f32, f16=True) -> (q_op [R, H, 128] f16 (or e4m3), w' [R, H] f32)
+    q_prep_fp4(q [R, H, 128] f32, w [R, H] f32, perm [128, 128] f16) -> (q_op [R, H, 128] f16, w' [R, H] f32)
+
+fp4 keys (session 42): q fake-quantized to fp4 (from a raw or an already fake-quantized q: the same values), divided
+per head by 2^e into f16 and its channels moved to the key operand's columns; see `q_prep_fp4`. fp8 keys:
 
 `gpu_mosaic.indexer_scores_mosaic` needs, per (query row, head), q's own fp8 quantization (`formats.quantize`:
 e4m3 codes and a power-of-two scale s) with the codes as the wgmma operand and s folded into the head weight
