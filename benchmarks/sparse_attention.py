@@ -157,6 +157,13 @@ def fmt(r):
     return s
 
 
+# every --groups name main() knows (each an `if "<name>" in groups` block below)
+GROUPS = (
+    "b1", "colsplit", "decode", "fp8ops", "hca8k_fp8", "kernels", "knobs5", "prefetch", "prefill",
+    "qreload", "s14", "s16", "s17", "s18", "s19", "s22", "s23", "s25", "s25d", "s26", "s26b", "s26c",
+    "s28", "s29", "s29p", "s9", "ss", "variants")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -192,6 +199,9 @@ def main():
     global NET_DECODE
     NET_DECODE = args.net_decode
     groups = set(args.groups.split(","))
+    unknown = sorted(groups - set(GROUPS))
+    if unknown:   # a typo would otherwise run nothing and cost a device call
+        ap.error(f"unknown --groups {unknown}; known: {', '.join(GROUPS)}")
     rng = np.random.default_rng(0)
     print("devices:", jax.devices(), "jax", jax.__version__, flush=True)
     ceil = measure_ceilings()

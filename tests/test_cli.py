@@ -191,3 +191,16 @@ def test_fp8_conversion_bank_model():
     for (name, order), (load, store) in got.items():
         if order == "diagonal":
             assert store == 1.0 and load <= 1.6, (name, load, store)
+
+
+def test_sparse_attention_benchmark_knows_its_groups():
+    """benchmarks/sparse_attention.py's GROUPS (what --groups accepts; anything else is refused, so a typo does not
+    run nothing on a device call) lists exactly the groups main() runs."""
+    import ast
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "benchmarks", "sparse_attention.py")).read()
+    used = set(re.findall(r'"([a-z0-9_]+)" in groups', text))
+    listed = ast.literal_eval(re.search(r"^GROUPS = (\(.*?\))\n", text, re.M | re.S).group(1))
+    assert used == set(listed) and len(listed) == len(set(listed))
