@@ -269,8 +269,10 @@ def test_mosaic_fp8_interpreted_takes_raw_q():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU (compiled Mosaic and Triton kernels)")
-@pytest.mark.parametrize("fmt,prep", [("fp8", "xla"), ("fp8", "triton"), ("fp4", "xla"), ("fp4", "triton")])
-@pytest.mark.parametrize("B,H,T,topk", [(64, 64, 32768, "auto_set"), (20, 32, 8192, "tour_set")])
+@pytest.mark.parametrize("fmt,prep,B,H,T,topk", [("fp8", "xla", 64, 64, 32768, "auto_set"),
+                                                  ("fp4", "triton", 64, 64, 32768, "auto_set"),
+                                                  ("fp8", "triton", 20, 32, 8192, "tour_set"),
+                                                  ("fp4", "xla", 20, 32, 8192, "tour_set")])
 def test_gpu_quantize_q_on_mosaic(fmt, prep, B, H, T, topk, monkeypatch):
     """On the GPU: a raw q with quantize_q=True gives the Mosaic kernel's scores and picks of its fake-quantized q,
     bit for bit, with either q preparation (fp4 "triton": the kernel fake-quantizes; else the dispatcher does)."""
