@@ -53,7 +53,7 @@ def prepare_q(q, keys, target, kernel_options, query_chunk=None):
     kernel over fp8 keys, and over fp4 keys with its one-kernel q preparation), which saves the fake quantization's
     XLA kernels. The kernel is chosen per query chunk (`chunking.map_query_chunks`: every chunk [B, query_chunk]
     when S > query_chunk), so the choice is made for that shape."""
-    fmt = getattr(keys, "fmt", None) if isinstance(keys, formats.QuantizedKeys) else None
+    fmt = keys.fmt if isinstance(keys, formats.QuantizedKeys) else None   # bf16 / exact keys: q is not quantized
     if fmt is None:
         return q
     if target in ("gpu", "interpret"):
