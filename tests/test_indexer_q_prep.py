@@ -32,11 +32,12 @@ def test_scale_exponent_equals_formats_rule():
 
 
 @pytest.mark.parametrize("R,H,fake,f16", [(5, 64, True, True), (3, 16, False, True), full(2, 128, True, True),
-                                          (4, 32, True, False)])
+                                          (4, 32, True, False), (2, 48, True, True)])
 def test_q_prep_kernel_equals_the_jnp_path(R, H, fake, f16):
     """The kernel (Pallas interpreter here) against `gpu.quantize_q_fp8` + the weights' scale + the f16 conversion:
     codes and weights bit for bit, for fake-quantized q (the contract) and raw q (rounded the same way), heads
-    spanning 1e-3..300 in magnitude, the e4m3 codes themselves with f16=False (the kernel's precision "fp8")."""
+    spanning 1e-3..300 in magnitude, the e4m3 codes themselves with f16=False (the kernel's precision "fp8"), and a
+    head count that is not a power of two (padded inside with zero heads)."""
     rng = np.random.default_rng(R * 100 + H)
     q = jnp.asarray(rng.standard_normal((R, H, 128)) * rng.choice([1e-3, 1.0, 300.0], (R, H, 1)), jnp.float32)
     q = F.fake_quantize(q, "fp8") if fake else q
@@ -50,11 +51,10 @@ def test_q_prep_kernel_equals_the_jnp_path(R, H, fake, f16):
 
 
 def test_q_prep_errors():
-    q, w = jnp.zeros((2, 48, 128)), jnp.zeros((2, 48))
-    with pytest.raises(ValueError, match="powers of two"):
-        q_prep.q_prep_fp8(q, w, interpret=True)
+    with pytest.raises(ValueError, match="power of two"):
+        q_prep.q_prep_fp8(jnp.zeros((2, 64, 96)), jnp.zeros((2, 64)), interpret=True)
     with pytest.raises(ValueError, match="w must be"):
-        q_prep.q_prep_fp8(jnp.zeros((2, 64, 128)), w, interpret=True)
+        q_prep.q_prep_fp8(jnp.zeros((2, 64, 128)), jnp.zeros((2, 48)), interpret=True)
 
 
 def test_segment_set_with_q_prep_lowers(monkeypatch):
@@ -163,11 +163,12 @@ def _fp4_columns():
 
 
 @pytest.mark.parametrize("R,H,fake", [(3, 64, True), (3, 64, False), (2, 32, False), full(2, 128, False),
-                                      (2, 16, True)])
+                                      (2, 16, True), (2, 8, False), (2, 96, False)])
 def test_q_prep_fp4_kernel_equals_the_jnp_path(R, H, fake):
     """The kernel (Pallas interpreter) against `gpu_mosaic.fp4_q_operand` of the fake-quantized q: operand and
     weights bit for bit, whether q arrives fake-quantized or raw (the kernel quantizes it the same way), with heads
-    spanning 1e-3..300 and channels within a head spanning 100x (so the 32-channel groups get different scales)."""
+    spanning 1e-3..300 and channels within a head spanning 100x (so the 32-channel groups get different scales); 8
+    and 96 heads are padded inside to 16 / 128 with zero heads."""
     from pallas_kernels.indexer.gpu_mosaic import fp4_q_operand
 
     rng = np.random.default_rng(R * 10 + H + fake)
@@ -185,8 +186,9 @@ def test_q_prep_fp4_kernel_equals_the_jnp_path(R, H, fake):
 
 def test_q_prep_fp4_errors():
     perm = q_prep.column_permutation(_fp4_columns())
-    with pytest.raises(ValueError, match="powers of two"):
-        q_prep.q_prep_fp4(jnp.zeros((2, 48, 128)), jnp.zeros((2, 48)), perm, interpret=True)
+    with pytest.raises(ValueError, match="power of two"):
+        q_prep.q_prep_fp4(jnp.zeros((2, 16, 96)), jnp.zeros((2, 16)), q_prep.column_permutation(np.arange(96)),
+                          interpret=True)
     with pytest.raises(ValueError, match="perm"):
         q_prep.q_prep_fp4(jnp.zeros((2, 64, 128)), jnp.zeros((2, 64)), perm[:64], interpret=True)
     with pytest.raises(ValueError, match="not a permutation"):

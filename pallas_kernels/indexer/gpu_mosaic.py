@@ -236,8 +236,7 @@ MAX_CLUSTER = 8     # portable thread-block cluster size
 # amax, the codes, w x s; two or three small XLA kernels a call) or "triton" (one Pallas kernel, equal bit for bit:
 # `q_prep.q_prep_fp8`, session 41; `q_prep.q_prep_fp4`, session 42, which also fake-quantizes q to fp4, so a raw q
 # gives the operand of a fake-quantized one, as on the fp8 path either way; checked in the interpreter and lowered on
-# the CPU, not yet timed). "triton" needs the padded head count a power of two. `quantizes_q` says which paths take a
-# raw q.
+# the CPU, not yet timed). `quantizes_q` says which paths take a raw q.
 MOSAIC_CONFIG = dict(q_prep="xla")
 FINALS = ("auto", "cluster", "triton", "last")
 

@@ -50,21 +50,33 @@ def _kernel(q_ref, w_ref, qo_ref, wo_ref, *, f16):
     wo_ref[0] = w_ref[0] * _exp2(e)
 
 
+def _pow2_heads(q, w, least):
+    """q [R, H, d], w [R, H] with H padded by zero heads to a power of two >= least (a Triton block's dimensions
+    are powers of two; a zero head's operand and weight are 0, and the caller slices them off)."""
+    H = q.shape[1]
+    hp = max(least, 1 << (H - 1).bit_length())
+    if hp == H:
+        return q, w
+    return jnp.pad(q, ((0, 0), (0, hp - H), (0, 0))), jnp.pad(w, ((0, 0), (0, hp - H)))
+
+
 @functools.partial(jax.jit, static_argnames=("f16", "interpret"))
 def q_prep_fp8(q, w, f16: bool = True, interpret: bool = False):
     """q [R, H, d] float32, w [R, H] float32 -> (q_op [R, H, d] (f16 codes, or e4m3 with f16=False), w' [R, H]
     f32): `gpu.quantize_q_fp8` + the weights' scale + the f16 conversion, in one kernel (module doc)."""
-    R, H, d = q.shape
-    if w.shape != (R, H):
-        raise ValueError(f"q_prep_fp8: w must be [R, H] = {(R, H)}, got {w.shape}")
-    if H & (H - 1) or d & (d - 1):
-        raise ValueError(f"q_prep_fp8: heads and head_dim must be powers of two (Triton blocks), got {H}, {d}")
+    R, H0, d = q.shape
+    if w.shape != (R, H0):
+        raise ValueError(f"q_prep_fp8: w must be [R, H] = {(R, H0)}, got {w.shape}")
+    if d & (d - 1):
+        raise ValueError(f"q_prep_fp8: head_dim must be a power of two (a Triton block), got {d}")
+    q, w = _pow2_heads(q, w, 1)
+    H = q.shape[1]
     extra = {}
     if not interpret:
         from jax.experimental.pallas import triton as pltriton
 
         extra = dict(compiler_params=pltriton.CompilerParams(num_warps=4 if H * d <= 8192 else 8))
-    return pl.pallas_call(
+    q_op, w_op = pl.pallas_call(
         functools.partial(_kernel, f16=f16), grid=(R,),
         in_specs=[pl.BlockSpec((1, H, d), lambda r: (r, 0, 0)), pl.BlockSpec((1, H), lambda r: (r, 0))],
         out_specs=[pl.BlockSpec((1, H, d), lambda r: (r, 0, 0)), pl.BlockSpec((1, H), lambda r: (r, 0))],
@@ -72,6 +84,7 @@ def q_prep_fp8(q, w, f16: bool = True, interpret: bool = False):
                    jax.ShapeDtypeStruct((R, H), jnp.float32)],
         interpret=interpret, name="indexer_q_prep_fp8", **extra,
     )(q.astype(jnp.float32), w.astype(jnp.float32))
+    return q_op[:, :H0], w_op[:, :H0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -152,19 +165,21 @@ def q_prep_fp4(q, w, perm, interpret: bool = False):
     (`formats.fake_quantize`: e2m1 codes, one power-of-two scale per 32 channels), divided by 2^e (e: frexp's
     exponent of its largest magnitude) into f16, its channels moved to the key operand's columns; w' = w x 2^e.
     Equal bit for bit to `gpu_mosaic`'s jnp preparation of a fake-quantized q for |q| < 2^120."""
-    R, H, d = q.shape
-    if w.shape != (R, H) or perm.shape != (d, d):
-        raise ValueError(f"q_prep_fp4: w must be [R, H] = {(R, H)} and perm [d, d] = {(d, d)}, got {w.shape}, "
+    R, H0, d = q.shape
+    if w.shape != (R, H0) or perm.shape != (d, d):
+        raise ValueError(f"q_prep_fp4: w must be [R, H] = {(R, H0)} and perm [d, d] = {(d, d)}, got {w.shape}, "
                          f"{perm.shape}")
-    if H & (H - 1) or d & (d - 1) or d % FP4_GROUP or H < 16:
-        raise ValueError(f"q_prep_fp4: heads (>= 16) and head_dim (a multiple of {FP4_GROUP}) must be powers of two "
-                         f"(Triton blocks and MMA), got {H}, {d}")
+    if d & (d - 1) or d % FP4_GROUP:
+        raise ValueError(f"q_prep_fp4: head_dim must be a power of two and a multiple of {FP4_GROUP} (a Triton block "
+                         f"of whole groups), got {d}")
+    q, w = _pow2_heads(q, w, 16)   # the permutation's MMA takes >= 16 rows
+    H = q.shape[1]
     extra = {}
     if not interpret:
         from jax.experimental.pallas import triton as pltriton
 
         extra = dict(compiler_params=pltriton.CompilerParams(num_warps=4))
-    return pl.pallas_call(
+    q_op, w_op = pl.pallas_call(
         _kernel_fp4, grid=(R,),
         in_specs=[pl.BlockSpec((1, H, d), lambda r: (r, 0, 0)), pl.BlockSpec((1, H), lambda r: (r, 0)),
                   pl.BlockSpec((d, d), lambda r: (0, 0))],
@@ -172,3 +187,4 @@ def q_prep_fp4(q, w, perm, interpret: bool = False):
         out_shape=[jax.ShapeDtypeStruct((R, H, d), jnp.float16), jax.ShapeDtypeStruct((R, H), jnp.float32)],
         interpret=interpret, name="indexer_q_prep_fp4", **extra,
     )(q.astype(jnp.float32), w.astype(jnp.float32), perm.astype(jnp.float16))
+    return q_op[:, :H0], w_op[:, :H0]
