@@ -79,13 +79,12 @@ def attention_parts(graphdef, state, i, x, positions, start, ones, cache):
 
     layer = nnx.merge(graphdef, state).layers[i].attn
     lc, fmt = cache.layers[i], cache.fmt
-    kv_format = "kv_fp8" if fmt.kv == "fp8" else fmt.kv
     parts = []
 
     def compressor(x_, comp_state, entries, st=state):
         a = nnx.merge(graphdef, st).layers[i].attn
-        entries, comp_state = a.compressor(x_, positions, start, ones, comp_state, entries, key_format=kv_format,
-                                           impl=a.attention_impl)
+        entries, comp_state = a.compressor(x_, positions, start, ones, comp_state, entries,
+                                           key_format=fmt.compressed_key_format, impl=a.attention_impl)
         return x_, comp_state, entries
     parts.append(("compressor", compressor, (x, lc.compressor, lc.compressed_kv)))
     if layer.kind == CSA:

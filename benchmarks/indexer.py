@@ -88,6 +88,11 @@ def dependent_q(q, out):
     return q + 0.0 * first[..., None]
 
 
+def chain_step(fn):
+    """The chain's step for an indexer call fn(q, w, keys, nv): the call, then `dependent_q` on its output."""
+    return lambda qq, w, keys, nv: dependent_q(qq, fn(qq, w, keys, nv))
+
+
 def harness_out(q, w, keys, nv):
     """The harness variant's stand-in for the indexer's output: [B, S, 1] int32 read from q, so its step runs the
     same dependency fusion as every other variant's (`dependent_q`) and nothing else."""
@@ -101,9 +106,8 @@ def lower_cases(cases, variants) -> int:
     for B, S, ctx, fmt in cases:
         args = jax.eval_shape(lambda B=B, S=S, ctx=ctx, fmt=fmt: make_inputs(B, S, ctx, fmt))
         for name, fn in variants.items():
-            step = lambda qq, w, keys, nv, fn=fn: dependent_q(qq, fn(qq, w, keys, nv))
             try:
-                jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))
+                jax.jit(chain_step(fn)).trace(*args).lower(lowering_platforms=("cuda",))
                 print(f"lowers   {B}x{S}x{ctx}x{fmt} {name}", flush=True)
             except Exception as e:  # noqa: BLE001 - report every failure, then exit 1
                 failed = 1
@@ -126,10 +130,8 @@ def case(B, S, ctx, fmt, ceil, n_iter, variants, timing="net", unroll=1):
                bytes=bytes_, flops=flops, timing=timing, unroll=unroll)
     chain = chain_net if timing == "net" else timed_chain
     for name, fn in variants.items():
-        def step(qq, w, keys, nv, fn=fn):
-            return dependent_q(qq, fn(qq, w, keys, nv))
         try:   # keys etc. as arguments, not constants of the program (2.2 GB at B=64 x 1M)
-            t = chain(step, q, n_iter, unroll=unroll, args=(w, keys, nv))
+            t = chain(chain_step(fn), q, n_iter, unroll=unroll, args=(w, keys, nv))
             row[name + "_us"] = t * 1e6
         except Exception as e:  # noqa: BLE001 - report and continue (e.g. reference OOM)
             row[name + "_us"] = float("nan")

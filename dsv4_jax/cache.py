@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from pallas_kernels.compressor import KV_FP8
 from pallas_kernels.indexer import formats as idx_formats
 from pallas_kernels.sparse_attention.fp8_layout import HEAD_DIM as FP8_HEAD_DIM, ROPE_DIM as FP8_ROPE_DIM
 from pallas_kernels.sparse_attention.fp8_layout import quantize_kv_fp8_rows
@@ -87,6 +88,11 @@ class CacheFormat:
         if self.kv not in (None, "bf16", "fp8"):
             raise ValueError(f"kv cache dtype must be None, 'bf16' or 'fp8', got {self.kv!r}")
         idx_formats.check_format(self.indexer)
+
+    @property
+    def compressed_key_format(self) -> Optional[str]:
+        """The compressor's `key_format` for the compressed KV cache: "kv_fp8" (the 584-B rows) for an fp8 cache."""
+        return KV_FP8 if self.kv == "fp8" else self.kv
 
 
 @struct.dataclass

@@ -107,7 +107,7 @@ class Attention(nnx.Module):
         compressed_pool = compressed_idx = compressed_len = None
         if self.kind != SLIDING:
             entries, comp_state = self.compressor(x, positions, start, n_valid, cache.compressor, cache.compressed_kv,
-                                                  key_format="kv_fp8" if fmt.kv == "fp8" else fmt.kv,
+                                                  key_format=fmt.compressed_key_format,
                                                   impl=self.attention_impl)
             cache = cache.replace(compressed_kv=entries, compressor=comp_state)
             cap = jax.tree_util.tree_leaves(entries)[0].shape[1]

@@ -13,8 +13,8 @@ reduction, the codes, w x s): ~1.2-2 us each at B = 64 plus the gaps between the
 kernel does it in one launch, one program per query row.
 
 Equal to the XLA path bit for bit. The scale is formats' rule, s = 2^e with e = ceil(log2(max(amax, 1e-4) / 448)),
-computed without the division: with max(amax, 1e-4) = m 2^E (m in [1, 2)), e = E - 8 + (m > 1.75), since 448 =
-1.75 x 2^8. (The rounded quotient never crosses a power of two the exact one does not: a float m 2^E above
+computed without the division (`_pow2_exponent_bits`): with max(amax, 1e-4) = m 2^E (m in [1, 2)), e = E - 8 +
+(m > 1.75), since 448 = 1.75 x 2^8. (The rounded quotient never crosses a power of two the exact one does not: a float m 2^E above
 1.75 x 2^(E) by one ulp gives a quotient 1.14 of its ulp above 2^(E - 8), which rounds up.) Codes: q x 2^-e (exact),
 rounded to e4m3 (RNE, |.| <= 448 by the scale's choice), then to f16 (exact). The head weight: w x 2^e.
 """
@@ -22,42 +22,65 @@ rounded to e4m3 (RNE, |.| <= 448 by the scale's choice), then to f16 (exact). Th
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from .formats import _exp2
+from .formats import E2M1_MAX, E4M3_MAX, FP4_BLOCK, _exp2
 
 E4M3_FLOOR = 1e-4   # formats.quantize's floor on the amax (fp8)
 
 
-def _scale_exponent(amax):
-    """e = ceil(log2(max(amax, 1e-4) / 448)) for f32 amax >= 0, by the exponent and mantissa bits (no division)."""
-    a = jnp.maximum(amax, jnp.float32(E4M3_FLOOR))
+def _pow2_exponent_bits(amax, fmt_max: float, floor: float):
+    """`formats._pow2_exponent` without its division and frexp (Triton has neither): e = ceil(log2(max(amax, floor)
+    / fmt_max)) for f32 amax >= 0. With fmt_max = m0 2^k (m0 in [1, 2)) and max(amax, floor) = m 2^E, e = E - k +
+    (m > m0). Checked against formats' rule for fp8 (448 = 1.75 x 2^8) and fp4 (6 = 1.5 x 2^2): one ulp above m0
+    the rounded quotient is 1.14 / 0.67 of its ulp above the power of two and rounds up, one ulp below it stays
+    below (module doc)."""
+    m0, k = math.frexp(fmt_max)
+    m0, k = 2 * m0, k - 1
+    threshold = int(round((m0 - 1) * 2 ** 23))      # m0's mantissa bits
+    a = jnp.maximum(amax, jnp.float32(floor))
     bits = jax.lax.bitcast_convert_type(a, jnp.int32)
     E = ((bits >> 23) & 0xFF) - 127
-    above = (bits & 0x7FFFFF) > 0x600000          # mantissa m > 1.75 (1.75 = 1 + 0x600000 / 2^23)
-    return E - 8 + above.astype(jnp.int32)
+    return E - k + ((bits & 0x7FFFFF) > threshold).astype(jnp.int32)
 
 
 def _kernel(q_ref, w_ref, qo_ref, wo_ref, *, f16):
     q = q_ref[0]                                   # [H, d]
-    e = _scale_exponent(jnp.max(jnp.abs(q), axis=1))
+    e = _pow2_exponent_bits(jnp.max(jnp.abs(q), axis=1), E4M3_MAX, E4M3_FLOOR)
     codes = (q * _exp2(-e)[:, None]).astype(jnp.float8_e4m3fn)
     qo_ref[0] = codes.astype(jnp.float16) if f16 else codes
     wo_ref[0] = w_ref[0] * _exp2(e)
 
 
-def _pow2_heads(q, w, least):
-    """q [R, H, d], w [R, H] with H padded by zero heads to a power of two >= least (a Triton block's dimensions
-    are powers of two; a zero head's operand and weight are 0, and the caller slices them off)."""
-    H = q.shape[1]
-    hp = max(least, 1 << (H - 1).bit_length())
-    if hp == H:
-        return q, w
-    return jnp.pad(q, ((0, 0), (0, hp - H), (0, 0))), jnp.pad(w, ((0, 0), (0, hp - H)))
+def _per_row(kernel, q, w, consts, least_heads, q_dtype, name, num_warps, interpret):
+    """One program per query row r: kernel(q_ref [1, H, d], w_ref [1, H], *const_refs, qo_ref [1, H, d] q_dtype,
+    wo_ref [1, H] f32), consts whole to every program. H is padded with zero heads to a power of two >= least_heads
+    (a Triton block's dimensions are powers of two) and sliced off the outputs."""
+    R, H0, d = q.shape
+    hp = max(least_heads, 1 << (H0 - 1).bit_length())
+    q, w = q.astype(jnp.float32), w.astype(jnp.float32)
+    if hp != H0:   # a zero head's operand and weight are 0
+        q, w = jnp.pad(q, ((0, 0), (0, hp - H0), (0, 0))), jnp.pad(w, ((0, 0), (0, hp - H0)))
+    extra = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+
+        extra = dict(compiler_params=pltriton.CompilerParams(num_warps=num_warps))
+    whole = lambda c: pl.BlockSpec(c.shape, lambda r: (0,) * c.ndim)
+    q_op, w_op = pl.pallas_call(
+        kernel, grid=(R,),
+        in_specs=[pl.BlockSpec((1, hp, d), lambda r: (r, 0, 0)), pl.BlockSpec((1, hp), lambda r: (r, 0))]
+                 + [whole(c) for c in consts],
+        out_specs=[pl.BlockSpec((1, hp, d), lambda r: (r, 0, 0)), pl.BlockSpec((1, hp), lambda r: (r, 0))],
+        out_shape=[jax.ShapeDtypeStruct((R, hp, d), q_dtype), jax.ShapeDtypeStruct((R, hp), jnp.float32)],
+        interpret=interpret, name=name, **extra,
+    )(q, w, *consts)
+    return q_op[:, :H0], w_op[:, :H0]
 
 
 @functools.partial(jax.jit, static_argnames=("f16", "interpret"))
@@ -69,40 +92,14 @@ def q_prep_fp8(q, w, f16: bool = True, interpret: bool = False):
         raise ValueError(f"q_prep_fp8: w must be [R, H] = {(R, H0)}, got {w.shape}")
     if d & (d - 1):
         raise ValueError(f"q_prep_fp8: head_dim must be a power of two (a Triton block), got {d}")
-    q, w = _pow2_heads(q, w, 1)
-    H = q.shape[1]
-    extra = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-
-        extra = dict(compiler_params=pltriton.CompilerParams(num_warps=4 if H * d <= 8192 else 8))
-    q_op, w_op = pl.pallas_call(
-        functools.partial(_kernel, f16=f16), grid=(R,),
-        in_specs=[pl.BlockSpec((1, H, d), lambda r: (r, 0, 0)), pl.BlockSpec((1, H), lambda r: (r, 0))],
-        out_specs=[pl.BlockSpec((1, H, d), lambda r: (r, 0, 0)), pl.BlockSpec((1, H), lambda r: (r, 0))],
-        out_shape=[jax.ShapeDtypeStruct((R, H, d), jnp.float16 if f16 else jnp.float8_e4m3fn),
-                   jax.ShapeDtypeStruct((R, H), jnp.float32)],
-        interpret=interpret, name="indexer_q_prep_fp8", **extra,
-    )(q.astype(jnp.float32), w.astype(jnp.float32))
-    return q_op[:, :H0], w_op[:, :H0]
+    return _per_row(functools.partial(_kernel, f16=f16), q, w, (), 1, jnp.float16 if f16 else jnp.float8_e4m3fn,
+                    "indexer_q_prep_fp8", 4 if H0 * d <= 8192 else 8, interpret)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # fp4 keys: q fake-quantized to fp4, scaled per head, its channels in the key operand's column order, in one kernel.
 
-FP4_FLOOR = 6.0 * 2.0 ** -126   # formats.quantize's floor on a group's amax (fp4)
-FP4_GROUP = 32
-
-
-def _fp4_group_exponent(amax):
-    """e = clip(ceil(log2(max(amax, 6 * 2^-126) / 6)), -127, 127) for f32 amax >= 0, from the bits: with
-    max(amax, floor) = m 2^E (m in [1, 2)), e = E - 2 + (m > 1.5), since 6 = 1.5 x 2^2 (the rounded quotient
-    crosses 2^k exactly where the exact one does: one ulp above m = 1.5 it is 0.67 of its ulp above, below 1.33)."""
-    a = jnp.maximum(amax, jnp.float32(FP4_FLOOR))
-    bits = jax.lax.bitcast_convert_type(a, jnp.int32)
-    E = ((bits >> 23) & 0xFF) - 127
-    above = (bits & 0x7FFFFF) > 0x400000          # mantissa m > 1.5 (1.5 = 1 + 0x400000 / 2^23)
-    return jnp.clip(E - 2 + above.astype(jnp.int32), -127, 127)
+FP4_FLOOR = E2M1_MAX * 2.0 ** -126   # formats.quantize's floor on a group's amax (fp4)
 
 
 def _round_e2m1(y):
@@ -132,12 +129,13 @@ def _frexp_exponent(amax):
 def _kernel_fp4(q_ref, w_ref, perm_ref, qo_ref, wo_ref):
     q = q_ref[0]                                   # [H, d], channels in their own order
     H, d = q.shape
-    group = jax.lax.broadcasted_iota(jnp.int32, (H, d), 1) // FP4_GROUP
+    group = jax.lax.broadcasted_iota(jnp.int32, (H, d), 1) // FP4_BLOCK
     mag = jnp.abs(q)
     # each element's group exponent, by masked row maxima (2-D only: Triton has no tensor slices)
     e_el = jnp.zeros((H, d), jnp.int32)
-    for g in range(d // FP4_GROUP):
-        e_g = _fp4_group_exponent(jnp.max(jnp.where(group == g, mag, 0.0), axis=1))
+    for g in range(d // FP4_BLOCK):
+        e_g = jnp.clip(_pow2_exponent_bits(jnp.max(jnp.where(group == g, mag, 0.0), axis=1), E2M1_MAX, FP4_FLOOR),
+                       -127, 127)
         e_el = jnp.where(group == g, e_g[:, None], e_el)
     fq = _round_e2m1(q * _exp2(-e_el)) * _exp2(e_el)          # formats.fake_quantize(q, "fp4"), exactly
     e = _frexp_exponent(jnp.max(jnp.abs(fq), axis=1))         # the head's scale into its weight
@@ -169,22 +167,9 @@ def q_prep_fp4(q, w, perm, interpret: bool = False):
     if w.shape != (R, H0) or perm.shape != (d, d):
         raise ValueError(f"q_prep_fp4: w must be [R, H] = {(R, H0)} and perm [d, d] = {(d, d)}, got {w.shape}, "
                          f"{perm.shape}")
-    if d & (d - 1) or d % FP4_GROUP:
-        raise ValueError(f"q_prep_fp4: head_dim must be a power of two and a multiple of {FP4_GROUP} (a Triton block "
+    if d & (d - 1) or d % FP4_BLOCK:
+        raise ValueError(f"q_prep_fp4: head_dim must be a power of two and a multiple of {FP4_BLOCK} (a Triton block "
                          f"of whole groups), got {d}")
-    q, w = _pow2_heads(q, w, 16)   # the permutation's MMA takes >= 16 rows
-    H = q.shape[1]
-    extra = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-
-        extra = dict(compiler_params=pltriton.CompilerParams(num_warps=4))
-    q_op, w_op = pl.pallas_call(
-        _kernel_fp4, grid=(R,),
-        in_specs=[pl.BlockSpec((1, H, d), lambda r: (r, 0, 0)), pl.BlockSpec((1, H), lambda r: (r, 0)),
-                  pl.BlockSpec((d, d), lambda r: (0, 0))],
-        out_specs=[pl.BlockSpec((1, H, d), lambda r: (r, 0, 0)), pl.BlockSpec((1, H), lambda r: (r, 0))],
-        out_shape=[jax.ShapeDtypeStruct((R, H, d), jnp.float16), jax.ShapeDtypeStruct((R, H), jnp.float32)],
-        interpret=interpret, name="indexer_q_prep_fp4", **extra,
-    )(q.astype(jnp.float32), w.astype(jnp.float32), perm.astype(jnp.float16))
-    return q_op[:, :H0], w_op[:, :H0]
+    # 16 heads at least: the permutation's MMA takes >= 16 rows
+    return _per_row(_kernel_fp4, q, w, (perm.astype(jnp.float16),), 16, jnp.float16, "indexer_q_prep_fp4",
+                    4, interpret)
