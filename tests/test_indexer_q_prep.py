@@ -27,8 +27,8 @@ def test_scale_exponent_equals_formats_rule():
                            edges, np.nextafter(edges, np.float32(np.inf)), np.nextafter(edges, np.float32(0)),
                            [0.0, 1e-4, np.nextafter(np.float32(1e-4), np.float32(0)), 1e-30, 3e38]]).astype(np.float32)
     a = jnp.asarray(vals)
-    np.testing.assert_array_equal(np.asarray(q_prep._pow2_exponent_bits(a, F.E4M3_MAX, 1e-4)),
-                                  np.asarray(F._pow2_exponent(a, F.E4M3_MAX, 1e-4)))
+    np.testing.assert_array_equal(np.asarray(q_prep._pow2_exponent_bits(a, F.E4M3_MAX, F.E4M3_AMAX_FLOOR)),
+                                  np.asarray(F._pow2_exponent(a, F.E4M3_MAX, F.E4M3_AMAX_FLOOR)))
 
 
 @pytest.mark.parametrize("R,H,fake,f16", [(5, 64, True, True), (3, 16, False, True), full(2, 128, True, True),
@@ -129,8 +129,8 @@ def test_fp4_group_exponent_equals_formats_rule():
                            edges, np.nextafter(edges, np.float32(np.inf)), np.nextafter(edges, np.float32(0)),
                            [0.0, 1e-45, 3e38]]).astype(np.float32)
     a = jnp.asarray(vals)
-    want = jnp.clip(F._pow2_exponent(a, F.E2M1_MAX, F.E2M1_MAX * 2.0 ** -126), -127, 127)
-    got = jnp.clip(q_prep._pow2_exponent_bits(a, F.E2M1_MAX, q_prep.FP4_FLOOR), -127, 127)
+    want = jnp.clip(F._pow2_exponent(a, F.E2M1_MAX, F.E2M1_AMAX_FLOOR), -127, 127)
+    got = jnp.clip(q_prep._pow2_exponent_bits(a, F.E2M1_MAX, F.E2M1_AMAX_FLOOR), -127, 127)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 

@@ -491,7 +491,7 @@ def _finish(st: _Static, b, blk, start, nv, pooled, nw_ref, fq_ref, m_ref, outs)
         amax = jnp.max(jnp.abs(zs[0]), axis=1, keepdims=True)
         for z in zs[1:]:
             amax = jnp.maximum(amax, jnp.max(jnp.abs(z), axis=1, keepdims=True))
-        s = exp2i(pow2_exponent(amax, formats.E4M3_MAX, 1e-4))     # [wb, 1]
+        s = exp2i(pow2_exponent(amax, formats.E4M3_MAX, formats.E4M3_AMAX_FLOOR))     # [wb, 1]
         for c in range(nc):
             _store(v_ref, b, dest, c * dc, zs[c] / s, ok)
         _store(s_ref, b, dest, 0, s, ok)
@@ -503,7 +503,7 @@ def _finish(st: _Static, b, blk, start, nv, pooled, nw_ref, fq_ref, m_ref, outs)
             ze, zo = _even_odd(zs[c])                  # [wb, dc/2]
             a_abs = jnp.maximum(jnp.abs(ze), jnp.abs(zo)).reshape(wb, nsb, hb)
             amax = jnp.max(a_abs, axis=2)              # [wb, dc/32]
-            e = jnp.clip(pow2_exponent(amax, formats.E2M1_MAX, formats.E2M1_MAX * 2.0 ** -126), -126, 127)
+            e = jnp.clip(pow2_exponent(amax, formats.E2M1_MAX, formats.E2M1_AMAX_FLOOR), -126, 127)
             scale = jnp.broadcast_to(exp2i(e)[:, :, None], (wb, nsb, hb)).reshape(wb, half)
             byte = e2m1_code(ze / scale) | (e2m1_code(zo / scale) << 4)
             _store(v_ref, b, dest, c * half, byte, ok)

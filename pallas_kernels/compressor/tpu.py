@@ -93,7 +93,7 @@ def _kernel(start_ref, kv_ref, gate_ref, nw_ref, freq_ref, *refs, r, wb, d, eps,
         outs[0][...] = z.astype(outs[0].dtype)
     elif key_format == "fp8":
         z = mix(m_refs[0]) if rotate else y
-        sc = exp2i(pow2_exponent(jnp.max(jnp.abs(z), axis=1, keepdims=True), formats.E4M3_MAX, 1e-4))
+        sc = exp2i(pow2_exponent(jnp.max(jnp.abs(z), axis=1, keepdims=True), formats.E4M3_MAX, formats.E4M3_AMAX_FLOOR))
         outs[0][...] = (z / sc).astype(outs[0].dtype)
         outs[1][...] = sc
     elif key_format == "kv_fp8":  # 584-B rows: 7 x 64 e4m3 with ue8m0 scales, 64 bf16 rope, 1 pad scale byte
@@ -112,7 +112,7 @@ def _kernel(start_ref, kv_ref, gate_ref, nw_ref, freq_ref, *refs, r, wb, d, eps,
         ze, zo = mix(m_refs[0]), mix(m_refs[1])                              # [wb, d/2] even / odd channels
         n_grp = d // formats.FP4_BLOCK
         amax, grp = block_max(jnp.maximum(jnp.abs(ze), jnp.abs(zo)), n_grp, formats.FP4_BLOCK // 2)
-        ex = jnp.clip(pow2_exponent(amax, formats.E2M1_MAX, formats.E2M1_MAX * 2.0 ** -126), -126, 127)
+        ex = jnp.clip(pow2_exponent(amax, formats.E2M1_MAX, formats.E2M1_AMAX_FLOOR), -126, 127)
         sc = spread(exp2i(ex), grp)
         outs[0][...] = (e2m1_code(ze / sc) | (e2m1_code(zo / sc) << 4)).astype(outs[0].dtype)
         outs[1][...] = (ex + 127).astype(outs[1].dtype)

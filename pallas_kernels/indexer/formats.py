@@ -22,6 +22,8 @@ import jax.numpy as jnp
 FORMATS = (None, "bf16", "fp8", "fp4")
 BYTES_PER_KEY = {"bf16": lambda d: 2 * d, "fp8": lambda d: d + 4, "fp4": lambda d: d // 2 + d // 32}
 E4M3_MAX, E2M1_MAX = 448.0, 6.0
+# the floors on the amax in the scale rules (module doc): fp8 per key / q head, fp4 per 32-block
+E4M3_AMAX_FLOOR, E2M1_AMAX_FLOOR = 1e-4, E2M1_MAX * 2.0 ** -126
 FP4_BLOCK = 32
 
 
@@ -90,11 +92,11 @@ def _quantize(x, fmt, dtype):
         return x.astype(jnp.bfloat16)
     x = x.astype(jnp.float32)
     if fmt == "fp8":
-        e = _pow2_exponent(jnp.max(jnp.abs(x), axis=-1, keepdims=True), E4M3_MAX, 1e-4)
+        e = _pow2_exponent(jnp.max(jnp.abs(x), axis=-1, keepdims=True), E4M3_MAX, E4M3_AMAX_FLOOR)
         s = _exp2(e)
         return QuantizedKeys((x / s).astype(jnp.float8_e4m3fn), s, "fp8")
     blocks = x.reshape(x.shape[:-1] + (x.shape[-1] // FP4_BLOCK, FP4_BLOCK))
-    e = jnp.clip(_pow2_exponent(jnp.max(jnp.abs(blocks), axis=-1), E2M1_MAX, E2M1_MAX * 2.0 ** -126), -127, 127)
+    e = jnp.clip(_pow2_exponent(jnp.max(jnp.abs(blocks), axis=-1), E2M1_MAX, E2M1_AMAX_FLOOR), -127, 127)
     codes = jax.lax.bitcast_convert_type((blocks / _exp2(e)[..., None]).astype(jnp.float4_e2m1fn), jnp.uint4)
     codes = codes.astype(jnp.uint8).reshape(x.shape[:-1] + (x.shape[-1] // 2, 2))
     packed = codes[..., 0] | (codes[..., 1] << 4)

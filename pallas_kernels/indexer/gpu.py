@@ -123,7 +123,7 @@ def quantize_q_fp8(q, fmt):
         qk = formats.quantize(q, "fp8")
         return qk.values, qk.scale[..., 0]
     amax = jnp.max(jnp.abs(q), axis=-1)
-    e = jnp.clip(formats._pow2_exponent(amax, formats.E2M1_MAX, formats.E2M1_MAX * 2.0 ** -126), -100, 127)
+    e = jnp.clip(formats._pow2_exponent(amax, formats.E2M1_MAX, formats.E2M1_AMAX_FLOOR), -100, 127)
     s = formats._exp2(e - FP4_Q_SHIFT)
     return (q / s[..., None]).astype(jnp.float8_e5m2), s
 

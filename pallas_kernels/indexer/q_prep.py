@@ -29,9 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from .formats import E2M1_MAX, E4M3_MAX, FP4_BLOCK, _exp2
-
-E4M3_FLOOR = 1e-4   # formats.quantize's floor on the amax (fp8)
+from .formats import E2M1_AMAX_FLOOR, E2M1_MAX, E4M3_AMAX_FLOOR, E4M3_MAX, FP4_BLOCK, _exp2
 
 
 def _pow2_exponent_bits(amax, fmt_max: float, floor: float):
@@ -51,7 +49,7 @@ def _pow2_exponent_bits(amax, fmt_max: float, floor: float):
 
 def _kernel(q_ref, w_ref, qo_ref, wo_ref, *, f16):
     q = q_ref[0]                                   # [H, d]
-    e = _pow2_exponent_bits(jnp.max(jnp.abs(q), axis=1), E4M3_MAX, E4M3_FLOOR)
+    e = _pow2_exponent_bits(jnp.max(jnp.abs(q), axis=1), E4M3_MAX, E4M3_AMAX_FLOOR)
     codes = (q * _exp2(-e)[:, None]).astype(jnp.float8_e4m3fn)
     qo_ref[0] = codes.astype(jnp.float16) if f16 else codes
     wo_ref[0] = w_ref[0] * _exp2(e)
@@ -99,8 +97,6 @@ def q_prep_fp8(q, w, f16: bool = True, interpret: bool = False):
 # ---------------------------------------------------------------------------------------------------------------
 # fp4 keys: q fake-quantized to fp4, scaled per head, its channels in the key operand's column order, in one kernel.
 
-FP4_FLOOR = E2M1_MAX * 2.0 ** -126   # formats.quantize's floor on a group's amax (fp4)
-
 
 def _round_e2m1(y):
     """y f32 with |y| <= 6 -> y rounded to e2m1 (0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives), ties to the even code,
@@ -134,7 +130,7 @@ def _kernel_fp4(q_ref, w_ref, perm_ref, qo_ref, wo_ref):
     # each element's group exponent, by masked row maxima (2-D only: Triton has no tensor slices)
     e_el = jnp.zeros((H, d), jnp.int32)
     for g in range(d // FP4_BLOCK):
-        e_g = jnp.clip(_pow2_exponent_bits(jnp.max(jnp.where(group == g, mag, 0.0), axis=1), E2M1_MAX, FP4_FLOOR),
+        e_g = jnp.clip(_pow2_exponent_bits(jnp.max(jnp.where(group == g, mag, 0.0), axis=1), E2M1_MAX, E2M1_AMAX_FLOOR),
                        -127, 127)
         e_el = jnp.where(group == g, e_g[:, None], e_el)
     fq = _round_e2m1(q * _exp2(-e_el)) * _exp2(e_el)          # formats.fake_quantize(q, "fp4"), exactly
