@@ -62,7 +62,8 @@ def main():
                 net, _ = wall_net(chain, *a, n1=u, n2=2 * u)
                 kernels = group_kernels(cupti_kernels(chain(u), *a), u)
                 if args.hlo:   # which fusion is which: the compiled program's text
-                    name = "".join(c if c.isalnum() or c in "=._-" else "_" for c in f"{cs}_{cfg}")[:150]
+                    # letters, digits and ._- only: the device tool returns no file whose name has '=' or ','
+                    name = "".join(c if c.isalnum() or c in "._-" else "_" for c in f"{cs}_{cfg}")[:150]
                     with open(os.path.join(args.out, f"ikern_hlo_{name}.txt"), "w") as fh:
                         fh.write(chain(u).lower(*a).compile().as_text())
                 k_sum = sum(v["us_per_call"] for v in kernels.values())

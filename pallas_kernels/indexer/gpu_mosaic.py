@@ -29,9 +29,10 @@ Key formats and precisions (`PRECISIONS`; the first is the default):
   group's factor 2^(15 - D) (D: the group's distance below the key's largest scale; exact for D <= 24), written
   into WGMMA registers of `mosaic_fp4.register_plan`'s choosing, with q's 128 channels permuted to match (a dot
   product is indifferent to the order of its K dimension). The key's 2^(smax - 128) multiplies its score. q arrives
-  fake-quantized to fp4; each (token, head) is divided by a power of two (into the head weight) and rounded to f16.
-  With MOSAIC_CONFIG q_prep "triton" one kernel does that and the fake quantization itself, so q may arrive raw
-  (`quantizes_q`; the dispatcher's `quantize_q=True` then skips its own).
+  fake-quantized to fp4, or raw: with MOSAIC_CONFIG q_prep "triton" (the default) one kernel does the fake
+  quantization, divides each (token, head) by a power of two (into the head weight) and rounds to f16, so the
+  dispatcher's `quantize_q=True` skips its own (`quantizes_q`); q_prep "xla" does the division in jnp and needs q
+  fake-quantized.
 * bf16 keys (a bfloat16 [B, T, 128] array): "bf16x2" (q split into bf16 hi + the bf16-rounded remainder, two wgmmas
   into one accumulator: q to ~16 mantissa bits, as the Triton kernel's default for bf16 keys), "bf16" (q rounded to
   bf16, one wgmma; exact for a bf16 q). Products of two bf16 values are exact in f32.
@@ -214,13 +215,16 @@ def _e4m3_to_f16(a8, mode):
 # the default: on the H200 (session 40, B = 64 x 128K fp8, CUPTI) the clustered launch alone made the kernel 145 us
 # instead of 90 (no selection in either; 64 clusters of 4 CTAs of ~111 KB of shared memory), the whole call 185 vs
 # 122.5 us.
-# "last" (session 41; lowered and assembled on the CPU, not yet run on a GPU): every split CTA writes its survivors to
+# "last" (session 41; session 44 on an H100: correct, 7 + 11 GPU tests; the kernel time drops 2.5 us at B = 64 x 128K
+# fp8 but the call's does not, the counters' zero-fill being one more launch, so it stays off): every split CTA writes its survivors to
 # global memory and adds 1 to its row's counter (a zeroed GMEM semaphore array); the CTA that arrives last selects
 # the row's set among the row's survivors (read back from L2), so no Triton kernel follows and no CTA waits. It
 # applies where a row's survivors (u keys and positions) fit the split's segment buffer, 2 x n_split x (k + slack)
 # <= the split's keys (B = 64 x 128K: 4 splits of 8192 keys, 4608 words), and k + slack is a multiple of 4 and
 # k <= 1024; elsewhere the Triton final runs.
-# prune (session 41; checked in the PTX simulator and lowered on the CPU, not yet run on a GPU; 0 = off): the capacity
+# prune (session 41; session 44 on an H100: survivors equal the numpy model bit for bit, 19 GPU tests, but it saves
+# 1.6 of the tail's ~9.4 us at B = 64 x 128K fp8, within the noise of the call, and costs 3 us on fp4 keys; 0 = off,
+# the default): the capacity
 # of a candidate list (int32 entries in shared memory). After the split's first half of blocks, the first level's bin
 # of their k-th largest key bounds the split's top k from below; each later block appends its entries at or above
 # that bound to the list as it streams (`mosaic_select.prune_append_ptx`), the first level stops counting, and after
@@ -232,12 +236,14 @@ def _e4m3_to_f16(a8, mode):
 SELECT_CONFIG = dict(slack=64, max_segment=8192, num_stages=3, aggregate=False, stream_hist=True, final="triton",
                      probe=0, prune=0, prune_stages=2)
 MAX_CLUSTER = 8     # portable thread-block cluster size
-# q_prep: how q's operand and head weights are made before the kernel over fp8 / fp4 keys: "xla" (jnp: the per-head
-# amax, the codes, w x s; two or three small XLA kernels a call) or "triton" (one Pallas kernel, equal bit for bit:
-# `q_prep.q_prep_fp8`, session 41; `q_prep.q_prep_fp4`, session 42, which also fake-quantizes q to fp4, so a raw q
-# gives the operand of a fake-quantized one, as on the fp8 path either way; checked in the interpreter and lowered on
-# the CPU, not yet timed). `quantizes_q` says which paths take a raw q.
-MOSAIC_CONFIG = dict(q_prep="xla")
+# q_prep: how q's operand and head weights are made before the kernel over fp8 / fp4 keys: "triton" (the default since
+# session 44: one Pallas kernel, equal bit for bit: `q_prep.q_prep_fp8`, session 41; `q_prep.q_prep_fp4`, session 42,
+# which also fake-quantizes q to fp4, so a raw q gives the operand of a fake-quantized one, as on the fp8 path either
+# way) or "xla" (jnp: the per-head amax, the codes, w x s; two or three small XLA kernels a call, after the
+# dispatcher's fake quantization of q for fp4 keys). Session 44 (H100, B = 64 x 128K, the model's raw-q path, net
+# of dispatch): fp4 141.2 -> 122.5 us a call, fp8 121.5 -> 120.0; a q that arrives fake-quantized loses ~3 us on fp4
+# keys (125.6 vs 122.3: the Triton kernel repeats the fake quantization). `quantizes_q` says which paths take a raw q.
+MOSAIC_CONFIG = dict(q_prep="triton")
 FINALS = ("auto", "cluster", "triton", "last")
 
 

@@ -1,0 +1,175 @@
+"""The routed experts' grouped matmuls by weight layout: does XLA transpose the expert weights at every call?
+
+    PYTHONPATH=. python benchmarks/moe_layout.py [--experts 8] [--batches 16,64] [--hlo DIR] [--out FILE.json]
+    PYTHONPATH=. python benchmarks/moe_layout.py --lower-only      # CPU: every variant lowers, nothing timed
+
+Why (session 44, H100, `decode_breakdown.py --kernels`, 4-layer V4-Flash slice with 8 experts, batch 16 x 32K): the
+decode step's largest kernel was `wrapped_transpose_1`, 8 launches a step (2 a layer), 726.5 us of the step's
+2948.7, ~91 us each: about one [8, 2048, 4096] bf16 expert matrix read and written (268 MB) per launch. The
+model stores routed experts as checkpoints do, w1 / w3 [E, out=I, in=D] and w2 [E, D, I], and contracts x with
+their last dim (`dsv4_jax.layers.moe._RAGGED_DN`); if XLA's GPU ragged-dot wants the contracting dim first, it
+transposes the whole weight stack every call. This times the same routed-expert forward (the model's math: sort
+the token x expert pairs by expert, gather, w1 and w3, clamped SwiGLU, w2, weight, scatter-add) with each layout:
+
+  out_in  w [E, out, in]: ragged_dot_general contracting x's dim 1 with w's dim 2 (the model today)
+  in_out  w [E, in, out]: jax.lax.ragged_dot (x's dim 1 with w's dim 1); the layout a load-time transpose would give
+
+Per variant and batch (B x top-k token rows; decode rows are B x 1 tokens): us per call net of dispatch (dependent
+calls in one jitted scan, `timing.chain_net`), the floor (every active expert's three matrices read once at the
+measured copy bandwidth; at B >= 2 with 8 experts every expert is active), the ratio, the kernels one call launches
+(CUPTI, largest first), and each variant's max relative error against a per-expert dense jnp reference. --hlo DIR
+writes each variant's optimized HLO, so the transposes (or their absence) can be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.timing import chain_net, cupti_kernels, measure_ceilings  # noqa: E402
+from dsv4_jax.layers.moe import _RAGGED_DN, swiglu  # noqa: E402
+
+VARIANTS = ("out_in", "in_out")
+_IN_OUT_DN = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+
+def make_weights(rng, E, D, I, layout):
+    """w1, w3, w2 bf16 in `layout`: out_in -> [E, I, D], [E, I, D], [E, D, I]; in_out -> [E, D, I], [E, D, I],
+    [E, I, D] (the same matrices transposed, so both layouts compute the same products)."""
+    w1 = rng.standard_normal((E, I, D), np.float32) * D ** -0.5
+    w3 = rng.standard_normal((E, I, D), np.float32) * D ** -0.5
+    w2 = rng.standard_normal((E, D, I), np.float32) * I ** -0.5
+    if layout == "in_out":
+        w1, w3, w2 = (np.swapaxes(w, 1, 2) for w in (w1, w3, w2))
+    return tuple(jnp.asarray(w, jnp.bfloat16) for w in (w1, w3, w2))
+
+
+def routed_experts(x, weights, experts, w1, w3, w2, layout, limit):
+    """x [T, D] bf16, weights / experts [T, k] -> [T, D] f32: the model's `Experts.__call__` with the weights in
+    `layout` (module doc)."""
+    T, k = experts.shape
+    E = w1.shape[0]
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    xs = jnp.take(x, token, axis=0).astype(w1.dtype)
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    dn = _RAGGED_DN if layout == "out_in" else _IN_OUT_DN
+    dot = lambda a, w: jax.lax.ragged_dot_general(a, w, sizes, dn, preferred_element_type=jnp.float32)
+    h = swiglu(dot(xs, w1), dot(xs, w3), limit)
+    y = dot(h.astype(w2.dtype), w2) * jnp.take(weights.reshape(-1), order)[:, None]
+    return jnp.zeros((T, x.shape[-1]), jnp.float32).at[token].add(y)
+
+
+def dense_reference(x, weights, experts, w1, w3, w2, layout, limit):
+    """The same in f32 numpy, expert by expert (w in out_in orientation after un-transposing)."""
+    w1, w3, w2 = (np.asarray(w, np.float32) for w in (w1, w3, w2))
+    if layout == "in_out":
+        w1, w3, w2 = (np.swapaxes(w, 1, 2) for w in (w1, w3, w2))
+    x = np.asarray(x, np.float32)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(experts.shape[1]):
+            e = int(experts[t, j])
+            g, u = w1[e] @ x[t], w3[e] @ x[t]
+            h = np.asarray(swiglu(jnp.asarray(g), jnp.asarray(u), limit))
+            h = np.asarray(jnp.asarray(h).astype(jnp.bfloat16).astype(jnp.float32))
+            out[t] += float(weights[t, j]) * (w2[e] @ h)
+    return out
+
+
+def case_inputs(rng, T, k, E, D):
+    x = jnp.asarray(rng.standard_normal((T, D), np.float32), jnp.bfloat16)
+    experts = np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)]).astype(np.int32)
+    weights = rng.random((T, k)).astype(np.float32)
+    return x, jnp.asarray(weights / weights.sum(-1, keepdims=True)), jnp.asarray(experts)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=6)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--intermediate", type=int, default=2048)
+    p.add_argument("--batches", default="16,64", help="decode batch sizes (token rows)")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--limit", type=float, default=10.0, help="SwiGLU clamp")
+    p.add_argument("--steps", type=int, default=16, help="dependent calls per timed scan")
+    p.add_argument("--hlo", default=None, help="directory for each variant's optimized HLO")
+    p.add_argument("--out", default=None, help="JSON results")
+    p.add_argument("--lower-only", action="store_true", help="lower every variant (CPU dry run), time nothing")
+    p.add_argument("--check-tokens", type=int, default=4, help="rows checked against the dense reference")
+    a = p.parse_args(argv)
+    variants = [v for v in a.variants.split(",") if v]
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        p.error(f"unknown variants {bad}; known: {VARIANTS}")
+    E, k, D, I = a.experts, a.top_k, a.hidden, a.intermediate
+    if not 0 < k <= E:
+        p.error(f"--top-k must be in [1, --experts]; got {k}, {E}")
+    rng = np.random.default_rng(0)
+    ceil = None if a.lower_only else measure_ceilings()
+    if ceil:
+        print(f"ceilings: copy {ceil['copy_GBps'] / 1e3:.2f} TB/s, bf16 {ceil['bf16_TFLOPs']:.0f} TFLOP/s")
+    results = dict(device=str(jax.devices()[0]), E=E, k=k, D=D, I=I, ceilings=ceil, rows=[])
+    failed = 0
+    for B in (int(b) for b in a.batches.split(",")):
+        x, wts, ex = case_inputs(rng, B, k, E, D)
+        active = len(np.unique(np.asarray(ex)))
+        w_bytes = active * 3 * D * I * 2
+        row = dict(B=B, active_experts=active, weight_MB=w_bytes / 1e6)
+        if ceil:
+            row["floor_us"] = w_bytes / ceil["copy_Bps"] * 1e6
+        for v in variants:
+            w1, w3, w2 = make_weights(np.random.default_rng(1), E, D, I, v)
+            fn = jax.jit(lambda x, wts, ex, w1, w3, w2, v=v: routed_experts(x, wts, ex, w1, w3, w2, v, a.limit))
+            try:
+                if a.lower_only:
+                    fn.lower(x, wts, ex, w1, w3, w2)
+                    row[f"{v}_lowered"] = True
+                    continue
+                out = fn(x, wts, ex, w1, w3, w2)
+                n = a.check_tokens
+                ref = dense_reference(x[:n], np.asarray(wts[:n]), np.asarray(ex[:n]), w1, w3, w2, v, a.limit)
+                got = np.asarray(out[:n])
+                row[f"{v}_rel_err"] = float(np.abs(got - ref).max() / np.abs(ref).max())
+                if a.hlo:
+                    os.makedirs(a.hlo, exist_ok=True)
+                    with open(os.path.join(a.hlo, f"moe_{v}_B{B}.txt"), "w") as f:
+                        f.write(fn.lower(x, wts, ex, w1, w3, w2).compile().as_text())
+
+                def step(xc, wts, ex, w1, w3, w2, v=v):   # the next call's x depends on this call's output
+                    y = routed_experts(xc, wts, ex, w1, w3, w2, v, a.limit)
+                    return (xc.astype(jnp.float32) + 1e-3 * y).astype(jnp.bfloat16)
+
+                t = chain_net(step, x, a.steps, args=(wts, ex, w1, w3, w2))
+                row[f"{v}_us"] = t * 1e6
+                row[f"{v}_ratio"] = t * 1e6 / row["floor_us"]
+                if jax.default_backend() == "gpu":
+                    ks = cupti_kernels(fn, x, wts, ex, w1, w3, w2)
+                    ks.sort(key=lambda nk: -nk[1])
+                    row[f"{v}_kernels"] = [(name, round(us, 2)) for name, us in ks[:8]]
+                    row[f"{v}_kernel_us"] = sum(us for _, us in ks)
+            except Exception as e:   # report, keep going
+                failed += 1
+                row[f"{v}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        results["rows"].append(row)
+        print(json.dumps(row, indent=1), flush=True)
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(results, f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
