@@ -36,7 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.timing import chain_net, cupti_kernels, measure_ceilings  # noqa: E402
-from dsv4_jax.layers.moe import _RAGGED_DN, swiglu  # noqa: E402
+from dsv4_jax.layers.moe import _RAGGED_DN, routed_experts, swiglu  # noqa: E402
 
 VARIANTS = ("out_in", "in_out")
 _IN_OUT_DN = jax.lax.RaggedDotDimensionNumbers(
@@ -54,21 +54,9 @@ def make_weights(rng, E, D, I, layout):
     return tuple(jnp.asarray(w, jnp.bfloat16) for w in (w1, w3, w2))
 
 
-def routed_experts(x, weights, experts, w1, w3, w2, layout, limit):
-    """x [T, D] bf16, weights / experts [T, k] -> [T, D] f32: the model's `Experts.__call__` with the weights in
-    `layout` (module doc)."""
-    T, k = experts.shape
-    E = w1.shape[0]
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    token = order // k
-    xs = jnp.take(x, token, axis=0).astype(w1.dtype)
-    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    dn = _RAGGED_DN if layout == "out_in" else _IN_OUT_DN
-    dot = lambda a, w: jax.lax.ragged_dot_general(a, w, sizes, dn, preferred_element_type=jnp.float32)
-    h = swiglu(dot(xs, w1), dot(xs, w3), limit)
-    y = dot(h.astype(w2.dtype), w2) * jnp.take(weights.reshape(-1), order)[:, None]
-    return jnp.zeros((T, x.shape[-1]), jnp.float32).at[token].add(y)
+def layout_experts(x, weights, experts, w1, w3, w2, layout, limit):
+    """The model's routed-expert forward (`dsv4_jax.layers.moe.routed_experts`) with the weights in `layout`."""
+    return routed_experts(x, weights, experts, w1, w3, w2, limit, _RAGGED_DN if layout == "out_in" else _IN_OUT_DN)
 
 
 def dense_reference(x, weights, experts, w1, w3, w2, layout, limit):
@@ -132,13 +120,14 @@ def main(argv=None):
             row["floor_us"] = w_bytes / ceil["copy_Bps"] * 1e6
         for v in variants:
             w1, w3, w2 = make_weights(np.random.default_rng(1), E, D, I, v)
-            fn = jax.jit(lambda x, wts, ex, w1, w3, w2, v=v: routed_experts(x, wts, ex, w1, w3, w2, v, a.limit))
+            fn = jax.jit(lambda x, wts, ex, w1, w3, w2, v=v: layout_experts(x, wts, ex, w1, w3, w2, v, a.limit))
             try:
                 if a.lower_only:
                     fn.lower(x, wts, ex, w1, w3, w2)
                     row[f"{v}_lowered"] = True
                     continue
-                out = fn(x, wts, ex, w1, w3, w2)
+                compiled = fn.lower(x, wts, ex, w1, w3, w2).compile()
+                out = compiled(x, wts, ex, w1, w3, w2)
                 n = a.check_tokens
                 ref = dense_reference(x[:n], np.asarray(wts[:n]), np.asarray(ex[:n]), w1, w3, w2, v, a.limit)
                 got = np.asarray(out[:n])
@@ -146,10 +135,10 @@ def main(argv=None):
                 if a.hlo:
                     os.makedirs(a.hlo, exist_ok=True)
                     with open(os.path.join(a.hlo, f"moe_{v}_B{B}.txt"), "w") as f:
-                        f.write(fn.lower(x, wts, ex, w1, w3, w2).compile().as_text())
+                        f.write(compiled.as_text())
 
                 def step(xc, wts, ex, w1, w3, w2, v=v):   # the next call's x depends on this call's output
-                    y = routed_experts(xc, wts, ex, w1, w3, w2, v, a.limit)
+                    y = layout_experts(xc, wts, ex, w1, w3, w2, v, a.limit)
                     return (xc.astype(jnp.float32) + 1e-3 * y).astype(jnp.bfloat16)
 
                 t = chain_net(step, x, a.steps, args=(wts, ex, w1, w3, w2))

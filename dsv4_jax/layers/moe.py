@@ -65,18 +65,25 @@ class Experts(nnx.Module):
 
     def __call__(self, x, weights, experts):
         """x [T, D], weights/experts [T, k] -> sum_k weights * expert_k(x) [T, D] float32."""
-        T, k = experts.shape
-        E = self.w1.shape[0]
-        flat = experts.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        token = order // k
-        xs = jnp.take(x, token, axis=0).astype(self.w1.dtype)                      # [T*k, D] grouped by expert
-        sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-        dot = lambda a, w: jax.lax.ragged_dot_general(a, w, sizes, _RAGGED_DN, preferred_element_type=jnp.float32)
-        h = swiglu(dot(xs, self.w1[...]), dot(xs, self.w3[...]), self.limit)
-        y = dot(h.astype(self.w2.dtype), self.w2[...])                               # [T*k, D] float32
-        y = y * jnp.take(weights.reshape(-1), order)[:, None]
-        return jnp.zeros((T, x.shape[-1]), jnp.float32).at[token].add(y)
+        return routed_experts(x, weights, experts, self.w1[...], self.w3[...], self.w2[...], self.limit)
+
+
+def routed_experts(x, weights, experts, w1, w3, w2, limit: float, dims=_RAGGED_DN):
+    """x [T, D], weights/experts [T, k], stacked expert weights -> sum_k weights * expert_k(x) [T, D] float32.
+    `dims`: how x [T*k, in] contracts with a weight stack; the default takes them as stored, [E, out, in]
+    (benchmarks/moe_layout.py times other layouts with the same math)."""
+    T, k = experts.shape
+    E = w1.shape[0]
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    xs = jnp.take(x, token, axis=0).astype(w1.dtype)                               # [T*k, D] grouped by expert
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    dot = lambda a, w: jax.lax.ragged_dot_general(a, w, sizes, dims, preferred_element_type=jnp.float32)
+    h = swiglu(dot(xs, w1), dot(xs, w3), limit)
+    y = dot(h.astype(w2.dtype), w2)                                                 # [T*k, D] float32
+    y = y * jnp.take(weights.reshape(-1), order)[:, None]
+    return jnp.zeros((T, x.shape[-1]), jnp.float32).at[token].add(y)
 
 
 class SharedExpert(nnx.Module):

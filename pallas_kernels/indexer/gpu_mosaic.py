@@ -216,21 +216,21 @@ def _e4m3_to_f16(a8, mode):
 # instead of 90 (no selection in either; 64 clusters of 4 CTAs of ~111 KB of shared memory), the whole call 185 vs
 # 122.5 us.
 # "last" (session 41; session 44 on an H100: correct, 7 + 11 GPU tests; the kernel time drops 2.5 us at B = 64 x 128K
-# fp8 but the call's does not, the counters' zero-fill being one more launch, so it stays off): every split CTA writes its survivors to
-# global memory and adds 1 to its row's counter (a zeroed GMEM semaphore array); the CTA that arrives last selects
-# the row's set among the row's survivors (read back from L2), so no Triton kernel follows and no CTA waits. It
-# applies where a row's survivors (u keys and positions) fit the split's segment buffer, 2 x n_split x (k + slack)
-# <= the split's keys (B = 64 x 128K: 4 splits of 8192 keys, 4608 words), and k + slack is a multiple of 4 and
-# k <= 1024; elsewhere the Triton final runs.
-# prune (session 41; session 44 on an H100: survivors equal the numpy model bit for bit, 19 GPU tests, but it saves
-# 1.6 of the tail's ~9.4 us at B = 64 x 128K fp8, within the noise of the call, and costs 3 us on fp4 keys; 0 = off,
-# the default): the capacity
-# of a candidate list (int32 entries in shared memory). After the split's first half of blocks, the first level's bin
-# of their k-th largest key bounds the split's top k from below; each later block appends its entries at or above
-# that bound to the list as it streams (`mosaic_select.prune_append_ptx`), the first level stops counting, and after
-# the last block the selection runs over the list (~1.3K entries for normal scores at k = 512 of 8192) instead of
-# the split. A list that would overflow, or a split too short to reach the threshold, selects over the whole split.
-# Needs stream_hist; the key ring then has at most prune_stages slots (the list's shared memory: 2048 entries, 8 KB).
+# fp8 but the call's does not, the counters' zero-fill being one more launch, so it stays off): every split CTA writes
+# its survivors to global memory and adds 1 to its row's counter (a zeroed GMEM semaphore array); the CTA that arrives
+# last selects the row's set among the row's survivors (read back from L2), so no Triton kernel follows and no CTA
+# waits. It applies where a row's survivors (u keys and positions) fit the split's segment buffer, 2 x n_split x (k +
+# slack) <= the split's keys (B = 64 x 128K: 4 splits of 8192 keys, 4608 words), and k + slack is a multiple of 4 and k
+# <= 1024; elsewhere the Triton final runs.
+# prune (session 41; session 44 on an H100: survivors equal the numpy model bit for bit, 19 GPU tests, but it saves 1.6
+# of the tail's ~9.4 us at B = 64 x 128K fp8, within the noise of the call, and costs 3 us on fp4 keys; 0 = off, the
+# default): the capacity of a candidate list (int32 entries in shared memory). After the split's first half of blocks,
+# the first level's bin of their k-th largest key bounds the split's top k from below; each later block appends its
+# entries at or above that bound to the list as it streams (`mosaic_select.prune_append_ptx`), the first level stops
+# counting, and after the last block the selection runs over the list (~1.3K entries for normal scores at k = 512 of
+# 8192) instead of the split. A list that would overflow, or a split too short to reach the threshold, selects over the
+# whole split. Needs stream_hist; the key ring then has at most prune_stages slots (the list's shared memory: 2048
+# entries, 8 KB).
 # probe (a timing diagnostic, wrong picks; the outputs are left unwritten): 1 = no selection after the stream, 2 = the
 # selection's histogram levels and bin searches but not its compaction (session 41)
 SELECT_CONFIG = dict(slack=64, max_segment=8192, num_stages=3, aggregate=False, stream_hist=True, final="triton",
