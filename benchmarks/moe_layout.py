@@ -6,13 +6,17 @@
 Why (session 44, H100, `decode_breakdown.py --kernels`, 4-layer V4-Flash slice with 8 experts, batch 16 x 32K): the
 decode step's largest kernel was `wrapped_transpose_1`, 8 launches a step (2 a layer), 726.5 us of the step's
 2948.7, ~91 us each: about one [8, 2048, 4096] bf16 expert matrix read and written (268 MB) per launch. The
-model stores routed experts as checkpoints do, w1 / w3 [E, out=I, in=D] and w2 [E, D, I], and contracts x with
-their last dim (`dsv4_jax.layers.moe._RAGGED_DN`); if XLA's GPU ragged-dot wants the contracting dim first, it
-transposes the whole weight stack every call. This times the same routed-expert forward (the model's math: sort
-the token x expert pairs by expert, gather, w1 and w3, clamped SwiGLU, w2, weight, scatter-add) with each layout:
+model then stored routed experts as checkpoints do, w1 / w3 [E, out=I, in=D] and w2 [E, D, I], and contracted x
+with their last dim; XLA's GPU ragged dot wants the contracting dim first and transposed the whole weight stack at
+every call. This times the same routed-expert forward (the model's math: sort the token x expert pairs by expert,
+gather, w1 and w3, clamped SwiGLU, w2, weight, scatter-add) with each layout:
 
-  out_in  w [E, out, in]: ragged_dot_general contracting x's dim 1 with w's dim 2 (the model today)
-  in_out  w [E, in, out]: jax.lax.ragged_dot (x's dim 1 with w's dim 1); the layout a load-time transpose would give
+  out_in  w [E, out, in]: ragged_dot_general contracting x's dim 1 with w's dim 2 (the model up to session 44)
+  in_out  w [E, in, out]: ragged_dot's own layout (x's dim 1 with w's dim 1); the model since session 45, whose
+          loader turns each expert around once
+
+Session 45 (H100, `results/h100_s45r1_moe*`): out_in 386.7 us at B = 16 (2.62x the floor; two 91 us transposes
+among its kernels), in_out 192.9 (1.31x, none); B = 64: 559.6 vs 266.9.
 
 Per variant and batch (B x top-k token rows; decode rows are B x 1 tokens): us per call net of dispatch (dependent
 calls in one jitted scan, `timing.chain_net`), the floor (every active expert's three matrices read once at the
@@ -39,8 +43,9 @@ from benchmarks.timing import chain_net, cupti_kernels, measure_ceilings  # noqa
 from dsv4_jax.layers.moe import _RAGGED_DN, routed_experts, swiglu  # noqa: E402
 
 VARIANTS = ("out_in", "in_out")
-_IN_OUT_DN = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+# the model's dims (`_RAGGED_DN`) take [E, in, out]; these take the checkpoints' [E, out, in] as they are
+_OUT_IN_DN = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
 
 def make_weights(rng, E, D, I, layout):
@@ -56,7 +61,7 @@ def make_weights(rng, E, D, I, layout):
 
 def layout_experts(x, weights, experts, w1, w3, w2, layout, limit):
     """The model's routed-expert forward (`dsv4_jax.layers.moe.routed_experts`) with the weights in `layout`."""
-    return routed_experts(x, weights, experts, w1, w3, w2, limit, _RAGGED_DN if layout == "out_in" else _IN_OUT_DN)
+    return routed_experts(x, weights, experts, w1, w3, w2, limit, _OUT_IN_DN if layout == "out_in" else _RAGGED_DN)
 
 
 def dense_reference(x, weights, experts, w1, w3, w2, layout, limit):

@@ -13,7 +13,9 @@
 # the step's log. Logs: $OUT/<step>.log (+ the benchmarks' json).
 set -o pipefail
 OUT=${OUT:-/tmp/session_out}; mkdir -p "$OUT"
-export PYTHONPATH=.:tests PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+# DSV4_INSTANT_FAILURES: tests/conftest.py prints a failing test's report at once (a step's limit can cut pytest's
+# closing summary)
+export PYTHONPATH=.:tests PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false DSV4_INSTANT_FAILURES=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv > "$OUT/env.log" 2>&1
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" >> "$OUT/env.log" 2>&1
 cat "$OUT/env.log"

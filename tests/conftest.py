@@ -19,7 +19,12 @@ and covers every code path with the representative cases: a clean-clone `.ci/run
 included (session 35; 2293 s before the tiers). Session 39 took the default run's pytest time from 719 to ~445 s
 (2 cores) mostly by jitting the helpers tests call eagerly (quantizers, Hadamard, the reference ops, the random
 parameter init): op by op, every jnp call compiled on its own. DSV4_FULL_TESTS=1 runs everything; on a GPU
-machine the full tier is on by default (DSV4_FULL_TESTS=0 turns it off)."""
+machine the full tier is on by default (DSV4_FULL_TESTS=0 turns it off).
+
+**Failures at once.** With DSV4_INSTANT_FAILURES=1 (set by `benchmarks/run_gpu_session.sh`) a failing test's report
+is printed to stderr as soon as it fails, not only in pytest's closing summary: a device call's step limit can cut
+the run before that summary (session 45 lost the only message of a model test that failed once among six xdist
+workers and passed alone)."""
 
 import os
 
@@ -68,3 +73,14 @@ def pytest_collection_modifyitems(config, items):
     if any(full_only):
         config.hook.pytest_deselected(items=[it for it, f in zip(items, full_only) if f])
         items[:] = [it for it, f in zip(items, full_only) if not f]
+
+
+def pytest_runtest_logreport(report):
+    """DSV4_INSTANT_FAILURES=1: a failure's report on stderr at once, so a run killed before pytest's summary keeps
+    it."""
+    if (report.failed and os.environ.get("DSV4_INSTANT_FAILURES") == "1"
+            and "PYTEST_XDIST_WORKER" not in os.environ):   # once: the controller prints the workers' reports
+        import sys
+
+        print(f"\n=== FAILED ({report.when}): {report.nodeid}\n{report.longreprtext}\n=== end of {report.nodeid}",
+              file=sys.stderr, flush=True)

@@ -147,6 +147,21 @@ def test_bf16_load(hf_plain, ds_plain_dir):
         np.testing.assert_array_equal(got[k], want, err_msg=k)
 
 
+def test_model_holds_routed_experts_in_out(hf_plain, ds_plain_dir):
+    """The model's routed-expert stacks are [E, in, out] (ragged_dot's layout, no transpose per call), each expert
+    the checkpoint's [out, in] matrix turned around; checked on the parameters themselves, not through
+    canonical_state_dict (which turns them back)."""
+    model = load_pretrained(ds_plain_dir, progress=False)
+    ref = O.hf_to_canonical(hf_plain)
+    E, D, I = CFG.n_routed_experts, CFG.hidden_size, CFG.moe_intermediate_size
+    for i, layer in enumerate(model.layers):
+        ex = layer.ffn.experts
+        for w, shape in (("w1", (E, D, I)), ("w3", (E, D, I)), ("w2", (E, I, D))):
+            got = np.asarray(getattr(ex, w)[...])
+            assert got.shape == shape, (i, w, got.shape)
+            np.testing.assert_array_equal(got, np.swapaxes(ref[f"layers.{i}.ffn.experts.{w}"], 1, 2), err_msg=w)
+
+
 def test_tensor_format_policy():
     assert tensor_format("layers.3.attn.wo_a.weight") == "fp8"
     assert tensor_format("layers.3.ffn.experts.w2") == "fp4"

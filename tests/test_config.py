@@ -77,4 +77,4 @@ def test_parameters_carry_logical_axis_names():
     specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
     assert tuple(specs["embed"]["weight"].value) == ("vocab", "embed")
     assert tuple(specs["layers"][0]["attn"]["wq_b"]["weight"].value) == ("heads", None)
-    assert tuple(specs["layers"][1]["ffn"]["experts"]["w1"].value) == ("experts", "mlp", "embed")
+    assert tuple(specs["layers"][1]["ffn"]["experts"]["w1"].value) == ("experts", "embed", "mlp")

@@ -53,9 +53,11 @@ def _leaf_value(v):
 
 
 def canonical_state_dict(model) -> dict[str, np.ndarray]:
-    """Canonical name -> numpy array of every loadable tensor (Params and the hash-routing tid2eid tables)."""
+    """Canonical name -> numpy array of every loadable tensor (Params and the hash-routing tid2eid tables), in the
+    checkpoints' orientation (`names.canonical_layout`: routed-expert stacks [E, out, in])."""
     _, loadable, _ = nnx.split(model, _is_loadable, ...)
-    return {_path_name(p): np.asarray(_leaf_value(v)) for p, v in nnx.to_flat_state(loadable)}
+    flat = ((_path_name(p), v) for p, v in nnx.to_flat_state(loadable))
+    return {name: N.canonical_layout(name, np.asarray(_leaf_value(v))) for name, v in flat}
 
 
 def _default_factory():
@@ -125,7 +127,8 @@ def _logical_shape(info: TensorInfo, scale: TensorInfo | None):
 
 
 def plan_load(infos: dict[str, TensorInfo], targets: dict[str, jax.ShapeDtypeStruct], path=None):
-    """Matches checkpoint tensors to canonical targets. Returns (items, mtp_names) or raises CheckpointMismatchError."""
+    """Matches checkpoint tensors to canonical targets (the model's shapes; checked in the checkpoint's orientation,
+    `names.canonical_shape`). Returns (items, mtp_names) or raises CheckpointMismatchError."""
     keys = set(infos)
     scale_of = {}
     for k in infos:
@@ -149,7 +152,7 @@ def plan_load(infos: dict[str, TensorInfo], targets: dict[str, jax.ShapeDtypeStr
             continue
         scale = scale_of.get(k)
         fmt, shape, err = _logical_shape(info, scale)
-        tshape = tuple(targets[t.name].shape)
+        tshape = N.canonical_shape(t.name, targets[t.name].shape)
         if t.kind == N.PLAIN:
             want = tshape
         elif t.kind == N.EXPERT:
@@ -222,7 +225,7 @@ def read_into_targets(path, targets, progress=True, strict=True):
         values: dict[str, jax.Array] = {}
         buffers: dict[str, list] = {}  # stacked name -> [numpy buffer, remaining count]
 
-        def put(name, arr):
+        def put(name, arr):  # arr: in the model's orientation (names.model_layout)
             sds = targets[name]
             sh = getattr(sds, "sharding", None)
             values[name] = jax.device_put(arr, sh) if sh is not None else jax.device_put(arr)
@@ -237,17 +240,17 @@ def read_into_targets(path, targets, progress=True, strict=True):
                 if t.name not in buffers:
                     buffers[t.name] = [np.empty(sds.shape, np.dtype(sds.dtype)), sds.shape[0]]
                 buf = buffers[t.name]
-                buf[0][t.index] = _cast(x, sds.dtype)
+                buf[0][t.index] = N.model_layout(t.name, _cast(x, sds.dtype))   # [out, in] -> its [in, out] slot
                 buf[1] -= 1
                 if buf[1] == 0:
                     put(t.name, buffers.pop(t.name)[0])
             elif t.kind == N.GATE_UP:
                 n1, n3 = t.names
                 half = x.shape[1] // 2
-                put(n1, _cast(np.ascontiguousarray(x[:, :half]), targets[n1].dtype))
-                put(n3, _cast(np.ascontiguousarray(x[:, half:]), targets[n3].dtype))
-            else:
-                put(t.name, _cast(x, targets[t.name].dtype))
+                put(n1, _cast(np.ascontiguousarray(N.model_layout(n1, x[:, :half])), targets[n1].dtype))
+                put(n3, _cast(np.ascontiguousarray(N.model_layout(n3, x[:, half:])), targets[n3].dtype))
+            else:  # STACKED
+                put(t.name, _cast(np.ascontiguousarray(N.model_layout(t.name, x)), targets[t.name].dtype))
             del x
     return values, mtp
 

@@ -2,6 +2,11 @@
 
 Canonical names are the flat paths of the NNX model (contract): DeepSeek's original checkpoint names, except that
 routed experts are stacked (`layers.{i}.ffn.experts.w1` [E, I, D] <- `layers.{i}.ffn.experts.{e}.w1.weight`).
+Canonical tensors keep the checkpoints' orientation ([.., out, in]); the model alone holds its routed-expert stacks
+the other way round, [E, in, out] (`model_layout` / `canonical_layout` / `canonical_shape` convert, at load, save
+and in `loader.canonical_state_dict`): that is `lax.ragged_dot`'s [group, contracting, out], which XLA's GPU grouped
+matmul reads as it is, where [E, out, in] cost a transpose of the whole stack at every call (session 45, H100:
+routed experts 386.7 -> 192.9 us at B = 16, `benchmarks/moe_layout.py`).
 
 Layouts recognised, per key (they may even be mixed):
 
@@ -111,6 +116,23 @@ def expert_key(stacked_name: str, e: int) -> str:
 
 def is_stacked_expert(name: str) -> bool:
     return re.fullmatch(r"layers\.\d+\.ffn\.experts\.w[123]", name) is not None
+
+
+def canonical_shape(name: str, model_shape) -> tuple:
+    """The shape the canonical (checkpoint-oriented) tensor `name` has, from the model parameter's shape."""
+    shape = tuple(model_shape)
+    return shape[:-2] + shape[:-3:-1] if is_stacked_expert(name) else shape
+
+
+def canonical_layout(name: str, x):
+    """A model parameter's value -> the canonical tensor (routed-expert stacks [E, in, out] -> [E, out, in])."""
+    return x.swapaxes(-1, -2) if is_stacked_expert(name) else x
+
+
+def model_layout(name: str, x):
+    """A canonical tensor (or one expert's slice of it) -> the model's orientation: the inverse of
+    `canonical_layout`, which is its own inverse (a swap of the last two axes)."""
+    return canonical_layout(name, x)
 
 
 SCALE_SUFFIXES = (".scale", ".weight_scale_inv")

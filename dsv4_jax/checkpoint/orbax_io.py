@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ConfigError, DeepseekV4Config
+from . import names as N
 from .loader import CONFIG_NAME, canonical_state_dict, fill_abstract_model, model_constructor
 
 STATE_DIR = "state"
@@ -22,7 +23,7 @@ def _config_dict(config: DeepseekV4Config) -> dict:
 
 
 def save_orbax(model, path, config: DeepseekV4Config | None = None) -> None:
-    """Saves `model`'s parameters (canonical names, flat) with orbax to `path/state` and `path/config.json`."""
+    """Saves `model`'s parameters (canonical names and orientation, flat) with orbax to `path/state` and `path/config.json`."""
     import orbax.checkpoint as ocp
 
     config = config or model.config
@@ -49,13 +50,14 @@ def load_orbax(path, dtype=jnp.float32, attention_impl: str = "auto", *, model_f
         restored = ckptr.restore(os.path.join(path, STATE_DIR))
         missing = sorted(set(targets) - set(restored))
         extra = sorted(set(restored) - set(targets))
-        bad = [f"{k}: {list(np.shape(restored[k]))} vs {list(targets[k].shape)}" for k in targets
-               if k in restored and tuple(np.shape(restored[k])) != tuple(targets[k].shape)]
+        want = {k: N.canonical_shape(k, targets[k].shape) for k in targets}   # saved in the canonical orientation
+        bad = [f"{k}: {list(np.shape(restored[k]))} vs {list(want[k])}" for k in targets
+               if k in restored and tuple(np.shape(restored[k])) != want[k]]
         if missing or extra or bad:
             from .loader import CheckpointMismatchError
 
             raise CheckpointMismatchError(missing, extra, bad, path=path)
-        return {k: jnp.asarray(restored[k]).astype(targets[k].dtype) for k in targets}
+        return {k: N.model_layout(k, jnp.asarray(restored[k]).astype(targets[k].dtype)) for k in targets}
 
     model = fill_abstract_model(ctor, values_fn)
     model.mtp_tensor_names = ()

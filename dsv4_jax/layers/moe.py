@@ -2,8 +2,11 @@
 
 Router: s = sqrt(softplus(x @ W_g.T)) in float32. Learned layers pick top-k of (s + bias) (bias steers selection
 only); hash layers take `tid2eid[token_id]`. Weights = s[picked] / sum * routed_scaling_factor.
-Routed experts run as grouped matmuls (`lax.ragged_dot_general`) over tokens sorted by expert, so the cost is
-tokens x top-k, never tokens x experts. Expert weights are stacked [E, out, in] (checkpoint orientation).
+Routed experts run as grouped matmuls (`lax.ragged_dot`) over tokens sorted by expert, so the cost is
+tokens x top-k, never tokens x experts. Expert weights are stacked [E, in, out], `ragged_dot`'s own rhs layout:
+stacked as checkpoints hold them, [E, out, in], XLA's GPU grouped matmul transposed the whole stack at every call
+(H100, V4-Flash shapes, 8 experts, B = 16: 386.7 vs 192.9 us; `benchmarks/moe_layout.py`, session 45). The loader
+turns each expert's [out, in] around once (`checkpoint.names.model_layout`).
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from flax import nnx
 from ..config import DeepseekV4Config
 from .common import Buffer, Linear, normal, param
 
+# x [T*k, in] (ragged along T*k, grouped by expert) . w [E, in, out] -> [T*k, out]
 _RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
 
 def swiglu(g, u, limit: float):
@@ -54,14 +58,15 @@ class Gate(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """Routed experts stacked along a leading expert axis: w1, w3 [E, I, D]; w2 [E, D, I]."""
+    """Routed experts stacked along a leading expert axis, [E, in, out]: w1, w3 [E, D, I]; w2 [E, I, D]
+    (checkpoints hold each expert's [out, in]; see the module docstring)."""
 
     def __init__(self, config: DeepseekV4Config, *, dtype, rngs: nnx.Rngs):
         E, I, D = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
         self.limit = config.swiglu_limit
-        self.w1 = param(normal(rngs, (E, I, D), D ** -0.5, dtype), ("experts", "mlp", "embed"))
-        self.w3 = param(normal(rngs, (E, I, D), D ** -0.5, dtype), ("experts", "mlp", "embed"))
-        self.w2 = param(normal(rngs, (E, D, I), I ** -0.5, dtype), ("experts", "embed", "mlp"))
+        self.w1 = param(normal(rngs, (E, D, I), D ** -0.5, dtype), ("experts", "embed", "mlp"))
+        self.w3 = param(normal(rngs, (E, D, I), D ** -0.5, dtype), ("experts", "embed", "mlp"))
+        self.w2 = param(normal(rngs, (E, I, D), I ** -0.5, dtype), ("experts", "mlp", "embed"))
 
     def __call__(self, x, weights, experts):
         """x [T, D], weights/experts [T, k] -> sum_k weights * expert_k(x) [T, D] float32."""
@@ -70,8 +75,8 @@ class Experts(nnx.Module):
 
 def routed_experts(x, weights, experts, w1, w3, w2, limit: float, dims=_RAGGED_DN):
     """x [T, D], weights/experts [T, k], stacked expert weights -> sum_k weights * expert_k(x) [T, D] float32.
-    `dims`: how x [T*k, in] contracts with a weight stack; the default takes them as stored, [E, out, in]
-    (benchmarks/moe_layout.py times other layouts with the same math)."""
+    `dims`: how x [T*k, in] contracts with a weight stack; the default takes the model's [E, in, out]
+    (benchmarks/moe_layout.py also times the checkpoints' [E, out, in] with the same math)."""
     T, k = experts.shape
     E = w1.shape[0]
     flat = experts.reshape(-1)
