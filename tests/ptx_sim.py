@@ -1,10 +1,12 @@
-"""A small PTX interpreter for the inline-asm blocks of `pallas_kernels/indexer/mosaic_select.py`, so their logic
-(not only their syntax, which ptxas checks) is tested on a machine without a GPU.
+"""A small PTX interpreter for the inline-asm blocks of `pallas_kernels/indexer/mosaic_select.py` (and the register-only
+blocks of `mosaic_fp4.py`, `run_registers`), so their logic (not only their syntax, which ptxas checks) is tested on
+a machine without a GPU.
 
-    cta = Cta(threads=128, shared=SharedMemory(), glob=GlobalMemory())
+    cta = Cta(threads=128, shared=Memory(), glob=Memory())
     cta.run(asm, operands=[...])        # the block's $i operands: ints (addresses, scalars)
 
-What it models: the PTX subset those blocks use (32-bit integer arithmetic, predicates, shared / global loads,
+What it models: the PTX subset those blocks use (32-bit integer arithmetic incl. `prmt` / `bfe`, predicates, shared /
+global loads,
 stores and atomics, `bar.sync`, `vote.sync.ballot`, `shfl.sync.down`, `match.any.sync`, `%tid.x`,
 `%lanemask_lt`, branches; a thread-block cluster's `mapa` / `ld.shared::cluster` over the cluster's shared memories,
 `Cta(cluster=[...], rank=r)`). Every thread runs on its own program counter; a thread that reaches a collective
@@ -27,6 +29,20 @@ import re
 
 MASK32 = 0xFFFFFFFF
 MASK64 = (1 << 64) - 1
+
+
+def _prmt(a, b, c):
+    """prmt.b32 d, a, b, c (default mode): byte i of d = byte (c's nibble i & 7) of the 8 bytes {b, a} (a = bytes
+    0-3); with the nibble's bit 3 set, that byte's sign (bit 7) replicated to all 8 bits."""
+    pool = (a & MASK32) | ((b & MASK32) << 32)
+    out = 0
+    for i in range(4):
+        sel = (c >> (4 * i)) & 0xF
+        byte = (pool >> (8 * (sel & 7))) & 0xFF
+        if sel & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
 
 
 class Memory:
@@ -301,6 +317,9 @@ class Cta:
             "shl.b32": (lambda x, y: x << min(y, 32)), "shr.b32": (lambda x, y: (x & MASK32) >> min(y, 32)),
             "shr.u32": (lambda x, y: (x & MASK32) >> min(y, 32)), "max.s32": (lambda x, y: max(s32(x), s32(y))),
             "min.s32": (lambda x, y: min(s32(x), s32(y))), "popc.b32": (lambda x: bin(x & MASK32).count("1")),
+            "max.u32": (lambda x, y: max(x & MASK32, y & MASK32)),
+            "bfe.u32": (lambda x, pos, n: ((x & MASK32) >> pos) & ((1 << n) - 1) if pos < 32 else 0),
+            "prmt.b32": _prmt,
         }
         if op in table:
             return alu(table[op])
@@ -386,3 +405,16 @@ class Cta:
         def unmodelled(self, t, a, labels):
             raise AssertionError(f"unmodelled instruction {op} {a}")
         return unmodelled
+
+
+def run_registers(asm: str, inputs, n_outputs: int):
+    """Runs a register-only inline-asm block (outputs $0 .. $(n_outputs - 1), then the inputs, as LLVM numbers
+    them) in one thread: the int inputs in, the outputs' u32 values out (stored to global memory after the block)."""
+    for i in reversed(range(n_outputs)):
+        asm = asm.replace(f"${i}", f"%sim_out{i}")
+    for i in reversed(range(len(inputs))):
+        asm = asm.replace(f"${n_outputs + i}", str(int(inputs[i]) & MASK32))
+    stores = "".join(f"st.global.u32 [{4 * i}], %sim_out{i};\n" for i in range(n_outputs))
+    glob = Memory()
+    Cta(threads=1, glob=glob).run(asm + "\n" + stores)
+    return [glob.load(4 * i) & MASK32 for i in range(n_outputs)]

@@ -699,12 +699,17 @@ def test_indexer_mosaic_fp4_lowers(B, S, H, T, opts):
     lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_scores_mosaic(*a, **opts), q, w, keys, nv)
     lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=64, kernel="mosaic", topk="threshold_set",
                                                                 **opts), q, w, keys, nv)
+    # precision "fp8" (session 45): e5m2 operands from the nibbles by table lookup, e5m2 x e5m2 wgmma
+    lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_scores_mosaic(*a, precision="fp8", **opts), q, w, keys, nv)
+    lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=64, kernel="mosaic", topk="segment_set",
+                                                                precision="fp8", **opts), q, w, keys, nv)
     with pytest.raises(ValueError, match="precision must be"):
-        indexer_scores_mosaic(q, w, keys, nv, precision="fp8")
+        indexer_scores_mosaic(q, w, keys, nv, precision="bf16")
     with pytest.raises(ValueError, match="convert="):
         indexer_scores_mosaic(q, w, keys, nv, convert="alu")
-    with pytest.raises(ValueError, match="interpret mode"):
-        indexer_scores_mosaic(q, w, keys, nv, interpret=True)
+    for precision in ("f16", "fp8"):
+        with pytest.raises(ValueError, match="interpret mode"):
+            indexer_scores_mosaic(q, w, keys, nv, interpret=True, precision=precision)
 
 
 @pytest.mark.parametrize("B,S,H,T,opts", sweep([core(2, 1, 64, 296, {}),

@@ -386,9 +386,37 @@ def test_gpu_mosaic_fp4_scores(B, S, H, T, opts):
 
 
 @gpu
-def test_gpu_mosaic_fp4_wide_group_scales():
-    """fp4 keys whose 32-channel groups lie up to 2^20 apart (the operand factors 2^(15 - D) down to 2^-5) and q
-    whose groups do too: still the reference's scores to f32 rounding on the Mosaic kernel."""
+@pytest.mark.parametrize("B,S,H,T,opts", [(4, 1, 64, 5000, {}), (2, 2, 64, 70000, {}), (3, 1, 16, 776, {}),
+                                          (2, 1, 128, 296, {}), (3, 1, 64, 4104, dict(block_t=64, num_stages=2)),
+                                          (2, 1, 64, 9000, dict(block_t=256, num_splits=3)),
+                                          (4, 1, 64, 5000, dict(split_m=True)), (3, 1, 64, 3000, dict(block_t=192))])
+def test_gpu_mosaic_fp4_fp8_precision(B, S, H, T, opts):
+    """fp4 keys at precision "fp8" (session 45; not yet run on a GPU when written): e5m2 operands (exact: table
+    lookups per key group, q's e5m2 codes), one e5m2 x e5m2 wgmma K-step per 32-channel scale group. Scores to the
+    fp8 tensor cores' internal accumulation (within 1e-4 of the row scale), the picks checked against the reference
+    within that tolerance, the set picks equal to them, and a raw q gives the fake-quantized q's scores (the operand starts with q's fp4 fake
+    quantization)."""
+    q, w, keys, nv = make(B, S, H, T, "fp4", True)
+    opts = dict(opts, precision="fp8")
+    check_scores(q, w, keys, nv, "pallas", 1e-4, kernel="mosaic", **opts)
+    picks = indexer_topk(q, w, keys, nv, k=512, impl="pallas", kernel="mosaic", **opts)
+    check_picks(picks, q, w, keys, nv, 512, tol=1e-4)
+    got = indexer_topk(q, w, keys, nv, k=512, impl="pallas", kernel="mosaic", picks="set", **opts)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(picks)))
+    from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
+
+    raw = jnp.asarray(np.random.default_rng(B * T).standard_normal(q.shape), jnp.float32)
+    np.testing.assert_array_equal(
+        np.asarray(indexer_scores_mosaic(raw, w, keys, nv, **opts)),
+        np.asarray(indexer_scores_mosaic(F.fake_quantize(raw, "fp4"), w, keys, nv, **opts)))
+
+
+@gpu
+@pytest.mark.parametrize("precision,tol", [("f16", 1e-5), ("fp8", 1e-4)])
+def test_gpu_mosaic_fp4_wide_group_scales(precision, tol):
+    """fp4 keys whose 32-channel groups lie up to 2^20 apart (the f16 operand factors 2^(15 - D) down to 2^-5; the
+    e5m2 tables 2^(13 - D), exact to D = 26) and q whose groups do too: still the reference's scores to f32
+    rounding on the Mosaic kernel (precision "fp8": to the fp8 tensor cores' accumulation)."""
     rng = np.random.default_rng(31)
     B, T, H = 4, 3000, 64
     k = rng.standard_normal((B, T, 128)) * np.ldexp(1.0, -rng.integers(0, 21, (B, T, 4)).repeat(32, -1))
@@ -397,7 +425,7 @@ def test_gpu_mosaic_fp4_wide_group_scales():
     keys = F.quantize(jnp.asarray(k, jnp.float32), "fp4")
     w = jnp.asarray(rng.standard_normal((B, 1, H)), jnp.float32)
     nv = jnp.asarray(rng.integers(1, T + 1, (B, 1)), jnp.int32)
-    check_scores(q, w, keys, nv, "pallas", 1e-5, kernel="mosaic")
+    check_scores(q, w, keys, nv, "pallas", tol, kernel="mosaic", precision=precision)
 
 
 @gpu
@@ -628,7 +656,7 @@ def test_mosaic_kernel_errors():
     from pallas_kernels.indexer.gpu import indexer_scores_gpu
 
     q, w, keys, nv = make(1, 1, 16, 40, "fp8")
-    with pytest.raises(ValueError, match="interpret mode runs precisions 'fp8', 'bf16x2' and 'bf16' only"):
+    with pytest.raises(ValueError, match="interpret mode runs fp8 keys at precision 'fp8' and bf16 keys only"):
         indexer_scores_gpu(q, w, keys, nv, interpret=True, kernel="mosaic")
     with pytest.raises(ValueError, match="kernel must be one of"):
         indexer_scores_gpu(q, w, keys, nv, interpret=True, kernel="cuda")

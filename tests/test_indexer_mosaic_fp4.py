@@ -104,3 +104,125 @@ def test_model_matches_reference(spread):
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(ref))
     fin = np.isfinite(ref)
     np.testing.assert_allclose(got[fin], ref[fin], rtol=1e-5, atol=1e-6 * np.abs(ref[fin]).max())
+
+
+# ------------------------------------------------------------------ precision "fp8": e5m2 operands (session 45)
+def _words(packed):
+    """packed uint8 [..., 64] -> uint32 words [..., 16] (4 bytes each, little-endian)."""
+    w = np.asarray(packed).astype(np.uint32).reshape(packed.shape[:-1] + (16, 4))
+    return w[..., 0] | (w[..., 1] << 8) | (w[..., 2] << 16) | (w[..., 3] << 24)
+
+
+@pytest.mark.parametrize("rows", [64, 128, 192, 256])
+def test_register_plan_e5m2_keeps_groups_in_k_steps(rows):
+    """The e5m2 operand's plan (WGMMA_LAYOUT_8BIT, 2 registers of 4 per source register): one permutation for every
+    block height, each target register once, and every 32-channel scale group in its own 32 columns, i.e. one e5m2
+    wgmma K-step (K = 32) per group, so an instruction's products share their groups' scales."""
+    plan, columns = register_plan(rows, "e5m2")
+    assert sorted(columns.tolist()) == list(range(128))
+    np.testing.assert_array_equal(columns, register_plan(64, "e5m2")[1])
+    targets = [t for _, ts, _, _ in plan for t in ts]
+    assert len(targets) == len(set(targets)) == rows * 128 // 128 // 4   # e5m2x4 registers per thread
+    np.testing.assert_array_equal(columns // 32, np.arange(128) // 32)
+
+
+def test_e5m2_asm_matches_its_model_in_the_ptx_interpreter():
+    """FP4_E5M2X8_ASM and E5M2_LUTS_ASM run in tests/ptx_sim.py (prmt's table and sign-replicate modes, bfe) equal
+    their numpy models: every byte value in every position of a word, random tables; scale words with groups 0, 26,
+    27 and 255 below the largest, and the factor's subnormal range (largest scale < 14)."""
+    from ptx_sim import run_registers
+
+    from pallas_kernels.indexer.mosaic_fp4 import (E5M2_LUTS_ASM, FP4_E5M2X8_ASM, e5m2_luts,
+                                                   fp4_e5m2x8_reference)
+
+    rng = np.random.default_rng(45)
+    words = rng.integers(0, 2 ** 32, 64, dtype=np.uint64).astype(np.uint32)
+    words[:32] = (np.arange(32, dtype=np.uint32) * 0x08) * 0x01010101 + np.arange(32, dtype=np.uint32)
+    scales = np.concatenate([rng.integers(0, 256, (24, 4)),
+                             [[127, 101, 100, 0], [13, 13, 0, 5], [255, 229, 228, 0], [0, 0, 0, 0], [6, 7, 8, 9]]])
+    tables, factor = e5m2_luts(scales)
+    for i, sc in enumerate(scales):
+        word = int(sc[0]) | int(sc[1]) << 8 | int(sc[2]) << 16 | int(sc[3]) << 24
+        got = run_registers(E5M2_LUTS_ASM, [word], 9)
+        assert got[:8] == tables[i].ravel().tolist(), (sc, [hex(g) for g in got])
+        assert got[8] == int(factor[i]), (sc, hex(got[8]))
+        for wd in words[i::len(scales)][:3]:
+            lo, hi = tables[i, i % 4]
+            out = run_registers(FP4_E5M2X8_ASM, [int(wd), int(lo), int(hi)], 2)
+            want = fp4_e5m2x8_reference(np.array([wd]), np.array([lo]), np.array([hi]))[0]
+            assert out == [int(want[r].view(np.uint32)[0]) for r in range(2)], hex(int(wd))
+
+
+def test_e5m2_operand_values_exact():
+    """The e5m2 bytes x the key's factor are the key's dequantized values exactly for groups <= E5M2_MAX_D below its
+    largest, 0 beyond; both signs, every code, the factor's normal and subnormal range."""
+    import ml_dtypes
+
+    from pallas_kernels.indexer.mosaic_fp4 import E5M2_MAX_D, e5m2_luts, fp4_e5m2x8_reference
+
+    rng = np.random.default_rng(7)
+    n = 4000
+    scales = rng.integers(0, 256, (n, 4))
+    scales[: n // 2] = scales[: n // 2, :1] - rng.integers(0, 30, (n // 2, 4))   # spreads around the cut-off
+    scales = np.clip(scales, 0, 255)
+    words = rng.integers(0, 2 ** 32, (n, 4), dtype=np.uint64).astype(np.uint32)   # 8 channels of each group
+    tables, fbits = e5m2_luts(scales)
+    factor = fbits.view(np.float32).astype(np.float64)
+    smax = scales.max(-1)
+    for g in range(4):
+        b = fp4_e5m2x8_reference(words[:, g], tables[:, g, 0], tables[:, g, 1]).reshape(n, 8)
+        vals = b.view(ml_dtypes.float8_e5m2).astype(np.float64) * factor[:, None]
+        nib = (words[:, g, None].astype(np.int64) >> (4 * np.arange(8))) & 0xF
+        want = e2m1(nib) * np.ldexp(1.0, scales[:, g, None] - 127)
+        keep = (smax - scales[:, g]) <= E5M2_MAX_D
+        np.testing.assert_array_equal(vals[keep], want[keep])
+        assert np.all(vals[~keep] == 0)
+
+
+def model_scores_e5m2(q, w, keys, nv):
+    """The precision-"fp8" fp4 path's arithmetic in numpy: q's e5m2 codes (`gpu.quantize_q_fp8`) and the keys'
+    e5m2 bytes (`e5m2_luts`, `fp4_e5m2x8_reference`) both in the plan's column order, products summed in f64 (the
+    tensor cores' own accumulation aside), ReLU, weights x q's scale, x 2^(smax - 140)."""
+    import ml_dtypes
+
+    from pallas_kernels.indexer.gpu import quantize_q_fp8
+    from pallas_kernels.indexer.mosaic_fp4 import E5M2_ASM_CHANNELS, e5m2_luts, fp4_e5m2x8_reference
+
+    _, columns = register_plan(128, "e5m2")
+    q8, qs = quantize_q_fp8(jnp.asarray(q, jnp.float32), "fp4")
+    q_op = np.zeros(q8.shape)
+    q_op[..., columns] = np.asarray(q8).astype(np.float64)
+    wf = np.asarray(w, np.float64) * np.asarray(qs, np.float64)
+    words = _words(np.asarray(keys.values))                            # [B, T, 16]
+    tables, fbits = e5m2_luts(np.asarray(keys.scale))                  # [B, T, 4, 2], [B, T]
+    B, T = words.shape[:2]
+    k_op = np.zeros((B, T, 128))
+    for i in range(16):   # word i holds channels 8i .. 8i + 7, in group i // 4
+        t = tables[:, :, i // 4]
+        b = fp4_e5m2x8_reference(words[..., i], t[..., 0], t[..., 1]).view(ml_dtypes.float8_e5m2)
+        for r, chans in enumerate(E5M2_ASM_CHANNELS):
+            for h, ch in enumerate(chans):
+                k_op[..., columns[8 * i + ch]] = b[..., r, h].astype(np.float64)
+    logits = np.einsum("bshc,btc->bsht", q_op, k_op)
+    factor = fbits.view(np.float32).astype(np.float64)
+    s = np.einsum("bsht,bsh->bst", np.maximum(logits, 0), wf) * factor[:, None, :]
+    return np.where(np.arange(T)[None, None] < np.asarray(nv)[..., None], s, -np.inf)
+
+
+@pytest.mark.parametrize("spread", [0, 12, 22])
+def test_e5m2_model_matches_reference(spread):
+    """The e5m2 operands' arithmetic equals the reference scores to f32 rounding (exact operands, groups spread over
+    2^spread, an all-zero key): what the kernel computes but for the fp8 tensor cores' accumulation order."""
+    rng = np.random.default_rng(100 + spread)
+    B, S, H, T = 2, 1, 16, 64
+    q = F.fake_quantize(F.hadamard(jnp.asarray(rng.standard_normal((B, S, H, 128)), jnp.float32)), "fp4")
+    k = rng.standard_normal((B, T, 128)) * np.ldexp(1.0, -rng.integers(0, spread + 1, (B, T, 4)).repeat(32, -1))
+    k[0, 3] = 0
+    keys = F.quantize(jnp.asarray(k, jnp.float32), "fp4")
+    w = jnp.asarray(rng.standard_normal((B, S, H)), jnp.float32)
+    nv = jnp.asarray([[T], [T - 5]], jnp.int32)
+    ref = np.asarray(indexer_scores(q, w, keys, nv), np.float64)
+    got = model_scores_e5m2(q, w, keys, nv)
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(ref))
+    fin = np.isfinite(ref)
+    np.testing.assert_allclose(got[fin], ref[fin], rtol=1e-5, atol=1e-6 * np.abs(ref[fin]).max())

@@ -234,7 +234,7 @@ def test_quantize_q_equals_fake_quantized_q(fmt, impl, opts):
 
 def test_prepare_q_skips_only_where_the_kernel_quantizes(monkeypatch):
     """`prepare_q` leaves q raw exactly where the Mosaic kernel quantizes it itself: fp8 keys, and fp4 keys with
-    q_prep "triton"; it fake-quantizes for the reference, the Triton kernel and the other Mosaic fp4 preparation,
+    q_prep "triton" or precision "fp8"; it fake-quantizes for the reference, the Triton kernel and the other Mosaic fp4 preparation,
     and leaves bf16 keys' q alone."""
     from test_indexer_kernels import make
 
@@ -245,7 +245,10 @@ def test_prepare_q_skips_only_where_the_kernel_quantizes(monkeypatch):
         raw = q + 0.01   # not representable in either format
         for target, opts, prep, skips in [("reference", {}, "xla", False), ("interpret", {}, "xla", False),
                                           ("interpret", dict(kernel="mosaic"), "xla", fmt == "fp8"),
-                                          ("interpret", dict(kernel="mosaic"), "triton", True)]:
+                                          ("interpret", dict(kernel="mosaic"), "triton", True),
+                                          # fp4 keys at precision "fp8" fake-quantize q themselves (session 45)
+                                          ("interpret", dict(kernel="mosaic", precision="fp8"), "xla",
+                                           fmt in ("fp8", "fp4"))]:
             monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "q_prep", prep)
             got = np.asarray(prepare_q(raw, keys, target, opts))
             want = raw if skips or fmt == "bf16" else F.fake_quantize(raw, fmt)

@@ -728,7 +728,8 @@ def takes_raw_q(q, keys, interpret, kernel_options) -> bool:
     (`gpu_mosaic.quantizes_q`), so the caller need not fake-quantize q first (`indexer_topk(quantize_q=True)`)."""
     from .gpu_mosaic import quantizes_q
 
-    return quantizes_q(keys) and scores_kernel_of(q, keys, interpret, kernel_options) == "mosaic"
+    return (quantizes_q(keys, kernel_options.get("precision"))
+            and scores_kernel_of(q, keys, interpret, kernel_options) == "mosaic")
 
 
 def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 256, interpret=False,

@@ -23,8 +23,8 @@ Key formats and precisions (`PRECISIONS`; the first is the default):
   reference up to the order (and the tensor cores' internal precision) of the f32 sums. Since session 42 the model's
   indexer passes q raw (`quantize_q=True`, `layers/indexer.py`), and the dispatcher fake-quantizes it only for the
   other paths.
-* fp4 keys (`formats.QuantizedKeys`, fmt "fp4"): "f16" only. TMA brings each block's packed bytes [block_t, 64]
-  (64 B rows, 64 B swizzle) and its scales (a key's 4 bytes as one int32); `mosaic_fp4.fp4_operand` turns them into
+* fp4 keys (`formats.QuantizedKeys`, fmt "fp4"): "f16" (the default) or "fp8". TMA brings each block's packed
+  bytes [block_t, 64] (64 B rows, 64 B swizzle) and its scales (a key's 4 bytes as one int32); `mosaic_fp4.fp4_operand` turns them into
   the f16 A operand in registers by inline PTX: the nibbles' bits placed as f16 (e2m1 x 2^-14, exact) times the
   group's factor 2^(15 - D) (D: the group's distance below the key's largest scale; exact for D <= 24), written
   into WGMMA registers of `mosaic_fp4.register_plan`'s choosing, with q's 128 channels permuted to match (a dot
@@ -32,7 +32,13 @@ Key formats and precisions (`PRECISIONS`; the first is the default):
   fake-quantized to fp4, or raw: with MOSAIC_CONFIG q_prep "triton" (the default) one kernel does the fake
   quantization, divides each (token, head) by a power of two (into the head weight) and rounds to f16, so the
   dispatcher's `quantize_q=True` skips its own (`quantizes_q`); q_prep "xla" does the division in jnp and needs q
-  fake-quantized.
+  fake-quantized. Precision "fp8" (session 45, not yet timed on a GPU): the nibbles become e5m2 bytes instead
+  (`mosaic_fp4.FP4_E5M2X8_ASM`: a table lookup per nibble, the group's 8 magnitudes x 2^(13 - D) in two registers,
+  ~13 integer ops per 8 values against ~26 for f16; exact for D <= 26) in the wgmma's 8-bit register layout, q as
+  e5m2 codes (`gpu.quantize_q_fp8` after q's fp4 fake quantization, so a raw q works too), and one e5m2 x e5m2
+  wgmma: twice the f16 tensor rate, where the f16 path is compute-bound (2.35x its floor on the H100, session 44).
+  The register plan puts every 32-channel scale group in its own K-step of 32, so an instruction's products share
+  their scales; the fp8 tensor cores' accumulation is the only difference to the reference (~1e-4 relative).
 * bf16 keys (a bfloat16 [B, T, 128] array): "bf16x2" (q split into bf16 hi + the bf16-rounded remainder, two wgmmas
   into one accumulator: q to ~16 mantissa bits, as the Triton kernel's default for bf16 keys), "bf16" (q rounded to
   bf16, one wgmma; exact for a bf16 q). Products of two bf16 values are exact in f32.
@@ -86,7 +92,7 @@ N_SM_H200 = 132
 # f16, 9 splits = 576 CTAs 125.7 us, 4 splits = 256 CTAs 101.8 us; session 20), each with >= MIN_BLOCKS blocks
 TARGET_CTAS = 2 * N_SM_H200
 MIN_BLOCKS = 4
-PRECISIONS = {"fp8": ("f16", "fp8"), "bf16": ("bf16x2", "bf16"), "fp4": ("f16",)}   # per key format; the first is
+PRECISIONS = {"fp8": ("f16", "fp8"), "bf16": ("bf16x2", "bf16"), "fp4": ("f16", "fp8")}   # per key format; the first is
 # the default
 # kernel="auto" takes the Mosaic kernel for up to MAX_QUERIES queries per row (decode, MTP) and at least MIN_ROWS
 # query rows: on the H200 (session 20, scores kernel, us) it wins at B = 64 (128K context: 106.8 vs 128.7 on Triton;
@@ -281,14 +287,15 @@ def fp4_q_operand(q, w, columns):
     return q_op, w * jnp.ldexp(jnp.float32(1), e)
 
 
-def quantizes_q(keys) -> bool:
+def quantizes_q(keys, precision=None) -> bool:
     """Whether the kernel makes q's quantization in the keys' format itself, so that a raw q gives the same operand
     (and scores) as a fake-quantized one: fp8 keys always (q's own fp8 quantization reproduces a fake-quantized q's
     values: re-quantizing one keeps its scale or halves it with the codes doubled, exactly), fp4 keys with
-    MOSAIC_CONFIG q_prep "triton" (`q_prep.q_prep_fp4` fake-quantizes first; fp4 fake quantization is idempotent the
-    same way). The dispatcher's `quantize_q` skips its own fake quantization on these paths."""
+    precision "fp8" (its q operand starts with the fp4 fake quantization) or with MOSAIC_CONFIG q_prep "triton"
+    (`q_prep.q_prep_fp4` fake-quantizes first; fp4 fake quantization is idempotent the same way). The dispatcher's
+    `quantize_q` skips its own fake quantization on these paths."""
     fmt = key_format(keys)
-    return fmt == "fp8" or (fmt == "fp4" and MOSAIC_CONFIG["q_prep"] == "triton")
+    return fmt == "fp8" or (fmt == "fp4" and (precision == "fp8" or MOSAIC_CONFIG["q_prep"] == "triton"))
 
 
 def mosaic_applies(q, keys) -> bool:
@@ -436,11 +443,12 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
         plgpu.copy_smem_to_gmem(vals_smem, out_ref.at[r, pl.ds(pl.multiple_of((lo + j) * bt, bt), bt)])
 
     def a_operand(slot, rows):   # the A operand of the block's keys `rows` (a pl.ds) for precision "f16" / others
-        if fp4:   # packed e2m1 + group scales -> f16 registers (exact), and each key's factor for its score
+        if fp4:   # packed e2m1 + group scales -> f16 (or e5m2, precision "fp8") registers, and each key's factor
             from .mosaic_fp4 import fp4_operand
 
             return fp4_operand(load(k_smem.at[slot, rows], plgpu.Layout.WGMMA_UPCAST_2X),
-                               load(s_smem.at[slot, rows], plgpu.Layout.WGMMA.reduce(1)))
+                               load(s_smem.at[slot, rows], plgpu.Layout.WGMMA.reduce(1)),
+                               "f16" if f16 else "e5m2")
         if not f16:
             return k_smem.at[slot, rows]
         # e4m3 codes -> f16 in registers (exact), the wgmma's A operand from registers
@@ -462,7 +470,7 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
     def finish(j, slot, logits, r0, m, o, key_factor=None):   # rows [r0, r0 + m) of block j: scores into o,
         rl = row_layout                                          # the group maxima
         s = jnp.sum(jnp.maximum(logits, 0.0) * jax.lax.broadcast_in_dim(w, (m, H), (1,)), axis=1)
-        if key_factor is not None:   # fp4 keys: 2^(the key's largest group scale - 128)
+        if key_factor is not None:   # fp4 keys: 2^(the key's largest group scale - 128 (f16) / - 140 (e5m2))
             s = s * key_factor
         elif s_smem is not None:   # fp8 keys: the key's power-of-two scale
             s = s * load(s_smem.at[slot, pl.ds(r0, m)], rl)
@@ -669,10 +677,10 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     if split_m and (interpret or block_t_of(block_t, T) % 128):
         raise ValueError("split_m needs a compiled kernel (the interpreter has no wgmma_accumulator_load) and "
                          "block_t 128 or 256 (two halves of a multiple of 64 rows, the wgmma M)")
-    if interpret and f16:
-        raise ValueError("the Mosaic indexer kernel's interpret mode runs precisions 'fp8', 'bf16x2' and 'bf16' "
-                         "only (the interpreter's wgmma takes no register operand, which precision='f16' feeds; fp4 "
-                         "keys have no other)")
+    if interpret and (f16 or fmt == "fp4"):
+        raise ValueError("the Mosaic indexer kernel's interpret mode runs fp8 keys at precision 'fp8' and bf16 keys "
+                         "only (the interpreter's wgmma takes no register operand, which precision='f16' and every "
+                         "fp4 precision feed)")
     R = B * S
     if select_k is not None:
         if interpret:
@@ -743,6 +751,13 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
             q_op = q_op.reshape(R, hp, d)
         if f16 and convert in ("alu", "mix"):   # those key operands are the values x 2^-8
             wf = wf * float(2 ** F16_BIAS_SHIFT)
+    elif fmt == "fp4" and not f16:   # precision "fp8": q fake-quantized to fp4 (idempotent), then e5m2 codes of
+        from .mosaic_fp4 import register_plan   # q / 2^(e - 13) (`gpu.quantize_q_fp8`: exact while a head's groups
+                                                # span <= 28 binades), in the e5m2 operand's column order
+        _, columns = register_plan(64, "e5m2")
+        q_op, q_scale = quantize_q_fp8(formats.fake_quantize(qf, "fp4"), "fp4")
+        q_op = q_op[..., np.argsort(columns)].reshape(R, hp, d)
+        wf = wf * q_scale
     elif fmt == "fp4":   # q's channels in the order the key operand's columns hold them (`mosaic_fp4`), per
         from .mosaic_fp4 import register_plan   # (token, head) / 2^e (e: its largest magnitude's exponent) in f16
 
@@ -767,9 +782,9 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     if fmt == "fp8":   # 128 B rows of e4m3
         tile = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
         q_tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)) if f16 else tile
-    elif fmt == "fp4":   # 64 B rows of packed e2m1; q as f16
+    elif fmt == "fp4":   # 64 B rows of packed e2m1; q as f16 (128 B rows of 64), or e5m2 (128 B rows of 128)
         tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
-        q_tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        q_tile = (plgpu.TilingTransform((8, 64) if f16 else (8, 128)), plgpu.SwizzleTransform(128))
     else:              # 128 B rows of 64 bf16
         tile = q_tile = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     if interpret:   # the interpreter ignores shared-memory layouts (and q is transposed there)

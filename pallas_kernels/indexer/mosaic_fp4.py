@@ -49,6 +49,82 @@ mul.rn.f16x2 $3, a, $5; }"""
 ASM_CHANNELS = ((0, 2), (4, 6), (1, 3), (5, 7))
 
 
+# precision "fp8" (operand "e5m2"): the nibbles become e5m2 bytes for an e5m2 x e5m2 wgmma (twice the f16 rate, half
+# the A registers). A key group's 8 magnitudes {0, .5, 1, 1.5 | 2, 3, 4, 6} x 2^(13 - D) (D: the group's distance
+# below the key's largest scale) are a lookup table of 8 bytes in two registers, one table per (key, group):
+# E5M2_LUT_BASE at D = 0 (0.5 x 2^13 = 2^12: exponent field 27), each nonzero entry's exponent field lowered by D
+# (a subtraction of D x 4 per byte, no borrow while D <= E5M2_MAX_D: every entry stays a normal number, so exact);
+# a group more than E5M2_MAX_D below its key's largest counts as 0 (its share of the score is below 2^-26 of the
+# top group's). The key's score takes 2^(smax - 140).
+E5M2_LUT_BASE = (0x72706C00, 0x7A787674)   # bytes: [0, 0x6C, 0x70, 0x72], [0x74, 0x76, 0x78, 0x7A]
+E5M2_MAX_D = 26
+# $2 = 4 packed bytes b0..b3 (b_i's low nibble = channel 2i, high = 2i + 1), $3 / $4 = the group's table (entries
+# 0-3 / 4-7). Out: $0 = e5m2 bytes of channels 0-3, $1 = channels 4-7 (byte i = channel 4r + i). A nibble's 3
+# magnitude bits index the table (prmt's default mode, selector bit 3 clear); its sign comes from prmt's
+# sign-replicate mode on (w << 4, w), whose bytes' top bits are the low and the high nibbles' sign bits.
+FP4_E5M2X8_ASM = """{ .reg .b32 w4, sel, sg, o0, o1;
+shl.b32 w4, $2, 4;
+and.b32 sel, $2, 0x7777;
+prmt.b32 o0, $3, $4, sel;
+prmt.b32 sg, w4, $2, 0xD9C8;
+and.b32 sg, sg, 0x80808080;
+or.b32 o0, o0, sg;
+shr.b32 sel, $2, 16;
+and.b32 sel, sel, 0x7777;
+prmt.b32 o1, $3, $4, sel;
+prmt.b32 sg, w4, $2, 0xFBEA;
+and.b32 sg, sg, 0x80808080;
+or.b32 o1, o1, sg;
+mov.b32 $0, o0;
+mov.b32 $1, o1; }"""
+E5M2_ASM_CHANNELS = ((0, 1, 2, 3), (4, 5, 6, 7))
+
+
+def fp4_e5m2x8_reference(word, lut_lo, lut_hi):
+    """numpy model of `FP4_E5M2X8_ASM`: word, lut_lo, lut_hi uint32 [n] -> uint8 [n, 2, 4] (out register, byte)."""
+    word = np.asarray(word, np.uint64)
+    table = (np.asarray(lut_lo, np.uint64) | (np.asarray(lut_hi, np.uint64) << np.uint64(32)))
+    out = np.empty(word.shape + (2, 4), np.uint8)
+    for ch in range(8):
+        nib = (word >> np.uint64(4 * ch)) & np.uint64(0xF)
+        mag = ((table >> (np.uint64(8) * (nib & np.uint64(7)))) & np.uint64(0xFF)).astype(np.uint8)
+        out[..., ch // 4, ch % 4] = mag | ((nib & np.uint64(8)) << np.uint64(4)).astype(np.uint8)
+    return out
+
+
+def e5m2_luts(scales):
+    """ue8m0 group scales [..., 4] (int) -> (tables uint32 [..., 4, 2]: group g's (entries 0-3, 4-7) as
+    `E5M2_LUTS_ASM` forms them, zero for D_g > E5M2_MAX_D; factor f32 bits uint32 [...] = 2^(smax - 140))."""
+    s = np.asarray(scales, np.int64)
+    smax = s.max(-1)
+    d = smax[..., None] - s
+    lo = np.int64(E5M2_LUT_BASE[0]) - d * 0x04040400
+    hi = np.int64(E5M2_LUT_BASE[1]) - d * 0x04040404
+    ok = d <= E5M2_MAX_D
+    tables = np.stack([np.where(ok, lo, 0), np.where(ok, hi, 0)], -1).astype(np.uint32)
+    factor = np.where(smax >= 14, (smax - 13) << 23, 1 << np.clip(smax + 9, 0, 31)).astype(np.uint32)
+    return tables, factor
+
+
+# $9 = a key's 4 ue8m0 group scales (byte g = group g). Out: $2g / $2g+1 = group g's table (`e5m2_luts`), $8 = the
+# f32 bits of 2^(max - 140) (the score's factor; subnormal for max < 14).
+E5M2_LUTS_ASM = """{ .reg .b32 m, s, t, d, k, lo, hi, f;
+.reg .pred p;
+bfe.u32 m, $9, 0, 8;
+bfe.u32 t, $9, 8, 8;  max.u32 m, m, t;
+bfe.u32 t, $9, 16, 8; max.u32 m, m, t;
+bfe.u32 t, $9, 24, 8; max.u32 m, m, t;
+""" + "".join(f"""bfe.u32 s, $9, {8 * g}, 8;
+sub.u32 d, m, s;
+mul.lo.u32 t, d, 0x04040400; mov.u32 k, {E5M2_LUT_BASE[0]:#010x}; sub.u32 lo, k, t;
+mul.lo.u32 t, d, 0x04040404; mov.u32 k, {E5M2_LUT_BASE[1]:#010x}; sub.u32 hi, k, t;
+setp.le.u32 p, d, {E5M2_MAX_D};
+selp.b32 ${2 * g}, lo, 0, p;
+selp.b32 ${2 * g + 1}, hi, 0, p;
+""" for g in range(4)) + """setp.ge.u32 p, m, 14; sub.u32 t, m, 13; shl.b32 t, t, 23;
+add.u32 s, m, 9; mov.u32 k, 1; shl.b32 s, k, s; selp.b32 $8, t, s, p; }"""
+
+
 def fp4_f16x4_reference(word, factor_bits):
     """numpy model of `FP4_F16X4_SCALED_ASM` before the multiply, and the multiply in float16:
     word uint32 [n] (4 packed bytes), factor_bits uint16 [n] (the f16 factor) -> float16 [n, 4, 2] (out register,
@@ -100,17 +176,37 @@ def layout_positions(layout, shape):
     return pos
 
 
-@functools.lru_cache(maxsize=None)
-def register_plan(rows: int):
-    """For a [rows, 64] uint8 block in WGMMA_LAYOUT_UPCAST_2X -> f16 [rows, 128] in WGMMA_LAYOUT:
-    (plan, channel_columns) where plan is a tuple over the source registers (in `np.ndindex` order of the source
-    register array) of (source index, (4 target register indices in the asm's output order), row-vector register
-    index (of WGMMA_LAYOUT.reduce(1) on [rows]), scale group), and channel_columns [128] int32 the f16 column each
-    key channel lands in (the same for every row and thread; checked here for all 128 threads)."""
+# The operand the packed nibbles become (`fp4_operand(..., operand=)`): the kernel's precision "f16" takes "f16"
+# (4 f16x2 registers per source register, WGMMA_LAYOUT), precision "fp8" takes "e5m2" (2 registers of 4 e5m2 bytes
+# per source register, WGMMA_LAYOUT_8BIT).
+OPERANDS = ("f16", "e5m2")
+
+
+def _operand_layout(operand):
+    """-> (Mosaic GPU layout of the [rows, 128] operand, target registers per source register, the asm's output
+    channels [out register][element])."""
     from jax.experimental.mosaic.gpu import fragmented_array as fa
 
+    if operand == "f16":
+        return fa.WGMMA_LAYOUT, 4, ASM_CHANNELS
+    if operand == "e5m2":
+        return fa.WGMMA_LAYOUT_8BIT, 2, E5M2_ASM_CHANNELS
+    raise ValueError(f"operand must be one of {OPERANDS}, got {operand!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def register_plan(rows: int, operand: str = "f16"):
+    """For a [rows, 64] uint8 block in WGMMA_LAYOUT_UPCAST_2X -> the [rows, 128] operand (`OPERANDS`: f16 in
+    WGMMA_LAYOUT, e5m2 in WGMMA_LAYOUT_8BIT): (plan, channel_columns) where plan is a tuple over the source registers
+    (in `np.ndindex` order of the source register array) of (source index, (the target register indices in the
+    asm's output order: 4 for f16, 2 for e5m2), row-vector register index (of WGMMA_LAYOUT.reduce(1) on [rows]),
+    scale group), and channel_columns [128] int32 the operand column each key channel lands in (the same for every
+    row and thread; checked here for all 128 threads)."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+    dst_layout, n_out, out_channels = _operand_layout(operand)
     src = layout_positions(fa.WGMMA_LAYOUT_UPCAST_2X, (rows, 64))
-    dst = layout_positions(fa.WGMMA_LAYOUT, (rows, 128))
+    dst = layout_positions(dst_layout, (rows, 128))
     rowv = layout_positions(fa.WGMMA_LAYOUT.reduce((1,)), (rows,))
     src_regs = src.shape[2:-1]
     dst_regs = dst.shape[2:-1]
@@ -131,10 +227,10 @@ def register_plan(rows: int):
     for r, items in src_by_row.items():
         items.sort()
         targets = by_row[r]
-        if len(targets) != 4 * len(items):
+        if len(targets) != n_out * len(items):
             raise AssertionError(f"row {r}: {len(items)} source registers for {len(targets)} target registers")
         for j, (c, idx) in enumerate(items):
-            plan.append((idx, tuple(targets[4 * j:4 * j + 4]), row_reg_of[r], c // (GROUP // 2)))
+            plan.append((idx, tuple(targets[n_out * j:n_out * (j + 1)]), row_reg_of[r], c // (GROUP // 2)))
     plan.sort(key=lambda p: p[0])
     # check every thread and derive the channel -> column map
     columns = -np.ones(128, np.int64)
@@ -151,7 +247,7 @@ def register_plan(rows: int):
                     raise AssertionError(f"thread {t}: row register {row_idx} does not hold row {r}")
                 if bytes_[0][1] // (GROUP // 2) != group:
                     raise AssertionError(f"thread {t}: register {idx} is not in group {group}")
-                for out, chans in zip(targets, ASM_CHANNELS):
+                for out, chans in zip(targets, out_channels):
                     for h, ch in enumerate(chans):
                         rr, col = dst[t + out + (h,)]
                         channel = 2 * bytes_[0][1] + ch
@@ -191,11 +287,12 @@ setp.le.u32 p, d, 29; selp.b32 n, n, u, p; prmt.b32 ${g}, n, 0, 0x1010;
 """ for g in range(4)) + """setp.ge.u32 p, m, 1; sub.u32 t, m, 1; shl.b32 t, t, 23; selp.b32 $4, t, 0x00200000, p; }"""
 
 
-def fp4_operand(packed, scale_words):
+def fp4_operand(packed, scale_words, operand: str = "f16"):
     """In a Mosaic GPU kernel: packed [rows, 64] uint8 in `Layout.WGMMA_UPCAST_2X`, scale_words [rows] int32 (a
-    key's 4 ue8m0 bytes) in `Layout.WGMMA.reduce(1)` -> (operand f16 [rows, 128] in `Layout.WGMMA`, the K dimension
-    in `register_plan`'s column order; row factor f32 [rows] in `Layout.WGMMA.reduce(1)`: the score of row t is the
-    head sum over this operand x factor[t])."""
+    key's 4 ue8m0 bytes) in `Layout.WGMMA.reduce(1)` -> (the operand [rows, 128], the K dimension in
+    `register_plan(rows, operand)`'s column order: f16 in `Layout.WGMMA` (e2m1 x 2^(15 - D - 14)), or e5m2 in
+    `Layout.WGMMA_8BIT` (e2m1 x 2^(13 - D)); row factor f32 [rows] in `Layout.WGMMA.reduce(1)`: the score of row t is
+    the head sum over this operand x factor[t])."""
     import jax.numpy as jnp
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import llvm, vector
@@ -204,35 +301,49 @@ def fp4_operand(packed, scale_words):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     rows = packed.shape[0]
-    plan, _ = register_plan(rows)
+    plan, _ = register_plan(rows, operand)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
+    e5m2 = operand == "e5m2"
+    out_layout, out_dtype = ((plgpu.Layout.WGMMA_8BIT, jnp.float8_e5m2) if e5m2 else
+                             (plgpu.Layout.WGMMA, jnp.float16))
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_2X, row_layout),
-                       return_type=(plgpu.ShapeDtypeStruct((rows, 128), jnp.float16, layout=plgpu.Layout.WGMMA),
+                       return_type=(plgpu.ShapeDtypeStruct((rows, 128), out_dtype, layout=out_layout),
                                     plgpu.ShapeDtypeStruct((rows,), jnp.float32, layout=row_layout)))
     def convert(_, x, sw):
+        from jax.experimental.mosaic.gpu import fragmented_array as fa
+
         i32 = ir.IntegerType.get_signless(32)
         f32 = ir.F32Type.get()
         struct = lambda n: ir.Type.parse("!llvm.struct<(" + ", ".join(["i32"] * n) + ")>")
-        factors, row_mult = {}, np.empty(sw.registers.shape, dtype=object)
+        # per row register: the groups' factors (f16: 4 f16x2 splats; e5m2: 4 (lo, hi) tables) and the row factor
+        per_group, row_mult = {}, np.empty(sw.registers.shape, dtype=object)
         for idx, reg in np.ndenumerate(sw.registers):
-            res = llvm.inline_asm(struct(5), [mgpu_utils.bitcast(reg, i32)], SCALE_FACTORS_ASM, "=r,=r,=r,=r,=r,r")
-            outs = [llvm.extractvalue(i32, res, [i]) for i in range(5)]
-            factors[idx] = outs[:4]
+            word = mgpu_utils.bitcast(reg, i32)
+            if e5m2:
+                res = llvm.inline_asm(struct(9), [word], E5M2_LUTS_ASM, ",".join(["=r"] * 9) + ",r")
+                outs = [llvm.extractvalue(i32, res, [i]) for i in range(9)]
+                per_group[idx] = [outs[2 * g:2 * g + 2] for g in range(4)]
+                fbits = outs[8]
+            else:
+                res = llvm.inline_asm(struct(5), [word], SCALE_FACTORS_ASM, "=r,=r,=r,=r,=r,r")
+                outs = [llvm.extractvalue(i32, res, [i]) for i in range(5)]
+                per_group[idx] = [[o] for o in outs[:4]]
+                fbits = outs[4]
             row_mult[idx] = vector.bitcast(ir.VectorType.get((1,), f32),
-                                           vector.from_elements(ir.VectorType.get((1,), i32), [outs[4]]))
-        from jax.experimental.mosaic.gpu import fragmented_array as fa
-
-        dst_shape = fa.WGMMA_LAYOUT.registers_shape((rows, 128))
-        regs = np.empty(dst_shape, dtype=object)
-        f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
+                                           vector.from_elements(ir.VectorType.get((1,), i32), [fbits]))
+        dst_layout = fa.WGMMA_LAYOUT_8BIT if e5m2 else fa.WGMMA_LAYOUT
+        regs = np.empty(dst_layout.registers_shape((rows, 128)), dtype=object)
+        reg_type = (ir.VectorType.get((4,), ir.Float8E5M2Type.get()) if e5m2 else
+                    ir.VectorType.get((2,), ir.F16Type.get()))
+        asm, n_out = (FP4_E5M2X8_ASM, 2) if e5m2 else (FP4_F16X4_SCALED_ASM, 4)
+        constraints = ",".join(["=r"] * n_out + ["r"] * (3 if e5m2 else 2))
         for src_idx, targets, row_idx, group in plan:
             word = mgpu_utils.bitcast(x.registers[src_idx], i32)
-            res = llvm.inline_asm(struct(4), [word, factors[row_idx][group]], FP4_F16X4_SCALED_ASM,
-                                  "=r,=r,=r,=r,r,r")
+            res = llvm.inline_asm(struct(n_out), [word] + per_group[row_idx][group], asm, constraints)
             for i, t in enumerate(targets):
-                regs[t] = mgpu_utils.bitcast(llvm.extractvalue(i32, res, [i]), f16x2)
-        return (mgpu.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None),
+                regs[t] = mgpu_utils.bitcast(llvm.extractvalue(i32, res, [i]), reg_type)
+        return (mgpu.FragmentedArray(_registers=regs, _layout=dst_layout, _is_signed=None),
                 mgpu.FragmentedArray(_registers=row_mult, _layout=sw.layout, _is_signed=None))
 
     return convert(packed, scale_words)
