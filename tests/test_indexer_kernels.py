@@ -390,12 +390,12 @@ def test_gpu_mosaic_fp4_scores(B, S, H, T, opts):
                                           (2, 1, 128, 296, {}), (3, 1, 64, 4104, dict(block_t=64, num_stages=2)),
                                           (2, 1, 64, 9000, dict(block_t=256, num_splits=3)),
                                           (4, 1, 64, 5000, dict(split_m=True)), (3, 1, 64, 3000, dict(block_t=192))])
-def test_gpu_mosaic_fp4_fp8_precision(B, S, H, T, opts):
+def test_gpu_mosaic_fp4_fp8_precision(B, S, H, T, opts, monkeypatch):
     """fp4 keys at precision "fp8" (session 45; not yet run on a GPU when written): e5m2 operands (exact: table
     lookups per key group, q's e5m2 codes), one e5m2 x e5m2 wgmma K-step per 32-channel scale group. Scores to the
     fp8 tensor cores' internal accumulation (within 1e-4 of the row scale), the picks checked against the reference
     within that tolerance, the set picks equal to them, and a raw q gives the fake-quantized q's scores (the operand starts with q's fp4 fake
-    quantization)."""
+    quantization), and both q preparations (one Triton kernel, or jnp) give the same scores bit for bit."""
     q, w, keys, nv = make(B, S, H, T, "fp4", True)
     opts = dict(opts, precision="fp8")
     check_scores(q, w, keys, nv, "pallas", 1e-4, kernel="mosaic", **opts)
@@ -406,9 +406,13 @@ def test_gpu_mosaic_fp4_fp8_precision(B, S, H, T, opts):
     from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
 
     raw = jnp.asarray(np.random.default_rng(B * T).standard_normal(q.shape), jnp.float32)
-    np.testing.assert_array_equal(
-        np.asarray(indexer_scores_mosaic(raw, w, keys, nv, **opts)),
-        np.asarray(indexer_scores_mosaic(F.fake_quantize(raw, "fp4"), w, keys, nv, **opts)))
+    base = np.asarray(indexer_scores_mosaic(raw, w, keys, nv, **opts))
+    np.testing.assert_array_equal(base, np.asarray(indexer_scores_mosaic(F.fake_quantize(raw, "fp4"), w, keys, nv,
+                                                                         **opts)))
+    from pallas_kernels.indexer import gpu_mosaic
+
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "q_prep", "xla")
+    np.testing.assert_array_equal(base, np.asarray(indexer_scores_mosaic(raw, w, keys, nv, **opts)))
 
 
 @gpu

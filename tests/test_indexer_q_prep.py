@@ -185,6 +185,30 @@ def test_q_prep_fp4_kernel_equals_the_jnp_path(R, H, fake):
     np.testing.assert_array_equal(np.asarray(got_w), np.asarray(want_w))
 
 
+@pytest.mark.parametrize("R,H,fake", [(3, 64, True), (3, 64, False), (2, 8, False), full(2, 96, False)])
+def test_q_prep_fp4_e5m2_equals_the_jnp_path(R, H, fake):
+    """precision "fp8" (session 45): the kernel's e5m2 operand and weights (Pallas interpreter) equal
+    `gpu_mosaic.fp4_q_operand_e5m2` bit for bit, from a raw or a fake-quantized q, heads 1e-3..300 apart and groups
+    within a head 100x apart; its shift is gpu's."""
+    from pallas_kernels.indexer import gpu
+    from pallas_kernels.indexer.gpu_mosaic import fp4_q_operand_e5m2
+    from pallas_kernels.indexer.mosaic_fp4 import register_plan
+
+    assert q_prep.FP4_Q_SHIFT == gpu.FP4_Q_SHIFT
+    rng = np.random.default_rng(R * 100 + H + fake)
+    q = jnp.asarray(rng.standard_normal((R, H, 128)) * rng.choice([1e-3, 1.0, 300.0], (R, H, 1))
+                    * rng.choice([1e-2, 1.0], (R, H, 128)), jnp.float32)
+    fq = F.fake_quantize(q, "fp4")
+    w = jnp.asarray(rng.standard_normal((R, H)), jnp.float32)
+    columns = register_plan(64, "e5m2")[1]
+    got_q, got_w = q_prep.q_prep_fp4(fq if fake else q, w, q_prep.column_permutation(columns), e5m2=True,
+                                     interpret=True)
+    want_q, want_w = fp4_q_operand_e5m2(q, w, columns)
+    assert got_q.dtype == jnp.float8_e5m2 == want_q.dtype
+    np.testing.assert_array_equal(np.asarray(got_q, np.float32), np.asarray(want_q, np.float32))
+    np.testing.assert_array_equal(np.asarray(got_w), np.asarray(want_w))
+
+
 def test_q_prep_fp4_errors():
     perm = q_prep.column_permutation(_fp4_columns())
     with pytest.raises(ValueError, match="power of two"):
@@ -209,6 +233,10 @@ def test_fp4_mosaic_with_q_prep_lowers(topk, monkeypatch):
     text = lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=512, topk=topk, kernel="mosaic"),
                       *_abstract_inputs(64, 32768, "fp4"))
     assert "indexer_q_prep_fp4" in text
+    text = lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=512, topk=topk, kernel="mosaic",
+                                                                       precision="fp8"),
+                      *_abstract_inputs(64, 32768, "fp4"))
+    assert "indexer_q_prep_fp4_e5m2" in text
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp4", "bf16"])

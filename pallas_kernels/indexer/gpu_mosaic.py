@@ -35,7 +35,8 @@ Key formats and precisions (`PRECISIONS`; the first is the default):
   fake-quantized. Precision "fp8" (session 45, not yet timed on a GPU): the nibbles become e5m2 bytes instead
   (`mosaic_fp4.FP4_E5M2X8_ASM`: a table lookup per nibble, the group's 8 magnitudes x 2^(13 - D) in two registers,
   ~13 integer ops per 8 values against ~26 for f16; exact for D <= 26) in the wgmma's 8-bit register layout, q as
-  e5m2 codes (`gpu.quantize_q_fp8` after q's fp4 fake quantization, so a raw q works too), and one e5m2 x e5m2
+  e5m2 codes (`gpu.quantize_q_fp8` after q's fp4 fake quantization, so a raw q works too; one Triton kernel with
+  q_prep "triton", `q_prep.q_prep_fp4(e5m2=True)`), and one e5m2 x e5m2
   wgmma: twice the f16 tensor rate, where the f16 path is compute-bound (2.35x its floor on the H100, session 44).
   The register plan puts every 32-channel scale group in its own K-step of 32, so an instruction's products share
   their scales; the fp8 tensor cores' accumulation is the only difference to the reference (~1e-4 relative).
@@ -285,6 +286,17 @@ def fp4_q_operand(q, w, columns):
     e = jnp.where(amax > 0, jnp.frexp(amax)[1], 0)
     q_op = (q * jnp.ldexp(jnp.float32(1), -e)[..., None])[..., np.argsort(columns)].astype(jnp.float16)
     return q_op, w * jnp.ldexp(jnp.float32(1), e)
+
+
+def fp4_q_operand_e5m2(q, w, columns):
+    """fp4 keys at precision "fp8", q_prep "xla": q [..., H, d] f32 (raw or fake-quantized to fp4) and head weights
+    w [..., H] -> (q_op [..., H, d] e5m2: `gpu.quantize_q_fp8` of q's fp4 fake quantization (exact while a head's
+    groups span <= 28 binades), its channels in the e5m2 key operand's columns (`columns`, `mosaic_fp4.register_plan
+    (.., "e5m2")`); w x its scale)."""
+    from .gpu import quantize_q_fp8
+
+    q_op, q_scale = quantize_q_fp8(formats.fake_quantize(q, "fp4"), "fp4")
+    return q_op[..., np.argsort(columns)], w * q_scale
 
 
 def quantizes_q(keys, precision=None) -> bool:
@@ -752,12 +764,17 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         if f16 and convert in ("alu", "mix"):   # those key operands are the values x 2^-8
             wf = wf * float(2 ** F16_BIAS_SHIFT)
     elif fmt == "fp4" and not f16:   # precision "fp8": q fake-quantized to fp4 (idempotent), then e5m2 codes of
-        from .mosaic_fp4 import register_plan   # q / 2^(e - 13) (`gpu.quantize_q_fp8`: exact while a head's groups
-                                                # span <= 28 binades), in the e5m2 operand's column order
+        from .mosaic_fp4 import register_plan   # q / 2^(e - 13), in the e5m2 operand's column order
+
         _, columns = register_plan(64, "e5m2")
-        q_op, q_scale = quantize_q_fp8(formats.fake_quantize(qf, "fp4"), "fp4")
-        q_op = q_op[..., np.argsort(columns)].reshape(R, hp, d)
-        wf = wf * q_scale
+        if q_prep == "triton":   # one kernel
+            from .q_prep import column_permutation, q_prep_fp4
+
+            q_op, wf = q_prep_fp4(qf.reshape(R, hp, d), wf.reshape(R, hp), column_permutation(columns), e5m2=True,
+                                  interpret=bool(interpret))
+        else:
+            q_op, wf = fp4_q_operand_e5m2(qf, wf, columns)
+            q_op = q_op.reshape(R, hp, d)
     elif fmt == "fp4":   # q's channels in the order the key operand's columns hold them (`mosaic_fp4`), per
         from .mosaic_fp4 import register_plan   # (token, head) / 2^e (e: its largest magnitude's exponent) in f16
 

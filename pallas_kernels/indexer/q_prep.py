@@ -1,7 +1,8 @@
 """The Mosaic indexer kernel's q operand and head weights in one Pallas (Triton) kernel (MOSAIC_CONFIG q_prep).
 
     q_prep_fp8(q [R, H, 128] f32, w [R, H] f32, f16=True) -> (q_op [R, H, 128] f16 (or e4m3), w' [R, H] f32)
-    q_prep_fp4(q [R, H, 128] f32, w [R, H] f32, perm [128, 128] f16) -> (q_op [R, H, 128] f16, w' [R, H] f32)
+    q_prep_fp4(q [R, H, 128] f32, w [R, H] f32, perm [128, 128] f16, e5m2=False)
+        -> (q_op [R, H, 128] f16 (or e5m2), w' [R, H] f32)
 
 fp4 keys (session 42): q fake-quantized to fp4 (from a raw or an already fake-quantized q: the same values), divided
 per head by 2^e into f16 and its channels moved to the key operand's columns; see `q_prep_fp4`. fp8 keys:
@@ -30,6 +31,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from .formats import E2M1_AMAX_FLOOR, E2M1_MAX, E4M3_AMAX_FLOOR, E4M3_MAX, FP4_BLOCK, _exp2
+
+FP4_Q_SHIFT = 13   # = gpu.FP4_Q_SHIFT (checked by tests/test_indexer_q_prep.py): e5m2 codes of q / 2^(e - 13)
 
 
 def _pow2_exponent_bits(amax, fmt_max: float, floor: float):
@@ -122,7 +125,7 @@ def _frexp_exponent(amax):
     return jnp.where(amax > 0, E - 126 - jnp.where(sub, 32, 0), 0)
 
 
-def _kernel_fp4(q_ref, w_ref, perm_ref, qo_ref, wo_ref):
+def _kernel_fp4(q_ref, w_ref, perm_ref, qo_ref, wo_ref, *, e5m2=False):
     q = q_ref[0]                                   # [H, d], channels in their own order
     H, d = q.shape
     group = jax.lax.broadcasted_iota(jnp.int32, (H, d), 1) // FP4_BLOCK
@@ -134,10 +137,15 @@ def _kernel_fp4(q_ref, w_ref, perm_ref, qo_ref, wo_ref):
                        -127, 127)
         e_el = jnp.where(group == g, e_g[:, None], e_el)
     fq = _round_e2m1(q * _exp2(-e_el)) * _exp2(e_el)          # formats.fake_quantize(q, "fp4"), exactly
-    e = _frexp_exponent(jnp.max(jnp.abs(fq), axis=1))         # the head's scale into its weight
+    if e5m2:   # precision "fp8": gpu.quantize_q_fp8's scale 2^(e - FP4_Q_SHIFT), e = the fp4 rule's exponent of
+        e = jnp.clip(_pow2_exponent_bits(jnp.max(jnp.abs(fq), axis=1), E2M1_MAX, E2M1_AMAX_FLOOR), -100, 127)
+        e = e - FP4_Q_SHIFT   # the head's amax: codes e2m1 x 2^(e_g - e + 13), exact in f16 and in e5m2 while the
+    else:                     # head's groups span <= 28 binades
+        e = _frexp_exponent(jnp.max(jnp.abs(fq), axis=1))     # the head's scale into its weight
     q16 = (fq * _exp2(-e)[:, None]).astype(jnp.float16)
     # channels -> the key operand's columns: one f16 MMA with a 0/1 matrix, exact (one nonzero product a column)
-    qo_ref[0] = jnp.dot(q16, perm_ref[...], preferred_element_type=jnp.float32).astype(jnp.float16)
+    moved = jnp.dot(q16, perm_ref[...], preferred_element_type=jnp.float32)
+    qo_ref[0] = moved.astype(jnp.float8_e5m2 if e5m2 else jnp.float16)
     wo_ref[0] = w_ref[0] * _exp2(e)
 
 
@@ -152,13 +160,16 @@ def column_permutation(columns):
     return jnp.asarray(p)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def q_prep_fp4(q, w, perm, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("e5m2", "interpret"))
+def q_prep_fp4(q, w, perm, e5m2: bool = False, interpret: bool = False):
     """q [R, H, d] float32 (raw, or already fake-quantized to fp4: the same result), w [R, H] f32, perm [d, d] f16
     (`column_permutation`) -> (q_op [R, H, d] f16, w' [R, H] f32): per (row, head), q fake-quantized to fp4
     (`formats.fake_quantize`: e2m1 codes, one power-of-two scale per 32 channels), divided by 2^e (e: frexp's
     exponent of its largest magnitude) into f16, its channels moved to the key operand's columns; w' = w x 2^e.
-    Equal bit for bit to `gpu_mosaic`'s jnp preparation of a fake-quantized q for |q| < 2^120."""
+    Equal bit for bit to `gpu_mosaic`'s jnp preparation of a fake-quantized q for |q| < 2^120.
+    e5m2=True (the kernel's precision "fp8", session 45): q_op e5m2 codes of q / 2^(e - 13), e the fp4 rule's
+    exponent of the head's amax (`gpu.quantize_q_fp8`), w' = w x 2^(e - 13); equal bit for bit to
+    `gpu_mosaic.fp4_q_operand_e5m2`."""
     R, H0, d = q.shape
     if w.shape != (R, H0) or perm.shape != (d, d):
         raise ValueError(f"q_prep_fp4: w must be [R, H] = {(R, H0)} and perm [d, d] = {(d, d)}, got {w.shape}, "
@@ -167,5 +178,6 @@ def q_prep_fp4(q, w, perm, interpret: bool = False):
         raise ValueError(f"q_prep_fp4: head_dim must be a power of two and a multiple of {FP4_BLOCK} (a Triton block "
                          f"of whole groups), got {d}")
     # 16 heads at least: the permutation's MMA takes >= 16 rows
-    return _per_row(_kernel_fp4, q, w, (perm.astype(jnp.float16),), 16, jnp.float16, "indexer_q_prep_fp4",
+    return _per_row(functools.partial(_kernel_fp4, e5m2=e5m2), q, w, (perm.astype(jnp.float16),), 16,
+                    jnp.float8_e5m2 if e5m2 else jnp.float16, "indexer_q_prep_fp4" + ("_e5m2" if e5m2 else ""),
                     4, interpret)
