@@ -226,3 +226,25 @@ def test_e5m2_model_matches_reference(spread):
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(ref))
     fin = np.isfinite(ref)
     np.testing.assert_allclose(got[fin], ref[fin], rtol=1e-5, atol=1e-6 * np.abs(ref[fin]).max())
+
+
+def test_fp4_asm_blocks_assemble(tmp_path):
+    """Every inline-PTX block of `mosaic_fp4` (both operands' conversions and factor / table blocks) assembles for
+    sm_90a: a syntax or register-name error fails here, not on the GPU. Skipped where no ptxas is found."""
+    import subprocess
+
+    from test_indexer_segment_select import _ptxas
+
+    from pallas_kernels.indexer import mosaic_fp4 as M4
+    from pallas_kernels.indexer.mosaic_select import standalone_ptx
+
+    ptxas = _ptxas()
+    if not ptxas:
+        pytest.skip("no ptxas (set PTXAS or pip install nvidia-cuda-nvcc-cu12)")
+    blocks = [("fp4_f16x4", M4.FP4_F16X4_SCALED_ASM, "r" * 6), ("scale_factors", M4.SCALE_FACTORS_ASM, "r" * 6),
+              ("fp4_e5m2x8", M4.FP4_E5M2X8_ASM, "r" * 5), ("e5m2_luts", M4.E5M2_LUTS_ASM, "r" * 10)]
+    src = tmp_path / "fp4.ptx"
+    src.write_text(standalone_ptx(blocks))
+    res = subprocess.run([ptxas, "-arch=sm_90a", str(src), "-o", str(tmp_path / "fp4.cubin")],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
