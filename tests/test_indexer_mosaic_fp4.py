@@ -86,11 +86,13 @@ def model_scores(q, w, keys, nv):
     return np.where(t[None, None] < np.asarray(nv)[..., None], s, -np.inf)
 
 
+@pytest.mark.parametrize("operand", ["f16", "e5m2"])
 @pytest.mark.parametrize("spread", [0, 12, 22])
-def test_model_matches_reference(spread):
-    """The arithmetic the kernel runs equals the reference scores to f32 rounding, also with each key's groups
+def test_model_matches_reference(spread, operand):
+    """The arithmetic the kernel runs (`model_scores`: f16 operands; `model_scores_e5m2`: precision "fp8", the fp8
+    tensor cores' accumulation order aside) equals the reference scores to f32 rounding, also with each key's groups
     spread over 2^spread (scaled channels groups) and one all-zero key."""
-    rng = np.random.default_rng(spread)
+    rng = np.random.default_rng(spread + (100 if operand == "e5m2" else 0))
     B, S, H, T = 2, 1, 16, 64
     q = F.fake_quantize(F.hadamard(jnp.asarray(rng.standard_normal((B, S, H, 128)), jnp.float32)), "fp4")
     k = rng.standard_normal((B, T, 128))
@@ -100,7 +102,7 @@ def test_model_matches_reference(spread):
     w = jnp.asarray(rng.standard_normal((B, S, H)), jnp.float32)
     nv = jnp.asarray([[T], [T - 5]], jnp.int32)
     ref = np.asarray(indexer_scores(q, w, keys, nv), np.float64)
-    got = model_scores(q, w, keys, nv)
+    got = (model_scores if operand == "f16" else model_scores_e5m2)(q, w, keys, nv)
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(ref))
     fin = np.isfinite(ref)
     np.testing.assert_allclose(got[fin], ref[fin], rtol=1e-5, atol=1e-6 * np.abs(ref[fin]).max())
@@ -207,25 +209,6 @@ def model_scores_e5m2(q, w, keys, nv):
     factor = fbits.view(np.float32).astype(np.float64)
     s = np.einsum("bsht,bsh->bst", np.maximum(logits, 0), wf) * factor[:, None, :]
     return np.where(np.arange(T)[None, None] < np.asarray(nv)[..., None], s, -np.inf)
-
-
-@pytest.mark.parametrize("spread", [0, 12, 22])
-def test_e5m2_model_matches_reference(spread):
-    """The e5m2 operands' arithmetic equals the reference scores to f32 rounding (exact operands, groups spread over
-    2^spread, an all-zero key): what the kernel computes but for the fp8 tensor cores' accumulation order."""
-    rng = np.random.default_rng(100 + spread)
-    B, S, H, T = 2, 1, 16, 64
-    q = F.fake_quantize(F.hadamard(jnp.asarray(rng.standard_normal((B, S, H, 128)), jnp.float32)), "fp4")
-    k = rng.standard_normal((B, T, 128)) * np.ldexp(1.0, -rng.integers(0, spread + 1, (B, T, 4)).repeat(32, -1))
-    k[0, 3] = 0
-    keys = F.quantize(jnp.asarray(k, jnp.float32), "fp4")
-    w = jnp.asarray(rng.standard_normal((B, S, H)), jnp.float32)
-    nv = jnp.asarray([[T], [T - 5]], jnp.int32)
-    ref = np.asarray(indexer_scores(q, w, keys, nv), np.float64)
-    got = model_scores_e5m2(q, w, keys, nv)
-    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(ref))
-    fin = np.isfinite(ref)
-    np.testing.assert_allclose(got[fin], ref[fin], rtol=1e-5, atol=1e-6 * np.abs(ref[fin]).max())
 
 
 def test_fp4_asm_blocks_assemble(tmp_path):

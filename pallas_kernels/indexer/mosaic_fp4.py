@@ -49,6 +49,12 @@ mul.rn.f16x2 $3, a, $5; }"""
 ASM_CHANNELS = ((0, 2), (4, 6), (1, 3), (5, 7))
 
 
+def _max_scale_ptx(word: str) -> str:
+    """PTX: m = the largest of the 4 ue8m0 bytes of `word` (registers m, t declared by the caller)."""
+    return (f"bfe.u32 m, {word}, 0, 8;\n" + "".join(f"bfe.u32 t, {word}, {8 * g}, 8; max.u32 m, m, t;\n"
+                                                    for g in (1, 2, 3)))
+
+
 # precision "fp8" (operand "e5m2"): the nibbles become e5m2 bytes for an e5m2 x e5m2 wgmma (twice the f16 rate, half
 # the A registers). A key group's 8 magnitudes {0, .5, 1, 1.5 | 2, 3, 4, 6} x 2^(13 - D) (D: the group's distance
 # below the key's largest scale) are a lookup table of 8 bytes in two registers, one table per (key, group):
@@ -110,11 +116,7 @@ def e5m2_luts(scales):
 # f32 bits of 2^(max - 140) (the score's factor; subnormal for max < 14).
 E5M2_LUTS_ASM = """{ .reg .b32 m, s, t, d, k, lo, hi, f;
 .reg .pred p;
-bfe.u32 m, $9, 0, 8;
-bfe.u32 t, $9, 8, 8;  max.u32 m, m, t;
-bfe.u32 t, $9, 16, 8; max.u32 m, m, t;
-bfe.u32 t, $9, 24, 8; max.u32 m, m, t;
-""" + "".join(f"""bfe.u32 s, $9, {8 * g}, 8;
+""" + _max_scale_ptx("$9") + "".join(f"""bfe.u32 s, $9, {8 * g}, 8;
 sub.u32 d, m, s;
 mul.lo.u32 t, d, 0x04040400; mov.u32 k, {E5M2_LUT_BASE[0]:#010x}; sub.u32 lo, k, t;
 mul.lo.u32 t, d, 0x04040404; mov.u32 k, {E5M2_LUT_BASE[1]:#010x}; sub.u32 hi, k, t;
@@ -276,11 +278,7 @@ def group_factor_bits(scales):
 # of 2^(max - 128) (the score's factor; 2^-128 as a subnormal for max = 0).
 SCALE_FACTORS_ASM = """{ .reg .b32 s, m, t, d, e, n, u, k;
 .reg .pred p;
-bfe.u32 m, $5, 0, 8;
-bfe.u32 t, $5, 8, 8;  max.u32 m, m, t;
-bfe.u32 t, $5, 16, 8; max.u32 m, m, t;
-bfe.u32 t, $5, 24, 8; max.u32 m, m, t;
-""" + "".join(f"""bfe.u32 s, $5, {8 * g}, 8;
+""" + _max_scale_ptx("$5") + "".join(f"""bfe.u32 s, $5, {8 * g}, 8;
 sub.u32 d, m, s; mov.u32 k, 30; sub.u32 e, k, d; shl.b32 n, e, 10;
 mov.u32 k, 39; sub.u32 t, k, d; mov.u32 k, 1; shl.b32 u, k, t;
 setp.le.u32 p, d, 29; selp.b32 n, n, u, p; prmt.b32 ${g}, n, 0, 0x1010;
