@@ -23,7 +23,8 @@ def _config_dict(config: DeepseekV4Config) -> dict:
 
 
 def save_orbax(model, path, config: DeepseekV4Config | None = None) -> None:
-    """Saves `model`'s parameters (canonical names and orientation, flat) with orbax to `path/state` and `path/config.json`."""
+    """Saves `model`'s parameters (canonical names and orientation, flat) with orbax to `path/state` and
+    `path/config.json`."""
     import orbax.checkpoint as ocp
 
     config = config or model.config
