@@ -39,7 +39,9 @@ from flax import nnx  # noqa: E402
 
 def build_model(args):
     from dsv4_jax.config import PRESETS
+    from dsv4_jax.layers.moe import EXPERTS_CONFIG
 
+    EXPERTS_CONFIG["grouped_matmul"] = args.experts_gmm   # read when the step is traced
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     if args.preset:
         from dsv4_jax.model import DeepseekV4ForCausalLM
@@ -129,6 +131,8 @@ def add_model_args(p, dtype="float32"):
                    help="order of the CSA indexer's picks (auto: set on the GPU kernel path)")
     p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default=None, help="KV cache rows (default: exact)")
     p.add_argument("--indexer-dtype", choices=("bf16", "fp8", "fp4"), default=None, help="indexer key rows")
+    p.add_argument("--experts-gmm", choices=("reference", "pallas", "auto"), default="reference",
+                   help="the routed experts' grouped matmuls: XLA's ragged dot or pallas_kernels.grouped_matmul")
 
 
 def main(argv=None):

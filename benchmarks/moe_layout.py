@@ -14,6 +14,10 @@ gather, w1 and w3, clamped SwiGLU, w2, weight, scatter-add) with each layout:
   out_in  w [E, out, in]: ragged_dot_general contracting x's dim 1 with w's dim 2 (the model up to session 44)
   in_out  w [E, in, out]: ragged_dot's own layout (x's dim 1 with w's dim 1); the model since session 45, whose
           loader turns each expert around once
+  in_out_pallas  the same weights on the grouped-matmul kernel (`pallas_kernels.grouped_matmul`, session 45), which
+          reads only the experts that have rows: XLA's GPU ragged dot is a dense matmul over all E experts (lhs
+          masked to [rows, E, in]), E x the FLOPs and every expert's weights, which `--experts 256` (V4-Flash's
+          count) shows
 
 Session 45 (H100, `results/h100_s45r1_moe*`): out_in 386.7 us at B = 16 (2.62x the floor; two 91 us transposes
 among its kernels), in_out 192.9 (1.31x, none); B = 64: 559.6 vs 266.9.
@@ -42,42 +46,53 @@ import numpy as np  # noqa: E402
 from benchmarks.timing import chain_net, cupti_kernels, measure_ceilings  # noqa: E402
 from dsv4_jax.layers.moe import _RAGGED_DN, routed_experts, swiglu  # noqa: E402
 
-VARIANTS = ("out_in", "in_out")
+VARIANTS = ("out_in", "in_out", "in_out_pallas")
 # the model's dims (`_RAGGED_DN`) take [E, in, out]; these take the checkpoints' [E, out, in] as they are
 _OUT_IN_DN = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
 
-def make_weights(rng, E, D, I, layout):
-    """w1, w3, w2 bf16 in `layout`: out_in -> [E, I, D], [E, I, D], [E, D, I]; in_out -> [E, D, I], [E, D, I],
-    [E, I, D] (the same matrices transposed, so both layouts compute the same products)."""
-    w1 = rng.standard_normal((E, I, D), np.float32) * D ** -0.5
-    w3 = rng.standard_normal((E, I, D), np.float32) * D ** -0.5
-    w2 = rng.standard_normal((E, D, I), np.float32) * I ** -0.5
-    if layout == "in_out":
-        w1, w3, w2 = (np.swapaxes(w, 1, 2) for w in (w1, w3, w2))
-    return tuple(jnp.asarray(w, jnp.bfloat16) for w in (w1, w3, w2))
+def make_weights(seed, E, D, I, layout):
+    """w1, w3, w2 bf16 in `layout`, drawn on the device (V4-Flash's 256 experts are 12.9 GB): out_in -> [E, I, D],
+    [E, I, D], [E, D, I]; in_out(_pallas) -> [E, D, I], [E, D, I], [E, I, D] (the same matrices transposed, so
+    every layout computes the same products)."""
+    k1, k3, k2 = jax.random.split(jax.random.key(seed), 3)
+    normal = jax.jit(lambda k, shape, s: (jax.random.normal(k, shape, jnp.float32) * s).astype(jnp.bfloat16),
+                     static_argnums=(1, 2))
+    ws = (normal(k1, (E, I, D), D ** -0.5), normal(k3, (E, I, D), D ** -0.5), normal(k2, (E, D, I), I ** -0.5))
+    if layout != "out_in":
+        ws = tuple(jax.jit(lambda w: jnp.swapaxes(w, 1, 2))(w) for w in ws)
+    return ws
 
 
 def layout_experts(x, weights, experts, w1, w3, w2, layout, limit):
     """The model's routed-expert forward (`dsv4_jax.layers.moe.routed_experts`) with the weights in `layout`."""
-    return routed_experts(x, weights, experts, w1, w3, w2, limit, _OUT_IN_DN if layout == "out_in" else _RAGGED_DN)
+    if layout == "out_in":
+        return routed_experts(x, weights, experts, w1, w3, w2, limit, _OUT_IN_DN, gmm_impl="reference")
+    return routed_experts(x, weights, experts, w1, w3, w2, limit, _RAGGED_DN,
+                          gmm_impl="pallas" if layout == "in_out_pallas" else "reference")
 
 
 def dense_reference(x, weights, experts, w1, w3, w2, layout, limit):
-    """The same in f32 numpy, expert by expert (w in out_in orientation after un-transposing)."""
-    w1, w3, w2 = (np.asarray(w, np.float32) for w in (w1, w3, w2))
-    if layout == "in_out":
-        w1, w3, w2 = (np.swapaxes(w, 1, 2) for w in (w1, w3, w2))
+    """The same in f32 numpy, expert by expert (each used expert's matrices fetched alone, in out_in orientation)."""
+    cache = {}
+
+    def mats(e):
+        if e not in cache:
+            ms = tuple(np.asarray(w[e], np.float32) for w in (w1, w3, w2))
+            cache[e] = ms if layout == "out_in" else tuple(m.T for m in ms)
+        return cache[e]
+
     x = np.asarray(x, np.float32)
     out = np.zeros_like(x)
     for t in range(x.shape[0]):
         for j in range(experts.shape[1]):
             e = int(experts[t, j])
-            g, u = w1[e] @ x[t], w3[e] @ x[t]
+            m1, m3, m2 = mats(e)
+            g, u = m1 @ x[t], m3 @ x[t]
             h = np.asarray(swiglu(jnp.asarray(g), jnp.asarray(u), limit))
             h = np.asarray(jnp.asarray(h).astype(jnp.bfloat16).astype(jnp.float32))
-            out[t] += float(weights[t, j]) * (w2[e] @ h)
+            out[t] += float(weights[t, j]) * (m2 @ h)
     return out
 
 
@@ -116,6 +131,7 @@ def main(argv=None):
         print(f"ceilings: copy {ceil['copy_GBps'] / 1e3:.2f} TB/s, bf16 {ceil['bf16_TFLOPs']:.0f} TFLOP/s")
     results = dict(device=str(jax.devices()[0]), E=E, k=k, D=D, I=I, ceilings=ceil, rows=[])
     failed = 0
+    weights_of = {}
     for B in (int(b) for b in a.batches.split(",")):
         x, wts, ex = case_inputs(rng, B, k, E, D)
         active = len(np.unique(np.asarray(ex)))
@@ -124,7 +140,15 @@ def main(argv=None):
         if ceil:
             row["floor_us"] = w_bytes / ceil["copy_Bps"] * 1e6
         for v in variants:
-            w1, w3, w2 = make_weights(np.random.default_rng(1), E, D, I, v)
+            orient = "out_in" if v == "out_in" else "in_out"
+            if a.lower_only:   # shapes only: nothing allocated
+                shapes = ((E, I, D), (E, I, D), (E, D, I)) if orient == "out_in" else ((E, D, I), (E, D, I), (E, I, D))
+                w1, w3, w2 = (jax.ShapeDtypeStruct(sh, jnp.bfloat16) for sh in shapes)
+            else:   # one orientation's stacks alive at a time (V4-Flash's 256 experts: 6.4 GB each)
+                if orient not in weights_of:
+                    weights_of.clear()
+                    weights_of[orient] = make_weights(1, E, D, I, orient)
+                w1, w3, w2 = weights_of[orient]
             fn = jax.jit(lambda x, wts, ex, w1, w3, w2, v=v: layout_experts(x, wts, ex, w1, w3, w2, v, a.limit))
             try:
                 if a.lower_only:

@@ -107,12 +107,13 @@ def test_module_entry_point_runs():
 @full_tier
 def test_decode_breakdown_script_runs(tmp_path):
     """benchmarks/decode_breakdown.py (the GPU's per-component decode profile) runs end to end on a tiny model, so
-    it does not rot between GPU sessions: every component row and the sum are written."""
+    it does not rot between GPU sessions: every component row and the sum are written (the routed experts on the
+    grouped-matmul kernel, interpreted, `--experts-gmm pallas`)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "breakdown.txt"
     subprocess.run([sys.executable, "benchmarks/decode_breakdown.py", "--preset", "tiny", "--layers", "3",
                     "--batch", "2", "--context", "64", "--steps", "2", "--repeats", "1", "--parts",
-                    "--indexer-dtype", "fp8", "--out", str(out)],
+                    "--indexer-dtype", "fp8", "--experts-gmm", "pallas", "--out", str(out)],
                    cwd=root, env={**os.environ, "PYTHONPATH": root}, check=True, capture_output=True)
     text = out.read_text()
     for row in ("full decode step", "L1 csa     attention", "L1 csa       indexer select", "L2 hca       compressor",
@@ -140,8 +141,9 @@ def test_indexer_benchmark_lower_only(tmp_path):
 
 @full_tier
 def test_moe_layout_benchmark_runs(tmp_path):
-    """benchmarks/moe_layout.py (the routed experts by weight layout) on tiny shapes on the CPU: both layouts run,
-    are timed and agree with the dense per-expert reference; an unknown variant is refused."""
+    """benchmarks/moe_layout.py (the routed experts by weight layout) on tiny shapes on the CPU: both layouts and
+    the grouped-matmul kernel (interpreted) run, are timed and agree with the dense per-expert reference; an unknown
+    variant is refused."""
     import json
 
     import numpy as np
@@ -155,7 +157,7 @@ def test_moe_layout_benchmark_runs(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["B"] for r in rows] == [3, 5]
     for r in rows:
-        for v in ("out_in", "in_out"):
+        for v in ("out_in", "in_out", "in_out_pallas"):
             # net-of-dispatch differences of microsecond CPU calls can come out negative: only presence is checked
             assert np.isfinite(r[f"{v}_us"]) and r[f"{v}_rel_err"] < 1e-3, r
     run = subprocess.run(cmd + ["--variants", "in_out,dense"], cwd=root, env=env, capture_output=True, text=True)

@@ -18,6 +18,11 @@ from flax import nnx
 from ..config import DeepseekV4Config
 from .common import Buffer, Linear, normal, param
 
+# The routed experts' grouped matmuls: "reference" (XLA's ragged dot) or "auto" / "pallas" (the Triton kernel of
+# pallas_kernels.grouped_matmul, which reads only the experts that have tokens; XLA's GPU ragged dot reads all E and
+# does E x the FLOPs, see that package). "reference" until the kernel is timed on a GPU (written in session 45).
+EXPERTS_CONFIG = dict(grouped_matmul="reference")
+
 # x [T*k, in] (ragged along T*k, grouped by expert) . w [E, in, out] -> [T*k, out]
 _RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
@@ -73,10 +78,11 @@ class Experts(nnx.Module):
         return routed_experts(x, weights, experts, self.w1[...], self.w3[...], self.w2[...], self.limit)
 
 
-def routed_experts(x, weights, experts, w1, w3, w2, limit: float, dims=_RAGGED_DN):
+def routed_experts(x, weights, experts, w1, w3, w2, limit: float, dims=_RAGGED_DN, gmm_impl=None):
     """x [T, D], weights/experts [T, k], stacked expert weights -> sum_k weights * expert_k(x) [T, D] float32.
     `dims`: how x [T*k, in] contracts with a weight stack; the default takes the model's [E, in, out]
-    (benchmarks/moe_layout.py also times the checkpoints' [E, out, in] with the same math)."""
+    (benchmarks/moe_layout.py also times the checkpoints' [E, out, in] with the same math). `gmm_impl`: the grouped
+    matmul's impl (`pallas_kernels.grouped_matmul`; None: EXPERTS_CONFIG's), [E, in, out] weights only."""
     T, k = experts.shape
     E = w1.shape[0]
     flat = experts.reshape(-1)
@@ -84,7 +90,13 @@ def routed_experts(x, weights, experts, w1, w3, w2, limit: float, dims=_RAGGED_D
     token = order // k
     xs = jnp.take(x, token, axis=0).astype(w1.dtype)                               # [T*k, D] grouped by expert
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    dot = lambda a, w: jax.lax.ragged_dot_general(a, w, sizes, dims, preferred_element_type=jnp.float32)
+    gmm_impl = EXPERTS_CONFIG["grouped_matmul"] if gmm_impl is None else gmm_impl
+    if gmm_impl != "reference" and dims == _RAGGED_DN:
+        from pallas_kernels.grouped_matmul import grouped_matmul
+
+        dot = lambda a, w: grouped_matmul(a, w, sizes, impl=gmm_impl)
+    else:
+        dot = lambda a, w: jax.lax.ragged_dot_general(a, w, sizes, dims, preferred_element_type=jnp.float32)
     h = swiglu(dot(xs, w1), dot(xs, w3), limit)
     y = dot(h.astype(w2.dtype), w2)                                                 # [T*k, D] float32
     y = y * jnp.take(weights.reshape(-1), order)[:, None]

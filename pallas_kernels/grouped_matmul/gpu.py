@@ -1,0 +1,124 @@
+"""The grouped matmul as a Pallas (Triton backend) GPU kernel: only the groups that have rows are read.
+
+    grouped_matmul_gpu(lhs [M, K], rhs [E, K, N], group_sizes [E], *, block_m=None, block_n=None, block_k=None,
+                       num_warps=None, num_stages=None, interpret=False) -> [M, N] float32
+
+Work items: every (group, M tile) pair that holds rows of the group: a group's rows [lo, hi) cover the tiles
+lo // block_m .. (hi - 1) // block_m, so there are at most M / block_m + E items (a tile is shared by the groups
+whose boundaries fall inside it). The items are listed in jnp before the launch (`work_items`, static length
+`max_items`, the unused ones marked -1); grid = (max_items, N / block_n). A program multiplies its tile's rows by
+rhs[group][:, its columns] over K in block_k steps (f32 accumulation on the tensor cores) and stores only the rows
+of its group (a masked store), so items sharing a tile write disjoint rows. An unused item returns at once.
+
+Cost: every active group's weights are read once per (M tile, N tile), i.e. once at decode (a group's few rows sit in
+one or two tiles); groups without rows are never read, and no FLOP is spent on another group's rows. XLA's
+`ragged_dot` on the GPU reads all E groups and does E x the FLOPs (`reference.py`).
+
+Rows past sum(group_sizes) belong to no item; the wrapper sets them to 0 (the reference's result there).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+# decode-shaped defaults (a few rows per group, weight-streaming): 16-row tiles (the tensor cores' smallest M).
+# Untuned (no GPU run yet). block_m None: `default_block_m(M)`.
+DEFAULT_CONFIG = dict(block_m=None, block_n=128, block_k=64, num_warps=4, num_stages=4)
+
+
+def default_block_m(M: int) -> int:
+    """Rows per tile: 16 at decode (a group's few rows in one tile); more rows per tile as M grows, since every
+    (tile, N tile) program reads its group's K x block_n weights once (prefill: M / block_m reads of each)."""
+    return 16 if M <= 1024 else 64 if M <= 16384 else 128
+
+
+def work_items(group_sizes, M: int, block_m: int):
+    """group_sizes [E] int32 -> (item_group [max_items] int32 (-1: unused), item_tile [max_items] int32, offsets
+    [E + 1] int32), max_items = ceil(M / block_m) + E; items ordered by group, then tile."""
+    E = group_sizes.shape[0]
+    max_items = -(-M // block_m) + E
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes)])
+    lo, hi = offsets[:-1], offsets[1:]
+    first_tile = lo // block_m
+    n_tiles = jnp.where(sizes > 0, (hi - 1) // block_m - first_tile + 1, 0)
+    item_group = jnp.repeat(jnp.arange(E, dtype=jnp.int32), n_tiles, total_repeat_length=max_items)
+    starts = jnp.cumsum(n_tiles) - n_tiles                     # each group's first item
+    idx = jnp.arange(max_items, dtype=jnp.int32)
+    valid = idx < jnp.sum(n_tiles)
+    item_tile = first_tile[item_group] + idx - starts[item_group]
+    return jnp.where(valid, item_group, -1), jnp.where(valid, item_tile, 0), offsets
+
+
+def _kernel(group_ref, tile_ref, offsets_ref, lhs_ref, rhs_ref, out_ref, *, block_m, block_n, block_k, K):
+    i = pl.program_id(0)
+    n = pl.program_id(1)
+    g = group_ref[i]
+
+    @pl.when(g >= 0)
+    def _():
+        t = tile_ref[i]
+        lo = offsets_ref[g]
+        hi = offsets_ref[g + 1]
+        row0 = pl.multiple_of(t * block_m, block_m)
+        col0 = pl.multiple_of(n * block_n, block_n)
+
+        def step(kk, acc):
+            k0 = pl.multiple_of(kk * block_k, block_k)
+            a = lhs_ref[pl.ds(row0, block_m), pl.ds(k0, block_k)]
+            b = rhs_ref[g, pl.ds(k0, block_k), pl.ds(col0, block_n)]
+            return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+        acc = jax.lax.fori_loop(0, K // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
+        rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (block_m, block_n), 0)
+        mine = (rows >= lo) & (rows < hi)
+        pltriton.store(out_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)], acc, mask=mine)
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages",
+                                             "interpret"))
+def grouped_matmul_gpu(lhs, rhs, group_sizes, *, block_m=None, block_n=None, block_k=None, num_warps=None,
+                       num_stages=None, interpret=False):
+    """lhs [M, K], rhs [E, K, N], group_sizes [E] int32 -> [M, N] f32 (module doc). M is padded to a multiple of
+    block_m inside; K and N must be multiples of block_k and block_n."""
+    cfg = dict(DEFAULT_CONFIG)
+    cfg.update({k: v for k, v in dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
+                                       num_stages=num_stages).items() if v is not None})
+    M, K = lhs.shape
+    E, K2, N = rhs.shape
+    # a default block wider than a small matrix shrinks to it (tests, tiny configs); given ones must divide
+    bm = cfg["block_m"] or default_block_m(M)
+    bn = cfg["block_n"] if block_n is not None else min(cfg["block_n"], N)
+    bk = cfg["block_k"] if block_k is not None else min(cfg["block_k"], K)
+    if K2 != K or group_sizes.shape != (E,):
+        raise ValueError(f"grouped_matmul: lhs [M, K], rhs [E, K, N] and group_sizes [E] must agree, got lhs "
+                         f"{lhs.shape}, rhs {rhs.shape}, group_sizes {group_sizes.shape}")
+    if K % bk or N % bn:
+        raise ValueError(f"grouped_matmul: K = {K} must be a multiple of block_k = {bk} and N = {N} of block_n = "
+                         f"{bn}")
+    if lhs.dtype != rhs.dtype:
+        raise ValueError(f"grouped_matmul: lhs and rhs must share a dtype, got {lhs.dtype} and {rhs.dtype}")
+    m_pad = -(-M // bm) * bm
+    lhs_p = jnp.pad(lhs, ((0, m_pad - M), (0, 0))) if m_pad != M else lhs
+    item_group, item_tile, offsets = work_items(group_sizes, M, bm)
+    extra = {}
+    if not interpret:
+        extra = dict(compiler_params=pltriton.CompilerParams(num_warps=cfg["num_warps"],
+                                                             num_stages=cfg["num_stages"]))
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, n: (0,) * len(shape))
+    out = pl.pallas_call(
+        functools.partial(_kernel, block_m=bm, block_n=bn, block_k=bk, K=K),
+        grid=(item_group.shape[0], N // bn),
+        in_specs=[whole(item_group.shape), whole(item_tile.shape), whole(offsets.shape), whole(lhs_p.shape),
+                  whole(rhs.shape)],
+        out_specs=whole((m_pad, N)),
+        out_shape=jax.ShapeDtypeStruct((m_pad, N), jnp.float32),
+        interpret=interpret, name=f"grouped_matmul_m{bm}_n{bn}_k{bk}", **extra,
+    )(item_group, item_tile, offsets, lhs_p, rhs)
+    rows = jnp.arange(M, dtype=jnp.int32)[:, None]
+    return jnp.where(rows < offsets[-1], out[:M], 0.0)   # rows past the groups: no item wrote them
