@@ -1,6 +1,7 @@
 """The grouped matmul (`pallas_kernels/grouped_matmul`): the Triton kernel in the Pallas interpreter against the
-reference (XLA's ragged dot) with fresh random inputs, its work-item list, its CUDA lowering, its errors; on a GPU
-the compiled kernel at V4-Flash expert shapes."""
+reference (XLA's ragged dot) with fresh random inputs, its work-item list, its CUDA lowering, its errors; the TPU
+path (megablox) in the TPU interpreter (its TPU lowering: tests/test_tpu_lowering.py); on a GPU the compiled kernel
+at V4-Flash expert shapes."""
 
 from __future__ import annotations
 
@@ -38,6 +39,19 @@ def test_kernel_matches_reference(sizes, extra, opts, dtype):
     want = np.asarray(grouped_matmul(lhs, rhs, gs, impl="reference"))
     got = np.asarray(grouped_matmul(lhs, rhs, gs, impl="pallas", **opts))
     assert got.dtype == np.float32 and got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    if extra:
+        assert np.all(got[-extra:] == 0)
+
+
+@pytest.mark.parametrize("sizes,extra,dtype", [([0, 5, 17, 0, 1, 30, 0, 3], 4, jnp.float32),
+                                               ([3, 0, 0, 130], 0, jnp.bfloat16)])
+def test_tpu_kernel_matches_reference(sizes, extra, dtype):
+    """The TPU path (megablox's grouped matmul, Pallas' TPU interpreter) == reference; rows past the groups 0."""
+    rng = np.random.default_rng(sum(sizes))
+    lhs, rhs, gs = _case(rng, sizes, 128, 256, dtype, extra)
+    want = np.asarray(grouped_matmul(lhs, rhs, gs, impl="reference"))
+    got = np.asarray(grouped_matmul(lhs, rhs, gs, impl="interpret_tpu"))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     if extra:
         assert np.all(got[-extra:] == 0)
@@ -81,7 +95,7 @@ def test_grouped_matmul_errors():
         grouped_matmul_gpu(lhs, rhs, gs, block_k=48, interpret=True)
     with pytest.raises(ValueError, match="share a dtype"):
         grouped_matmul_gpu(lhs.astype(jnp.bfloat16), rhs, gs, interpret=True)
-    with pytest.raises(ValueError, match="apply to the GPU kernel only"):
+    with pytest.raises(ValueError, match="apply to the kernels only"):
         grouped_matmul(lhs, rhs, gs, impl="reference", block_m=32)
     with pytest.raises(ValueError, match="impl must be"):
         grouped_matmul(lhs, rhs, gs, impl="xla")

@@ -67,3 +67,12 @@ def test_compressor_lowers_for_tpu(r, overlap, d, fmt, S):
     keys = ("kv", "gate", "start", "n_valid", "state_kv", "state_gate", "prev_kv", "prev_gate", "entries")
     rotate = fmt in ("bf16", "fp8", "fp4")
     lowers_for_tpu(lambda *a: compress_chunk_tpu(*a, **kw, rotate=rotate), *(inp[k] for k in keys))
+
+
+def test_grouped_matmul_lowers_for_tpu():
+    """The routed experts' grouped matmul on the TPU (megablox via `grouped_matmul.tpu`) lowers at a V4-Flash decode
+    shape (96 token x expert rows, 256 experts, 4096 x 2048)."""
+    from pallas_kernels.grouped_matmul import grouped_matmul_tpu
+
+    lowers_for_tpu(grouped_matmul_tpu, jax.ShapeDtypeStruct((96, 4096), jnp.bfloat16),
+                   jax.ShapeDtypeStruct((256, 4096, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((256,), jnp.int32))

@@ -18,9 +18,10 @@ from flax import nnx
 from ..config import DeepseekV4Config
 from .common import Buffer, Linear, normal, param
 
-# The routed experts' grouped matmuls: "reference" (XLA's ragged dot) or "auto" / "pallas" (the Triton kernel of
-# pallas_kernels.grouped_matmul, which reads only the experts that have tokens; XLA's GPU ragged dot reads all E and
-# does E x the FLOPs, see that package). "reference" until the kernel is timed on a GPU (written in session 45).
+# The routed experts' grouped matmuls: "reference" (XLA's ragged dot) or "auto" / "pallas" (pallas_kernels.
+# grouped_matmul: a Triton kernel on the GPU, megablox on the TPU, both reading only the experts that have tokens;
+# XLA's GPU ragged dot reads all E and does E x the FLOPs, see that package). "reference" until the kernels are
+# timed on the hardware (written in session 45).
 EXPERTS_CONFIG = dict(grouped_matmul="reference")
 
 # x [T*k, in] (ragged along T*k, grouped by expert) . w [E, in, out] -> [T*k, out]

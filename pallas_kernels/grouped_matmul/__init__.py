@@ -4,11 +4,11 @@
         -> [M, N] float32
 
 impl: "reference" (`reference.grouped_matmul`: XLA's ragged dot), "pallas" (GPU: the Triton-backend kernel of
-`gpu.py`; CPU: the same kernel in the Pallas interpreter, for tests; TPU: the reference, XLA's TPU ragged dot, which
-no measurement here has questioned), "auto" (pallas on the GPU, the reference elsewhere).
+`gpu.py`; TPU: jax's Mosaic-TPU grouped matmul, megablox, called by `tpu.py`; CPU: the GPU kernel in the Pallas
+interpreter, for tests; "interpret_tpu": the TPU one there), "auto" (pallas on GPU / TPU, the reference on CPU).
 
-Status (session 45): the kernel is written and checked against the reference in the interpreter and by its CUDA
-lowering, but not yet run on a GPU, so the model keeps the reference until it is timed there
+Status (session 45): both are checked against the reference in the interpreters and by their CUDA / TPU lowering,
+but not yet run on a GPU or TPU, so the model keeps the reference until they are timed there
 (`dsv4_jax.layers.moe.EXPERTS_CONFIG`, `benchmarks/moe_layout.py --variants in_out,in_out_pallas`).
 """
 
@@ -17,17 +17,22 @@ from __future__ import annotations
 from ..dispatch import resolve_impl as _resolve
 from .gpu import DEFAULT_CONFIG, grouped_matmul_gpu, work_items
 from .reference import grouped_matmul as grouped_matmul_reference
+from .tpu import grouped_matmul_tpu
 
-__all__ = ["DEFAULT_CONFIG", "grouped_matmul", "grouped_matmul_gpu", "grouped_matmul_reference", "work_items"]
+__all__ = ["DEFAULT_CONFIG", "grouped_matmul", "grouped_matmul_gpu", "grouped_matmul_reference",
+           "grouped_matmul_tpu", "work_items"]
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, impl: str = "reference", **kernel_options):
-    """Same contract as `reference.grouped_matmul`; `impl` and `kernel_options` (block_m, block_n, block_k,
-    num_warps, num_stages of `gpu.grouped_matmul_gpu`) as the module doc says."""
-    where = _resolve(impl, "grouped_matmul")
-    if where in ("reference", "tpu"):
+    """Same contract as `reference.grouped_matmul`; `impl` and `kernel_options` (GPU: block_m, block_n, block_k,
+    num_warps, num_stages of `gpu.grouped_matmul_gpu`; TPU: tiling of `tpu.grouped_matmul_tpu`) as the module doc
+    says."""
+    where = _resolve(impl, "grouped_matmul", extra=("interpret_tpu",))
+    if where == "reference":
         if kernel_options:
-            raise ValueError(f"grouped_matmul: kernel options {sorted(kernel_options)} apply to the GPU kernel only "
+            raise ValueError(f"grouped_matmul: kernel options {sorted(kernel_options)} apply to the kernels only "
                              f"(impl={impl!r} runs the reference here)")
         return grouped_matmul_reference(lhs, rhs, group_sizes)
+    if where in ("tpu", "interpret_tpu"):
+        return grouped_matmul_tpu(lhs, rhs, group_sizes, interpret=where == "interpret_tpu", **kernel_options)
     return grouped_matmul_gpu(lhs, rhs, group_sizes, interpret=where == "interpret", **kernel_options)

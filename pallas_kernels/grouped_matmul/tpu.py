@@ -1,0 +1,37 @@
+"""The grouped matmul on the TPU: jax's Mosaic-TPU grouped matmul (`jax.experimental.pallas.ops.tpu.megablox.gmm`),
+called with our contract.
+
+    grouped_matmul_tpu(lhs [M, K], rhs [E, K, N], group_sizes [E], *, tiling=None, interpret=False)
+        -> [M, N] float32
+
+megablox visits only the (group, tile) pairs that hold rows, as our GPU kernel does. It needs M, K and N to be
+multiples of the tiling (default (128, 128, 128), shrunk to small K / N here); M is padded inside. Rows past
+sum(group_sizes) are set to 0 (the reference's result there). Tested in Pallas' TPU interpreter only (no TPU here).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
+def grouped_matmul_tpu(lhs, rhs, group_sizes, *, tiling=None, interpret=False):
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    M, K = lhs.shape
+    E, K2, N = rhs.shape
+    if K2 != K or group_sizes.shape != (E,):
+        raise ValueError(f"grouped_matmul: lhs [M, K], rhs [E, K, N] and group_sizes [E] must agree, got lhs "
+                         f"{lhs.shape}, rhs {rhs.shape}, group_sizes {group_sizes.shape}")
+    tm, tk, tn = tiling or (128, min(128, K), min(128, N))
+    if K % tk or N % tn:
+        raise ValueError(f"grouped_matmul (TPU): K = {K} and N = {N} must be multiples of the tiling {(tm, tk, tn)}")
+    m_pad = -(-M // tm) * tm
+    lhs_p = jnp.pad(lhs, ((0, m_pad - M), (0, 0))) if m_pad != M else lhs
+    out = gmm(lhs_p, rhs, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32, tiling=(tm, tk, tn),
+              interpret=interpret)
+    total = jnp.sum(jnp.maximum(group_sizes, 0))
+    return jnp.where(jnp.arange(M)[:, None] < total, out[:M], 0.0)
