@@ -45,7 +45,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from benchmarks.timing import chain_net, measure_ceilings, timed_chain
+from benchmarks.timing import chain_net, measure_ceilings, parse_options, timed_chain
 from pallas_kernels.indexer import formats as F, indexer_scores_pallas, indexer_topk
 from pallas_kernels.indexer.gpu import topk_from_scores
 
@@ -141,17 +141,6 @@ def case(B, S, ctx, fmt, ceil, n_iter, variants, timing="net", unroll=1):
             if name != "harness":
                 row[name + "_own_us"] = row[name + "_us"] - row["harness_us"]
     return row
-
-
-def parse_options(spec: str) -> dict:
-    """'block_t=128,num_warps=8,precision=bf16' -> {'block_t': 128, 'num_warps': 8, 'precision': 'bf16'}."""
-    out = {}
-    for item in filter(None, spec.split(",")):
-        name, _, value = item.partition("=")
-        if not value:
-            raise ValueError(f"scores config item {item!r} is not name=value")
-        out[name.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
-    return out
 
 
 def set_pipeline(cfg: str):

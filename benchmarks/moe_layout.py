@@ -43,7 +43,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.timing import chain_net, cupti_kernels, measure_ceilings  # noqa: E402
+from benchmarks.timing import chain_net, cupti_kernels, measure_ceilings, parse_options  # noqa: E402
 from dsv4_jax.layers.moe import _RAGGED_DN, routed_experts, swiglu  # noqa: E402
 
 VARIANTS = ("out_in", "in_out", "in_out_pallas")
@@ -66,11 +66,15 @@ def make_weights(seed, E, D, I, layout):
 
 
 def layout_experts(x, weights, experts, w1, w3, w2, layout, limit):
-    """The model's routed-expert forward (`dsv4_jax.layers.moe.routed_experts`) with the weights in `layout`."""
+    """The model's routed-expert forward (`dsv4_jax.layers.moe.routed_experts`) with the weights in `layout`
+    (a `VARIANTS` name, or 'in_out_pallas[<kernel options>]')."""
     if layout == "out_in":
         return routed_experts(x, weights, experts, w1, w3, w2, limit, _OUT_IN_DN, gmm_impl="reference")
-    return routed_experts(x, weights, experts, w1, w3, w2, limit, _RAGGED_DN,
-                          gmm_impl="pallas" if layout == "in_out_pallas" else "reference")
+    if layout.startswith("in_out_pallas"):
+        opts = parse_options(layout[len("in_out_pallas["):-1]) if layout.endswith("]") else {}
+        return routed_experts(x, weights, experts, w1, w3, w2, limit, _RAGGED_DN, gmm_impl="pallas",
+                              gmm_options=opts)
+    return routed_experts(x, weights, experts, w1, w3, w2, limit, _RAGGED_DN, gmm_impl="reference")
 
 
 def dense_reference(x, weights, experts, w1, w3, w2, layout, limit):
@@ -111,6 +115,8 @@ def main(argv=None):
     p.add_argument("--intermediate", type=int, default=2048)
     p.add_argument("--batches", default="16,64", help="decode batch sizes (token rows)")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--gmm-configs", default="", help="';'-separated kernel option sets of the grouped matmul, each "
+                   "timed as a variant 'in_out_pallas[<set>]', e.g. 'block_n=64;block_k=128,num_warps=8'")
     p.add_argument("--limit", type=float, default=10.0, help="SwiGLU clamp")
     p.add_argument("--steps", type=int, default=16, help="dependent calls per timed scan")
     p.add_argument("--hlo", default=None, help="directory for each variant's optimized HLO")
@@ -122,6 +128,7 @@ def main(argv=None):
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         p.error(f"unknown variants {bad}; known: {VARIANTS}")
+    variants += [f"in_out_pallas[{c}]" for c in a.gmm_configs.split(";") if c]
     E, k, D, I = a.experts, a.top_k, a.hidden, a.intermediate
     if not 0 < k <= E:
         p.error(f"--top-k must be in [1, --experts]; got {k}, {E}")
@@ -163,7 +170,8 @@ def main(argv=None):
                 row[f"{v}_rel_err"] = float(np.abs(got - ref).max() / np.abs(ref).max())
                 if a.hlo:
                     os.makedirs(a.hlo, exist_ok=True)
-                    with open(os.path.join(a.hlo, f"moe_{v}_B{B}.txt"), "w") as f:
+                    fname = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in f"moe_{v}_B{B}.txt")
+                    with open(os.path.join(a.hlo, fname), "w") as f:
                         f.write(compiled.as_text())
 
                 def step(xc, wts, ex, w1, w3, w2, v=v):   # the next call's x depends on this call's output

@@ -127,3 +127,15 @@ def cupti_kernels(f, *args):
     jax.block_until_ready(f(*args))
     _, timings = mgpu_profiler.measure(f, aggregate=False)(*args)
     return [(name, ms * 1e3) for name, ms in timings]
+
+
+def parse_options(spec: str) -> dict:
+    """'block_t=128,num_warps=8,precision=bf16' -> {'block_t': 128, 'num_warps': 8, 'precision': 'bf16'} (a
+    benchmark's kernel-option set on its command line)."""
+    out = {}
+    for item in filter(None, spec.split(",")):
+        name, _, value = item.partition("=")
+        if not value:
+            raise ValueError(f"config item {item!r} is not name=value")
+        out[name.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+    return out

@@ -152,12 +152,13 @@ def test_moe_layout_benchmark_runs(tmp_path):
     env = {**os.environ, "PYTHONPATH": root}
     out = tmp_path / "moe.json"
     cmd = [sys.executable, "benchmarks/moe_layout.py", "--experts", "4", "--top-k", "2", "--hidden", "64",
-           "--intermediate", "32", "--batches", "3,5", "--steps", "2", "--out", str(out)]
+           "--intermediate", "32", "--batches", "3,5", "--steps", "2", "--out", str(out), "--gmm-configs",
+           "block_n=32,block_k=32"]
     subprocess.run(cmd, cwd=root, env=env, check=True, capture_output=True)
     rows = json.loads(out.read_text())["rows"]
     assert [r["B"] for r in rows] == [3, 5]
     for r in rows:
-        for v in ("out_in", "in_out", "in_out_pallas"):
+        for v in ("out_in", "in_out", "in_out_pallas", "in_out_pallas[block_n=32,block_k=32]"):
             # net-of-dispatch differences of microsecond CPU calls can come out negative: only presence is checked
             assert np.isfinite(r[f"{v}_us"]) and r[f"{v}_rel_err"] < 1e-3, r
     run = subprocess.run(cmd + ["--variants", "in_out,dense"], cwd=root, env=env, capture_output=True, text=True)

@@ -79,11 +79,13 @@ class Experts(nnx.Module):
         return routed_experts(x, weights, experts, self.w1[...], self.w3[...], self.w2[...], self.limit)
 
 
-def routed_experts(x, weights, experts, w1, w3, w2, limit: float, dims=_RAGGED_DN, gmm_impl=None):
+def routed_experts(x, weights, experts, w1, w3, w2, limit: float, dims=_RAGGED_DN, gmm_impl=None,
+                   gmm_options=None):
     """x [T, D], weights/experts [T, k], stacked expert weights -> sum_k weights * expert_k(x) [T, D] float32.
     `dims`: how x [T*k, in] contracts with a weight stack; the default takes the model's [E, in, out]
     (benchmarks/moe_layout.py also times the checkpoints' [E, out, in] with the same math). `gmm_impl`: the grouped
-    matmul's impl (`pallas_kernels.grouped_matmul`; None: EXPERTS_CONFIG's), [E, in, out] weights only."""
+    matmul's impl (`pallas_kernels.grouped_matmul`; None: EXPERTS_CONFIG's), [E, in, out] weights only, with the
+    kernel options `gmm_options` (benchmarks)."""
     T, k = experts.shape
     E = w1.shape[0]
     flat = experts.reshape(-1)
@@ -95,7 +97,7 @@ def routed_experts(x, weights, experts, w1, w3, w2, limit: float, dims=_RAGGED_D
     if gmm_impl != "reference" and dims == _RAGGED_DN:
         from pallas_kernels.grouped_matmul import grouped_matmul
 
-        dot = lambda a, w: grouped_matmul(a, w, sizes, impl=gmm_impl)
+        dot = lambda a, w: grouped_matmul(a, w, sizes, impl=gmm_impl, **(gmm_options or {}))
     else:
         dot = lambda a, w: jax.lax.ragged_dot_general(a, w, sizes, dims, preferred_element_type=jnp.float32)
     h = swiglu(dot(xs, w1), dot(xs, w3), limit)
