@@ -71,6 +71,9 @@ def test_work_items_cover_each_group_tile_pair_once():
         assert got == want
         assert len(g) == -(-max(M, 1) // bm) + E and np.all(g[len(got):] == -1)
         np.testing.assert_array_equal(off, np.concatenate([[0], np.cumsum(sizes)]))
+    # sizes summing past M (a caller's error) stay inside lhs: the last group is cut at M
+    g, t, off = (np.asarray(a) for a in work_items(jnp.asarray([5, 30, 40], jnp.int32), 40, 16))
+    assert off.tolist() == [0, 5, 35, 40] and t[g >= 0].max() == 2
 
 
 def test_grouped_matmul_lowers_for_cuda():

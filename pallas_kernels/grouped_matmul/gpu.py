@@ -39,11 +39,13 @@ def default_block_m(M: int) -> int:
 
 def work_items(group_sizes, M: int, block_m: int):
     """group_sizes [E] int32 -> (item_group [max_items] int32 (-1: unused), item_tile [max_items] int32, offsets
-    [E + 1] int32), max_items = ceil(M / block_m) + E; items ordered by group, then tile."""
+    [E + 1] int32), max_items = ceil(M / block_m) + E; items ordered by group, then tile. Offsets are clamped to
+    [0, M] (negative sizes count as 0, rows past M belong to no group), so no item reaches past lhs."""
     E = group_sizes.shape[0]
     max_items = -(-M // block_m) + E
     sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes)])
+    offsets = jnp.minimum(jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes)]), M)
+    sizes = offsets[1:] - offsets[:-1]
     lo, hi = offsets[:-1], offsets[1:]
     first_tile = lo // block_m
     n_tiles = jnp.where(sizes > 0, (hi - 1) // block_m - first_tile + 1, 0)
