@@ -119,6 +119,10 @@ def test_routed_experts_on_the_kernel_match_the_reference():
     want = routed_experts(x, weights, experts, w1, w3, w2, 10.0)
     got = routed_experts(x, weights, experts, w1, w3, w2, 10.0, gmm_impl="pallas")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    out_in = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
+                                               lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    with pytest.raises(ValueError, match="take \\[E, in, out\\] weights"):   # no silent fallback to ragged_dot
+        routed_experts(x, weights, experts, w1, w3, w2, 10.0, dims=out_in, gmm_impl="pallas")
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU (the compiled Triton kernel)")

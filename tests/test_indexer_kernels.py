@@ -394,8 +394,9 @@ def test_gpu_mosaic_fp4_fp8_precision(B, S, H, T, opts, monkeypatch):
     """fp4 keys at precision "fp8" (session 45; not yet run on a GPU when written): e5m2 operands (exact: table
     lookups per key group, q's e5m2 codes), one e5m2 x e5m2 wgmma K-step per 32-channel scale group. Scores to the
     fp8 tensor cores' internal accumulation (within 1e-4 of the row scale), the picks checked against the reference
-    within that tolerance, the set picks equal to them, and a raw q gives the fake-quantized q's scores (the operand starts with q's fp4 fake
-    quantization), and both q preparations (one Triton kernel, or jnp) give the same scores bit for bit."""
+    within that tolerance, the set picks equal to them; a raw q gives the fake-quantized q's scores (the operand
+    starts with q's fp4 fake quantization), and both q preparations (one Triton kernel, or jnp) give the same scores
+    bit for bit."""
     q, w, keys, nv = make(B, S, H, T, "fp4", True)
     opts = dict(opts, precision="fp8")
     check_scores(q, w, keys, nv, "pallas", 1e-4, kernel="mosaic", **opts)

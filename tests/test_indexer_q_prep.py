@@ -262,8 +262,8 @@ def test_quantize_q_equals_fake_quantized_q(fmt, impl, opts):
 
 def test_prepare_q_skips_only_where_the_kernel_quantizes(monkeypatch):
     """`prepare_q` leaves q raw exactly where the Mosaic kernel quantizes it itself: fp8 keys, and fp4 keys with
-    q_prep "triton" or precision "fp8"; it fake-quantizes for the reference, the Triton kernel and the other Mosaic fp4 preparation,
-    and leaves bf16 keys' q alone."""
+    q_prep "triton" or precision "fp8"; it fake-quantizes for the reference, the Triton kernel and the other Mosaic
+    fp4 preparation, and leaves bf16 keys' q alone."""
     from test_indexer_kernels import make
 
     from pallas_kernels.indexer import gpu_mosaic, prepare_q

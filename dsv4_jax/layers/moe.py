@@ -94,8 +94,12 @@ def routed_experts(x, weights, experts, w1, w3, w2, limit: float, dims=_RAGGED_D
     xs = jnp.take(x, token, axis=0).astype(w1.dtype)                               # [T*k, D] grouped by expert
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     gmm_impl = EXPERTS_CONFIG["grouped_matmul"] if gmm_impl is None else gmm_impl
-    if gmm_impl != "reference" and dims == _RAGGED_DN:
+    if gmm_impl != "reference":
         from pallas_kernels.grouped_matmul import grouped_matmul
+
+        if dims != _RAGGED_DN:
+            raise ValueError(f"routed_experts: the grouped-matmul kernels take [E, in, out] weights (the default "
+                             f"dims); gmm_impl={gmm_impl!r} with other dims needs gmm_impl='reference'")
 
         dot = lambda a, w: grouped_matmul(a, w, sizes, impl=gmm_impl, **(gmm_options or {}))
     else:

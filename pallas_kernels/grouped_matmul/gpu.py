@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from .reference import check_operands
+
 # decode-shaped defaults (a few rows per group, weight-streaming): 16-row tiles (the tensor cores' smallest M).
 # Untuned (no GPU run yet). block_m None: `default_block_m(M)`.
 DEFAULT_CONFIG = dict(block_m=None, block_n=128, block_k=64, num_warps=4, num_stages=4)
@@ -91,20 +93,14 @@ def grouped_matmul_gpu(lhs, rhs, group_sizes, *, block_m=None, block_n=None, blo
     cfg = dict(DEFAULT_CONFIG)
     cfg.update({k: v for k, v in dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
                                        num_stages=num_stages).items() if v is not None})
-    M, K = lhs.shape
-    E, K2, N = rhs.shape
+    M, K, E, N = check_operands(lhs, rhs, group_sizes)
     # a default block wider than a small matrix shrinks to it (tests, tiny configs); given ones must divide
     bm = cfg["block_m"] or default_block_m(M)
     bn = cfg["block_n"] if block_n is not None else min(cfg["block_n"], N)
     bk = cfg["block_k"] if block_k is not None else min(cfg["block_k"], K)
-    if K2 != K or group_sizes.shape != (E,):
-        raise ValueError(f"grouped_matmul: lhs [M, K], rhs [E, K, N] and group_sizes [E] must agree, got lhs "
-                         f"{lhs.shape}, rhs {rhs.shape}, group_sizes {group_sizes.shape}")
     if K % bk or N % bn:
         raise ValueError(f"grouped_matmul: K = {K} must be a multiple of block_k = {bk} and N = {N} of block_n = "
                          f"{bn}")
-    if lhs.dtype != rhs.dtype:
-        raise ValueError(f"grouped_matmul: lhs and rhs must share a dtype, got {lhs.dtype} and {rhs.dtype}")
     m_pad = -(-M // bm) * bm
     lhs_p = jnp.pad(lhs, ((0, m_pad - M), (0, 0))) if m_pad != M else lhs
     item_group, item_tile, offsets = work_items(group_sizes, M, bm)

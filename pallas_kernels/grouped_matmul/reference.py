@@ -20,6 +20,18 @@ DIMS = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
 
+def check_operands(lhs, rhs, group_sizes):
+    """The kernels' argument check: lhs [M, K], rhs [E, K, N], group_sizes [E], lhs and rhs of one dtype."""
+    M, K = lhs.shape
+    E, K2, N = rhs.shape
+    if K2 != K or group_sizes.shape != (E,):
+        raise ValueError(f"grouped_matmul: lhs [M, K], rhs [E, K, N] and group_sizes [E] must agree, got lhs "
+                         f"{lhs.shape}, rhs {rhs.shape}, group_sizes {group_sizes.shape}")
+    if lhs.dtype != rhs.dtype:
+        raise ValueError(f"grouped_matmul: lhs and rhs must share a dtype, got {lhs.dtype} and {rhs.dtype}")
+    return M, K, E, N
+
+
 def grouped_matmul(lhs, rhs, group_sizes):
     """lhs [M, K], rhs [E, K, N], group_sizes [E] int32 -> [M, N] float32 (module doc)."""
     return jax.lax.ragged_dot_general(lhs, rhs, group_sizes.astype(jnp.int32), DIMS,

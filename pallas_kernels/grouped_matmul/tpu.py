@@ -16,16 +16,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from .reference import check_operands
+
 
 @functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
 def grouped_matmul_tpu(lhs, rhs, group_sizes, *, tiling=None, interpret=False):
     from jax.experimental.pallas.ops.tpu.megablox import gmm
 
-    M, K = lhs.shape
-    E, K2, N = rhs.shape
-    if K2 != K or group_sizes.shape != (E,):
-        raise ValueError(f"grouped_matmul: lhs [M, K], rhs [E, K, N] and group_sizes [E] must agree, got lhs "
-                         f"{lhs.shape}, rhs {rhs.shape}, group_sizes {group_sizes.shape}")
+    M, K, E, N = check_operands(lhs, rhs, group_sizes)
     tm, tk, tn = tiling or (128, min(128, K), min(128, N))
     if K % tk or N % tn:
         raise ValueError(f"grouped_matmul (TPU): K = {K} and N = {N} must be multiples of the tiling {(tm, tk, tn)}")

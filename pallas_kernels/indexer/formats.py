@@ -24,6 +24,9 @@ BYTES_PER_KEY = {"bf16": lambda d: 2 * d, "fp8": lambda d: d + 4, "fp4": lambda 
 E4M3_MAX, E2M1_MAX = 448.0, 6.0
 # the floors on the amax in the scale rules (module doc): fp8 per key / q head, fp4 per 32-block
 E4M3_AMAX_FLOOR, E2M1_AMAX_FLOOR = 1e-4, E2M1_MAX * 2.0 ** -126
+# fp4 keys on fp8 (e5m2) tensor cores: q / 2^(e_max - 13) puts a head's largest code at <= 6 * 2^13 < 57344 (e5m2's
+# largest finite value), `gpu.quantize_q_fp8` and `q_prep.q_prep_fp4(e5m2=True)`
+FP4_Q_SHIFT = 13
 FP4_BLOCK = 32
 
 

@@ -102,7 +102,7 @@ def key_format_of(keys) -> Optional[str]:
 N_TERMS = {"f32": 1, "bf16": 1, "bf16x2": 2, "f16": 1, "fp8": 1}  # q operand terms per precision (bf16x2: hi + lo)
 OP_DTYPE = {"f32": jnp.float32, "bf16": jnp.bfloat16, "bf16x2": jnp.bfloat16, "f16": jnp.float16,
             "fp8": jnp.float8_e4m3fn}
-FP4_Q_SHIFT = 13   # precision="fp8", fp4 keys: q / 2^(e_max - 13) puts a head's largest code at <= 6 * 2^13 < 57344
+FP4_Q_SHIFT = formats.FP4_Q_SHIFT   # precision="fp8", fp4 keys: q / 2^(e_max - 13) (formats' note)
 
 
 def fp8_operand_dtype(fmt):

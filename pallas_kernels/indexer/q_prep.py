@@ -30,9 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from .formats import E2M1_AMAX_FLOOR, E2M1_MAX, E4M3_AMAX_FLOOR, E4M3_MAX, FP4_BLOCK, _exp2
-
-FP4_Q_SHIFT = 13   # = gpu.FP4_Q_SHIFT (checked by tests/test_indexer_q_prep.py): e5m2 codes of q / 2^(e - 13)
+from .formats import E2M1_AMAX_FLOOR, E2M1_MAX, E4M3_AMAX_FLOOR, E4M3_MAX, FP4_BLOCK, FP4_Q_SHIFT, _exp2
 
 
 def _pow2_exponent_bits(amax, fmt_max: float, floor: float):
