@@ -41,7 +41,8 @@ def build_model(args):
     from dsv4_jax.config import PRESETS
     from dsv4_jax.layers.moe import EXPERTS_CONFIG
 
-    EXPERTS_CONFIG["grouped_matmul"] = args.experts_gmm   # read when the step is traced
+    if args.experts_gmm is not None:
+        EXPERTS_CONFIG["grouped_matmul"] = args.experts_gmm   # read when the step is traced
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     if args.preset:
         from dsv4_jax.model import DeepseekV4ForCausalLM
@@ -131,8 +132,9 @@ def add_model_args(p, dtype="float32"):
                    help="order of the CSA indexer's picks (auto: set on the GPU kernel path)")
     p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default=None, help="KV cache rows (default: exact)")
     p.add_argument("--indexer-dtype", choices=("bf16", "fp8", "fp4"), default=None, help="indexer key rows")
-    p.add_argument("--experts-gmm", choices=("reference", "pallas", "auto"), default="reference",
-                   help="the routed experts' grouped matmuls: XLA's ragged dot or pallas_kernels.grouped_matmul")
+    p.add_argument("--experts-gmm", choices=("reference", "pallas", "auto"), default=None,
+                   help="the routed experts' grouped matmuls: XLA's ragged dot or pallas_kernels.grouped_matmul "
+                        "(default: the model's, layers.moe.EXPERTS_CONFIG)")
 
 
 def main(argv=None):
@@ -147,6 +149,8 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     model, name = build_model(args)
+    from dsv4_jax.layers.moe import EXPERTS_CONFIG
+
     fmt = dict(kv_dtype=args.kv_dtype, indexer_dtype=args.indexer_dtype)
     cfg = model.config
     graphdef, state = nnx.split(model)
@@ -157,7 +161,7 @@ def main(argv=None):
         f"# device: {dev.platform} ({dev.device_kind}), {os.cpu_count()} CPUs, jax {jax.__version__}, "
         f"{platform.machine()}, dtype {args.dtype}, attention {args.attention_impl}, batch {args.batch}, "
         f"load average at start {os.getloadavg()[0]:.2f}, cache kv {args.kv_dtype or 'exact'} / indexer "
-        f"{args.indexer_dtype or 'exact'}",
+        f"{args.indexer_dtype or 'exact'}, routed experts' grouped matmul {EXPERTS_CONFIG['grouped_matmul']}",
         f"# timed: {args.steps} dependent decode steps in one jitted lax.scan, median of {args.repeats} calls "
         f"after warm-up, / steps; cache {'prefilled' if args.prefill else 'synthetic (random values, lengths = L)'}; "
         f"capacity = L + steps",

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_gpu, work_items
+from pallas_kernels.grouped_matmul.gpu import fit_block
 from tiers import core, sweep
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -102,15 +103,21 @@ def test_grouped_matmul_errors():
         grouped_matmul(lhs, rhs, gs, impl="reference", block_m=32)
     with pytest.raises(ValueError, match="impl must be"):
         grouped_matmul(lhs, rhs, gs, impl="xla")
+    # default blocks narrow to a divisor; a dim that is no multiple of 16 is refused, not padded behind one's back
+    assert [fit_block(128, n, "N") for n in (4096, 96, 48, 16)] == [128, 32, 16, 16]
+    lhs24, rhs24, gs24 = _case(rng, [3, 5], 24, 128, jnp.float32)
+    with pytest.raises(ValueError, match="K = 24 is not a multiple of 16"):
+        grouped_matmul_gpu(lhs24, rhs24, gs24, interpret=True)
 
 
 def test_routed_experts_on_the_kernel_match_the_reference():
     """The model's routed-expert forward (`layers.moe.routed_experts`) with the grouped matmul on the kernel
-    (interpreted) equals it on the reference: routing with empty and shared experts."""
+    (interpreted; compiled on a GPU) equals it on the reference: routing with empty and shared experts, dims that
+    the default blocks do not divide (96 = 3 x 32, 48 = 3 x 16)."""
     from dsv4_jax.layers.moe import routed_experts
 
     rng = np.random.default_rng(11)
-    T, k, E, D, I = 10, 3, 8, 128, 128
+    T, k, E, D, I = 10, 3, 8, 96, 48
     x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
     experts = jnp.asarray(np.stack([rng.choice(6, k, replace=False) for _ in range(T)]), jnp.int32)  # 6, 7 unused
     weights = jnp.asarray(rng.random((T, k)), jnp.float32)

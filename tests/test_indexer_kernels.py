@@ -374,8 +374,10 @@ def test_gpu_mosaic_fp8_scores(B, S, H, T, opts):
 def test_gpu_mosaic_fp4_scores(B, S, H, T, opts):
     """The Mosaic GPU kernel over fp4 keys (session 31): scores, picks and the set picks against the reference;
     ragged n_visible (0, inside, past T), heads padded to 32, odd splits, 1-4 slots, 64- to 256-key blocks, split_m
-    off (the fp4 default) and on. The f16 operands are exact (`mosaic_fp4`), so the scores agree to f32 rounding."""
+    off (the fp4 default) and on. Precision "f16" (the default until session 46): the f16 operands are exact
+    (`mosaic_fp4`), so the scores agree to f32 rounding."""
     q, w, keys, nv = make(B, S, H, T, "fp4", True)
+    opts = dict(opts, precision="f16")
     check_scores(q, w, keys, nv, "pallas", 1e-5, kernel="mosaic", **opts)
     out = np.asarray(indexer_scores_pallas(q, w, keys, nv, impl="pallas", kernel="mosaic", pad_to_block=True, **opts))
     assert out.shape[-1] % opts.get("block_t", 128) == 0 and np.all(out[..., T:] == -np.inf)

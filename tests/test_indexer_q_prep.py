@@ -262,8 +262,8 @@ def test_quantize_q_equals_fake_quantized_q(fmt, impl, opts):
 
 def test_prepare_q_skips_only_where_the_kernel_quantizes(monkeypatch):
     """`prepare_q` leaves q raw exactly where the Mosaic kernel quantizes it itself: fp8 keys, and fp4 keys with
-    q_prep "triton" or precision "fp8"; it fake-quantizes for the reference, the Triton kernel and the other Mosaic
-    fp4 preparation, and leaves bf16 keys' q alone."""
+    q_prep "triton" or precision "fp8" (their default); it fake-quantizes for the reference, the Triton kernel and
+    the other Mosaic fp4 preparation (precision "f16", q_prep "xla"), and leaves bf16 keys' q alone."""
     from test_indexer_kernels import make
 
     from pallas_kernels.indexer import gpu_mosaic, prepare_q
@@ -272,9 +272,12 @@ def test_prepare_q_skips_only_where_the_kernel_quantizes(monkeypatch):
         q, _, keys, _ = make(2, 1, 16, 200, fmt)
         raw = q + 0.01   # not representable in either format
         for target, opts, prep, skips in [("reference", {}, "xla", False), ("interpret", {}, "xla", False),
-                                          ("interpret", dict(kernel="mosaic"), "xla", fmt == "fp8"),
+                                          # fp4 keys at precision "fp8" (session 45; their default since
+                                          # session 46) fake-quantize q themselves, at "f16" with q_prep triton
+                                          ("interpret", dict(kernel="mosaic"), "xla", fmt in ("fp8", "fp4")),
+                                          ("interpret", dict(kernel="mosaic", precision="f16"), "xla", fmt == "fp8"),
+                                          ("interpret", dict(kernel="mosaic", precision="f16"), "triton", True),
                                           ("interpret", dict(kernel="mosaic"), "triton", True),
-                                          # fp4 keys at precision "fp8" fake-quantize q themselves (session 45)
                                           ("interpret", dict(kernel="mosaic", precision="fp8"), "xla",
                                            fmt in ("fp8", "fp4"))]:
             monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "q_prep", prep)

@@ -18,11 +18,13 @@ from flax import nnx
 from ..config import DeepseekV4Config
 from .common import Buffer, Linear, normal, param
 
-# The routed experts' grouped matmuls: "reference" (XLA's ragged dot) or "auto" / "pallas" (pallas_kernels.
-# grouped_matmul: a Triton kernel on the GPU, megablox on the TPU, both reading only the experts that have tokens;
-# XLA's GPU ragged dot reads all E and does E x the FLOPs, see that package). "reference" until the kernels are
-# timed on the hardware (written in session 45).
-EXPERTS_CONFIG = dict(grouped_matmul="reference")
+# The routed experts' grouped matmuls: "auto" (pallas on GPU / TPU, the reference on the CPU), "pallas"
+# (pallas_kernels.grouped_matmul: a Triton kernel on the GPU, megablox on the TPU, both reading only the experts that
+# have tokens) or "reference" (XLA's ragged dot, which on the GPU is a dense matmul over all E experts: E x the FLOPs
+# and every expert's weights read). H100, V4-Flash shapes with its 256 experts (`benchmarks/moe_layout.py`, session
+# 46): batch 16, 1446.9 us on the kernel (0.96x the weight-read floor) vs 4577.5 on ragged dot; batch 64, 3315.0 vs
+# 6607.4.
+EXPERTS_CONFIG = dict(grouped_matmul="auto")
 
 # x [T*k, in] (ragged along T*k, grouped by expert) . w [E, in, out] -> [T*k, out]
 _RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
@@ -103,7 +105,10 @@ def routed_experts(x, weights, experts, w1, w3, w2, limit: float, dims=_RAGGED_D
 
         dot = lambda a, w: grouped_matmul(a, w, sizes, impl=gmm_impl, **(gmm_options or {}))
     else:
-        dot = lambda a, w: jax.lax.ragged_dot_general(a, w, sizes, dims, preferred_element_type=jnp.float32)
+        # f32 weights multiply in f32 on the GPU too (not TF32), as the kernels do, so both impls agree to 1e-5
+        precision = jax.lax.Precision.HIGHEST if w1.dtype == jnp.float32 else None
+        dot = lambda a, w: jax.lax.ragged_dot_general(a, w, sizes, dims, precision=precision,
+                                                      preferred_element_type=jnp.float32)
     h = swiglu(dot(xs, w1), dot(xs, w3), limit)
     y = dot(h.astype(w2.dtype), w2)                                                 # [T*k, D] float32
     y = y * jnp.take(weights.reshape(-1), order)[:, None]

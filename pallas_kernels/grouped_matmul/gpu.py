@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .reference import check_operands
+from .reference import check_operands, precision_for
 
 # decode-shaped defaults (a few rows per group, weight-streaming): 16-row tiles (the tensor cores' smallest M).
 # Untuned (no GPU run yet). block_m None: `default_block_m(M)`.
@@ -37,6 +37,18 @@ def default_block_m(M: int) -> int:
     """Rows per tile: 16 at decode (a group's few rows in one tile); more rows per tile as M grows, since every
     (tile, N tile) program reads its group's K x block_n weights once (prefill: M / block_m reads of each)."""
     return 16 if M <= 1024 else 64 if M <= 16384 else 128
+
+
+def fit_block(default: int, dim: int, name: str) -> int:
+    """The widest power-of-two block <= `default` that divides `dim`, at least 16 (the tensor cores' smallest K / N
+    tile): 128 for 4096, 32 for 96. A dim that is no multiple of 16 has none: the kernel cannot take it."""
+    b = default
+    while b >= 16 and dim % b:
+        b //= 2
+    if b < 16:
+        raise ValueError(f"grouped_matmul (GPU kernel): {name} = {dim} is not a multiple of 16; use "
+                         f"impl='reference' for such shapes")
+    return b
 
 
 def work_items(group_sizes, M: int, block_m: int):
@@ -76,7 +88,8 @@ def _kernel(group_ref, tile_ref, offsets_ref, lhs_ref, rhs_ref, out_ref, *, bloc
             k0 = pl.multiple_of(kk * block_k, block_k)
             a = lhs_ref[pl.ds(row0, block_m), pl.ds(k0, block_k)]
             b = rhs_ref[g, pl.ds(k0, block_k), pl.ds(col0, block_n)]
-            return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
+            # f32 operands multiply in f32 (IEEE), not TF32, as the reference does (`reference.precision_for`)
+            return acc + jnp.dot(a, b, precision=precision_for(a.dtype), preferred_element_type=jnp.float32)
 
         acc = jax.lax.fori_loop(0, K // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
         rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (block_m, block_n), 0)
@@ -94,10 +107,11 @@ def grouped_matmul_gpu(lhs, rhs, group_sizes, *, block_m=None, block_n=None, blo
     cfg.update({k: v for k, v in dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
                                        num_stages=num_stages).items() if v is not None})
     M, K, E, N = check_operands(lhs, rhs, group_sizes)
-    # a default block wider than a small matrix shrinks to it (tests, tiny configs); given ones must divide
+    # a default block that does not divide the matrix narrows to one that does (tests, tiny configs); given ones
+    # must divide
     bm = cfg["block_m"] or default_block_m(M)
-    bn = cfg["block_n"] if block_n is not None else min(cfg["block_n"], N)
-    bk = cfg["block_k"] if block_k is not None else min(cfg["block_k"], K)
+    bn = cfg["block_n"] if block_n is not None else fit_block(cfg["block_n"], N, "N")
+    bk = cfg["block_k"] if block_k is not None else fit_block(cfg["block_k"], K, "K")
     if K % bk or N % bn:
         raise ValueError(f"grouped_matmul: K = {K} must be a multiple of block_k = {bk} and N = {N} of block_n = "
                          f"{bn}")

@@ -3,7 +3,8 @@
     grouped_matmul(lhs [M, K], rhs [E, K, N], group_sizes [E] int32) -> [M, N] float32
 
 Rows of lhs are sorted by group: rows [offset_e, offset_e + group_sizes[e]) (offset_e = the sizes before e) are
-multiplied by rhs[e]; rows past sum(group_sizes) give 0. Products in lhs's / rhs's dtype, f32 accumulation.
+multiplied by rhs[e]; rows past sum(group_sizes) give 0. Products in lhs's / rhs's dtype (f32 ones in f32, not TF32),
+f32 accumulation.
 
 Why a kernel of our own (session 45, H100, the optimized HLO in `benchmarks/results/h100_s45r1_moe_hlo/`): XLA's
 GPU compiler turns `ragged_dot` into a dense matmul, lhs masked and broadcast to [M, E, K] against rhs as one
@@ -32,7 +33,14 @@ def check_operands(lhs, rhs, group_sizes):
     return M, K, E, N
 
 
+def precision_for(dtype):
+    """The matmul precision of the contract: f32 operands multiply in f32 (the GPU's default for f32 is TF32, ~1e-3
+    relative; the first GPU run of the model's f32 test differed from the kernel by 6e-4), narrower dtypes as they
+    are (their products are exact in f32)."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def grouped_matmul(lhs, rhs, group_sizes):
     """lhs [M, K], rhs [E, K, N], group_sizes [E] int32 -> [M, N] float32 (module doc)."""
     return jax.lax.ragged_dot_general(lhs, rhs, group_sizes.astype(jnp.int32), DIMS,
-                                      preferred_element_type=jnp.float32)
+                                      precision=precision_for(lhs.dtype), preferred_element_type=jnp.float32)

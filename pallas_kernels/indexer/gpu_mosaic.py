@@ -23,23 +23,24 @@ Key formats and precisions (`PRECISIONS`; the first is the default):
   reference up to the order (and the tensor cores' internal precision) of the f32 sums. Since session 42 the model's
   indexer passes q raw (`quantize_q=True`, `layers/indexer.py`), and the dispatcher fake-quantizes it only for the
   other paths.
-* fp4 keys (`formats.QuantizedKeys`, fmt "fp4"): "f16" (the default) or "fp8". TMA brings each block's packed bytes
-  [block_t, 64] (64 B rows, 64 B swizzle) and its scales (a key's 4 bytes as one int32); `mosaic_fp4.fp4_operand`
-  turns them into the f16 A operand in registers by inline PTX: the nibbles' bits placed as f16 (e2m1 x 2^-14, exact)
-  times the group's factor 2^(15 - D) (D: the group's distance below the key's largest scale; exact for D <= 24),
-  written into WGMMA registers of `mosaic_fp4.register_plan`'s choosing, with q's 128 channels permuted to match (a
-  dot product is indifferent to the order of its K dimension). The key's 2^(smax - 128) multiplies its score. q
-  arrives fake-quantized to fp4, or raw: with MOSAIC_CONFIG q_prep "triton" (the default) one kernel does the fake
-  quantization, divides each (token, head) by a power of two (into the head weight) and rounds to f16, so the
-  dispatcher's `quantize_q=True` skips its own (`quantizes_q`); q_prep "xla" does the division in jnp and needs q
-  fake-quantized. Precision "fp8" (session 45, not yet timed on a GPU): the nibbles become e5m2 bytes instead
-  (`mosaic_fp4.FP4_E5M2X8_ASM`: a table lookup per nibble, the group's 8 magnitudes x 2^(13 - D) in two registers, ~13
-  integer ops per 8 values against ~26 for f16; exact for D <= 26) in the wgmma's 8-bit register layout, q as e5m2
-  codes (`gpu.quantize_q_fp8` after q's fp4 fake quantization, so a raw q works too; one Triton kernel with q_prep
-  "triton", `q_prep.q_prep_fp4(e5m2=True)`), and one e5m2 x e5m2 wgmma: twice the f16 tensor rate, where the f16 path
-  is compute-bound (2.35x its floor on the H100, session 44). The register plan puts every 32-channel scale group in
-  its own K-step of 32, so an instruction's products share their scales; the fp8 tensor cores' accumulation is the
-  only difference to the reference (~1e-4 relative).
+* fp4 keys (`formats.QuantizedKeys`, fmt "fp4"): "fp8" (the default since session 46) or "f16". TMA brings each
+  block's packed bytes [block_t, 64] (64 B rows, 64 B swizzle) and its scales (a key's 4 bytes as one int32); with
+  "f16" `mosaic_fp4.fp4_operand` turns them into the f16 A operand in registers by inline PTX: the nibbles' bits
+  placed as f16 (e2m1 x 2^-14, exact) times the group's factor 2^(15 - D) (D: the group's distance below the key's
+  largest scale; exact for D <= 24), written into WGMMA registers of `mosaic_fp4.register_plan`'s choosing, with q's
+  128 channels permuted to match (a dot product is indifferent to the order of its K dimension). The key's 2^(smax -
+  128) multiplies its score. q arrives fake-quantized to fp4, or raw: with MOSAIC_CONFIG q_prep "triton" (the default)
+  one kernel does the fake quantization, divides each (token, head) by a power of two (into the head weight) and
+  rounds to f16, so the dispatcher's `quantize_q=True` skips its own (`quantizes_q`); q_prep "xla" does the division
+  in jnp and needs q fake-quantized. Precision "fp8" (session 45; the default since session 46: H100, B = 64 x 128K,
+  105.6 vs 124.5 us the whole set pipeline, 88.8 vs 107.7 the scores kernel alone): the nibbles become e5m2 bytes
+  instead (`mosaic_fp4.FP4_E5M2X8_ASM`: a table lookup per nibble, the group's 8 magnitudes x 2^(13 - D) in two
+  registers, ~13 integer ops per 8 values against ~26 for f16; exact for D <= 26) in the wgmma's 8-bit register
+  layout, q as e5m2 codes (`gpu.quantize_q_fp8` after q's fp4 fake quantization, so a raw q works too; one Triton
+  kernel with q_prep "triton", `q_prep.q_prep_fp4(e5m2=True)`), and one e5m2 x e5m2 wgmma: twice the f16 tensor rate,
+  where the f16 path is compute-bound (2.35x its floor on the H100, session 44). The register plan puts every
+  32-channel scale group in its own K-step of 32, so an instruction's products share their scales; the fp8 tensor
+  cores' accumulation is the only difference to the reference (~1e-4 relative).
 * bf16 keys (a bfloat16 [B, T, 128] array): "bf16x2" (q split into bf16 hi + the bf16-rounded remainder, two wgmmas
   into one accumulator: q to ~16 mantissa bits, as the Triton kernel's default for bf16 keys), "bf16" (q rounded to
   bf16, one wgmma; exact for a bf16 q). Products of two bf16 values are exact in f32.
@@ -93,8 +94,9 @@ N_SM_H200 = 132
 # f16, 9 splits = 576 CTAs 125.7 us, 4 splits = 256 CTAs 101.8 us; session 20), each with >= MIN_BLOCKS blocks
 TARGET_CTAS = 2 * N_SM_H200
 MIN_BLOCKS = 4
-# per key format; the first is the default (fp4's "fp8" is untimed as of session 45)
-PRECISIONS = {"fp8": ("f16", "fp8"), "bf16": ("bf16x2", "bf16"), "fp4": ("f16", "fp8")}
+# per key format; the first is the default. fp4's "fp8" since session 46 (H100, B = 64 x 128K: 105.6 vs 124.5 us
+# for the whole set pipeline; the f16 path is compute-bound, fp4's own rounding dwarfs the fp8 tensor cores' ~1e-4)
+PRECISIONS = {"fp8": ("f16", "fp8"), "bf16": ("bf16x2", "bf16"), "fp4": ("fp8", "f16")}
 # kernel="auto" takes the Mosaic kernel for up to MAX_QUERIES queries per row (decode, MTP) and at least MIN_ROWS
 # query rows: on the H200 (session 20, scores kernel, us) it wins at B = 64 (128K context: 106.8 vs 128.7 on Triton;
 # 32K: 39.3 vs 40.9) and does not at B = 1 (128K: 13.5 vs 11.7; 1M: 23.1 vs 23.3)
@@ -305,8 +307,10 @@ def quantizes_q(keys, precision=None) -> bool:
     values: re-quantizing one keeps its scale or halves it with the codes doubled, exactly), fp4 keys with
     precision "fp8" (its q operand starts with the fp4 fake quantization) or with MOSAIC_CONFIG q_prep "triton"
     (`q_prep.q_prep_fp4` fake-quantizes first; fp4 fake quantization is idempotent the same way). The dispatcher's
-    `quantize_q` skips its own fake quantization on these paths."""
+    `quantize_q` skips its own fake quantization on these paths. precision None: the format's default."""
     fmt = key_format(keys)
+    if fmt in PRECISIONS:
+        precision = precision or PRECISIONS[fmt][0]
     return fmt == "fp8" or (fmt == "fp4" and (precision == "fp8" or MOSAIC_CONFIG["q_prep"] == "triton"))
 
 
