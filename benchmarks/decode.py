@@ -37,7 +37,8 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 
-def build_model(args):
+def build_model(args, abstract=False):
+    """(model, description). abstract: a preset's shapes and dtypes only (nnx.eval_shape; `--floor-only`)."""
     from dsv4_jax.config import PRESETS
     from dsv4_jax.layers.moe import EXPERTS_CONFIG
 
@@ -55,8 +56,9 @@ def build_model(args):
         if args.experts:
             cfg = cfg.replace(n_routed_experts=args.experts,
                               num_experts_per_tok=min(cfg.num_experts_per_tok, args.experts))
-        model = DeepseekV4ForCausalLM(cfg, dtype=dtype, attention_impl=args.attention_impl, rngs=nnx.Rngs(0),
-                                      indexer_picks=args.indexer_picks, attention_kernel=args.attention_kernel)
+        make = lambda: DeepseekV4ForCausalLM(cfg, dtype=dtype, attention_impl=args.attention_impl, rngs=nnx.Rngs(0),
+                                             indexer_picks=args.indexer_picks, attention_kernel=args.attention_kernel)
+        model = nnx.eval_shape(make) if abstract else make()
         return model, f"preset {args.preset} (random weights, {cfg.num_hidden_layers} layers)"
     from dsv4_jax.checkpoint import load_pretrained
 
@@ -68,6 +70,55 @@ def build_model(args):
         path, name = embedded_checkpoint_path(), "embedded tiny-v4"
     return load_pretrained(path, dtype=dtype, attention_impl=args.attention_impl, progress=False,
                            indexer_picks=args.indexer_picks, attention_kernel=args.attention_kernel), name
+
+
+def step_floor_bytes(state, config, batch: int, context: int, kv_dtype=None, indexer_dtype=None) -> dict:
+    """The bytes one decode step of `batch` sequences at `context` tokens must read at least, by part:
+    * params: every parameter once, except the routed experts, the embedding and the hash layers' token -> expert
+      table, of which only the rows the step uses count (the embedding's and the table's `batch` rows);
+    * experts: per MoE layer, the expected number of distinct routed experts `batch` tokens pick, E (1 - (1 - k /
+      E)^batch) (uniform, independent routing: what random tokens through hash layers and random gates give; the
+      benchmark's own routing, not a trained model's), each expert's w1, w3, w2 once;
+    * cache: per sequence, each layer's window rows (min(context, window)), its compressed rows (CSA: min(top-k,
+      context / 4) picked; HCA: all context / 128) in the KV layout, and each CSA layer's context / 4 indexer keys.
+    `state`: the model's parameters (arrays or ShapeDtypeStructs). Activations, q and the outputs are left out (a few
+    MB). The floor in us is the sum over the copy bandwidth (`timing.measure_ceilings`)."""
+    import math
+
+    from dsv4_jax.accounting import indexer_row_bytes, kv_row_bytes
+
+    params = experts = 0
+    E, k = config.n_routed_experts, config.num_experts_per_tok
+    active = E * (1 - (1 - k / E) ** batch)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        names = [str(getattr(p, "key", getattr(p, "idx", p))) for p in path]
+        nbytes = math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
+        if "experts" in names and "shared_experts" not in names:
+            experts += nbytes / E * active
+        elif "embed" in names or "tid2eid" in names:
+            nbytes_row = nbytes / leaf.shape[0]
+            params += nbytes_row * batch
+        else:
+            params += nbytes
+    model_itemsize = jnp.dtype(config_dtype(state)).itemsize
+    kv_row = kv_row_bytes(config, kv_dtype) if kv_dtype else model_itemsize * config.head_dim
+    idx_row = indexer_row_bytes(config, indexer_dtype) if indexer_dtype else model_itemsize * config.index_head_dim
+    rows = idx_keys = 0
+    for kind, ratio in zip(config.layer_types, config.compress_ratios):
+        rows += min(context, config.sliding_window)
+        if kind == "csa":
+            rows += min(config.index_topk, context // ratio)
+            idx_keys += context // ratio
+        elif kind == "hca":
+            rows += context // ratio
+    cache = batch * (rows * kv_row + idx_keys * idx_row)
+    return dict(params=params, experts=experts, cache=cache, total=params + experts + cache, active_experts=active)
+
+
+def config_dtype(state):
+    """The dtype of the model's largest parameter (its weights' dtype)."""
+    leaves = jax.tree_util.tree_leaves(state)
+    return max(leaves, key=lambda x: x.size if hasattr(x, "size") else 0).dtype
 
 
 def _init_cache(model, batch, capacity, fmt):
@@ -146,7 +197,26 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prefill", action="store_true", help="fill the cache by a real prefill instead of random values")
     p.add_argument("--out", help="also write the table to this file")
+    p.add_argument("--copy-gbps", type=float, default=None,
+                   help="copy bandwidth for the floor column (default: measured, `timing.measure_ceilings`)")
+    p.add_argument("--floor-only", action="store_true",
+                   help="print each context's read floor (`step_floor_bytes`) from the model's shapes alone (no "
+                        "weights built, nothing timed: e.g. a past GPU run's floor on the CPU, with --copy-gbps)")
     args = p.parse_args(argv)
+    if args.floor_only:
+        if not (args.preset and args.copy_gbps):
+            p.error("--floor-only needs --preset and --copy-gbps")
+        model, name = build_model(args, abstract=True)
+        _, state = nnx.split(model)
+        print(f"# read floor of one decode step: {name}: {model.config.summary()}, {args.dtype}, batch "
+              f"{args.batch}, cache kv {args.kv_dtype or 'exact'} / indexer {args.indexer_dtype or 'exact'}, copy "
+              f"{args.copy_gbps:.0f} GB/s")
+        print(f"{'context':>8} {'params MB':>10} {'experts MB':>11} {'active':>7} {'cache MB':>9} {'floor us':>9}")
+        for L in [int(x) for x in args.contexts.split(",")]:
+            fb = step_floor_bytes(state, model.config, args.batch, L, args.kv_dtype, args.indexer_dtype)
+            print(f"{L:>8} {fb['params'] / 1e6:>10.1f} {fb['experts'] / 1e6:>11.1f} {fb['active_experts']:>7.1f} "
+                  f"{fb['cache'] / 1e6:>9.1f} {fb['total'] / (args.copy_gbps * 1e3):>9.1f}")
+        return 0
 
     model, name = build_model(args)
     from dsv4_jax.layers.moe import EXPERTS_CONFIG
@@ -155,6 +225,12 @@ def main(argv=None):
     cfg = model.config
     graphdef, state = nnx.split(model)
     dev = jax.devices()[0]
+    if args.copy_gbps:
+        copy_gbps = args.copy_gbps
+    else:
+        from benchmarks.timing import measure_ceilings
+
+        copy_gbps = measure_ceilings()["copy_GBps"]
     lines = [
         f"# benchmarks/decode.py — command: python benchmarks/decode.py {' '.join(argv or sys.argv[1:])}",
         f"# model: {name}: {cfg.summary()}",
@@ -164,8 +240,10 @@ def main(argv=None):
         f"{args.indexer_dtype or 'exact'}, routed experts' grouped matmul {EXPERTS_CONFIG['grouped_matmul']}",
         f"# timed: {args.steps} dependent decode steps in one jitted lax.scan, median of {args.repeats} calls "
         f"after warm-up, / steps; cache {'prefilled' if args.prefill else 'synthetic (random values, lengths = L)'}; "
-        f"capacity = L + steps",
-        f"{'context':>8} {'capacity':>9} {'us/step':>10} {'tokens/s':>10} {'min us':>9} {'compile s':>10}",
+        f"capacity = L + steps; floor: the step's reads (`step_floor_bytes`: parameters, the expected active "
+        f"experts, the cache rows) at {copy_gbps:.0f} GB/s copy bandwidth",
+        f"{'context':>8} {'capacity':>9} {'us/step':>10} {'tokens/s':>10} {'min us':>9} {'compile s':>10} "
+        f"{'floor us':>9} {'x floor':>8}",
     ]
     for line in lines:
         print(line, flush=True)
@@ -185,8 +263,10 @@ def main(argv=None):
             jax.block_until_ready(exe(state, cache, tok))
             times.append(time.perf_counter() - t0)
         us = 1e6 * statistics.median(times) / args.steps
+        floor_us = step_floor_bytes(state, cfg, args.batch, L, args.kv_dtype, args.indexer_dtype)["total"] / (
+            copy_gbps * 1e3)
         line = (f"{L:>8} {cap:>9} {us:>10.1f} {args.batch * 1e6 / us:>10.1f} "
-                f"{1e6 * min(times) / args.steps:>9.1f} {compile_s:>10.1f}")
+                f"{1e6 * min(times) / args.steps:>9.1f} {compile_s:>10.1f} {floor_us:>9.1f} {us / floor_us:>8.2f}")
         lines.append(line)
         print(line, flush=True)
     if args.out:

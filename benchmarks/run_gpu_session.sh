@@ -73,7 +73,7 @@ for s in ${STEPS:-tests5 model comp idx}; do
           --steps 16 --repeats 3 --attention-impl pallas --experts-gmm $g ${GMMDECODE_ARGS:-} \
           --out "$OUT/gmmdecode_$g.txt"; done ;;
     mprof) run_step mprof 240 $PY benchmarks/mosaic_phase_profile.py --out "$OUT" ${MPROF_ARGS:-} ;;
-    attn) run_step attn 300 $PY benchmarks/sparse_attention.py --out "$OUT" "$@" ${ATTN_ARGS:-} ;;
+    attn) run_step attn 300 $PY benchmarks/sparse_attention.py --out "$OUT" "$@" ${ATTN_ARGS:---net-decode} ;;  # net: the issue tables
     decode) for impl in ${DECODE_IMPLS:-reference pallas}; do
         run_step decode_$impl 150 $PY benchmarks/decode.py --preset v4-flash --layers 4 --experts 8 \
           --dtype bfloat16 --batch ${BATCH:-16} --contexts ${CONTEXTS:-4096,32768} --steps 32 --repeats 3 \

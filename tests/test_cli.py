@@ -231,3 +231,43 @@ def test_sparse_attention_benchmark_knows_its_groups():
     used = set(re.findall(r'"([a-z0-9_]+)" in groups', text))
     listed = ast.literal_eval(re.search(r"^GROUPS = (\(.*?\))\n", text, re.M | re.S).group(1))
     assert used == set(listed) and len(listed) == len(set(listed))
+
+
+def test_decode_step_floor_bytes():
+    """benchmarks/decode.py's read floor (`step_floor_bytes`) on the tiny config, by hand: every parameter but the
+    routed experts and the embedding / hash-table rows once, E (1 - (1 - k / E)^B) experts per MoE layer, and the
+    cache rows one step reads (window, CSA top-k, HCA entries, CSA indexer keys); `--floor-only` prints it without
+    building weights."""
+    import math
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    sys.path.insert(0, ROOT)
+    from benchmarks.decode import step_floor_bytes
+    from dsv4_jax.config import PRESETS
+    from dsv4_jax.model import DeepseekV4ForCausalLM
+
+    cfg = PRESETS["tiny"]()
+    _, state = nnx.split(nnx.eval_shape(lambda: DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(0))))
+    B, L = 3, 200
+    got = step_floor_bytes(state, cfg, B, L, kv_dtype="fp8", indexer_dtype="fp4")
+    E, k, D, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    active = E * (1 - (1 - k / E) ** B)
+    assert math.isclose(got["experts"], cfg.num_hidden_layers * active * 3 * D * I * 4)
+    total = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(state))
+    experts_all = cfg.num_hidden_layers * E * 3 * D * I * 4
+    embed_rows = cfg.vocab_size * D * 4 * (1 - B / cfg.vocab_size)
+    hash_rows = cfg.num_hash_layers * cfg.vocab_size * k * 4 * (1 - B / cfg.vocab_size)
+    assert math.isclose(got["params"], total - experts_all - embed_rows - hash_rows)
+    W = cfg.sliding_window
+    kv_row = (cfg.head_dim - cfg.qk_rope_head_dim) + 2 * cfg.qk_rope_head_dim + 8   # 584-B layout, scaled down
+    idx_row = cfg.index_head_dim // 2 + cfg.index_head_dim // 32
+    r_csa, r_hca = cfg.compress_ratios[1], cfg.compress_ratios[2]
+    rows = 3 * W + min(cfg.index_topk, L // r_csa) + L // r_hca
+    assert got["cache"] == B * (rows * kv_row + (L // r_csa) * idx_row)
+    r = subprocess.run([sys.executable, "benchmarks/decode.py", "--preset", "tiny", "--batch", str(B), "--contexts",
+                        str(L), "--kv-dtype", "fp8", "--indexer-dtype", "fp4", "--floor-only", "--copy-gbps", "1"],
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, check=True, capture_output=True, text=True)
+    assert f"{got['total'] / 1e3:.1f}" in r.stdout.splitlines()[-1], r.stdout
