@@ -20,11 +20,15 @@ gather, w1 and w3, clamped SwiGLU, w2, weight, scatter-add) with each layout:
           count) shows
 
 Session 45 (H100, `results/h100_s45r1_moe*`): out_in 386.7 us at B = 16 (2.62x the floor; two 91 us transposes
-among its kernels), in_out 192.9 (1.31x, none); B = 64: 559.6 vs 266.9.
+among its kernels), in_out 192.9 (1.31x, none); B = 64: 559.6 vs 266.9. Session 46 (H100, `--experts 256`,
+`results/h100_s46r1_moe*`): in_out 4577.5 us at B = 16 vs 1446.9 on the kernel (0.96x), B = 64 6607.4 vs 3315.0.
+Prefill-sized batches (e.g. `--batches 4096 --variants in_out_pallas`; XLA's ragged dot would build a [B k, E, D]
+operand, 51 GB at B = 4096 with 256 experts) are not yet timed.
 
 Per variant and batch (B x top-k token rows; decode rows are B x 1 tokens): us per call net of dispatch (dependent
 calls in one jitted scan, `timing.chain_net`), the floor (every active expert's three matrices read once at the
-measured copy bandwidth; at B >= 2 with 8 experts every expert is active), the ratio, the kernels one call launches
+measured copy bandwidth; at B >= 2 with 8 experts every expert is active; or, for prefill-sized B, the 6 B k D I
+FLOPs at the measured bf16 rate, whichever is longer), the ratio, TFLOP/s, the kernels one call launches
 (CUPTI, largest first), and each variant's max relative error against a per-expert dense jnp reference. --hlo DIR
 writes each variant's optimized HLO, so the transposes (or their absence) can be read.
 """
@@ -143,9 +147,10 @@ def main(argv=None):
         x, wts, ex = case_inputs(rng, B, k, E, D)
         active = len(np.unique(np.asarray(ex)))
         w_bytes = active * 3 * D * I * 2
-        row = dict(B=B, active_experts=active, weight_MB=w_bytes / 1e6)
-        if ceil:
-            row["floor_us"] = w_bytes / ceil["copy_Bps"] * 1e6
+        flops = 3 * 2 * B * k * D * I   # the three GEMMs over the B x k token rows, each row with its own expert
+        row = dict(B=B, active_experts=active, weight_MB=w_bytes / 1e6, GFLOP=flops / 1e9)
+        if ceil:   # decode: the weight read; prefill-sized batches: the FLOPs at the measured bf16 rate
+            row["floor_us"] = max(w_bytes / ceil["copy_Bps"], flops / ceil["bf16_flops"]) * 1e6
         for v in variants:
             orient = "out_in" if v == "out_in" else "in_out"
             if a.lower_only:   # shapes only: nothing allocated
@@ -181,6 +186,7 @@ def main(argv=None):
                 t = chain_net(step, x, a.steps, args=(wts, ex, w1, w3, w2))
                 row[f"{v}_us"] = t * 1e6
                 row[f"{v}_ratio"] = t * 1e6 / row["floor_us"]
+                row[f"{v}_TFLOPs"] = flops / t / 1e12
                 if jax.default_backend() == "gpu":
                     ks = cupti_kernels(fn, x, wts, ex, w1, w3, w2)
                     ks.sort(key=lambda nk: -nk[1])

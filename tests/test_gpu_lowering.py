@@ -696,13 +696,20 @@ def test_indexer_mosaic_fp4_lowers(B, S, H, T, opts):
     from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
 
     q, w, keys, nv = make_indexer(B, S, H, T, "fp4", True)
-    lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_scores_mosaic(*a, **opts), q, w, keys, nv)
+    lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_scores_mosaic(*a, precision="f16", **opts), q, w, keys, nv)
     lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=64, kernel="mosaic", topk="threshold_set",
-                                                                **opts), q, w, keys, nv)
-    # precision "fp8" (session 45): e5m2 operands from the nibbles by table lookup, e5m2 x e5m2 wgmma
-    lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_scores_mosaic(*a, precision="fp8", **opts), q, w, keys, nv)
+                                                                precision="f16", **opts), q, w, keys, nv)
+    # precision "fp8" (session 45; the default since session 46): e5m2 operands from the nibbles by table lookup,
+    # e5m2 x e5m2 wgmma
+    lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_scores_mosaic(*a, **opts), q, w, keys, nv)
     lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=64, kernel="mosaic", topk="segment_set",
                                                                 precision="fp8", **opts), q, w, keys, nv)
+    if not opts:   # the conversion-free timing probe (session 46), both precisions: no per-8-value asm left
+        for precision, asm_line in (("f16", "mul.rn.f16x2 $0, a, $5"), ("fp8", "and.b32 sel, $2, 0x7777")):
+            probe = lambda *a: indexer_scores_mosaic(*a, precision=precision, convert="raw")
+            assert asm_line in lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_scores_mosaic(
+                *a, precision=precision), q, w, keys, nv)
+            assert asm_line not in lowers_for("cuda", "mosaic_gpu", probe, q, w, keys, nv)
     with pytest.raises(ValueError, match="precision must be"):
         indexer_scores_mosaic(q, w, keys, nv, precision="bf16")
     with pytest.raises(ValueError, match="convert="):

@@ -69,10 +69,12 @@ def test_compressor_lowers_for_tpu(r, overlap, d, fmt, S):
     lowers_for_tpu(lambda *a: compress_chunk_tpu(*a, **kw, rotate=rotate), *(inp[k] for k in keys))
 
 
-def test_grouped_matmul_lowers_for_tpu():
+@pytest.mark.parametrize("M,E,K,N,dtype", [(96, 256, 4096, 2048, jnp.bfloat16), (20, 8, 64, 32, jnp.float32)])
+def test_grouped_matmul_lowers_for_tpu(M, E, K, N, dtype):
     """The routed experts' grouped matmul on the TPU (megablox via `grouped_matmul.tpu`) lowers at a V4-Flash decode
-    shape (96 token x expert rows, 256 experts, 4096 x 2048)."""
+    shape (96 token x expert rows, 256 experts, 4096 x 2048) and at the tiny f32 model's (its dot at precision
+    "highest", the model's default on the TPU since session 46)."""
     from pallas_kernels.grouped_matmul import grouped_matmul_tpu
 
-    lowers_for_tpu(grouped_matmul_tpu, jax.ShapeDtypeStruct((96, 4096), jnp.bfloat16),
-                   jax.ShapeDtypeStruct((256, 4096, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((256,), jnp.int32))
+    lowers_for_tpu(grouped_matmul_tpu, jax.ShapeDtypeStruct((M, K), dtype), jax.ShapeDtypeStruct((E, K, N), dtype),
+                   jax.ShapeDtypeStruct((E,), jnp.int32))

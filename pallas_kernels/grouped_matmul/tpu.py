@@ -6,11 +6,14 @@ called with our contract.
 
 megablox visits only the (group, tile) pairs that hold rows, as our GPU kernel does. It needs M, K and N to be
 multiples of the tiling (default (128, 128, 128), shrunk to small K / N here); M is padded inside. Rows past
-sum(group_sizes) are set to 0 (the reference's result there). Tested in Pallas' TPU interpreter only (no TPU here).
+sum(group_sizes) are set to 0 (the reference's result there). f32 operands multiply in f32 as the contract says
+(megablox's dot takes jax's default matmul precision, one bf16 pass on the TPU, so it is traced under "highest").
+Tested in Pallas' TPU interpreter and by its TPU lowering only (no TPU here).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -29,7 +32,9 @@ def grouped_matmul_tpu(lhs, rhs, group_sizes, *, tiling=None, interpret=False):
         raise ValueError(f"grouped_matmul (TPU): K = {K} and N = {N} must be multiples of the tiling {(tm, tk, tn)}")
     m_pad = -(-M // tm) * tm
     lhs_p = jnp.pad(lhs, ((0, m_pad - M), (0, 0))) if m_pad != M else lhs
-    out = gmm(lhs_p, rhs, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32, tiling=(tm, tk, tn),
-              interpret=interpret)
+    f32 = jnp.dtype(lhs.dtype) == jnp.float32
+    with jax.default_matmul_precision("highest") if f32 else contextlib.nullcontext():
+        out = gmm(lhs_p, rhs, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32,
+                  tiling=(tm, tk, tn), interpret=interpret)
     total = jnp.sum(jnp.maximum(group_sizes, 0))
     return jnp.where(jnp.arange(M)[:, None] < total, out[:M], 0.0)

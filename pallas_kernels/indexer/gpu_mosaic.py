@@ -64,7 +64,10 @@ Options measured in session 30 (H200, B = 64 x 128K, `results/README_indexer_com
 group maxima (`gpu.indexer_topk_gpu`'s fuse_group_max) are the defaults since session 31:
 * convert (precision "f16"): "cvt" (default), "alu" / "mix" (integer bit placement, alone or sharing the work with
   the conversion instruction), "raw" (a timing probe, wrong values). Without any conversion the kernel took as long
-  (100.4 vs 101.7 us), so the conversions are not its bound; "alu" (129.6) and "mix" (117.7) are slower.
+  (100.4 vs 101.7 us), so the conversions are not its bound; "alu" (129.6) and "mix" (117.7) are slower. fp4 keys
+  take "raw" too (session 46, either precision): the packed words go to the MMA as they are, without the per-8-value
+  conversion (the per-key-group tables / factors stay), so its time against the default's shows what the
+  conversion costs.
 * group_max_k: the top-k's strided-group maxima as per-CTA partials (saves the top-k's XLA pass, ~3 us more here).
 * split_m: each block as two [block_t / 2, H] wgmmas into two accumulators, the halves' load / wgmma / epilogue
   overlapped. With group_max_k the `threshold_set` pipeline took 2-6 us less (fp8 137.5 vs 139.7, bf16 182.1 vs
@@ -464,7 +467,7 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
 
             return fp4_operand(load(k_smem.at[slot, rows], plgpu.Layout.WGMMA_UPCAST_2X),
                                load(s_smem.at[slot, rows], plgpu.Layout.WGMMA.reduce(1)),
-                               "f16" if f16 else "e5m2")
+                               "f16" if f16 else "e5m2", raw=convert == "raw")
         if not f16:
             return k_smem.at[slot, rows]
         # e4m3 codes -> f16 in registers (exact), the wgmma's A operand from registers
@@ -686,8 +689,9 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     convert = convert or "cvt"
     if convert not in CONVERTS:
         raise ValueError(f"convert must be one of {CONVERTS}, got {convert!r}")
-    if convert != "cvt" and not (f16 and fmt == "fp8"):
-        raise ValueError(f"convert={convert!r} applies to precision='f16' (fp8 keys) only, got precision {precision!r}")
+    if convert != "cvt" and not ((f16 and fmt == "fp8") or (fmt == "fp4" and convert == "raw")):
+        raise ValueError(f"convert={convert!r} applies to precision='f16' (fp8 keys) only (fp4 keys: 'raw' only), got "
+                         f"precision {precision!r}")
     if split_m is None:
         split_m = DEFAULT_SPLIT_M[fmt] and not interpret and block_t_of(block_t, T) % 128 == 0
     if split_m and (interpret or block_t_of(block_t, T) % 128):

@@ -285,12 +285,13 @@ setp.le.u32 p, d, 29; selp.b32 n, n, u, p; prmt.b32 ${g}, n, 0, 0x1010;
 """ for g in range(4)) + """setp.ge.u32 p, m, 1; sub.u32 t, m, 1; shl.b32 t, t, 23; selp.b32 $4, t, 0x00200000, p; }"""
 
 
-def fp4_operand(packed, scale_words, operand: str = "f16"):
+def fp4_operand(packed, scale_words, operand: str = "f16", raw: bool = False):
     """In a Mosaic GPU kernel: packed [rows, 64] uint8 in `Layout.WGMMA_UPCAST_2X`, scale_words [rows] int32 (a
     key's 4 ue8m0 bytes) in `Layout.WGMMA.reduce(1)` -> (the operand [rows, 128], the K dimension in
     `register_plan(rows, operand)`'s column order: f16 in `Layout.WGMMA` (e2m1 x 2^(15 - D - 14)), or e5m2 in
     `Layout.WGMMA_8BIT` (e2m1 x 2^(13 - D)); row factor f32 [rows] in `Layout.WGMMA.reduce(1)`: the score of row t is
-    the head sum over this operand x factor[t])."""
+    the head sum over this operand x factor[t]). raw: a timing probe with wrong values: every operand register is
+    the packed word it would be converted from (no conversion), the row factors as usual."""
     import jax.numpy as jnp
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import llvm, vector
@@ -338,6 +339,10 @@ def fp4_operand(packed, scale_words, operand: str = "f16"):
         constraints = ",".join(["=r"] * n_out + ["r"] * (3 if e5m2 else 2))
         for src_idx, targets, row_idx, group in plan:
             word = mgpu_utils.bitcast(x.registers[src_idx], i32)
+            if raw:   # timing probe: the packed word itself in each target register, nothing converted
+                for t in targets:
+                    regs[t] = mgpu_utils.bitcast(word, reg_type)
+                continue
             res = llvm.inline_asm(struct(n_out), [word] + per_group[row_idx][group], asm, constraints)
             for i, t in enumerate(targets):
                 regs[t] = mgpu_utils.bitcast(llvm.extractvalue(i32, res, [i]), reg_type)
