@@ -147,3 +147,31 @@ def test_gpu_grouped_matmul_v4_flash_shapes(T, E, opts):
         want = np.asarray(grouped_matmul(lhs, rhs, gs, impl="reference"))
         got = np.asarray(grouped_matmul(lhs, rhs, gs, impl="pallas", **opts))
         np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
+
+
+def test_auto_takes_the_kernel_only_where_it_applies(monkeypatch):
+    """impl "auto" on a GPU / TPU: the kernel for shapes it takes, XLA's ragged dot for others (K or N no multiple
+    of 16 on the GPU, not of 128 past 128 on the TPU: a custom small model config), so every model config runs;
+    "pallas" there raises instead."""
+    import pallas_kernels.grouped_matmul as gm
+
+    rng = np.random.default_rng(5)
+    calls = []
+    for where, (K, N) in (("gpu", (24, 40)), ("tpu", (200, 64))):   # shapes that kernel does not take
+        monkeypatch.setattr(gm, "_resolve", lambda impl, *a, where=where, **kw: where if impl != "reference"
+                            else "reference")
+        monkeypatch.setattr(gm, f"grouped_matmul_{where}", lambda *a, where=where, **kw: calls.append(where) or
+                            "kernel")
+        lhs, rhs, gs = _case(rng, [3, 5], 64, 32, jnp.float32)
+        assert gm.grouped_matmul(lhs, rhs, gs, impl="auto") == "kernel"
+        lhs, rhs, gs = _case(rng, [3, 5], K, N, jnp.float32)
+        want = np.asarray(gm.grouped_matmul(lhs, rhs, gs, impl="reference"))
+        np.testing.assert_array_equal(np.asarray(gm.grouped_matmul(lhs, rhs, gs, impl="auto")), want)
+    assert calls == ["gpu", "tpu"]
+    from pallas_kernels.grouped_matmul import gpu, tpu
+
+    assert gpu.kernel_applies(4096, 2048) and not gpu.kernel_applies(24, 64) and not gpu.kernel_applies(64, 40)
+    assert tpu.kernel_applies(4096, 2048) and tpu.kernel_applies(96, 64) and not tpu.kernel_applies(200, 64)
+    lhs24, rhs24, gs24 = _case(rng, [3, 5], 24, 128, jnp.float32)
+    with pytest.raises(ValueError, match="not a multiple of 16"):
+        grouped_matmul_gpu(lhs24, rhs24, gs24, interpret=True)

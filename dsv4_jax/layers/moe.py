@@ -18,7 +18,8 @@ from flax import nnx
 from ..config import DeepseekV4Config
 from .common import Buffer, Linear, normal, param
 
-# The routed experts' grouped matmuls: "auto" (pallas on GPU / TPU, the reference on the CPU), "pallas"
+# The routed experts' grouped matmuls: "auto" (pallas on GPU / TPU where the kernel takes the shapes, e.g. hidden
+# and moe_intermediate_size multiples of 16 on the GPU; the reference on the CPU and elsewhere), "pallas"
 # (pallas_kernels.grouped_matmul: a Triton kernel on the GPU, megablox on the TPU, both reading only the experts that
 # have tokens) or "reference" (XLA's ragged dot, which on the GPU is a dense matmul over all E experts: E x the FLOPs
 # and every expert's weights read). H100, V4-Flash shapes with its 256 experts (`benchmarks/moe_layout.py`, session

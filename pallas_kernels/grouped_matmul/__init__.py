@@ -5,7 +5,9 @@
 
 impl: "reference" (`reference.grouped_matmul`: XLA's ragged dot), "pallas" (GPU: the Triton-backend kernel of
 `gpu.py`; TPU: jax's Mosaic-TPU grouped matmul, megablox, called by `tpu.py`; CPU: the GPU kernel in the Pallas
-interpreter, for tests; "interpret_tpu": the TPU one there), "auto" (pallas on GPU / TPU, the reference on CPU).
+interpreter, for tests; "interpret_tpu": the TPU one there), "auto" (pallas on GPU / TPU where the kernel takes the
+shapes, `gpu.kernel_applies` / `tpu.kernel_applies`: K and N multiples of 16 on the GPU; the reference on the CPU and
+for other shapes, so every model config runs). "pallas" with shapes the kernel does not take raises.
 
 Status: the GPU kernel is the model's default since session 46 (`dsv4_jax.layers.moe.EXPERTS_CONFIG` "auto"): on
 an H100 with V4-Flash's 256 experts it took batch 16's routed experts from 4577.5 us (ragged dot) to 1446.9 (0.96x
@@ -17,6 +19,8 @@ is checked in the interpreter and by its TPU lowering only; no TPU here.
 from __future__ import annotations
 
 from ..dispatch import resolve_impl as _resolve
+from . import gpu as _gpu
+from . import tpu as _tpu
 from .gpu import DEFAULT_CONFIG, grouped_matmul_gpu, work_items
 from .reference import grouped_matmul as grouped_matmul_reference
 from .tpu import grouped_matmul_tpu
@@ -30,6 +34,9 @@ def grouped_matmul(lhs, rhs, group_sizes, *, impl: str = "reference", **kernel_o
     num_warps, num_stages of `gpu.grouped_matmul_gpu`; TPU: tiling of `tpu.grouped_matmul_tpu`) as the module doc
     says."""
     where = _resolve(impl, "grouped_matmul", extra=("interpret_tpu",))
+    K, N = rhs.shape[-2:]
+    if impl == "auto" and where in ("gpu", "tpu") and not (_gpu if where == "gpu" else _tpu).kernel_applies(K, N):
+        where = "reference"   # shapes the kernel does not take (a custom small config): XLA's ragged dot
     if where == "reference":
         if kernel_options:
             raise ValueError(f"grouped_matmul: kernel options {sorted(kernel_options)} apply to the kernels only "

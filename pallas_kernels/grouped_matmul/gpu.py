@@ -52,6 +52,12 @@ def fit_block(default: int, dim: int, name: str) -> int:
     return b
 
 
+def kernel_applies(K: int, N: int) -> bool:
+    """Whether the kernel takes [.., K] x [E, K, N] with its default blocks (K and N multiples of 16); impl "auto"
+    runs the reference elsewhere."""
+    return K % 16 == 0 and N % 16 == 0
+
+
 def work_items(group_sizes, M: int, block_m: int):
     """group_sizes [E] int32 -> (item_group [max_items] int32 (-1: unused), item_tile [max_items] int32, offsets
     [E + 1] int32), max_items = ceil(M / block_m) + E; items ordered by group, then tile. Offsets are clamped to

@@ -22,6 +22,12 @@ import jax.numpy as jnp
 from .reference import check_operands
 
 
+def kernel_applies(K: int, N: int) -> bool:
+    """Whether megablox takes [.., K] x [E, K, N] with the default tiling (K and N multiples of min(128, K / N));
+    impl "auto" runs the reference elsewhere."""
+    return K % min(128, K) == 0 and N % min(128, N) == 0
+
+
 @functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
 def grouped_matmul_tpu(lhs, rhs, group_sizes, *, tiling=None, interpret=False):
     from jax.experimental.pallas.ops.tpu.megablox import gmm
