@@ -3,8 +3,8 @@
 Router: s = sqrt(softplus(x @ W_g.T)) in float32. Learned layers pick top-k of (s + bias) (bias steers selection
 only); hash layers take `tid2eid[token_id]`. Weights = s[picked] / sum * routed_scaling_factor.
 Routed experts run as grouped matmuls over tokens sorted by expert (`pallas_kernels.grouped_matmul` on GPU / TPU,
-`lax.ragged_dot` on the CPU; `EXPERTS_CONFIG`), so the cost is tokens x top-k, never tokens x experts. Expert weights are stacked [E, in, out], `ragged_dot`'s own rhs layout:
-stacked as checkpoints hold them, [E, out, in], XLA's GPU grouped matmul transposed the whole stack at every call
+`lax.ragged_dot` on the CPU; `EXPERTS_CONFIG`), so the cost is tokens x top-k, never tokens x experts. Expert weights
+are stacked [E, in, out], `ragged_dot`'s own rhs layout (and the kernels'): stacked as checkpoints hold them, [E, out, in], XLA's GPU grouped matmul transposed the whole stack at every call
 (H100, V4-Flash shapes, 8 experts, B = 16: 386.7 vs 192.9 us; `benchmarks/moe_layout.py`, session 45). The loader
 turns each expert's [out, in] around once (`checkpoint.names.model_layout`).
 """
