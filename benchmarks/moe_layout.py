@@ -18,6 +18,10 @@ gather, w1 and w3, clamped SwiGLU, w2, weight, scatter-add) with each layout:
           reads only the experts that have rows: XLA's GPU ragged dot is a dense matmul over all E experts (lhs
           masked to [rows, E, in]), E x the FLOPs and every expert's weights, which `--experts 256` (V4-Flash's
           count) shows
+  fp4_pallas  the checkpoint's FP4 expert bytes (`grouped_matmul.Fp4Weights`, random e2m1 + e8m0 scales) read as
+          they are by the FP4-weight kernel (`grouped_matmul.fp4`, session 46, not yet timed): 4.25 bits a weight;
+          its ratio is against the FP4 bytes' floor (`fp4_floor_us`); option sets as variants by --fp4-configs
+  fp4     the same bytes dequantized by XLA, then its ragged dot (the FP4 contract's reference)
 
 Session 45 (H100, `results/h100_s45r1_moe*`): out_in 386.7 us at B = 16 (2.62x the floor; two 91 us transposes
 among its kernels), in_out 192.9 (1.31x, none); B = 64: 559.6 vs 266.9. Session 46 (H100, `--experts 256`,
@@ -50,7 +54,7 @@ import numpy as np  # noqa: E402
 from benchmarks.timing import chain_net, cupti_kernels, measure_ceilings, parse_options  # noqa: E402
 from dsv4_jax.layers.moe import _RAGGED_DN, routed_experts, swiglu  # noqa: E402
 
-VARIANTS = ("out_in", "in_out", "in_out_pallas")
+VARIANTS = ("out_in", "in_out", "in_out_pallas", "fp4", "fp4_pallas")
 # the model's dims (`_RAGGED_DN`) take [E, in, out]; these take the checkpoints' [E, out, in] as they are
 _OUT_IN_DN = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
@@ -69,11 +73,28 @@ def make_weights(seed, E, D, I, layout):
     return ws
 
 
+def make_fp4_weights(seed, E, D, I):
+    """w1, w3 [E, D, I] and w2 [E, I, D] as `Fp4Weights` (random e2m1 bytes, e8m0 scales 2^-9 .. 2^-3, drawn on the
+    device): the checkpoint's FP4 expert format, read as it is by `fp4_pallas`, dequantized by `fp4`."""
+    from pallas_kernels.grouped_matmul import Fp4Weights
+
+    keys = jax.random.split(jax.random.key(seed), 6)
+    draw = jax.jit(lambda k, shape, lo, hi: jax.random.randint(k, shape, lo, hi, jnp.int32).astype(jnp.uint8),
+                   static_argnums=(1, 2, 3))
+    return tuple(Fp4Weights(draw(keys[2 * i], (E, K // 2, N), 0, 256), draw(keys[2 * i + 1], (E, K // 32, N), 118, 125))
+                 for i, (K, N) in enumerate(((D, I), (D, I), (I, D))))
+
+
 def layout_experts(x, weights, experts, w1, w3, w2, layout, limit):
     """The model's routed-expert forward (`dsv4_jax.layers.moe.routed_experts`) with the weights in `layout`
     (a `VARIANTS` name, or 'in_out_pallas[<kernel options>]')."""
     if layout == "out_in":
         return routed_experts(x, weights, experts, w1, w3, w2, limit, _OUT_IN_DN, gmm_impl="reference")
+    if layout.startswith("fp4"):   # Fp4Weights: the kernel reads the bytes, the reference dequantizes them
+        opts = parse_options(layout[len("fp4_pallas["):-1]) if layout.endswith("]") else {}
+        return routed_experts(x, weights, experts, w1, w3, w2, limit, _RAGGED_DN,
+                              gmm_impl="pallas" if layout.startswith("fp4_pallas") else "reference",
+                              gmm_options=opts or None)
     if layout.startswith("in_out_pallas"):
         opts = parse_options(layout[len("in_out_pallas["):-1]) if layout.endswith("]") else {}
         return routed_experts(x, weights, experts, w1, w3, w2, limit, _RAGGED_DN, gmm_impl="pallas",
@@ -87,6 +108,13 @@ def dense_reference(x, weights, experts, w1, w3, w2, layout, limit):
 
     def mats(e):
         if e not in cache:
+            if layout.startswith("fp4"):
+                from pallas_kernels.grouped_matmul.fp4 import Fp4Weights, dequantize
+
+                ms = tuple(np.asarray(dequantize(Fp4Weights(w.packed[e:e + 1], w.scales[e:e + 1]))[0]).T
+                           for w in (w1, w3, w2))
+                cache[e] = ms
+                return ms
             ms = tuple(np.asarray(w[e], np.float32) for w in (w1, w3, w2))
             cache[e] = ms if layout == "out_in" else tuple(m.T for m in ms)
         return cache[e]
@@ -121,6 +149,8 @@ def main(argv=None):
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--gmm-configs", default="", help="';'-separated kernel option sets of the grouped matmul, each "
                    "timed as a variant 'in_out_pallas[<set>]', e.g. 'block_n=64;block_k=128,num_warps=8'")
+    p.add_argument("--fp4-configs", default="", help="';'-separated option sets of the FP4-weight kernel, each "
+                   "timed as a variant fp4_pallas[...]")
     p.add_argument("--limit", type=float, default=10.0, help="SwiGLU clamp")
     p.add_argument("--steps", type=int, default=16, help="dependent calls per timed scan")
     p.add_argument("--hlo", default=None, help="directory for each variant's optimized HLO")
@@ -133,6 +163,7 @@ def main(argv=None):
     if bad:
         p.error(f"unknown variants {bad}; known: {VARIANTS}")
     variants += [f"in_out_pallas[{c}]" for c in a.gmm_configs.split(";") if c]
+    variants += [f"fp4_pallas[{c}]" for c in a.fp4_configs.split(";") if c]
     E, k, D, I = a.experts, a.top_k, a.hidden, a.intermediate
     if not 0 < k <= E:
         p.error(f"--top-k must be in [1, --experts]; got {k}, {E}")
@@ -147,19 +178,29 @@ def main(argv=None):
         x, wts, ex = case_inputs(rng, B, k, E, D)
         active = len(np.unique(np.asarray(ex)))
         w_bytes = active * 3 * D * I * 2
+        fp4_bytes = active * 3 * D * I * (0.5 + 1 / 32)   # e2m1 nibbles + an e8m0 byte per 32
         flops = 3 * 2 * B * k * D * I   # the three GEMMs over the B x k token rows, each row with its own expert
-        row = dict(B=B, active_experts=active, weight_MB=w_bytes / 1e6, GFLOP=flops / 1e9)
+        row = dict(B=B, active_experts=active, weight_MB=w_bytes / 1e6, fp4_weight_MB=fp4_bytes / 1e6,
+                   GFLOP=flops / 1e9)
         if ceil:   # decode: the weight read; prefill-sized batches: the FLOPs at the measured bf16 rate
             row["floor_us"] = max(w_bytes / ceil["copy_Bps"], flops / ceil["bf16_flops"]) * 1e6
+            row["fp4_floor_us"] = max(fp4_bytes / ceil["copy_Bps"], flops / ceil["bf16_flops"]) * 1e6
         for v in variants:
-            orient = "out_in" if v == "out_in" else "in_out"
-            if a.lower_only:   # shapes only: nothing allocated
+            orient = "out_in" if v == "out_in" else "fp4" if v.startswith("fp4") else "in_out"
+            if a.lower_only and orient == "fp4":
+                from pallas_kernels.grouped_matmul import Fp4Weights
+
+                w1, w3, w2 = (Fp4Weights(jax.ShapeDtypeStruct((E, K // 2, N), jnp.uint8),
+                                         jax.ShapeDtypeStruct((E, K // 32, N), jnp.uint8))
+                              for K, N in ((D, I), (D, I), (I, D)))
+            elif a.lower_only:   # shapes only: nothing allocated
                 shapes = ((E, I, D), (E, I, D), (E, D, I)) if orient == "out_in" else ((E, D, I), (E, D, I), (E, I, D))
                 w1, w3, w2 = (jax.ShapeDtypeStruct(sh, jnp.bfloat16) for sh in shapes)
             else:   # one orientation's stacks alive at a time (V4-Flash's 256 experts: 6.4 GB each)
                 if orient not in weights_of:
                     weights_of.clear()
-                    weights_of[orient] = make_weights(1, E, D, I, orient)
+                    weights_of[orient] = (make_fp4_weights(1, E, D, I) if orient == "fp4" else
+                                          make_weights(1, E, D, I, orient))
                 w1, w3, w2 = weights_of[orient]
             fn = jax.jit(lambda x, wts, ex, w1, w3, w2, v=v: layout_experts(x, wts, ex, w1, w3, w2, v, a.limit))
             try:
@@ -185,7 +226,7 @@ def main(argv=None):
 
                 t = chain_net(step, x, a.steps, args=(wts, ex, w1, w3, w2))
                 row[f"{v}_us"] = t * 1e6
-                row[f"{v}_ratio"] = t * 1e6 / row["floor_us"]
+                row[f"{v}_ratio"] = t * 1e6 / row["fp4_floor_us" if orient == "fp4" else "floor_us"]
                 row[f"{v}_TFLOPs"] = flops / t / 1e12
                 if jax.default_backend() == "gpu":
                     ks = cupti_kernels(fn, x, wts, ex, w1, w3, w2)

@@ -66,7 +66,7 @@ for s in ${STEPS:-tests5 model comp idx}; do
     dk_cb) XLA_FLAGS="--xla_gpu_enable_command_buffer=${CB_TYPES:-FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN} --xla_gpu_graph_min_graph_size=1" \
           run_step dk_cb 200 $PY benchmarks/decode_kernels.py --out "$OUT" --name decode_kernels_cb ${DK_ARGS:-} ;;
     moe) run_step moe 150 $PY benchmarks/moe_layout.py --hlo "$OUT/moe_hlo" --out "$OUT/moe_layout.json" ${MOE_ARGS:-} ;;
-    gmm) run_step gmm 200 "${PYT[@]}" tests/test_grouped_matmul.py ${GMM_K:+-k "$GMM_K"} ;;
+    gmm) run_step gmm 200 "${PYT[@]}" tests/test_grouped_matmul.py tests/test_grouped_matmul_fp4.py ${GMM_K:+-k "$GMM_K"} ;;
     gmmdecode) for g in ${GMM_IMPLS:-reference pallas}; do  # the whole decode step, each routed-experts GEMM impl
         run_step gmmdecode_$g 150 $PY benchmarks/decode.py --preset v4-flash --layers ${LAYERS:-4} \
           --experts ${GMM_EXPERTS:-256} --dtype bfloat16 --batch ${BATCH:-16} --contexts ${CONTEXTS:-32768} \

@@ -142,8 +142,9 @@ def test_indexer_benchmark_lower_only(tmp_path):
 @full_tier
 def test_moe_layout_benchmark_runs(tmp_path):
     """benchmarks/moe_layout.py (the routed experts by weight layout) on tiny shapes on the CPU: both layouts and
-    the grouped-matmul kernel (interpreted) run, are timed and agree with the dense per-expert reference; an unknown
-    variant is refused."""
+    the grouped-matmul kernel (interpreted) run, are timed and agree with the dense per-expert reference, and so do
+    the FP4-weight variants (the kernel reading the bytes, the reference dequantizing them); an unknown variant is
+    refused."""
     import json
 
     import numpy as np
@@ -153,12 +154,13 @@ def test_moe_layout_benchmark_runs(tmp_path):
     out = tmp_path / "moe.json"
     cmd = [sys.executable, "benchmarks/moe_layout.py", "--experts", "4", "--top-k", "2", "--hidden", "64",
            "--intermediate", "32", "--batches", "3,5", "--steps", "2", "--out", str(out), "--gmm-configs",
-           "block_n=32,block_k=32"]
+           "block_n=32,block_k=32", "--fp4-configs", "block_k=32"]
     subprocess.run(cmd, cwd=root, env=env, check=True, capture_output=True)
     rows = json.loads(out.read_text())["rows"]
     assert [r["B"] for r in rows] == [3, 5]
     for r in rows:
-        for v in ("out_in", "in_out", "in_out_pallas", "in_out_pallas[block_n=32,block_k=32]"):
+        for v in ("out_in", "in_out", "in_out_pallas", "in_out_pallas[block_n=32,block_k=32]", "fp4", "fp4_pallas",
+                  "fp4_pallas[block_k=32]"):
             # net-of-dispatch differences of microsecond CPU calls can come out negative: only presence is checked
             assert np.isfinite(r[f"{v}_us"]) and r[f"{v}_rel_err"] < 1e-3, r
     run = subprocess.run(cmd + ["--variants", "in_out,dense"], cwd=root, env=env, capture_output=True, text=True)

@@ -88,16 +88,25 @@ def routed_experts(x, weights, experts, w1, w3, w2, limit: float, dims=_RAGGED_D
     `dims`: how x [T*k, in] contracts with a weight stack; the default takes the model's [E, in, out]
     (benchmarks/moe_layout.py also times the checkpoints' [E, out, in] with the same math). `gmm_impl`: the grouped
     matmul's impl (`pallas_kernels.grouped_matmul`; None: EXPERTS_CONFIG's), [E, in, out] weights only, with the
-    kernel options `gmm_options` (benchmarks)."""
+    kernel options `gmm_options` (benchmarks). w1, w3, w2 may also be `Fp4Weights` (the checkpoint's FP4 bytes,
+    `grouped_matmul.fp4`; benchmarks only so far: the model's loader dequantizes them), products in x's dtype."""
     T, k = experts.shape
     E = w1.shape[0]
+    fp4 = hasattr(w1, "packed")   # `pallas_kernels.grouped_matmul.Fp4Weights`: the checkpoint's FP4 bytes
+    dtype = x.dtype if fp4 else w1.dtype                                            # the products' dtype
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token = order // k
-    xs = jnp.take(x, token, axis=0).astype(w1.dtype)                               # [T*k, D] grouped by expert
+    xs = jnp.take(x, token, axis=0).astype(dtype)                                  # [T*k, D] grouped by expert
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     gmm_impl = EXPERTS_CONFIG["grouped_matmul"] if gmm_impl is None else gmm_impl
-    if gmm_impl != "reference":
+    if fp4:
+        from pallas_kernels.grouped_matmul import grouped_matmul_fp4
+
+        if dims != _RAGGED_DN:
+            raise ValueError("routed_experts: FP4 weights are [E, in, out] (the default dims)")
+        dot = lambda a, w: grouped_matmul_fp4(a, w, sizes, impl=gmm_impl, **(gmm_options or {}))
+    elif gmm_impl != "reference":
         from pallas_kernels.grouped_matmul import grouped_matmul
 
         if dims != _RAGGED_DN:
@@ -111,7 +120,7 @@ def routed_experts(x, weights, experts, w1, w3, w2, limit: float, dims=_RAGGED_D
         dot = lambda a, w: jax.lax.ragged_dot_general(a, w, sizes, dims, precision=precision,
                                                       preferred_element_type=jnp.float32)
     h = swiglu(dot(xs, w1), dot(xs, w3), limit)
-    y = dot(h.astype(w2.dtype), w2)                                                 # [T*k, D] float32
+    y = dot(h.astype(dtype), w2)                                                    # [T*k, D] float32
     y = y * jnp.take(weights.reshape(-1), order)[:, None]
     return jnp.zeros((T, x.shape[-1]), jnp.float32).at[token].add(y)
 

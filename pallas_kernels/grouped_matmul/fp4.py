@@ -1,0 +1,213 @@
+"""The grouped matmul with the checkpoint's FP4 expert weights read as they are: reference, GPU kernel, dispatcher.
+
+    grouped_matmul_fp4(lhs [M, K], rhs: Fp4Weights (packed [E, K/2, N] uint8, scales [E, K/32, N] uint8),
+                       group_sizes [E] int32, *, impl="reference", **kernel_options) -> [M, N] float32
+
+Why: with the routed experts on the grouped-matmul kernel, a batch-16 decode step of V4-Flash is bound by reading
+their bf16 weights (session 46, H200: 4736.9 us a 4-layer step against a 4829.7 us read floor, 16.3 of its 18.5 GB
+the experts'). The checkpoint stores them as e2m1 with an e8m0 scale per 32 inputs (spec §5.3; `dsv4_jax.quant`),
+4.25 bits a weight against 16: read in place, the same step's expert bytes shrink 3.8x.
+
+Weights (`Fp4Weights`, the model's [E, in, out] orientation): byte [e, k2, n] holds w[e, 2 k2, n] in its low nibble
+and w[e, 2 k2 + 1, n] in its high one (bit 3 the sign, bits 0-2 index {0, .5, 1, 1.5, 2, 3, 4, 6}); scale byte
+[e, k32, n] = s gives the factor 2^(s - 127) of w[e, 32 k32 .. 32 k32 + 31, n] (255 = NaN). A checkpoint expert
+[out, in / 2] int8 + [out, in / 32] e8m0 is this layout transposed (`from_checkpoint`), since its bytes pack two
+consecutive inputs of one output.
+
+Contract (= `reference`): the weights dequantized exactly (every e2m1 value x 2^(s - 127) is a float32, and a bfloat16
+for the scales real checkpoints hold; XLA flushes the subnormal ones, s < 3, to 0), cast to lhs's dtype, then `reference.grouped_matmul`: the same products as the
+model's path that dequantizes the experts at load, so the result differs from it only by the f32 sums' order.
+
+GPU kernel (Pallas, Triton backend), the bf16 kernel's work items (`gpu.work_items`: only groups with rows are read)
+with the weights' K axis in 32-input chunks: per chunk one [16, block_n] byte tile and one [1, block_n] scale row are
+loaded, both nibbles decoded by integer ops into f32 (exact) and scaled, and two dots taken against the chunk's 16
+even and 16 odd lhs columns (the wrapper reorders each 32-column chunk of lhs, evens first, one cheap pass over the
+activations). f32 accumulation. Status: checked in the Pallas interpreter and by its CUDA lowering; not yet run on a
+GPU, not wired into the model (the loader still dequantizes the experts to the model dtype).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from ..dispatch import resolve_impl
+from .gpu import default_block_m, fit_block, work_items
+from .reference import grouped_matmul as grouped_matmul_reference
+from .reference import precision_for
+
+CHUNK = 32   # inputs per e8m0 scale (the checkpoint's FP4 block)
+# decode-shaped defaults, untimed (no GPU run yet): 2 chunks per K step, 128 output columns per program
+DEFAULT_CONFIG = dict(block_m=None, block_n=128, block_k=64, num_warps=4, num_stages=4)
+_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+
+
+class Fp4Weights(NamedTuple):
+    """A stack of FP4 expert matrices in the kernel's layout (module doc): packed [E, K/2, N] uint8, scales
+    [E, K/32, N] uint8 (e8m0). `shape` is the logical [E, K, N]."""
+    packed: jax.Array
+    scales: jax.Array
+
+    @property
+    def shape(self):
+        E, K2, N = self.packed.shape
+        return (E, 2 * K2, N)
+
+
+def check_weights(w: Fp4Weights):
+    """-> (E, K, N); raises on shapes or dtypes that are not the layout of the module doc."""
+    if not isinstance(w, Fp4Weights):
+        raise TypeError(f"grouped_matmul_fp4: rhs must be Fp4Weights, got {type(w).__name__}")
+    if w.packed.ndim != 3 or w.scales.ndim != 3:
+        raise ValueError(f"grouped_matmul_fp4: packed [E, K/2, N] and scales [E, K/32, N], got {w.packed.shape} and "
+                         f"{w.scales.shape}")
+    E, K, N = w.shape
+    if K % CHUNK or w.scales.shape != (E, K // CHUNK, N):
+        raise ValueError(f"grouped_matmul_fp4: K = {K} must be a multiple of {CHUNK} and scales [E, K/{CHUNK}, N] = "
+                         f"{(E, K // CHUNK, N)}, got {w.scales.shape}")
+    if w.packed.dtype != jnp.uint8 or w.scales.dtype != jnp.uint8:
+        raise ValueError(f"grouped_matmul_fp4: packed and scales must be uint8, got {w.packed.dtype} and "
+                         f"{w.scales.dtype}")
+    return E, K, N
+
+
+def from_checkpoint(packed_experts, scale_experts) -> Fp4Weights:
+    """Checkpoint experts, stacked: packed [E, out, in/2] int8 / uint8 and e8m0 scales [E, out, in/32] ->
+    `Fp4Weights` [E, in, out] (the bytes transposed: a checkpoint byte packs two consecutive inputs of one output)."""
+    p = jnp.asarray(packed_experts)
+    p = jax.lax.bitcast_convert_type(p, jnp.uint8) if p.dtype == jnp.int8 else p
+    return Fp4Weights(jnp.swapaxes(p, 1, 2), jnp.swapaxes(jnp.asarray(scale_experts, jnp.uint8), 1, 2))
+
+
+def _decode(codes, scale_bytes):
+    """int32 nibble codes [..] and int32 e8m0 bytes broadcastable to them -> f32 values (exact), by integer ops
+    only (the kernel's and the reference's arithmetic): |x| = 0, 0.5 or 2^(e - 1) (1 + m / 2) for the 2 exponent
+    bits e and the mantissa bit m, times 2^(s - 127) (2^-127 for s = 0, a subnormal; NaN for s = 255)."""
+    e = (codes >> 1) & 3
+    m = codes & 1
+    mag = jnp.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
+    value = jax.lax.bitcast_convert_type(mag | ((codes & 8) << 28), jnp.float32)
+    scale = jax.lax.bitcast_convert_type(jnp.where(scale_bytes == 0, 0x00400000, scale_bytes << 23), jnp.float32)
+    return value * jnp.where(scale_bytes == 255, jnp.nan, scale)
+
+
+def dequantize(w: Fp4Weights, dtype=jnp.float32):
+    """Fp4Weights -> [E, K, N] in `dtype` (exact in f32)."""
+    E, K, N = check_weights(w)
+    p = w.packed.astype(jnp.int32)
+    codes = jnp.stack([p & 15, p >> 4], axis=2).reshape(E, K, N)          # [E, K/2, 2, N] -> even, odd rows
+    scales = jnp.repeat(w.scales.astype(jnp.int32), CHUNK, axis=1)
+    return _decode(codes, scales).astype(dtype)
+
+
+def grouped_matmul_fp4_reference(lhs, rhs: Fp4Weights, group_sizes):
+    """The contract (module doc): dequantize, cast to lhs's dtype, `reference.grouped_matmul`."""
+    check_weights(rhs)
+    return grouped_matmul_reference(lhs, dequantize(rhs, lhs.dtype), group_sizes)
+
+
+def _kernel(group_ref, tile_ref, offsets_ref, lhs_ref, packed_ref, scales_ref, out_ref, *, block_m, block_n,
+            block_k, K):
+    i = pl.program_id(0)
+    n = pl.program_id(1)
+    g = group_ref[i]
+
+    @pl.when(g >= 0)
+    def _():
+        t = tile_ref[i]
+        lo = offsets_ref[g]
+        hi = offsets_ref[g + 1]
+        row0 = pl.multiple_of(t * block_m, block_m)
+        col0 = pl.multiple_of(n * block_n, block_n)
+        half = CHUNK // 2
+
+        def step(kk, acc):
+            for j in range(block_k // CHUNK):                  # the K step's 32-input chunks
+                c = kk * (block_k // CHUNK) + j
+                a_even = lhs_ref[pl.ds(row0, block_m), pl.ds(pl.multiple_of(c * CHUNK, CHUNK), half)]
+                a_odd = lhs_ref[pl.ds(row0, block_m), pl.ds(pl.multiple_of(c * CHUNK + half, half), half)]
+                p = packed_ref[g, pl.ds(pl.multiple_of(c * half, half), half), pl.ds(col0, block_n)]
+                s = scales_ref[g, pl.ds(c, 1), pl.ds(col0, block_n)].astype(jnp.int32)     # [1, block_n]
+                p = p.astype(jnp.int32)
+                for a, codes in ((a_even, p & 15), (a_odd, p >> 4)):
+                    w = _decode(codes, s).astype(a.dtype)
+                    acc = acc + jnp.dot(a, w, precision=precision_for(a.dtype), preferred_element_type=jnp.float32)
+            return acc
+
+        acc = jax.lax.fori_loop(0, K // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
+        rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (block_m, block_n), 0)
+        pltriton.store(out_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)], acc, mask=(rows >= lo) & (rows < hi))
+
+
+def evens_first(lhs):
+    """lhs [M, K] -> each 32-column chunk reordered, its 16 even columns then its 16 odd ones (the kernel's order)."""
+    M, K = lhs.shape
+    return lhs.reshape(M, K // CHUNK, CHUNK // 2, 2).swapaxes(-1, -2).reshape(M, K)
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages",
+                                             "interpret"))
+def grouped_matmul_fp4_gpu(lhs, rhs: Fp4Weights, group_sizes, *, block_m=None, block_n=None, block_k=None,
+                           num_warps=None, num_stages=None, interpret=False):
+    """lhs [M, K], rhs Fp4Weights [E, K, N], group_sizes [E] int32 -> [M, N] f32 (module doc). block_k: a multiple
+    of 32 dividing K; block_n dividing N (defaults narrow to a divisor, `gpu.fit_block`)."""
+    E, K, N = check_weights(rhs)
+    M = lhs.shape[0]
+    if lhs.shape != (M, K) or group_sizes.shape != (E,):
+        raise ValueError(f"grouped_matmul_fp4: lhs [M, K = {K}] and group_sizes [E = {E}], got {lhs.shape} and "
+                         f"{group_sizes.shape}")
+    cfg = dict(DEFAULT_CONFIG)
+    cfg.update({k: v for k, v in dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
+                                       num_stages=num_stages).items() if v is not None})
+    bm = cfg["block_m"] or default_block_m(M)
+    bn = cfg["block_n"] if block_n is not None else fit_block(cfg["block_n"], N, "N")
+    bk = cfg["block_k"] if block_k is not None else (cfg["block_k"] if K % cfg["block_k"] == 0 else CHUNK)
+    if bk % CHUNK or K % bk or N % bn:
+        raise ValueError(f"grouped_matmul_fp4: block_k = {bk} must be a multiple of {CHUNK} dividing K = {K}, and "
+                         f"block_n = {bn} must divide N = {N}")
+    m_pad = -(-M // bm) * bm
+    lhs_p = evens_first(lhs)
+    lhs_p = jnp.pad(lhs_p, ((0, m_pad - M), (0, 0))) if m_pad != M else lhs_p
+    item_group, item_tile, offsets = work_items(group_sizes, M, bm)
+    extra = {}
+    if not interpret:
+        extra = dict(compiler_params=pltriton.CompilerParams(num_warps=cfg["num_warps"],
+                                                             num_stages=cfg["num_stages"]))
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, n: (0,) * len(shape))
+    out = pl.pallas_call(
+        functools.partial(_kernel, block_m=bm, block_n=bn, block_k=bk, K=K),
+        grid=(item_group.shape[0], N // bn),
+        in_specs=[whole(item_group.shape), whole(item_tile.shape), whole(offsets.shape), whole(lhs_p.shape),
+                  whole(rhs.packed.shape), whole(rhs.scales.shape)],
+        out_specs=whole((m_pad, N)),
+        out_shape=jax.ShapeDtypeStruct((m_pad, N), jnp.float32),
+        interpret=interpret, name=f"grouped_matmul_fp4_m{bm}_n{bn}_k{bk}", **extra,
+    )(item_group, item_tile, offsets, lhs_p, rhs.packed, rhs.scales)
+    rows = jnp.arange(M, dtype=jnp.int32)[:, None]
+    return jnp.where(rows < offsets[-1], out[:M], 0.0)
+
+
+def grouped_matmul_fp4(lhs, rhs: Fp4Weights, group_sizes, *, impl: str = "reference", **kernel_options):
+    """Same contract as `grouped_matmul_fp4_reference`. impl: "reference"; "pallas" (GPU: the kernel; CPU: it in
+    the Pallas interpreter; TPU: no kernel yet, an error); "auto" (the kernel on the GPU where N is a multiple of 16,
+    the reference elsewhere, including the TPU). kernel_options: block_m, block_n, block_k, num_warps, num_stages."""
+    where = resolve_impl(impl, "grouped_matmul_fp4")
+    if impl == "auto" and where == "gpu" and rhs.shape[2] % 16:
+        where = "reference"   # N no multiple of 16 (a custom small config): the kernel's blocks do not fit
+    if where == "tpu":
+        if impl == "pallas":
+            raise ValueError("grouped_matmul_fp4: no TPU kernel for FP4 weights yet; impl='auto' or 'reference' "
+                             "dequantizes them for XLA's ragged dot")
+        where = "reference"
+    if where == "reference":
+        if kernel_options:
+            raise ValueError(f"grouped_matmul_fp4: kernel options {sorted(kernel_options)} apply to the kernel only "
+                             f"(impl={impl!r} runs the reference here)")
+        return grouped_matmul_fp4_reference(lhs, rhs, group_sizes)
+    return grouped_matmul_fp4_gpu(lhs, rhs, group_sizes, interpret=where == "interpret", **kernel_options)

@@ -1,0 +1,143 @@
+"""The FP4-weight grouped matmul (`pallas_kernels.grouped_matmul.fp4`): its layout against the checkpoint's FP4
+format (`dsv4_jax.quant`), the kernel (Pallas interpreter on the CPU, compiled on a GPU) against the reference, its
+errors, its CUDA lowering at V4-Flash shapes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv4_jax import quant as Q
+from pallas_kernels.grouped_matmul.fp4 import (Fp4Weights, dequantize, from_checkpoint, grouped_matmul_fp4,
+                                               grouped_matmul_fp4_gpu)
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _experts(rng, E, K, N, spread=True):
+    """E random experts quantized as the checkpoint stores them ([out, in/2] int8 + [out, in/32] e8m0, `quant_fp4`),
+    -> (Fp4Weights, the dequantized [E, K, N] f32 by `quant.dequant_fp4`). spread: scales 2^-12 .. 2^4 across
+    blocks, so the e8m0 bytes differ."""
+    packed, scales, dense = [], [], []
+    for _ in range(E):
+        w = rng.standard_normal((N, K)).astype(np.float32)
+        if spread:
+            w *= np.exp2(rng.integers(-12, 5, (N, K // 32))).repeat(32, axis=1)
+        p, s = Q.quant_fp4(w)
+        packed.append(p)
+        scales.append(s)
+        dense.append(Q.dequant_fp4(p, s).T)
+    return from_checkpoint(np.stack(packed), np.stack(scales)), np.stack(dense)
+
+
+def _case(rng, sizes, K, N, dtype, extra_rows=0):
+    sizes = np.asarray(sizes, np.int32)
+    lhs = jnp.asarray(rng.standard_normal((int(sizes.sum()) + extra_rows, K)), dtype)
+    rhs, dense = _experts(rng, len(sizes), K, N)
+    return lhs, rhs, jnp.asarray(sizes), dense
+
+
+def test_layout_is_the_checkpoints_transposed():
+    """`from_checkpoint` + `dequantize` == `quant.dequant_fp4` of every expert, transposed to [in, out], exactly;
+    every nibble code, with e8m0 bytes from 3 to 250 and 255 (NaN), decodes as the checkpoint's decoder does. (Bytes
+    0-2 scale 0.5 below 2^-126: XLA flushes such subnormal products to 0, numpy does not; no checkpoint holds them.)"""
+    rng = np.random.default_rng(0)
+    rhs, dense = _experts(rng, 3, 96, 40)
+    np.testing.assert_array_equal(np.asarray(dequantize(rhs)), dense)
+    codes = np.arange(256, dtype=np.uint8).reshape(1, 128, 2)            # K = 256, N = 2: every byte
+    scales = np.array([[[3, 255], [4, 127], [250, 130], [100, 3], [127, 127], [127, 127], [127, 127],
+                        [127, 127]]], np.uint8)
+    got = np.asarray(dequantize(Fp4Weights(jnp.asarray(codes), jnp.asarray(scales))))
+    want = np.stack([Q.dequant_fp4(codes[0, :, n][None].view(np.int8), scales[0, :, n][None])[0]
+                     for n in range(2)], axis=-1)
+    np.testing.assert_array_equal(np.isnan(got[0]), np.isnan(want))
+    np.testing.assert_array_equal(np.nan_to_num(got[0]), np.nan_to_num(want))
+
+
+@pytest.mark.parametrize("sizes,extra,opts,dtype", [([0, 5, 17, 0, 1, 30, 0, 3], 4, {}, jnp.bfloat16),
+                                                    ([40], 0, dict(block_m=32, block_k=32), jnp.float32),
+                                                    ([3, 0, 9], 2, dict(block_n=32, block_k=128), jnp.float32)])
+def test_kernel_matches_reference(sizes, extra, opts, dtype):
+    """The kernel (interpreted on the CPU) == the reference (dequantize, cast to lhs's dtype, ragged dot): empty
+    groups, group boundaries inside 16-row tiles, rows past the groups 0, 1-4 chunks per K step; bf16 and f32."""
+    rng = np.random.default_rng(len(sizes))
+    lhs, rhs, gs, dense = _case(rng, sizes, 128, 64, dtype, extra)
+    want = np.asarray(grouped_matmul_fp4(lhs, rhs, gs, impl="reference"))
+    got = np.asarray(grouped_matmul_fp4(lhs, rhs, gs, impl="pallas", **opts))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    if extra:
+        assert np.all(got[-extra:] == 0)
+    # and the reference is the dense product with the checkpoint's dequantized experts, group by group
+    off = np.concatenate([[0], np.cumsum(sizes)])
+    x = np.asarray(lhs.astype(jnp.float32))
+    for e in range(len(sizes)):
+        w = np.asarray(jnp.asarray(dense[e]).astype(dtype).astype(jnp.float32))
+        np.testing.assert_allclose(want[off[e]:off[e + 1]], x[off[e]:off[e + 1]] @ w, rtol=1e-4,
+                                   atol=1e-4 * np.abs(want).max() + 1e-30)
+
+
+def test_errors():
+    rng = np.random.default_rng(1)
+    lhs, rhs, gs, _ = _case(rng, [3, 5], 64, 32, jnp.float32)
+    with pytest.raises(ValueError, match="lhs \\[M, K = 64\\]"):
+        grouped_matmul_fp4_gpu(lhs[:, :32], rhs, gs, interpret=True)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        grouped_matmul_fp4_gpu(lhs, rhs, gs, block_k=48, interpret=True)
+    with pytest.raises(ValueError, match="scales"):
+        grouped_matmul_fp4(lhs, Fp4Weights(rhs.packed, rhs.scales[:, :1]), gs)
+    with pytest.raises(ValueError, match="uint8"):
+        grouped_matmul_fp4(lhs, Fp4Weights(rhs.packed.astype(jnp.int32), rhs.scales), gs)
+    with pytest.raises(TypeError, match="Fp4Weights"):
+        grouped_matmul_fp4(lhs, dequantize(rhs), gs)
+    with pytest.raises(ValueError, match="apply to the kernel only"):
+        grouped_matmul_fp4(lhs, rhs, gs, impl="reference", block_m=32)
+
+
+def test_fp4_grouped_matmul_lowers_for_cuda():
+    """The kernel lowers for CUDA at V4-Flash's decode shapes (96 token x expert rows over 256 experts; w1 / w3
+    4096 -> 2048, w2 2048 -> 4096) and at a prefill-like one."""
+    from test_gpu_lowering import lowers_for
+
+    sds = jax.ShapeDtypeStruct
+    for M, K, N, opts in [(96, 4096, 2048, {}), (96, 2048, 4096, {}), (4096, 4096, 2048, dict(block_m=64))]:
+        rhs = Fp4Weights(sds((256, K // 2, N), jnp.uint8), sds((256, K // 32, N), jnp.uint8))
+        text = lowers_for("cuda", "triton", lambda x, r, g: grouped_matmul_fp4_gpu(x, r, g, **opts),
+                          sds((M, K), jnp.bfloat16), rhs, sds((256,), jnp.int32))
+        assert "grouped_matmul_fp4" in text
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (the compiled Triton kernel)")
+@pytest.mark.parametrize("T,E,opts", [(16, 256, {}), (64, 256, {}), (512, 64, dict(block_m=64))])
+def test_gpu_fp4_grouped_matmul_v4_flash_shapes(T, E, opts):
+    """Compiled, V4-Flash expert shapes, top-6 routing of T tokens over E experts, random FP4 bytes: the kernel
+    against the reference, w1-like and w2-like."""
+    rng = np.random.default_rng(T + E)
+    flat = np.sort(np.concatenate([rng.choice(E, 6, replace=False) for _ in range(T)]))
+    gs = jnp.asarray(np.bincount(flat, minlength=E), jnp.int32)
+    for K, N in ((4096, 2048), (2048, 4096)):
+        lhs = jnp.asarray(rng.standard_normal((6 * T, K)), jnp.bfloat16)
+        rhs = Fp4Weights(jnp.asarray(rng.integers(0, 256, (E, K // 2, N)), jnp.uint8),
+                         jnp.asarray(rng.integers(118, 125, (E, K // 32, N)), jnp.uint8))
+        want = np.asarray(grouped_matmul_fp4(lhs, rhs, gs, impl="reference"))
+        got = np.asarray(grouped_matmul_fp4(lhs, rhs, gs, impl="pallas", **opts))
+        np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("gmm_impl", ["reference", "pallas"])
+def test_routed_experts_on_fp4_weights_equal_the_dequantized_model_path(gmm_impl):
+    """`layers.moe.routed_experts` with Fp4Weights (the reference dequantizing them, or the kernel, interpreted)
+    equals it with the experts dequantized to f32 as the model's loader does: routing with empty and shared
+    experts."""
+    from dsv4_jax.layers.moe import routed_experts
+
+    rng = np.random.default_rng(12)
+    T, k, E, D, I = 10, 3, 8, 64, 96
+    x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
+    experts = jnp.asarray(np.stack([rng.choice(6, k, replace=False) for _ in range(T)]), jnp.int32)  # 6, 7 unused
+    weights = jnp.asarray(rng.random((T, k)), jnp.float32)
+    (w1, d1), (w3, d3), (w2, d2) = (_experts(rng, E, K, N, spread=False) for K, N in ((D, I), (D, I), (I, D)))
+    want = routed_experts(x, weights, experts, *(jnp.asarray(d) for d in (d1, d3, d2)), 10.0, gmm_impl="reference")
+    got = routed_experts(x, weights, experts, w1, w3, w2, 10.0, gmm_impl=gmm_impl)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * np.abs(want).max())
