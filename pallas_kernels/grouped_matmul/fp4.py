@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ..dispatch import resolve_impl
-from .gpu import default_block_m, fit_block, work_items
+from .gpu import default_block_m, fit_block, launch
 from .reference import grouped_matmul as grouped_matmul_reference
 from .reference import precision_for
 
@@ -112,21 +112,11 @@ def grouped_matmul_fp4_reference(lhs, rhs: Fp4Weights, group_sizes):
     return grouped_matmul_reference(lhs, dequantize(rhs, lhs.dtype), group_sizes)
 
 
-def _kernel(group_ref, tile_ref, offsets_ref, lhs_ref, packed_ref, scales_ref, out_ref, *, block_m, block_n,
-            block_k, K):
-    i = pl.program_id(0)
-    n = pl.program_id(1)
-    g = group_ref[i]
+def _fp4_body(block_m, block_n, block_k, K):
+    """The product over K in block_k steps of 32-input chunks, lhs's chunks evens-first (`evens_first`)."""
+    half = CHUNK // 2
 
-    @pl.when(g >= 0)
-    def _():
-        t = tile_ref[i]
-        lo = offsets_ref[g]
-        hi = offsets_ref[g + 1]
-        row0 = pl.multiple_of(t * block_m, block_m)
-        col0 = pl.multiple_of(n * block_n, block_n)
-        half = CHUNK // 2
-
+    def body(g, row0, col0, lhs_ref, packed_ref, scales_ref):
         def step(kk, acc):
             for j in range(block_k // CHUNK):                  # the K step's 32-input chunks
                 c = kk * (block_k // CHUNK) + j
@@ -140,9 +130,9 @@ def _kernel(group_ref, tile_ref, offsets_ref, lhs_ref, packed_ref, scales_ref, o
                     acc = acc + jnp.dot(a, w, precision=precision_for(a.dtype), preferred_element_type=jnp.float32)
             return acc
 
-        acc = jax.lax.fori_loop(0, K // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
-        rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (block_m, block_n), 0)
-        pltriton.store(out_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)], acc, mask=(rows >= lo) & (rows < hi))
+        return jax.lax.fori_loop(0, K // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
+
+    return body
 
 
 def evens_first(lhs):
@@ -171,26 +161,9 @@ def grouped_matmul_fp4_gpu(lhs, rhs: Fp4Weights, group_sizes, *, block_m=None, b
     if bk % CHUNK or K % bk or N % bn:
         raise ValueError(f"grouped_matmul_fp4: block_k = {bk} must be a multiple of {CHUNK} dividing K = {K}, and "
                          f"block_n = {bn} must divide N = {N}")
-    m_pad = -(-M // bm) * bm
-    lhs_p = evens_first(lhs)
-    lhs_p = jnp.pad(lhs_p, ((0, m_pad - M), (0, 0))) if m_pad != M else lhs_p
-    item_group, item_tile, offsets = work_items(group_sizes, M, bm)
-    extra = {}
-    if not interpret:
-        extra = dict(compiler_params=pltriton.CompilerParams(num_warps=cfg["num_warps"],
-                                                             num_stages=cfg["num_stages"]))
-    whole = lambda shape: pl.BlockSpec(shape, lambda i, n: (0,) * len(shape))
-    out = pl.pallas_call(
-        functools.partial(_kernel, block_m=bm, block_n=bn, block_k=bk, K=K),
-        grid=(item_group.shape[0], N // bn),
-        in_specs=[whole(item_group.shape), whole(item_tile.shape), whole(offsets.shape), whole(lhs_p.shape),
-                  whole(rhs.packed.shape), whole(rhs.scales.shape)],
-        out_specs=whole((m_pad, N)),
-        out_shape=jax.ShapeDtypeStruct((m_pad, N), jnp.float32),
-        interpret=interpret, name=f"grouped_matmul_fp4_m{bm}_n{bn}_k{bk}", **extra,
-    )(item_group, item_tile, offsets, lhs_p, rhs.packed, rhs.scales)
-    rows = jnp.arange(M, dtype=jnp.int32)[:, None]
-    return jnp.where(rows < offsets[-1], out[:M], 0.0)
+    return launch(_fp4_body(bm, bn, bk, K), evens_first(lhs), (rhs.packed, rhs.scales), group_sizes, N,
+                  block_m=bm, block_n=bn, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                  interpret=interpret, name=f"grouped_matmul_fp4_m{bm}_n{bn}_k{bk}")
 
 
 def grouped_matmul_fp4(lhs, rhs: Fp4Weights, group_sizes, *, impl: str = "reference", **kernel_options):

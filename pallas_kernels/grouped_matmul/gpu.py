@@ -78,19 +78,62 @@ def work_items(group_sizes, M: int, block_m: int):
     return jnp.where(valid, item_group, -1), jnp.where(valid, item_tile, 0), offsets
 
 
-def _kernel(group_ref, tile_ref, offsets_ref, lhs_ref, rhs_ref, out_ref, *, block_m, block_n, block_k, K):
-    i = pl.program_id(0)
-    n = pl.program_id(1)
-    g = group_ref[i]
+def grouped_kernel(body, *, block_m, block_n):
+    """The work-item scaffold both kernels share (this module's and `fp4.py`'s): program (item i, N tile n) returns
+    at once for an unused item, else gets its group's rows [lo, hi), takes `body(g, row0, col0, lhs_ref,
+    *weight_refs)` -> the f32 [block_m, block_n] product of the tile's rows with group g's weights, and stores the
+    rows of its group only (a masked store: items sharing a tile write disjoint rows)."""
 
-    @pl.when(g >= 0)
-    def _():
-        t = tile_ref[i]
-        lo = offsets_ref[g]
-        hi = offsets_ref[g + 1]
-        row0 = pl.multiple_of(t * block_m, block_m)
-        col0 = pl.multiple_of(n * block_n, block_n)
+    def kernel(group_ref, tile_ref, offsets_ref, lhs_ref, *refs):
+        *weight_refs, out_ref = refs
+        i = pl.program_id(0)
+        n = pl.program_id(1)
+        g = group_ref[i]
 
+        @pl.when(g >= 0)
+        def _():
+            t = tile_ref[i]
+            lo = offsets_ref[g]
+            hi = offsets_ref[g + 1]
+            row0 = pl.multiple_of(t * block_m, block_m)
+            col0 = pl.multiple_of(n * block_n, block_n)
+            acc = body(g, row0, col0, lhs_ref, *weight_refs)
+            rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (block_m, block_n), 0)
+            pltriton.store(out_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)], acc,
+                           mask=(rows >= lo) & (rows < hi))
+
+    return kernel
+
+
+def launch(body, lhs, weights, group_sizes, N, *, block_m, block_n, num_warps, num_stages, interpret, name):
+    """Pads lhs [M, K] to a multiple of block_m, lists the work items and runs `grouped_kernel(body)` over (items,
+    N / block_n) with lhs and the `weights` arrays whole in memory -> [M, N] f32, rows past the groups 0 (no item
+    writes them)."""
+    M = lhs.shape[0]
+    m_pad = -(-M // block_m) * block_m
+    lhs_p = jnp.pad(lhs, ((0, m_pad - M), (0, 0))) if m_pad != M else lhs
+    item_group, item_tile, offsets = work_items(group_sizes, M, block_m)
+    extra = {}
+    if not interpret:
+        extra = dict(compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages))
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, n: (0,) * len(shape))
+    operands = (item_group, item_tile, offsets, lhs_p) + tuple(weights)
+    out = pl.pallas_call(
+        grouped_kernel(body, block_m=block_m, block_n=block_n),
+        grid=(item_group.shape[0], N // block_n),
+        in_specs=[whole(x.shape) for x in operands],
+        out_specs=whole((m_pad, N)),
+        out_shape=jax.ShapeDtypeStruct((m_pad, N), jnp.float32),
+        interpret=interpret, name=name, **extra,
+    )(*operands)
+    rows = jnp.arange(M, dtype=jnp.int32)[:, None]
+    return jnp.where(rows < offsets[-1], out[:M], 0.0)
+
+
+def _bf16_body(block_m, block_n, block_k, K):
+    """The product over K in block_k steps, rhs [E, K, N] in lhs's dtype."""
+
+    def body(g, row0, col0, lhs_ref, rhs_ref):
         def step(kk, acc):
             k0 = pl.multiple_of(kk * block_k, block_k)
             a = lhs_ref[pl.ds(row0, block_m), pl.ds(k0, block_k)]
@@ -98,10 +141,9 @@ def _kernel(group_ref, tile_ref, offsets_ref, lhs_ref, rhs_ref, out_ref, *, bloc
             # f32 operands multiply in f32 (IEEE), not TF32, as the reference does (`reference.precision_for`)
             return acc + jnp.dot(a, b, precision=precision_for(a.dtype), preferred_element_type=jnp.float32)
 
-        acc = jax.lax.fori_loop(0, K // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
-        rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (block_m, block_n), 0)
-        mine = (rows >= lo) & (rows < hi)
-        pltriton.store(out_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)], acc, mask=mine)
+        return jax.lax.fori_loop(0, K // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
+
+    return body
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages",
@@ -122,22 +164,6 @@ def grouped_matmul_gpu(lhs, rhs, group_sizes, *, block_m=None, block_n=None, blo
     if K % bk or N % bn:
         raise ValueError(f"grouped_matmul: K = {K} must be a multiple of block_k = {bk} and N = {N} of block_n = "
                          f"{bn}")
-    m_pad = -(-M // bm) * bm
-    lhs_p = jnp.pad(lhs, ((0, m_pad - M), (0, 0))) if m_pad != M else lhs
-    item_group, item_tile, offsets = work_items(group_sizes, M, bm)
-    extra = {}
-    if not interpret:
-        extra = dict(compiler_params=pltriton.CompilerParams(num_warps=cfg["num_warps"],
-                                                             num_stages=cfg["num_stages"]))
-    whole = lambda shape: pl.BlockSpec(shape, lambda i, n: (0,) * len(shape))
-    out = pl.pallas_call(
-        functools.partial(_kernel, block_m=bm, block_n=bn, block_k=bk, K=K),
-        grid=(item_group.shape[0], N // bn),
-        in_specs=[whole(item_group.shape), whole(item_tile.shape), whole(offsets.shape), whole(lhs_p.shape),
-                  whole(rhs.shape)],
-        out_specs=whole((m_pad, N)),
-        out_shape=jax.ShapeDtypeStruct((m_pad, N), jnp.float32),
-        interpret=interpret, name=f"grouped_matmul_m{bm}_n{bn}_k{bk}", **extra,
-    )(item_group, item_tile, offsets, lhs_p, rhs)
-    rows = jnp.arange(M, dtype=jnp.int32)[:, None]
-    return jnp.where(rows < offsets[-1], out[:M], 0.0)   # rows past the groups: no item wrote them
+    return launch(_bf16_body(bm, bn, bk, K), lhs, (rhs,), group_sizes, N, block_m=bm, block_n=bn,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], interpret=interpret,
+                  name=f"grouped_matmul_m{bm}_n{bn}_k{bk}")
