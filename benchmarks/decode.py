@@ -57,7 +57,8 @@ def build_model(args, abstract=False):
             cfg = cfg.replace(n_routed_experts=args.experts,
                               num_experts_per_tok=min(cfg.num_experts_per_tok, args.experts))
         make = lambda: DeepseekV4ForCausalLM(cfg, dtype=dtype, attention_impl=args.attention_impl, rngs=nnx.Rngs(0),
-                                             indexer_picks=args.indexer_picks, attention_kernel=args.attention_kernel)
+                                             indexer_picks=args.indexer_picks, attention_kernel=args.attention_kernel,
+                                             expert_weights=args.expert_weights)
         model = nnx.eval_shape(make) if abstract else make()
         return model, f"preset {args.preset} (random weights, {cfg.num_hidden_layers} layers)"
     from dsv4_jax.checkpoint import load_pretrained
@@ -69,7 +70,8 @@ def build_model(args, abstract=False):
 
         path, name = embedded_checkpoint_path(), "embedded tiny-v4"
     return load_pretrained(path, dtype=dtype, attention_impl=args.attention_impl, progress=False,
-                           indexer_picks=args.indexer_picks, attention_kernel=args.attention_kernel), name
+                           indexer_picks=args.indexer_picks, attention_kernel=args.attention_kernel,
+                           expert_weights=args.expert_weights), name
 
 
 def step_floor_bytes(state, config, batch: int, context: int, kv_dtype=None, indexer_dtype=None) -> dict:
@@ -116,9 +118,9 @@ def step_floor_bytes(state, config, batch: int, context: int, kv_dtype=None, ind
 
 
 def config_dtype(state):
-    """The dtype of the model's largest parameter (its weights' dtype)."""
-    leaves = jax.tree_util.tree_leaves(state)
-    return max(leaves, key=lambda x: x.size if hasattr(x, "size") else 0).dtype
+    """The dtype of the model's largest floating parameter (its weights' dtype; FP4 experts are uint8 bytes)."""
+    leaves = [x for x in jax.tree_util.tree_leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return max(leaves, key=lambda x: x.size).dtype
 
 
 def _init_cache(model, batch, capacity, fmt):
@@ -183,6 +185,9 @@ def add_model_args(p, dtype="float32"):
                    help="order of the CSA indexer's picks (auto: set on the GPU kernel path)")
     p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default=None, help="KV cache rows (default: exact)")
     p.add_argument("--indexer-dtype", choices=("bf16", "fp8", "fp4"), default=None, help="indexer key rows")
+    p.add_argument("--expert-weights", choices=("dequantized", "fp4"), default="dequantized",
+                   help="routed experts in the model dtype or as FP4 bytes (`layers.moe.EXPERT_WEIGHTS`; a preset "
+                        "draws random bytes)")
     p.add_argument("--experts-gmm", choices=("reference", "pallas", "auto"), default=None,
                    help="the routed experts' grouped matmuls: XLA's ragged dot or pallas_kernels.grouped_matmul "
                         "(default: the model's, layers.moe.EXPERTS_CONFIG)")
@@ -237,7 +242,8 @@ def main(argv=None):
         f"# device: {dev.platform} ({dev.device_kind}), {os.cpu_count()} CPUs, jax {jax.__version__}, "
         f"{platform.machine()}, dtype {args.dtype}, attention {args.attention_impl}, batch {args.batch}, "
         f"load average at start {os.getloadavg()[0]:.2f}, cache kv {args.kv_dtype or 'exact'} / indexer "
-        f"{args.indexer_dtype or 'exact'}, routed experts' grouped matmul {EXPERTS_CONFIG['grouped_matmul']}",
+        f"{args.indexer_dtype or 'exact'}, routed experts {args.expert_weights}, their grouped matmul "
+        f"{EXPERTS_CONFIG['grouped_matmul']}",
         f"# timed: {args.steps} dependent decode steps in one jitted lax.scan, median of {args.repeats} calls "
         f"after warm-up, / steps; cache {'prefilled' if args.prefill else 'synthetic (random values, lengths = L)'}; "
         f"capacity = L + steps; floor: the step's reads (`step_floor_bytes`: parameters, the expected active "

@@ -64,11 +64,13 @@ def cmd_generate(args) -> int:
     ckpt, embedded = _checkpoint_dir(args.checkpoint)
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     model = load_pretrained(ckpt, dtype=dtype, attention_impl=args.attention_impl, progress=False,
-                            indexer_picks=args.indexer_picks, attention_kernel=args.attention_kernel)
+                            indexer_picks=args.indexer_picks, attention_kernel=args.attention_kernel,
+                            expert_weights=args.expert_weights)
     cfg = model.config
     print(f"checkpoint: {ckpt}{' (embedded default, random weights)' if embedded else ''}")
     print(f"model: {cfg.summary()}")
-    print(f"dtype: {args.dtype}, device: {jax.devices()[0].platform} ({jax.devices()[0].device_kind})")
+    print(f"dtype: {args.dtype}, routed experts: {args.expert_weights}, device: {jax.devices()[0].platform} "
+          f"({jax.devices()[0].device_kind})")
     kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=args.eos_id,
               max_len=args.max_len, kv_dtype=args.kv_dtype, indexer_dtype=args.indexer_dtype,
               indexer_rotate=args.indexer_rotate)
@@ -212,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--indexer-picks", choices=("auto", "sorted", "set"), default="auto",  # PICKS; no jax at parse
                    help="order of the CSA indexer's picks: sorted (best first, as the reference), set (ascending "
                         "index; the GPU top-k skips its last sort) or auto (set on the GPU kernel path, else sorted)")
+    g.add_argument("--expert-weights", choices=("dequantized", "fp4"), default="dequantized",  # EXPERT_WEIGHTS
+                   help="routed experts held dequantized in --dtype (default) or as the checkpoint's FP4 bytes "
+                        "(3.8x less memory; DeepSeek-layout checkpoints with FP4 experts)")
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", help="config summary and KV-cache bytes")

@@ -31,7 +31,7 @@ class Block(nnx.Module):
     """One decoder layer: mHC pre-mix -> attn_norm -> attention -> mHC post-mix, then the same around the MoE."""
 
     def __init__(self, config: DeepseekV4Config, layer_idx: int, *, dtype, attention_impl: str, rngs: nnx.Rngs,
-                 indexer_picks: str = "sorted", attention_kernel: str = "auto"):
+                 indexer_picks: str = "sorted", attention_kernel: str = "auto", expert_weights: str = "dequantized"):
         c = config
         n_mix, width = (2 + c.hc_mult) * c.hc_mult, c.hc_mult * c.hidden_size
         for site in ("attn", "ffn"):
@@ -43,7 +43,7 @@ class Block(nnx.Module):
         self.attn = Attention(c, layer_idx, dtype=dtype, attention_impl=attention_impl, rngs=rngs,
                               indexer_picks=indexer_picks, attention_kernel=attention_kernel)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, rngs=rngs)
-        self.ffn = MoE(c, layer_idx, dtype=dtype, rngs=rngs)
+        self.ffn = MoE(c, layer_idx, dtype=dtype, rngs=rngs, expert_weights=expert_weights)
         self._hc = (c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)  # static (hc, iters, eps, norm_eps)
 
     @property
@@ -74,14 +74,18 @@ class DeepseekV4ForCausalLM(nnx.Module):
     """
 
     def __init__(self, config: DeepseekV4Config, *, dtype=jnp.float32, attention_impl: str = "auto",
-                 rngs: nnx.Rngs, indexer_picks: str = "auto", attention_kernel: str = "auto"):
+                 rngs: nnx.Rngs, indexer_picks: str = "auto", attention_kernel: str = "auto",
+                 expert_weights: str = "dequantized"):
         """indexer_picks: "sorted" (the CSA indexer's picks best first, as the reference), "set" (ascending
         index: the GPU kernel path skips its last sort; the attention sums the same entries in another order) or
         "auto" (default: "set" where the indexer runs the GPU kernel -- model parity with the reference passes on
         the H200 in both modes, session 8 -- else "sorted", which the reference and TPU paths produce directly).
         attention_kernel: which GPU sparse-attention kernel (see pallas_kernels.sparse_attention): "auto"
         (default: the Mosaic GPU kernel for bf16 models with 64 or 128 heads and bf16 or FP8 caches, else Triton),
-        "mosaic", "triton". Ignored off the GPU, except that "mosaic" is refused there."""
+        "mosaic", "triton". Ignored off the GPU, except that "mosaic" is refused there.
+        expert_weights: how the routed experts are held, "dequantized" (default: in `dtype`) or "fp4" (the
+        checkpoint's FP4 bytes as they are, 3.8x less memory, read by `pallas_kernels.grouped_matmul.fp4`; the same
+        products; `layers.moe.EXPERT_WEIGHTS`)."""
         c = config
         if indexer_picks == "auto":
             indexer_picks = "set" if resolve_impl(attention_impl, "indexer") == "gpu" else "sorted"
@@ -95,7 +99,8 @@ class DeepseekV4ForCausalLM(nnx.Module):
         self.config, self.dtype, self.attention_impl = c, jnp.dtype(dtype), attention_impl
         self.embed = Embedding(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List([Block(c, i, dtype=dtype, attention_impl=attention_impl, rngs=rngs,
-                                      indexer_picks=indexer_picks, attention_kernel=attention_kernel)
+                                      indexer_picks=indexer_picks, attention_kernel=attention_kernel,
+                                      expert_weights=expert_weights)
                                 for i in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, rngs=rngs)
         width = c.hc_mult * c.hidden_size

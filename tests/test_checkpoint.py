@@ -12,7 +12,7 @@ from safetensors.numpy import save_file
 
 import dsv4_jax
 from dsv4_jax.checkpoint import (CheckpointMismatchError, canonical_state_dict, load_orbax, load_pretrained,
-                                 save_orbax, tensor_format)
+                                 save_deepseek_checkpoint, save_orbax, tensor_format)
 from dsv4_jax.checkpoint.safetensors_io import SafetensorsReader
 from dsv4_jax.config import tiny
 
@@ -262,3 +262,46 @@ def test_logits_match_oracle(layout, ds_quant, hf_plain, hf_dir):
     ref = O.hf_logits(hf, ids)
     assert got.shape == ref.shape
     assert _rel(got, ref) < 1e-4, _rel(got, ref)
+
+
+# ------------------------------------------------------------------------------------------------ FP4 experts kept
+def test_fp4_expert_weights_keep_the_checkpoint_bytes(ds_quant, ds_plain_dir, hf_dir, tmp_path):
+    """load_pretrained(expert_weights="fp4"): the routed experts stay the checkpoint's FP4 bytes and e8m0 scales
+    (transposed to [E, in/2, out] / [E, in/32, out]); its logits equal the dequantized model's (prefill and decode
+    steps) and the oracle's; the DeepSeek writer and orbax round-trip it; checkpoints whose experts are not FP4
+    (plain DeepSeek layout, transformers' layout) are refused naming expert_weights='dequantized'."""
+    hf, d = ds_quant
+    deq = load_pretrained(d, progress=False)
+    fp4 = load_pretrained(d, progress=False, expert_weights="fp4")
+    tensors, _ = _read_all(d)
+    ex = fp4.layers[1].ffn.experts
+    assert ex.w1_fp4[...].dtype == jnp.uint8 and not hasattr(ex, "w1")
+    np.testing.assert_array_equal(np.asarray(ex.w1_fp4[...])[3],
+                                  tensors["layers.1.ffn.experts.3.w1.weight"].view(np.uint8).T)
+    np.testing.assert_array_equal(np.asarray(ex.w2_fp4_scale[...])[5],
+                                  tensors["layers.1.ffn.experts.5.w2.scale"].view(np.uint8).T)
+    ids = np.random.default_rng(3).integers(0, CFG.vocab_size, (2, 20)).astype(np.int32)
+    outs = []
+    for m in (deq, fp4):
+        cache = m.init_cache(2, 32)
+        logits, cache = m.prefill(jnp.asarray(ids[:, :16]), cache)
+        steps = [np.asarray(logits)]
+        for t in range(16, 20):
+            step, cache = m.decode(jnp.asarray(ids[:, t]), cache)
+            steps.append(np.asarray(step))
+        outs.append(steps)
+    for a, b in zip(*outs):
+        assert _rel(b, a) < 1e-5, _rel(b, a)
+    assert _rel(np.asarray(fp4(jnp.asarray(ids))), O.hf_logits(hf, ids)) < 1e-4
+    # written back: the same bytes in DeepSeek's layout; orbax: the same state
+    save_deepseek_checkpoint(fp4, CFG, tmp_path / "w")
+    again, _ = _read_all(tmp_path / "w")
+    for k in ("layers.1.ffn.experts.3.w1.weight", "layers.2.ffn.experts.7.w3.scale"):
+        np.testing.assert_array_equal(again[k].view(np.uint8), tensors[k].view(np.uint8), err_msg=k)
+    save_orbax(fp4, tmp_path / "ob")
+    back = load_orbax(tmp_path / "ob", expert_weights="fp4")
+    a, b = canonical_state_dict(fp4), canonical_state_dict(back)
+    assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
+    for src in (ds_plain_dir, hf_dir):
+        with pytest.raises(CheckpointMismatchError, match="expert_weights='dequantized'"):
+            load_pretrained(src, progress=False, expert_weights="fp4")

@@ -141,3 +141,26 @@ def test_routed_experts_on_fp4_weights_equal_the_dequantized_model_path(gmm_impl
     want = routed_experts(x, weights, experts, *(jnp.asarray(d) for d in (d1, d3, d2)), 10.0, gmm_impl="reference")
     got = routed_experts(x, weights, experts, w1, w3, w2, 10.0, gmm_impl=gmm_impl)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_model_with_random_fp4_experts():
+    """`DeepseekV4ForCausalLM(expert_weights="fp4")` on random weights (benchmarks' presets): uint8 expert stacks
+    [E, in/2, out] / [E, in/32, out], values of about the dequantized init's scale, finite logits; bad values and
+    dims that are no multiple of 32 are refused."""
+    from flax import nnx
+
+    from dsv4_jax.config import tiny
+    from dsv4_jax.model import DeepseekV4ForCausalLM
+
+    cfg = tiny()
+    m = DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(0), expert_weights="fp4")
+    ex = m.layers[1].ffn.experts
+    E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    assert ex.w1_fp4[...].shape == (E, D // 2, I) and ex.w2_fp4_scale[...].shape == (E, I // 32, D)
+    w1 = np.asarray(dequantize(Fp4Weights(ex.w1_fp4[...], ex.w1_fp4_scale[...])))
+    assert 0.5 * D ** -0.5 < w1.std() < 2 * D ** -0.5
+    assert np.isfinite(np.asarray(m(jnp.asarray([[1, 2, 3, 4, 5]])))).all()
+    with pytest.raises(ValueError, match="expert_weights must be one of"):
+        DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(0), expert_weights="int8")
+    with pytest.raises(ValueError, match="multiples of 32"):
+        DeepseekV4ForCausalLM(cfg.replace(moe_intermediate_size=48), rngs=nnx.Rngs(0), expert_weights="fp4")

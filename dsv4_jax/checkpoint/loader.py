@@ -102,6 +102,7 @@ class _Item:
     info: TensorInfo
     scale: TensorInfo | None
     fmt: str  # "plain" | "fp8" | "fp4"
+    keep_fp4: bool = False  # an FP4 expert kept as its bytes + scales (a model with expert_weights "fp4")
 
 
 def _ceil_div(a, b):
@@ -147,12 +148,28 @@ def plan_load(infos: dict[str, TensorInfo], targets: dict[str, jax.ShapeDtypeStr
                 mtp.append(scale_of[k].name)
             continue
         t = N.canonicalize(k)
-        if t is None or any(n not in targets for n in t.names):
+        keep_fp4 = t is not None and t.name not in targets and N.fp4_stacks(t.name)[0] in targets
+        if keep_fp4 and t.kind != N.EXPERT:   # transformers' merged / stacked experts: dequantized already
+            mismatched.append(f"{k}: expert_weights='fp4' keeps DeepSeek's per-expert FP4 tensors as they are; this "
+                              f"checkpoint holds the experts as {info.dtype}{list(info.shape)} (load it with "
+                              f"expert_weights='dequantized')")
+            for n in N.fp4_stacks(t.name):
+                filled.setdefault(n, set()).update(range(targets[n].shape[0]))
+            continue
+        if t is None or (not keep_fp4 and any(n not in targets for n in t.names)):
             unexpected.append(f"{k} {info.dtype}{list(info.shape)}")
             continue
         scale = scale_of.get(k)
         fmt, shape, err = _logical_shape(info, scale)
-        tshape = N.canonical_shape(t.name, targets[t.name].shape)
+        if keep_fp4:
+            packed_name, scale_name = N.fp4_stacks(t.name)
+            pshape = N.canonical_shape(packed_name, targets[packed_name].shape)     # [E, out, in/2]
+            if fmt != "fp4" and not err:
+                err = (f"{k}: expert_weights='fp4' keeps the checkpoint's FP4 experts as they are; this one is "
+                       f"{info.dtype}{list(info.shape)} (load with expert_weights='dequantized')")
+            tshape = (pshape[0], pshape[1], 2 * pshape[2])
+        else:
+            tshape = N.canonical_shape(t.name, targets[t.name].shape)
         if t.kind == N.PLAIN:
             want = tshape
         elif t.kind == N.EXPERT:
@@ -165,7 +182,7 @@ def plan_load(infos: dict[str, TensorInfo], targets: dict[str, jax.ShapeDtypeStr
         else:  # STACKED
             want = tshape
         if t.kind == N.EXPERT:
-            slots = [(t.name, t.index)]
+            slots = [(n, t.index) for n in (N.fp4_stacks(t.name) if keep_fp4 else (t.name,))]
         elif t.kind in (N.GATE_UP, N.STACKED):
             slots = [(n, e) for n in t.names for e in range(tshape[0])]
         else:
@@ -182,7 +199,7 @@ def plan_load(infos: dict[str, TensorInfo], targets: dict[str, jax.ShapeDtypeStr
         if tuple(shape) != want:
             mismatched.append(f"{k}: shape {list(shape)}, expected {list(want)}")
             continue
-        items.append(_Item(k, t, info, scale, fmt))
+        items.append(_Item(k, t, info, scale, fmt, keep_fp4))
     missing = []
     for name, sds in targets.items():
         got = filled.get(name, set())
@@ -230,20 +247,30 @@ def read_into_targets(path, targets, progress=True, strict=True):
             sh = getattr(sds, "sharding", None)
             values[name] = jax.device_put(arr, sh) if sh is not None else jax.device_put(arr)
 
+        def put_expert(name, index, arr):   # one expert's slice into its stack; the stack goes out when complete
+            sds = targets[name]
+            if name not in buffers:
+                buffers[name] = [np.empty(sds.shape, np.dtype(sds.dtype)), sds.shape[0]]
+            buf = buffers[name]
+            buf[0][index] = arr
+            buf[1] -= 1
+            if buf[1] == 0:
+                put(name, buffers.pop(name)[0])
+
         for item in tqdm(items, desc="loading checkpoint", unit="tensor", disable=not progress):
-            x = _dequant(reader, item)
             t = item.target
+            if item.keep_fp4:   # the FP4 bytes and e8m0 scales as they are, [out, in/2] -> [in/2, out]
+                packed_name, scale_name = N.fp4_stacks(t.name)
+                raw = np.asarray(reader.read(item.info.name)).view(np.uint8)
+                put_expert(packed_name, t.index, N.model_layout(packed_name, raw))
+                put_expert(scale_name, t.index, N.model_layout(scale_name, np.asarray(reader.read(
+                    item.scale.name)).view(np.uint8)))
+                continue
+            x = _dequant(reader, item)
             if t.kind == N.PLAIN:
                 put(t.name, _cast(x, targets[t.name].dtype))
-            elif t.kind == N.EXPERT:
-                sds = targets[t.name]
-                if t.name not in buffers:
-                    buffers[t.name] = [np.empty(sds.shape, np.dtype(sds.dtype)), sds.shape[0]]
-                buf = buffers[t.name]
-                buf[0][t.index] = N.model_layout(t.name, _cast(x, sds.dtype))   # [out, in] -> its [in, out] slot
-                buf[1] -= 1
-                if buf[1] == 0:
-                    put(t.name, buffers.pop(t.name)[0])
+            elif t.kind == N.EXPERT:   # [out, in] -> its [in, out] slot
+                put_expert(t.name, t.index, N.model_layout(t.name, _cast(x, targets[t.name].dtype)))
             elif t.kind == N.GATE_UP:
                 n1, n3 = t.names
                 half = x.shape[1] // 2

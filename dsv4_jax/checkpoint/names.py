@@ -109,13 +109,27 @@ def canonicalize(key: str) -> Target | None:
 
 
 def expert_key(stacked_name: str, e: int) -> str:
-    """`layers.3.ffn.experts.w1`, 5 -> `layers.3.ffn.experts.5.w1.weight` (DeepSeek's per-expert name)."""
+    """`layers.3.ffn.experts.w1`, 5 -> `layers.3.ffn.experts.5.w1.weight` (DeepSeek's per-expert name); the FP4
+    stacks `...w1_fp4` / `...w1_fp4_scale` -> `...5.w1.weight` / `...5.w1.scale`."""
     head, w = stacked_name.rsplit(".", 1)
-    return f"{head}.{e}.{w}.weight"
+    suffix = "scale" if w.endswith("_fp4_scale") else "weight"
+    return f"{head}.{e}.{w[:2]}.{suffix}"
+
+
+# The model's routed-expert stacks: w1 / w3 / w2 [E, in, out] in the model dtype, or with expert_weights "fp4"
+# (`layers.moe.EXPERT_WEIGHTS`) the checkpoint's FP4 bytes w{1,3,2}_fp4 [E, in/2, out] and their e8m0 scales
+# w{1,3,2}_fp4_scale [E, in/32, out]: the same orientation, so the same axis swap to and from the canonical form.
+_STACKED_RE = re.compile(r"layers\.\d+\.ffn\.experts\.w[123](_fp4(_scale)?)?")
 
 
 def is_stacked_expert(name: str) -> bool:
-    return re.fullmatch(r"layers\.\d+\.ffn\.experts\.w[123]", name) is not None
+    return _STACKED_RE.fullmatch(name) is not None
+
+
+def fp4_stacks(name: str) -> tuple[str, str]:
+    """A routed-expert stack's canonical name (`layers.3.ffn.experts.w1`) -> the names of its FP4 bytes and scales
+    in a model with expert_weights "fp4"."""
+    return name + "_fp4", name + "_fp4_scale"
 
 
 def canonical_shape(name: str, model_shape) -> tuple:

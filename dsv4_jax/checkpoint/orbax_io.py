@@ -38,13 +38,14 @@ def save_orbax(model, path, config: DeepseekV4Config | None = None) -> None:
     ckptr.wait_until_finished()
 
 
-def load_orbax(path, dtype=jnp.float32, attention_impl: str = "auto", *, model_factory=None):
-    """Inverse of :func:`save_orbax`; params are cast to the model built with `dtype`."""
+def load_orbax(path, dtype=jnp.float32, attention_impl: str = "auto", *, model_factory=None, **model_options):
+    """Inverse of :func:`save_orbax`; params are cast to the model built with `dtype`. model_options go to the
+    model's constructor (e.g. expert_weights="fp4" for a model saved with its FP4 experts kept)."""
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(os.fspath(path))
     config = DeepseekV4Config.from_json_file(os.path.join(path, CONFIG_NAME))
-    ctor = model_constructor(config, dtype, attention_impl, model_factory)
+    ctor = model_constructor(config, dtype, attention_impl, model_factory, **model_options)
 
     def values_fn(targets):
         ckptr = ocp.StandardCheckpointer()

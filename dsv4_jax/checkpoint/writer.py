@@ -68,6 +68,27 @@ def _encode(name: str, x: np.ndarray, fmt: str):
     raise ValueError(fmt)
 
 
+def _fp4_experts(state: dict, quantize: bool) -> dict[str, tuple[list, np.ndarray]]:
+    """Pops the FP4 expert stacks of a model with expert_weights "fp4" (`names.fp4_stacks`: [E, out, in/2] bytes and
+    [E, out, in/32] e8m0 scales, canonical orientation) from `state` -> {stack name: (tensors to write, dequantized
+    f32 [E, out, in])}: the bytes as they are with quantize, the dequantized values (F32, lossless) without."""
+    out = {}
+    for name in [n for n in state if N.is_stacked_expert(n) and n.endswith("_fp4")]:
+        base = name[: -len("_fp4")]
+        packed, scales = np.asarray(state.pop(name)), np.asarray(state.pop(N.fp4_stacks(base)[1]))
+        deq = np.stack([quant.dequant_fp4(packed[e].view(np.int8), scales[e]) for e in range(packed.shape[0])])
+        if not quantize:
+            out[base] = (_stacked_f32(base, deq), deq)
+            continue
+        tensors = []
+        for e in range(packed.shape[0]):
+            key = N.expert_key(base, e)
+            tensors += [(key, packed[e].view(np.int8)),
+                        (key[: -len(".weight")] + ".scale", scales[e].view(ml_dtypes.float8_e8m0fnu))]
+        out[base] = (tensors, deq)
+    return out
+
+
 def _stacked_f32(name, x):
     out = []
     for e in range(x.shape[0]):
@@ -93,6 +114,8 @@ def save_deepseek_checkpoint(state, config, path, quantize: bool = True, max_sha
         from .loader import canonical_state_dict
 
         state = canonical_state_dict(state)
+    state = dict(state)
+    fp4 = _fp4_experts(state, quantize)   # a model holding the checkpoint's FP4 experts: written as they are
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config.to_deepseek_dict(), f, indent=2)
@@ -102,13 +125,15 @@ def save_deepseek_checkpoint(state, config, path, quantize: bool = True, max_sha
     sizes = [0]
     from tqdm.auto import tqdm
 
-    for name in tqdm(sorted(state, key=_layer_sort_key), desc="writing checkpoint", disable=not progress):
-        fmt = tensor_format(name, quantize)
-        x = np.asarray(state[name])
-        if N.is_stacked_expert(name) and fmt == "f32":
-            tensors, deq[name] = _stacked_f32(name, x.astype(np.float32)), x.astype(np.float32)
+    for name in tqdm(sorted(list(state) + list(fp4), key=_layer_sort_key), desc="writing checkpoint",
+                     disable=not progress):
+        if name in fp4:
+            tensors, deq[name] = fp4[name]
+        elif N.is_stacked_expert(name) and tensor_format(name, quantize) == "f32":
+            x = np.asarray(state[name], np.float32)
+            tensors, deq[name] = _stacked_f32(name, x), x
         else:
-            tensors, deq[name] = _encode(name, x, fmt)
+            tensors, deq[name] = _encode(name, np.asarray(state[name]), tensor_format(name, quantize))
         nbytes = sum(t.nbytes for _, t in tensors)
         if sizes[-1] and sizes[-1] + nbytes > max_shard_bytes:
             shards.append({})

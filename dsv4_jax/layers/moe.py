@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ..config import DeepseekV4Config
@@ -66,20 +67,56 @@ class Gate(nnx.Module):
         return w * self.route_scale, experts.astype(jnp.int32)
 
 
+# How the model holds the routed experts: "dequantized" (w1 / w3 / w2 in the model dtype) or "fp4" (the checkpoint's
+# FP4 bytes as they are, `pallas_kernels.grouped_matmul.fp4`: w1_fp4 / w1_fp4_scale ... [E, in/2, out] / [E, in/32,
+# out] uint8, 4.25 bits a weight against 16; the same products, read and decoded inside the grouped matmul)
+EXPERT_WEIGHTS = ("dequantized", "fp4")
+
+
+def random_fp4_stack(rngs: nnx.Rngs, E: int, K: int, N: int, std: float):
+    """Random FP4 experts (packed [E, K/2, N] uint8, e8m0 scales [E, K/32, N] uint8) whose values have about `std`:
+    uniform nibbles (rms 2.93 over the 16 codes) times one power of two."""
+    packed = jax.random.randint(rngs.params(), (E, K // 2, N), 0, 256, jnp.int32).astype(jnp.uint8)
+    s = 127 + int(round(np.log2(std / 2.93)))
+    return packed, jnp.full((E, K // 32, N), s, jnp.uint8)
+
+
 class Experts(nnx.Module):
     """Routed experts stacked along a leading expert axis, [E, in, out]: w1, w3 [E, D, I]; w2 [E, I, D]
-    (checkpoints hold each expert's [out, in]; see the module docstring)."""
+    (checkpoints hold each expert's [out, in]; see the module docstring). expert_weights "fp4" (`EXPERT_WEIGHTS`):
+    w{1,3,2}_fp4 (packed e2m1) and w{1,3,2}_fp4_scale (e8m0) instead, in the same orientation."""
 
-    def __init__(self, config: DeepseekV4Config, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: DeepseekV4Config, *, dtype, rngs: nnx.Rngs, expert_weights: str = "dequantized"):
         E, I, D = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
+        if expert_weights not in EXPERT_WEIGHTS:
+            raise ValueError(f"expert_weights must be one of {EXPERT_WEIGHTS}, got {expert_weights!r}")
         self.limit = config.swiglu_limit
-        self.w1 = param(normal(rngs, (E, D, I), D ** -0.5, dtype), ("experts", "embed", "mlp"))
-        self.w3 = param(normal(rngs, (E, D, I), D ** -0.5, dtype), ("experts", "embed", "mlp"))
-        self.w2 = param(normal(rngs, (E, I, D), I ** -0.5, dtype), ("experts", "mlp", "embed"))
+        self.fp4 = expert_weights == "fp4"
+        for name, (K, N), axes in (("w1", (D, I), ("experts", "embed", "mlp")),
+                                   ("w3", (D, I), ("experts", "embed", "mlp")),
+                                   ("w2", (I, D), ("experts", "mlp", "embed"))):
+            if not self.fp4:
+                setattr(self, name, param(normal(rngs, (E, K, N), K ** -0.5, dtype), axes))
+                continue
+            if K % 32:
+                raise ValueError(f"expert_weights='fp4' needs hidden_size and moe_intermediate_size multiples of 32 "
+                                 f"(e8m0 scales per 32 inputs), got {K}")
+            packed, scales = random_fp4_stack(rngs, E, K, N, K ** -0.5)
+            setattr(self, f"{name}_fp4", param(packed, axes))
+            setattr(self, f"{name}_fp4_scale", param(scales, axes))
+
+    def weights(self):
+        """(w1, w3, w2): arrays [E, in, out], or `Fp4Weights` with expert_weights "fp4"."""
+        if not self.fp4:
+            return self.w1[...], self.w3[...], self.w2[...]
+        from pallas_kernels.grouped_matmul import Fp4Weights
+
+        return tuple(Fp4Weights(getattr(self, f"{n}_fp4")[...], getattr(self, f"{n}_fp4_scale")[...])
+                     for n in ("w1", "w3", "w2"))
 
     def __call__(self, x, weights, experts):
         """x [T, D], weights/experts [T, k] -> sum_k weights * expert_k(x) [T, D] float32."""
-        return routed_experts(x, weights, experts, self.w1[...], self.w3[...], self.w2[...], self.limit)
+        return routed_experts(x, weights, experts, *self.weights(), self.limit)
 
 
 def routed_experts(x, weights, experts, w1, w3, w2, limit: float, dims=_RAGGED_DN, gmm_impl=None,
@@ -89,7 +126,7 @@ def routed_experts(x, weights, experts, w1, w3, w2, limit: float, dims=_RAGGED_D
     (benchmarks/moe_layout.py also times the checkpoints' [E, out, in] with the same math). `gmm_impl`: the grouped
     matmul's impl (`pallas_kernels.grouped_matmul`; None: EXPERTS_CONFIG's), [E, in, out] weights only, with the
     kernel options `gmm_options` (benchmarks). w1, w3, w2 may also be `Fp4Weights` (the checkpoint's FP4 bytes,
-    `grouped_matmul.fp4`; benchmarks only so far: the model's loader dequantizes them), products in x's dtype."""
+    `grouped_matmul.fp4`; a model with expert_weights "fp4"), products in x's dtype."""
     T, k = experts.shape
     E = w1.shape[0]
     fp4 = hasattr(w1, "packed")   # `pallas_kernels.grouped_matmul.Fp4Weights`: the checkpoint's FP4 bytes
@@ -139,9 +176,10 @@ class SharedExpert(nnx.Module):
 
 
 class MoE(nnx.Module):
-    def __init__(self, config: DeepseekV4Config, layer_idx: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: DeepseekV4Config, layer_idx: int, *, dtype, rngs: nnx.Rngs,
+                 expert_weights: str = "dequantized"):
         self.gate = Gate(config, config.is_hash_layer(layer_idx), dtype=dtype, rngs=rngs)
-        self.experts = Experts(config, dtype=dtype, rngs=rngs)
+        self.experts = Experts(config, dtype=dtype, rngs=rngs, expert_weights=expert_weights)
         self.shared_experts = SharedExpert(config, dtype=dtype, rngs=rngs) if config.n_shared_experts else None
 
     def __call__(self, x, ids):

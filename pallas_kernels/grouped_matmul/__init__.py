@@ -16,7 +16,8 @@ the active experts' weight-read floor), and the H200's whole 4-layer decode step
 is checked in the interpreter and by its TPU lowering only; no TPU here.
 
 `fp4.py` (session 46, not yet run on a GPU): the same with the checkpoint's FP4 expert weights read as they are
-(`grouped_matmul_fp4`, `Fp4Weights`), 3.8x fewer bytes than bf16 for the decode step's largest read.
+(`grouped_matmul_fp4`, `Fp4Weights`), 3.8x fewer bytes than bf16 for the decode step's largest read; the model's
+`expert_weights="fp4"`.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ with the weights' K axis in 32-input chunks: per chunk one [16, block_n] byte ti
 loaded, both nibbles decoded by integer ops into f32 (exact) and scaled, and two dots taken against the chunk's 16
 even and 16 odd lhs columns (the wrapper reorders each 32-column chunk of lhs, evens first, one cheap pass over the
 activations). f32 accumulation. Status: checked in the Pallas interpreter and by its CUDA lowering; not yet run on a
-GPU, not wired into the model (the loader still dequantizes the experts to the model dtype).
+GPU. The model takes it with `expert_weights="fp4"` (`load_pretrained(..., expert_weights="fp4")` keeps a DeepSeek
+checkpoint's FP4 experts as their bytes; the default still dequantizes them to the model dtype).
 """
 
 from __future__ import annotations
