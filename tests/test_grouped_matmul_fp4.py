@@ -164,3 +164,33 @@ def test_model_with_random_fp4_experts():
         DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(0), expert_weights="int8")
     with pytest.raises(ValueError, match="multiples of 32"):
         DeepseekV4ForCausalLM(cfg.replace(moe_intermediate_size=48), rngs=nnx.Rngs(0), expert_weights="fp4")
+
+
+def test_model_logits_on_the_fp4_kernel_equal_the_reference(monkeypatch):
+    """A tiny model with FP4 experts: prefill and decode logits with the routed experts on the FP4 kernel
+    (interpreted on the CPU, compiled on a GPU) equal those on the reference (dequantize + ragged dot)."""
+    from flax import nnx
+
+    import pallas_kernels.grouped_matmul.fp4 as fp4_module
+    from dsv4_jax import model as model_module
+    from dsv4_jax.config import tiny
+    from dsv4_jax.layers import moe
+    from dsv4_jax.model import DeepseekV4ForCausalLM
+
+    cfg = tiny()
+    m = DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(1), expert_weights="fp4")
+    ids = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
+    calls = []
+    kernel = fp4_module.grouped_matmul_fp4_gpu
+    monkeypatch.setattr(fp4_module, "grouped_matmul_fp4_gpu", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    outs = []
+    for impl in ("reference", "pallas"):
+        monkeypatch.setitem(moe.EXPERTS_CONFIG, "grouped_matmul", impl)
+        model_module._jitted_chunk_impl.clear_cache()   # EXPERTS_CONFIG is read when the step is traced
+        cache = m.init_cache(2, 16)
+        logits, cache = m.prefill(ids[:, :10], cache)
+        step, _ = m.decode(ids[:, 10], cache)
+        outs.append((np.asarray(logits), np.asarray(step)))
+        assert bool(calls) == (impl == "pallas"), "the FP4 kernel ran where it should not, or did not run"
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * np.abs(a).max())
