@@ -22,7 +22,14 @@ GPU kernel (Pallas, Triton backend), the bf16 kernel's work items (`gpu.work_ite
 with the weights' K axis in 32-input chunks: per chunk one [16, block_n] byte tile and one [1, block_n] scale row are
 loaded, both nibbles decoded by integer ops into f32 (exact) and scaled, and two dots taken against the chunk's 16
 even and 16 odd lhs columns (the wrapper reorders each 32-column chunk of lhs, evens first, one cheap pass over the
-activations). f32 accumulation. Status: checked in the Pallas interpreter and by its CUDA lowering; not yet run on a
+activations). f32 accumulation.
+
+Cost, estimated (not measured): the decode (`_decode`) is ~14 integer / f32 operations per weight, plus the cast. At
+decode a weight meets ~1 token row (B = 16 x top-6 over ~84 of 256 active experts), so nothing amortizes them:
+~2.1e9 weights a layer x 14 ~ 3e10 operations, ~1 ms on an H200's ~3e13 lane-operations per second. That is as long
+as the bf16 weights' read (1.1 ms a layer) and 3x the FP4 bytes' (0.3 ms). If the GPU run confirms it, the next step
+is a table decode by `prmt` in inline PTX (two 4-entry byte lookups give four bf16 values, ~2-3 operations a weight),
+as the Mosaic fp4 indexer does for its keys. Status: checked in the Pallas interpreter and by its CUDA lowering; not yet run on a
 GPU. The model takes it with `expert_weights="fp4"` (`load_pretrained(..., expert_weights="fp4")` keeps a DeepSeek
 checkpoint's FP4 experts as their bytes; the default still dequantizes them to the model dtype).
 """
