@@ -162,7 +162,7 @@ def plan_load(infos: dict[str, TensorInfo], targets: dict[str, jax.ShapeDtypeStr
         scale = scale_of.get(k)
         fmt, shape, err = _logical_shape(info, scale)
         if keep_fp4:
-            packed_name, scale_name = N.fp4_stacks(t.name)
+            packed_name = N.fp4_stacks(t.name)[0]
             pshape = N.canonical_shape(packed_name, targets[packed_name].shape)     # [E, out, in/2]
             if fmt != "fp4" and not err:
                 err = (f"{k}: expert_weights='fp4' keeps the checkpoint's FP4 experts as they are; this one is "

@@ -4,9 +4,10 @@ Router: s = sqrt(softplus(x @ W_g.T)) in float32. Learned layers pick top-k of (
 only); hash layers take `tid2eid[token_id]`. Weights = s[picked] / sum * routed_scaling_factor.
 Routed experts run as grouped matmuls over tokens sorted by expert (`pallas_kernels.grouped_matmul` on GPU / TPU,
 `lax.ragged_dot` on the CPU; `EXPERTS_CONFIG`), so the cost is tokens x top-k, never tokens x experts. Expert weights
-are stacked [E, in, out], `ragged_dot`'s own rhs layout (and the kernels'): stacked as checkpoints hold them, [E, out, in], XLA's GPU grouped matmul transposed the whole stack at every call
-(H100, V4-Flash shapes, 8 experts, B = 16: 386.7 vs 192.9 us; `benchmarks/moe_layout.py`, session 45). The loader
-turns each expert's [out, in] around once (`checkpoint.names.model_layout`).
+are stacked [E, in, out], `ragged_dot`'s own rhs layout (and the kernels'): stacked as checkpoints hold them,
+[E, out, in], XLA's GPU grouped matmul transposed the whole stack at every call (H100, V4-Flash shapes, 8 experts,
+B = 16: 386.7 vs 192.9 us; `benchmarks/moe_layout.py`, session 45). The loader turns each expert's [out, in] around
+once (`checkpoint.names.model_layout`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from pallas_kernels.grouped_matmul import Fp4Weights, grouped_matmul, grouped_matmul_fp4
+# x [T*k, in] (ragged along T*k, grouped by expert) . w [E, in, out] -> [T*k, out]: the grouped matmul's contract
+from pallas_kernels.grouped_matmul.reference import DIMS as _RAGGED_DN
+from pallas_kernels.grouped_matmul.reference import precision_for
 
 from ..config import DeepseekV4Config
 from .common import Buffer, Linear, normal, param
@@ -27,10 +33,6 @@ from .common import Buffer, Linear, normal, param
 # 46): batch 16, 1446.9 us on the kernel (0.96x the weight-read floor) vs 4577.5 on ragged dot; batch 64, 3315.0 vs
 # 6607.4.
 EXPERTS_CONFIG = dict(grouped_matmul="auto")
-
-# x [T*k, in] (ragged along T*k, grouped by expert) . w [E, in, out] -> [T*k, out]
-_RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
 
 def swiglu(g, u, limit: float):
@@ -109,8 +111,6 @@ class Experts(nnx.Module):
         """(w1, w3, w2): arrays [E, in, out], or `Fp4Weights` with expert_weights "fp4"."""
         if not self.fp4:
             return self.w1[...], self.w3[...], self.w2[...]
-        from pallas_kernels.grouped_matmul import Fp4Weights
-
         return tuple(Fp4Weights(getattr(self, f"{n}_fp4")[...], getattr(self, f"{n}_fp4_scale")[...])
                      for n in ("w1", "w3", "w2"))
 
@@ -129,7 +129,7 @@ def routed_experts(x, weights, experts, w1, w3, w2, limit: float, dims=_RAGGED_D
     `grouped_matmul.fp4`; a model with expert_weights "fp4"), products in x's dtype."""
     T, k = experts.shape
     E = w1.shape[0]
-    fp4 = hasattr(w1, "packed")   # `pallas_kernels.grouped_matmul.Fp4Weights`: the checkpoint's FP4 bytes
+    fp4 = isinstance(w1, Fp4Weights)                                                # the checkpoint's FP4 bytes
     dtype = x.dtype if fp4 else w1.dtype                                            # the products' dtype
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
@@ -137,24 +137,14 @@ def routed_experts(x, weights, experts, w1, w3, w2, limit: float, dims=_RAGGED_D
     xs = jnp.take(x, token, axis=0).astype(dtype)                                  # [T*k, D] grouped by expert
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     gmm_impl = EXPERTS_CONFIG["grouped_matmul"] if gmm_impl is None else gmm_impl
-    if fp4:
-        from pallas_kernels.grouped_matmul import grouped_matmul_fp4
-
-        if dims != _RAGGED_DN:
-            raise ValueError("routed_experts: FP4 weights are [E, in, out] (the default dims)")
-        dot = lambda a, w: grouped_matmul_fp4(a, w, sizes, impl=gmm_impl, **(gmm_options or {}))
-    elif gmm_impl != "reference":
-        from pallas_kernels.grouped_matmul import grouped_matmul
-
-        if dims != _RAGGED_DN:
-            raise ValueError(f"routed_experts: the grouped-matmul kernels take [E, in, out] weights (the default "
-                             f"dims); gmm_impl={gmm_impl!r} with other dims needs gmm_impl='reference'")
-
-        dot = lambda a, w: grouped_matmul(a, w, sizes, impl=gmm_impl, **(gmm_options or {}))
-    else:
-        # f32 weights multiply in f32 on the GPU too (not TF32), as the kernels do, so both impls agree to 1e-5
-        precision = jax.lax.Precision.HIGHEST if w1.dtype == jnp.float32 else None
-        dot = lambda a, w: jax.lax.ragged_dot_general(a, w, sizes, dims, precision=precision,
+    if dims == _RAGGED_DN:   # the grouped-matmul dispatchers ("reference": XLA's ragged dot with these dims)
+        gmm = grouped_matmul_fp4 if fp4 else grouped_matmul
+        dot = lambda a, w: gmm(a, w, sizes, impl=gmm_impl, **(gmm_options or {}))
+    elif fp4 or gmm_impl != "reference":
+        raise ValueError(f"routed_experts: the grouped-matmul kernels and FP4 weights take [E, in, out] weights (the "
+                         f"default dims); gmm_impl={gmm_impl!r} with other dims needs gmm_impl='reference'")
+    else:   # other dims (benchmarks: the checkpoints' [E, out, in]), the reference's precision rule
+        dot = lambda a, w: jax.lax.ragged_dot_general(a, w, sizes, dims, precision=precision_for(w.dtype),
                                                       preferred_element_type=jnp.float32)
     h = swiglu(dot(xs, w1), dot(xs, w3), limit)
     y = dot(h.astype(dtype), w2)                                                    # [T*k, D] float32

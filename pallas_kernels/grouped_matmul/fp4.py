@@ -46,7 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ..dispatch import resolve_impl
-from .gpu import default_block_m, fit_block, launch
+from .gpu import default_block_m, fit_block, kernel_applies, launch
 from .reference import grouped_matmul as grouped_matmul_reference
 from .reference import precision_for
 
@@ -179,7 +179,7 @@ def grouped_matmul_fp4(lhs, rhs: Fp4Weights, group_sizes, *, impl: str = "refere
     the Pallas interpreter; TPU: no kernel yet, an error); "auto" (the kernel on the GPU where N is a multiple of 16,
     the reference elsewhere, including the TPU). kernel_options: block_m, block_n, block_k, num_warps, num_stages."""
     where = resolve_impl(impl, "grouped_matmul_fp4")
-    if impl == "auto" and where == "gpu" and rhs.shape[2] % 16:
+    if impl == "auto" and where == "gpu" and not kernel_applies(*rhs.shape[1:]):
         where = "reference"   # N no multiple of 16 (a custom small config): the kernel's blocks do not fit
     if where == "tpu":
         if impl == "pallas":
