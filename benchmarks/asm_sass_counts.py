@@ -1,4 +1,5 @@
-"""SASS instructions per inline-PTX block of the Mosaic fp4 indexer path, counted on a machine without a GPU.
+"""SASS instructions per inline-PTX block (the Mosaic fp4 indexer's, the FP4-weight grouped matmul's), counted on a
+machine without a GPU.
 
     python benchmarks/asm_sass_counts.py [--cuobjdump PATH]
 
@@ -28,11 +29,13 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from pallas_kernels.grouped_matmul import fp4 as G4  # noqa: E402
 from pallas_kernels.indexer import mosaic_fp4 as M4  # noqa: E402
 
 # (name, asm, outputs, inputs): the asm's $0.. are its outputs, then its inputs
 BLOCKS = [("fp4_e5m2x8", M4.FP4_E5M2X8_ASM, 2, 3), ("e5m2_luts", M4.E5M2_LUTS_ASM, 9, 1),
-          ("fp4_f16x4", M4.FP4_F16X4_SCALED_ASM, 4, 2), ("scale_factors", M4.SCALE_FACTORS_ASM, 5, 1)]
+          ("fp4_f16x4", M4.FP4_F16X4_SCALED_ASM, 4, 2), ("scale_factors", M4.SCALE_FACTORS_ASM, 5, 1),
+          ("gmm_e2m1_pairs", G4.E2M1_PAIRS_ASM, 4, 1)]   # 4 bytes -> 8 weights' bf16 bits
 SKIP = ("LDG", "STG", "LDC", "ULDC", "EXIT", "BRA", "NOP", "S2R", "MOV", "IMAD.MOV")
 
 

@@ -44,6 +44,10 @@ def build_model(args, abstract=False):
 
     if args.experts_gmm is not None:
         EXPERTS_CONFIG["grouped_matmul"] = args.experts_gmm   # read when the step is traced
+    if getattr(args, "fp4_decode", None):
+        from pallas_kernels.grouped_matmul import fp4
+
+        fp4.DEFAULT_CONFIG["decode"] = args.fp4_decode       # the FP4-weight kernel's, read when it is traced
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     if args.preset:
         from dsv4_jax.model import DeepseekV4ForCausalLM
@@ -188,6 +192,9 @@ def add_model_args(p, dtype="float32"):
     p.add_argument("--expert-weights", choices=("dequantized", "fp4"), default="dequantized",
                    help="routed experts in the model dtype or as FP4 bytes (`layers.moe.EXPERT_WEIGHTS`; a preset "
                         "draws random bytes)")
+    p.add_argument("--fp4-decode", choices=("f32", "bits", "prmt"), default=None,
+                   help="with --expert-weights fp4 on the kernel: how it decodes the nibbles "
+                        "(`grouped_matmul.fp4.DECODES`; default: the kernel's)")
     p.add_argument("--experts-gmm", choices=("reference", "pallas", "auto"), default=None,
                    help="the routed experts' grouped matmuls: XLA's ragged dot or pallas_kernels.grouped_matmul "
                         "(default: the model's, layers.moe.EXPERTS_CONFIG)")
@@ -242,7 +249,8 @@ def main(argv=None):
         f"# device: {dev.platform} ({dev.device_kind}), {os.cpu_count()} CPUs, jax {jax.__version__}, "
         f"{platform.machine()}, dtype {args.dtype}, attention {args.attention_impl}, batch {args.batch}, "
         f"load average at start {os.getloadavg()[0]:.2f}, cache kv {args.kv_dtype or 'exact'} / indexer "
-        f"{args.indexer_dtype or 'exact'}, routed experts {args.expert_weights}, their grouped matmul "
+        f"{args.indexer_dtype or 'exact'}, routed experts {args.expert_weights}"
+        f"{' (decode ' + args.fp4_decode + ')' if args.fp4_decode else ''}, their grouped matmul "
         f"{EXPERTS_CONFIG['grouped_matmul']}",
         f"# timed: {args.steps} dependent decode steps in one jitted lax.scan, median of {args.repeats} calls "
         f"after warm-up, / steps; cache {'prefilled' if args.prefill else 'synthetic (random values, lengths = L)'}; "

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from dsv4_jax import quant as Q
-from pallas_kernels.grouped_matmul.fp4 import (Fp4Weights, dequantize, from_checkpoint, grouped_matmul_fp4,
-                                               grouped_matmul_fp4_gpu)
+from pallas_kernels.grouped_matmul.fp4 import (DECODES, E2M1_PAIRS_ASM, Fp4Weights, dequantize, e2m1_bf16_bits,
+                                               e2m1_pairs, from_checkpoint, grouped_matmul_fp4, grouped_matmul_fp4_gpu)
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -56,16 +56,39 @@ def test_layout_is_the_checkpoints_transposed():
     np.testing.assert_array_equal(np.nan_to_num(got[0]), np.nan_to_num(want))
 
 
+def test_e2m1_bits_and_the_pairs_asm_are_exact():
+    """The kernel's unscaled decodes against `quant`'s FP4 table: `e2m1_bf16_bits` for all 16 codes, and the inline
+    PTX `E2M1_PAIRS_ASM` (run by `tests/ptx_emulator.py`) bit for bit against its interpreted twin `e2m1_pairs`:
+    every byte value at each of the 4 byte positions of a register, around random other bytes, and random words."""
+    from ptx_emulator import run
+
+    codes = jnp.arange(16, dtype=jnp.int32)
+    got = jax.lax.bitcast_convert_type(e2m1_bf16_bits(codes).astype(jnp.uint16), jnp.bfloat16)
+    want = Q.dequant_fp4(np.arange(16, dtype=np.uint8)[None].view(np.int8), np.array([[127]], np.uint8))
+    want = np.concatenate([want[0, 0::2], want[0, 1::2]])                   # low nibbles 0-15, then high ones
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want[:16])
+    assert np.signbit(np.asarray(got, np.float32)[8])                        # code 8 is -0
+    rng = np.random.default_rng(3)
+    words = [int(w) for w in rng.integers(0, 2 ** 32, 500, dtype=np.uint64)]
+    words += [(int(rng.integers(0, 2 ** 32)) & ~(0xFF << 8 * i)) | (v << 8 * i) for i in range(4) for v in range(256)]
+    data = np.array(words, np.uint32)
+    want = np.asarray(e2m1_pairs(jnp.asarray(data.view(np.uint8)), interpret=True)).reshape(-1, 4)
+    got = np.array([run(E2M1_PAIRS_ASM, [w], 4) for w in words], np.uint32)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("decode", DECODES)
 @pytest.mark.parametrize("sizes,extra,opts,dtype", [([0, 5, 17, 0, 1, 30, 0, 3], 4, {}, jnp.bfloat16),
                                                     ([40], 0, dict(block_m=32, block_k=32), jnp.float32),
                                                     ([3, 0, 9], 2, dict(block_n=32, block_k=128), jnp.float32)])
-def test_kernel_matches_reference(sizes, extra, opts, dtype):
+def test_kernel_matches_reference(sizes, extra, opts, dtype, decode):
     """The kernel (interpreted on the CPU) == the reference (dequantize, cast to lhs's dtype, ragged dot): empty
-    groups, group boundaries inside 16-row tiles, rows past the groups 0, 1-4 chunks per K step; bf16 and f32."""
+    groups, group boundaries inside 16-row tiles, rows past the groups 0, 1-4 chunks per K step; bf16 and f32;
+    each way of decoding (`DECODES`; "prmt" runs its interpreted twin here)."""
     rng = np.random.default_rng(len(sizes))
     lhs, rhs, gs, dense = _case(rng, sizes, 128, 64, dtype, extra)
     want = np.asarray(grouped_matmul_fp4(lhs, rhs, gs, impl="reference"))
-    got = np.asarray(grouped_matmul_fp4(lhs, rhs, gs, impl="pallas", **opts))
+    got = np.asarray(grouped_matmul_fp4(lhs, rhs, gs, impl="pallas", decode=decode, **opts))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     if extra:
         assert np.all(got[-extra:] == 0)
@@ -91,6 +114,8 @@ def test_errors():
         grouped_matmul_fp4(lhs, Fp4Weights(rhs.packed.astype(jnp.int32), rhs.scales), gs)
     with pytest.raises(TypeError, match="Fp4Weights"):
         grouped_matmul_fp4(lhs, dequantize(rhs), gs)
+    with pytest.raises(ValueError, match="decode must be one of"):
+        grouped_matmul_fp4_gpu(lhs, rhs, gs, decode="lut", interpret=True)
     with pytest.raises(ValueError, match="apply to the kernel only"):
         grouped_matmul_fp4(lhs, rhs, gs, impl="reference", block_m=32)
 
@@ -101,7 +126,8 @@ def test_fp4_grouped_matmul_lowers_for_cuda():
     from test_gpu_lowering import lowers_for
 
     sds = jax.ShapeDtypeStruct
-    for M, K, N, opts in [(96, 4096, 2048, {}), (96, 2048, 4096, {}), (4096, 4096, 2048, dict(block_m=64))]:
+    for M, K, N, opts in [(96, 4096, 2048, {}), (96, 2048, 4096, dict(decode="prmt")),
+                          (96, 4096, 2048, dict(decode="bits")), (4096, 4096, 2048, dict(block_m=64))]:
         rhs = Fp4Weights(sds((256, K // 2, N), jnp.uint8), sds((256, K // 32, N), jnp.uint8))
         text = lowers_for("cuda", "triton", lambda x, r, g: grouped_matmul_fp4_gpu(x, r, g, **opts),
                           sds((M, K), jnp.bfloat16), rhs, sds((256,), jnp.int32))
@@ -109,7 +135,9 @@ def test_fp4_grouped_matmul_lowers_for_cuda():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU (the compiled Triton kernel)")
-@pytest.mark.parametrize("T,E,opts", [(16, 256, {}), (64, 256, {}), (512, 64, dict(block_m=64))])
+@pytest.mark.parametrize("T,E,opts", [(16, 256, {}), (64, 256, {}), (512, 64, dict(block_m=64)),
+                                      (16, 256, dict(decode="bits")), (16, 256, dict(decode="prmt")),
+                                      (64, 256, dict(decode="prmt")), (512, 64, dict(block_m=64, decode="prmt"))])
 def test_gpu_fp4_grouped_matmul_v4_flash_shapes(T, E, opts):
     """Compiled, V4-Flash expert shapes, top-6 routing of T tokens over E experts, random FP4 bytes: the kernel
     against the reference, w1-like and w2-like."""

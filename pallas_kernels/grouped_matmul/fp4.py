@@ -52,7 +52,8 @@ from .reference import precision_for
 
 CHUNK = 32   # inputs per e8m0 scale (the checkpoint's FP4 block)
 # decode-shaped defaults, untimed (no GPU run yet): 2 chunks per K step, 128 output columns per program
-DEFAULT_CONFIG = dict(block_m=None, block_n=128, block_k=64, num_warps=4, num_stages=4)
+DEFAULT_CONFIG = dict(block_m=None, block_n=128, block_k=64, num_warps=4, num_stages=4, decode="f32")
+DECODES = ("f32", "bits", "prmt")   # how the kernel turns nibbles into values (`_fp4_body`)
 _MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
 
@@ -93,16 +94,88 @@ def from_checkpoint(packed_experts, scale_experts) -> Fp4Weights:
     return Fp4Weights(jnp.swapaxes(p, 1, 2), jnp.swapaxes(jnp.asarray(scale_experts, jnp.uint8), 1, 2))
 
 
-def _decode(codes, scale_bytes):
-    """int32 nibble codes [..] and int32 e8m0 bytes broadcastable to them -> f32 values (exact), by integer ops
-    only (the kernel's and the reference's arithmetic): |x| = 0, 0.5 or 2^(e - 1) (1 + m / 2) for the 2 exponent
-    bits e and the mantissa bit m, times 2^(s - 127) (2^-127 for s = 0, a subnormal; NaN for s = 255)."""
+def _e2m1(codes):
+    """int32 nibble codes -> their f32 values (exact) by integer ops: |x| = 0, 0.5 or 2^(e - 1) (1 + m / 2) for the
+    2 exponent bits e and the mantissa bit m, bit 3 the sign."""
     e = (codes >> 1) & 3
     m = codes & 1
     mag = jnp.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
-    value = jax.lax.bitcast_convert_type(mag | ((codes & 8) << 28), jnp.float32)
+    return jax.lax.bitcast_convert_type(mag | ((codes & 8) << 28), jnp.float32)
+
+
+def _e8m0(scale_bytes):
+    """int32 e8m0 bytes -> the f32 factors 2^(s - 127) (2^-127 for s = 0, a subnormal; NaN for s = 255)."""
     scale = jax.lax.bitcast_convert_type(jnp.where(scale_bytes == 0, 0x00400000, scale_bytes << 23), jnp.float32)
-    return value * jnp.where(scale_bytes == 255, jnp.nan, scale)
+    return jnp.where(scale_bytes == 255, jnp.nan, scale)
+
+
+def _decode(codes, scale_bytes):
+    """int32 nibble codes [..] and int32 e8m0 bytes broadcastable to them -> f32 values (exact)."""
+    return _e2m1(codes) * _e8m0(scale_bytes)
+
+
+def e2m1_bf16_bits(codes):
+    """int32 nibble codes -> int32 holding their values' bfloat16 bit patterns (exact, no scale): magnitude codes
+    2-7 are (c << 6) + 0x3F00 (exponent 126 + e, mantissa bit m), 1 is 0x3F00 (0.5), 0 is 0; bit 3 the sign."""
+    c = codes & 7
+    return jnp.where(c < 2, c * 0x3F00, c * 64 + 0x3F00) | ((codes & 8) << 12)
+
+
+# One byte's two nibbles -> their bfloat16 bit patterns (low nibble's in the low half, high nibble's in the high
+# half), 4 bytes an instance ($4 in, $0..$3 out, byte i -> $i): two 8-entry byte tables (`prmt` looks up 4 bytes
+# at once from a 2-register table, selected by the nibbles of its third operand) give each magnitude code's low
+# byte L and high byte H: L = 00 00 80 C0 00 40 80 C0, H = 00 3F 3F 3F 40 40 40 40 for codes 0-7 (bf16 0, .5, 1,
+# 1.5, 2, 3, 4, 6). Bytes 0 and 1 first: x's nibbles 0-3 are [lo0, hi0, lo1, hi1], masked to 3 bits (a selector's
+# bit 3 would switch prmt to sign replication), so one lookup per table gives all four codes' bytes; the signs
+# (nibble bit 3) go to the H bytes' bit 7 (a byte pair [b0, b0, b1, b1] shifted by 4 for the low nibbles, as is for
+# the high ones); then each byte's output word is [L(lo), H(lo), L(hi), H(hi)]. Then bytes 2 and 3. ~2.3 operations
+# a weight; checked bit for bit by `tests/test_grouped_matmul_fp4.py` (a PTX emulator) and on the GPU.
+E2M1_PAIRS_ASM = """{
+.reg .b32 lt0, lt1, ht0, ht1, s, l, h, y, t;
+mov.b32 lt0, 0xC0800000;
+mov.b32 lt1, 0xC0804000;
+mov.b32 ht0, 0x3F3F3F00;
+mov.b32 ht1, 0x40404040;
+and.b32 s, $4, 0x7777;
+prmt.b32 l, lt0, lt1, s;
+prmt.b32 h, ht0, ht1, s;
+prmt.b32 y, $4, $4, 0x1100;
+shl.b32 t, y, 4;
+and.b32 t, t, 0x00800080;
+or.b32 h, h, t;
+and.b32 t, y, 0x80008000;
+or.b32 h, h, t;
+prmt.b32 $0, l, h, 0x5140;
+prmt.b32 $1, l, h, 0x7362;
+shr.u32 s, $4, 16;
+and.b32 s, s, 0x7777;
+prmt.b32 l, lt0, lt1, s;
+prmt.b32 h, ht0, ht1, s;
+prmt.b32 y, $4, $4, 0x3322;
+shl.b32 t, y, 4;
+and.b32 t, t, 0x00800080;
+or.b32 h, h, t;
+and.b32 t, y, 0x80008000;
+or.b32 h, h, t;
+prmt.b32 $2, l, h, 0x5140;
+prmt.b32 $3, l, h, 0x7362;
+}"""
+
+
+def e2m1_pairs(packed, *, interpret=False):
+    """uint8 bytes [..] -> uint32 [..]: each byte's low nibble's bfloat16 bits | its high nibble's << 16 (the
+    values unscaled, exact). Compiled: `E2M1_PAIRS_ASM` (inline PTX, 4 bytes an instance); interpreted: the same
+    bits by `e2m1_bf16_bits`."""
+    if interpret:
+        p = packed.astype(jnp.int32)
+        return (e2m1_bf16_bits(p & 15) | (e2m1_bf16_bits(p >> 4) << 16)).astype(jnp.uint32)
+    return pltriton.elementwise_inline_asm(E2M1_PAIRS_ASM, args=[packed], constraints="=r,=r,=r,=r,r", pack=4,
+                                           result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.uint32)])[0]
+
+
+def _bf16(bits):
+    """int32 / uint32 holding bfloat16 bit patterns in their low 16 bits -> bfloat16."""
+    return jax.lax.bitcast_convert_type((bits & 0xFFFF).astype(jnp.uint16), jnp.bfloat16)
 
 
 def dequantize(w: Fp4Weights, dtype=jnp.float32):
@@ -120,8 +193,12 @@ def grouped_matmul_fp4_reference(lhs, rhs: Fp4Weights, group_sizes):
     return grouped_matmul_reference(lhs, dequantize(rhs, lhs.dtype), group_sizes)
 
 
-def _fp4_body(block_m, block_n, block_k, K):
-    """The product over K in block_k steps of 32-input chunks, lhs's chunks evens-first (`evens_first`)."""
+def _fp4_body(block_m, block_n, block_k, K, decode, interpret):
+    """The product over K in block_k steps of 32-input chunks, lhs's chunks evens-first (`evens_first`). decode
+    (`DECODES`): "f32" scales every weight (`_decode`) and casts it to lhs's dtype; "bits" and "prmt" make the
+    unscaled values' bfloat16 bits (`e2m1_bf16_bits` by integer ops; `E2M1_PAIRS_ASM`) and scale the chunk's
+    [block_m, block_n] product instead, by its columns' powers of two (exact: the same f32 products, summed per
+    chunk first)."""
     half = CHUNK // 2
 
     def body(g, row0, col0, lhs_ref, packed_ref, scales_ref):
@@ -132,10 +209,21 @@ def _fp4_body(block_m, block_n, block_k, K):
                 a_odd = lhs_ref[pl.ds(row0, block_m), pl.ds(pl.multiple_of(c * CHUNK + half, half), half)]
                 p = packed_ref[g, pl.ds(pl.multiple_of(c * half, half), half), pl.ds(col0, block_n)]
                 s = scales_ref[g, pl.ds(c, 1), pl.ds(col0, block_n)].astype(jnp.int32)     # [1, block_n]
-                p = p.astype(jnp.int32)
-                for a, codes in ((a_even, p & 15), (a_odd, p >> 4)):
-                    w = _decode(codes, s).astype(a.dtype)
-                    acc = acc + jnp.dot(a, w, precision=precision_for(a.dtype), preferred_element_type=jnp.float32)
+                dot = functools.partial(jnp.dot, precision=precision_for(a_even.dtype),
+                                        preferred_element_type=jnp.float32)
+                if decode == "f32":
+                    p = p.astype(jnp.int32)
+                    for a, codes in ((a_even, p & 15), (a_odd, p >> 4)):
+                        acc = acc + dot(a, _decode(codes, s).astype(a.dtype))
+                    continue
+                if decode == "bits":
+                    p = p.astype(jnp.int32)
+                    w_even, w_odd = _bf16(e2m1_bf16_bits(p & 15)), _bf16(e2m1_bf16_bits(p >> 4))
+                else:
+                    pairs = e2m1_pairs(p, interpret=interpret)
+                    w_even, w_odd = _bf16(pairs), _bf16(pairs >> 16)
+                chunk = dot(a_even, w_even.astype(a_even.dtype)) + dot(a_odd, w_odd.astype(a_odd.dtype))
+                acc = acc + chunk * _e8m0(s)
             return acc
 
         return jax.lax.fori_loop(0, K // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
@@ -150,9 +238,9 @@ def evens_first(lhs):
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages",
-                                             "interpret"))
+                                             "decode", "interpret"))
 def grouped_matmul_fp4_gpu(lhs, rhs: Fp4Weights, group_sizes, *, block_m=None, block_n=None, block_k=None,
-                           num_warps=None, num_stages=None, interpret=False):
+                           num_warps=None, num_stages=None, decode=None, interpret=False):
     """lhs [M, K], rhs Fp4Weights [E, K, N], group_sizes [E] int32 -> [M, N] f32 (module doc). block_k: a multiple
     of 32 dividing K; block_n dividing N (defaults narrow to a divisor, `gpu.fit_block`)."""
     E, K, N = check_weights(rhs)
@@ -162,22 +250,25 @@ def grouped_matmul_fp4_gpu(lhs, rhs: Fp4Weights, group_sizes, *, block_m=None, b
                          f"{group_sizes.shape}")
     cfg = dict(DEFAULT_CONFIG)
     cfg.update({k: v for k, v in dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
-                                       num_stages=num_stages).items() if v is not None})
+                                       num_stages=num_stages, decode=decode).items() if v is not None})
+    if cfg["decode"] not in DECODES:
+        raise ValueError(f"grouped_matmul_fp4: decode must be one of {DECODES}, got {cfg['decode']!r}")
     bm = cfg["block_m"] or default_block_m(M)
     bn = cfg["block_n"] if block_n is not None else fit_block(cfg["block_n"], N, "N")
     bk = cfg["block_k"] if block_k is not None else (cfg["block_k"] if K % cfg["block_k"] == 0 else CHUNK)
     if bk % CHUNK or K % bk or N % bn:
         raise ValueError(f"grouped_matmul_fp4: block_k = {bk} must be a multiple of {CHUNK} dividing K = {K}, and "
                          f"block_n = {bn} must divide N = {N}")
-    return launch(_fp4_body(bm, bn, bk, K), evens_first(lhs), (rhs.packed, rhs.scales), group_sizes, N,
+    return launch(_fp4_body(bm, bn, bk, K, cfg["decode"], interpret), evens_first(lhs), (rhs.packed, rhs.scales), group_sizes, N,
                   block_m=bm, block_n=bn, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                  interpret=interpret, name=f"grouped_matmul_fp4_m{bm}_n{bn}_k{bk}")
+                  interpret=interpret, name=f"grouped_matmul_fp4_{cfg['decode']}_m{bm}_n{bn}_k{bk}")
 
 
 def grouped_matmul_fp4(lhs, rhs: Fp4Weights, group_sizes, *, impl: str = "reference", **kernel_options):
     """Same contract as `grouped_matmul_fp4_reference`. impl: "reference"; "pallas" (GPU: the kernel; CPU: it in
     the Pallas interpreter; TPU: no kernel yet, an error); "auto" (the kernel on the GPU where N is a multiple of 16,
-    the reference elsewhere, including the TPU). kernel_options: block_m, block_n, block_k, num_warps, num_stages."""
+    the reference elsewhere, including the TPU). kernel_options: block_m, block_n, block_k, num_warps, num_stages,
+    decode."""
     where = resolve_impl(impl, "grouped_matmul_fp4")
     if impl == "auto" and where == "gpu" and not kernel_applies(*rhs.shape[1:]):
         where = "reference"   # N no multiple of 16 (a custom small config): the kernel's blocks do not fit
