@@ -163,18 +163,18 @@ prmt.b32 $3, l, h, 0x7362;
 
 
 def e2m1_pairs(packed, *, interpret=False):
-    """uint8 bytes [..] -> uint32 [..]: each byte's low nibble's bfloat16 bits | its high nibble's << 16 (the
-    values unscaled, exact). Compiled: `E2M1_PAIRS_ASM` (inline PTX, 4 bytes an instance); interpreted: the same
-    bits by `e2m1_bf16_bits`."""
+    """uint8 bytes [..] -> int32 [..]: each byte's low nibble's bfloat16 bits | its high nibble's << 16 (the
+    values unscaled, exact; int32, not uint32: Triton's verifier refuses an unsigned inline-asm result). Compiled:
+    `E2M1_PAIRS_ASM` (inline PTX, 4 bytes an instance); interpreted: the same bits by `e2m1_bf16_bits`."""
     if interpret:
         p = packed.astype(jnp.int32)
-        return (e2m1_bf16_bits(p & 15) | (e2m1_bf16_bits(p >> 4) << 16)).astype(jnp.uint32)
+        return e2m1_bf16_bits(p & 15) | (e2m1_bf16_bits(p >> 4) << 16)
     return pltriton.elementwise_inline_asm(E2M1_PAIRS_ASM, args=[packed], constraints="=r,=r,=r,=r,r", pack=4,
-                                           result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.uint32)])[0]
+                                           result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.int32)])[0]
 
 
 def _bf16(bits):
-    """int32 / uint32 holding bfloat16 bit patterns in their low 16 bits -> bfloat16."""
+    """int32 holding bfloat16 bit patterns in their low 16 bits -> bfloat16."""
     return jax.lax.bitcast_convert_type((bits & 0xFFFF).astype(jnp.uint16), jnp.bfloat16)
 
 
