@@ -81,7 +81,7 @@ def make_fp4_weights(seed, E, D, I):
     keys = jax.random.split(jax.random.key(seed), 6)
     draw = jax.jit(lambda k, shape, lo, hi: jax.random.randint(k, shape, lo, hi, jnp.int32).astype(jnp.uint8),
                    static_argnums=(1, 2, 3))
-    return tuple(Fp4Weights(draw(keys[2 * i], (E, K // 2, N), 0, 256), draw(keys[2 * i + 1], (E, K // 32, N), 118, 125))
+    return tuple(Fp4Weights(draw(keys[2 * i], (E, N, K // 2), 0, 256), draw(keys[2 * i + 1], (E, N, K // 32), 118, 125))
                  for i, (K, N) in enumerate(((D, I), (D, I), (I, D))))
 
 
@@ -190,8 +190,8 @@ def main(argv=None):
             if a.lower_only and orient == "fp4":
                 from pallas_kernels.grouped_matmul import Fp4Weights
 
-                w1, w3, w2 = (Fp4Weights(jax.ShapeDtypeStruct((E, K // 2, N), jnp.uint8),
-                                         jax.ShapeDtypeStruct((E, K // 32, N), jnp.uint8))
+                w1, w3, w2 = (Fp4Weights(jax.ShapeDtypeStruct((E, N, K // 2), jnp.uint8),
+                                         jax.ShapeDtypeStruct((E, N, K // 32), jnp.uint8))
                               for K, N in ((D, I), (D, I), (I, D)))
             elif a.lower_only:   # shapes only: nothing allocated
                 shapes = ((E, I, D), (E, I, D), (E, D, I)) if orient == "out_in" else ((E, D, I), (E, D, I), (E, I, D))

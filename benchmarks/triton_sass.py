@@ -81,7 +81,7 @@ def lower_ttir(kind, M, K, N, E):
             rhs = sds((E, K, N), jnp.bfloat16)
         else:
             f = jax.jit(lambda x, r, g: F.grouped_matmul_fp4_gpu(x, r, g, decode=kind))
-            rhs = F.Fp4Weights(sds((E, K // 2, N), jnp.uint8), sds((E, K // F.CHUNK, N), jnp.uint8))
+            rhs = F.Fp4Weights(sds((E, N, K // 2), jnp.uint8), sds((E, N, K // F.CHUNK), jnp.uint8))
         text = f.trace(x, rhs, gs).lower(lowering_platforms=("cuda",)).as_text()
     finally:
         reg.lowering.lower_jaxpr_to_triton_module = orig

@@ -267,7 +267,7 @@ def test_logits_match_oracle(layout, ds_quant, hf_plain, hf_dir):
 # ------------------------------------------------------------------------------------------------ FP4 experts kept
 def test_fp4_expert_weights_keep_the_checkpoint_bytes(ds_quant, ds_plain_dir, hf_dir, tmp_path):
     """load_pretrained(expert_weights="fp4"): the routed experts stay the checkpoint's FP4 bytes and e8m0 scales
-    (transposed to [E, in/2, out] / [E, in/32, out]); its logits equal the dequantized model's (prefill and decode
+    (stacked as they are, [E, out, in/2] / [E, out, in/32]); its logits equal the dequantized model's (prefill and decode
     steps) and the oracle's; the DeepSeek writer and orbax round-trip it; checkpoints whose experts are not FP4
     (plain DeepSeek layout, transformers' layout) are refused naming expert_weights='dequantized'."""
     hf, d = ds_quant
@@ -277,9 +277,9 @@ def test_fp4_expert_weights_keep_the_checkpoint_bytes(ds_quant, ds_plain_dir, hf
     ex = fp4.layers[1].ffn.experts
     assert ex.w1_fp4[...].dtype == jnp.uint8 and not hasattr(ex, "w1")
     np.testing.assert_array_equal(np.asarray(ex.w1_fp4[...])[3],
-                                  tensors["layers.1.ffn.experts.3.w1.weight"].view(np.uint8).T)
+                                  tensors["layers.1.ffn.experts.3.w1.weight"].view(np.uint8))
     np.testing.assert_array_equal(np.asarray(ex.w2_fp4_scale[...])[5],
-                                  tensors["layers.1.ffn.experts.5.w2.scale"].view(np.uint8).T)
+                                  tensors["layers.1.ffn.experts.5.w2.scale"].view(np.uint8))
     ids = np.random.default_rng(3).integers(0, CFG.vocab_size, (2, 20)).astype(np.int32)
     outs = []
     for m in (deq, fp4):

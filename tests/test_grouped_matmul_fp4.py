@@ -46,11 +46,10 @@ def test_layout_is_the_checkpoints_transposed():
     rng = np.random.default_rng(0)
     rhs, dense = _experts(rng, 3, 96, 40)
     np.testing.assert_array_equal(np.asarray(dequantize(rhs)), dense)
-    codes = np.arange(256, dtype=np.uint8).reshape(1, 128, 2)            # K = 256, N = 2: every byte
-    scales = np.array([[[3, 255], [4, 127], [250, 130], [100, 3], [127, 127], [127, 127], [127, 127],
-                        [127, 127]]], np.uint8)
+    codes = np.arange(256, dtype=np.uint8).reshape(1, 2, 128)            # N = 2, K = 256: every byte
+    scales = np.array([[[3, 4, 250, 100, 127, 127, 127, 127], [255, 127, 130, 3, 127, 127, 127, 127]]], np.uint8)
     got = np.asarray(dequantize(Fp4Weights(jnp.asarray(codes), jnp.asarray(scales))))
-    want = np.stack([Q.dequant_fp4(codes[0, :, n][None].view(np.int8), scales[0, :, n][None])[0]
+    want = np.stack([Q.dequant_fp4(codes[0, n][None].view(np.int8), scales[0, n][None])[0]
                      for n in range(2)], axis=-1)
     np.testing.assert_array_equal(np.isnan(got[0]), np.isnan(want))
     np.testing.assert_array_equal(np.nan_to_num(got[0]), np.nan_to_num(want))
@@ -58,9 +57,9 @@ def test_layout_is_the_checkpoints_transposed():
 
 def test_e2m1_bits_and_the_pairs_asm_are_exact():
     """The kernel's unscaled decodes against `quant`'s FP4 table: `e2m1_bf16_bits` for all 16 codes, and the inline
-    PTX `E2M1_PAIRS_ASM` (run by `tests/ptx_emulator.py`) bit for bit against its interpreted twin `e2m1_pairs`:
+    PTX `E2M1_PAIRS_ASM` (run by `tests/ptx_sim.py`) bit for bit against its interpreted twin `e2m1_pairs`:
     every byte value at each of the 4 byte positions of a register, around random other bytes, and random words."""
-    from ptx_emulator import run
+    from ptx_sim import run_registers
 
     codes = jnp.arange(16, dtype=jnp.int32)
     got = jax.lax.bitcast_convert_type(e2m1_bf16_bits(codes).astype(jnp.uint16), jnp.bfloat16)
@@ -73,7 +72,7 @@ def test_e2m1_bits_and_the_pairs_asm_are_exact():
     words += [(int(rng.integers(0, 2 ** 32)) & ~(0xFF << 8 * i)) | (v << 8 * i) for i in range(4) for v in range(256)]
     data = np.array(words, np.uint32)
     want = np.asarray(e2m1_pairs(jnp.asarray(data.view(np.uint8)), interpret=True)).reshape(-1, 4)
-    got = np.array([run(E2M1_PAIRS_ASM, [w], 4) for w in words], np.uint32)
+    got = np.array([run_registers(E2M1_PAIRS_ASM, [w], 4) for w in words], np.uint32)
     np.testing.assert_array_equal(got, want.view(np.uint32))
 
 
@@ -128,7 +127,7 @@ def test_fp4_grouped_matmul_lowers_for_cuda():
     sds = jax.ShapeDtypeStruct
     for M, K, N, opts in [(96, 4096, 2048, {}), (96, 2048, 4096, dict(decode="prmt")),
                           (96, 4096, 2048, dict(decode="bits")), (4096, 4096, 2048, dict(block_m=64))]:
-        rhs = Fp4Weights(sds((256, K // 2, N), jnp.uint8), sds((256, K // 32, N), jnp.uint8))
+        rhs = Fp4Weights(sds((256, N, K // 2), jnp.uint8), sds((256, N, K // 32), jnp.uint8))
         text = lowers_for("cuda", "triton", lambda x, r, g: grouped_matmul_fp4_gpu(x, r, g, **opts),
                           sds((M, K), jnp.bfloat16), rhs, sds((256,), jnp.int32))
         assert "grouped_matmul_fp4" in text
@@ -146,8 +145,8 @@ def test_gpu_fp4_grouped_matmul_v4_flash_shapes(T, E, opts):
     gs = jnp.asarray(np.bincount(flat, minlength=E), jnp.int32)
     for K, N in ((4096, 2048), (2048, 4096)):
         lhs = jnp.asarray(rng.standard_normal((6 * T, K)), jnp.bfloat16)
-        rhs = Fp4Weights(jnp.asarray(rng.integers(0, 256, (E, K // 2, N)), jnp.uint8),
-                         jnp.asarray(rng.integers(118, 125, (E, K // 32, N)), jnp.uint8))
+        rhs = Fp4Weights(jnp.asarray(rng.integers(0, 256, (E, N, K // 2)), jnp.uint8),
+                         jnp.asarray(rng.integers(118, 125, (E, N, K // 32)), jnp.uint8))
         want = np.asarray(grouped_matmul_fp4(lhs, rhs, gs, impl="reference"))
         got = np.asarray(grouped_matmul_fp4(lhs, rhs, gs, impl="pallas", **opts))
         np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
@@ -173,7 +172,7 @@ def test_routed_experts_on_fp4_weights_equal_the_dequantized_model_path(gmm_impl
 
 def test_model_with_random_fp4_experts():
     """`DeepseekV4ForCausalLM(expert_weights="fp4")` on random weights (benchmarks' presets): uint8 expert stacks
-    [E, in/2, out] / [E, in/32, out], values of about the dequantized init's scale, finite logits; bad values and
+    [E, out, in/2] / [E, out, in/32], values of about the dequantized init's scale, finite logits; bad values and
     dims that are no multiple of 32 are refused."""
     from flax import nnx
 
@@ -184,7 +183,7 @@ def test_model_with_random_fp4_experts():
     m = DeepseekV4ForCausalLM(cfg, rngs=nnx.Rngs(0), expert_weights="fp4")
     ex = m.layers[1].ffn.experts
     E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    assert ex.w1_fp4[...].shape == (E, D // 2, I) and ex.w2_fp4_scale[...].shape == (E, I // 32, D)
+    assert ex.w1_fp4[...].shape == (E, I, D // 2) and ex.w2_fp4_scale[...].shape == (E, D, I // 32)
     w1 = np.asarray(dequantize(Fp4Weights(ex.w1_fp4[...], ex.w1_fp4_scale[...])))
     assert 0.5 * D ** -0.5 < w1.std() < 2 * D ** -0.5
     assert np.isfinite(np.asarray(m(jnp.asarray([[1, 2, 3, 4, 5]])))).all()

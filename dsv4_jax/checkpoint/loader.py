@@ -259,7 +259,7 @@ def read_into_targets(path, targets, progress=True, strict=True):
 
         for item in tqdm(items, desc="loading checkpoint", unit="tensor", disable=not progress):
             t = item.target
-            if item.keep_fp4:   # the FP4 bytes and e8m0 scales as they are, [out, in/2] -> [in/2, out]
+            if item.keep_fp4:   # the FP4 bytes and e8m0 scales as they are, [out, in/2] and [out, in/32]
                 packed_name, scale_name = N.fp4_stacks(t.name)
                 raw = np.asarray(reader.read(item.info.name)).view(np.uint8)
                 put_expert(packed_name, t.index, N.model_layout(packed_name, raw))

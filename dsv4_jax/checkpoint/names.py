@@ -116,14 +116,19 @@ def expert_key(stacked_name: str, e: int) -> str:
     return f"{head}.{e}.{w[:2]}.{suffix}"
 
 
-# The model's routed-expert stacks: w1 / w3 / w2 [E, in, out] in the model dtype, or with expert_weights "fp4"
-# (`layers.moe.EXPERT_WEIGHTS`) the checkpoint's FP4 bytes w{1,3,2}_fp4 [E, in/2, out] and their e8m0 scales
-# w{1,3,2}_fp4_scale [E, in/32, out]: the same orientation, so the same axis swap to and from the canonical form.
+# The model's routed-expert stacks: w1 / w3 / w2 [E, in, out] in the model dtype (the canonical [E, out, in] swapped),
+# or with expert_weights "fp4" (`layers.moe.EXPERT_WEIGHTS`) the checkpoint's FP4 bytes w{1,3,2}_fp4 [E, out, in/2]
+# and their e8m0 scales w{1,3,2}_fp4_scale [E, out, in/32]: the canonical orientation, no swap.
 _STACKED_RE = re.compile(r"layers\.\d+\.ffn\.experts\.w[123](_fp4(_scale)?)?")
 
 
 def is_stacked_expert(name: str) -> bool:
     return _STACKED_RE.fullmatch(name) is not None
+
+
+def _swapped(name: str) -> bool:
+    """Whether the model holds `name` with its last two axes swapped from the canonical tensor's."""
+    return is_stacked_expert(name) and not name.endswith(("_fp4", "_fp4_scale"))
 
 
 def fp4_stacks(name: str) -> tuple[str, str]:
@@ -135,12 +140,13 @@ def fp4_stacks(name: str) -> tuple[str, str]:
 def canonical_shape(name: str, model_shape) -> tuple:
     """The shape the canonical (checkpoint-oriented) tensor `name` has, from the model parameter's shape."""
     shape = tuple(model_shape)
-    return shape[:-2] + shape[:-3:-1] if is_stacked_expert(name) else shape
+    return shape[:-2] + shape[:-3:-1] if _swapped(name) else shape
 
 
 def canonical_layout(name: str, x):
-    """A model parameter's value -> the canonical tensor (routed-expert stacks [E, in, out] -> [E, out, in])."""
-    return x.swapaxes(-1, -2) if is_stacked_expert(name) else x
+    """A model parameter's value -> the canonical tensor (routed-expert stacks [E, in, out] -> [E, out, in]; the FP4
+    stacks are canonical already)."""
+    return x.swapaxes(-1, -2) if _swapped(name) else x
 
 
 def model_layout(name: str, x):

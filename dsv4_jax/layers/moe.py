@@ -70,23 +70,25 @@ class Gate(nnx.Module):
 
 
 # How the model holds the routed experts: "dequantized" (w1 / w3 / w2 in the model dtype) or "fp4" (the checkpoint's
-# FP4 bytes as they are, `pallas_kernels.grouped_matmul.fp4`: w1_fp4 / w1_fp4_scale ... [E, in/2, out] / [E, in/32,
-# out] uint8, 4.25 bits a weight against 16; the same products, read and decoded inside the grouped matmul)
+# FP4 bytes as they are, `pallas_kernels.grouped_matmul.fp4`: w1_fp4 / w1_fp4_scale ... [E, out, in/2] / [E, out,
+# in/32] uint8, the checkpoint's own orientation, 4.25 bits a weight against 16; the same products, read and decoded
+# inside the grouped matmul)
 EXPERT_WEIGHTS = ("dequantized", "fp4")
 
 
 def random_fp4_stack(rngs: nnx.Rngs, E: int, K: int, N: int, std: float):
-    """Random FP4 experts (packed [E, K/2, N] uint8, e8m0 scales [E, K/32, N] uint8) whose values have about `std`:
-    uniform nibbles (rms 2.93 over the 16 codes) times one power of two."""
-    packed = jax.random.randint(rngs.params(), (E, K // 2, N), 0, 256, jnp.int32).astype(jnp.uint8)
+    """Random FP4 experts of K inputs and N outputs (packed [E, N, K/2] uint8, e8m0 scales [E, N, K/32] uint8) whose
+    values have about `std`: uniform nibbles (rms 2.93 over the 16 codes) times one power of two."""
+    packed = jax.random.randint(rngs.params(), (E, N, K // 2), 0, 256, jnp.int32).astype(jnp.uint8)
     s = 127 + int(round(np.log2(std / 2.93)))
-    return packed, jnp.full((E, K // 32, N), s, jnp.uint8)
+    return packed, jnp.full((E, N, K // 32), s, jnp.uint8)
 
 
 class Experts(nnx.Module):
     """Routed experts stacked along a leading expert axis, [E, in, out]: w1, w3 [E, D, I]; w2 [E, I, D]
     (checkpoints hold each expert's [out, in]; see the module docstring). expert_weights "fp4" (`EXPERT_WEIGHTS`):
-    w{1,3,2}_fp4 (packed e2m1) and w{1,3,2}_fp4_scale (e8m0) instead, in the same orientation."""
+    w{1,3,2}_fp4 (packed e2m1) and w{1,3,2}_fp4_scale (e8m0) instead, in the checkpoint's [E, out, in / 2] and
+    [E, out, in / 32] (`grouped_matmul.Fp4Weights`)."""
 
     def __init__(self, config: DeepseekV4Config, *, dtype, rngs: nnx.Rngs, expert_weights: str = "dequantized"):
         E, I, D = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
@@ -104,8 +106,9 @@ class Experts(nnx.Module):
                 raise ValueError(f"expert_weights='fp4' needs hidden_size and moe_intermediate_size multiples of 32 "
                                  f"(e8m0 scales per 32 inputs), got {K}")
             packed, scales = random_fp4_stack(rngs, E, K, N, K ** -0.5)
-            setattr(self, f"{name}_fp4", param(packed, axes))
-            setattr(self, f"{name}_fp4_scale", param(scales, axes))
+            fp4_axes = (axes[0], axes[2], axes[1])                                  # [E, out, in / 2]
+            setattr(self, f"{name}_fp4", param(packed, fp4_axes))
+            setattr(self, f"{name}_fp4_scale", param(scales, fp4_axes))
 
     def weights(self):
         """(w1, w3, w2): arrays [E, in, out], or `Fp4Weights` with expert_weights "fp4"."""

@@ -1,6 +1,6 @@
 """The grouped matmul with the checkpoint's FP4 expert weights read as they are: reference, GPU kernel, dispatcher.
 
-    grouped_matmul_fp4(lhs [M, K], rhs: Fp4Weights (packed [E, K/2, N] uint8, scales [E, K/32, N] uint8),
+    grouped_matmul_fp4(lhs [M, K], rhs: Fp4Weights (packed [E, N, K/2] uint8, scales [E, N, K/32] uint8),
                        group_sizes [E] int32, *, impl="reference", **kernel_options) -> [M, N] float32
 
 Why: with the routed experts on the grouped-matmul kernel, a batch-16 decode step of V4-Flash is bound by reading
@@ -8,21 +8,24 @@ their bf16 weights (session 46, H200: 4736.9 us a 4-layer step against a 4829.7 
 the experts'). The checkpoint stores them as e2m1 with an e8m0 scale per 32 inputs (spec §5.3; `dsv4_jax.quant`),
 4.25 bits a weight against 16: read in place, the same step's expert bytes shrink 3.8x.
 
-Weights (`Fp4Weights`, the model's [E, in, out] orientation): byte [e, k2, n] holds w[e, 2 k2, n] in its low nibble
-and w[e, 2 k2 + 1, n] in its high one (bit 3 the sign, bits 0-2 index {0, .5, 1, 1.5, 2, 3, 4, 6}); scale byte
-[e, k32, n] = s gives the factor 2^(s - 127) of w[e, 32 k32 .. 32 k32 + 31, n] (255 = NaN). A checkpoint expert
-[out, in / 2] int8 + [out, in / 32] e8m0 is this layout transposed (`from_checkpoint`), since its bytes pack two
-consecutive inputs of one output.
+Weights (`Fp4Weights`, the checkpoint's own [E, out, in / 2] orientation: a checkpoint expert's [out, in / 2] int8
++ [out, in / 32] e8m0, stacked, `from_checkpoint`): byte [e, n, k2] holds w[e, 2 k2, n] (input 2 k2, output n) in
+its low nibble and w[e, 2 k2 + 1, n] in its high one (bit 3 the sign, bits 0-2 index {0, .5, 1, 1.5, 2, 3, 4, 6});
+scale byte [e, n, k32] = s gives the factor 2^(s - 127) of w[e, 32 k32 .. 32 k32 + 31, n] (255 = NaN). The logical
+matrix is [E, in, out] (`Fp4Weights.shape`, `dequantize`), as the model's bf16 experts. Why this orientation: a
+weight's inputs are contiguous, so the kernel's tiles (inputs x outputs, the MMA's B operand) load 4-8 bytes at a
+time from shared memory, where [E, in / 2, out] bytes load one by one (`benchmarks/triton_sass.py`: 7.7 against
+9.0 SASS instructions a weight with the "prmt" decode).
 
 Contract (= `reference`): the weights dequantized exactly (every e2m1 value x 2^(s - 127) is a float32, and a bfloat16
 for the scales real checkpoints hold; XLA flushes the subnormal ones, s < 3, to 0), cast to lhs's dtype, then `reference.grouped_matmul`: the same products as the
 model's path that dequantizes the experts at load, so the result differs from it only by the f32 sums' order.
 
 GPU kernel (Pallas, Triton backend), the bf16 kernel's work items (`gpu.work_items`: only groups with rows are read)
-with the weights' K axis in 32-input chunks: per chunk one [16, block_n] byte tile and one [1, block_n] scale row are
-loaded, both nibbles decoded by integer ops into f32 (exact) and scaled, and two dots taken against the chunk's 16
-even and 16 odd lhs columns (the wrapper reorders each 32-column chunk of lhs, evens first, one cheap pass over the
-activations). f32 accumulation.
+with the weights' K axis in 32-input chunks: per chunk one [block_n, 16] byte tile and one [block_n, 1] scale column
+are loaded (and transposed, a layout change in registers), both nibbles decoded (`DECODES`), and two dots taken
+against the chunk's 16 even and 16 odd lhs columns (the wrapper reorders each 32-column chunk of lhs, evens first,
+one cheap pass over the activations). f32 accumulation.
 
 Cost, estimated (not measured): the decode (`_decode`) is ~14 integer / f32 operations per weight, plus the cast. At
 decode a weight meets ~1 token row (B = 16 x top-6 over ~84 of 256 active experts), so nothing amortizes them:
@@ -58,14 +61,14 @@ _MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
 
 class Fp4Weights(NamedTuple):
-    """A stack of FP4 expert matrices in the kernel's layout (module doc): packed [E, K/2, N] uint8, scales
-    [E, K/32, N] uint8 (e8m0). `shape` is the logical [E, K, N]."""
+    """A stack of FP4 expert matrices in the checkpoint's layout (module doc): packed [E, N, K/2] uint8, scales
+    [E, N, K/32] uint8 (e8m0), N outputs and K inputs. `shape` is the logical [E, K, N]."""
     packed: jax.Array
     scales: jax.Array
 
     @property
     def shape(self):
-        E, K2, N = self.packed.shape
+        E, N, K2 = self.packed.shape
         return (E, 2 * K2, N)
 
 
@@ -74,12 +77,12 @@ def check_weights(w: Fp4Weights):
     if not isinstance(w, Fp4Weights):
         raise TypeError(f"grouped_matmul_fp4: rhs must be Fp4Weights, got {type(w).__name__}")
     if w.packed.ndim != 3 or w.scales.ndim != 3:
-        raise ValueError(f"grouped_matmul_fp4: packed [E, K/2, N] and scales [E, K/32, N], got {w.packed.shape} and "
+        raise ValueError(f"grouped_matmul_fp4: packed [E, N, K/2] and scales [E, N, K/32], got {w.packed.shape} and "
                          f"{w.scales.shape}")
     E, K, N = w.shape
-    if K % CHUNK or w.scales.shape != (E, K // CHUNK, N):
-        raise ValueError(f"grouped_matmul_fp4: K = {K} must be a multiple of {CHUNK} and scales [E, K/{CHUNK}, N] = "
-                         f"{(E, K // CHUNK, N)}, got {w.scales.shape}")
+    if K % CHUNK or w.scales.shape != (E, N, K // CHUNK):
+        raise ValueError(f"grouped_matmul_fp4: K = {K} must be a multiple of {CHUNK} and scales [E, N, K/{CHUNK}] = "
+                         f"{(E, N, K // CHUNK)}, got {w.scales.shape}")
     if w.packed.dtype != jnp.uint8 or w.scales.dtype != jnp.uint8:
         raise ValueError(f"grouped_matmul_fp4: packed and scales must be uint8, got {w.packed.dtype} and "
                          f"{w.scales.dtype}")
@@ -88,10 +91,10 @@ def check_weights(w: Fp4Weights):
 
 def from_checkpoint(packed_experts, scale_experts) -> Fp4Weights:
     """Checkpoint experts, stacked: packed [E, out, in/2] int8 / uint8 and e8m0 scales [E, out, in/32] ->
-    `Fp4Weights` [E, in, out] (the bytes transposed: a checkpoint byte packs two consecutive inputs of one output)."""
+    `Fp4Weights` (the same bytes, read as uint8; logical shape [E, in, out])."""
     p = jnp.asarray(packed_experts)
     p = jax.lax.bitcast_convert_type(p, jnp.uint8) if p.dtype == jnp.int8 else p
-    return Fp4Weights(jnp.swapaxes(p, 1, 2), jnp.swapaxes(jnp.asarray(scale_experts, jnp.uint8), 1, 2))
+    return Fp4Weights(p, jnp.asarray(scale_experts, jnp.uint8))
 
 
 def _e2m1(codes):
@@ -129,7 +132,7 @@ def e2m1_bf16_bits(codes):
 # bit 3 would switch prmt to sign replication), so one lookup per table gives all four codes' bytes; the signs
 # (nibble bit 3) go to the H bytes' bit 7 (a byte pair [b0, b0, b1, b1] shifted by 4 for the low nibbles, as is for
 # the high ones); then each byte's output word is [L(lo), H(lo), L(hi), H(hi)]. Then bytes 2 and 3. ~2.3 operations
-# a weight; checked bit for bit by `tests/test_grouped_matmul_fp4.py` (a PTX emulator) and on the GPU.
+# a weight; checked bit for bit by `tests/test_grouped_matmul_fp4.py` (`tests/ptx_sim.py`) and on the GPU.
 E2M1_PAIRS_ASM = """{
 .reg .b32 lt0, lt1, ht0, ht1, s, l, h, y, t;
 mov.b32 lt0, 0xC0800000;
@@ -182,9 +185,9 @@ def dequantize(w: Fp4Weights, dtype=jnp.float32):
     """Fp4Weights -> [E, K, N] in `dtype` (exact in f32)."""
     E, K, N = check_weights(w)
     p = w.packed.astype(jnp.int32)
-    codes = jnp.stack([p & 15, p >> 4], axis=2).reshape(E, K, N)          # [E, K/2, 2, N] -> even, odd rows
-    scales = jnp.repeat(w.scales.astype(jnp.int32), CHUNK, axis=1)
-    return _decode(codes, scales).astype(dtype)
+    codes = jnp.stack([p & 15, p >> 4], axis=-1).reshape(E, N, K)         # [E, N, K/2, 2] -> even, odd inputs
+    scales = jnp.repeat(w.scales.astype(jnp.int32), CHUNK, axis=-1)
+    return jnp.swapaxes(_decode(codes, scales).astype(dtype), 1, 2)
 
 
 def grouped_matmul_fp4_reference(lhs, rhs: Fp4Weights, group_sizes):
@@ -207,8 +210,8 @@ def _fp4_body(block_m, block_n, block_k, K, decode, interpret):
                 c = kk * (block_k // CHUNK) + j
                 a_even = lhs_ref[pl.ds(row0, block_m), pl.ds(pl.multiple_of(c * CHUNK, CHUNK), half)]
                 a_odd = lhs_ref[pl.ds(row0, block_m), pl.ds(pl.multiple_of(c * CHUNK + half, half), half)]
-                p = packed_ref[g, pl.ds(pl.multiple_of(c * half, half), half), pl.ds(col0, block_n)]
-                s = scales_ref[g, pl.ds(c, 1), pl.ds(col0, block_n)].astype(jnp.int32)     # [1, block_n]
+                p = packed_ref[g, pl.ds(col0, block_n), pl.ds(pl.multiple_of(c * half, half), half)].T  # [16, bn]
+                s = scales_ref[g, pl.ds(col0, block_n), pl.ds(c, 1)].T.astype(jnp.int32)     # [1, block_n]
                 dot = functools.partial(jnp.dot, precision=precision_for(a_even.dtype),
                                         preferred_element_type=jnp.float32)
                 if decode == "f32":
