@@ -38,6 +38,15 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def parse_options(spec):
+    """'block_n=64,num_warps=8' -> {'block_n': 64, 'num_warps': 8} (as `timing.parse_options`, which needs jax)."""
+    out = {}
+    for item in filter(None, spec.split(",")):
+        k, _, v = item.partition("=")
+        out[k.strip()] = int(v) if v.strip().lstrip("-").isdigit() else v.strip()
+    return out
+
+
 # ---- run in the triton venv: TTIR file -> cubin ------------------------------------------------------------------
 
 def compile_ttir(path, num_warps, num_stages, out_cubin):
@@ -56,7 +65,7 @@ def compile_ttir(path, num_warps, num_stages, out_cubin):
 
 # ---- run in the project venv: lower, extract TTIR, analyze SASS --------------------------------------------------
 
-def lower_ttir(kind, M, K, N, E):
+def lower_ttir(kind, M, K, N, E, options=None):
     """-> (kernel name, TTIR text, num_warps, num_stages, notes) of one kernel at these shapes."""
     sys.path.insert(0, ROOT)
     import jax
@@ -80,7 +89,7 @@ def lower_ttir(kind, M, K, N, E):
             f = jax.jit(lambda x, r, g: G.grouped_matmul_gpu(x, r, g))
             rhs = sds((E, K, N), jnp.bfloat16)
         else:
-            f = jax.jit(lambda x, r, g: F.grouped_matmul_fp4_gpu(x, r, g, decode=kind))
+            f = jax.jit(lambda x, r, g: F.grouped_matmul_fp4_gpu(x, r, g, decode=kind, **(options or {})))
             rhs = F.Fp4Weights(sds((E, N, K // 2), jnp.uint8), sds((E, N, K // F.CHUNK), jnp.uint8))
         text = f.trace(x, rhs, gs).lower(lowering_platforms=("cuda",)).as_text()
     finally:
@@ -180,6 +189,7 @@ def main():
     ap.add_argument("--tvenv", default="/tmp/tvenv", help="venv with pip triton (default /tmp/tvenv)")
     ap.add_argument("--decodes", default="f32,bits,prmt")
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16-weight grouped matmul")
+    ap.add_argument("--options", default="", help="FP4 kernel options, e.g. block_n=64,num_warps=8")
     ap.add_argument("--keep", help="directory for the .ttir / .ptx / .cubin / .sass files (default: a temp dir)")
     ap.add_argument("--M", type=int, default=96)
     ap.add_argument("--K", type=int, default=4096)
@@ -198,7 +208,8 @@ def main():
     print(f"M={args.M} K={args.K} N={args.N} E={args.E}, bf16 lhs; files in {out}")
     for kind in kinds:
         label = "bf16 weights" if kind == "bf16" else f"fp4 decode={kind}"
-        name, ttir, nw, ns, notes = lower_ttir(kind, args.M, args.K, args.N, args.E)
+        opts = {} if kind == "bf16" else parse_options(args.options)
+        name, ttir, nw, ns, notes = lower_ttir(kind, args.M, args.K, args.N, args.E, opts)
         base = os.path.join(out, f"{kind}")
         with open(base + ".ttir", "w") as f:
             f.write(ttir)

@@ -126,7 +126,8 @@ def test_fp4_grouped_matmul_lowers_for_cuda():
 
     sds = jax.ShapeDtypeStruct
     for M, K, N, opts in [(96, 4096, 2048, {}), (96, 2048, 4096, dict(decode="prmt")),
-                          (96, 4096, 2048, dict(decode="bits")), (4096, 4096, 2048, dict(block_m=64))]:
+                          (96, 4096, 2048, dict(decode="bits")), (96, 2048, 4096, dict(decode="join")),
+                          (4096, 4096, 2048, dict(block_m=64))]:
         rhs = Fp4Weights(sds((256, N, K // 2), jnp.uint8), sds((256, N, K // 32), jnp.uint8))
         text = lowers_for("cuda", "triton", lambda x, r, g: grouped_matmul_fp4_gpu(x, r, g, **opts),
                           sds((M, K), jnp.bfloat16), rhs, sds((256,), jnp.int32))
@@ -136,7 +137,9 @@ def test_fp4_grouped_matmul_lowers_for_cuda():
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU (the compiled Triton kernel)")
 @pytest.mark.parametrize("T,E,opts", [(16, 256, {}), (64, 256, {}), (512, 64, dict(block_m=64)),
                                       (16, 256, dict(decode="bits")), (16, 256, dict(decode="prmt")),
-                                      (64, 256, dict(decode="prmt")), (512, 64, dict(block_m=64, decode="prmt"))])
+                                      (16, 256, dict(decode="join")), (64, 256, dict(decode="join")),
+                                      (16, 256, dict(decode="join", block_n=256, num_warps=8)),
+                                      (512, 64, dict(block_m=64, decode="join"))])
 def test_gpu_fp4_grouped_matmul_v4_flash_shapes(T, E, opts):
     """Compiled, V4-Flash expert shapes, top-6 routing of T tokens over E experts, random FP4 bytes: the kernel
     against the reference, w1-like and w2-like."""

@@ -55,8 +55,8 @@ from .reference import precision_for
 
 CHUNK = 32   # inputs per e8m0 scale (the checkpoint's FP4 block)
 # decode-shaped defaults, untimed (no GPU run yet): 2 chunks per K step, 128 output columns per program
-DEFAULT_CONFIG = dict(block_m=None, block_n=128, block_k=64, num_warps=4, num_stages=4, decode="f32")
-DECODES = ("f32", "bits", "prmt")   # how the kernel turns nibbles into values (`_fp4_body`)
+DEFAULT_CONFIG = dict(block_m=None, block_n=128, block_k=64, num_warps=4, num_stages=4, decode="join")
+DECODES = ("f32", "bits", "prmt", "join")   # how the kernel turns nibbles into values (`_fp4_body`)
 _MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
 
@@ -110,6 +110,14 @@ def _e8m0(scale_bytes):
     """int32 e8m0 bytes -> the f32 factors 2^(s - 127) (2^-127 for s = 0, a subnormal; NaN for s = 255)."""
     scale = jax.lax.bitcast_convert_type(jnp.where(scale_bytes == 0, 0x00400000, scale_bytes << 23), jnp.float32)
     return jnp.where(scale_bytes == 255, jnp.nan, scale)
+
+
+def _e8m0_product_factor(scale_bytes):
+    """int32 e8m0 bytes -> f32 factors for the kernel's per-chunk products: 2^(s - 127) for s = 1 .. 254 (exact), 0
+    for s = 0 and inf for s = 255 (NaN), one shift a factor. s = 0 agrees with the reference on the GPU, where XLA
+    flushes the subnormal 2^-127 weights to 0; a NaN scale gives inf or NaN (inf x 0) in the products, not always NaN
+    as in the reference: non-finite either way."""
+    return jax.lax.bitcast_convert_type(scale_bytes << 23, jnp.float32)
 
 
 def _decode(codes, scale_bytes):
@@ -222,11 +230,18 @@ def _fp4_body(block_m, block_n, block_k, K, decode, interpret):
                 if decode == "bits":
                     p = p.astype(jnp.int32)
                     w_even, w_odd = _bf16(e2m1_bf16_bits(p & 15)), _bf16(e2m1_bf16_bits(p >> 4))
-                else:
+                elif decode == "prmt":
                     pairs = e2m1_pairs(p, interpret=interpret)
                     w_even, w_odd = _bf16(pairs), _bf16(pairs >> 16)
+                else:   # "join": one K=32 dot, the pairs joined back into K order
+                    pT = packed_ref[g, pl.ds(col0, block_n), pl.ds(pl.multiple_of(c * half, half), half)]  # [bn, 16]
+                    pairs = e2m1_pairs(pT, interpret=interpret)
+                    w = jnp.stack([_bf16(pairs), _bf16(pairs >> 16)], axis=-1).reshape(block_n, CHUNK).T
+                    a = lhs_ref[pl.ds(row0, block_m), pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)]
+                    acc = acc + dot(a, w.astype(a.dtype)) * _e8m0_product_factor(s)
+                    continue
                 chunk = dot(a_even, w_even.astype(a_even.dtype)) + dot(a_odd, w_odd.astype(a_odd.dtype))
-                acc = acc + chunk * _e8m0(s)
+                acc = acc + chunk * _e8m0_product_factor(s)
             return acc
 
         return jax.lax.fori_loop(0, K // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
@@ -262,7 +277,7 @@ def grouped_matmul_fp4_gpu(lhs, rhs: Fp4Weights, group_sizes, *, block_m=None, b
     if bk % CHUNK or K % bk or N % bn:
         raise ValueError(f"grouped_matmul_fp4: block_k = {bk} must be a multiple of {CHUNK} dividing K = {K}, and "
                          f"block_n = {bn} must divide N = {N}")
-    return launch(_fp4_body(bm, bn, bk, K, cfg["decode"], interpret), evens_first(lhs), (rhs.packed, rhs.scales), group_sizes, N,
+    return launch(_fp4_body(bm, bn, bk, K, cfg["decode"], interpret), lhs if cfg["decode"] == "join" else evens_first(lhs), (rhs.packed, rhs.scales), group_sizes, N,
                   block_m=bm, block_n=bn, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                   interpret=interpret, name=f"grouped_matmul_fp4_{cfg['decode']}_m{bm}_n{bn}_k{bk}")
 
