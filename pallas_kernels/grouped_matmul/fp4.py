@@ -15,26 +15,36 @@ scale byte [e, n, k32] = s gives the factor 2^(s - 127) of w[e, 32 k32 .. 32 k32
 matrix is [E, in, out] (`Fp4Weights.shape`, `dequantize`), as the model's bf16 experts. Why this orientation: a
 weight's inputs are contiguous, so the kernel's tiles (inputs x outputs, the MMA's B operand) load 4-8 bytes at a
 time from shared memory, where [E, in / 2, out] bytes load one by one (`benchmarks/triton_sass.py`: 7.7 against
-9.0 SASS instructions a weight with the "prmt" decode).
+9.0 SASS instructions a weight with the "prmt" decode, exact scale factors).
 
 Contract (= `reference`): the weights dequantized exactly (every e2m1 value x 2^(s - 127) is a float32, and a bfloat16
-for the scales real checkpoints hold; XLA flushes the subnormal ones, s < 3, to 0), cast to lhs's dtype, then `reference.grouped_matmul`: the same products as the
-model's path that dequantizes the experts at load, so the result differs from it only by the f32 sums' order.
+for the scales real checkpoints hold; XLA flushes the subnormal ones, s < 3, to 0), cast to lhs's dtype, then
+`reference.grouped_matmul`: the same products as the model's path that dequantizes the experts at load, so the result
+differs from it only by the f32 sums' order (and, in the kernel, for a NaN scale byte: `_e8m0_product_factor`).
 
 GPU kernel (Pallas, Triton backend), the bf16 kernel's work items (`gpu.work_items`: only groups with rows are read)
 with the weights' K axis in 32-input chunks: per chunk one [block_n, 16] byte tile and one [block_n, 1] scale column
-are loaded (and transposed, a layout change in registers), both nibbles decoded (`DECODES`), and two dots taken
-against the chunk's 16 even and 16 odd lhs columns (the wrapper reorders each 32-column chunk of lhs, evens first,
-one cheap pass over the activations). f32 accumulation.
+are loaded, the nibbles decoded (`decode`, `DECODES`), one chunk's product taken on the tensor cores, f32
+accumulation:
+  "join" (default)  inline PTX (`E2M1_PAIRS_ASM`, two `prmt` byte-table lookups for 4 bytes at a time) turns each
+                    byte into the bf16 bits of its two weights, unscaled; the two halves are joined back into K order
+                    ([block_n, 16, 2] -> [block_n, 32], transposed), one K=32 dot with the chunk's lhs columns as they
+                    are, and the [block_m, block_n] product scaled by its columns' powers of two (exact).
+  "prmt"            the same asm, the halves kept apart: two K=16 dots against the chunk's even and odd lhs columns
+                    (the wrapper reorders each 32-column chunk of lhs, evens first).
+  "bits"            as "prmt" with the bf16 bits made by integer jnp ops (`e2m1_bf16_bits`), no asm.
+  "f32"             every weight decoded to f32 and scaled by integer / f32 jnp ops (`_decode`), cast, two dots.
+In the Pallas interpreter (CPU) "join" and "prmt" run the asm's twin `e2m1_pairs(interpret=True)`; the asm itself is
+checked bit for bit by `tests/ptx_sim.py`.
 
-Cost, estimated (not measured): the decode (`_decode`) is ~14 integer / f32 operations per weight, plus the cast. At
-decode a weight meets ~1 token row (B = 16 x top-6 over ~84 of 256 active experts), so nothing amortizes them:
-~2.1e9 weights a layer x 14 ~ 3e10 operations, ~1 ms on an H200's ~3e13 lane-operations per second. That is as long
-as the bf16 weights' read (1.1 ms a layer) and 3x the FP4 bytes' (0.3 ms). If the GPU run confirms it, the next step
-is a table decode by `prmt` in inline PTX (two 4-entry byte lookups give four bf16 values, ~2-3 operations a weight),
-as the Mosaic fp4 indexer does for its keys. Status: checked in the Pallas interpreter and by its CUDA lowering; not yet run on a
-GPU. The model takes it with `expert_weights="fp4"` (`load_pretrained(..., expert_weights="fp4")` keeps a DeepSeek
-checkpoint's FP4 experts as their bytes; the default still dequantizes them to the model dtype).
+Cost: at decode a weight meets ~1 token row (B = 16 x top-6 over ~84 of 256 active experts), so nothing amortizes the
+decode: the kernel is bound by instructions a weight unless they stay well below ~3e13 lane-instructions/s (the
+H200's) / 9e12 weights/s (its HBM at 0.53 bytes a weight). SASS of the main loop, compiled on a CPU machine by pip
+triton 3.9 (`benchmarks/triton_sass.py`; indicative, the GPU's jaxlib has its own Triton), M = 96, K = 4096, N = 2048:
+"f32" 18.3 instructions a weight, "bits" ~17, "prmt" 7.1, "join" 5.9 (bf16 weights: 1.9). Measured: see
+`benchmarks/results/README_decode.md`. The model takes the kernel with `expert_weights="fp4"`
+(`load_pretrained(..., expert_weights="fp4")` keeps a DeepSeek checkpoint's FP4 experts as their bytes; the default
+still dequantizes them to the model dtype).
 """
 
 from __future__ import annotations
@@ -54,7 +64,7 @@ from .reference import grouped_matmul as grouped_matmul_reference
 from .reference import precision_for
 
 CHUNK = 32   # inputs per e8m0 scale (the checkpoint's FP4 block)
-# decode-shaped defaults, untimed (no GPU run yet): 2 chunks per K step, 128 output columns per program
+# decode-shaped defaults (picked by SASS counts, not yet timed): 2 chunks per K step, 128 output columns per program
 DEFAULT_CONFIG = dict(block_m=None, block_n=128, block_k=64, num_warps=4, num_stages=4, decode="join")
 DECODES = ("f32", "bits", "prmt", "join")   # how the kernel turns nibbles into values (`_fp4_body`)
 _MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
@@ -205,23 +215,30 @@ def grouped_matmul_fp4_reference(lhs, rhs: Fp4Weights, group_sizes):
 
 
 def _fp4_body(block_m, block_n, block_k, K, decode, interpret):
-    """The product over K in block_k steps of 32-input chunks, lhs's chunks evens-first (`evens_first`). decode
-    (`DECODES`): "f32" scales every weight (`_decode`) and casts it to lhs's dtype; "bits" and "prmt" make the
-    unscaled values' bfloat16 bits (`e2m1_bf16_bits` by integer ops; `E2M1_PAIRS_ASM`) and scale the chunk's
-    [block_m, block_n] product instead, by its columns' powers of two (exact: the same f32 products, summed per
-    chunk first)."""
+    """The product over K in block_k steps of 32-input chunks (module doc, `DECODES`). "join" takes lhs as it is, the
+    others its chunks evens-first (`evens_first`). All but "f32" scale the chunk's [block_m, block_n] product by its
+    columns' powers of two rather than each weight: the same f32 products, summed per chunk first."""
     half = CHUNK // 2
 
     def body(g, row0, col0, lhs_ref, packed_ref, scales_ref):
         def step(kk, acc):
             for j in range(block_k // CHUNK):                  # the K step's 32-input chunks
                 c = kk * (block_k // CHUNK) + j
-                a_even = lhs_ref[pl.ds(row0, block_m), pl.ds(pl.multiple_of(c * CHUNK, CHUNK), half)]
-                a_odd = lhs_ref[pl.ds(row0, block_m), pl.ds(pl.multiple_of(c * CHUNK + half, half), half)]
-                p = packed_ref[g, pl.ds(col0, block_n), pl.ds(pl.multiple_of(c * half, half), half)].T  # [16, bn]
+                rows = pl.ds(row0, block_m)
+                p = packed_ref[g, pl.ds(col0, block_n), pl.ds(pl.multiple_of(c * half, half), half)]  # [bn, 16]
                 s = scales_ref[g, pl.ds(col0, block_n), pl.ds(c, 1)].T.astype(jnp.int32)     # [1, block_n]
-                dot = functools.partial(jnp.dot, precision=precision_for(a_even.dtype),
+                dot = functools.partial(jnp.dot, precision=precision_for(lhs_ref.dtype),
                                         preferred_element_type=jnp.float32)
+                if decode == "join":
+                    pairs = e2m1_pairs(p, interpret=interpret)                                 # [bn, 16] int32
+                    w = jnp.stack([_bf16(pairs), _bf16(pairs >> 16)], axis=-1)                 # [bn, 16, 2]
+                    w = w.reshape(block_n, CHUNK).T.astype(lhs_ref.dtype)                      # [32, bn], K order
+                    a = lhs_ref[rows, pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)]
+                    acc = acc + dot(a, w) * _e8m0_product_factor(s)
+                    continue
+                a_even = lhs_ref[rows, pl.ds(pl.multiple_of(c * CHUNK, CHUNK), half)]
+                a_odd = lhs_ref[rows, pl.ds(pl.multiple_of(c * CHUNK + half, half), half)]
+                p = p.T                                                                        # [16, bn]
                 if decode == "f32":
                     p = p.astype(jnp.int32)
                     for a, codes in ((a_even, p & 15), (a_odd, p >> 4)):
@@ -230,16 +247,9 @@ def _fp4_body(block_m, block_n, block_k, K, decode, interpret):
                 if decode == "bits":
                     p = p.astype(jnp.int32)
                     w_even, w_odd = _bf16(e2m1_bf16_bits(p & 15)), _bf16(e2m1_bf16_bits(p >> 4))
-                elif decode == "prmt":
+                else:   # "prmt"
                     pairs = e2m1_pairs(p, interpret=interpret)
                     w_even, w_odd = _bf16(pairs), _bf16(pairs >> 16)
-                else:   # "join": one K=32 dot, the pairs joined back into K order
-                    pT = packed_ref[g, pl.ds(col0, block_n), pl.ds(pl.multiple_of(c * half, half), half)]  # [bn, 16]
-                    pairs = e2m1_pairs(pT, interpret=interpret)
-                    w = jnp.stack([_bf16(pairs), _bf16(pairs >> 16)], axis=-1).reshape(block_n, CHUNK).T
-                    a = lhs_ref[pl.ds(row0, block_m), pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)]
-                    acc = acc + dot(a, w.astype(a.dtype)) * _e8m0_product_factor(s)
-                    continue
                 chunk = dot(a_even, w_even.astype(a_even.dtype)) + dot(a_odd, w_odd.astype(a_odd.dtype))
                 acc = acc + chunk * _e8m0_product_factor(s)
             return acc
@@ -277,8 +287,9 @@ def grouped_matmul_fp4_gpu(lhs, rhs: Fp4Weights, group_sizes, *, block_m=None, b
     if bk % CHUNK or K % bk or N % bn:
         raise ValueError(f"grouped_matmul_fp4: block_k = {bk} must be a multiple of {CHUNK} dividing K = {K}, and "
                          f"block_n = {bn} must divide N = {N}")
-    return launch(_fp4_body(bm, bn, bk, K, cfg["decode"], interpret), lhs if cfg["decode"] == "join" else evens_first(lhs), (rhs.packed, rhs.scales), group_sizes, N,
-                  block_m=bm, block_n=bn, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    lhs_in = lhs if cfg["decode"] == "join" else evens_first(lhs)
+    return launch(_fp4_body(bm, bn, bk, K, cfg["decode"], interpret), lhs_in, (rhs.packed, rhs.scales),
+                  group_sizes, N, block_m=bm, block_n=bn, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                   interpret=interpret, name=f"grouped_matmul_fp4_{cfg['decode']}_m{bm}_n{bn}_k{bk}")
 
 
