@@ -142,15 +142,20 @@ def test_fp4_grouped_matmul_lowers_for_cuda():
                                       (512, 64, dict(block_m=64, decode="join"))])
 def test_gpu_fp4_grouped_matmul_v4_flash_shapes(T, E, opts):
     """Compiled, V4-Flash expert shapes, top-6 routing of T tokens over E experts, random FP4 bytes: the kernel
-    against the reference, w1-like and w2-like."""
+    against the reference, w1-like and w2-like. The reference takes the active experts only (the same rows: empty
+    groups hold none), since XLA's ragged dot over all 256 dequantized experts needs 4-8 GB a call, too much for
+    several pytest workers sharing one GPU."""
     rng = np.random.default_rng(T + E)
     flat = np.sort(np.concatenate([rng.choice(E, 6, replace=False) for _ in range(T)]))
-    gs = jnp.asarray(np.bincount(flat, minlength=E), jnp.int32)
+    sizes = np.bincount(flat, minlength=E)
+    active = np.flatnonzero(sizes)
+    gs = jnp.asarray(sizes, jnp.int32)
     for K, N in ((4096, 2048), (2048, 4096)):
         lhs = jnp.asarray(rng.standard_normal((6 * T, K)), jnp.bfloat16)
         rhs = Fp4Weights(jnp.asarray(rng.integers(0, 256, (E, N, K // 2)), jnp.uint8),
                          jnp.asarray(rng.integers(118, 125, (E, N, K // 32)), jnp.uint8))
-        want = np.asarray(grouped_matmul_fp4(lhs, rhs, gs, impl="reference"))
+        want = np.asarray(grouped_matmul_fp4(lhs, Fp4Weights(rhs.packed[active], rhs.scales[active]),
+                                             gs[active], impl="reference"))
         got = np.asarray(grouped_matmul_fp4(lhs, rhs, gs, impl="pallas", **opts))
         np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
 
@@ -198,7 +203,10 @@ def test_model_with_random_fp4_experts():
 
 def test_model_logits_on_the_fp4_kernel_equal_the_reference(monkeypatch):
     """A tiny model with FP4 experts: prefill and decode logits with the routed experts on the FP4 kernel
-    (interpreted on the CPU, compiled on a GPU) equal those on the reference (dequantize + ragged dot)."""
+    (interpreted on the CPU, compiled on a GPU) equal those on the reference (dequantize + ragged dot): to 1e-5 of
+    their scale on the CPU, 2e-3 on a GPU. There the kernel and XLA sum the f32 products in different orders (the
+    routed-expert test above holds them to 1e-5), and the random tiny model amplifies that through its layers and
+    its experts' top-k (session 47, H100: max difference 3.3e-4 of the logits' scale)."""
     from flax import nnx
 
     import pallas_kernels.grouped_matmul.fp4 as fp4_module
@@ -222,5 +230,6 @@ def test_model_logits_on_the_fp4_kernel_equal_the_reference(monkeypatch):
         step, _ = m.decode(ids[:, 10], cache)
         outs.append((np.asarray(logits), np.asarray(step)))
         assert bool(calls) == (impl == "pallas"), "the FP4 kernel ran where it should not, or did not run"
+    tol = 2e-3 if ON_GPU else 1e-5
     for a, b in zip(*outs):
-        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * np.abs(a).max())
+        np.testing.assert_allclose(b, a, rtol=tol, atol=tol * np.abs(a).max())
