@@ -3,7 +3,7 @@ whole kernel's instruction count and the main K loop's, with an opcode histogram
 
     python3 -m venv /tmp/tvenv && /tmp/tvenv/bin/pip install triton       # once; NOT into the project's .venv
     . .venv/bin/activate && PYTHONPATH=.:tests python benchmarks/triton_sass.py [--tvenv /tmp/tvenv]
-        [--decodes f32,bits,prmt,join] [--options block_n=256,...] [--no-bf16] [--keep DIR]
+        [--decodes join,f32] [--options block_n=256,...] [--no-bf16] [--keep DIR]
         [--M 96 --K 4096 --N 2048 --E 256]
 
 How: each kernel (`fp4.grouped_matmul_fp4_gpu` per decode, `gpu.grouped_matmul_gpu` with bf16 weights) is lowered
@@ -19,10 +19,11 @@ block_m x block_n tile program runs it K / block_k times, each time over block_k
 
 Limits: the counts are indicative. The pip triton (3.9.0 when written, ptxas 13.1) is not the Triton inside the
 GPU machine's jaxlib (jax 0.11.2 there) nor its ptxas, so the pipelining, layouts and scheduling may differ; the
-kernel is lowered by this machine's jax (0.10.2) with compute capability 9.0 assumed. jaxlib 0.10.2 gives
-`elementwise_inline_asm` with a uint32 result an unsigned `ui32` type, which both its own and pip triton's verifier
-reject; for the "prmt" decode the TTIR text's `xui32>` is rewritten to `xi32>` (the ops that use it, andi / shrui /
-trunci, are sign-agnostic), and the script says so. Static counts only: nothing about stalls, issue rates or memory.
+kernel is lowered by this machine's jax (0.10.2) with compute capability 9.0 assumed. (An `elementwise_inline_asm`
+with a uint32 result gets an unsigned `ui32` tensor type that Triton's verifier refuses: `fp4.e2m1_pairs` returns
+int32 for that reason.) Static counts only: nothing about stalls, issue rates or memory; the registers a thread and
+shared memory a program (`cuobjdump -res-usage`) give the programs an SM can hold (H100 / H200: 64K registers, 227 KB
+of shared memory), not how busy they keep it.
 """
 
 from __future__ import annotations
@@ -101,11 +102,7 @@ def lower_ttir(kind, M, K, N, E, options=None):
     op = captured[0].module.operation
     ttir = op.get_asm(enable_debug_info=False)
     name = op.attributes["sym_name"].value
-    notes = []
-    if "xui32>" in ttir:
-        ttir = ttir.replace("xui32>", "xi32>")
-        notes.append("TTIR's ui32 tensors rewritten to i32 (jaxlib 0.10.2's inline-asm result type fails to verify)")
-    return name, ttir, nw, ns, notes
+    return name, ttir, nw, ns, []
 
 
 LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
@@ -188,7 +185,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--compile", nargs=4, metavar=("TTIR", "NUM_WARPS", "NUM_STAGES", "CUBIN"), help=argparse.SUPPRESS)
     ap.add_argument("--tvenv", default="/tmp/tvenv", help="venv with pip triton (default /tmp/tvenv)")
-    ap.add_argument("--decodes", default="f32,bits,prmt,join")
+    ap.add_argument("--decodes", default="join,f32")
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16-weight grouped matmul")
     ap.add_argument("--options", default="", help="FP4 kernel options, e.g. block_n=64,num_warps=8")
     ap.add_argument("--keep", help="directory for the .ttir / .ptx / .cubin / .sass files (default: a temp dir)")
@@ -222,10 +219,15 @@ def main():
         info = json.loads(r.stdout.strip().splitlines()[-1])
         sass = subprocess.run([info["cuobjdump"], "-sass", base + ".cubin"], capture_output=True, text=True,
                               check=True).stdout
+        usage = subprocess.run([info["cuobjdump"], "-res-usage", base + ".cubin"], capture_output=True, text=True,
+                               check=True).stdout
+        regs = int(re.search(r"REG:(\d+)", usage).group(1))
+        programs = min(65536 // (regs * 32 * nw), (227 * 1024) // max(info["shared"], 1))
         with open(base + ".sass", "w") as f:
             f.write(sass)
-        report(label, name, nw, ns, parse_sass(sass), notes + [f"shared memory {info['shared']} bytes"],
-               info["triton"])
+        report(label, name, nw, ns, parse_sass(sass), notes + [
+            f"{regs} registers a thread, shared memory {info['shared']} bytes a program -> at most {programs} "
+            f"programs ({programs * nw} warps) an SM"], info["triton"])
 
 
 if __name__ == "__main__":

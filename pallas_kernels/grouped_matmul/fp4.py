@@ -15,7 +15,7 @@ scale byte [e, n, k32] = s gives the factor 2^(s - 127) of w[e, 32 k32 .. 32 k32
 matrix is [E, in, out] (`Fp4Weights.shape`, `dequantize`), as the model's bf16 experts. Why this orientation: a
 weight's inputs are contiguous, so the kernel's tiles (inputs x outputs, the MMA's B operand) load 4-8 bytes at a
 time from shared memory, where [E, in / 2, out] bytes load one by one (`benchmarks/triton_sass.py`: 7.7 against
-9.0 SASS instructions a weight with the "prmt" decode, exact scale factors).
+9.0 SASS instructions a weight for the same decode).
 
 Contract (= `reference`): the weights dequantized exactly (every e2m1 value x 2^(s - 127) is a float32, and a bfloat16
 for the scales real checkpoints hold; XLA flushes the subnormal ones, s < 3, to 0), cast to lhs's dtype, then
@@ -30,21 +30,23 @@ accumulation:
                     byte into the bf16 bits of its two weights, unscaled; the two halves are joined back into K order
                     ([block_n, 16, 2] -> [block_n, 32], transposed), one K=32 dot with the chunk's lhs columns as they
                     are, and the [block_m, block_n] product scaled by its columns' powers of two (exact).
-  "prmt"            the same asm, the halves kept apart: two K=16 dots against the chunk's even and odd lhs columns
-                    (the wrapper reorders each 32-column chunk of lhs, evens first).
-  "bits"            as "prmt" with the bf16 bits made by integer jnp ops (`e2m1_bf16_bits`), no asm.
-  "f32"             every weight decoded to f32 and scaled by integer / f32 jnp ops (`_decode`), cast, two dots.
-In the Pallas interpreter (CPU) "join" and "prmt" run the asm's twin `e2m1_pairs(interpret=True)`; the asm itself is
-checked bit for bit by `tests/ptx_sim.py`.
+  "f32"             no inline PTX: every weight decoded to f32 and scaled by integer / f32 jnp ops (`_decode`), cast,
+                    two K=16 dots against the chunk's even and odd lhs columns (the wrapper reorders each 32-column
+                    chunk of lhs, evens first). 1.8x slower; kept as the kernel that needs no PTX.
+In the Pallas interpreter (CPU) "join" runs the asm's twin `e2m1_pairs(interpret=True)`; the asm itself is checked
+bit for bit by `tests/ptx_sim.py`.
 
-Cost: at decode a weight meets ~1 token row (B = 16 x top-6 over ~84 of 256 active experts), so nothing amortizes the
-decode: the kernel is bound by instructions a weight unless they stay well below ~3e13 lane-instructions/s (the
-H200's) / 9e12 weights/s (its HBM at 0.53 bytes a weight). SASS of the main loop, compiled on a CPU machine by pip
-triton 3.9 (`benchmarks/triton_sass.py`; indicative, the GPU's jaxlib has its own Triton), M = 96, K = 4096, N = 2048:
-"f32" 18.3 instructions a weight, "bits" ~17, "prmt" 7.1, "join" 5.9 (bf16 weights: 1.9). Measured: see
-`benchmarks/results/README_decode.md`. The model takes the kernel with `expert_weights="fp4"`
-(`load_pretrained(..., expert_weights="fp4")` keeps a DeepSeek checkpoint's FP4 experts as their bytes; the default
-still dequantizes them to the model dtype).
+Cost (session 47, H100 80GB, V4-Flash's 256 experts, w1 + w3 + w2 of one layer, `benchmarks/moe_layout.py`, net of
+dispatch; `results/README_decode.md`): B = 16 "join" 1099-1113 us against 1444.8 for the bf16-weight kernel (1.31x;
+floors 408.2 and 1536.6 us), "f32" 2008; B = 64 2514.7-2519.1 against 3326.4 (1.32x). That is 2.7x the FP4 bytes'
+floor: at decode a weight meets ~1 token row (B = 16 x top-6 over ~84 active experts), so nothing amortizes the
+decode, and the kernel runs on instructions and their latency, not bandwidth. SASS of the main loop per weight
+(`benchmarks/triton_sass.py`: compiled on a CPU machine by pip triton 3.9, indicative): "f32" 18.2, "join" 5.5
+(the asm's 2.75, the rest HMMA operand moves, per-chunk scaling, loads); bf16 weights 1.9. The H100 times fit
+~684 us + 73 us per instruction a weight: fewer instructions and more warps per SM (114 registers a thread, 4
+programs of 4 warps per SM at the defaults) are the next steps. The model takes the kernel with
+`expert_weights="fp4"` (`load_pretrained(..., expert_weights="fp4")` keeps a DeepSeek checkpoint's FP4 experts as
+their bytes; the default still dequantizes them to the model dtype).
 """
 
 from __future__ import annotations
@@ -65,11 +67,10 @@ from .reference import precision_for
 
 CHUNK = 32   # inputs per e8m0 scale (the checkpoint's FP4 block)
 # decode-shaped defaults: 4 chunks per K step, 128 output columns per program, decode "join". Session 47 (H100, 256
-# experts, B = 16): join 1113 us at block_k 64, 1099 at 128 (SASS 5.9 -> 5.5 instructions a weight); prmt 1228, f32
-# 2008; block_n 256 with 8 warps 1182.
+# experts, B = 16, us): block_k 128 1099-1113, 64 1113-1134, 256 1215; 3 stages 1099; block_n 256 x 8 warps 1182-1203;
+# the two-dot "prmt" variant of the asm (since removed) 1228, "f32" 2008.
 DEFAULT_CONFIG = dict(block_m=None, block_n=128, block_k=128, num_warps=4, num_stages=4, decode="join")
-DECODES = ("f32", "bits", "prmt", "join")   # how the kernel turns nibbles into values (`_fp4_body`)
-_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+DECODES = ("join", "f32")   # how the kernel turns nibbles into values (module doc, `_fp4_body`)
 
 
 class Fp4Weights(NamedTuple):
@@ -217,9 +218,9 @@ def grouped_matmul_fp4_reference(lhs, rhs: Fp4Weights, group_sizes):
 
 
 def _fp4_body(block_m, block_n, block_k, K, decode, interpret):
-    """The product over K in block_k steps of 32-input chunks (module doc, `DECODES`). "join" takes lhs as it is, the
-    others its chunks evens-first (`evens_first`). All but "f32" scale the chunk's [block_m, block_n] product by its
-    columns' powers of two rather than each weight: the same f32 products, summed per chunk first."""
+    """The product over K in block_k steps of 32-input chunks (module doc, `DECODES`). "join" takes lhs as it is and
+    scales each chunk's [block_m, block_n] product by its columns' powers of two (the same f32 products as the
+    reference, summed per chunk first); "f32" takes lhs's chunks evens-first (`evens_first`) and scales each weight."""
     half = CHUNK // 2
 
     def body(g, row0, col0, lhs_ref, packed_ref, scales_ref):
@@ -237,23 +238,11 @@ def _fp4_body(block_m, block_n, block_k, K, decode, interpret):
                     w = w.reshape(block_n, CHUNK).T.astype(lhs_ref.dtype)                      # [32, bn], K order
                     a = lhs_ref[rows, pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)]
                     acc = acc + dot(a, w) * _e8m0_product_factor(s)
-                    continue
-                a_even = lhs_ref[rows, pl.ds(pl.multiple_of(c * CHUNK, CHUNK), half)]
-                a_odd = lhs_ref[rows, pl.ds(pl.multiple_of(c * CHUNK + half, half), half)]
-                p = p.T                                                                        # [16, bn]
-                if decode == "f32":
-                    p = p.astype(jnp.int32)
-                    for a, codes in ((a_even, p & 15), (a_odd, p >> 4)):
+                else:   # "f32": even and odd inputs as two dots
+                    p = p.T.astype(jnp.int32)                                                  # [16, bn]
+                    for a0, codes in ((c * CHUNK, p & 15), (c * CHUNK + half, p >> 4)):
+                        a = lhs_ref[rows, pl.ds(pl.multiple_of(a0, half), half)]
                         acc = acc + dot(a, _decode(codes, s).astype(a.dtype))
-                    continue
-                if decode == "bits":
-                    p = p.astype(jnp.int32)
-                    w_even, w_odd = _bf16(e2m1_bf16_bits(p & 15)), _bf16(e2m1_bf16_bits(p >> 4))
-                else:   # "prmt"
-                    pairs = e2m1_pairs(p, interpret=interpret)
-                    w_even, w_odd = _bf16(pairs), _bf16(pairs >> 16)
-                chunk = dot(a_even, w_even.astype(a_even.dtype)) + dot(a_odd, w_odd.astype(a_odd.dtype))
-                acc = acc + chunk * _e8m0_product_factor(s)
             return acc
 
         return jax.lax.fori_loop(0, K // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
