@@ -3,7 +3,7 @@ whole kernel's instruction count and the main K loop's, with an opcode histogram
 
     python3 -m venv /tmp/tvenv && /tmp/tvenv/bin/pip install triton       # once; NOT into the project's .venv
     . .venv/bin/activate && PYTHONPATH=.:tests python benchmarks/triton_sass.py [--tvenv /tmp/tvenv]
-        [--decodes join,f32] [--options block_n=256,...] [--no-bf16] [--keep DIR]
+        [--decodes join,f32,join_t] [--options block_n=256,...] [--no-bf16] [--keep DIR]
         [--M 96 --K 4096 --N 2048 --E 256]
 
 How: each kernel (`fp4.grouped_matmul_fp4_gpu` per decode, `gpu.grouped_matmul_gpu` with bf16 weights) is lowered
@@ -185,7 +185,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--compile", nargs=4, metavar=("TTIR", "NUM_WARPS", "NUM_STAGES", "CUBIN"), help=argparse.SUPPRESS)
     ap.add_argument("--tvenv", default="/tmp/tvenv", help="venv with pip triton (default /tmp/tvenv)")
-    ap.add_argument("--decodes", default="join,f32")
+    ap.add_argument("--decodes", default="join,f32,join_t")
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16-weight grouped matmul")
     ap.add_argument("--options", default="", help="FP4 kernel options, e.g. block_n=64,num_warps=8")
     ap.add_argument("--keep", help="directory for the .ttir / .ptx / .cubin / .sass files (default: a temp dir)")

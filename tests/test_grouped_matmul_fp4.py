@@ -125,7 +125,8 @@ def test_fp4_grouped_matmul_lowers_for_cuda():
     from test_gpu_lowering import lowers_for
 
     sds = jax.ShapeDtypeStruct
-    for M, K, N, opts in [(96, 4096, 2048, {}), (96, 2048, 4096, {}), (96, 4096, 2048, dict(decode="f32")),
+    for M, K, N, opts in [(96, 4096, 2048, {}), (96, 2048, 4096, dict(decode="join_t")),
+                          (96, 4096, 2048, dict(decode="f32")),
                           (4096, 4096, 2048, dict(block_m=64))]:
         rhs = Fp4Weights(sds((256, N, K // 2), jnp.uint8), sds((256, N, K // 32), jnp.uint8))
         text = lowers_for("cuda", "triton", lambda x, r, g: grouped_matmul_fp4_gpu(x, r, g, **opts),
@@ -136,7 +137,8 @@ def test_fp4_grouped_matmul_lowers_for_cuda():
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU (the compiled Triton kernel)")
 @pytest.mark.parametrize("T,E,opts", [(16, 256, {}), (64, 256, {}), (512, 64, dict(block_m=64)),
                                       (16, 256, dict(decode="f32")), (16, 256, dict(block_k=64, num_warps=8)),
-                                      (16, 256, dict(block_n=256, num_warps=8))])
+                                      (16, 256, dict(block_n=256, num_warps=8)), (16, 256, dict(decode="join_t")),
+                                      (64, 256, dict(decode="join_t"))])
 def test_gpu_fp4_grouped_matmul_v4_flash_shapes(T, E, opts):
     """Compiled, V4-Flash expert shapes, top-6 routing of T tokens over E experts, random FP4 bytes: the kernel
     against the reference, w1-like and w2-like. The reference takes the active experts only (the same rows: empty

@@ -33,6 +33,11 @@ accumulation:
   "f32"             no inline PTX: every weight decoded to f32 and scaled by integer / f32 jnp ops (`_decode`), cast,
                     two K=16 dots against the chunk's even and odd lhs columns (the wrapper reorders each 32-column
                     chunk of lhs, evens first). 1.8x slower; kept as the kernel that needs no PTX.
+  "join_t"          (untimed) "join" with the roles swapped: the decoded [block_n, 32] weights as the MMA's
+                    first operand, lhs^T the second, the accumulator [block_n, block_m] (transposed once at the end).
+                    Triton then takes Hopper's wgmma with the weights from registers: 72 registers a thread against
+                    114 (5 programs an SM against 4), 5.8 SASS instructions a weight against 5.5, its bytes loaded
+                    one at a time from shared memory.
 In the Pallas interpreter (CPU) "join" runs the asm's twin `e2m1_pairs(interpret=True)`; the asm itself is checked
 bit for bit by `tests/ptx_sim.py`.
 
@@ -70,7 +75,7 @@ CHUNK = 32   # inputs per e8m0 scale (the checkpoint's FP4 block)
 # experts, B = 16, us): block_k 128 1099-1113, 64 1113-1134, 256 1215; 3 stages 1099; block_n 256 x 8 warps 1182-1203;
 # the two-dot "prmt" variant of the asm (since removed) 1228, "f32" 2008.
 DEFAULT_CONFIG = dict(block_m=None, block_n=128, block_k=128, num_warps=4, num_stages=4, decode="join")
-DECODES = ("join", "f32")   # how the kernel turns nibbles into values (module doc, `_fp4_body`)
+DECODES = ("join", "f32", "join_t")   # how the kernel decodes and multiplies (module doc, `_fp4_body`)
 
 
 class Fp4Weights(NamedTuple):
@@ -223,6 +228,11 @@ def _fp4_body(block_m, block_n, block_k, K, decode, interpret):
     reference, summed per chunk first); "f32" takes lhs's chunks evens-first (`evens_first`) and scales each weight."""
     half = CHUNK // 2
 
+    def joined(p):
+        """A chunk's bytes [block_n, 16] -> its weights [block_n, 32] bf16 (unscaled), inputs in K order."""
+        pairs = e2m1_pairs(p, interpret=interpret)                                             # [bn, 16] int32
+        return jnp.stack([_bf16(pairs), _bf16(pairs >> 16)], axis=-1).reshape(block_n, CHUNK)
+
     def body(g, row0, col0, lhs_ref, packed_ref, scales_ref):
         def step(kk, acc):
             for j in range(block_k // CHUNK):                  # the K step's 32-input chunks
@@ -233,9 +243,7 @@ def _fp4_body(block_m, block_n, block_k, K, decode, interpret):
                 dot = functools.partial(jnp.dot, precision=precision_for(lhs_ref.dtype),
                                         preferred_element_type=jnp.float32)
                 if decode == "join":
-                    pairs = e2m1_pairs(p, interpret=interpret)                                 # [bn, 16] int32
-                    w = jnp.stack([_bf16(pairs), _bf16(pairs >> 16)], axis=-1)                 # [bn, 16, 2]
-                    w = w.reshape(block_n, CHUNK).T.astype(lhs_ref.dtype)                      # [32, bn], K order
+                    w = joined(p).T.astype(lhs_ref.dtype)                                      # [32, bn]
                     a = lhs_ref[rows, pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)]
                     acc = acc + dot(a, w) * _e8m0_product_factor(s)
                 else:   # "f32": even and odd inputs as two dots
@@ -245,6 +253,19 @@ def _fp4_body(block_m, block_n, block_k, K, decode, interpret):
                         acc = acc + dot(a, _decode(codes, s).astype(a.dtype))
             return acc
 
+        def step_t(kk, acc_t):   # "join_t": the weights as the MMA's first operand, acc [bn, bm]
+            for j in range(block_k // CHUNK):
+                c = kk * (block_k // CHUNK) + j
+                p = packed_ref[g, pl.ds(col0, block_n), pl.ds(pl.multiple_of(c * half, half), half)]  # [bn, 16]
+                s = scales_ref[g, pl.ds(col0, block_n), pl.ds(c, 1)].astype(jnp.int32)       # [bn, 1]
+                a = lhs_ref[pl.ds(row0, block_m), pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)]
+                prod = jnp.dot(joined(p).astype(lhs_ref.dtype), a.T, precision=precision_for(lhs_ref.dtype),
+                               preferred_element_type=jnp.float32)                              # [bn, bm]
+                acc_t = acc_t + prod * _e8m0_product_factor(s)
+            return acc_t
+
+        if decode == "join_t":
+            return jax.lax.fori_loop(0, K // block_k, step_t, jnp.zeros((block_n, block_m), jnp.float32)).T
         return jax.lax.fori_loop(0, K // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
 
     return body
@@ -278,7 +299,7 @@ def grouped_matmul_fp4_gpu(lhs, rhs: Fp4Weights, group_sizes, *, block_m=None, b
     if bk % CHUNK or K % bk or N % bn:
         raise ValueError(f"grouped_matmul_fp4: block_k = {bk} must be a multiple of {CHUNK} dividing K = {K}, and "
                          f"block_n = {bn} must divide N = {N}")
-    lhs_in = lhs if cfg["decode"] == "join" else evens_first(lhs)
+    lhs_in = lhs if cfg["decode"].startswith("join") else evens_first(lhs)
     return launch(_fp4_body(bm, bn, bk, K, cfg["decode"], interpret), lhs_in, (rhs.packed, rhs.scales),
                   group_sizes, N, block_m=bm, block_n=bn, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                   interpret=interpret, name=f"grouped_matmul_fp4_{cfg['decode']}_m{bm}_n{bn}_k{bk}")
