@@ -157,38 +157,36 @@ def e2m1_bf16_bits(codes):
 # 1.5, 2, 3, 4, 6). Bytes 0 and 1 first: x's nibbles 0-3 are [lo0, hi0, lo1, hi1], masked to 3 bits (a selector's
 # bit 3 would switch prmt to sign replication), so one lookup per table gives all four codes' bytes; the signs
 # (nibble bit 3) go to the H bytes' bit 7 (a byte pair [b0, b0, b1, b1] shifted by 4 for the low nibbles, as is for
-# the high ones); then each byte's output word is [L(lo), H(lo), L(hi), H(hi)]. Then bytes 2 and 3. ~2.3 operations
-# a weight; checked bit for bit by `tests/test_grouped_matmul_fp4.py` (`tests/ptx_sim.py`) and on the GPU.
-E2M1_PAIRS_ASM = """{
+# the high ones); then each byte's output word is [L(lo), H(lo), L(hi), H(hi)]. Then bytes 2 and 3. 22 SASS instructions
+# for 8 weights (`benchmarks/asm_sass_counts.py`); checked bit for bit by `tests/ptx_sim.py` and on the GPU.
+
+
+def _pairs_asm_of_two_bytes(selectors, spread, out_lo, out_hi):
+    """The asm for two of the 4 bytes: `selectors` leaves their 4 nibbles in s's low 16 bits, `spread` is the prmt
+    selector of [b, b, b', b'] from $4, the two output words go to out_lo / out_hi."""
+    return f"""{selectors}
+and.b32 s, s, 0x7777;
+prmt.b32 l, lt0, lt1, s;
+prmt.b32 h, ht0, ht1, s;
+prmt.b32 y, $4, $4, {spread};
+shl.b32 t, y, 4;
+and.b32 t, t, 0x00800080;
+or.b32 h, h, t;
+and.b32 t, y, 0x80008000;
+or.b32 h, h, t;
+prmt.b32 {out_lo}, l, h, 0x5140;
+prmt.b32 {out_hi}, l, h, 0x7362;
+"""
+
+
+E2M1_PAIRS_ASM = ("""{
 .reg .b32 lt0, lt1, ht0, ht1, s, l, h, y, t;
 mov.b32 lt0, 0xC0800000;
 mov.b32 lt1, 0xC0804000;
 mov.b32 ht0, 0x3F3F3F00;
 mov.b32 ht1, 0x40404040;
-and.b32 s, $4, 0x7777;
-prmt.b32 l, lt0, lt1, s;
-prmt.b32 h, ht0, ht1, s;
-prmt.b32 y, $4, $4, 0x1100;
-shl.b32 t, y, 4;
-and.b32 t, t, 0x00800080;
-or.b32 h, h, t;
-and.b32 t, y, 0x80008000;
-or.b32 h, h, t;
-prmt.b32 $0, l, h, 0x5140;
-prmt.b32 $1, l, h, 0x7362;
-shr.u32 s, $4, 16;
-and.b32 s, s, 0x7777;
-prmt.b32 l, lt0, lt1, s;
-prmt.b32 h, ht0, ht1, s;
-prmt.b32 y, $4, $4, 0x3322;
-shl.b32 t, y, 4;
-and.b32 t, t, 0x00800080;
-or.b32 h, h, t;
-and.b32 t, y, 0x80008000;
-or.b32 h, h, t;
-prmt.b32 $2, l, h, 0x5140;
-prmt.b32 $3, l, h, 0x7362;
-}"""
+""" + _pairs_asm_of_two_bytes("mov.b32 s, $4;", "0x1100", "$0", "$1")
+                  + _pairs_asm_of_two_bytes("shr.u32 s, $4, 16;", "0x3322", "$2", "$3") + "}")
 
 
 def e2m1_pairs(packed, *, interpret=False):
