@@ -192,7 +192,9 @@ def add_model_args(p, dtype="float32"):
     p.add_argument("--expert-weights", choices=("dequantized", "fp4"), default="dequantized",
                    help="routed experts in the model dtype or as FP4 bytes (`layers.moe.EXPERT_WEIGHTS`; a preset "
                         "draws random bytes)")
-    p.add_argument("--fp4-decode", choices=("join", "f32", "join_t"), default=None,
+    from pallas_kernels.grouped_matmul.fp4 import DECODES
+
+    p.add_argument("--fp4-decode", choices=DECODES, default=None,
                    help="with --expert-weights fp4 on the kernel: how it decodes the nibbles "
                         "(`grouped_matmul.fp4.DECODES`; default: the kernel's)")
     p.add_argument("--experts-gmm", choices=("reference", "pallas", "auto"), default=None,
