@@ -115,6 +115,8 @@ def test_errors():
         grouped_matmul_fp4(lhs, dequantize(rhs), gs)
     with pytest.raises(ValueError, match="decode must be one of"):
         grouped_matmul_fp4_gpu(lhs, rhs, gs, decode="lut", interpret=True)
+    probe = grouped_matmul_fp4_gpu(lhs, rhs, gs, decode="raw", interpret=True)   # timing probe: runs, wrong values
+    assert probe.shape == (lhs.shape[0], 32) and np.isfinite(np.asarray(probe)).all()
     with pytest.raises(ValueError, match="apply to the kernel only"):
         grouped_matmul_fp4(lhs, rhs, gs, impl="reference", block_m=32)
 

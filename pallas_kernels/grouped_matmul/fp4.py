@@ -38,6 +38,8 @@ accumulation:
                     Triton then takes Hopper's wgmma with the weights from registers: 72 registers a thread against
                     114 (5 programs an SM against 4), 5.8 SASS instructions a weight against 5.5, its bytes loaded
                     one at a time from shared memory.
+  "raw"             a timing probe (`PROBES`; wrong values): "join" with the asm replaced by one integer op a byte,
+                    so the difference between the two is what the decode costs.
 In the Pallas interpreter (CPU) "join" runs the asm's twin `e2m1_pairs(interpret=True)`; the asm itself is checked
 bit for bit by `tests/ptx_sim.py`.
 
@@ -76,6 +78,8 @@ CHUNK = 32   # inputs per e8m0 scale (the checkpoint's FP4 block)
 # the two-dot "prmt" variant of the asm (since removed) 1228, "f32" 2008.
 DEFAULT_CONFIG = dict(block_m=None, block_n=128, block_k=128, num_warps=4, num_stages=4, decode="join")
 DECODES = ("join", "f32", "join_t")   # how the kernel decodes and multiplies (module doc, `_fp4_body`)
+# timing probes, wrong values: "raw" is "join" with the asm replaced by one integer op a byte (what the decode costs)
+PROBES = ("raw",)
 
 
 class Fp4Weights(NamedTuple):
@@ -228,7 +232,10 @@ def _fp4_body(block_m, block_n, block_k, K, decode, interpret):
 
     def joined(p):
         """A chunk's bytes [block_n, 16] -> its weights [block_n, 32] bf16 (unscaled), inputs in K order."""
-        pairs = e2m1_pairs(p, interpret=interpret)                                             # [bn, 16] int32
+        if decode == "raw":   # the timing probe: no decode, wrong values
+            pairs = p.astype(jnp.int32) * 0x00100010
+        else:
+            pairs = e2m1_pairs(p, interpret=interpret)                                         # [bn, 16] int32
         return jnp.stack([_bf16(pairs), _bf16(pairs >> 16)], axis=-1).reshape(block_n, CHUNK)
 
     def body(g, row0, col0, lhs_ref, packed_ref, scales_ref):
@@ -240,7 +247,7 @@ def _fp4_body(block_m, block_n, block_k, K, decode, interpret):
                 s = scales_ref[g, pl.ds(col0, block_n), pl.ds(c, 1)].T.astype(jnp.int32)     # [1, block_n]
                 dot = functools.partial(jnp.dot, precision=precision_for(lhs_ref.dtype),
                                         preferred_element_type=jnp.float32)
-                if decode == "join":
+                if decode in ("join", "raw"):
                     w = joined(p).T.astype(lhs_ref.dtype)                                      # [32, bn]
                     a = lhs_ref[rows, pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)]
                     acc = acc + dot(a, w) * _e8m0_product_factor(s)
@@ -289,15 +296,16 @@ def grouped_matmul_fp4_gpu(lhs, rhs: Fp4Weights, group_sizes, *, block_m=None, b
     cfg = dict(DEFAULT_CONFIG)
     cfg.update({k: v for k, v in dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
                                        num_stages=num_stages, decode=decode).items() if v is not None})
-    if cfg["decode"] not in DECODES:
-        raise ValueError(f"grouped_matmul_fp4: decode must be one of {DECODES}, got {cfg['decode']!r}")
+    if cfg["decode"] not in DECODES + PROBES:
+        raise ValueError(f"grouped_matmul_fp4: decode must be one of {DECODES} (or the timing probe "
+                         f"{PROBES}), got {cfg['decode']!r}")
     bm = cfg["block_m"] or default_block_m(M)
     bn = cfg["block_n"] if block_n is not None else fit_block(cfg["block_n"], N, "N")
     bk = cfg["block_k"] if block_k is not None else (cfg["block_k"] if K % cfg["block_k"] == 0 else CHUNK)
     if bk % CHUNK or K % bk or N % bn:
         raise ValueError(f"grouped_matmul_fp4: block_k = {bk} must be a multiple of {CHUNK} dividing K = {K}, and "
                          f"block_n = {bn} must divide N = {N}")
-    lhs_in = lhs if cfg["decode"].startswith("join") else evens_first(lhs)
+    lhs_in = evens_first(lhs) if cfg["decode"] == "f32" else lhs
     return launch(_fp4_body(bm, bn, bk, K, cfg["decode"], interpret), lhs_in, (rhs.packed, rhs.scales),
                   group_sizes, N, block_m=bm, block_n=bn, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                   interpret=interpret, name=f"grouped_matmul_fp4_{cfg['decode']}_m{bm}_n{bn}_k{bk}")
