@@ -100,6 +100,15 @@ def test_kernel_matches_reference(sizes, extra, opts, dtype, decode):
                                    atol=1e-4 * np.abs(want).max() + 1e-30)
 
 
+def test_default_block_k():
+    """128 inputs a K step for decode's 16-row tiles, 64 for prefill's wider ones (the GPU-checked config there),
+    narrowed to a multiple of 32 dividing K."""
+    from pallas_kernels.grouped_matmul.fp4 import default_block_k
+
+    assert [default_block_k(16, K) for K in (4096, 2048, 96, 160, 64)] == [128, 128, 96, 32, 64]
+    assert [default_block_k(64, K) for K in (4096, 96, 32)] == [64, 32, 32]
+
+
 def test_errors():
     rng = np.random.default_rng(1)
     lhs, rhs, gs, _ = _case(rng, [3, 5], 64, 32, jnp.float32)

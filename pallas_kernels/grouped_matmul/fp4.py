@@ -76,7 +76,18 @@ CHUNK = 32   # inputs per e8m0 scale (the checkpoint's FP4 block)
 # decode-shaped defaults: 4 chunks per K step, 128 output columns per program, decode "join". Session 47 (H100, 256
 # experts, B = 16, us): block_k 128 1099-1113, 64 1113-1134, 256 1215; 3 stages 1099; block_n 256 x 8 warps 1182-1203;
 # the two-dot "prmt" variant of the asm (since removed) 1228, "f32" 2008.
-DEFAULT_CONFIG = dict(block_m=None, block_n=128, block_k=128, num_warps=4, num_stages=4, decode="join")
+# block_k None: 128 for 16-row tiles (decode), 64 for wider ones (prefill, `gpu.default_block_m`): the one the GPU
+# has compiled and checked there (session 47: block_m 64 with block_k 64 passes its GPU test; 128 is untried, and
+# pip triton 3.9 fails to compile "join" at block_m 64, `benchmarks/triton_sass.py`). Prefill is untimed.
+DEFAULT_CONFIG = dict(block_m=None, block_n=128, block_k=None, num_warps=4, num_stages=4, decode="join")
+
+
+def default_block_k(block_m: int, K: int) -> int:
+    """The widest of 128 (16-row tiles) or 64 (wider ones) and below, in 32-input chunks, that divides K."""
+    bk = 128 if block_m <= 16 else 64
+    while K % bk:
+        bk -= CHUNK
+    return bk
 DECODES = ("join", "f32", "join_t")   # how the kernel decodes and multiplies (module doc, `_fp4_body`)
 # timing probes, wrong values: "raw" is "join" with the asm replaced by one integer op a byte (what the decode costs)
 PROBES = ("raw",)
@@ -301,7 +312,7 @@ def grouped_matmul_fp4_gpu(lhs, rhs: Fp4Weights, group_sizes, *, block_m=None, b
                          f"{PROBES}), got {cfg['decode']!r}")
     bm = cfg["block_m"] or default_block_m(M)
     bn = cfg["block_n"] if block_n is not None else fit_block(cfg["block_n"], N, "N")
-    bk = cfg["block_k"] if block_k is not None else (cfg["block_k"] if K % cfg["block_k"] == 0 else CHUNK)
+    bk = cfg["block_k"] or default_block_k(bm, K)
     if bk % CHUNK or K % bk or N % bn:
         raise ValueError(f"grouped_matmul_fp4: block_k = {bk} must be a multiple of {CHUNK} dividing K = {K}, and "
                          f"block_n = {bn} must divide N = {N}")
