@@ -76,9 +76,10 @@ CHUNK = 32   # inputs per e8m0 scale (the checkpoint's FP4 block)
 # decode-shaped defaults: 4 chunks per K step, 128 output columns per program, decode "join". Session 47 (H100, 256
 # experts, B = 16, us): block_k 128 1099-1113, 64 1113-1134, 256 1215; 3 stages 1099; block_n 256 x 8 warps 1182-1203;
 # the two-dot "prmt" variant of the asm (since removed) 1228, "f32" 2008.
-# block_k None: 128 for 16-row tiles (decode), 64 for wider ones (prefill, `gpu.default_block_m`): the one the GPU
-# has compiled and checked there (session 47: block_m 64 with block_k 64 passes its GPU test; 128 is untried, and
-# pip triton 3.9 fails to compile "join" at block_m 64, `benchmarks/triton_sass.py`). Prefill is untimed.
+# block_m None: `gpu.default_block_m` capped at 64; block_k None: 128 for 16-row tiles (decode), 64 for wider ones
+# (prefill): the configs the GPU has compiled and checked there (session 47: block_m 64 with block_k 64 passes its
+# GPU test; block_m 128 and block_k 128 with it are untried, and pip triton 3.9 fails to compile "join" at block_m
+# 64, `benchmarks/triton_sass.py`). Prefill is untimed.
 DEFAULT_CONFIG = dict(block_m=None, block_n=128, block_k=None, num_warps=4, num_stages=4, decode="join")
 
 
@@ -310,7 +311,7 @@ def grouped_matmul_fp4_gpu(lhs, rhs: Fp4Weights, group_sizes, *, block_m=None, b
     if cfg["decode"] not in DECODES + PROBES:
         raise ValueError(f"grouped_matmul_fp4: decode must be one of {DECODES} (or the timing probe "
                          f"{PROBES}), got {cfg['decode']!r}")
-    bm = cfg["block_m"] or default_block_m(M)
+    bm = cfg["block_m"] or min(default_block_m(M), 64)   # 128-row tiles: never compiled on a GPU with FP4 weights
     bn = cfg["block_n"] if block_n is not None else fit_block(cfg["block_n"], N, "N")
     bk = cfg["block_k"] or default_block_k(bm, K)
     if bk % CHUNK or K % bk or N % bn:
