@@ -44,10 +44,15 @@ def build_model(args, abstract=False):
 
     if args.experts_gmm is not None:
         EXPERTS_CONFIG["grouped_matmul"] = args.experts_gmm   # read when the step is traced
-    if getattr(args, "fp4_decode", None):
+    if getattr(args, "fp4_config", None):
+        from benchmarks.timing import parse_options
         from pallas_kernels.grouped_matmul import fp4
 
-        fp4.DEFAULT_CONFIG["decode"] = args.fp4_decode       # the FP4-weight kernel's, read when it is traced
+        opts = parse_options(args.fp4_config)
+        unknown = sorted(set(opts) - set(fp4.DEFAULT_CONFIG))
+        if unknown:
+            raise SystemExit(f"--fp4-config: unknown options {unknown} (the kernel's: {sorted(fp4.DEFAULT_CONFIG)})")
+        fp4.DEFAULT_CONFIG.update(opts)   # the FP4-weight kernel's defaults, read when it is traced
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     if args.preset:
         from dsv4_jax.model import DeepseekV4ForCausalLM
@@ -192,11 +197,9 @@ def add_model_args(p, dtype="float32"):
     p.add_argument("--expert-weights", choices=("dequantized", "fp4"), default="dequantized",
                    help="routed experts in the model dtype or as FP4 bytes (`layers.moe.EXPERT_WEIGHTS`; a preset "
                         "draws random bytes)")
-    from pallas_kernels.grouped_matmul.fp4 import DECODES
-
-    p.add_argument("--fp4-decode", choices=DECODES, default=None,
-                   help="with --expert-weights fp4 on the kernel: how it decodes the nibbles "
-                        "(`grouped_matmul.fp4.DECODES`; default: the kernel's)")
+    p.add_argument("--fp4-config", default=None,
+                   help="with --expert-weights fp4 on the kernel: its options for the whole step, e.g. "
+                        "'decode=join_t,num_warps=2,block_n=64' (`grouped_matmul.fp4.DEFAULT_CONFIG`; default: its)")
     p.add_argument("--experts-gmm", choices=("reference", "pallas", "auto"), default=None,
                    help="the routed experts' grouped matmuls: XLA's ragged dot or pallas_kernels.grouped_matmul "
                         "(default: the model's, layers.moe.EXPERTS_CONFIG)")
@@ -252,7 +255,7 @@ def main(argv=None):
         f"{platform.machine()}, dtype {args.dtype}, attention {args.attention_impl}, batch {args.batch}, "
         f"load average at start {os.getloadavg()[0]:.2f}, cache kv {args.kv_dtype or 'exact'} / indexer "
         f"{args.indexer_dtype or 'exact'}, routed experts {args.expert_weights}"
-        f"{' (decode ' + args.fp4_decode + ')' if args.fp4_decode else ''}, their grouped matmul "
+        f"{' (kernel ' + args.fp4_config + ')' if args.fp4_config else ''}, their grouped matmul "
         f"{EXPERTS_CONFIG['grouped_matmul']}",
         f"# timed: {args.steps} dependent decode steps in one jitted lax.scan, median of {args.repeats} calls "
         f"after warm-up, / steps; cache {'prefilled' if args.prefill else 'synthetic (random values, lengths = L)'}; "

@@ -149,7 +149,8 @@ def test_fp4_grouped_matmul_lowers_for_cuda():
 @pytest.mark.parametrize("T,E,opts", [(16, 256, {}), (64, 256, {}), (512, 64, dict(block_m=64)),
                                       (16, 256, dict(decode="f32")), (16, 256, dict(block_k=64, num_warps=8)),
                                       (16, 256, dict(block_n=256, num_warps=8)), (16, 256, dict(decode="join_t")),
-                                      (64, 256, dict(decode="join_t"))])
+                                      (64, 256, dict(decode="join_t", num_warps=2, block_n=64)),
+                                      (16, 256, dict(decode="join_t", num_warps=2, block_n=64, block_k=64))])
 def test_gpu_fp4_grouped_matmul_v4_flash_shapes(T, E, opts):
     """Compiled, V4-Flash expert shapes, top-6 routing of T tokens over E experts, random FP4 bytes: the kernel
     against the reference, w1-like and w2-like. The reference takes the active experts only (the same rows: empty

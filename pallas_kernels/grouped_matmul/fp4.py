@@ -35,9 +35,10 @@ accumulation:
                     chunk of lhs, evens first). 1.8x slower; kept as the kernel that needs no PTX.
   "join_t"          (untimed) "join" with the roles swapped: the decoded [block_n, 32] weights as the MMA's
                     first operand, lhs^T the second, the accumulator [block_n, block_m] (transposed once at the end).
-                    Triton then takes Hopper's wgmma with the weights from registers: 72 registers a thread against
-                    114 (5 programs an SM against 4), 5.8 SASS instructions a weight against 5.5, its bytes loaded
-                    one at a time from shared memory.
+                    With 4 warps Triton takes Hopper's wgmma, the weights from registers: 72 registers a thread, 5.8
+                    SASS instructions a weight (its bytes loaded one at a time from shared memory). With 2 warps it
+                    takes mma.sync, the decoded weights used where they are: 4.6 a weight at block_n 64 (74
+                    registers, 9 programs an SM), 4.2 at block_n 128 (198 registers), against "join"'s 5.5.
   "raw"             a timing probe (`PROBES`; wrong values): "join" with the asm replaced by one integer op a byte,
                     so the difference between the two is what the decode costs.
 In the Pallas interpreter (CPU) "join" runs the asm's twin `e2m1_pairs(interpret=True)`; the asm itself is checked
