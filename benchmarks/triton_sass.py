@@ -40,17 +40,6 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def parse_options(spec):
-    """'block_n=64,num_warps=8' -> {'block_n': 64, 'num_warps': 8} (as `timing.parse_options`, which needs jax)."""
-    out = {}
-    for item in filter(None, spec.split(",")):
-        k, _, v = item.partition("=")
-        out[k.strip()] = int(v) if v.strip().lstrip("-").isdigit() else v.strip()
-    return out
-
-
-# ---- run in the triton venv: TTIR file -> cubin ------------------------------------------------------------------
-
 def compile_ttir(path, num_warps, num_stages, out_cubin):
     import triton
     from triton.backends.compiler import GPUTarget
@@ -198,6 +187,9 @@ def main():
         ttir, nw, ns, cubin = args.compile
         compile_ttir(ttir, int(nw), int(ns), cubin)
         return
+
+    sys.path.insert(0, ROOT)
+    from benchmarks.timing import parse_options   # needs jax: the project venv's side only
 
     kinds = [d for d in args.decodes.split(",") if d] + ([] if args.no_bf16 else ["bf16"])
     out = args.keep or tempfile.mkdtemp(prefix="triton_sass_")

@@ -39,8 +39,9 @@ def _case(rng, sizes, K, N, dtype, extra_rows=0):
     return lhs, rhs, jnp.asarray(sizes), dense
 
 
-def test_layout_is_the_checkpoints_transposed():
-    """`from_checkpoint` + `dequantize` == `quant.dequant_fp4` of every expert, transposed to [in, out], exactly;
+def test_layout_is_the_checkpoints_bytes():
+    """`from_checkpoint` keeps the checkpoint's bytes, and `dequantize` of them == `quant.dequant_fp4` of every
+    expert (as [in, out]), exactly;
     every nibble code, with e8m0 bytes from 3 to 250 and 255 (NaN), decodes as the checkpoint's decoder does. (Bytes
     0-2 scale 0.5 below 2^-126: XLA flushes such subnormal products to 0, numpy does not; no checkpoint holds them.)"""
     rng = np.random.default_rng(0)

@@ -49,8 +49,9 @@ dispatch; `results/README_decode.md`): B = 16 "join" 1099-1113 us against 1444.8
 floors 408.2 and 1536.6 us), "f32" 2008; B = 64 2514.7-2519.1 against 3326.4 (1.32x). That is 2.7x the FP4 bytes'
 floor: at decode a weight meets ~1 token row (B = 16 x top-6 over ~84 active experts), so nothing amortizes the
 decode, and the kernel runs on instructions and their latency, not bandwidth. SASS of the main loop per weight
-(`benchmarks/triton_sass.py`: compiled on a CPU machine by pip triton 3.9, indicative): "f32" 18.2, "join" 5.5
-(the asm's 2.75, the rest HMMA operand moves, per-chunk scaling, loads); bf16 weights 1.9. The H100 times fit
+(`benchmarks/triton_sass.py`: compiled on a CPU machine by pip triton 3.9, indicative): "f32" 18.2 as timed (15.7
+since its f32 decode widens `e2m1_bf16_bits`), "join" 5.5 (the asm's 2.75, the rest HMMA operand moves, per-chunk
+scaling, loads); bf16 weights 1.9. The H100 times fit
 ~684 us + 73 us per instruction a weight: fewer instructions and more warps per SM (114 registers a thread, 4
 programs of 4 warps per SM at the defaults) are the next steps. The model takes the kernel with
 `expert_weights="fp4"` (`load_pretrained(..., expert_weights="fp4")` keeps a DeepSeek checkpoint's FP4 experts as
@@ -90,6 +91,8 @@ def default_block_k(block_m: int, K: int) -> int:
     while K % bk:
         bk -= CHUNK
     return bk
+
+
 DECODES = ("join", "f32", "join_t")   # how the kernel decodes and multiplies (module doc, `_fp4_body`)
 # timing probes, wrong values: "raw" is "join" with the asm replaced by one integer op a byte (what the decode costs)
 PROBES = ("raw",)
@@ -133,12 +136,9 @@ def from_checkpoint(packed_experts, scale_experts) -> Fp4Weights:
 
 
 def _e2m1(codes):
-    """int32 nibble codes -> their f32 values (exact) by integer ops: |x| = 0, 0.5 or 2^(e - 1) (1 + m / 2) for the
-    2 exponent bits e and the mantissa bit m, bit 3 the sign."""
-    e = (codes >> 1) & 3
-    m = codes & 1
-    mag = jnp.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
-    return jax.lax.bitcast_convert_type(mag | ((codes & 8) << 28), jnp.float32)
+    """int32 nibble codes -> their f32 values (exact): `e2m1_bf16_bits` widened to f32 (a bf16's bits are the top
+    half of the same f32's)."""
+    return jax.lax.bitcast_convert_type(e2m1_bf16_bits(codes) << 16, jnp.float32)
 
 
 def _e8m0(scale_bytes):
@@ -252,38 +252,30 @@ def _fp4_body(block_m, block_n, block_k, K, decode, interpret):
         return jnp.stack([_bf16(pairs), _bf16(pairs >> 16)], axis=-1).reshape(block_n, CHUNK)
 
     def body(g, row0, col0, lhs_ref, packed_ref, scales_ref):
-        def step(kk, acc):
-            for j in range(block_k // CHUNK):                  # the K step's 32-input chunks
-                c = kk * (block_k // CHUNK) + j
-                rows = pl.ds(row0, block_m)
-                p = packed_ref[g, pl.ds(col0, block_n), pl.ds(pl.multiple_of(c * half, half), half)]  # [bn, 16]
-                s = scales_ref[g, pl.ds(col0, block_n), pl.ds(c, 1)].T.astype(jnp.int32)     # [1, block_n]
-                dot = functools.partial(jnp.dot, precision=precision_for(lhs_ref.dtype),
-                                        preferred_element_type=jnp.float32)
-                if decode in ("join", "raw"):
-                    w = joined(p).T.astype(lhs_ref.dtype)                                      # [32, bn]
-                    a = lhs_ref[rows, pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)]
-                    acc = acc + dot(a, w) * _e8m0_product_factor(s)
-                else:   # "f32": even and odd inputs as two dots
-                    p = p.T.astype(jnp.int32)                                                  # [16, bn]
-                    for a0, codes in ((c * CHUNK, p & 15), (c * CHUNK + half, p >> 4)):
-                        a = lhs_ref[rows, pl.ds(pl.multiple_of(a0, half), half)]
-                        acc = acc + dot(a, _decode(codes, s).astype(a.dtype))
-            return acc
+        dot = functools.partial(jnp.dot, precision=precision_for(lhs_ref.dtype), preferred_element_type=jnp.float32)
+        rows = pl.ds(row0, block_m)
 
-        def step_t(kk, acc_t):   # "join_t": the weights as the MMA's first operand, acc [bn, bm]
-            for j in range(block_k // CHUNK):
+        def step(kk, acc):   # acc [block_m, block_n]; "join_t": [block_n, block_m]
+            for j in range(block_k // CHUNK):                  # the K step's 32-input chunks
                 c = kk * (block_k // CHUNK) + j
                 p = packed_ref[g, pl.ds(col0, block_n), pl.ds(pl.multiple_of(c * half, half), half)]  # [bn, 16]
                 s = scales_ref[g, pl.ds(col0, block_n), pl.ds(c, 1)].astype(jnp.int32)       # [bn, 1]
-                a = lhs_ref[pl.ds(row0, block_m), pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)]
-                prod = jnp.dot(joined(p).astype(lhs_ref.dtype), a.T, precision=precision_for(lhs_ref.dtype),
-                               preferred_element_type=jnp.float32)                              # [bn, bm]
-                acc_t = acc_t + prod * _e8m0_product_factor(s)
-            return acc_t
+                if decode == "f32":   # even and odd inputs as two dots, every weight scaled
+                    p = p.T.astype(jnp.int32)                                                  # [16, bn]
+                    for a0, codes in ((c * CHUNK, p & 15), (c * CHUNK + half, p >> 4)):
+                        a = lhs_ref[rows, pl.ds(pl.multiple_of(a0, half), half)]
+                        acc = acc + dot(a, _decode(codes, s.T).astype(a.dtype))
+                    continue
+                w = joined(p).astype(lhs_ref.dtype)                                            # [bn, 32]
+                a = lhs_ref[rows, pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)]              # [bm, 32]
+                if decode == "join_t":   # the weights as the MMA's first operand
+                    acc = acc + dot(w, a.T) * _e8m0_product_factor(s)
+                else:                    # "join", "raw"
+                    acc = acc + dot(a, w.T) * _e8m0_product_factor(s.T)
+            return acc
 
         if decode == "join_t":
-            return jax.lax.fori_loop(0, K // block_k, step_t, jnp.zeros((block_n, block_m), jnp.float32)).T
+            return jax.lax.fori_loop(0, K // block_k, step, jnp.zeros((block_n, block_m), jnp.float32)).T
         return jax.lax.fori_loop(0, K // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
 
     return body
