@@ -1,0 +1,82 @@
+"""Registers, spills and the SASS opcode mix of the Mosaic indexer kernel over fp4 keys, per fp4_source, on the GPU.
+
+    MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=DIR PYTHONPATH=. \
+        python benchmarks/indexer_fp4_resources.py DIR [--batch 64] [--keys 32768]
+
+Mosaic GPU compiles a kernel when it is first called; with the dump variables set it writes ptxas' verbose log and
+the SASS of each kernel into DIR. This compiles and runs the fp4 scores kernel (precision "fp8") once per
+`mosaic_fp4.SOURCES` entry, alone and under the segment top-k (the decode default), and prints per kernel the
+ptxas resource lines and the SASS instruction count with its 20 most frequent opcodes. Why (session 48): the fp4
+path runs at 2.35x its byte floor on the H200 (B = 64 x 128K context); with "upcast" loads each thread holds 16
+e5m2 tables (32 registers) next to the 64-register accumulator, and the SM holds as many CTAs as their registers
+allow, so the registers decide how much of one CTA's serial chain (wait, convert, MMA, epilogue) another hides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _report(paths):
+    for f in paths:
+        if not os.path.isfile(f):
+            continue
+        with open(f, errors="replace") as fh:
+            text = fh.read()
+        name = os.path.basename(f)
+        for line in text.splitlines():
+            if any(k in line for k in ("registers", "spill", "Compiling entry")):
+                print(f"   {name}: {line.strip()}")
+        ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", text)
+        if ops:
+            hist = collections.Counter(op.split(".")[0] for op in ops)
+            print(f"   {name}: {len(ops)} SASS instructions; " +
+                  " ".join(f"{op} {n}" for op, n in hist.most_common(20)))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out_dir", nargs="?", default=os.environ.get("MOSAIC_GPU_DUMP_TO"))
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--keys", type=int, default=32768, help="compressed keys a row (128K context / 4)")
+    args = ap.parse_args()
+    if not os.environ.get("MOSAIC_GPU_DUMP_TO") or not args.out_dir:
+        raise SystemExit("set MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 and MOSAIC_GPU_DUMP_TO=<existing dir>")
+    from pallas_kernels.indexer import formats as F
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+    from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
+    from pallas_kernels.indexer.mosaic_fp4 import SOURCES
+
+    rng = np.random.default_rng(0)
+    B, T, H = args.batch, args.keys, 64
+    q = jnp.asarray(rng.standard_normal((B, 1, H, 128)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((B, 1, H)), jnp.float32)
+    keys = F.quantize(jnp.asarray(rng.standard_normal((B, T, 128)), jnp.float32), "fp4")
+    nv = jnp.full((B, 1), T, jnp.int32)
+    from pallas_kernels.indexer import gpu_mosaic
+
+    for source in SOURCES:
+        for what in ("scores", "segment_set"):
+            before = set(glob.glob(os.path.join(args.out_dir, "*")))
+            gpu_mosaic.MOSAIC_CONFIG["fp4_source"] = source
+            if what == "scores":
+                fn = jax.jit(lambda *a: indexer_scores_mosaic(*a, precision="fp8"))
+            else:
+                fn = jax.jit(lambda *a: indexer_topk_gpu(*a, k=512, kernel="mosaic", topk="segment_set",
+                                                         precision="fp8"))
+            jax.block_until_ready(fn(q, w, keys, nv))
+            new = sorted(set(glob.glob(os.path.join(args.out_dir, "*"))) - before)
+            print(f"== fp4_source={source} {what}: {len(new)} new dump files", flush=True)
+            _report(new)
+
+
+if __name__ == "__main__":
+    main()
