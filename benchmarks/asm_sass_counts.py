@@ -34,7 +34,6 @@ from pallas_kernels.indexer import mosaic_fp4 as M4  # noqa: E402
 
 # (name, asm, outputs, inputs): the asm's $0.. are its outputs, then its inputs
 BLOCKS = [("fp4_e5m2x8", M4.FP4_E5M2X8_ASM, 2, 3), ("e5m2_luts", M4.E5M2_LUTS_ASM, 9, 1),
-          ("e5m2_lut1", M4.E5M2_LUT1_ASM, 3, 2),
           ("fp4_f16x4", M4.FP4_F16X4_SCALED_ASM, 4, 2), ("scale_factors", M4.SCALE_FACTORS_ASM, 5, 1),
           ("gmm_e2m1_pairs", G4.E2M1_PAIRS_ASM, 4, 1)]   # 4 bytes -> 8 weights' bf16 bits
 SKIP = ("LDG", "STG", "LDC", "ULDC", "EXIT", "BRA", "NOP", "S2R", "MOV", "IMAD.MOV")

@@ -1,15 +1,17 @@
-"""Registers, spills and the SASS opcode mix of the Mosaic indexer kernel over fp4 keys, per fp4_source, on the GPU.
+"""Registers and spills of the Mosaic indexer kernel over fp4 keys, per precision, on the GPU.
 
     MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=DIR PYTHONPATH=. \
         python benchmarks/indexer_fp4_resources.py DIR [--batch 64] [--keys 32768]
 
 Mosaic GPU compiles a kernel when it is first called; with the dump variables set it writes ptxas' verbose log and
-the SASS of each kernel into DIR. This compiles and runs the fp4 scores kernel (precision "fp8") once per
-`mosaic_fp4.SOURCES` entry, alone and under the segment top-k (the decode default), and prints per kernel the
-ptxas resource lines and the SASS instruction count with its 20 most frequent opcodes. Why (session 48): the fp4
-path runs at 2.35x its byte floor on the H200 (B = 64 x 128K context); with "upcast" loads each thread holds 16
-e5m2 tables (32 registers) next to the 64-register accumulator, and the SM holds as many CTAs as their registers
-allow, so the registers decide how much of one CTA's serial chain (wait, convert, MMA, epilogue) another hides.
+the SASS of each kernel into DIR. This compiles and runs the fp4 scores kernel once per precision ("fp8", the
+default, and "f16"), alone and under the segment top-k (the decode default), and prints per kernel its dump files
+(name, size), the ptxas resource lines and, where a dump holds SASS in cuobjdump's format, its instruction count
+with the 20 most frequent opcodes. Why (session 48): the fp4 path runs at 2.35x its byte floor on the H200 (B = 64
+x 128K context), and an SM holds as many of its CTAs as their registers and shared memory allow.
+
+Session 48 (H100, `results/h100_s48r1_fp4res.log`): 134 registers (scores alone) and 136 (under the segment top-k)
+at precision "fp8", no spills; the segment top-k's CTA takes 81952 B of shared memory, so 2 CTAs an SM.
 """
 
 from __future__ import annotations
@@ -32,9 +34,14 @@ def _report(paths):
         with open(f, errors="replace") as fh:
             text = fh.read()
         name = os.path.basename(f)
-        for line in text.splitlines():
-            if any(k in line for k in ("registers", "spill", "Compiling entry")):
-                print(f"   {name}: {line.strip()}")
+        print(f"   {name}: {len(text)} bytes")
+        if name.endswith(".ptxas"):
+            for line in text.splitlines():
+                if any(k in line for k in ("registers", "spill")):
+                    print(f"   {name}: {line.strip()}")
+        smem = sorted(set(re.findall(r"mosaic_gpu\.smem_bytes = (\d+)", text)))
+        if smem:
+            print(f"   {name}: shared memory {', '.join(smem)} B a CTA")
         ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", text)
         if ops:
             hist = collections.Counter(op.split(".")[0] for op in ops)
@@ -53,7 +60,6 @@ def main():
     from pallas_kernels.indexer import formats as F
     from pallas_kernels.indexer.gpu import indexer_topk_gpu
     from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
-    from pallas_kernels.indexer.mosaic_fp4 import SOURCES
 
     rng = np.random.default_rng(0)
     B, T, H = args.batch, args.keys, 64
@@ -61,20 +67,17 @@ def main():
     w = jnp.asarray(rng.standard_normal((B, 1, H)), jnp.float32)
     keys = F.quantize(jnp.asarray(rng.standard_normal((B, T, 128)), jnp.float32), "fp4")
     nv = jnp.full((B, 1), T, jnp.int32)
-    from pallas_kernels.indexer import gpu_mosaic
-
-    for source in SOURCES:
+    for precision in ("fp8", "f16"):
         for what in ("scores", "segment_set"):
             before = set(glob.glob(os.path.join(args.out_dir, "*")))
-            gpu_mosaic.MOSAIC_CONFIG["fp4_source"] = source
             if what == "scores":
-                fn = jax.jit(lambda *a: indexer_scores_mosaic(*a, precision="fp8"))
+                fn = jax.jit(lambda *a, p=precision: indexer_scores_mosaic(*a, precision=p))
             else:
-                fn = jax.jit(lambda *a: indexer_topk_gpu(*a, k=512, kernel="mosaic", topk="segment_set",
-                                                         precision="fp8"))
+                fn = jax.jit(lambda *a, p=precision: indexer_topk_gpu(*a, k=512, kernel="mosaic", topk="segment_set",
+                                                                      precision=p))
             jax.block_until_ready(fn(q, w, keys, nv))
             new = sorted(set(glob.glob(os.path.join(args.out_dir, "*"))) - before)
-            print(f"== fp4_source={source} {what}: {len(new)} new dump files", flush=True)
+            print(f"== precision={precision} {what}: {len(new)} new dump files", flush=True)
             _report(new)
 
 

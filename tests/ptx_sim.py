@@ -7,7 +7,7 @@ a machine without a GPU.
 
 What it models: the PTX subset those blocks use (32-bit integer arithmetic incl. `prmt` / `bfe`, predicates, shared /
 global loads,
-stores and atomics, `bar.sync`, `vote.sync.ballot`, `shfl.sync.down`, `match.any.sync`, `%tid.x`, `%laneid`,
+stores and atomics, `bar.sync`, `vote.sync.ballot`, `shfl.sync.down`, `match.any.sync`, `%tid.x`,
 `%lanemask_lt`, branches; a thread-block cluster's `mapa` / `ld.shared::cluster` over the cluster's shared memories,
 `Cta(cluster=[...], rank=r)`). Every thread runs on its own program counter; a thread that reaches a collective
 (`bar.sync` of the CTA's threads, or a warp's vote / shuffle / match) waits until every participant reaches the
@@ -158,7 +158,7 @@ class Cta:
         kind = cls._tokens.get(tok)
         if kind is None:
             s = tok.strip()
-            if s in ("%tid.x", "%lanemask_lt", "%laneid"):
+            if s in ("%tid.x", "%lanemask_lt"):
                 kind = ("special", s)
             elif re.match(r"^-?(0x[0-9a-fA-F]+|\d+)$", s):
                 kind = ("imm", _int(s) & MASK64)
@@ -177,7 +177,7 @@ class Cta:
             return v
         if kind == "imm":
             return x
-        return {"%tid.x": t.tid, "%laneid": t.tid % 32}.get(x, (1 << (t.tid % 32)) - 1)
+        return t.tid if x == "%tid.x" else (1 << (t.tid % 32)) - 1
 
     def _pred(self, t, tok):
         neg = tok.startswith("!")

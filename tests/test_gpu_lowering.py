@@ -704,25 +704,6 @@ def test_indexer_mosaic_fp4_lowers(B, S, H, T, opts):
     lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_scores_mosaic(*a, **opts), q, w, keys, nv)
     lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=64, kernel="mosaic", topk="segment_set",
                                                                 precision="fp8", **opts), q, w, keys, nv)
-    # fp4_source "group" (session 48): one group's 16 bytes a thread, one e5m2 table a row (`mosaic_fp4.SOURCES`)
-    assert "%laneid" in lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_scores_mosaic(*a, fp4_source="group",
-                                                                                          **opts), q, w, keys, nv)
-    from pallas_kernels.indexer import gpu_mosaic
-
-    saved = dict(gpu_mosaic.MOSAIC_CONFIG)
-    try:   # through the config (as benchmarks/indexer.py's 'mosaic.fp4_source=group'), under the segment top-k
-        gpu_mosaic.MOSAIC_CONFIG["fp4_source"] = "group"
-        assert "%laneid" in lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(
-            *a, k=64, kernel="mosaic", topk="segment_set", precision="fp8", **opts), q, w, keys, nv)
-        assert "%laneid" not in lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_scores_mosaic(
-            *a, precision="f16", **opts), q, w, keys, nv)   # the f16 operand keeps its own load
-    finally:
-        gpu_mosaic.MOSAIC_CONFIG.clear()
-        gpu_mosaic.MOSAIC_CONFIG.update(saved)
-    with pytest.raises(ValueError, match="fp4_source='group' applies to fp4 keys at precision 'fp8'"):
-        indexer_scores_mosaic(q, w, keys, nv, precision="f16", fp4_source="group")
-    with pytest.raises(ValueError, match="fp4_source must be one of"):
-        indexer_scores_mosaic(q, w, keys, nv, fp4_source="lanes")
     if not opts:   # the conversion-free timing probe (session 46), both precisions: no per-8-value asm left
         for precision, asm_line in (("f16", "mul.rn.f16x2 $0, a, $5"), ("fp8", "and.b32 sel, $2, 0x7777")):
             probe = lambda *a: indexer_scores_mosaic(*a, precision=precision, convert="raw")

@@ -139,15 +139,17 @@ def test_fp4_grouped_matmul_lowers_for_cuda():
     sds = jax.ShapeDtypeStruct
     for M, K, N, opts in [(96, 4096, 2048, {}), (96, 2048, 4096, dict(decode="join_t")),
                           (96, 4096, 2048, dict(decode="f32")),
-                          (4096, 4096, 2048, dict(block_m=64))]:
+                          (4096, 4096, 2048, dict(block_m=64)), (4096, 4096, 2048, {})]:
         rhs = Fp4Weights(sds((256, N, K // 2), jnp.uint8), sds((256, N, K // 32), jnp.uint8))
         text = lowers_for("cuda", "triton", lambda x, r, g: grouped_matmul_fp4_gpu(x, r, g, **opts),
                           sds((M, K), jnp.bfloat16), rhs, sds((256,), jnp.int32))
         assert "grouped_matmul_fp4" in text
+        if M == 4096 and not opts:   # prefill's default tile: 32 rows (session 48), 64 inputs a K step
+            assert "grouped_matmul_fp4_join_m32_n128_k64" in text
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU (the compiled Triton kernel)")
-@pytest.mark.parametrize("T,E,opts", [(16, 256, {}), (64, 256, {}), (512, 64, dict(block_m=64)),
+@pytest.mark.parametrize("T,E,opts", [(16, 256, {}), (64, 256, {}), (512, 64, dict(block_m=64)), (512, 256, {}),
                                       (16, 256, dict(decode="f32")), (16, 256, dict(block_k=64, num_warps=8)),
                                       (16, 256, dict(block_n=256, num_warps=8)), (16, 256, dict(decode="join_t")),
                                       (64, 256, dict(decode="join_t", num_warps=2, block_n=64)),

@@ -419,31 +419,8 @@ def test_gpu_mosaic_fp4_fp8_precision(B, S, H, T, opts, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("B,S,H,T,opts", [(4, 1, 64, 5000, {}), (2, 2, 64, 70000, {}), (3, 1, 16, 776, {}),
-                                          (3, 1, 64, 4104, dict(block_t=64, num_stages=2)),
-                                          (2, 1, 64, 9000, dict(block_t=256, num_splits=3)),
-                                          (4, 1, 64, 5000, dict(split_m=True))])
-def test_gpu_mosaic_fp4_group_source(B, S, H, T, opts, monkeypatch):
-    """fp4_source "group" (session 48): a thread loads one scale group's 16 bytes of each of its key rows and builds
-    that group's e5m2 table only; the operand's K-steps then mix the groups. Same checks as precision "fp8" with the
-    default load: scores within 1e-4 of the row scale, the picks (segment top-k, through MOSAIC_CONFIG), the set
-    picks equal to them."""
-    from pallas_kernels.indexer import gpu_mosaic
-
-    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_source", "group")
-    q, w, keys, nv = make(B, S, H, T, "fp4", True)
-    opts = dict(opts, precision="fp8")
-    check_scores(q, w, keys, nv, "pallas", 1e-4, kernel="mosaic", **opts)
-    picks = indexer_topk(q, w, keys, nv, k=512, impl="pallas", kernel="mosaic", **opts)
-    check_picks(picks, q, w, keys, nv, 512, tol=1e-4)
-    got = indexer_topk(q, w, keys, nv, k=512, impl="pallas", kernel="mosaic", picks="set", **opts)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(as_index_set(picks)))
-
-
-@gpu
-@pytest.mark.parametrize("precision,tol,source", [("f16", 1e-5, "upcast"), ("fp8", 1e-4, "upcast"),
-                                                  ("fp8", 1e-4, "group")])
-def test_gpu_mosaic_fp4_wide_group_scales(precision, tol, source, monkeypatch):
+@pytest.mark.parametrize("precision,tol", [("f16", 1e-5), ("fp8", 1e-4)])
+def test_gpu_mosaic_fp4_wide_group_scales(precision, tol):
     """fp4 keys whose 32-channel groups lie up to 2^20 apart (the f16 operand factors 2^(15 - D) down to 2^-5; the
     e5m2 tables 2^(13 - D), exact to D = 26) and q whose groups do too: still the reference's scores to f32
     rounding on the Mosaic kernel (precision "fp8": to the fp8 tensor cores' accumulation)."""
@@ -455,9 +432,6 @@ def test_gpu_mosaic_fp4_wide_group_scales(precision, tol, source, monkeypatch):
     keys = F.quantize(jnp.asarray(k, jnp.float32), "fp4")
     w = jnp.asarray(rng.standard_normal((B, 1, H)), jnp.float32)
     nv = jnp.asarray(rng.integers(1, T + 1, (B, 1)), jnp.int32)
-    from pallas_kernels.indexer import gpu_mosaic
-
-    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_source", source)
     check_scores(q, w, keys, nv, "pallas", tol, kernel="mosaic", precision=precision)
 
 

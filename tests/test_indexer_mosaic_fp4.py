@@ -27,7 +27,7 @@ def test_register_plan_is_one_permutation(rows):
     plan, columns = register_plan(rows)
     assert sorted(columns.tolist()) == list(range(128))
     np.testing.assert_array_equal(columns, register_plan(64)[1])
-    targets = [t for _, _, ts, _, _ in plan for t in ts]
+    targets = [t for _, ts, _, _ in plan for t in ts]
     assert len(targets) == len(set(targets)) == rows * 128 // 128 // 2   # f16x2 registers per thread
     assert sorted(g for *_, g in plan) == sorted(list(range(4)) * (len(plan) // 4))
 
@@ -123,7 +123,7 @@ def test_register_plan_e5m2_keeps_groups_in_k_steps(rows):
     plan, columns = register_plan(rows, "e5m2")
     assert sorted(columns.tolist()) == list(range(128))
     np.testing.assert_array_equal(columns, register_plan(64, "e5m2")[1])
-    targets = [t for _, _, ts, _, _ in plan for t in ts]
+    targets = [t for _, ts, _, _ in plan for t in ts]
     assert len(targets) == len(set(targets)) == rows * 128 // 128 // 4   # e5m2x4 registers per thread
     np.testing.assert_array_equal(columns // 32, np.arange(128) // 32)
 
@@ -153,95 +153,6 @@ def test_e5m2_asm_matches_its_model_in_the_ptx_interpreter():
             out = run_registers(FP4_E5M2X8_ASM, [int(wd), int(lo), int(hi)], 2)
             want = fp4_e5m2x8_reference(np.array([wd]), np.array([lo]), np.array([hi]))[0]
             assert out == [int(want[r].view(np.uint32)[0]) for r in range(2)], hex(int(wd))
-
-
-@pytest.mark.parametrize("rows", [64, 128, 192, 256])
-def test_register_plan_group_source(rows):
-    """Source "group" (session 48): the e5m2 plan from the one-group-a-thread load layout is one permutation for
-    every block height, each target register once, 4 words a register (16 bytes); every operand K-step of 32
-    columns then holds 8 channels of each group (register_plan itself checks each thread's words are in its lane's
-    group)."""
-    from pallas_kernels.indexer.mosaic_fp4 import source_layout
-
-    plan, columns = register_plan(rows, "e5m2", "group")
-    assert sorted(columns.tolist()) == list(range(128))
-    np.testing.assert_array_equal(columns, register_plan(64, "e5m2", "group")[1])
-    targets = [t for _, _, ts, _, _ in plan for t in ts]
-    assert len(targets) == len(set(targets)) == rows * 128 // 128 // 4
-    assert {wd for _, wd, *_ in plan} == {0, 1, 2, 3} and all(g is None for *_, g in plan)
-    assert source_layout("group").vector_length == 16
-    for step in range(4):
-        groups = np.arange(128)[columns // 32 == step] // 32
-        np.testing.assert_array_equal(np.bincount(groups, minlength=4), [8, 8, 8, 8])
-    with pytest.raises(ValueError, match="e5m2 operands only"):
-        register_plan(rows, "f16", "group")
-
-
-@pytest.mark.parametrize("source", ["upcast", "group"])
-def test_e5m2_operand_emulated_per_thread(source):
-    """Every thread of the warpgroup, emulated: its source words where `source_layout` puts them, the table of the
-    group the plan names (source "group": the thread's lane mod 4, as LANE_GROUP_SHIFT_ASM gives E5M2_LUT1_ASM),
-    the asm's output registers where the e5m2 operand layout puts them. The operand assembled from all threads x the
-    key's factor is the dequantized keys in `channel_columns` order, exactly (groups <= E5M2_MAX_D below)."""
-    import ml_dtypes
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-
-    from pallas_kernels.indexer.mosaic_fp4 import (E5M2_ASM_CHANNELS, E5M2_MAX_D, e5m2_luts, fp4_e5m2x8_reference,
-                                                   layout_positions, source_layout)
-
-    rng = np.random.default_rng(48)
-    rows = 128
-    packed = rng.integers(0, 256, (rows, 64), dtype=np.uint8)
-    scales = np.clip(130 - rng.integers(0, 30, (rows, 4)), 0, 255)
-    tables, fbits = e5m2_luts(scales)
-    plan, columns = register_plan(rows, "e5m2", source)
-    src = layout_positions(source_layout(source), (rows, 64))
-    dst = layout_positions(fa.WGMMA_LAYOUT_8BIT, (rows, 128))
-    operand = np.full((rows, 128), np.nan)
-    for w in range(4):
-        for lane in range(32):
-            for idx, wd, targets, _, group in plan:
-                pos = [src[(w, lane) + idx + (4 * wd + v,)] for v in range(4)]
-                r = pos[0][0]
-                word = sum(int(packed[r, c]) << (8 * v) for v, (_, c) in enumerate(pos))
-                lo, hi = tables[r, lane % 4 if group is None else group]
-                out = fp4_e5m2x8_reference(np.array([word]), np.array([lo]), np.array([hi]))[0]
-                for t, chans in zip(targets, E5M2_ASM_CHANNELS):
-                    for h in range(len(chans)):
-                        rr, col = dst[(w, lane) + t + (h,)]
-                        assert rr == r and np.isnan(operand[r, col])
-                        operand[r, col] = out[E5M2_ASM_CHANNELS.index(chans), h].view(ml_dtypes.float8_e5m2)
-    assert not np.isnan(operand).any()
-    factor = fbits.view(np.float32).astype(np.float64)
-    nib = np.stack([packed & 0xF, packed >> 4], -1).reshape(rows, 128).astype(np.int64)
-    want = e2m1(nib) * np.ldexp(1.0, np.repeat(scales, 32, -1) - 127)
-    keep = np.repeat(scales.max(-1, keepdims=True) - scales <= E5M2_MAX_D, 32, -1)
-    got = operand[:, columns] * factor[:, None]
-    np.testing.assert_array_equal(got[keep], want[keep])
-    assert np.all(got[~keep] == 0)
-
-
-def test_e5m2_lut1_asm_in_ptx_interpreter():
-    """E5M2_LUT1_ASM (source "group": one group's table, the group's bit position an input) equals `e5m2_luts`'s
-    table of that group and the key's factor, for every group of scale words with groups 0, 26, 27 and 255 below the
-    largest; LANE_GROUP_SHIFT_ASM gives 8 x (lane mod 4) on every thread of a warpgroup."""
-    from ptx_sim import Cta, Memory, run_registers
-
-    from pallas_kernels.indexer.mosaic_fp4 import E5M2_LUT1_ASM, LANE_GROUP_SHIFT_ASM, e5m2_luts
-
-    rng = np.random.default_rng(148)
-    scales = np.concatenate([rng.integers(0, 256, (16, 4)),
-                             [[127, 101, 100, 0], [13, 13, 0, 5], [255, 229, 228, 0], [0, 0, 0, 0], [6, 7, 8, 9]]])
-    tables, factor = e5m2_luts(scales)
-    for i, sc in enumerate(scales):
-        word = int(sc[0]) | int(sc[1]) << 8 | int(sc[2]) << 16 | int(sc[3]) << 24
-        for g in range(4):
-            got = run_registers(E5M2_LUT1_ASM, [word, 8 * g], 3)
-            assert got == tables[i, g].tolist() + [int(factor[i])], (sc, g, [hex(x) for x in got])
-    glob = Memory()
-    asm = LANE_GROUP_SHIFT_ASM.replace("$0", "%sh")
-    Cta(threads=128, glob=glob).run(asm + "\nmov.u32 %a, %tid.x;\nshl.b32 %a, %a, 2;\nst.global.u32 [%a], %sh;\n")
-    assert [glob.load(4 * t) for t in range(128)] == [8 * (t % 4) for t in range(128)]
 
 
 def test_e5m2_operand_values_exact():
@@ -314,8 +225,7 @@ def test_fp4_asm_blocks_assemble(tmp_path):
     if not ptxas:
         pytest.skip("no ptxas (set PTXAS or pip install nvidia-cuda-nvcc-cu12)")
     blocks = [("fp4_f16x4", M4.FP4_F16X4_SCALED_ASM, "r" * 6), ("scale_factors", M4.SCALE_FACTORS_ASM, "r" * 6),
-              ("fp4_e5m2x8", M4.FP4_E5M2X8_ASM, "r" * 5), ("e5m2_luts", M4.E5M2_LUTS_ASM, "r" * 10),
-              ("e5m2_lut1", M4.E5M2_LUT1_ASM, "r" * 5), ("lane_group_shift", M4.LANE_GROUP_SHIFT_ASM, "r")]
+              ("fp4_e5m2x8", M4.FP4_E5M2X8_ASM, "r" * 5), ("e5m2_luts", M4.E5M2_LUTS_ASM, "r" * 10)]
     src = tmp_path / "fp4.ptx"
     src.write_text(standalone_ptx(blocks))
     res = subprocess.run([ptxas, "-arch=sm_90a", str(src), "-o", str(tmp_path / "fp4.cubin")],

@@ -78,11 +78,16 @@ CHUNK = 32   # inputs per e8m0 scale (the checkpoint's FP4 block)
 # decode-shaped defaults: 4 chunks per K step, 128 output columns per program, decode "join". Session 47 (H100, 256
 # experts, B = 16, us): block_k 128 1099-1113, 64 1113-1134, 256 1215; 3 stages 1099; block_n 256 x 8 warps 1182-1203;
 # the two-dot "prmt" variant of the asm (since removed) 1228, "f32" 2008.
-# block_m None: `gpu.default_block_m` capped at 64; block_k None: 128 for 16-row tiles (decode), 64 for wider ones
-# (prefill): the configs the GPU has compiled and checked there (session 47: block_m 64 with block_k 64 passes its
-# GPU test; block_m 128 and block_k 128 with it are untried, and pip triton 3.9 fails to compile "join" at block_m
-# 64, `benchmarks/triton_sass.py`). Prefill is untimed.
+# block_m None: `gpu.default_block_m` capped at MAX_BLOCK_M; block_k None: 128 for 16-row tiles (decode), 64 for
+# wider ones (prefill): configs the GPU has compiled and checked (block_m 64 with block_k 64 passed its GPU test in
+# session 47, block_m 32 and 16 ran checked in session 48; block_m 128 is untried, and pip triton 3.9 fails to
+# compile "join" at block_m 64, `benchmarks/triton_sass.py`). Session 48 (H100, 256 experts, prefill, us; the bf16
+# kernel 4833.6 at B = 512 tokens, 6918.3 at 2048): block_m 64 6488.7 / 10205.2, 32 5008.5 / 10347.5, 16 5229.7 /
+# 12468.3. At prefill the decode of every weight for each M tile binds (the bf16-weight kernel stays faster there).
+# Decode (B = 16 / 64, us): "join" 1098.0 / 2520.4; "join_t" with 2 warps 1118.1 / 2451.4, at block_n 64 1156.3 /
+# 2551.2, 4 warps 1186.2 / 2623.0: "join" stays.
 DEFAULT_CONFIG = dict(block_m=None, block_n=128, block_k=None, num_warps=4, num_stages=4, decode="join")
+MAX_BLOCK_M = 32
 
 
 def default_block_k(block_m: int, K: int) -> int:
@@ -304,7 +309,7 @@ def grouped_matmul_fp4_gpu(lhs, rhs: Fp4Weights, group_sizes, *, block_m=None, b
     if cfg["decode"] not in DECODES + PROBES:
         raise ValueError(f"grouped_matmul_fp4: decode must be one of {DECODES} (or the timing probe "
                          f"{PROBES}), got {cfg['decode']!r}")
-    bm = cfg["block_m"] or min(default_block_m(M), 64)   # 128-row tiles: never compiled on a GPU with FP4 weights
+    bm = cfg["block_m"] or min(default_block_m(M), MAX_BLOCK_M)
     bn = cfg["block_n"] if block_n is not None else fit_block(cfg["block_n"], N, "N")
     bk = cfg["block_k"] or default_block_k(bm, K)
     if bk % CHUNK or K % bk or N % bn:

@@ -255,11 +255,7 @@ MAX_CLUSTER = 8     # portable thread-block cluster size
 # dispatcher's fake quantization of q for fp4 keys). Session 44 (H100, B = 64 x 128K, the model's raw-q path, net
 # of dispatch): fp4 141.2 -> 122.5 us a call, fp8 121.5 -> 120.0; a q that arrives fake-quantized loses ~3 us on fp4
 # keys (125.6 vs 122.3: the Triton kernel repeats the fake quantization). `quantizes_q` says which paths take a raw q.
-# fp4_source: how the fp4 path at precision "fp8" loads a block's packed bytes (`mosaic_fp4.SOURCES`): "upcast" (4
-# bytes of every group a thread, so each thread builds all 4 groups' e5m2 tables of each of its rows) or "group" (a
-# thread holds one group's 16 bytes of each row and builds that group's table only: a quarter of the table work;
-# session 48, not yet run on a GPU).
-MOSAIC_CONFIG = dict(q_prep="triton", fp4_source="upcast")
+MOSAIC_CONFIG = dict(q_prep="triton")
 FINALS = ("auto", "cluster", "triton", "last")
 
 
@@ -370,7 +366,7 @@ def launch_layout(R: int, T: int, fmt: str, *, block_t=None, num_stages=None, nu
 
 
 def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=0, split_m=False,
-            fp4=False, fp4_source="upcast", select=None, interpret=False):
+            fp4=False, select=None, interpret=False):
     """nv [R] i32, w [R, H] f32, q [R, H, 128] e4m3 (f16 codes with "f16"; for bf16 keys bf16 [R, terms * H, 128],
     the terms stacked along the heads), keys [B, T, 128] e4m3 or bf16, scales [B*T] f32 (fp8 keys only)
     -> out [R, nb*bt]. Interpreted, q is transposed: [R, 128, H] / [R, terms, 128, H]. fp4: keys [B, T, 64] uint8
@@ -467,11 +463,11 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
 
     def a_operand(slot, rows):   # the A operand of the block's keys `rows` (a pl.ds) for precision "f16" / others
         if fp4:   # packed e2m1 + group scales -> f16 (or e5m2, precision "fp8") registers, and each key's factor
-            from .mosaic_fp4 import fp4_operand, source_pallas_layout
+            from .mosaic_fp4 import fp4_operand
 
-            return fp4_operand(load(k_smem.at[slot, rows], source_pallas_layout(fp4_source)),
+            return fp4_operand(load(k_smem.at[slot, rows], plgpu.Layout.WGMMA_UPCAST_2X),
                                load(s_smem.at[slot, rows], plgpu.Layout.WGMMA.reduce(1)),
-                               "f16" if f16 else "e5m2", raw=convert == "raw", source=fp4_source)
+                               "f16" if f16 else "e5m2", raw=convert == "raw")
         if not f16:
             return k_smem.at[slot, rows]
         # e4m3 codes -> f16 in registers (exact), the wgmma's A operand from registers
@@ -637,7 +633,7 @@ def _interpret_params(detect_races=False):
 
 def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stages=None, num_splits=None,
                           pad_to_block=False, precision=None, convert=None, group_max_k=None, split_m=None,
-                          select_k=None, select_slack=None, fp4_source=None, interpret=False):
+                          select_k=None, select_slack=None, interpret=False):
     """Scores [B, S, T] f32 (or [B, S, roundup(T, block_t)] with -inf padding if pad_to_block) like
     `reference.indexer_scores`, for fp8 / fp4 keys (`formats.QuantizedKeys`, fmt "fp8": values [B, T, 128], scale
     [B, T, 1]; "fp4": packed [B, T, 64] uint8, scale [B, T, 4] ue8m0; compiled only) or bf16 keys (a bfloat16
@@ -660,9 +656,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     row's top-select_k set is `topk_hist.hist_select(keys, select_k, posmap=pos)`'s (`gpu.indexer_topk_gpu`,
     topk="segment_set"). Where the row's splits run as one thread-block cluster, or the last split CTA of a row
     selects (`SELECT_CONFIG["final"]` "cluster" / "last"), the kernel selects that set itself and returns it: int32
-    [B, S, select_k], ascending positions, -1 after the finite picks (`topk.as_index_set`'s layout).
-    fp4_source (fp4 keys at precision "fp8"): how a block's bytes are loaded, `mosaic_fp4.SOURCES`; default
-    MOSAIC_CONFIG["fp4_source"]."""
+    [B, S, select_k], ascending positions, -1 after the finite picks (`topk.as_index_set`'s layout)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from .gpu import quantize_q_fp8, split_q
@@ -698,17 +692,6 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     if convert != "cvt" and not ((f16 and fmt == "fp8") or (fmt == "fp4" and convert == "raw")):
         raise ValueError(f"convert={convert!r} applies to precision='f16' (fp8 keys) only (fp4 keys: 'raw' only), got "
                          f"precision {precision!r}")
-    from .mosaic_fp4 import SOURCES
-
-    explicit_source = fp4_source is not None
-    fp4_source = fp4_source or MOSAIC_CONFIG["fp4_source"]
-    if fp4_source not in SOURCES:
-        raise ValueError(f"fp4_source must be one of {SOURCES}, got {fp4_source!r}")
-    if fp4_source != "upcast" and (fmt != "fp4" or f16):   # the other paths load their keys one way
-        if explicit_source:
-            raise ValueError(f"fp4_source={fp4_source!r} applies to fp4 keys at precision 'fp8', got {fmt} keys at "
-                             f"precision {precision!r}")
-        fp4_source = "upcast"
     if split_m is None:
         split_m = DEFAULT_SPLIT_M[fmt] and not interpret and block_t_of(block_t, T) % 128 == 0
     if split_m and (interpret or block_t_of(block_t, T) % 128):
@@ -791,7 +774,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     elif fmt == "fp4" and not f16:   # precision "fp8": q fake-quantized to fp4 (idempotent), then e5m2 codes of
         from .mosaic_fp4 import register_plan   # q / 2^(e - 13), in the e5m2 operand's column order
 
-        _, columns = register_plan(64, "e5m2", fp4_source)
+        _, columns = register_plan(64, "e5m2")
         if q_prep == "triton":   # one kernel
             from .q_prep import column_permutation, q_prep_fp4
 
@@ -862,7 +845,6 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     kernel = plgpu.kernel(
         functools.partial(_kernel, T=T, bt=bt, stages=stages, bps=bps, nb=nb, S=S, precision=precision,
                           convert=convert, n_phase=n_phase, split_m=bool(split_m), fp4=fmt == "fp4",
-                          fp4_source=fp4_source,
                           select=None if select_k is None else dict(
                               k=int(select_k), slots=slots, aggregate=bool(SELECT_CONFIG["aggregate"]),
                               stream_hist=bool(SELECT_CONFIG["stream_hist"]), cluster=cluster, last=last, prune=prune,
@@ -874,7 +856,6 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         scratch_types=scratch,
         kernel_name=(f"indexer_scores_{fmt}_mosaic_{precision}_t{bt}" + (f"_{convert}" if convert != "cvt" else "")
                      + (f"_g{G}" if n_phase else "") + ("_m2" if split_m else "")
-                     + ("_grp" if fp4_source == "group" else "")
                      + (f"_sel{select_k}" if select_k is not None else "") + ("_cl" if cluster else "")
                      + ("_last" if select_k is not None and last else "")
                      + (f"_pr{prune}" if select_k is not None and prune else "")),

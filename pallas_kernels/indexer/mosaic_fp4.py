@@ -112,39 +112,19 @@ def e5m2_luts(scales):
     return tables, factor
 
 
-def _e5m2_table_ptx(pos: str, lo: str, hi: str) -> str:
-    """PTX: one group's table (`e5m2_luts`) into registers lo / hi; the group's scale is the byte at bit `pos` (an
-    immediate or a register) of $word, m its key's largest scale (registers s, d, t, k, p declared by the caller)."""
-    return f"""bfe.u32 s, $word, {pos}, 8;
-sub.u32 d, m, s;
-mul.lo.u32 t, d, 0x04040400; mov.u32 k, {E5M2_LUT_BASE[0]:#010x}; sub.u32 {lo}, k, t;
-mul.lo.u32 t, d, 0x04040404; mov.u32 k, {E5M2_LUT_BASE[1]:#010x}; sub.u32 {hi}, k, t;
-setp.le.u32 p, d, {E5M2_MAX_D};
-selp.b32 {lo}, {lo}, 0, p;
-selp.b32 {hi}, {hi}, 0, p;
-"""
-
-
-# the score's factor 2^(m - 140) as f32 bits into $out (subnormal for m < 14); registers t, s, k, p of the caller
-_E5M2_FACTOR_PTX = """setp.ge.u32 p, m, 14; sub.u32 t, m, 13; shl.b32 t, t, 23;
-add.u32 s, m, 9; mov.u32 k, 1; shl.b32 s, k, s; selp.b32 $out, t, s, p; }"""
-
 # $9 = a key's 4 ue8m0 group scales (byte g = group g). Out: $2g / $2g+1 = group g's table (`e5m2_luts`), $8 = the
 # f32 bits of 2^(max - 140) (the score's factor; subnormal for max < 14).
-E5M2_LUTS_ASM = ("""{ .reg .b32 m, s, t, d, k, lo, hi, f;
+E5M2_LUTS_ASM = """{ .reg .b32 m, s, t, d, k, lo, hi, f;
 .reg .pred p;
-""" + _max_scale_ptx("$9") + "".join(_e5m2_table_ptx(str(8 * g), "lo", "hi").replace("$word", "$9")
-                                     + f"mov.b32 ${2 * g}, lo; mov.b32 ${2 * g + 1}, hi;\n" for g in range(4))
-                 + _E5M2_FACTOR_PTX.replace("$out", "$8"))
-# source "group" (`SOURCES`): a thread holds one group's bytes of each of its rows, so it builds that group's table
-# only. $3 = the key's 4 scales, $4 = 8 x the group (the thread's lane mod 4, `LANE_GROUP_SHIFT_ASM`). Out: $0 / $1 =
-# the group's table, $2 = the score's factor, as E5M2_LUTS_ASM's.
-E5M2_LUT1_ASM = ("""{ .reg .b32 m, s, t, d, k;
-.reg .pred p;
-""" + _max_scale_ptx("$3") + _e5m2_table_ptx("$4", "$0", "$1").replace("$word", "$3")
-                 + _E5M2_FACTOR_PTX.replace("$out", "$2"))
-# $0 = 8 x (lane id mod 4): the bit position of the thread's group in a key's scale word, with source "group"
-LANE_GROUP_SHIFT_ASM = "{ .reg .b32 l; mov.u32 l, %laneid; and.b32 l, l, 3; shl.b32 $0, l, 3; }"
+""" + _max_scale_ptx("$9") + "".join(f"""bfe.u32 s, $9, {8 * g}, 8;
+sub.u32 d, m, s;
+mul.lo.u32 t, d, 0x04040400; mov.u32 k, {E5M2_LUT_BASE[0]:#010x}; sub.u32 lo, k, t;
+mul.lo.u32 t, d, 0x04040404; mov.u32 k, {E5M2_LUT_BASE[1]:#010x}; sub.u32 hi, k, t;
+setp.le.u32 p, d, {E5M2_MAX_D};
+selp.b32 ${2 * g}, lo, 0, p;
+selp.b32 ${2 * g + 1}, hi, 0, p;
+""" for g in range(4)) + """setp.ge.u32 p, m, 14; sub.u32 t, m, 13; shl.b32 t, t, 23;
+add.u32 s, m, 9; mov.u32 k, 1; shl.b32 s, k, s; selp.b32 $8, t, s, p; }"""
 
 
 def fp4_f16x4_reference(word, factor_bits):
@@ -216,58 +196,20 @@ def _operand_layout(operand):
     raise ValueError(f"operand must be one of {OPERANDS}, got {operand!r}")
 
 
-# How the kernel loads a block's packed bytes [rows, 64] from shared memory (`source_layout`; the first is the default):
-# * "upcast": Mosaic GPU's WGMMA_LAYOUT_UPCAST_2X, 4 bytes (8 channels, one group) a register; each thread holds
-#   bytes of all 4 groups of its rows, so the 4 threads of a quad, which hold the same rows, each build all 4 groups'
-#   e5m2 tables (or f16 factors) of every row: 4x the table work a row needs;
-# * "group": the rows of WGMMA_LAYOUT (thread (w, l): rows 16 w + l // 4 + {0, 8} + 64 i), and 16 consecutive bytes
-#   a register: thread l of a quad holds bytes 16 (l % 4) .. + 15 of each row, i.e. group l % 4's 32 channels. A
-#   thread builds one table a row. The operand's 32-column K-steps then mix the 4 groups (8 columns each), which the
-#   tables' exact relative factors allow; e5m2 operands only (precision "fp8").
-SOURCES = ("upcast", "group")
-
-
-def source_layout(source: str):
-    """The Mosaic GPU layout of the packed bytes [rows, 64] for `source` (`SOURCES`)."""
+@functools.lru_cache(maxsize=None)
+def register_plan(rows: int, operand: str = "f16"):
+    """For a [rows, 64] uint8 block in WGMMA_LAYOUT_UPCAST_2X -> the [rows, 128] operand (`OPERANDS`: f16 in
+    WGMMA_LAYOUT, e5m2 in WGMMA_LAYOUT_8BIT): (plan, channel_columns) where plan is a tuple over the source registers
+    (in `np.ndindex` order of the source register array) of (source index, (the target register indices in the
+    asm's output order: 4 for f16, 2 for e5m2), row-vector register index (of WGMMA_LAYOUT.reduce(1) on [rows]),
+    scale group), and channel_columns [128] int32 the operand column each key channel lands in (the same for every
+    row and thread; checked here for all 128 threads)."""
     from jax.experimental.mosaic.gpu import fragmented_array as fa
 
-    if source == "upcast":
-        return fa.WGMMA_LAYOUT_UPCAST_2X
-    if source == "group":   # tiles [64 rows, 64 B] -> [16, 64] (a warp's rows) -> [8, 16]: warps over the 16-row
-        # tiles, lanes over (8 rows, 4 chunks of 16 B), 16 bytes a register; the 2 halves of a warp's rows and the
-        # 64-row tiles are registers
-        return fa.TiledLayout(fa.Tiling(((64, 64), (16, 64), (8, 16))), warp_dims=(-6,), lane_dims=(-2, -3),
-                              vector_dim=-1)
-    raise ValueError(f"fp4 source must be one of {SOURCES}, got {source!r}")
-
-
-def source_pallas_layout(source: str):
-    """`source_layout(source)` as a Pallas Mosaic GPU layout (for `plgpu.load` and inline_mgpu)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    if source == "upcast":
-        return plgpu.Layout.WGMMA_UPCAST_2X
-    lay = source_layout(source)
-    return plgpu.Layout.TILED(lay.tiling, warp_dims=lay.warp_dims, lane_dims=lay.lane_dims,
-                              vector_dim=lay.vector_dim)
-
-
-@functools.lru_cache(maxsize=None)
-def register_plan(rows: int, operand: str = "f16", source: str = "upcast"):
-    """For a [rows, 64] uint8 block in `source_layout(source)` -> the [rows, 128] operand (`OPERANDS`: f16 in
-    WGMMA_LAYOUT, e5m2 in WGMMA_LAYOUT_8BIT): (plan, channel_columns) where plan is a tuple over the source words
-    (each 4 bytes = 8 channels; in `np.ndindex` order of the source register array, then word order within a
-    register) of (source index, word in the register, (the target register indices in the asm's output order: 4
-    for f16, 2 for e5m2), row-vector register index (of WGMMA_LAYOUT.reduce(1) on [rows]), scale group: an int, or
-    None with source "group", where it is the thread's lane mod 4), and channel_columns [128] int32 the operand column
-    each key channel lands in (the same for every row and thread; checked here for all 128 threads)."""
-    if source == "group" and operand != "e5m2":
-        raise ValueError("fp4 source 'group' builds e5m2 operands only (precision 'fp8')")
     dst_layout, n_out, out_channels = _operand_layout(operand)
-    src = layout_positions(source_layout(source), (rows, 64))
+    src = layout_positions(fa.WGMMA_LAYOUT_UPCAST_2X, (rows, 64))
     dst = layout_positions(dst_layout, (rows, 128))
-    rowv = layout_positions(_wgmma_row_layout(), (rows,))
-    n_words = src.shape[-1] // 4
+    rowv = layout_positions(fa.WGMMA_LAYOUT.reduce((1,)), (rows,))
     src_regs = src.shape[2:-1]
     dst_regs = dst.shape[2:-1]
     row_regs = rowv.shape[2:-1]
@@ -281,34 +223,32 @@ def register_plan(rows: int, operand: str = "f16", source: str = "upcast"):
         by_row[r].sort(key=lambda i: dst[(0, 0) + i + (0,)][1])
     src_by_row = {}
     for idx in np.ndindex(src_regs):
-        for wd in range(n_words):
-            r, c = src[(0, 0) + idx + (4 * wd,)]
-            src_by_row.setdefault(r, []).append((c, idx, wd))
+        r, c = src[(0, 0) + idx + (0,)]
+        src_by_row.setdefault(r, []).append((c, idx))
     row_reg_of = {rowv[(0, 0) + idx + (0,)][0]: idx for idx in np.ndindex(row_regs)}
     for r, items in src_by_row.items():
         items.sort()
         targets = by_row[r]
         if len(targets) != n_out * len(items):
-            raise AssertionError(f"row {r}: {len(items)} source words for {len(targets)} target registers")
-        for j, (c, idx, wd) in enumerate(items):
-            group = None if source == "group" else c // (GROUP // 2)
-            plan.append((idx, wd, tuple(targets[n_out * j:n_out * (j + 1)]), row_reg_of[r], group))
-    plan.sort(key=lambda p: p[:2])
+            raise AssertionError(f"row {r}: {len(items)} source registers for {len(targets)} target registers")
+        for j, (c, idx) in enumerate(items):
+            plan.append((idx, tuple(targets[n_out * j:n_out * (j + 1)]), row_reg_of[r], c // (GROUP // 2)))
+    plan.sort(key=lambda p: p[0])
     # check every thread and derive the channel -> column map
     columns = -np.ones(128, np.int64)
     for w in range(4):
         for lane in range(32):
             t = (w, lane)
-            for idx, wd, targets, row_idx, group in plan:
-                bytes_ = [src[t + idx + (4 * wd + v,)] for v in range(4)]
+            for idx, targets, row_idx, group in plan:
+                bytes_ = [src[t + idx + (v,)] for v in range(4)]
                 r = bytes_[0][0]
                 if any(b[0] != r for b in bytes_) or [b[1] for b in bytes_] != list(range(bytes_[0][1],
                                                                                            bytes_[0][1] + 4)):
-                    raise AssertionError(f"thread {t}: word {idx}.{wd} is not 4 consecutive bytes of one row")
+                    raise AssertionError(f"thread {t}: register {idx} is not 4 consecutive bytes of one row")
                 if rowv[t + row_idx + (0,)][0] != r:
                     raise AssertionError(f"thread {t}: row register {row_idx} does not hold row {r}")
-                if bytes_[0][1] // (GROUP // 2) != (lane % 4 if group is None else group):
-                    raise AssertionError(f"thread {t}: word {idx}.{wd} is not in group {group}")
+                if bytes_[0][1] // (GROUP // 2) != group:
+                    raise AssertionError(f"thread {t}: register {idx} is not in group {group}")
                 for out, chans in zip(targets, out_channels):
                     for h, ch in enumerate(chans):
                         rr, col = dst[t + out + (h,)]
@@ -321,12 +261,6 @@ def register_plan(rows: int, operand: str = "f16", source: str = "upcast"):
     if sorted(columns.tolist()) != list(range(128)):
         raise AssertionError("the channel -> column map is not a permutation")
     return tuple(plan), columns.astype(np.int32)
-
-
-def _wgmma_row_layout():
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-
-    return fa.WGMMA_LAYOUT.reduce((1,))
 
 
 def group_factor_bits(scales):
@@ -351,14 +285,13 @@ setp.le.u32 p, d, 29; selp.b32 n, n, u, p; prmt.b32 ${g}, n, 0, 0x1010;
 """ for g in range(4)) + """setp.ge.u32 p, m, 1; sub.u32 t, m, 1; shl.b32 t, t, 23; selp.b32 $4, t, 0x00200000, p; }"""
 
 
-def fp4_operand(packed, scale_words, operand: str = "f16", raw: bool = False, source: str = "upcast"):
-    """In a Mosaic GPU kernel: packed [rows, 64] uint8 in `source_pallas_layout(source)`, scale_words [rows] int32 (a
+def fp4_operand(packed, scale_words, operand: str = "f16", raw: bool = False):
+    """In a Mosaic GPU kernel: packed [rows, 64] uint8 in `Layout.WGMMA_UPCAST_2X`, scale_words [rows] int32 (a
     key's 4 ue8m0 bytes) in `Layout.WGMMA.reduce(1)` -> (the operand [rows, 128], the K dimension in
     `register_plan(rows, operand)`'s column order: f16 in `Layout.WGMMA` (e2m1 x 2^(15 - D - 14)), or e5m2 in
     `Layout.WGMMA_8BIT` (e2m1 x 2^(13 - D)); row factor f32 [rows] in `Layout.WGMMA.reduce(1)`: the score of row t is
     the head sum over this operand x factor[t]). raw: a timing probe with wrong values: every operand register is
-    the packed word it would be converted from (no conversion), the row factors as usual. source "group" (e5m2
-    only): each thread's words are one group's (`SOURCES`), so a row's table is one group's."""
+    the packed word it would be converted from (no conversion), the row factors as usual."""
     import jax.numpy as jnp
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import llvm, vector
@@ -367,14 +300,13 @@ def fp4_operand(packed, scale_words, operand: str = "f16", raw: bool = False, so
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     rows = packed.shape[0]
-    plan, _ = register_plan(rows, operand, source)
+    plan, _ = register_plan(rows, operand)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     e5m2 = operand == "e5m2"
     out_layout, out_dtype = ((plgpu.Layout.WGMMA_8BIT, jnp.float8_e5m2) if e5m2 else
                              (plgpu.Layout.WGMMA, jnp.float16))
-    one_group = source == "group"
 
-    @plgpu.inline_mgpu(arg_types=(source_pallas_layout(source), row_layout),
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_2X, row_layout),
                        return_type=(plgpu.ShapeDtypeStruct((rows, 128), out_dtype, layout=out_layout),
                                     plgpu.ShapeDtypeStruct((rows,), jnp.float32, layout=row_layout)))
     def convert(_, x, sw):
@@ -383,27 +315,19 @@ def fp4_operand(packed, scale_words, operand: str = "f16", raw: bool = False, so
         i32 = ir.IntegerType.get_signless(32)
         f32 = ir.F32Type.get()
         struct = lambda n: ir.Type.parse("!llvm.struct<(" + ", ".join(["i32"] * n) + ")>")
-        if one_group:   # the bit position of this thread's group in a scale word, once
-            shift = llvm.inline_asm(i32, [], LANE_GROUP_SHIFT_ASM, "=r")
-        # per row register: the groups' factors (f16: 4 f16x2 splats; e5m2: 4 (lo, hi) tables, or the thread's
-        # group's table with source "group") and the row factor
+        # per row register: the groups' factors (f16: 4 f16x2 splats; e5m2: 4 (lo, hi) tables) and the row factor
         per_group, row_mult = {}, np.empty(sw.registers.shape, dtype=object)
         for idx, reg in np.ndenumerate(sw.registers):
             word = mgpu_utils.bitcast(reg, i32)
-            if one_group:
-                res = llvm.inline_asm(struct(3), [word, shift], E5M2_LUT1_ASM, "=r,=r,=r,r,r")
-                outs = [llvm.extractvalue(i32, res, [i]) for i in range(3)]
-                per_group[idx] = {None: outs[:2]}
-                fbits = outs[2]
-            elif e5m2:
+            if e5m2:
                 res = llvm.inline_asm(struct(9), [word], E5M2_LUTS_ASM, ",".join(["=r"] * 9) + ",r")
                 outs = [llvm.extractvalue(i32, res, [i]) for i in range(9)]
-                per_group[idx] = {g: outs[2 * g:2 * g + 2] for g in range(4)}
+                per_group[idx] = [outs[2 * g:2 * g + 2] for g in range(4)]
                 fbits = outs[8]
             else:
                 res = llvm.inline_asm(struct(5), [word], SCALE_FACTORS_ASM, "=r,=r,=r,=r,=r,r")
                 outs = [llvm.extractvalue(i32, res, [i]) for i in range(5)]
-                per_group[idx] = {g: [outs[g]] for g in range(4)}
+                per_group[idx] = [[o] for o in outs[:4]]
                 fbits = outs[4]
             row_mult[idx] = vector.bitcast(ir.VectorType.get((1,), f32),
                                            vector.from_elements(ir.VectorType.get((1,), i32), [fbits]))
@@ -413,16 +337,8 @@ def fp4_operand(packed, scale_words, operand: str = "f16", raw: bool = False, so
                     ir.VectorType.get((2,), ir.F16Type.get()))
         asm, n_out = (FP4_E5M2X8_ASM, 2) if e5m2 else (FP4_F16X4_SCALED_ASM, 4)
         constraints = ",".join(["=r"] * n_out + ["r"] * (3 if e5m2 else 2))
-        words_of = {}   # source register -> its 32-bit words
-        for src_idx, reg in np.ndenumerate(x.registers):
-            n_words = ir.VectorType(reg.type).shape[0] // 4
-            if n_words == 1:
-                words_of[src_idx] = [mgpu_utils.bitcast(reg, i32)]
-            else:
-                vec = vector.bitcast(ir.VectorType.get((n_words,), i32), reg)
-                words_of[src_idx] = [vector.extract(vec, [], [i]) for i in range(n_words)]
-        for src_idx, wd, targets, row_idx, group in plan:
-            word = words_of[src_idx][wd]
+        for src_idx, targets, row_idx, group in plan:
+            word = mgpu_utils.bitcast(x.registers[src_idx], i32)
             if raw:   # timing probe: the packed word itself in each target register, nothing converted
                 for t in targets:
                     regs[t] = mgpu_utils.bitcast(word, reg_type)
