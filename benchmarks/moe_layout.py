@@ -19,15 +19,18 @@ gather, w1 and w3, clamped SwiGLU, w2, weight, scatter-add) with each layout:
           masked to [rows, E, in]), E x the FLOPs and every expert's weights, which `--experts 256` (V4-Flash's
           count) shows
   fp4_pallas  the checkpoint's FP4 expert bytes (`grouped_matmul.Fp4Weights`, random e2m1 + e8m0 scales) read as
-          they are by the FP4-weight kernel (`grouped_matmul.fp4`, session 46, not yet timed): 4.25 bits a weight;
+          they are by the FP4-weight kernel (`grouped_matmul.fp4`, sessions 46-48): 4.25 bits a weight;
           its ratio is against the FP4 bytes' floor (`fp4_floor_us`); option sets as variants by --fp4-configs
   fp4     the same bytes dequantized by XLA, then its ragged dot (the FP4 contract's reference)
 
 Session 45 (H100, `results/h100_s45r1_moe*`): out_in 386.7 us at B = 16 (2.62x the floor; two 91 us transposes
 among its kernels), in_out 192.9 (1.31x, none); B = 64: 559.6 vs 266.9. Session 46 (H100, `--experts 256`,
 `results/h100_s46r1_moe*`): in_out 4577.5 us at B = 16 vs 1446.9 on the kernel (0.96x), B = 64 6607.4 vs 3315.0.
-Prefill-sized batches (e.g. `--batches 4096 --variants in_out_pallas`; XLA's ragged dot would build a [B k, E, D]
-operand, 51 GB at B = 4096 with 256 experts) are not yet timed.
+Session 47-48 (H100, 256 experts): FP4 1099.0 us at B = 16 and 2520.4 at 64 (1.31-1.32x faster than in_out_pallas,
+2.7x its FP4 floor). Prefill-sized batches (`--batches 512,2048 --variants in_out_pallas,fp4_pallas`, session 48,
+`results/h100_s48r3_moe_prefill*`, `h100_s48r4_*`; XLA's ragged dot cannot run there, its masked [B k, E, D]
+operand is 51 GB at B = 4096 with 256 experts), B = 512 / 2048 tokens: in_out_pallas 4833.6 / 6918.3 us; FP4 with
+32-row tiles (its default since) 5008.5 / 10347.5, with 64-row tiles 6467.6-6488.7 / 9819.8-10205.2 (two H100s).
 
 Per variant and batch (B x top-k token rows; decode rows are B x 1 tokens): us per call net of dispatch (dependent
 calls in one jitted scan, `timing.chain_net`), the floor (every active expert's three matrices read once at the
