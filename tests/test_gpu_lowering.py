@@ -704,6 +704,21 @@ def test_indexer_mosaic_fp4_lowers(B, S, H, T, opts):
     lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_scores_mosaic(*a, **opts), q, w, keys, nv)
     lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=64, kernel="mosaic", topk="segment_set",
                                                                 precision="fp8", **opts), q, w, keys, nv)
+    if not opts:   # the epilogue timing probe (session 48): under the segment top-k too, through MOSAIC_CONFIG
+        from pallas_kernels.indexer import gpu_mosaic
+
+        assert "_epiprobe" in lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_scores_mosaic(
+            *a, epilogue="probe", convert="raw"), q, w, keys, nv)
+        saved = dict(gpu_mosaic.MOSAIC_CONFIG)
+        try:
+            gpu_mosaic.MOSAIC_CONFIG["epilogue"] = "probe"
+            assert "_epiprobe" in lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(
+                *a, k=64, kernel="mosaic", topk="segment_set"), q, w, keys, nv)
+        finally:
+            gpu_mosaic.MOSAIC_CONFIG.clear()
+            gpu_mosaic.MOSAIC_CONFIG.update(saved)
+        with pytest.raises(ValueError, match="epilogue must be one of"):
+            indexer_scores_mosaic(q, w, keys, nv, epilogue="none")
     if not opts:   # the conversion-free timing probe (session 46), both precisions: no per-8-value asm left
         for precision, asm_line in (("f16", "mul.rn.f16x2 $0, a, $5"), ("fp8", "and.b32 sel, $2, 0x7777")):
             probe = lambda *a: indexer_scores_mosaic(*a, precision=precision, convert="raw")

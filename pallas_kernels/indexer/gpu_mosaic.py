@@ -131,6 +131,9 @@ MIN_KEY_BLOCKS = TARGET_CTAS * MIN_BLOCKS
 #   so both halves carry the same factor: the conversion pipe and the integer pipe share the work.
 # * "raw" (timing diagnostic only, wrong values): the code bytes passed through as if they were f16 pairs.
 CONVERTS = ("cvt", "alu", "mix", "raw")
+# the per-key epilogue (`indexer_scores_mosaic(epilogue=)`): "full" (ReLU, x head weight, sum over the heads), or
+# "probe" (timing only, wrong values: the first 8 heads' logits summed)
+EPILOGUES = ("full", "probe")
 # split_m's default per key format where it applies (session 31). fp8 / bf16: with the top-k's group maxima from this
 # kernel, the `threshold_set` pipelines took 2-6 us less on the H200 (session 30). fp4: off, its two halves' decode
 # is slower (B = 64 `threshold_set`: 128K 157.6 us with, 144.7 without; 1M 983.6 / 913.4; results/h200_s31r4_idx.log)
@@ -255,7 +258,8 @@ MAX_CLUSTER = 8     # portable thread-block cluster size
 # dispatcher's fake quantization of q for fp4 keys). Session 44 (H100, B = 64 x 128K, the model's raw-q path, net
 # of dispatch): fp4 141.2 -> 122.5 us a call, fp8 121.5 -> 120.0; a q that arrives fake-quantized loses ~3 us on fp4
 # keys (125.6 vs 122.3: the Triton kernel repeats the fake quantization). `quantizes_q` says which paths take a raw q.
-MOSAIC_CONFIG = dict(q_prep="triton")
+# epilogue: `EPILOGUES` ("probe" only to time what the per-key epilogue costs; wrong values)
+MOSAIC_CONFIG = dict(q_prep="triton", epilogue="full")
 FINALS = ("auto", "cluster", "triton", "last")
 
 
@@ -366,7 +370,7 @@ def launch_layout(R: int, T: int, fmt: str, *, block_t=None, num_stages=None, nu
 
 
 def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=0, split_m=False,
-            fp4=False, select=None, interpret=False):
+            fp4=False, select=None, epilogue="full", interpret=False):
     """nv [R] i32, w [R, H] f32, q [R, H, 128] e4m3 (f16 codes with "f16"; for bf16 keys bf16 [R, terms * H, 128],
     the terms stacked along the heads), keys [B, T, 128] e4m3 or bf16, scales [B*T] f32 (fp8 keys only)
     -> out [R, nb*bt]. Interpreted, q is transposed: [R, 128, H] / [R, terms, 128, H]. fp4: keys [B, T, 64] uint8
@@ -488,7 +492,10 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
 
     def finish(j, slot, logits, r0, m, o, key_factor=None):   # rows [r0, r0 + m) of block j: scores into o,
         rl = row_layout                                          # the group maxima
-        s = jnp.sum(jnp.maximum(logits, 0.0) * jax.lax.broadcast_in_dim(w, (m, H), (1,)), axis=1)
+        if epilogue == "probe":   # timing probe, wrong values: the first 8 heads' logits summed, no ReLU or weight
+            s = jnp.sum(logits[:, :8], axis=1)
+        else:
+            s = jnp.sum(jnp.maximum(logits, 0.0) * jax.lax.broadcast_in_dim(w, (m, H), (1,)), axis=1)
         if key_factor is not None:   # fp4 keys: 2^(the key's largest group scale - 128 (f16) / - 140 (e5m2))
             s = s * key_factor
         elif s_smem is not None:   # fp8 keys: the key's power-of-two scale
@@ -633,7 +640,7 @@ def _interpret_params(detect_races=False):
 
 def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stages=None, num_splits=None,
                           pad_to_block=False, precision=None, convert=None, group_max_k=None, split_m=None,
-                          select_k=None, select_slack=None, interpret=False):
+                          select_k=None, select_slack=None, epilogue=None, interpret=False):
     """Scores [B, S, T] f32 (or [B, S, roundup(T, block_t)] with -inf padding if pad_to_block) like
     `reference.indexer_scores`, for fp8 / fp4 keys (`formats.QuantizedKeys`, fmt "fp8": values [B, T, 128], scale
     [B, T, 1]; "fp4": packed [B, T, 64] uint8, scale [B, T, 4] ue8m0; compiled only) or bf16 keys (a bfloat16
@@ -656,7 +663,11 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     row's top-select_k set is `topk_hist.hist_select(keys, select_k, posmap=pos)`'s (`gpu.indexer_topk_gpu`,
     topk="segment_set"). Where the row's splits run as one thread-block cluster, or the last split CTA of a row
     selects (`SELECT_CONFIG["final"]` "cluster" / "last"), the kernel selects that set itself and returns it: int32
-    [B, S, select_k], ascending positions, -1 after the finite picks (`topk.as_index_set`'s layout)."""
+    [B, S, select_k], ascending positions, -1 after the finite picks (`topk.as_index_set`'s layout).
+    epilogue: "full", or "probe" (a timing probe, compiled only, wrong values: each key's score is the sum of its
+    first 8 heads' logits, no ReLU, head weight or head sum), whose time against the default's shows what the
+    per-key epilogue costs; default MOSAIC_CONFIG["epilogue"] (so the benchmarks' 'mosaic.epilogue=probe' reaches
+    the kernel under every top-k)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from .gpu import quantize_q_fp8, split_q
@@ -692,6 +703,11 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     if convert != "cvt" and not ((f16 and fmt == "fp8") or (fmt == "fp4" and convert == "raw")):
         raise ValueError(f"convert={convert!r} applies to precision='f16' (fp8 keys) only (fp4 keys: 'raw' only), got "
                          f"precision {precision!r}")
+    epilogue = epilogue or MOSAIC_CONFIG["epilogue"]
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+    if epilogue != "full" and interpret:
+        raise ValueError("epilogue='probe' is a compiled-kernel timing probe")
     if split_m is None:
         split_m = DEFAULT_SPLIT_M[fmt] and not interpret and block_t_of(block_t, T) % 128 == 0
     if split_m and (interpret or block_t_of(block_t, T) % 128):
@@ -845,6 +861,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     kernel = plgpu.kernel(
         functools.partial(_kernel, T=T, bt=bt, stages=stages, bps=bps, nb=nb, S=S, precision=precision,
                           convert=convert, n_phase=n_phase, split_m=bool(split_m), fp4=fmt == "fp4",
+                          epilogue=epilogue,
                           select=None if select_k is None else dict(
                               k=int(select_k), slots=slots, aggregate=bool(SELECT_CONFIG["aggregate"]),
                               stream_hist=bool(SELECT_CONFIG["stream_hist"]), cluster=cluster, last=last, prune=prune,
@@ -856,6 +873,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         scratch_types=scratch,
         kernel_name=(f"indexer_scores_{fmt}_mosaic_{precision}_t{bt}" + (f"_{convert}" if convert != "cvt" else "")
                      + (f"_g{G}" if n_phase else "") + ("_m2" if split_m else "")
+                     + ("_epiprobe" if epilogue != "full" else "")
                      + (f"_sel{select_k}" if select_k is not None else "") + ("_cl" if cluster else "")
                      + ("_last" if select_k is not None and last else "")
                      + (f"_pr{prune}" if select_k is not None and prune else "")),
