@@ -1,13 +1,12 @@
 """Registers and spills of the Mosaic indexer kernel over fp4 keys, per precision, on the GPU.
 
-    MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=DIR PYTHONPATH=. \
+    MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=DIR PYTHONPATH=. \
         python benchmarks/indexer_fp4_resources.py DIR [--batch 64] [--keys 32768]
 
-Mosaic GPU compiles a kernel when it is first called; with the dump variables set it writes ptxas' verbose log and
-the SASS of each kernel into DIR. This compiles and runs the fp4 scores kernel once per precision ("fp8", the
-default, and "f16"), alone and under the segment top-k (the decode default), and prints per kernel its dump files
-(name, size), the ptxas resource lines and, where a dump holds SASS in cuobjdump's format, its instruction count
-with the 20 most frequent opcodes. Why (session 48): the fp4 path runs at 2.35x its byte floor on the H200 (B = 64
+Mosaic GPU compiles a kernel when it is first called; with the dump variables set it writes ptxas' verbose log (and
+its MLIR and PTX) of each kernel into DIR. This compiles and runs the fp4 scores kernel once per precision ("fp8",
+the default, and "f16"), alone and under the segment top-k (the decode default), and prints per kernel its dump
+files (name, size), the ptxas resource lines and the CTA's shared memory. Why (session 48): the fp4 path runs at 2.35x its byte floor on the H200 (B = 64
 x 128K context), and an SM holds as many of its CTAs as their registers and shared memory allow.
 
 Session 48 (H100, `results/h100_s48r1_fp4res.log`): 134 registers (scores alone) and 136 (under the segment top-k)
@@ -17,7 +16,6 @@ at precision "fp8", no spills; the segment top-k's CTA takes 81952 B of shared m
 from __future__ import annotations
 
 import argparse
-import collections
 import glob
 import os
 import re
@@ -42,11 +40,6 @@ def _report(paths):
         smem = sorted(set(re.findall(r"mosaic_gpu\.smem_bytes = (\d+)", text)))
         if smem:
             print(f"   {name}: shared memory {', '.join(smem)} B a CTA")
-        ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", text)
-        if ops:
-            hist = collections.Counter(op.split(".")[0] for op in ops)
-            print(f"   {name}: {len(ops)} SASS instructions; " +
-                  " ".join(f"{op} {n}" for op, n in hist.most_common(20)))
 
 
 def main():
@@ -56,7 +49,7 @@ def main():
     ap.add_argument("--keys", type=int, default=32768, help="compressed keys a row (128K context / 4)")
     args = ap.parse_args()
     if not os.environ.get("MOSAIC_GPU_DUMP_TO") or not args.out_dir:
-        raise SystemExit("set MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 and MOSAIC_GPU_DUMP_TO=<existing dir>")
+        raise SystemExit("set MOSAIC_GPU_DUMP_PTXAS=1 and MOSAIC_GPU_DUMP_TO=<existing dir>")
     from pallas_kernels.indexer import formats as F
     from pallas_kernels.indexer.gpu import indexer_topk_gpu
     from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic

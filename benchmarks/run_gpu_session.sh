@@ -54,7 +54,7 @@ for s in ${STEPS:-tests5 model comp idx}; do
     mops) run_step mops 200 $PY benchmarks/diag_model_ops.py ${MOPS_ARGS:-} ;;
     msmall) run_step msmall 90 $PY benchmarks/diag_indexer_mosaic_small_t.py ;;
     mosaic) run_step mosaic 300 $PY benchmarks/mosaic_attention.py --out "$OUT" ${MOSAIC_ARGS:-} ;;
-    fp4res) mkdir -p /tmp/fp4_dump && MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=/tmp/fp4_dump \
+    fp4res) mkdir -p /tmp/fp4_dump && MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=/tmp/fp4_dump \
           run_step fp4res 150 $PY benchmarks/indexer_fp4_resources.py /tmp/fp4_dump ;;
     mres) mkdir -p "$OUT/mgpu_dump" && MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT/mgpu_dump" \
           run_step mres 150 $PY benchmarks/mosaic_resources.py "$OUT/mgpu_dump" ${MRES_NAMES:-} ;;

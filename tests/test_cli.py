@@ -273,3 +273,13 @@ def test_decode_step_floor_bytes():
                         str(L), "--kv-dtype", "fp8", "--indexer-dtype", "fp4", "--floor-only", "--copy-gbps", "1"],
                        cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, check=True, capture_output=True, text=True)
     assert f"{got['total'] / 1e3:.1f}" in r.stdout.splitlines()[-1], r.stdout
+
+
+def test_indexer_fp4_resources_script_needs_its_dump_variables():
+    """benchmarks/indexer_fp4_resources.py (GPU only: ptxas resources of the fp4 indexer kernel) imports and parses
+    its arguments on the CPU, and without Mosaic GPU's dump variables it says which to set instead of compiling."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOSAIC_GPU_DUMP")}
+    env["PYTHONPATH"] = "."
+    r = subprocess.run([sys.executable, "benchmarks/indexer_fp4_resources.py"], capture_output=True, text=True,
+                       env=env, cwd=ROOT)
+    assert r.returncode != 0 and "MOSAIC_GPU_DUMP_PTXAS=1" in r.stderr, r.stderr[-2000:]
