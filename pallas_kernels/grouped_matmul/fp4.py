@@ -33,12 +33,14 @@ accumulation:
   "f32"             no inline PTX: every weight decoded to f32 and scaled by integer / f32 jnp ops (`_decode`), cast,
                     two K=16 dots against the chunk's even and odd lhs columns (the wrapper reorders each 32-column
                     chunk of lhs, evens first). 1.8x slower; kept as the kernel that needs no PTX.
-  "join_t"          (untimed) "join" with the roles swapped: the decoded [block_n, 32] weights as the MMA's
+  "join_t"          "join" with the roles swapped: the decoded [block_n, 32] weights as the MMA's
                     first operand, lhs^T the second, the accumulator [block_n, block_m] (transposed once at the end).
                     With 4 warps Triton takes Hopper's wgmma, the weights from registers: 72 registers a thread, 5.8
                     SASS instructions a weight (its bytes loaded one at a time from shared memory). With 2 warps it
                     takes mma.sync, the decoded weights used where they are: 4.6 a weight at block_n 64 (74
-                    registers, 9 programs an SM), 4.2 at block_n 128 (198 registers), against "join"'s 5.5.
+                    registers, 9 programs an SM), 4.2 at block_n 128 (198 registers), against "join"'s 5.5. Timed
+                    (session 48, H100): no faster, 1118-1186 us at B = 16 against 1098, 2451-2623 at B = 64
+                    against 2520.
   "raw"             a timing probe (`PROBES`; wrong values): "join" with the asm replaced by one integer op a byte,
                     so the difference between the two is what the decode costs.
 In the Pallas interpreter (CPU) "join" runs the asm's twin `e2m1_pairs(interpret=True)`; the asm itself is checked
@@ -51,11 +53,13 @@ floor: at decode a weight meets ~1 token row (B = 16 x top-6 over ~84 active exp
 decode, and the kernel runs on instructions and their latency, not bandwidth. SASS of the main loop per weight
 (`benchmarks/triton_sass.py`: compiled on a CPU machine by pip triton 3.9, indicative): "f32" 18.2 as timed (15.7
 since its f32 decode widens `e2m1_bf16_bits`), "join" 5.5 (the asm's 2.75, the rest HMMA operand moves, per-chunk
-scaling, loads); bf16 weights 1.9. The H100 times fit
-~684 us + 73 us per instruction a weight: fewer instructions and more warps per SM (114 registers a thread, 4
-programs of 4 warps per SM at the defaults) are the next steps. The model takes the kernel with
-`expert_weights="fp4"` (`load_pretrained(..., expert_weights="fp4")` keeps a DeepSeek checkpoint's FP4 experts as
-their bytes; the default still dequantizes them to the model dtype).
+scaling, loads); bf16 weights 1.9. The H100 times of session 47 fit ~684 us + 73 us per instruction a weight, but
+"join_t"'s fewer instructions (4.6) did not run faster (session 48), so latency with 4 programs of 4 warps an SM
+(114 registers a thread) is the larger part. Prefill (session 48, 256 experts; `MAX_BLOCK_M`): each weight is decoded
+once per row tile, 5008.5 us at 512 tokens against 4833.6 with bf16 weights, 10347.5 against 6918.3 at 2048. The
+model takes the kernel with `expert_weights="fp4"` (`load_pretrained(..., expert_weights="fp4")` keeps a DeepSeek
+checkpoint's FP4 experts as their bytes; the default still dequantizes them to the model dtype: FP4 decodes 1.3x
+faster and prefills up to 1.5x slower).
 """
 
 from __future__ import annotations
