@@ -101,6 +101,45 @@ def test_kernel_matches_reference(sizes, extra, opts, dtype, decode):
                                    atol=1e-4 * np.abs(want).max() + 1e-30)
 
 
+@pytest.mark.parametrize("sizes,extra,K,N,dtype,opts", [([0, 5, 17, 0, 1, 30, 0, 3], 4, 256, 128, jnp.bfloat16, {}),
+                                                    ([40], 0, 512, 256, jnp.float32, dict(block_m=8)),
+                                                    ([3, 0, 9], 2, 256, 256, jnp.float32, {}),
+                                                    ([0, 0], 3, 256, 128, jnp.float32, {})])
+def test_tpu_kernel_matches_reference(sizes, extra, K, N, dtype, opts):
+    """The TPU kernel (`tpu.grouped_matmul_fp4_tpu`, in the TPU interpreter) == the reference: empty groups, group
+    boundaries inside row tiles (items sharing a tile), rows past the groups 0, several N tiles, no rows at all; bf16
+    and f32 (the latter in f32, as the contract's precision says)."""
+    rng = np.random.default_rng(len(sizes) + K)
+    lhs, rhs, gs, _ = _case(rng, sizes, K, N, dtype, extra)
+    want = np.asarray(grouped_matmul_fp4(lhs, rhs, gs, impl="reference"))
+    got = np.asarray(grouped_matmul_fp4(lhs, rhs, gs, impl="interpret_tpu", **opts))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max() + 1e-30)
+    if extra:
+        assert np.all(got[-extra:] == 0)
+
+
+def test_tpu_kernel_dispatch_and_errors(monkeypatch):
+    """impl "auto" on a TPU takes the FP4 TPU kernel where K is a multiple of 256 and N of 128, the reference
+    elsewhere (small custom configs); "interpret_tpu" (and "pallas" on a TPU) with other shapes raises."""
+    from pallas_kernels.grouped_matmul import fp4, tpu
+
+    rng = np.random.default_rng(2)
+    calls = []
+    monkeypatch.setattr(fp4, "resolve_impl", lambda impl, *a, **kw: "tpu" if impl != "reference" else "reference")
+    monkeypatch.setattr(tpu, "grouped_matmul_fp4_tpu", lambda *a, **kw: calls.append(kw) or "kernel")
+    lhs, rhs, gs, _ = _case(rng, [3, 5], 256, 128, jnp.float32)
+    assert grouped_matmul_fp4(lhs, rhs, gs, impl="auto") == "kernel"
+    lhs, rhs, gs, _ = _case(rng, [3, 5], 64, 32, jnp.float32)
+    want = np.asarray(grouped_matmul_fp4(lhs, rhs, gs, impl="reference"))
+    np.testing.assert_array_equal(np.asarray(grouped_matmul_fp4(lhs, rhs, gs, impl="auto")), want)
+    assert calls == [dict(interpret=False)]
+    assert tpu.fp4_kernel_applies(4096, 2048) and tpu.fp4_kernel_applies(2048, 4096)
+    assert not tpu.fp4_kernel_applies(64, 128) and not tpu.fp4_kernel_applies(256, 64)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="multiple of 256"):
+        grouped_matmul_fp4(lhs, rhs, gs, impl="interpret_tpu")
+
+
 def test_default_block_k():
     """128 inputs a K step for decode's 16-row tiles, 64 for prefill's wider ones (the GPU-checked config there),
     narrowed to a multiple of 32 dividing K."""

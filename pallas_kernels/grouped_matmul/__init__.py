@@ -17,8 +17,10 @@ is checked in the interpreter and by its TPU lowering only; no TPU here.
 
 `fp4.py`: the same with the checkpoint's FP4 expert weights read as they are (`grouped_matmul_fp4`, `Fp4Weights`,
 the checkpoint's [E, out, in / 2] bytes), 3.8x fewer bytes than bf16 for the decode step's largest read, decoded in
-the kernel by inline PTX; the model's `expert_weights="fp4"`. Session 47, H100: batch 16's routed experts in 1099.0
-us against 1444.8 for the bf16-weight kernel (1.31x), 2.7x the FP4 bytes' floor (bound by the decode's instructions).
+the kernel by inline PTX (TPU: `tpu.grouped_matmul_fp4_tpu`, decoded in VMEM, interpreter and lowering only); the
+model's `expert_weights="fp4"`. Sessions 47-48, H100: batch 16's routed experts in 1099.0 us against 1444.8 for the
+bf16-weight kernel (1.31x), 2.7x the FP4 bytes' floor (bound by the decode's instructions and their latency); at
+prefill up to 1.5x slower than the bf16-weight kernel.
 """
 
 from __future__ import annotations

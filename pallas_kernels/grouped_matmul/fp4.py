@@ -1,4 +1,5 @@
-"""The grouped matmul with the checkpoint's FP4 expert weights read as they are: reference, GPU kernel, dispatcher.
+"""The grouped matmul with the checkpoint's FP4 expert weights read as they are: reference, GPU kernel, dispatcher
+(the TPU kernel: `tpu.grouped_matmul_fp4_tpu`).
 
     grouped_matmul_fp4(lhs [M, K], rhs: Fp4Weights (packed [E, N, K/2] uint8, scales [E, N, K/32] uint8),
                        group_sizes [E] int32, *, impl="reference", **kernel_options) -> [M, N] float32
@@ -326,21 +327,24 @@ def grouped_matmul_fp4_gpu(lhs, rhs: Fp4Weights, group_sizes, *, block_m=None, b
 
 
 def grouped_matmul_fp4(lhs, rhs: Fp4Weights, group_sizes, *, impl: str = "reference", **kernel_options):
-    """Same contract as `grouped_matmul_fp4_reference`. impl: "reference"; "pallas" (GPU: the kernel; CPU: it in
-    the Pallas interpreter; TPU: no kernel yet, an error); "auto" (the kernel on the GPU where N is a multiple of 16,
-    the reference elsewhere, including the TPU). kernel_options: block_m, block_n, block_k, num_warps, num_stages,
-    decode."""
-    where = resolve_impl(impl, "grouped_matmul_fp4")
-    if impl == "auto" and where == "gpu" and not kernel_applies(*rhs.shape[1:]):
-        where = "reference"   # N no multiple of 16 (a custom small config): the kernel's blocks do not fit
-    if where == "tpu":
-        if impl == "pallas":
-            raise ValueError("grouped_matmul_fp4: no TPU kernel for FP4 weights yet; impl='auto' or 'reference' "
-                             "dequantizes them for XLA's ragged dot")
-        where = "reference"
+    """Same contract as `grouped_matmul_fp4_reference`. impl: "reference"; "pallas" (GPU: the kernel; TPU:
+    `tpu.grouped_matmul_fp4_tpu`, K a multiple of 256 and N of 128; CPU: the GPU kernel in the Pallas interpreter;
+    "interpret_tpu": the TPU one there); "auto" (the kernel on the GPU where N is a multiple of 16, on the TPU where
+    `tpu.fp4_kernel_applies`, the reference elsewhere, including the CPU). kernel_options: GPU block_m, block_n,
+    block_k, num_warps, num_stages, decode; TPU block_m, block_n."""
+    from . import tpu as _tpu
+
+    where = resolve_impl(impl, "grouped_matmul_fp4", extra=("interpret_tpu",))
+    E, K, N = check_weights(rhs)
+    if impl == "auto" and ((where == "gpu" and not kernel_applies(K, N))
+                           or (where == "tpu" and not _tpu.fp4_kernel_applies(K, N))):
+        where = "reference"   # shapes the kernels' blocks do not fit (a custom small config)
     if where == "reference":
         if kernel_options:
             raise ValueError(f"grouped_matmul_fp4: kernel options {sorted(kernel_options)} apply to the kernel only "
                              f"(impl={impl!r} runs the reference here)")
         return grouped_matmul_fp4_reference(lhs, rhs, group_sizes)
+    if where in ("tpu", "interpret_tpu"):
+        return _tpu.grouped_matmul_fp4_tpu(lhs, rhs, group_sizes, interpret=where == "interpret_tpu",
+                                           **kernel_options)
     return grouped_matmul_fp4_gpu(lhs, rhs, group_sizes, interpret=where == "interpret", **kernel_options)
