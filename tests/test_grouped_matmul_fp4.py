@@ -104,11 +104,12 @@ def test_kernel_matches_reference(sizes, extra, opts, dtype, decode):
 @pytest.mark.parametrize("sizes,extra,K,N,dtype,opts", [([0, 5, 17, 0, 1, 30, 0, 3], 4, 256, 128, jnp.bfloat16, {}),
                                                     ([40], 0, 512, 256, jnp.float32, dict(block_m=8)),
                                                     ([3, 0, 9], 2, 256, 256, jnp.float32, {}),
-                                                    ([0, 0], 3, 256, 128, jnp.float32, {})])
+                                                    ([0, 0], 3, 256, 128, jnp.float32, {}),
+                                                    ([4, 0, 7], 1, 2048, 128, jnp.bfloat16, {})])
 def test_tpu_kernel_matches_reference(sizes, extra, K, N, dtype, opts):
     """The TPU kernel (`tpu.grouped_matmul_fp4_tpu`, in the TPU interpreter) == the reference: empty groups, group
-    boundaries inside row tiles (items sharing a tile), rows past the groups 0, several N tiles, no rows at all; bf16
-    and f32 (the latter in f32, as the contract's precision says)."""
+    boundaries inside row tiles (items sharing a tile), rows past the groups 0, several N tiles, no rows at all, K
+    in several FP4_K_CHUNK steps (K = 2048); bf16 and f32 (the latter in f32, as the contract's precision says)."""
     rng = np.random.default_rng(len(sizes) + K)
     lhs, rhs, gs, _ = _case(rng, sizes, K, N, dtype, extra)
     want = np.asarray(grouped_matmul_fp4(lhs, rhs, gs, impl="reference"))

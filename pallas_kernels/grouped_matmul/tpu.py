@@ -17,7 +17,8 @@ The FP4 contract (`fp4.py`) on the TPU (session 48): our own Pallas kernel, sinc
 It reads the checkpoint's bytes (0.53 B a weight) and decodes them in VMEM, over the GPU kernels' work items
 (`gpu.work_items`), so a group's weights are read once per row tile, and only for groups with rows. Before it, the
 TPU ran the reference, which dequantizes every expert of the stack at each call (4.3 GB of bf16 for one of
-V4-Flash's 256-expert matrices). Checked in the interpreter and by its Mosaic lowering for a v6e target only.
+V4-Flash's 256-expert matrices). A step decodes FP4_K_CHUNK bytes of K at a time, so its VMEM temporaries stay near
+[512, block_n] words each. Checked in the interpreter and by its Mosaic lowering for a v6e target only.
 """
 
 from __future__ import annotations
@@ -72,12 +73,17 @@ def fp4_kernel_applies(K: int, N: int) -> bool:
     return K % 256 == 0 and N % FP4_BLOCK_N == 0
 
 
+# packed bytes a step of the kernel's K loop: bounds its VMEM temporaries (the int32 codes, their transpose, two f32
+# weight tiles) to ~[FP4_K_CHUNK, block_n] words each, whatever K is
+FP4_K_CHUNK = 512
+
+
 def _fp4_tpu_kernel(group_ref, tile_ref, offsets_ref, n_items_ref, lhs_even_ref, lhs_odd_ref, packed_ref,
                     scales_ref, out_ref, *, block_m):
-    """One (N tile, work item) step: group g's [block_n, K / 2] bytes and [block_n, K / 32] scales, decoded K-major
-    to [K / 2, block_n] weights of the even and of the odd inputs (scaled, exact in f32, cast to lhs's dtype), the
-    tile's rows times them, and the rows of group g stored (items sharing a tile are consecutive steps and write
-    disjoint rows of the same resident output block)."""
+    """One (N tile, work item) step: group g's [block_n, K / 2] bytes and [block_n, K / 32] scales, decoded K-major,
+    FP4_K_CHUNK bytes at a time, to the [chunk, block_n] weights of the even and of the odd inputs (scaled, exact in
+    f32, cast to lhs's dtype), the tile's rows times them, and the rows of group g stored (items sharing a tile are
+    consecutive steps and write disjoint rows of the same resident output block)."""
     from .fp4 import _e2m1, _e8m0
 
     i = pl.program_id(1)
@@ -86,16 +92,21 @@ def _fp4_tpu_kernel(group_ref, tile_ref, offsets_ref, n_items_ref, lhs_even_ref,
     def _():
         g = group_ref[i]
         row0 = tile_ref[i] * block_m
-        codes = packed_ref[...].astype(jnp.int32).T                       # [K / 2, block_n]
-        half_k, block_n = codes.shape
-        factor = _e8m0(scales_ref[...].astype(jnp.int32).T)               # [K / 32, block_n]
-        factor = jnp.broadcast_to(factor[:, None, :], (half_k // 16, 16, block_n)).reshape(half_k, block_n)
+        block_n, half_k = packed_ref.shape
+        chunk = FP4_K_CHUNK if half_k % FP4_K_CHUNK == 0 else half_k
+        factor = _e8m0(scales_ref[...].astype(jnp.int32).T)               # [K / 32, block_n]: 16 bytes a row
         dtype = lhs_even_ref.dtype
         prec = jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
-        acc = jnp.dot(lhs_even_ref[...], (_e2m1(codes & 15) * factor).astype(dtype), precision=prec,
-                      preferred_element_type=jnp.float32)
-        acc += jnp.dot(lhs_odd_ref[...], (_e2m1(codes >> 4) * factor).astype(dtype), precision=prec,
-                       preferred_element_type=jnp.float32)
+
+        acc = jnp.zeros(out_ref.shape, jnp.float32)
+        for c0 in range(0, half_k, chunk):   # static: K / 2 / chunk steps (4 at V4-Flash's K = 4096)
+            codes = packed_ref[:, c0:c0 + chunk].astype(jnp.int32).T           # [chunk, block_n]
+            f = factor[c0 // 16:(c0 + chunk) // 16]
+            f = jnp.broadcast_to(f[:, None, :], (chunk // 16, 16, block_n)).reshape(chunk, block_n)
+            acc += jnp.dot(lhs_even_ref[:, c0:c0 + chunk], (_e2m1(codes & 15) * f).astype(dtype), precision=prec,
+                           preferred_element_type=jnp.float32)
+            acc += jnp.dot(lhs_odd_ref[:, c0:c0 + chunk], (_e2m1(codes >> 4) * f).astype(dtype), precision=prec,
+                           preferred_element_type=jnp.float32)
         rows = row0 + jax.lax.broadcasted_iota(jnp.int32, acc.shape, 0)
         mine = (rows >= offsets_ref[g]) & (rows < offsets_ref[g + 1])
         out_ref[...] = jnp.where(mine, acc, out_ref[...])
@@ -112,7 +123,8 @@ def grouped_matmul_fp4_tpu(lhs, rhs, group_sizes, *, block_m=None, block_n=None,
     whole K: a group's [block_n, K / 2] bytes and [block_n, K / 32] scales (whole last dims, as Mosaic's tiling
     wants for the scales' K / 32), transposes them to K-major int32, decodes both nibbles (`fp4._e2m1` x `_e8m0`,
     exact) into the weights of the even and the odd inputs, and multiplies them with lhs's even and odd columns (split
-    once outside), f32 accumulation; f32 lhs multiplies in f32 (the contract's `precision_for`). Checked in the TPU
+    once outside), FP4_K_CHUNK bytes a loop step, f32 accumulation; f32 lhs multiplies in f32 (the contract's
+    `precision_for`). Checked in the TPU
     interpreter and by its Mosaic lowering for a v6e target; never run on a TPU (none here)."""
     from jax.experimental.pallas import tpu as pltpu
 
