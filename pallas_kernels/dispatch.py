@@ -24,3 +24,20 @@ def resolve_impl(impl: str, op: str, extra: tuple = ()) -> str:
     if plat == "tpu":
         return "tpu"
     return "interpret"
+
+
+def run_resolved(where: str, impl: str, op: str, kernel_options: dict, *, applies, reference, gpu, tpu):
+    """Runs an op where `resolve_impl` sent it (`where`, with 'interpret_tpu' among its extras): impl 'auto' falls
+    back to the reference where `applies(where)` says that kernel does not take the shapes (a custom small config);
+    kernel options are refused on the reference; `reference()`, `gpu(interpret=..., **kernel_options)` for 'gpu' /
+    'interpret', `tpu(interpret=..., **kernel_options)` for 'tpu' / 'interpret_tpu'."""
+    if impl == "auto" and where in ("gpu", "tpu") and not applies(where):
+        where = "reference"
+    if where == "reference":
+        if kernel_options:
+            raise ValueError(f"{op}: kernel options {sorted(kernel_options)} apply to the kernels only "
+                             f"(impl={impl!r} runs the reference here)")
+        return reference()
+    if where in ("tpu", "interpret_tpu"):
+        return tpu(interpret=where == "interpret_tpu", **kernel_options)
+    return gpu(interpret=where == "interpret", **kernel_options)

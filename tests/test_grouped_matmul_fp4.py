@@ -167,7 +167,7 @@ def test_errors():
         grouped_matmul_fp4_gpu(lhs, rhs, gs, decode="lut", interpret=True)
     probe = grouped_matmul_fp4_gpu(lhs, rhs, gs, decode="raw", interpret=True)   # timing probe: runs, wrong values
     assert probe.shape == (lhs.shape[0], 32) and np.isfinite(np.asarray(probe)).all()
-    with pytest.raises(ValueError, match="apply to the kernel only"):
+    with pytest.raises(ValueError, match="apply to the kernels only"):
         grouped_matmul_fp4(lhs, rhs, gs, impl="reference", block_m=32)
 
 

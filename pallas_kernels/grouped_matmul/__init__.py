@@ -26,6 +26,7 @@ prefill up to 1.5x slower than the bf16-weight kernel.
 from __future__ import annotations
 
 from ..dispatch import resolve_impl as _resolve
+from ..dispatch import run_resolved
 from . import gpu as _gpu
 from . import tpu as _tpu
 from .fp4 import Fp4Weights, grouped_matmul_fp4
@@ -43,13 +44,8 @@ def grouped_matmul(lhs, rhs, group_sizes, *, impl: str = "reference", **kernel_o
     says."""
     where = _resolve(impl, "grouped_matmul", extra=("interpret_tpu",))
     K, N = rhs.shape[-2:]
-    if impl == "auto" and where in ("gpu", "tpu") and not (_gpu if where == "gpu" else _tpu).kernel_applies(K, N):
-        where = "reference"   # shapes the kernel does not take (a custom small config): XLA's ragged dot
-    if where == "reference":
-        if kernel_options:
-            raise ValueError(f"grouped_matmul: kernel options {sorted(kernel_options)} apply to the kernels only "
-                             f"(impl={impl!r} runs the reference here)")
-        return grouped_matmul_reference(lhs, rhs, group_sizes)
-    if where in ("tpu", "interpret_tpu"):
-        return grouped_matmul_tpu(lhs, rhs, group_sizes, interpret=where == "interpret_tpu", **kernel_options)
-    return grouped_matmul_gpu(lhs, rhs, group_sizes, interpret=where == "interpret", **kernel_options)
+    return run_resolved(where, impl, "grouped_matmul", kernel_options,
+                        applies=lambda w: (_gpu if w == "gpu" else _tpu).kernel_applies(K, N),
+                        reference=lambda: grouped_matmul_reference(lhs, rhs, group_sizes),
+                        gpu=lambda **kw: grouped_matmul_gpu(lhs, rhs, group_sizes, **kw),
+                        tpu=lambda **kw: grouped_matmul_tpu(lhs, rhs, group_sizes, **kw))

@@ -74,7 +74,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ..dispatch import resolve_impl
+from ..dispatch import resolve_impl, run_resolved
 from .gpu import default_block_m, fit_block, kernel_applies, launch
 from .reference import grouped_matmul as grouped_matmul_reference
 from .reference import precision_for
@@ -336,15 +336,8 @@ def grouped_matmul_fp4(lhs, rhs: Fp4Weights, group_sizes, *, impl: str = "refere
 
     where = resolve_impl(impl, "grouped_matmul_fp4", extra=("interpret_tpu",))
     E, K, N = check_weights(rhs)
-    if impl == "auto" and ((where == "gpu" and not kernel_applies(K, N))
-                           or (where == "tpu" and not _tpu.fp4_kernel_applies(K, N))):
-        where = "reference"   # shapes the kernels' blocks do not fit (a custom small config)
-    if where == "reference":
-        if kernel_options:
-            raise ValueError(f"grouped_matmul_fp4: kernel options {sorted(kernel_options)} apply to the kernel only "
-                             f"(impl={impl!r} runs the reference here)")
-        return grouped_matmul_fp4_reference(lhs, rhs, group_sizes)
-    if where in ("tpu", "interpret_tpu"):
-        return _tpu.grouped_matmul_fp4_tpu(lhs, rhs, group_sizes, interpret=where == "interpret_tpu",
-                                           **kernel_options)
-    return grouped_matmul_fp4_gpu(lhs, rhs, group_sizes, interpret=where == "interpret", **kernel_options)
+    return run_resolved(where, impl, "grouped_matmul_fp4", kernel_options,
+                        applies=lambda w: (kernel_applies if w == "gpu" else _tpu.fp4_kernel_applies)(K, N),
+                        reference=lambda: grouped_matmul_fp4_reference(lhs, rhs, group_sizes),
+                        gpu=lambda **kw: grouped_matmul_fp4_gpu(lhs, rhs, group_sizes, **kw),
+                        tpu=lambda **kw: _tpu.grouped_matmul_fp4_tpu(lhs, rhs, group_sizes, **kw))
