@@ -194,6 +194,28 @@ def set_pipeline(cfg: str):
     return run
 
 
+def with_mosaic_config(entries, fn):
+    """fn with `gpu_mosaic.MOSAIC_CONFIG` updated by entries while it runs (traces), restored after."""
+    from pallas_kernels.indexer import gpu_mosaic
+
+    unknown = sorted(set(entries) - set(gpu_mosaic.MOSAIC_CONFIG))
+    if unknown:
+        raise ValueError(f"MOSAIC_CONFIG has no options {unknown}")
+    if not entries:
+        return fn
+
+    def run(*args):
+        saved = dict(gpu_mosaic.MOSAIC_CONFIG)
+        gpu_mosaic.MOSAIC_CONFIG.update(entries)
+        try:
+            return fn(*args)
+        finally:
+            gpu_mosaic.MOSAIC_CONFIG.clear()
+            gpu_mosaic.MOSAIC_CONFIG.update(saved)
+
+    return run
+
+
 TOPK_ONLY_METHODS = {"lax": dict(topk="lax"), "radix": dict(topk="radix"), "radix4": dict(topk="radix4"),
                      "grouped16": dict(topk="grouped16"), "grouped32": dict(topk="grouped32"),
                      "grouped64": dict(topk="grouped64"), "threshold": dict(topk="threshold"),
@@ -395,7 +417,10 @@ def main():
         variants = {v: variants[v] for v in a.variants.split(",") if v != "harness"}
     for cfg in (a.scores_configs.split(";") if a.scores_configs else []):
         opts = parse_options(cfg)
-        variants[f"scores[{cfg}]"] = lambda q, w, k, n, o=opts: indexer_scores_pallas(q, w, k, n, impl="pallas", **o)
+        # 'mosaic.NAME=value': an entry of gpu_mosaic.MOSAIC_CONFIG while the call traces, e.g. mosaic.fp4_converter=2
+        mosaic = {name[7:]: opts.pop(name) for name in list(opts) if name.startswith("mosaic.")}
+        variants[f"scores[{cfg}]"] = with_mosaic_config(
+            mosaic, lambda q, w, k, n, o=opts: indexer_scores_pallas(q, w, k, n, impl="pallas", **o))
     for cfg in (a.set_configs.split(";") if a.set_configs else []):
         variants[f"set[{cfg}]"] = set_pipeline(cfg)
     # the chain's own iteration (the dependency pass over q, the loop's trip; no indexer): included in every column

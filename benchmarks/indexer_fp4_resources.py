@@ -11,6 +11,8 @@ x 128K context), and an SM holds as many of its CTAs as their registers and shar
 
 Session 48 (H100, `results/h100_s48r1_fp4res.log`): 134 registers (scores alone) and 136 (under the segment top-k)
 at precision "fp8", no spills; the segment top-k's CTA takes 81952 B of shared memory, so 2 CTAs an SM.
+Session 49 added the converter warpgroup's kernels (`fp4_converter` 1 and 2; 256 threads a CTA, so 2 CTAs an SM need
+<= 128 registers a thread).
 """
 
 from __future__ import annotations
@@ -60,17 +62,29 @@ def main():
     w = jnp.asarray(rng.standard_normal((B, 1, H)), jnp.float32)
     keys = F.quantize(jnp.asarray(rng.standard_normal((B, T, 128)), jnp.float32), "fp4")
     nv = jnp.full((B, 1), T, jnp.int32)
-    for precision in ("fp8", "f16"):
+    from pallas_kernels.indexer import gpu_mosaic
+
+    # (precision, fp4_converter slots): the register path at both precisions, and session 49's converter warpgroup
+    for precision, conv in (("fp8", 0), ("fp8", 2), ("fp8", 1), ("f16", 0)):
         for what in ("scores", "segment_set"):
             before = set(glob.glob(os.path.join(args.out_dir, "*")))
             if what == "scores":
-                fn = jax.jit(lambda *a, p=precision: indexer_scores_mosaic(*a, precision=p))
+                fn = jax.jit(lambda *a, p=precision, c=conv: indexer_scores_mosaic(*a, precision=p, fp4_converter=c))
             else:
                 fn = jax.jit(lambda *a, p=precision: indexer_topk_gpu(*a, k=512, kernel="mosaic", topk="segment_set",
                                                                       precision=p))
-            jax.block_until_ready(fn(q, w, keys, nv))
+            saved = gpu_mosaic.MOSAIC_CONFIG["fp4_converter"]
+            gpu_mosaic.MOSAIC_CONFIG["fp4_converter"] = conv
+            try:
+                jax.block_until_ready(fn(q, w, keys, nv))
+            except Exception as e:   # one variant that fails to compile must not hide the others' numbers
+                print(f"== precision={precision} fp4_converter={conv} {what}: FAILED {type(e).__name__}: {e}"[:2000],
+                      flush=True)
+                continue
+            finally:
+                gpu_mosaic.MOSAIC_CONFIG["fp4_converter"] = saved
             new = sorted(set(glob.glob(os.path.join(args.out_dir, "*"))) - before)
-            print(f"== precision={precision} {what}: {len(new)} new dump files", flush=True)
+            print(f"== precision={precision} fp4_converter={conv} {what}: {len(new)} new dump files", flush=True)
             _report(new)
 
 

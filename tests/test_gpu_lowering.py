@@ -704,6 +704,21 @@ def test_indexer_mosaic_fp4_lowers(B, S, H, T, opts):
     lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_scores_mosaic(*a, **opts), q, w, keys, nv)
     lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=64, kernel="mosaic", topk="segment_set",
                                                                 precision="fp8", **opts), q, w, keys, nv)
+    # the converter warpgroup (session 49): e5m2 slots in shared memory, alone and under the segment top-k
+    # (MOSAIC_CONFIG), the conversion's asm in the module
+    from pallas_kernels.indexer import gpu_mosaic
+
+    text = lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_scores_mosaic(*a, fp4_converter=2, **opts), q, w,
+                      keys, nv)
+    assert "_cv2" in text and "and.b32 m, $2, 0x77777777" in text
+    saved = dict(gpu_mosaic.MOSAIC_CONFIG)
+    try:
+        gpu_mosaic.MOSAIC_CONFIG["fp4_converter"] = 1
+        assert "_cv1" in lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(
+            *a, k=64, kernel="mosaic", topk="segment_set", **opts), q, w, keys, nv)
+    finally:
+        gpu_mosaic.MOSAIC_CONFIG.clear()
+        gpu_mosaic.MOSAIC_CONFIG.update(saved)
     if not opts:   # the epilogue timing probe (session 48): under the segment top-k too, through MOSAIC_CONFIG
         from pallas_kernels.indexer import gpu_mosaic
 
@@ -720,7 +735,7 @@ def test_indexer_mosaic_fp4_lowers(B, S, H, T, opts):
         with pytest.raises(ValueError, match="epilogue must be one of"):
             indexer_scores_mosaic(q, w, keys, nv, epilogue="none")
     if not opts:   # the conversion-free timing probe (session 46), both precisions: no per-8-value asm left
-        for precision, asm_line in (("f16", "mul.rn.f16x2 $0, a, $5"), ("fp8", "and.b32 sel, $2, 0x7777")):
+        for precision, asm_line in (("f16", "mul.rn.f16x2 $0, a, $5"), ("fp8", "and.b32 m, $2, 0x77777777")):
             probe = lambda *a: indexer_scores_mosaic(*a, precision=precision, convert="raw")
             assert asm_line in lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_scores_mosaic(
                 *a, precision=precision), q, w, keys, nv)

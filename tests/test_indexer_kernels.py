@@ -419,6 +419,33 @@ def test_gpu_mosaic_fp4_fp8_precision(B, S, H, T, opts, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("B,S,H,T,opts", [(4, 1, 64, 5000, {}), (2, 2, 64, 70000, {}), (3, 1, 16, 776, {}),
+                                          (2, 1, 128, 296, {}), (3, 1, 64, 4104, dict(block_t=64, num_stages=2)),
+                                          (2, 1, 64, 9000, dict(block_t=256, num_splits=3)),
+                                          (5, 1, 40, 2000, dict(num_splits=1, num_stages=1)),
+                                          (64, 1, 64, 32768, {})])
+@pytest.mark.parametrize("slots", [1, 2])
+def test_gpu_mosaic_fp4_converter(B, S, H, T, opts, slots, monkeypatch):
+    """fp4_converter (session 49, first compiled on a GPU after it): a second warpgroup converts each block into
+    e5m2 slots in shared memory, the scoring warpgroup's wgmma reads them there. The operands are the register
+    path's bytes (the same inline PTX), so the scores equal the register path's bit for bit and the reference's to
+    the fp8 tensor cores' accumulation; under the segment-set top-k (through MOSAIC_CONFIG) the same index sets."""
+    from pallas_kernels.indexer import gpu_mosaic
+
+    q, w, keys, nv = make(B, S, H, T, "fp4", True)
+    opts = dict(opts, precision="fp8")
+    conv = np.asarray(gpu_mosaic.indexer_scores_mosaic(q, w, keys, nv, fp4_converter=slots, **opts))
+    regs = np.asarray(gpu_mosaic.indexer_scores_mosaic(q, w, keys, nv, fp4_converter=0, **opts))
+    np.testing.assert_array_equal(conv, regs)
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_converter", slots)
+    check_scores(q, w, keys, nv, "pallas", 1e-4, kernel="mosaic", **opts)
+    got = np.asarray(indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="segment_set"))
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_converter", 0)
+    want = np.asarray(indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="segment_set"))
+    np.testing.assert_array_equal(got, want)
+
+
+@gpu
 @pytest.mark.parametrize("precision,tol", [("f16", 1e-5), ("fp8", 1e-4)])
 def test_gpu_mosaic_fp4_wide_group_scales(precision, tol):
     """fp4 keys whose 32-channel groups lie up to 2^20 apart (the f16 operand factors 2^(15 - D) down to 2^-5; the
@@ -538,6 +565,54 @@ def test_mosaic_kernel_interpreted(B, S, H, T, opts, fmt):
     ref = np.asarray(indexer_scores(q, w, keys, nv))
     np.testing.assert_array_equal(out[..., :T] == -np.inf, ref == -np.inf)
     assert np.all(out[..., T:] == -np.inf)
+
+
+@pytest.mark.parametrize("B,S,H,T,opts", sweep([core(2, 1, 32, 296, dict(block_t=64, num_stages=3, fp4_converter=1)),
+                                          (3, 1, 16, 776, dict(num_splits=2, num_stages=2, fp4_converter=2)),
+                                          (2, 2, 32, 1000, dict(block_t=64, num_stages=2, fp4_converter=3)),
+                                          (2, 1, 64, 1544, dict(block_t=256, num_splits=3, num_stages=1,
+                                                                fp4_converter=2))]))
+def test_mosaic_fp4_converter_interpreted(B, S, H, T, opts, monkeypatch):
+    """fp4 keys through the Mosaic kernel's converter warpgroup (fp4_converter, session 49) in Pallas' GPU
+    interpreter: wg 1 streams the key ring and converts each block into e5m2 slots (the interpreter's jnp model of
+    the inline PTX, equal to it bit for bit: test_indexer_mosaic_fp4.py), wg 0 scores them from shared memory.
+    Race detector on; the reference's scores to f32 summation order (the e5m2 operands are exact and the
+    interpreter's dot accumulates in f32); ragged n_visible (0, inside, past T), 1-3 slots against 1-3 key slots,
+    more blocks than slots, 2 queries per row; through the dispatcher with MOSAIC_CONFIG's fp4_converter too."""
+    if ON_GPU:
+        pytest.skip("CPU interpreter test (the GPU runs test_gpu_mosaic_fp4_converter)")
+    gpu_interpret = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
+    from pallas_kernels.indexer import gpu_mosaic
+
+    q, w, keys, nv = make(B, S, H, T, "fp4", True)
+    gpu_interpret.reset_gpu_interpret_mode_state()
+    out = np.asarray(gpu_mosaic.indexer_scores_mosaic(q, w, keys, nv, interpret="races", pad_to_block=True, **opts))
+    assert not gpu_interpret.get_races().races_found
+    ref = np.asarray(indexer_scores(q, w, keys, nv))
+    fin = np.isfinite(ref)
+    np.testing.assert_array_equal(np.isfinite(out[..., :T]), fin)
+    assert np.all(out[..., T:] == -np.inf)
+    np.testing.assert_allclose(out[..., :T][fin], ref[fin], rtol=0, atol=1e-6 * np.abs(ref[fin]).max())
+    # the config reaches the kernel through the dispatcher (kernel="mosaic" on CPU = the interpreter)
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_converter", opts["fp4_converter"])
+    check_scores(q, w, keys, nv, "pallas", 1e-6, kernel="mosaic",
+                 **{k: v for k, v in opts.items() if k != "fp4_converter"})
+
+
+def test_mosaic_fp4_converter_rejects_what_it_cannot_do():
+    """fp4_converter's option errors: fp4 keys at precision "fp8" only, not with the raw-conversion probe or
+    split_m, 0-4 slots; the fp4 register path still has no interpret mode."""
+    from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
+
+    q, w, keys, nv = make(1, 1, 16, 64, "fp4", True)
+    for opts, msg in [(dict(precision="f16"), "fp4_converter applies"), (dict(convert="raw"), "fp4_converter applies"),
+                      (dict(split_m=True), "fp4_converter applies"), (dict(fp4_converter=5), "fp4_converter must be")]:
+        with pytest.raises(ValueError, match=msg):
+            indexer_scores_mosaic(q, w, keys, nv, **{"fp4_converter": 2, **opts})
+    with pytest.raises(ValueError, match="fp4_converter applies"):
+        indexer_scores_mosaic(*make(1, 1, 16, 64, "fp8", True), fp4_converter=1)
+    with pytest.raises(ValueError, match="interpret mode runs"):
+        indexer_scores_mosaic(q, w, keys, nv, interpret=True)
 
 
 def test_e4m3_f16_bit_placement_constants():
@@ -663,7 +738,8 @@ def test_mosaic_kernel_errors():
     from pallas_kernels.indexer.gpu import indexer_scores_gpu
 
     q, w, keys, nv = make(1, 1, 16, 40, "fp8")
-    with pytest.raises(ValueError, match="interpret mode runs fp8 keys at precision 'fp8' and bf16 keys only"):
+    with pytest.raises(ValueError, match="interpret mode runs fp8 keys at precision 'fp8', bf16 keys and fp4 keys "
+                                         "with fp4_converter only"):
         indexer_scores_gpu(q, w, keys, nv, interpret=True, kernel="mosaic")
     with pytest.raises(ValueError, match="kernel must be one of"):
         indexer_scores_gpu(q, w, keys, nv, interpret=True, kernel="cuda")
@@ -671,7 +747,7 @@ def test_mosaic_kernel_errors():
     qb, wb, kb, nb = make(1, 1, 16, 40, None)
     with pytest.raises(ValueError, match="takes fp8 or fp4 keys .* or bf16"):
         indexer_scores_gpu(qb, wb, kb, nb, kernel="mosaic")
-    with pytest.raises(ValueError, match="interpret mode runs"):   # fp4 keys: compiled only
+    with pytest.raises(ValueError, match="interpret mode runs"):   # fp4 keys: compiled only (but the converter)
         indexer_scores_gpu(*make(1, 1, 16, 40, "fp4"), kernel="mosaic", interpret=True)
     with pytest.raises(ValueError, match="takes only"):
         indexer_scores_gpu(q, w, keys, nv, kernel="mosaic", num_warps=8)

@@ -155,6 +155,41 @@ def test_e5m2_asm_matches_its_model_in_the_ptx_interpreter():
             assert out == [int(want[r].view(np.uint32)[0]) for r in range(2)], hex(int(wd))
 
 
+def test_converter_model_equals_the_asm_bit_for_bit():
+    """fp4_converter's interpreter model (`gpu_mosaic._fp4_e5m2_values`, jnp) gives the bytes the compiled
+    converter stores: every key's e5m2 operand row equal to the inline PTX's numpy model (`e5m2_luts` tables,
+    `fp4_e5m2x8_reference`) placed in the register plan's columns, and the same key factor bits; scale spreads around
+    E5M2_MAX_D, every nibble code, the factor's subnormal range. Its column order (a swap of channel bits 4 and 16,
+    `e5m2_columns_by_swap`) is the plan's."""
+    import jax
+
+    from pallas_kernels.indexer.gpu_mosaic import _fp4_e5m2_values, e5m2_columns_by_swap
+    from pallas_kernels.indexer.mosaic_fp4 import E5M2_ASM_CHANNELS, e5m2_luts, fp4_e5m2x8_reference
+
+    _, columns = register_plan(64, "e5m2")
+    np.testing.assert_array_equal(columns, e5m2_columns_by_swap())
+    rng = np.random.default_rng(49)
+    n = 512
+    packed = rng.integers(0, 256, (n, 64), dtype=np.uint8)
+    packed[:16] = np.arange(256, dtype=np.uint8).reshape(4, 64).repeat(4, 0)
+    scales = rng.integers(0, 256, (n, 4))
+    scales[: n // 2] = np.clip(scales[: n // 2, :1] - rng.integers(0, 30, (n // 2, 4)), 0, 255)
+    scales[-4:] = [[13, 13, 0, 5], [0, 0, 0, 0], [6, 7, 8, 9], [255, 228, 229, 0]]
+    words = (scales[:, 0] | scales[:, 1] << 8 | scales[:, 2] << 16 | scales[:, 3] << 24).astype(np.uint32)
+    vals, factor = jax.jit(_fp4_e5m2_values)(jnp.asarray(packed), jnp.asarray(words.view(np.int32)))
+    got = np.asarray(vals).view(np.uint8)
+    tables, fbits = e5m2_luts(scales)
+    want = np.zeros((n, 128), np.uint8)
+    w = _words(packed)
+    for k in range(16):   # word k: channels 8k .. 8k + 7, group k // 4
+        b = fp4_e5m2x8_reference(w[:, k], tables[:, k // 4, 0], tables[:, k // 4, 1])   # [n, 2, 4]
+        for r, chans in enumerate(E5M2_ASM_CHANNELS):
+            for i, ch in enumerate(chans):
+                want[:, columns[8 * k + ch]] = b[:, r, i]
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.asarray(factor).view(np.uint32), fbits)
+
+
 def test_e5m2_operand_values_exact():
     """The e5m2 bytes x the key's factor are the key's dequantized values exactly for groups <= E5M2_MAX_D below its
     largest, 0 beyond; both signs, every code, the factor's normal and subnormal range."""

@@ -41,6 +41,14 @@ Key formats and precisions (`PRECISIONS`; the first is the default):
   where the f16 path is compute-bound (2.35x its floor on the H100, session 44). The register plan puts every
   32-channel scale group in its own K-step of 32, so an instruction's products share their scales; the fp8 tensor
   cores' accumulation is the only difference to the reference (~1e-4 relative).
+* fp4 keys through a converter warpgroup (`fp4_converter`, session 49, precision "fp8"; off by default until
+  timed): the CTA has two warpgroups. wg 1 streams the key ring, turns each block's nibbles into e5m2 with the same
+  inline PTX and stores them (and the keys' score factors) into a ring of e5m2 slots in shared memory; wg 0 takes
+  each slot into the e5m2 x e5m2 wgmma straight from shared memory, as it takes fp8 keys, then the epilogue. So the
+  conversion (~25 us of the register path's ~83 us at B = 64 x 128K on an H100, session 48) leaves the scoring
+  warpgroup's serial chain. Barriers: conv_full (wg 1's stores fenced for the async proxy, 128 arrivals) and
+  conv_empty (wg 0's wgmma done with the slot). It is also the fp4 path Pallas' GPU interpreter runs (a jnp model of
+  the conversion, equal to the asm bit for bit).
 * bf16 keys (a bfloat16 [B, T, 128] array): "bf16x2" (q split into bf16 hi + the bf16-rounded remainder, two wgmmas
   into one accumulator: q to ~16 mantissa bits, as the Triton kernel's default for bf16 keys), "bf16" (q rounded to
   bf16, one wgmma; exact for a bf16 q). Products of two bf16 values are exact in f32.
@@ -259,7 +267,10 @@ MAX_CLUSTER = 8     # portable thread-block cluster size
 # of dispatch): fp4 141.2 -> 122.5 us a call, fp8 121.5 -> 120.0; a q that arrives fake-quantized loses ~3 us on fp4
 # keys (125.6 vs 122.3: the Triton kernel repeats the fake quantization). `quantizes_q` says which paths take a raw q.
 # epilogue: `EPILOGUES` ("probe" only to time what the per-key epilogue costs; wrong values)
-MOSAIC_CONFIG = dict(q_prep="triton", epilogue="full")
+# fp4_converter (session 49; fp4 keys at precision "fp8"; 0 = off, the default until timed on a GPU): the number of
+# e5m2 slots [block_t, 128] in shared memory through which a second warpgroup hands converted blocks to the scoring
+# one (`indexer_scores_mosaic(fp4_converter=)`)
+MOSAIC_CONFIG = dict(q_prep="triton", epilogue="full", fp4_converter=0)
 FINALS = ("auto", "cluster", "triton", "last")
 
 
@@ -346,15 +357,20 @@ def default_config(R: int, T: int, fmt: str = "fp8"):
                 num_splits=max(1, min(-(-nb // MIN_BLOCKS), TARGET_CTAS // max(R, 1))))
 
 
-def launch_layout(R: int, T: int, fmt: str, *, block_t=None, num_stages=None, num_splits=None, select=False):
+def launch_layout(R: int, T: int, fmt: str, *, block_t=None, num_stages=None, num_splits=None, select=False,
+                  converter=0):
     """A call's (block_t, num_stages, nb blocks of keys, bps blocks a split, n_split splits): `default_config`'s,
     with select (select_k) at most SELECT_CONFIG's stages and enough splits for its max_segment; the options given
-    override."""
+    override. converter (fp4_converter's slots) with select: at most 2 key slots where 2+ e5m2 slots would not let
+    two CTAs share an SM (the segment top-k's ~82 KB a CTA with 3 fp4 slots, + 16.5 KB an e5m2 slot: 2 x (115.8 KB
+    + 1 KB reserved) > 228 KB; 2 key slots: 107.1 KB)."""
     cfg = default_config(R, T, fmt)
     if select:
         cfg["num_stages"] = min(cfg["num_stages"], SELECT_CONFIG["num_stages"])
         if SELECT_CONFIG["prune"]:
             cfg["num_stages"] = min(cfg["num_stages"], SELECT_CONFIG["prune_stages"])
+        if converter >= 2:
+            cfg["num_stages"] = min(cfg["num_stages"], 2)
         cfg["num_splits"] = max(cfg["num_splits"], -(-T // SELECT_CONFIG["max_segment"]))
     for k_, v_ in dict(block_t=block_t, num_stages=num_stages, num_splits=num_splits).items():
         if v_ is not None:
@@ -369,8 +385,97 @@ def launch_layout(R: int, T: int, fmt: str, *, block_t=None, num_stages=None, nu
     return bt, stages, nb, bps, -(-nb // bps)
 
 
-def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=0, split_m=False,
-            fp4=False, select=None, epilogue="full", interpret=False):
+def _kernel(*refs, converter=0, **kw):
+    """The kernel; with converter (fp4_converter's slots) two warpgroups: wg 1 converts the fp4 blocks into e5m2
+    slots in shared memory (`_kernel_body(role="converter")`), wg 0 scores them (role "scores"). The converter's
+    scratch is the last four refs: e5m2 slots [converter, bt, 128], key factors [converter, bt] f32, and the slots'
+    full / empty barriers."""
+    if not converter:
+        return _kernel_body(*refs, **kw)
+    refs, conv = refs[:-4], refs[-4:]
+    wg = jax.lax.axis_index("wg")
+    pl.when(wg == 1)(lambda: _kernel_body(*refs, conv=conv, role="converter", **kw))
+    pl.when(wg == 0)(lambda: _kernel_body(*refs, conv=conv, role="scores", **kw))
+
+
+def _fp4_e5m2_values(packed, scale_words):
+    """The interpreter's model of `mosaic_fp4.fp4_operand(.., "e5m2")` (jnp, no register layouts; no captured
+    constants, which a Mosaic GPU kernel body may not hold): packed [rows, 64] uint8, scale_words [rows] int32 (a
+    key's 4 ue8m0 bytes) -> (e5m2 [rows, 128]: channel c's e2m1 x 2^(13 - D) in column `register_plan(64, "e5m2")`
+    [c], 0 where D > E5M2_MAX_D; f32 [rows]: 2^(smax - 140)), the values the inline PTX produces."""
+    from .mosaic_fp4 import E5M2_MAX_D
+
+    rows = packed.shape[0]
+    p = packed.astype(jnp.int32)
+    nib = jnp.stack([p & 0xF, p >> 4], axis=-1).reshape(rows, 128)          # channel 2i = low nibble of byte i
+    e, m = (nib >> 1) & 3, (nib & 1).astype(jnp.float32)
+    mag = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * jnp.left_shift(1, e).astype(jnp.float32) * 0.5)
+    s = jnp.stack([(scale_words >> (8 * g)) & 0xFF for g in range(4)], axis=-1)   # [rows, 4]
+    smax = jnp.max(s, axis=-1)
+    d = jnp.broadcast_to((smax[:, None] - s)[:, :, None], (rows, 4, 32)).reshape(rows, 128)   # D per channel
+    fac = jax.lax.bitcast_convert_type((jnp.clip(13 - d, -126, 127) + 127) << 23, jnp.float32)   # 2^(13 - D)
+    val = jnp.where(d <= E5M2_MAX_D, mag * fac, 0.0)                                 # exact
+    val = jnp.where(nib >= 8, -val, val)          # the sign bit even on a zero (dropped groups too), as the asm
+    # the register plan's column order: within each 32-channel group, channel bits 4 and 16 trade places
+    # (`e5m2_columns_by_swap`, checked against register_plan by tests/test_indexer_mosaic_fp4.py)
+    val = val.reshape(rows, 4, 2, 2, 2, 4).transpose(0, 1, 4, 3, 2, 5).reshape(rows, 128).astype(jnp.float8_e5m2)
+    fbits = jnp.where(smax >= 14, (smax - 13) << 23, jnp.left_shift(1, jnp.clip(smax + 9, 0, 31)))
+    return val, jax.lax.bitcast_convert_type(fbits, jnp.float32)
+
+
+def e5m2_columns_by_swap():
+    """The channel -> column map `_fp4_e5m2_values` applies (channel bits 4 and 16 swapped in each group of 32)."""
+    ch = np.arange(128)
+    return (ch & ~0b10100) | ((ch & 0b10000) >> 2) | ((ch & 0b100) << 2)
+
+
+def _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_smem, kf_smem, conv_full,
+                    conv_empty, interpret):
+    """fp4_converter's wg 1: streams the split's n_read fp4 blocks through the key ring (`issue`, `stages` slots)
+    and converts block j into e5m2 slot j % cslots (+ its keys' score factors) once the scoring warpgroup has
+    released that slot's previous block (conv_empty), then marks it full. Invariants: a slot is written only after
+    its previous block's wgmma completed (conv_empty); the consumer's wgmma reads it only after every converter
+    thread's stores were fenced for the async proxy (commit_smem) and arrived (conv_full); a key slot is refilled
+    only after every converter thread has read it (commit_smem's warpgroup barrier)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    for j in range(stages):
+        pl.when(j < n_read)(functools.partial(issue, j))
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def body(j, carry):
+        slot, cslot = j % stages, j % cslots
+        plgpu.barrier_wait(k_bars.at[slot])
+        if interpret:
+            vals, factor = _fp4_e5m2_values(k_smem.at[slot][...], s_smem.at[slot][...])
+        else:
+            from .mosaic_fp4 import fp4_operand
+
+            vals, factor = fp4_operand(plgpu.load(k_smem.at[slot], (), layout=plgpu.Layout.WGMMA_UPCAST_2X),
+                                       plgpu.load(s_smem.at[slot], (), layout=row_layout), "e5m2")
+
+        @pl.when(j >= cslots)   # the scoring warpgroup is done with block j - cslots in this slot
+        def _():
+            plgpu.barrier_wait(conv_empty.at[cslot])
+
+        conv_smem.at[cslot][...] = vals
+        kf_smem.at[cslot][...] = factor
+        plgpu.commit_smem()   # the stores visible to the wgmma (async proxy); every thread past the key slot's reads
+        plgpu.barrier_arrive(conv_full.at[cslot])
+        pl.when(j + stages < n_read)(lambda: issue(j + stages))
+        return carry
+
+    jax.lax.fori_loop(0, n_read, body, 0)
+
+    def drain(j, carry):   # the last blocks' releases: every phase of conv_empty observed before the kernel ends
+        plgpu.barrier_wait(conv_empty.at[j % cslots])
+        return carry
+
+    jax.lax.fori_loop(jnp.maximum(n_read - cslots, 0), n_read, drain, 0)
+
+
+def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=0, split_m=False,
+                 fp4=False, select=None, epilogue="full", interpret=False, conv=None, role="scores"):
     """nv [R] i32, w [R, H] f32, q [R, H, 128] e4m3 (f16 codes with "f16"; for bf16 keys bf16 [R, terms * H, 128],
     the terms stacked along the heads), keys [B, T, 128] e4m3 or bf16, scales [B*T] f32 (fp8 keys only)
     -> out [R, nb*bt]. Interpreted, q is transposed: [R, 128, H] / [R, terms, 128, H]. fp4: keys [B, T, 64] uint8
@@ -415,7 +520,7 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
 
     r = jax.lax.axis_index("r")
     split = jax.lax.axis_index("s")
-    if select and select["stream_hist"]:
+    if select and select["stream_hist"] and role == "scores":
         from .mosaic_select import hist_zero
 
         hist_zero(sel_smem)
@@ -441,9 +546,16 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
         if scale_ref is not None:
             plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(base + t0, bt)], s_smem.at[slot], k_bars.at[slot])
 
+    if conv is not None:   # fp4_converter: e5m2 slots, their key factors, full (converted) / empty (scored) barriers
+        conv_smem, kf_smem, conv_full, conv_empty = conv
+        cslots = conv_smem.shape[0]
+    if role == "converter":   # wg 1: the key ring's copies, and every block converted into an e5m2 slot
+        _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_smem, kf_smem, conv_full,
+                        conv_empty, interpret)
+        return
     plgpu.copy_gmem_to_smem(q_ref.at[r], q_smem, q_bar)
     plgpu.copy_gmem_to_smem(w_ref.at[r], w_smem, q_bar)
-    for j in range(stages):
+    for j in range(stages if conv is None else 0):   # the converter warpgroup issues the key copies
         @pl.when(j < n_read)
         def _(j=j):
             issue(j)
@@ -480,6 +592,9 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
         return cast(a16, plgpu.Layout.WGMMA)
 
     def mma(acc_ref, slot, rows):   # -> fp4: the keys' score factors [rows], else None
+        if conv is not None:   # fp4_converter: slot is the e5m2 slot, converted and committed by wg 1
+            plgpu.wgmma(acc_ref, conv_smem.at[slot, rows], q_t)
+            return load(kf_smem.at[slot, rows], row_layout)
         if fp4:
             a16, key_factor = a_operand(slot, rows)   # already in the WGMMA layout
             plgpu.wgmma(acc_ref, a16, q_t)
@@ -519,7 +634,11 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
         else:
             o = o_smem.at[j % 2]
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # the store that last read this output slot is done
-        plgpu.barrier_wait(k_bars.at[slot])
+        if conv is None:
+            plgpu.barrier_wait(k_bars.at[slot])
+        else:   # block j converted into e5m2 slot j % cslots
+            slot = j % cslots
+            plgpu.barrier_wait(conv_full.at[slot])
         if split_m:   # two [bt / 2, H] accumulators: half 1's operand and wgmma overlap half 0's, half 0's
             h = bt // 2   # epilogue overlaps half 1's wgmma
             def halves(acc0, acc1):
@@ -535,6 +654,8 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
                 return acc_ref[...], key_factor
 
             logits, key_factor = pl.run_scoped(whole, plgpu.ACC((bt, H), jnp.float32))
+            if conv is not None:   # the wgmma is done (the accumulator read waits) and the factors are loaded
+                plgpu.barrier_arrive(conv_empty.at[slot])
             finish(j, slot, logits, 0, bt, o, key_factor)
         plgpu.commit_smem()   # also a warpgroup barrier: every thread is past this slot's keys and scales
         prune_j = bps // 2 - 1   # pruning: the threshold after this block (the split's first half)
@@ -547,9 +668,8 @@ def _kernel(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=
             else:
                 count()
 
-        @pl.when(j + stages < n_read)
-        def _():
-            issue(j + stages)
+        if conv is None:   # else the converter refills the key ring
+            pl.when(j + stages < n_read)(lambda: issue(j + stages))
 
         if select and select["prune"]:   # after the next block's copy is issued: the threshold, then candidates
             from . import mosaic_select as ms
@@ -640,7 +760,7 @@ def _interpret_params(detect_races=False):
 
 def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stages=None, num_splits=None,
                           pad_to_block=False, precision=None, convert=None, group_max_k=None, split_m=None,
-                          select_k=None, select_slack=None, epilogue=None, interpret=False):
+                          select_k=None, select_slack=None, epilogue=None, fp4_converter=None, interpret=False):
     """Scores [B, S, T] f32 (or [B, S, roundup(T, block_t)] with -inf padding if pad_to_block) like
     `reference.indexer_scores`, for fp8 / fp4 keys (`formats.QuantizedKeys`, fmt "fp8": values [B, T, 128], scale
     [B, T, 1]; "fp4": packed [B, T, 64] uint8, scale [B, T, 4] ue8m0; compiled only) or bf16 keys (a bfloat16
@@ -667,7 +787,13 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     epilogue: "full", or "probe" (a timing probe, compiled only, wrong values: each key's score is the sum of its
     first 8 heads' logits, no ReLU, head weight or head sum), whose time against the default's shows what the
     per-key epilogue costs; default MOSAIC_CONFIG["epilogue"] (so the benchmarks' 'mosaic.epilogue=probe' reaches
-    the kernel under every top-k)."""
+    the kernel under every top-k).
+    fp4_converter (fp4 keys at precision "fp8"; default MOSAIC_CONFIG["fp4_converter"], 0 = off): a second
+    warpgroup converts each block's nibbles into e5m2 [block_t, 128] in shared memory, through this many slots
+    (1-4), and the scoring warpgroup's wgmma takes them from there as it takes fp8 keys, so the conversion leaves
+    the scoring warpgroup's serial chain (wait, convert, wgmma, epilogue; session 48 measured it at ~25 us of
+    B = 64 x 128K on an H100). Same values as the register path (the same inline PTX, stored). The interpreter runs
+    it with a jnp model of the conversion (`_fp4_e5m2_values`), so it is the fp4 path that interpret mode takes."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from .gpu import quantize_q_fp8, split_q
@@ -708,15 +834,24 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
     if epilogue != "full" and interpret:
         raise ValueError("epilogue='probe' is a compiled-kernel timing probe")
+    if fp4_converter is None:   # the config's value applies where it can (benchmarks set it for every format)
+        fp4_converter = MOSAIC_CONFIG["fp4_converter"] if fmt == "fp4" and precision == "fp8" else 0
+    fp4_converter = int(fp4_converter)
+    if fp4_converter and (fmt != "fp4" or precision != "fp8" or convert != "cvt" or split_m):
+        raise ValueError(f"fp4_converter applies to fp4 keys at precision 'fp8', without convert='raw' or split_m; "
+                         f"got {fmt} keys, precision {precision!r}, convert {convert!r}, split_m {split_m}")
+    if not 0 <= fp4_converter <= 4:
+        raise ValueError(f"fp4_converter must be 0 (off) or 1-4 e5m2 slots, got {fp4_converter}")
     if split_m is None:
-        split_m = DEFAULT_SPLIT_M[fmt] and not interpret and block_t_of(block_t, T) % 128 == 0
+        split_m = (DEFAULT_SPLIT_M[fmt] and not interpret and block_t_of(block_t, T) % 128 == 0
+                   and not fp4_converter)
     if split_m and (interpret or block_t_of(block_t, T) % 128):
         raise ValueError("split_m needs a compiled kernel (the interpreter has no wgmma_accumulator_load) and "
                          "block_t 128 or 256 (two halves of a multiple of 64 rows, the wgmma M)")
-    if interpret and (f16 or fmt == "fp4"):
-        raise ValueError("the Mosaic indexer kernel's interpret mode runs fp8 keys at precision 'fp8' and bf16 keys "
-                         "only (the interpreter's wgmma takes no register operand, which precision='f16' and every "
-                         "fp4 precision feed)")
+    if interpret and (f16 or (fmt == "fp4" and not fp4_converter)):
+        raise ValueError("the Mosaic indexer kernel's interpret mode runs fp8 keys at precision 'fp8', bf16 keys and "
+                         "fp4 keys with fp4_converter only (the interpreter's wgmma takes no register operand, which "
+                         "precision='f16' and the fp4 register path feed)")
     R = B * S
     if select_k is not None:
         if interpret:
@@ -729,7 +864,8 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         if select_slack < 0:
             raise ValueError(f"select_slack must be >= 0, got {select_slack}")
     bt, stages, nb, bps, n_split = launch_layout(R, T, fmt, block_t=block_t, num_stages=num_stages,
-                                                 num_splits=num_splits, select=select_k is not None)
+                                                 num_splits=num_splits, select=select_k is not None,
+                                                 converter=fp4_converter)
     slots = cluster = None
     last = False
     prune = 0
@@ -858,10 +994,16 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         set_type = jax.ShapeDtypeStruct((R, int(select_k)), jnp.int32)
         pairs_type = (jax.ShapeDtypeStruct((R, n_split, slots), jnp.int32),) * 2
         out_type = set_type if cluster else (set_type,) + pairs_type if last else pairs_type
+    if fp4_converter:   # the converter's e5m2 slots (fp8 keys' smem layout), key factors, full / empty barriers
+        conv_tile = () if interpret else (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+        scratch += [plgpu.SMEM((fp4_converter, bt, 128), jnp.float8_e5m2, transforms=conv_tile),
+                    plgpu.SMEM((fp4_converter, bt), jnp.float32),
+                    plgpu.Barrier(num_arrivals=1, num_barriers=fp4_converter),
+                    plgpu.Barrier(num_arrivals=1, num_barriers=fp4_converter)]
     kernel = plgpu.kernel(
         functools.partial(_kernel, T=T, bt=bt, stages=stages, bps=bps, nb=nb, S=S, precision=precision,
                           convert=convert, n_phase=n_phase, split_m=bool(split_m), fp4=fmt == "fp4",
-                          epilogue=epilogue,
+                          epilogue=epilogue, converter=fp4_converter,
                           select=None if select_k is None else dict(
                               k=int(select_k), slots=slots, aggregate=bool(SELECT_CONFIG["aggregate"]),
                               stream_hist=bool(SELECT_CONFIG["stream_hist"]), cluster=cluster, last=last, prune=prune,
@@ -870,13 +1012,15 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         out_type=out_type,
         **(dict(grid=(R,), grid_names=("r",), cluster=(n_split,), cluster_names=("s",)) if cluster else
            dict(grid=(R, n_split), grid_names=("r", "s"))),
+        **(dict(num_threads=2, thread_name="wg") if fp4_converter else {}),
         scratch_types=scratch,
         kernel_name=(f"indexer_scores_{fmt}_mosaic_{precision}_t{bt}" + (f"_{convert}" if convert != "cvt" else "")
                      + (f"_g{G}" if n_phase else "") + ("_m2" if split_m else "")
                      + ("_epiprobe" if epilogue != "full" else "")
                      + (f"_sel{select_k}" if select_k is not None else "") + ("_cl" if cluster else "")
                      + ("_last" if select_k is not None and last else "")
-                     + (f"_pr{prune}" if select_k is not None and prune else "")),
+                     + (f"_pr{prune}" if select_k is not None and prune else "")
+                     + (f"_cv{fp4_converter}" if fp4_converter else "")),
         **(dict(interpret=_interpret_params(interpret == "races")) if interpret else {}),
     )
     res = kernel(*args)

@@ -66,17 +66,18 @@ E5M2_LUT_BASE = (0x72706C00, 0x7A787674)   # bytes: [0, 0x6C, 0x70, 0x72], [0x74
 E5M2_MAX_D = 26
 # $2 = 4 packed bytes b0..b3 (b_i's low nibble = channel 2i, high = 2i + 1), $3 / $4 = the group's table (entries
 # 0-3 / 4-7). Out: $0 = e5m2 bytes of channels 0-3, $1 = channels 4-7 (byte i = channel 4r + i). A nibble's 3
-# magnitude bits index the table (prmt's default mode, selector bit 3 clear); its sign comes from prmt's
-# sign-replicate mode on (w << 4, w), whose bytes' top bits are the low and the high nibbles' sign bits.
-FP4_E5M2X8_ASM = """{ .reg .b32 w4, sel, sg, o0, o1;
+# magnitude bits index the table (prmt's default mode, selector bit 3 clear; prmt reads the low 16 bits of its
+# selector, so one mask serves both halves); its sign comes from prmt's sign-replicate mode on (w << 4, w), whose
+# bytes' top bits are the low and the high nibbles' sign bits. 9 SASS (ptxas 13, sm_90a; 10 before session 49's
+# shared mask: `benchmarks/asm_sass_counts.py`).
+FP4_E5M2X8_ASM = """{ .reg .b32 w4, m, sel, sg, o0, o1;
+and.b32 m, $2, 0x77777777;
 shl.b32 w4, $2, 4;
-and.b32 sel, $2, 0x7777;
-prmt.b32 o0, $3, $4, sel;
+prmt.b32 o0, $3, $4, m;
 prmt.b32 sg, w4, $2, 0xD9C8;
 and.b32 sg, sg, 0x80808080;
 or.b32 o0, o0, sg;
-shr.b32 sel, $2, 16;
-and.b32 sel, sel, 0x7777;
+shr.b32 sel, m, 16;
 prmt.b32 o1, $3, $4, sel;
 prmt.b32 sg, w4, $2, 0xFBEA;
 and.b32 sg, sg, 0x80808080;
