@@ -65,7 +65,8 @@ def main():
     from pallas_kernels.indexer import gpu_mosaic
 
     # (precision, fp4_converter slots): the register path at both precisions, and session 49's converter warpgroup
-    for precision, conv in (("fp8", 0), ("fp8", 2), ("fp8", 1), ("f16", 0)):
+    for precision, conv, tables in (("fp8", 0, "registers"), ("fp8", 2, "registers"), ("fp8", 2, "shared"),
+                                    ("fp8", 1, "registers"), ("f16", 0, "registers")):
         for what in ("scores", "segment_set"):
             before = set(glob.glob(os.path.join(args.out_dir, "*")))
             if what == "scores":
@@ -73,18 +74,19 @@ def main():
             else:
                 fn = jax.jit(lambda *a, p=precision: indexer_topk_gpu(*a, k=512, kernel="mosaic", topk="segment_set",
                                                                       precision=p))
-            saved = gpu_mosaic.MOSAIC_CONFIG["fp4_converter"]
-            gpu_mosaic.MOSAIC_CONFIG["fp4_converter"] = conv
+            saved = dict(gpu_mosaic.MOSAIC_CONFIG)
+            gpu_mosaic.MOSAIC_CONFIG.update(fp4_converter=conv, fp4_tables=tables)
             try:
                 jax.block_until_ready(fn(q, w, keys, nv))
             except Exception as e:   # one variant that fails to compile must not hide the others' numbers
-                print(f"== precision={precision} fp4_converter={conv} {what}: FAILED {type(e).__name__}: {e}"[:2000],
-                      flush=True)
+                print(f"== precision={precision} fp4_converter={conv} fp4_tables={tables} {what}: FAILED "
+                      f"{type(e).__name__}: {e}"[:2000], flush=True)
                 continue
             finally:
-                gpu_mosaic.MOSAIC_CONFIG["fp4_converter"] = saved
+                gpu_mosaic.MOSAIC_CONFIG.update(saved)
             new = sorted(set(glob.glob(os.path.join(args.out_dir, "*"))) - before)
-            print(f"== precision={precision} fp4_converter={conv} {what}: {len(new)} new dump files", flush=True)
+            print(f"== precision={precision} fp4_converter={conv} fp4_tables={tables} {what}: {len(new)} new dump "
+                  "files", flush=True)
             _report(new)
 
 

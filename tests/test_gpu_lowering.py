@@ -716,6 +716,14 @@ def test_indexer_mosaic_fp4_lowers(B, S, H, T, opts):
         gpu_mosaic.MOSAIC_CONFIG["fp4_converter"] = 1
         assert "_cv1" in lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(
             *a, k=64, kernel="mosaic", topk="segment_set", **opts), q, w, keys, nv)
+        if opts.get("block_t", 128) % 128 == 0:   # the keys' tables built once a key, through shared memory
+            gpu_mosaic.MOSAIC_CONFIG["fp4_tables"] = "shared"
+            assert "_cv1_tsh" in lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(
+                *a, k=64, kernel="mosaic", topk="segment_set", **opts), q, w, keys, nv)
+        else:
+            gpu_mosaic.MOSAIC_CONFIG["fp4_tables"] = "shared"
+            with pytest.raises(ValueError, match="block_t must be"):
+                indexer_scores_mosaic(q, w, keys, nv, fp4_converter=1, **opts)
     finally:
         gpu_mosaic.MOSAIC_CONFIG.clear()
         gpu_mosaic.MOSAIC_CONFIG.update(saved)

@@ -424,14 +424,18 @@ def test_gpu_mosaic_fp4_fp8_precision(B, S, H, T, opts, monkeypatch):
                                           (2, 1, 64, 9000, dict(block_t=256, num_splits=3)),
                                           (5, 1, 40, 2000, dict(num_splits=1, num_stages=1)),
                                           (64, 1, 64, 32768, {})])
-@pytest.mark.parametrize("slots", [1, 2])
-def test_gpu_mosaic_fp4_converter(B, S, H, T, opts, slots, monkeypatch):
+@pytest.mark.parametrize("slots,tables", [(1, "registers"), (2, "registers"), (2, "shared")])
+def test_gpu_mosaic_fp4_converter(B, S, H, T, opts, slots, tables, monkeypatch):
     """fp4_converter (session 49, first compiled on a GPU after it): a second warpgroup converts each block into
     e5m2 slots in shared memory, the scoring warpgroup's wgmma reads them there. The operands are the register
     path's bytes (the same inline PTX), so the scores equal the register path's bit for bit and the reference's to
-    the fp8 tensor cores' accumulation; under the segment-set top-k (through MOSAIC_CONFIG) the same index sets."""
+    the fp8 tensor cores' accumulation; under the segment-set top-k (through MOSAIC_CONFIG) the same index sets.
+    fp4_tables "shared": the keys' tables built once a key into shared memory (block_t a multiple of 128)."""
     from pallas_kernels.indexer import gpu_mosaic
 
+    if tables == "shared" and opts.get("block_t", 128) % 128:
+        pytest.skip("fp4_tables='shared' needs block_t a multiple of 128")
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_tables", tables)
     q, w, keys, nv = make(B, S, H, T, "fp4", True)
     opts = dict(opts, precision="fp8")
     conv = np.asarray(gpu_mosaic.indexer_scores_mosaic(q, w, keys, nv, fp4_converter=slots, **opts))

@@ -270,7 +270,11 @@ MAX_CLUSTER = 8     # portable thread-block cluster size
 # fp4_converter (session 49; fp4 keys at precision "fp8"; 0 = off, the default until timed on a GPU): the number of
 # e5m2 slots [block_t, 128] in shared memory through which a second warpgroup hands converted blocks to the scoring
 # one (`indexer_scores_mosaic(fp4_converter=)`)
-MOSAIC_CONFIG = dict(q_prep="triton", epilogue="full", fp4_converter=0)
+# fp4_tables (with fp4_converter; `FP4_TABLES`): "registers" (each of the 4 threads that hold a key's row builds its
+# e5m2 tables, 35 SASS a row and thread) or "shared" (thread t builds key t's tables once into shared memory, the 4
+# threads load them back; block_t a multiple of 128)
+MOSAIC_CONFIG = dict(q_prep="triton", epilogue="full", fp4_converter=0, fp4_tables="registers")
+FP4_TABLES = ("registers", "shared")
 FINALS = ("auto", "cluster", "triton", "last")
 
 
@@ -385,14 +389,15 @@ def launch_layout(R: int, T: int, fmt: str, *, block_t=None, num_stages=None, nu
     return bt, stages, nb, bps, -(-nb // bps)
 
 
-def _kernel(*refs, converter=0, **kw):
+def _kernel(*refs, converter=0, shared_tables=False, **kw):
     """The kernel; with converter (fp4_converter's slots) two warpgroups: wg 1 converts the fp4 blocks into e5m2
     slots in shared memory (`_kernel_body(role="converter")`), wg 0 scores them (role "scores"). The converter's
-    scratch is the last four refs: e5m2 slots [converter, bt, 128], key factors [converter, bt] f32, and the slots'
-    full / empty barriers."""
+    scratch is the last refs: e5m2 slots [converter, bt, 128], key factors [converter, bt] f32, the slots' full /
+    empty barriers, and with shared_tables (fp4_tables "shared") the keys' tables [8, bt] int32."""
     if not converter:
         return _kernel_body(*refs, **kw)
-    refs, conv = refs[:-4], refs[-4:]
+    n_conv = 5 if shared_tables else 4
+    refs, conv = refs[:-n_conv], refs[-n_conv:]
     wg = jax.lax.axis_index("wg")
     pl.when(wg == 1)(lambda: _kernel_body(*refs, conv=conv, role="converter", **kw))
     pl.when(wg == 0)(lambda: _kernel_body(*refs, conv=conv, role="scores", **kw))
@@ -430,13 +435,15 @@ def e5m2_columns_by_swap():
 
 
 def _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_smem, kf_smem, conv_full,
-                    conv_empty, interpret):
+                    conv_empty, interpret, tables_smem=None):
     """fp4_converter's wg 1: streams the split's n_read fp4 blocks through the key ring (`issue`, `stages` slots)
     and converts block j into e5m2 slot j % cslots (+ its keys' score factors) once the scoring warpgroup has
     released that slot's previous block (conv_empty), then marks it full. Invariants: a slot is written only after
     its previous block's wgmma completed (conv_empty); the consumer's wgmma reads it only after every converter
     thread's stores were fenced for the async proxy (commit_smem) and arrived (conv_full); a key slot is refilled
-    only after every converter thread has read it (commit_smem's warpgroup barrier)."""
+    only after every converter thread has read it (commit_smem's warpgroup barrier). tables_smem ([8, bt] int32,
+    fp4_tables "shared"): each key's e5m2 tables built once (thread t: key t), stored, and read back by the 4
+    threads that hold its row (`mosaic_fp4.e5m2_tables_by_row`), instead of built by each of them."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     for j in range(stages):
@@ -448,6 +455,19 @@ def _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_
         plgpu.barrier_wait(k_bars.at[slot])
         if interpret:
             vals, factor = _fp4_e5m2_values(k_smem.at[slot][...], s_smem.at[slot][...])
+        elif tables_smem is not None:
+            from .mosaic_fp4 import e5m2_tables_by_row, fp4_operand
+
+            bt = s_smem.shape[1]
+            *words, factor = e5m2_tables_by_row(
+                plgpu.load(s_smem.at[slot], (), layout=plgpu.Layout.WG_STRIDED((bt,), vec_size=1)))
+            for k, word in enumerate(words):
+                tables_smem.at[k][...] = word
+            plgpu.commit_smem()   # a warpgroup barrier: every key's tables in place (the last block's reads of them
+            tables = [plgpu.load(tables_smem.at[k], (), layout=row_layout) for k in range(8)]   # ended before
+            # the last block's commit)
+            vals = fp4_operand(plgpu.load(k_smem.at[slot], (), layout=plgpu.Layout.WGMMA_UPCAST_2X), None, "e5m2",
+                               tables=tables)
         else:
             from .mosaic_fp4 import fp4_operand
 
@@ -547,11 +567,11 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
             plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(base + t0, bt)], s_smem.at[slot], k_bars.at[slot])
 
     if conv is not None:   # fp4_converter: e5m2 slots, their key factors, full (converted) / empty (scored) barriers
-        conv_smem, kf_smem, conv_full, conv_empty = conv
+        conv_smem, kf_smem, conv_full, conv_empty = conv[:4]
         cslots = conv_smem.shape[0]
     if role == "converter":   # wg 1: the key ring's copies, and every block converted into an e5m2 slot
         _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_smem, kf_smem, conv_full,
-                        conv_empty, interpret)
+                        conv_empty, interpret, tables_smem=conv[4] if len(conv) > 4 else None)
         return
     plgpu.copy_gmem_to_smem(q_ref.at[r], q_smem, q_bar)
     plgpu.copy_gmem_to_smem(w_ref.at[r], w_smem, q_bar)
@@ -842,6 +862,14 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                          f"got {fmt} keys, precision {precision!r}, convert {convert!r}, split_m {split_m}")
     if not 0 <= fp4_converter <= 4:
         raise ValueError(f"fp4_converter must be 0 (off) or 1-4 e5m2 slots, got {fp4_converter}")
+    fp4_tables = MOSAIC_CONFIG["fp4_tables"]
+    if fp4_tables not in FP4_TABLES:
+        raise ValueError(f"MOSAIC_CONFIG['fp4_tables'] must be one of {FP4_TABLES}, got {fp4_tables!r}")
+    # "shared" reaches the converter's compiled conversion only (the interpreter runs its jnp model either way)
+    shared_tables = bool(fp4_converter) and fp4_tables == "shared" and not interpret
+    if shared_tables and block_t_of(block_t, T) % 128:
+        raise ValueError(f"MOSAIC_CONFIG['fp4_tables'] = 'shared' builds a key's tables in one thread: block_t must be "
+                         f"a multiple of the warpgroup's 128 threads, got {block_t_of(block_t, T)}")
     if split_m is None:
         split_m = (DEFAULT_SPLIT_M[fmt] and not interpret and block_t_of(block_t, T) % 128 == 0
                    and not fp4_converter)
@@ -1000,10 +1028,12 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                     plgpu.SMEM((fp4_converter, bt), jnp.float32),
                     plgpu.Barrier(num_arrivals=1, num_barriers=fp4_converter),
                     plgpu.Barrier(num_arrivals=1, num_barriers=fp4_converter)]
+        if shared_tables:   # the keys' e5m2 table words, built once a key
+            scratch.append(plgpu.SMEM((8, bt), jnp.int32))
     kernel = plgpu.kernel(
         functools.partial(_kernel, T=T, bt=bt, stages=stages, bps=bps, nb=nb, S=S, precision=precision,
                           convert=convert, n_phase=n_phase, split_m=bool(split_m), fp4=fmt == "fp4",
-                          epilogue=epilogue, converter=fp4_converter,
+                          epilogue=epilogue, converter=fp4_converter, shared_tables=shared_tables,
                           select=None if select_k is None else dict(
                               k=int(select_k), slots=slots, aggregate=bool(SELECT_CONFIG["aggregate"]),
                               stream_hist=bool(SELECT_CONFIG["stream_hist"]), cluster=cluster, last=last, prune=prune,
@@ -1020,7 +1050,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                      + (f"_sel{select_k}" if select_k is not None else "") + ("_cl" if cluster else "")
                      + ("_last" if select_k is not None and last else "")
                      + (f"_pr{prune}" if select_k is not None and prune else "")
-                     + (f"_cv{fp4_converter}" if fp4_converter else "")),
+                     + (f"_cv{fp4_converter}" if fp4_converter else "") + ("_tsh" if shared_tables else "")),
         **(dict(interpret=_interpret_params(interpret == "races")) if interpret else {}),
     )
     res = kernel(*args)

@@ -286,68 +286,149 @@ setp.le.u32 p, d, 29; selp.b32 n, n, u, p; prmt.b32 ${g}, n, 0, 0x1010;
 """ for g in range(4)) + """setp.ge.u32 p, m, 1; sub.u32 t, m, 1; shl.b32 t, t, 23; selp.b32 $4, t, 0x00200000, p; }"""
 
 
-def fp4_operand(packed, scale_words, operand: str = "f16", raw: bool = False):
+def fp4_operand(packed, scale_words, operand: str = "f16", raw: bool = False, tables=None):
     """In a Mosaic GPU kernel: packed [rows, 64] uint8 in `Layout.WGMMA_UPCAST_2X`, scale_words [rows] int32 (a
     key's 4 ue8m0 bytes) in `Layout.WGMMA.reduce(1)` -> (the operand [rows, 128], the K dimension in
     `register_plan(rows, operand)`'s column order: f16 in `Layout.WGMMA` (e2m1 x 2^(15 - D - 14)), or e5m2 in
     `Layout.WGMMA_8BIT` (e2m1 x 2^(13 - D)); row factor f32 [rows] in `Layout.WGMMA.reduce(1)`: the score of row t is
     the head sum over this operand x factor[t]). raw: a timing probe with wrong values: every operand register is
-    the packed word it would be converted from (no conversion), the row factors as usual."""
+    the packed word it would be converted from (no conversion), the row factors as usual. tables (e5m2 only): the
+    keys' 8 e5m2 table words already built (`e5m2_tables_by_row`), 8 int32 [rows] arrays in `Layout.WGMMA.reduce(1)`
+    (word 2g / 2g + 1 = group g's entries 0-3 / 4-7); then scale_words is not read and the operand alone returns."""
     import jax.numpy as jnp
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm, vector
-    from jax.experimental.mosaic import gpu as mgpu
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     rows = packed.shape[0]
-    plan, _ = register_plan(rows, operand)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     e5m2 = operand == "e5m2"
     out_layout, out_dtype = ((plgpu.Layout.WGMMA_8BIT, jnp.float8_e5m2) if e5m2 else
                              (plgpu.Layout.WGMMA, jnp.float16))
+    operand_type = plgpu.ShapeDtypeStruct((rows, 128), out_dtype, layout=out_layout)
+    if tables is not None:
+        if not e5m2 or raw or len(tables) != 8:
+            raise ValueError("tables: the 8 e5m2 table words of operand 'e5m2' (no raw probe)")
+
+        @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_2X,) + (row_layout,) * 8, return_type=operand_type)
+        def convert_with_tables(_, x, *words):
+            from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+            i32 = _i32()
+            per_group = {idx: [[mgpu_utils.bitcast(words[2 * g + h].registers[idx], i32) for h in (0, 1)]
+                               for g in range(4)] for idx in np.ndindex(words[0].registers.shape)}
+            return _operand_registers(x, per_group, rows, operand, raw=False)
+
+        return convert_with_tables(packed, *tables)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_2X, row_layout),
-                       return_type=(plgpu.ShapeDtypeStruct((rows, 128), out_dtype, layout=out_layout),
-                                    plgpu.ShapeDtypeStruct((rows,), jnp.float32, layout=row_layout)))
+                       return_type=(operand_type, plgpu.ShapeDtypeStruct((rows,), jnp.float32, layout=row_layout)))
     def convert(_, x, sw):
-        from jax.experimental.mosaic.gpu import fragmented_array as fa
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import llvm, vector
+        from jax.experimental.mosaic import gpu as mgpu
+        from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
-        i32 = ir.IntegerType.get_signless(32)
+        i32 = _i32()
         f32 = ir.F32Type.get()
-        struct = lambda n: ir.Type.parse("!llvm.struct<(" + ", ".join(["i32"] * n) + ")>")
         # per row register: the groups' factors (f16: 4 f16x2 splats; e5m2: 4 (lo, hi) tables) and the row factor
         per_group, row_mult = {}, np.empty(sw.registers.shape, dtype=object)
         for idx, reg in np.ndenumerate(sw.registers):
             word = mgpu_utils.bitcast(reg, i32)
             if e5m2:
-                res = llvm.inline_asm(struct(9), [word], E5M2_LUTS_ASM, ",".join(["=r"] * 9) + ",r")
-                outs = [llvm.extractvalue(i32, res, [i]) for i in range(9)]
+                outs = _e5m2_tables_asm(word)
                 per_group[idx] = [outs[2 * g:2 * g + 2] for g in range(4)]
                 fbits = outs[8]
             else:
-                res = llvm.inline_asm(struct(5), [word], SCALE_FACTORS_ASM, "=r,=r,=r,=r,=r,r")
+                res = llvm.inline_asm(_struct(5), [word], SCALE_FACTORS_ASM, "=r,=r,=r,=r,=r,r")
                 outs = [llvm.extractvalue(i32, res, [i]) for i in range(5)]
                 per_group[idx] = [[o] for o in outs[:4]]
                 fbits = outs[4]
             row_mult[idx] = vector.bitcast(ir.VectorType.get((1,), f32),
                                            vector.from_elements(ir.VectorType.get((1,), i32), [fbits]))
-        dst_layout = fa.WGMMA_LAYOUT_8BIT if e5m2 else fa.WGMMA_LAYOUT
-        regs = np.empty(dst_layout.registers_shape((rows, 128)), dtype=object)
-        reg_type = (ir.VectorType.get((4,), ir.Float8E5M2Type.get()) if e5m2 else
-                    ir.VectorType.get((2,), ir.F16Type.get()))
-        asm, n_out = (FP4_E5M2X8_ASM, 2) if e5m2 else (FP4_F16X4_SCALED_ASM, 4)
-        constraints = ",".join(["=r"] * n_out + ["r"] * (3 if e5m2 else 2))
-        for src_idx, targets, row_idx, group in plan:
-            word = mgpu_utils.bitcast(x.registers[src_idx], i32)
-            if raw:   # timing probe: the packed word itself in each target register, nothing converted
-                for t in targets:
-                    regs[t] = mgpu_utils.bitcast(word, reg_type)
-                continue
-            res = llvm.inline_asm(struct(n_out), [word] + per_group[row_idx][group], asm, constraints)
-            for i, t in enumerate(targets):
-                regs[t] = mgpu_utils.bitcast(llvm.extractvalue(i32, res, [i]), reg_type)
-        return (mgpu.FragmentedArray(_registers=regs, _layout=dst_layout, _is_signed=None),
+        return (_operand_registers(x, per_group, rows, operand, raw),
                 mgpu.FragmentedArray(_registers=row_mult, _layout=sw.layout, _is_signed=None))
 
     return convert(packed, scale_words)
+
+
+def _i32():
+    from jax._src.lib.mlir import ir
+
+    return ir.IntegerType.get_signless(32)
+
+
+def _struct(n):
+    from jax._src.lib.mlir import ir
+
+    return ir.Type.parse("!llvm.struct<(" + ", ".join(["i32"] * n) + ")>")
+
+
+def _e5m2_tables_asm(word):
+    """MLIR: a key's scale word (i32) -> its 8 e5m2 table words and the f32 bits of its factor (9 i32 values,
+    `E5M2_LUTS_ASM`)."""
+    from jax._src.lib.mlir.dialects import llvm
+
+    res = llvm.inline_asm(_struct(9), [word], E5M2_LUTS_ASM, ",".join(["=r"] * 9) + ",r")
+    return [llvm.extractvalue(_i32(), res, [i]) for i in range(9)]
+
+
+def _operand_registers(x, per_group, rows, operand, raw):
+    """The operand FragmentedArray from the packed words x (WGMMA_UPCAST_2X) and, per row register index, the
+    groups' asm inputs (f16: [factor splat]; e5m2: [table lo, table hi])."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    i32 = _i32()
+    e5m2 = operand == "e5m2"
+    plan, _ = register_plan(rows, operand)
+    dst_layout = fa.WGMMA_LAYOUT_8BIT if e5m2 else fa.WGMMA_LAYOUT
+    regs = np.empty(dst_layout.registers_shape((rows, 128)), dtype=object)
+    reg_type = (ir.VectorType.get((4,), ir.Float8E5M2Type.get()) if e5m2 else
+                ir.VectorType.get((2,), ir.F16Type.get()))
+    asm, n_out = (FP4_E5M2X8_ASM, 2) if e5m2 else (FP4_F16X4_SCALED_ASM, 4)
+    constraints = ",".join(["=r"] * n_out + ["r"] * (3 if e5m2 else 2))
+    for src_idx, targets, row_idx, group in plan:
+        word = mgpu_utils.bitcast(x.registers[src_idx], i32)
+        if raw:   # timing probe: the packed word itself in each target register, nothing converted
+            for t in targets:
+                regs[t] = mgpu_utils.bitcast(word, reg_type)
+            continue
+        res = llvm.inline_asm(_struct(n_out), [word] + per_group[row_idx][group], asm, constraints)
+        for i, t in enumerate(targets):
+            regs[t] = mgpu_utils.bitcast(llvm.extractvalue(i32, res, [i]), reg_type)
+    return mgpu.FragmentedArray(_registers=regs, _layout=dst_layout, _is_signed=None)
+
+
+def e5m2_tables_by_row(scale_words):
+    """In a Mosaic GPU kernel: scale_words [rows] int32 in `Layout.WG_STRIDED((rows,), vec_size=1)` (rows a multiple
+    of 128: each thread a row, or two) -> (8 int32 [rows] arrays in the same layout: the e5m2 table words
+    (`E5M2_LUTS_ASM`; word 2g / 2g + 1 = group g's entries 0-3 / 4-7), the keys' factors f32 [rows] = 2^(smax -
+    140)). Built once a key, where `fp4_operand` builds them in each of the 4 threads that hold the key's row."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    rows = scale_words.shape[0]
+    layout = plgpu.Layout.WG_STRIDED((rows,), vec_size=1)
+
+    @plgpu.inline_mgpu(arg_types=(layout,),
+                       return_type=tuple(plgpu.ShapeDtypeStruct((rows,), jnp.int32, layout=layout) for _ in range(8))
+                       + (plgpu.ShapeDtypeStruct((rows,), jnp.float32, layout=layout),))
+    def build(_, sw):
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import vector
+        from jax.experimental.mosaic import gpu as mgpu
+        from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+        i32 = _i32()
+        outs = [np.empty(sw.registers.shape, dtype=object) for _ in range(9)]
+        for idx, reg in np.ndenumerate(sw.registers):
+            words = _e5m2_tables_asm(mgpu_utils.bitcast(reg, i32))
+            for k in range(9):
+                outs[k][idx] = vector.from_elements(ir.VectorType.get((1,), i32), [words[k]])
+            outs[8][idx] = vector.bitcast(ir.VectorType.get((1,), ir.F32Type.get()), outs[8][idx])
+        return (tuple(mgpu.FragmentedArray(_registers=o, _layout=sw.layout, _is_signed=True) for o in outs[:8])
+                + (mgpu.FragmentedArray(_registers=outs[8], _layout=sw.layout, _is_signed=None),))
+
+    return build(scale_words)
