@@ -443,10 +443,15 @@ def test_gpu_mosaic_fp4_converter(B, S, H, T, opts, slots, tables, monkeypatch):
     np.testing.assert_array_equal(conv, regs)
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_converter", slots)
     check_scores(q, w, keys, nv, "pallas", 1e-4, kernel="mosaic", **opts)
-    got = np.asarray(indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="segment_set"))
-    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_converter", 0)
-    want = np.asarray(indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="segment_set"))
-    np.testing.assert_array_equal(got, want)
+    # the segment top-k's finals: the Triton one (default), and at B = 64 x 32768 (4 splits a row) the last split's
+    # and the cluster's, whose consumer warpgroup meets the row's other CTAs while the converter has exited
+    for final in ("triton",) + (("last", "cluster") if B == 64 else ()):
+        monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "final", final)
+        monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_converter", slots)
+        got = np.asarray(indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="segment_set"))
+        monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_converter", 0)
+        want = np.asarray(indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="segment_set"))
+        np.testing.assert_array_equal(got, want, err_msg=f"final {final}")
 
 
 @gpu
