@@ -622,6 +622,12 @@ def test_mosaic_fp4_converter_rejects_what_it_cannot_do():
         indexer_scores_mosaic(*make(1, 1, 16, 64, "fp8", True), fp4_converter=1)
     with pytest.raises(ValueError, match="interpret mode runs"):
         indexer_scores_mosaic(q, w, keys, nv, interpret=True)
+    # under the segment top-k, 2+ e5m2 slots take the key ring to 2 slots (two CTAs an SM); a given count overrides
+    from pallas_kernels.indexer.gpu_mosaic import launch_layout
+
+    assert [launch_layout(64, 32768, "fp4", select=True, converter=c)[1] for c in (0, 1, 2, 4)] == [3, 3, 2, 2]
+    assert launch_layout(64, 32768, "fp4", select=True, converter=2, num_stages=3)[1] == 3
+    assert launch_layout(64, 32768, "fp4", converter=2)[1] == 4   # the scores alone keep their 4 slots
 
 
 def test_e4m3_f16_bit_placement_constants():
