@@ -421,7 +421,8 @@ def _fp4_e5m2_values(packed, scale_words):
     fac = jax.lax.bitcast_convert_type((jnp.clip(13 - d, -126, 127) + 127) << 23, jnp.float32)   # 2^(13 - D)
     val = jnp.where(d <= E5M2_MAX_D, mag * fac, 0.0)                                 # exact
     val = jnp.where(nib >= 8, -val, val)          # the sign bit even on a zero (dropped groups too), as the asm
-    # the register plan's column order: within each 32-channel group, channel bits 4 and 16 trade places
+    # the register plan's column order: within each 32-channel group, the channel index's bits of value 4 and 16
+    # trade places
     # (`e5m2_columns_by_swap`, checked against register_plan by tests/test_indexer_mosaic_fp4.py)
     val = val.reshape(rows, 4, 2, 2, 2, 4).transpose(0, 1, 4, 3, 2, 5).reshape(rows, 128).astype(jnp.float8_e5m2)
     fbits = jnp.where(smax >= 14, (smax - 13) << 23, jnp.left_shift(1, jnp.clip(smax + 9, 0, 31)))
@@ -429,7 +430,7 @@ def _fp4_e5m2_values(packed, scale_words):
 
 
 def e5m2_columns_by_swap():
-    """The channel -> column map `_fp4_e5m2_values` applies (channel bits 4 and 16 swapped in each group of 32)."""
+    """The channel -> column map `_fp4_e5m2_values` applies (the channel index's bits of value 4 and 16 swapped)."""
     ch = np.arange(128)
     return (ch & ~0b10100) | ((ch & 0b10000) >> 2) | ((ch & 0b100) << 2)
 
@@ -461,11 +462,11 @@ def _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_
             bt = s_smem.shape[1]
             *words, factor = e5m2_tables_by_row(
                 plgpu.load(s_smem.at[slot], (), layout=plgpu.Layout.WG_STRIDED((bt,), vec_size=1)))
+            # (every thread's reads of the previous block's tables ended before that block's closing commit_smem)
             for k, word in enumerate(words):
                 tables_smem.at[k][...] = word
-            plgpu.commit_smem()   # a warpgroup barrier: every key's tables in place (the last block's reads of them
-            tables = [plgpu.load(tables_smem.at[k], (), layout=row_layout) for k in range(8)]   # ended before
-            # the last block's commit)
+            plgpu.commit_smem()   # a warpgroup barrier: every key's tables are in place
+            tables = [plgpu.load(tables_smem.at[k], (), layout=row_layout) for k in range(8)]
             vals = fp4_operand(plgpu.load(k_smem.at[slot], (), layout=plgpu.Layout.WGMMA_UPCAST_2X), None, "e5m2",
                                tables=tables)
         else:
