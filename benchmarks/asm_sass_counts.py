@@ -8,8 +8,8 @@ whose outputs go back there (so ptxas can neither fold nor drop them), assembled
 disassembled with cuobjdump; the count leaves out the loads, stores, moves and the exit. Needs ptxas (CUDA) and
 cuobjdump (`pip download --no-deps nvidia-cuda-cuobjdump`, then unzip the wheel: `nvidia/cu13/bin/cuobjdump`).
 
-Session 46 (ptxas 13.0): fp4 -> e5m2 10 instructions per 8 values (9 since session 49: one mask for both halves) (a packed word), the e5m2 tables 35 per key row
-and thread, fp4 -> f16 22 per 8 values (precision "f16"), the f16 group factors 38 per key row and thread. A key row
+Session 46 (ptxas 13.0): fp4 -> e5m2 10 instructions per 8 values (a packed word; 9 since session 49: one mask
+for both halves), the e5m2 tables 35 per key row and thread, fp4 -> f16 22 per 8 values (precision "f16"), the f16 group factors 38 per key row and thread. A key row
 is held by the 4 threads of a quad, each of which builds all 4 groups' tables, so per key: 16 x 10 = 160 for the
 conversion and 4 x 35 = 140 for the tables. The H100's `convert="raw"` probe (`results/h100_s46r5_idx.log`), which
 drops the conversion (and, presumably, ptxas the tables' dead outputs, all but the row factor: ~280 instructions a
