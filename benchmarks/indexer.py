@@ -148,17 +148,26 @@ def case(B, S, ctx, fmt, ceil, n_iter, variants, timing="net", unroll=1):
 def set_pipeline(cfg: str):
     """The chain's pipeline (`indexer_topk(..., impl="pallas", k=TOPK, topk="threshold_set")`; the model's default
     before session 34, now `topk="auto_set"`, which picks it or "hist_set" by the rows' length) with the options of
-    cfg ('name=value,...'; topk=... replaces the method). An item 'topk.NAME=value' sets the module constant NAME of
-    pallas_kernels.indexer.topk (converted to its type) while the call traces, e.g. 'topk.COUNT_WIDTH=512';
-    'hist.NAME=value' an entry of `topk_hist.HIST_KERNEL_CONFIG` (topk=hist_set / tour_set), e.g. 'hist.num_warps=32';
-    'tour.NAME=value' an entry of `topk_hist.TOUR_CONFIG` (topk=tour_set), e.g. 'tour.seg_len=2048';
-    'sel.NAME=value' an entry of `gpu_mosaic.SELECT_CONFIG` (topk=segment_set), e.g. 'sel.num_stages=4';
-    'mosaic.NAME=value' an entry of `gpu_mosaic.MOSAIC_CONFIG` (the Mosaic scores kernel), e.g. 'mosaic.q_prep=triton'."""
+    cfg ('name=value,...'; topk=... replaces the method; the prefixed items of `config_scope`)."""
     from pallas_kernels.indexer import indexer_topk
+
+    opts, scoped = config_scope(parse_options(cfg), cfg)
+    return scoped(lambda q, w, keys, n_visible: indexer_topk(q, w, keys, n_visible, k=TOPK, impl="pallas",
+                                                             **{"topk": "threshold_set", **opts}))
+
+
+def config_scope(opts: dict, cfg: str):
+    """opts (a parsed config) -> (the options left, wrap): wrap(fn) runs fn (a call that traces) with the prefixed
+    items in force and restores them after. An item 'topk.NAME=value' sets the module constant NAME of
+    pallas_kernels.indexer.topk (converted to its type), e.g. 'topk.COUNT_WIDTH=512'; 'hist.NAME=value' an entry of
+    `topk_hist.HIST_KERNEL_CONFIG` (topk=hist_set / tour_set), e.g. 'hist.num_warps=32'; 'tour.NAME=value' an entry of
+    `topk_hist.TOUR_CONFIG` (topk=tour_set), e.g. 'tour.seg_len=2048'; 'sel.NAME=value' an entry of
+    `gpu_mosaic.SELECT_CONFIG` (topk=segment_set), e.g. 'sel.num_stages=4'; 'mosaic.NAME=value' an entry of
+    `gpu_mosaic.MOSAIC_CONFIG` (the Mosaic scores kernel), e.g. 'mosaic.q_prep=triton', 'mosaic.fp4_converter=2'."""
     from pallas_kernels.indexer import topk as topk_mod
     from pallas_kernels.indexer import gpu_mosaic, topk_hist
 
-    opts = parse_options(cfg)
+    opts = dict(opts)
     consts = {name[5:]: opts.pop(name) for name in list(opts) if name.startswith("topk.")}
     # prefix -> (its config table, the table's name): the items given for each
     prefixes = {"hist.": (topk_hist.HIST_KERNEL_CONFIG, "HIST_KERNEL_CONFIG"),
@@ -169,51 +178,32 @@ def set_pipeline(cfg: str):
         given = {name[len(prefix):]: opts.pop(name) for name in list(opts) if name.startswith(prefix)}
         unknown = sorted(set(given) - set(table))
         if unknown:
-            raise ValueError(f"set config {cfg!r}: {what} has no options {unknown}")
+            raise ValueError(f"config {cfg!r}: {what} has no options {unknown}")
         tables.append((table, given))
     for c in consts:
         if not hasattr(topk_mod, c):
-            raise ValueError(f"set config {cfg!r}: pallas_kernels.indexer.topk has no constant {c!r}")
+            raise ValueError(f"config {cfg!r}: pallas_kernels.indexer.topk has no constant {c!r}")
 
-    def run(q, w, keys, n_visible):
-        saved = {c: getattr(topk_mod, c) for c in consts}
-        saved_tables = [dict(table) for table, _ in tables]
-        for table, given in tables:
-            table.update(given)
-        try:
-            for c, v in consts.items():
-                setattr(topk_mod, c, type(saved[c])(v))
-            return indexer_topk(q, w, keys, n_visible, k=TOPK, impl="pallas", **{"topk": "threshold_set", **opts})
-        finally:
-            for (table, _), saved_t in zip(tables, saved_tables):
-                table.clear()
-                table.update(saved_t)
-            for c, v in saved.items():
-                setattr(topk_mod, c, v)
+    def wrap(fn):
+        def run(*args):
+            saved = {c: getattr(topk_mod, c) for c in consts}
+            saved_tables = [dict(table) for table, _ in tables]
+            for table, given in tables:
+                table.update(given)
+            try:
+                for c, v in consts.items():
+                    setattr(topk_mod, c, type(saved[c])(v))
+                return fn(*args)
+            finally:
+                for (table, _), saved_t in zip(tables, saved_tables):
+                    table.clear()
+                    table.update(saved_t)
+                for c, v in saved.items():
+                    setattr(topk_mod, c, v)
 
-    return run
+        return run
 
-
-def with_mosaic_config(entries, fn):
-    """fn with `gpu_mosaic.MOSAIC_CONFIG` updated by entries while it runs (traces), restored after."""
-    from pallas_kernels.indexer import gpu_mosaic
-
-    unknown = sorted(set(entries) - set(gpu_mosaic.MOSAIC_CONFIG))
-    if unknown:
-        raise ValueError(f"MOSAIC_CONFIG has no options {unknown}")
-    if not entries:
-        return fn
-
-    def run(*args):
-        saved = dict(gpu_mosaic.MOSAIC_CONFIG)
-        gpu_mosaic.MOSAIC_CONFIG.update(entries)
-        try:
-            return fn(*args)
-        finally:
-            gpu_mosaic.MOSAIC_CONFIG.clear()
-            gpu_mosaic.MOSAIC_CONFIG.update(saved)
-
-    return run
+    return opts, wrap
 
 
 TOPK_ONLY_METHODS = {"lax": dict(topk="lax"), "radix": dict(topk="radix"), "radix4": dict(topk="radix4"),
@@ -273,7 +263,8 @@ def main():
                     "--topk-methods, skips the topk_only part: session 12 lost a device call to it)")
     ap.add_argument("--scores-configs", default=None,
                     help="';'-separated scores-kernel option sets, each timed as a variant 'scores[<set>]', e.g. "
-                         "'block_t=128,num_warps=8;waves=2;precision=bf16' (options of indexer_scores_gpu)")
+                         "'block_t=128,num_warps=8;waves=2;precision=bf16' (options of indexer_scores_gpu, and the "
+                         "prefixed config items of config_scope, e.g. mosaic.fp4_converter=2)")
     ap.add_argument("--set-configs", default=None,
                     help="';'-separated option sets of the whole default pipeline (indexer_topk with "
                          "topk='threshold_set'), each timed as a variant 'set[<set>]', e.g. "
@@ -416,11 +407,9 @@ def main():
             ap.error(f"unknown variants {unknown} (the harness runs always); known: {', '.join(variants)}")
         variants = {v: variants[v] for v in a.variants.split(",") if v != "harness"}
     for cfg in (a.scores_configs.split(";") if a.scores_configs else []):
-        opts = parse_options(cfg)
-        # 'mosaic.NAME=value': an entry of gpu_mosaic.MOSAIC_CONFIG while the call traces, e.g. mosaic.fp4_converter=2
-        mosaic = {name[7:]: opts.pop(name) for name in list(opts) if name.startswith("mosaic.")}
-        variants[f"scores[{cfg}]"] = with_mosaic_config(
-            mosaic, lambda q, w, k, n, o=opts: indexer_scores_pallas(q, w, k, n, impl="pallas", **o))
+        opts, scoped = config_scope(parse_options(cfg), cfg)   # e.g. 'mosaic.fp4_converter=2'
+        variants[f"scores[{cfg}]"] = scoped(
+            lambda q, w, k, n, o=opts: indexer_scores_pallas(q, w, k, n, impl="pallas", **o))
     for cfg in (a.set_configs.split(";") if a.set_configs else []):
         variants[f"set[{cfg}]"] = set_pipeline(cfg)
     # the chain's own iteration (the dependency pass over q, the loop's trip; no indexer): included in every column

@@ -418,13 +418,16 @@ def test_gpu_mosaic_fp4_fp8_precision(B, S, H, T, opts, monkeypatch):
     np.testing.assert_array_equal(base, np.asarray(indexer_scores_mosaic(raw, w, keys, nv, **opts)))
 
 
-@gpu
-@pytest.mark.parametrize("B,S,H,T,opts", [(4, 1, 64, 5000, {}), (2, 2, 64, 70000, {}), (3, 1, 16, 776, {}),
-                                          (2, 1, 128, 296, {}), (3, 1, 64, 4104, dict(block_t=64, num_stages=2)),
-                                          (2, 1, 64, 9000, dict(block_t=256, num_splits=3)),
-                                          (5, 1, 40, 2000, dict(num_splits=1, num_stages=1)),
-                                          (64, 1, 64, 32768, {})])
-@pytest.mark.parametrize("slots,tables", [(1, "registers"), (2, "registers"), (2, "shared")])
+_CONVERTER_SHAPES = [(4, 1, 64, 5000, {}), (2, 2, 64, 70000, {}), (3, 1, 16, 776, {}), (2, 1, 128, 296, {}),
+                     (3, 1, 64, 4104, dict(block_t=64, num_stages=2)), (2, 1, 64, 9000, dict(block_t=256, num_splits=3)),
+                     (5, 1, 40, 2000, dict(num_splits=1, num_stages=1)), (64, 1, 64, 32768, {})]
+
+
+@gpu   # fp4_tables "shared" builds a key's tables in one thread: only where block_t is a multiple of 128
+@pytest.mark.parametrize("B,S,H,T,opts,slots,tables", [
+    shape + (slots, tables) for shape in _CONVERTER_SHAPES
+    for slots, tables in [(1, "registers"), (2, "registers"), (2, "shared")]
+    if tables == "registers" or shape[4].get("block_t", 128) % 128 == 0])
 def test_gpu_mosaic_fp4_converter(B, S, H, T, opts, slots, tables, monkeypatch):
     """fp4_converter (session 49, first compiled on a GPU after it): a second warpgroup converts each block into
     e5m2 slots in shared memory, the scoring warpgroup's wgmma reads them there. The operands are the register
@@ -433,8 +436,6 @@ def test_gpu_mosaic_fp4_converter(B, S, H, T, opts, slots, tables, monkeypatch):
     fp4_tables "shared": the keys' tables built once a key into shared memory (block_t a multiple of 128)."""
     from pallas_kernels.indexer import gpu_mosaic
 
-    if tables == "shared" and opts.get("block_t", 128) % 128:
-        pytest.skip("fp4_tables='shared' needs block_t a multiple of 128")
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_tables", tables)
     q, w, keys, nv = make(B, S, H, T, "fp4", True)
     opts = dict(opts, precision="fp8")

@@ -159,15 +159,13 @@ def test_converter_model_equals_the_asm_bit_for_bit():
     """fp4_converter's interpreter model (`gpu_mosaic._fp4_e5m2_values`, jnp) gives the bytes the compiled
     converter stores: every key's e5m2 operand row equal to the inline PTX's numpy model (`e5m2_luts` tables,
     `fp4_e5m2x8_reference`) placed in the register plan's columns, and the same key factor bits; scale spreads around
-    E5M2_MAX_D, every nibble code, the factor's subnormal range. Its column order (a swap of channel bits 4 and 16,
-    `e5m2_columns_by_swap`) is the plan's."""
+    E5M2_MAX_D, every nibble code, the factor's subnormal range."""
     import jax
 
-    from pallas_kernels.indexer.gpu_mosaic import _fp4_e5m2_values, e5m2_columns_by_swap
+    from pallas_kernels.indexer.gpu_mosaic import _fp4_e5m2_values
     from pallas_kernels.indexer.mosaic_fp4 import E5M2_ASM_CHANNELS, e5m2_luts, fp4_e5m2x8_reference
 
     _, columns = register_plan(64, "e5m2")
-    np.testing.assert_array_equal(columns, e5m2_columns_by_swap())
     rng = np.random.default_rng(49)
     n = 512
     packed = rng.integers(0, 256, (n, 64), dtype=np.uint8)

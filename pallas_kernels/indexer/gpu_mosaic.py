@@ -408,7 +408,7 @@ def _fp4_e5m2_values(packed, scale_words):
     constants, which a Mosaic GPU kernel body may not hold): packed [rows, 64] uint8, scale_words [rows] int32 (a
     key's 4 ue8m0 bytes) -> (e5m2 [rows, 128]: channel c's e2m1 x 2^(13 - D) in column `register_plan(64, "e5m2")`
     [c], 0 where D > E5M2_MAX_D; f32 [rows]: 2^(smax - 140)), the values the inline PTX produces."""
-    from .mosaic_fp4 import E5M2_MAX_D
+    from .mosaic_fp4 import E5M2_MAX_D, e5m2_factor_bits
 
     rows = packed.shape[0]
     p = packed.astype(jnp.int32)
@@ -422,17 +422,9 @@ def _fp4_e5m2_values(packed, scale_words):
     val = jnp.where(d <= E5M2_MAX_D, mag * fac, 0.0)                                 # exact
     val = jnp.where(nib >= 8, -val, val)          # the sign bit even on a zero (dropped groups too), as the asm
     # the register plan's column order: within each 32-channel group, the channel index's bits of value 4 and 16
-    # trade places
-    # (`e5m2_columns_by_swap`, checked against register_plan by tests/test_indexer_mosaic_fp4.py)
+    # trade places (tests/test_indexer_mosaic_fp4.py places the asm model's bytes by register_plan and compares)
     val = val.reshape(rows, 4, 2, 2, 2, 4).transpose(0, 1, 4, 3, 2, 5).reshape(rows, 128).astype(jnp.float8_e5m2)
-    fbits = jnp.where(smax >= 14, (smax - 13) << 23, jnp.left_shift(1, jnp.clip(smax + 9, 0, 31)))
-    return val, jax.lax.bitcast_convert_type(fbits, jnp.float32)
-
-
-def e5m2_columns_by_swap():
-    """The channel -> column map `_fp4_e5m2_values` applies (the channel index's bits of value 4 and 16 swapped)."""
-    ch = np.arange(128)
-    return (ch & ~0b10100) | ((ch & 0b10000) >> 2) | ((ch & 0b100) << 2)
+    return val, jax.lax.bitcast_convert_type(e5m2_factor_bits(smax, jnp), jnp.float32)
 
 
 def _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_smem, kf_smem, conv_full,
@@ -872,8 +864,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         raise ValueError(f"MOSAIC_CONFIG['fp4_tables'] = 'shared' builds a key's tables in one thread: block_t must be "
                          f"a multiple of the warpgroup's 128 threads, got {block_t_of(block_t, T)}")
     if split_m is None:
-        split_m = (DEFAULT_SPLIT_M[fmt] and not interpret and block_t_of(block_t, T) % 128 == 0
-                   and not fp4_converter)
+        split_m = DEFAULT_SPLIT_M[fmt] and not interpret and block_t_of(block_t, T) % 128 == 0
     if split_m and (interpret or block_t_of(block_t, T) % 128):
         raise ValueError("split_m needs a compiled kernel (the interpreter has no wgmma_accumulator_load) and "
                          "block_t 128 or 256 (two halves of a multiple of 64 rows, the wgmma M)")

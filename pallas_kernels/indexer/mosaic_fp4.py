@@ -109,8 +109,14 @@ def e5m2_luts(scales):
     hi = np.int64(E5M2_LUT_BASE[1]) - d * 0x04040404
     ok = d <= E5M2_MAX_D
     tables = np.stack([np.where(ok, lo, 0), np.where(ok, hi, 0)], -1).astype(np.uint32)
-    factor = np.where(smax >= 14, (smax - 13) << 23, 1 << np.clip(smax + 9, 0, 31)).astype(np.uint32)
+    factor = e5m2_factor_bits(smax, np).astype(np.uint32)
     return tables, factor
+
+
+def e5m2_factor_bits(smax, xp):
+    """A key's largest group scale (int array, numpy or jax.numpy `xp`) -> the f32 bits of 2^(smax - 140), the
+    score factor of precision "fp8"'s e5m2 operands (subnormal for smax < 14), as `E5M2_LUTS_ASM` forms them."""
+    return xp.where(smax >= 14, (smax - 13) << 23, xp.left_shift(1, xp.clip(smax + 9, 0, 31)))
 
 
 # $9 = a key's 4 ue8m0 group scales (byte g = group g). Out: $2g / $2g+1 = group g's table (`e5m2_luts`), $8 = the
