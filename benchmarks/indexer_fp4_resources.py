@@ -2,6 +2,7 @@
 
     MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=DIR PYTHONPATH=. \
         python benchmarks/indexer_fp4_resources.py DIR [--batch 64] [--keys 32768]
+    PYTHONPATH=. python benchmarks/indexer_fp4_resources.py --offline DIR      # no GPU: benchmarks/mosaic_offline.py
 
 Mosaic GPU compiles a kernel when it is first called; with the dump variables set it writes ptxas' verbose log (and
 its MLIR and PTX) of each kernel into DIR. This compiles and runs the fp4 scores kernel once per precision ("fp8",
@@ -13,6 +14,10 @@ Session 48 (H100, `results/h100_s48r1_fp4res.log`): 134 registers (scores alone)
 at precision "fp8", no spills; the segment top-k's CTA takes 81952 B of shared memory, so 2 CTAs an SM.
 Session 49 added the converter warpgroup's kernels (`fp4_converter` 1 and 2; 256 threads a CTA, so 2 CTAs an SM need
 <= 128 registers a thread).
+
+--offline (session 50) lowers each kernel on this machine and compiles it with jax's CUDA plugin against a stand-in
+driver (`benchmarks/mosaic_offline.py`: run its `fetch` once): the same ptxas lines, plus threads, shared memory and
+CTAs an SM per kernel, with no GPU and no key data (the inputs are shapes only).
 """
 
 from __future__ import annotations
@@ -49,19 +54,34 @@ def main():
     ap.add_argument("out_dir", nargs="?", default=os.environ.get("MOSAIC_GPU_DUMP_TO"))
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--keys", type=int, default=32768, help="compressed keys a row (128K context / 4)")
+    ap.add_argument("--offline", action="store_true", help="compile on this machine (no GPU): mosaic_offline.py")
     args = ap.parse_args()
-    if not os.environ.get("MOSAIC_GPU_DUMP_TO") or not args.out_dir:
-        raise SystemExit("set MOSAIC_GPU_DUMP_PTXAS=1 and MOSAIC_GPU_DUMP_TO=<existing dir>")
+    offline = None
+    if args.offline:
+        if not args.out_dir:
+            raise SystemExit("--offline needs DIR (where the ptxas logs, PTX and cubins go)")
+        from benchmarks.mosaic_offline import OfflineMosaic
+
+        offline = OfflineMosaic(args.out_dir)
+        print(f"offline: {offline.ptxas_version.splitlines()[-1]} (cuda root {offline.cuda_root})", flush=True)
+    elif not os.environ.get("MOSAIC_GPU_DUMP_TO") or not args.out_dir:
+        raise SystemExit("set MOSAIC_GPU_DUMP_PTXAS=1 and MOSAIC_GPU_DUMP_TO=<existing dir>, or pass --offline DIR")
     from pallas_kernels.indexer import formats as F
     from pallas_kernels.indexer.gpu import indexer_topk_gpu
     from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
 
     rng = np.random.default_rng(0)
     B, T, H = args.batch, args.keys, 64
-    q = jnp.asarray(rng.standard_normal((B, 1, H, 128)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((B, 1, H)), jnp.float32)
-    keys = F.quantize(jnp.asarray(rng.standard_normal((B, T, 128)), jnp.float32), "fp4")
-    nv = jnp.full((B, 1), T, jnp.int32)
+    if offline:   # lowering needs shapes only
+        q = jax.ShapeDtypeStruct((B, 1, H, 128), jnp.float32)
+        w = jax.ShapeDtypeStruct((B, 1, H), jnp.float32)
+        keys = jax.eval_shape(lambda k: F.quantize(k, "fp4"), jax.ShapeDtypeStruct((B, T, 128), jnp.float32))
+        nv = jax.ShapeDtypeStruct((B, 1), jnp.int32)
+    else:
+        q = jnp.asarray(rng.standard_normal((B, 1, H, 128)), jnp.float32)
+        w = jnp.asarray(rng.standard_normal((B, 1, H)), jnp.float32)
+        keys = F.quantize(jnp.asarray(rng.standard_normal((B, T, 128)), jnp.float32), "fp4")
+        nv = jnp.full((B, 1), T, jnp.int32)
     from pallas_kernels.indexer import gpu_mosaic
 
     # (precision, fp4_converter slots): the register path at both precisions, and session 49's converter warpgroup
@@ -76,7 +96,12 @@ def main():
                                                                       precision=p))
             saved = dict(gpu_mosaic.MOSAIC_CONFIG)
             gpu_mosaic.MOSAIC_CONFIG.update(fp4_converter=conv, fp4_tables=tables)
+            label = f"== precision={precision} fp4_converter={conv} fp4_tables={tables} {what}"
             try:
+                if offline:
+                    for r in offline.compile_jitted(fn, q, w, keys, nv):
+                        print(f"{label}: {r.line()}", flush=True)
+                    continue
                 jax.block_until_ready(fn(q, w, keys, nv))
             except Exception as e:   # one variant that fails to compile must not hide the others' numbers
                 print(f"== precision={precision} fp4_converter={conv} fp4_tables={tables} {what}: FAILED "

@@ -1,8 +1,10 @@
 """ptxas resources (registers, spills, shared memory) of the Mosaic GPU attention kernel's variants, on the GPU.
 
     MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=DIR PYTHONPATH=. python benchmarks/mosaic_resources.py DIR [NAMES]
+    PYTHONPATH=. python benchmarks/mosaic_resources.py DIR [NAMES] --offline    # no GPU: benchmarks/mosaic_offline.py
 
-NAMES: comma-separated variant names (default: all).
+NAMES: comma-separated variant names (default: all). --offline (session 50) lowers and compiles each variant on this
+machine with jax's CUDA plugin against a stand-in driver, and prints threads, shared memory and CTAs an SM too.
 
 Mosaic GPU compiles a kernel when it is first called; with MOSAIC_GPU_DUMP_PTXAS set it writes ptxas' verbose log
 (one file per kernel) into MOSAIC_GPU_DUMP_TO. This compiles and runs each variant once on a small CSA decode case,
@@ -39,11 +41,16 @@ OPTS.update({f"fp8_conv{u}": dict(fp8_dequant="converter", conv_units=u) for u i
 VARIANTS += [("fp8_conv4", True, None, None), ("fp8_conv5", True, None, None)]
 
 
-def main(out_dir: str):
-    if not os.environ.get("MOSAIC_GPU_DUMP_PTXAS") or not os.environ.get("MOSAIC_GPU_DUMP_TO"):
-        raise SystemExit("set MOSAIC_GPU_DUMP_PTXAS=1 and MOSAIC_GPU_DUMP_TO=<existing dir>")
+def main(out_dir: str, only: list[str] | None, offline_mode: bool):
+    offline = None
+    if offline_mode:
+        from benchmarks.mosaic_offline import OfflineMosaic
+
+        offline = OfflineMosaic(out_dir)
+        print(f"offline: {offline.ptxas_version.splitlines()[-1]} (cuda root {offline.cuda_root})", flush=True)
+    elif not os.environ.get("MOSAIC_GPU_DUMP_PTXAS") or not os.environ.get("MOSAIC_GPU_DUMP_TO"):
+        raise SystemExit("set MOSAIC_GPU_DUMP_PTXAS=1 and MOSAIC_GPU_DUMP_TO=<existing dir>, or pass --offline")
     rng = np.random.default_rng(0)
-    only = sys.argv[2].split(",") if len(sys.argv) > 2 else None
     for name, fp8, diag, regs in VARIANTS:
         if only and name not in only:
             continue
@@ -51,6 +58,10 @@ def main(out_dir: str):
         q, wpool, cpool, sinks, widx, cidx = make_case(rng, "csa", 4, 1, 512, 4096, fp8, 1)
         fn = jax.jit(lambda *a, diag=diag, regs=regs, o=OPTS.get(name, {}): sparse_attention_mosaic(
             *a, scale=D ** -0.5, _diag=diag, regs=regs, **o))
+        if offline:
+            for r in offline.compile_jitted(fn, q, wpool, widx[0], cpool, cidx[0], sinks):
+                print(f"== {name}: {r.line()}", flush=True)
+            continue
         jax.block_until_ready(fn(q, wpool, widx[0], cpool, cidx[0], sinks))
         new = sorted(set(glob.glob(os.path.join(out_dir, "*"))) - before)
         print(f"== {name}: {len(new)} new dump files", flush=True)
@@ -63,4 +74,6 @@ def main(out_dir: str):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else os.environ["MOSAIC_GPU_DUMP_TO"])
+    argv = [a for a in sys.argv[1:] if a != "--offline"]
+    main(argv[0] if argv else os.environ["MOSAIC_GPU_DUMP_TO"], argv[1].split(",") if len(argv) > 1 else None,
+         "--offline" in sys.argv[1:])

@@ -1,0 +1,126 @@
+"""benchmarks/mosaic_offline.py: Mosaic GPU kernels compiled for sm_90a without a GPU.
+
+The parsers and the occupancy arithmetic run everywhere. The compile tests need jax's CUDA plugin wheels
+(`python benchmarks/mosaic_offline.py fetch`, ~130 MB), gcc and nm; they skip where those are missing (CI). Where
+they run they guard the fp4 indexer kernels' register budget: the converter warpgroup's 256-thread CTAs must stay
+at <= 128 registers and spill nothing, or an SM holds one CTA instead of two.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import mosaic_offline as mo
+
+PTXAS_LOG = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'indexer_scores_fp4_mosaic_fp8_t128_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for indexer_scores_fp4_mosaic_fp8_t128_mosaic_gpu_kernel
+    24 bytes stack frame, 16 bytes spill stores, 20 bytes spill loads
+ptxas info    : Used 134 registers, used 2 barriers, 1 bytes smem
+"""
+
+
+def test_parse_ptxas_log():
+    info = mo.parse_ptxas_log(PTXAS_LOG)
+    assert info == dict(name="indexer_scores_fp4_mosaic_fp8_t128_mosaic_gpu_kernel", registers=134, stack_bytes=24,
+                        spill_stores=16, spill_loads=20)
+    with pytest.raises(ValueError, match="not a ptxas -v log"):
+        mo.parse_ptxas_log("ptxas info    : 0 bytes gmem\n")
+
+
+def test_ptx_threads_and_register_budgets():
+    ptx = (".visible .entry k(\n)\n.maxntid 384, 1, 1\n.minnctapersm 1\n{\n"
+           "\tsetmaxnreg.dec.sync.aligned.u32 \t56;\n\tsetmaxnreg.inc.sync.aligned.u32 \t224;\n}")
+    assert mo.ptx_threads(ptx) == 384
+    assert mo.ptx_setmaxnreg(ptx) == (56, 224)
+    assert mo.ptx_threads(".reqntid 128, 2, 1") == 256
+    with pytest.raises(ValueError, match="maxntid"):
+        mo.ptx_threads(".entry k()")
+
+
+@pytest.mark.parametrize("regs, threads, smem, ctas", [
+    (134, 128, 48168, 3),      # fp4 scores alone: 136 x 128 registers -> 3 CTAs; 48 KB of shared memory -> 4
+    (139, 128, 81952, 2),      # under the segment top-k: shared memory allows 2
+    (96, 256, 106552, 2),      # the converter warpgroup's CTA: 2 by shared memory (and 2 by registers)
+    (129, 256, 60000, 1),      # one register over 128 at 256 threads: 136 x 256 x 2 > 64K
+    (168, 384, 230456, 1),     # the attention kernel: one CTA fills the SM
+    (32, 64, 0, 32),           # the CTA cap
+])
+def test_ctas_per_sm(regs, threads, smem, ctas):
+    r = mo.KernelResources(name="k", registers=regs, spill_stores=0, spill_loads=0, stack_bytes=0, threads=threads,
+                           shared_bytes=smem, setmaxnreg=(), ptxas_log="", ptx_path=None, cubin_path=None,
+                           sass_path=None)
+    assert r.ctas_per_sm == ctas
+    assert f"-> {ctas} CTA(s) an SM" in r.line()
+
+
+def _offline_or_skip(tmp_path):
+    try:
+        mo.plugin_paths()
+    except FileNotFoundError:
+        pytest.skip("jax's CUDA plugin wheels not fetched (python benchmarks/mosaic_offline.py fetch)")
+    for tool in ("gcc", "nm"):
+        if not shutil.which(tool):
+            pytest.skip(f"no {tool}")
+    try:
+        mo.default_cuda_root()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    if "compiler" not in _COMPILER:
+        _COMPILER["compiler"] = mo.OfflineMosaic(str(tmp_path))
+    return _COMPILER["compiler"]
+
+
+_COMPILER: dict = {}   # one per process: the plugin and the stand-in driver stay loaded
+
+
+def test_offline_compile_of_a_pallas_kernel(tmp_path):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    compiler = _offline_or_skip(tmp_path)
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2.0 + 1.0
+
+    fn = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((64, 128), jnp.float32),
+                        compiler_params=plgpu.CompilerParams())
+    (r,) = compiler.compile_jitted(fn, jax.ShapeDtypeStruct((64, 128), jnp.float32))
+    assert r.threads == 128 and r.registers > 0 and r.spill_stores == 0
+    assert r.shared_bytes >= 2 * 64 * 128 * 4          # the input and output blocks
+    assert os.path.getsize(r.cubin_path) > 0 and open(r.cubin_path, "rb").read(4) == b"\x7fELF"
+
+
+@pytest.mark.parametrize("converter, tables, select", [(2, "registers", True), (2, "shared", True),
+                                                       (1, "registers", False), (2, "registers", False)])
+def test_fp4_converter_kernels_fit_two_ctas_an_sm(tmp_path, converter, tables, select):
+    from pallas_kernels.indexer import formats as F
+    from pallas_kernels.indexer import gpu_mosaic
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+
+    compiler = _offline_or_skip(tmp_path)
+    B, T, H = 64, 32768, 64        # V4-Flash decode at 128K context
+    q = jax.ShapeDtypeStruct((B, 1, H, 128), jnp.float32)
+    w = jax.ShapeDtypeStruct((B, 1, H), jnp.float32)
+    keys = jax.eval_shape(lambda k: F.quantize(k, "fp4"), jax.ShapeDtypeStruct((B, T, 128), jnp.float32))
+    nv = jax.ShapeDtypeStruct((B, 1), jnp.int32)
+    saved = dict(gpu_mosaic.MOSAIC_CONFIG)
+    gpu_mosaic.MOSAIC_CONFIG.update(fp4_converter=converter, fp4_tables=tables)
+    try:
+        if select:
+            fn = lambda *a: indexer_topk_gpu(*a, k=512, kernel="mosaic", topk="segment_set", precision="fp8")
+        else:
+            fn = lambda *a: gpu_mosaic.indexer_scores_mosaic(*a, precision="fp8")
+        (r,) = compiler.compile_jitted(fn, q, w, keys, nv)
+    finally:
+        gpu_mosaic.MOSAIC_CONFIG.update(saved)
+    assert f"_cv{converter}" in r.name
+    assert r.threads == 256
+    assert r.spill_stores == 0 and r.spill_loads == 0, r.ptxas_log
+    assert r.registers <= 128, r.line()
+    assert r.ctas_per_sm == 2, r.line()
