@@ -720,6 +720,12 @@ def test_indexer_mosaic_fp4_lowers(B, S, H, T, opts):
             gpu_mosaic.MOSAIC_CONFIG["fp4_tables"] = "shared"
             assert "_cv1_tsh" in lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(
                 *a, k=64, kernel="mosaic", topk="segment_set", **opts), q, w, keys, nv)
+            # fp4_layout "rows" (session 50): a thread a key row, 16-byte shared-memory accesses
+            gpu_mosaic.MOSAIC_CONFIG.update(fp4_tables="registers", fp4_layout="rows")
+            assert "_cv1_rows" in lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(
+                *a, k=64, kernel="mosaic", topk="segment_set", **opts), q, w, keys, nv)
+            assert "_cv2_rows" in lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_scores_mosaic(
+                *a, fp4_converter=2, **opts), q, w, keys, nv)
         else:
             gpu_mosaic.MOSAIC_CONFIG["fp4_tables"] = "shared"
             with pytest.raises(ValueError, match="block_t must be"):

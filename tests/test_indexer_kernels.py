@@ -423,36 +423,60 @@ _CONVERTER_SHAPES = [(4, 1, 64, 5000, {}), (2, 2, 64, 70000, {}), (3, 1, 16, 776
                      (5, 1, 40, 2000, dict(num_splits=1, num_stages=1)), (64, 1, 64, 32768, {})]
 
 
-@gpu   # fp4_tables "shared" builds a key's tables in one thread: only where block_t is a multiple of 128
+@gpu   # fp4_tables "shared" and fp4_layout "rows" want a block_t that is a multiple of 128
 @pytest.mark.parametrize("B,S,H,T,opts,slots,tables", [
     shape + (slots, tables) for shape in _CONVERTER_SHAPES
-    for slots, tables in [(1, "registers"), (2, "registers"), (2, "shared")]
+    for slots, tables in [(1, "registers"), (2, "registers"), (2, "shared"), (1, "rows"), (2, "rows")]
     if tables == "registers" or shape[4].get("block_t", 128) % 128 == 0])
 def test_gpu_mosaic_fp4_converter(B, S, H, T, opts, slots, tables, monkeypatch):
     """fp4_converter (session 49, first compiled on a GPU after it): a second warpgroup converts each block into
     e5m2 slots in shared memory, the scoring warpgroup's wgmma reads them there. The operands are the register
     path's bytes (the same inline PTX), so the scores equal the register path's bit for bit and the reference's to
     the fp8 tensor cores' accumulation; under the segment-set top-k (through MOSAIC_CONFIG) the same index sets.
-    fp4_tables "shared": the keys' tables built once a key into shared memory (block_t a multiple of 128)."""
+    fp4_tables "shared": the keys' tables built once a key into shared memory (block_t a multiple of 128).
+    "rows" (fp4_layout "rows", session 50): a thread converts whole key rows and the channels keep their order, so
+    the wgmma sums the same exact products in another order: the register path's scores to the accumulation's
+    rounding, and sets that differ only by near-ties."""
     from pallas_kernels.indexer import gpu_mosaic
 
-    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_tables", tables)
+    rows = tables == "rows"
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_tables", "registers" if rows else tables)
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_layout", "rows" if rows else "fragments")
     q, w, keys, nv = make(B, S, H, T, "fp4", True)
     opts = dict(opts, precision="fp8")
     conv = np.asarray(gpu_mosaic.indexer_scores_mosaic(q, w, keys, nv, fp4_converter=slots, **opts))
     regs = np.asarray(gpu_mosaic.indexer_scores_mosaic(q, w, keys, nv, fp4_converter=0, **opts))
-    np.testing.assert_array_equal(conv, regs)
+    if rows:
+        np.testing.assert_array_equal(np.isfinite(conv), np.isfinite(regs))
+        fin = np.isfinite(regs)
+        np.testing.assert_allclose(conv[fin], regs[fin], rtol=0, atol=1e-5 * np.abs(regs[fin]).max())
+    else:
+        np.testing.assert_array_equal(conv, regs)
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_converter", slots)
     check_scores(q, w, keys, nv, "pallas", 1e-4, kernel="mosaic", **opts)
     # the segment top-k's finals: the Triton one (default), and at B = 64 x 32768 (4 splits a row) the last split's
     # and the cluster's, whose consumer warpgroup meets the row's other CTAs while the converter has exited
+    s = np.asarray(indexer_scores(q, w, keys, nv)) if rows else None
     for final in ("triton",) + (("last", "cluster") if B == 64 else ()):
         monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "final", final)
         monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_converter", slots)
         got = np.asarray(indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="segment_set"))
         monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_converter", 0)
         want = np.asarray(indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="segment_set"))
-        np.testing.assert_array_equal(got, want, err_msg=f"final {final}")
+        if not rows:
+            np.testing.assert_array_equal(got, want, err_msg=f"final {final}")
+            continue
+        # near-ties may swap: the sets' reference scores, ranked, agree to the accumulation's rounding
+        np.testing.assert_array_equal(np.sum(got >= 0, -1), np.sum(want >= 0, -1), err_msg=f"final {final}")
+
+        def ranked(p):
+            v = np.where(p >= 0, np.take_along_axis(s, np.maximum(p, 0), -1), -np.inf)
+            return -np.sort(-v, axis=-1)
+
+        rg, rw = ranked(got), ranked(want)
+        m = np.isfinite(rw)
+        scale = np.broadcast_to(np.where(np.isfinite(s), np.abs(s), 0).max(-1, keepdims=True), rw.shape)
+        np.testing.assert_array_less(np.abs(rg[m] - rw[m]), 1e-4 * scale[m] + 1e-7, err_msg=f"final {final}")
 
 
 @gpu
@@ -581,19 +605,27 @@ def test_mosaic_kernel_interpreted(B, S, H, T, opts, fmt):
                                           (3, 1, 16, 776, dict(num_splits=2, num_stages=2, fp4_converter=2)),
                                           (2, 2, 32, 1000, dict(block_t=64, num_stages=2, fp4_converter=3)),
                                           (2, 1, 64, 1544, dict(block_t=256, num_splits=3, num_stages=1,
-                                                                fp4_converter=2))]))
+                                                                fp4_converter=2)),
+                                          # fp4_layout "rows" (session 50): q unpermuted, the model in channel order
+                                          core(2, 1, 32, 296, dict(block_t=128, num_stages=2, fp4_converter=2,
+                                                                   layout="rows")),
+                                          (2, 2, 16, 1544, dict(block_t=256, num_splits=2, num_stages=2,
+                                                                fp4_converter=1, layout="rows"))]))
 def test_mosaic_fp4_converter_interpreted(B, S, H, T, opts, monkeypatch):
     """fp4 keys through the Mosaic kernel's converter warpgroup (fp4_converter, session 49) in Pallas' GPU
     interpreter: wg 1 streams the key ring and converts each block into e5m2 slots (the interpreter's jnp model of
     the inline PTX, equal to it bit for bit: test_indexer_mosaic_fp4.py), wg 0 scores them from shared memory.
     Race detector on; the reference's scores to f32 summation order (the e5m2 operands are exact and the
     interpreter's dot accumulates in f32); ragged n_visible (0, inside, past T), 1-3 slots against 1-3 key slots,
-    more blocks than slots, 2 queries per row; through the dispatcher with MOSAIC_CONFIG's fp4_converter too."""
+    more blocks than slots, 2 queries per row; through the dispatcher with MOSAIC_CONFIG's fp4_converter too; both
+    fp4_layouts ("rows": channel c in column c, so q goes unpermuted)."""
     if ON_GPU:
         pytest.skip("CPU interpreter test (the GPU runs test_gpu_mosaic_fp4_converter)")
     gpu_interpret = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
     from pallas_kernels.indexer import gpu_mosaic
 
+    opts = dict(opts)
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_layout", opts.pop("layout", "fragments"))
     q, w, keys, nv = make(B, S, H, T, "fp4", True)
     gpu_interpret.reset_gpu_interpret_mode_state()
     out = np.asarray(gpu_mosaic.indexer_scores_mosaic(q, w, keys, nv, interpret="races", pad_to_block=True, **opts))
@@ -623,6 +655,18 @@ def test_mosaic_fp4_converter_rejects_what_it_cannot_do():
         indexer_scores_mosaic(*make(1, 1, 16, 64, "fp8", True), fp4_converter=1)
     with pytest.raises(ValueError, match="interpret mode runs"):
         indexer_scores_mosaic(q, w, keys, nv, interpret=True)
+    from pallas_kernels.indexer import gpu_mosaic
+
+    for cfg, opts, msg in [(dict(fp4_layout="columns"), {}, "fp4_layout'] must be one of"),
+                           (dict(fp4_layout="rows"), dict(block_t=64), "block_t must be a multiple of 128"),
+                           (dict(fp4_layout="rows", fp4_tables="shared"), dict(block_t=128), "does not apply")]:
+        saved = dict(gpu_mosaic.MOSAIC_CONFIG)
+        gpu_mosaic.MOSAIC_CONFIG.update(cfg)
+        try:
+            with pytest.raises(ValueError, match=msg):
+                indexer_scores_mosaic(q, w, keys, nv, fp4_converter=2, **opts)
+        finally:
+            gpu_mosaic.MOSAIC_CONFIG.update(saved)
     # under the segment top-k, 2+ e5m2 slots take the key ring to 2 slots (two CTAs an SM); a given count overrides
     from pallas_kernels.indexer.gpu_mosaic import launch_layout
 

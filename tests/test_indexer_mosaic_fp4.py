@@ -155,11 +155,14 @@ def test_e5m2_asm_matches_its_model_in_the_ptx_interpreter():
             assert out == [int(want[r].view(np.uint32)[0]) for r in range(2)], hex(int(wd))
 
 
-def test_converter_model_equals_the_asm_bit_for_bit():
+@pytest.mark.parametrize("layout", ["fragments", "rows"])
+def test_converter_model_equals_the_asm_bit_for_bit(layout):
     """fp4_converter's interpreter model (`gpu_mosaic._fp4_e5m2_values`, jnp) gives the bytes the compiled
     converter stores: every key's e5m2 operand row equal to the inline PTX's numpy model (`e5m2_luts` tables,
     `fp4_e5m2x8_reference`) placed in the register plan's columns, and the same key factor bits; scale spreads around
-    E5M2_MAX_D, every nibble code, the factor's subnormal range."""
+    E5M2_MAX_D, every nibble code, the factor's subnormal range. fp4_layout "rows" (`fp4_operand_rows`): the asm's
+    two output words of source word k of vector c go to operand vector 2c + k // 2 at bytes 8 (k % 2) .. + 7, i.e.
+    channel order."""
     import jax
 
     from pallas_kernels.indexer.gpu_mosaic import _fp4_e5m2_values
@@ -174,13 +177,20 @@ def test_converter_model_equals_the_asm_bit_for_bit():
     scales[: n // 2] = np.clip(scales[: n // 2, :1] - rng.integers(0, 30, (n // 2, 4)), 0, 255)
     scales[-4:] = [[13, 13, 0, 5], [0, 0, 0, 0], [6, 7, 8, 9], [255, 228, 229, 0]]
     words = (scales[:, 0] | scales[:, 1] << 8 | scales[:, 2] << 16 | scales[:, 3] << 24).astype(np.uint32)
-    vals, factor = jax.jit(_fp4_e5m2_values)(jnp.asarray(packed), jnp.asarray(words.view(np.int32)))
+    rows = layout == "rows"
+    vals, factor = jax.jit(lambda p, s: _fp4_e5m2_values(p, s, rows_order=rows))(
+        jnp.asarray(packed), jnp.asarray(words.view(np.int32)))
     got = np.asarray(vals).view(np.uint8)
     tables, fbits = e5m2_luts(scales)
     want = np.zeros((n, 128), np.uint8)
     w = _words(packed)
     for k in range(16):   # word k: channels 8k .. 8k + 7, group k // 4
         b = fp4_e5m2x8_reference(w[:, k], tables[:, k // 4, 0], tables[:, k // 4, 1])   # [n, 2, 4]
+        if rows:   # source vector c = k // 4, its word k % 4 -> operand vector 2c + (k % 4) // 2, bytes 8 (k % 2)..
+            c, kk = divmod(k, 4)
+            start = 16 * (2 * c + kk // 2) + 8 * (kk % 2)
+            want[:, start:start + 8] = b.reshape(n, 8)
+            continue
         for r, chans in enumerate(E5M2_ASM_CHANNELS):
             for i, ch in enumerate(chans):
                 want[:, columns[8 * k + ch]] = b[:, r, i]
@@ -264,3 +274,17 @@ def test_fp4_asm_blocks_assemble(tmp_path):
     res = subprocess.run([ptxas, "-arch=sm_90a", str(src), "-o", str(tmp_path / "fp4.cubin")],
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize("rows", [128, 256, 384])
+def test_rows_layout_gives_each_thread_whole_rows(rows):
+    """fp4_layout "rows": `rows_layout`'s register (i, 0, 0, c, 0, 0) is bytes 16c..16c+15 of row 128 i + t for
+    every thread t, for the packed keys and the e5m2 operand (what `fp4_operand_rows` indexes by); other row counts
+    are refused."""
+    from pallas_kernels.indexer.mosaic_fp4 import check_rows_layout, rows_layout
+
+    check_rows_layout(rows)
+    with pytest.raises(ValueError, match="multiple of 128 rows"):
+        check_rows_layout(rows + 64)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        rows_layout(40)

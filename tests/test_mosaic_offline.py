@@ -97,7 +97,8 @@ def test_offline_compile_of_a_pallas_kernel(tmp_path):
 
 
 @pytest.mark.parametrize("converter, tables, select", [(2, "registers", True), (2, "shared", True),
-                                                       (1, "registers", False), (2, "registers", False)])
+                                                       (1, "registers", False), (2, "registers", False),
+                                                       (2, "rows", True), (1, "rows", False)])
 def test_fp4_converter_kernels_fit_two_ctas_an_sm(tmp_path, converter, tables, select):
     from pallas_kernels.indexer import formats as F
     from pallas_kernels.indexer import gpu_mosaic
@@ -110,7 +111,9 @@ def test_fp4_converter_kernels_fit_two_ctas_an_sm(tmp_path, converter, tables, s
     keys = jax.eval_shape(lambda k: F.quantize(k, "fp4"), jax.ShapeDtypeStruct((B, T, 128), jnp.float32))
     nv = jax.ShapeDtypeStruct((B, 1), jnp.int32)
     saved = dict(gpu_mosaic.MOSAIC_CONFIG)
-    gpu_mosaic.MOSAIC_CONFIG.update(fp4_converter=converter, fp4_tables=tables)
+    rows = tables == "rows"   # fp4_layout "rows" (session 50)
+    gpu_mosaic.MOSAIC_CONFIG.update(fp4_converter=converter, fp4_tables="registers" if rows else tables,
+                                    fp4_layout="rows" if rows else "fragments")
     try:
         if select:
             fn = lambda *a: indexer_topk_gpu(*a, k=512, kernel="mosaic", topk="segment_set", precision="fp8")
@@ -119,7 +122,7 @@ def test_fp4_converter_kernels_fit_two_ctas_an_sm(tmp_path, converter, tables, s
         (r,) = compiler.compile_jitted(fn, q, w, keys, nv)
     finally:
         gpu_mosaic.MOSAIC_CONFIG.update(saved)
-    assert f"_cv{converter}" in r.name
+    assert f"_cv{converter}" in r.name and ("_rows" in r.name) == rows
     assert r.threads == 256
     assert r.spill_stores == 0 and r.spill_loads == 0, r.ptxas_log
     assert r.registers <= 128, r.line()

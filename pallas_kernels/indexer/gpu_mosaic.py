@@ -273,8 +273,14 @@ MAX_CLUSTER = 8     # portable thread-block cluster size
 # fp4_tables (with fp4_converter; `FP4_TABLES`): "registers" (each of the 4 threads that hold a key's row builds its
 # e5m2 tables, 35 SASS a row and thread) or "shared" (thread t builds key t's tables once into shared memory, the 4
 # threads load them back; block_t a multiple of 128)
-MOSAIC_CONFIG = dict(q_prep="triton", epilogue="full", fp4_converter=0, fp4_tables="registers")
+# fp4_layout (with fp4_converter; `FP4_LAYOUTS`; session 50): how the converter's threads split a block:
+# "fragments" (4 threads a key row, 32-bit accesses: the WGMMA fragment layout that the register path needs) or
+# "rows" (a thread a row, 16-byte accesses, tables once a key, q unpermuted: `mosaic_fp4.fp4_operand_rows`;
+# block_t a multiple of 128; fp4_tables does not apply). Offline counts: 437 -> see results README, session 50.
+MOSAIC_CONFIG = dict(q_prep="triton", epilogue="full", fp4_converter=0, fp4_tables="registers",
+                     fp4_layout="fragments")
 FP4_TABLES = ("registers", "shared")
+FP4_LAYOUTS = ("fragments", "rows")
 FINALS = ("auto", "cluster", "triton", "last")
 
 
@@ -389,7 +395,7 @@ def launch_layout(R: int, T: int, fmt: str, *, block_t=None, num_stages=None, nu
     return bt, stages, nb, bps, -(-nb // bps)
 
 
-def _kernel(*refs, converter=0, shared_tables=False, **kw):
+def _kernel(*refs, converter=0, shared_tables=False, rows_layout=False, **kw):
     """The kernel; with converter (fp4_converter's slots) two warpgroups: wg 1 converts the fp4 blocks into e5m2
     slots in shared memory (`_kernel_body(role="converter")`), wg 0 scores them (role "scores"). The converter's
     scratch is the last refs: e5m2 slots [converter, bt, 128], key factors [converter, bt] f32, the slots' full /
@@ -399,15 +405,16 @@ def _kernel(*refs, converter=0, shared_tables=False, **kw):
     n_conv = 5 if shared_tables else 4
     refs, conv = refs[:-n_conv], refs[-n_conv:]
     wg = jax.lax.axis_index("wg")
-    pl.when(wg == 1)(lambda: _kernel_body(*refs, conv=conv, role="converter", **kw))
+    pl.when(wg == 1)(lambda: _kernel_body(*refs, conv=conv, role="converter", rows_layout=rows_layout, **kw))
     pl.when(wg == 0)(lambda: _kernel_body(*refs, conv=conv, role="scores", **kw))
 
 
-def _fp4_e5m2_values(packed, scale_words):
+def _fp4_e5m2_values(packed, scale_words, rows_order=False):
     """The interpreter's model of `mosaic_fp4.fp4_operand(.., "e5m2")` (jnp, no register layouts; no captured
     constants, which a Mosaic GPU kernel body may not hold): packed [rows, 64] uint8, scale_words [rows] int32 (a
     key's 4 ue8m0 bytes) -> (e5m2 [rows, 128]: channel c's e2m1 x 2^(13 - D) in column `register_plan(64, "e5m2")`
-    [c], 0 where D > E5M2_MAX_D; f32 [rows]: 2^(smax - 140)), the values the inline PTX produces."""
+    [c], 0 where D > E5M2_MAX_D; f32 [rows]: 2^(smax - 140)), the values the inline PTX produces. rows_order
+    (fp4_layout "rows", `mosaic_fp4.fp4_operand_rows`): channel c in column c."""
     from .mosaic_fp4 import E5M2_MAX_D, e5m2_factor_bits
 
     rows = packed.shape[0]
@@ -421,6 +428,8 @@ def _fp4_e5m2_values(packed, scale_words):
     fac = jax.lax.bitcast_convert_type((jnp.clip(13 - d, -126, 127) + 127) << 23, jnp.float32)   # 2^(13 - D)
     val = jnp.where(d <= E5M2_MAX_D, mag * fac, 0.0)                                 # exact
     val = jnp.where(nib >= 8, -val, val)          # the sign bit even on a zero (dropped groups too), as the asm
+    if rows_order:
+        return val.astype(jnp.float8_e5m2), jax.lax.bitcast_convert_type(e5m2_factor_bits(smax, jnp), jnp.float32)
     # the register plan's column order: within each 32-channel group, the channel index's bits of value 4 and 16
     # trade places (tests/test_indexer_mosaic_fp4.py places the asm model's bytes by register_plan and compares)
     val = val.reshape(rows, 4, 2, 2, 2, 4).transpose(0, 1, 4, 3, 2, 5).reshape(rows, 128).astype(jnp.float8_e5m2)
@@ -428,7 +437,7 @@ def _fp4_e5m2_values(packed, scale_words):
 
 
 def _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_smem, kf_smem, conv_full,
-                    conv_empty, interpret, tables_smem=None):
+                    conv_empty, interpret, tables_smem=None, rows_layout=False):
     """fp4_converter's wg 1: streams the split's n_read fp4 blocks through the key ring (`issue`, `stages` slots)
     and converts block j into e5m2 slot j % cslots (+ its keys' score factors) once the scoring warpgroup has
     released that slot's previous block (conv_empty), then marks it full. Invariants: a slot is written only after
@@ -436,7 +445,8 @@ def _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_
     thread's stores were fenced for the async proxy (commit_smem) and arrived (conv_full); a key slot is refilled
     only after every converter thread has read it (commit_smem's warpgroup barrier). tables_smem ([8, bt] int32,
     fp4_tables "shared"): each key's e5m2 tables built once (thread t: key t), stored, and read back by the 4
-    threads that hold its row (`mosaic_fp4.e5m2_tables_by_row`), instead of built by each of them."""
+    threads that hold its row (`mosaic_fp4.e5m2_tables_by_row`), instead of built by each of them. rows_layout
+    (fp4_layout "rows"): a thread converts whole rows (`mosaic_fp4.fp4_operand_rows`), channel c into column c."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     for j in range(stages):
@@ -447,7 +457,14 @@ def _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_
         slot, cslot = j % stages, j % cslots
         plgpu.barrier_wait(k_bars.at[slot])
         if interpret:
-            vals, factor = _fp4_e5m2_values(k_smem.at[slot][...], s_smem.at[slot][...])
+            vals, factor = _fp4_e5m2_values(k_smem.at[slot][...], s_smem.at[slot][...], rows_order=rows_layout)
+        elif rows_layout:
+            from .mosaic_fp4 import fp4_operand_rows, rows_pallas_layout
+
+            bt = s_smem.shape[1]
+            vals, factor = fp4_operand_rows(
+                plgpu.load(k_smem.at[slot], (), layout=rows_pallas_layout(64)),
+                plgpu.load(s_smem.at[slot], (), layout=plgpu.Layout.WG_STRIDED((bt,), vec_size=1)))
         elif tables_smem is not None:
             from .mosaic_fp4 import e5m2_tables_by_row, fp4_operand
 
@@ -488,7 +505,8 @@ def _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_
 
 
 def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=0, split_m=False,
-                 fp4=False, select=None, epilogue="full", interpret=False, conv=None, role="scores"):
+                 fp4=False, select=None, epilogue="full", interpret=False, conv=None, role="scores",
+                 rows_layout=False):
     """nv [R] i32, w [R, H] f32, q [R, H, 128] e4m3 (f16 codes with "f16"; for bf16 keys bf16 [R, terms * H, 128],
     the terms stacked along the heads), keys [B, T, 128] e4m3 or bf16, scales [B*T] f32 (fp8 keys only)
     -> out [R, nb*bt]. Interpreted, q is transposed: [R, 128, H] / [R, terms, 128, H]. fp4: keys [B, T, 64] uint8
@@ -564,7 +582,8 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
         cslots = conv_smem.shape[0]
     if role == "converter":   # wg 1: the key ring's copies, and every block converted into an e5m2 slot
         _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_smem, kf_smem, conv_full,
-                        conv_empty, interpret, tables_smem=conv[4] if len(conv) > 4 else None)
+                        conv_empty, interpret, tables_smem=conv[4] if len(conv) > 4 else None,
+                        rows_layout=rows_layout)
         return
     plgpu.copy_gmem_to_smem(q_ref.at[r], q_smem, q_bar)
     plgpu.copy_gmem_to_smem(w_ref.at[r], w_smem, q_bar)
@@ -859,6 +878,16 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     if fp4_tables not in FP4_TABLES:
         raise ValueError(f"MOSAIC_CONFIG['fp4_tables'] must be one of {FP4_TABLES}, got {fp4_tables!r}")
     # "shared" reaches the converter's compiled conversion only (the interpreter runs its jnp model either way)
+    fp4_layout = MOSAIC_CONFIG["fp4_layout"]
+    if fp4_layout not in FP4_LAYOUTS:
+        raise ValueError(f"MOSAIC_CONFIG['fp4_layout'] must be one of {FP4_LAYOUTS}, got {fp4_layout!r}")
+    rows_layout = bool(fp4_converter) and fp4_layout == "rows"
+    if rows_layout and block_t_of(block_t, T) % 128:
+        raise ValueError(f"MOSAIC_CONFIG['fp4_layout'] = 'rows' gives each of the converter's 128 threads whole key "
+                         f"rows: block_t must be a multiple of 128, got {block_t_of(block_t, T)}")
+    if rows_layout and fp4_tables == "shared":
+        raise ValueError("MOSAIC_CONFIG['fp4_layout'] = 'rows' builds each key's tables once already: fp4_tables "
+                         "'shared' does not apply")
     shared_tables = bool(fp4_converter) and fp4_tables == "shared" and not interpret
     if shared_tables and block_t_of(block_t, T) % 128:
         raise ValueError(f"MOSAIC_CONFIG['fp4_tables'] = 'shared' builds a key's tables in one thread: block_t must be "
@@ -947,6 +976,8 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         from .mosaic_fp4 import register_plan   # q / 2^(e - 13), in the e5m2 operand's column order
 
         _, columns = register_plan(64, "e5m2")
+        if rows_layout:   # fp4_layout "rows": channel c in column c
+            columns = np.arange(128, dtype=np.int32)
         if q_prep == "triton":   # one kernel
             from .q_prep import column_permutation, q_prep_fp4
 
@@ -1026,6 +1057,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         functools.partial(_kernel, T=T, bt=bt, stages=stages, bps=bps, nb=nb, S=S, precision=precision,
                           convert=convert, n_phase=n_phase, split_m=bool(split_m), fp4=fmt == "fp4",
                           epilogue=epilogue, converter=fp4_converter, shared_tables=shared_tables,
+                          rows_layout=rows_layout,
                           select=None if select_k is None else dict(
                               k=int(select_k), slots=slots, aggregate=bool(SELECT_CONFIG["aggregate"]),
                               stream_hist=bool(SELECT_CONFIG["stream_hist"]), cluster=cluster, last=last, prune=prune,
@@ -1042,7 +1074,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                      + (f"_sel{select_k}" if select_k is not None else "") + ("_cl" if cluster else "")
                      + ("_last" if select_k is not None and last else "")
                      + (f"_pr{prune}" if select_k is not None and prune else "")
-                     + (f"_cv{fp4_converter}" if fp4_converter else "") + ("_tsh" if shared_tables else "")),
+                     + (f"_cv{fp4_converter}" if fp4_converter else "") + ("_tsh" if shared_tables else "") + ("_rows" if rows_layout else "")),
         **(dict(interpret=_interpret_params(interpret == "races")) if interpret else {}),
     )
     res = kernel(*args)

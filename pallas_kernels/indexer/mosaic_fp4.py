@@ -438,3 +438,108 @@ def e5m2_tables_by_row(scale_words):
                 + (mgpu.FragmentedArray(_registers=outs[8], _layout=sw.layout, _is_signed=None),))
 
     return build(scale_words)
+
+
+# fp4_layout "rows" (session 50; the converter warpgroup of `gpu_mosaic`, precision "fp8"): each thread converts
+# whole key rows. Thread t of the warpgroup holds row t (and t + 128, ... for longer blocks) as 16-byte vectors:
+# 4 vectors of packed nibbles in (vector c = channels 32c..32c+31, one scale group), 8 vectors of e5m2 bytes out
+# (vector j = channels 16j..16j+15), every channel in its own column (the asm writes channels in order), so q needs
+# no permutation. Against the WGMMA-fragment layout (4 threads a row, one 32-bit register per access), a key's e5m2
+# tables are built once rather than in each of 4 threads, and shared memory moves in 16-byte accesses: 4 loads and
+# 8 stores a row instead of 16 and 32. The keys' swizzle 64 and the e5m2 slots' swizzle 128 keep 8 consecutive rows'
+# 16-byte accesses on distinct banks. Counted offline (`benchmarks/mosaic_offline.py`, `benchmarks/sass_loops.py`):
+# the fragment layout's converter loop is 437 SASS a block and thread, of which 36 stores, 20 loads and ~140 table
+# instructions.
+ROWS_VECTOR_BYTES = 16
+
+
+def rows_layout(cols: int):
+    """The Mosaic GPU `TiledLayout` of fp4_layout "rows" for a [rows, cols] byte array (rows a multiple of 128):
+    thread t of the warpgroup holds rows t, t + 128, ..., each as cols / 16 vectors of 16 consecutive bytes."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+    if cols % ROWS_VECTOR_BYTES:
+        raise ValueError(f"cols must be a multiple of {ROWS_VECTOR_BYTES}, got {cols}")
+    return fa.TiledLayout(fa.Tiling(((128, cols), (32, ROWS_VECTOR_BYTES))), warp_dims=(-4,), lane_dims=(-2,),
+                          vector_dim=-1)
+
+
+def rows_pallas_layout(cols: int):
+    """`rows_layout(cols)` as a Pallas Mosaic GPU layout (`plgpu.Layout.TILED`), for loads and `inline_mgpu`."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    lay = rows_layout(cols)
+    return plgpu.Layout.TILED(lay.tiling, warp_dims=lay.warp_dims, lane_dims=lay.lane_dims,
+                              vector_dim=lay.vector_dim)
+
+
+def check_rows_layout(rows: int) -> None:
+    """Checks, for every thread, what `fp4_operand_rows` assumes of `rows_layout` (by `layout_positions`): register
+    (i, 0, 0, c, 0, 0) holds bytes 16c..16c+15 of row 128 i + t (t: the thread's index in the warpgroup), for the
+    packed [rows, 64] keys and the [rows, 128] operand alike, and the scale words' WG_STRIDED((rows,), 1) register i
+    holds row 128 i + t."""
+    if rows % 128:
+        raise ValueError(f"fp4_layout 'rows' needs a multiple of 128 rows, got {rows}")
+    for cols in (64, 128):
+        pos = layout_positions(rows_layout(cols), (rows, cols))
+        expect_regs = (rows // 128, 1, 1, cols // ROWS_VECTOR_BYTES, 1, 1)
+        if pos.shape[2:-1] != expect_regs:
+            raise AssertionError(f"registers {pos.shape[2:-1]}, expected {expect_regs}")
+        for w in range(4):
+            for lane in range(32):
+                for i in range(rows // 128):
+                    for c in range(cols // ROWS_VECTOR_BYTES):
+                        got = [tuple(p) for p in pos[(w, lane, i, 0, 0, c, 0, 0)]]
+                        want = [(128 * i + 32 * w + lane, 16 * c + v) for v in range(ROWS_VECTOR_BYTES)]
+                        if got != want:
+                            raise AssertionError(f"cols {cols}, thread ({w}, {lane}), register ({i}, {c}): {got}")
+
+
+def fp4_operand_rows(packed, scale_words):
+    """In a Mosaic GPU kernel (fp4_layout "rows"): packed [rows, 64] uint8 in `rows_pallas_layout(64)`, scale_words
+    [rows] int32 (a key's 4 ue8m0 bytes) in `Layout.WG_STRIDED((rows,), vec_size=1)` -> (e5m2 [rows, 128] in
+    `rows_pallas_layout(128)`, channel c in column c, = e2m1 x 2^(13 - D) as `fp4_operand(.., "e5m2")` makes it;
+    the keys' factors f32 [rows] = 2^(smax - 140) in the scale words' layout). One `E5M2_LUTS_ASM` a row, one
+    `FP4_E5M2X8_ASM` per 32-bit word of packed nibbles."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    rows = packed.shape[0]
+    if packed.shape != (rows, 64) or scale_words.shape != (rows,):
+        raise ValueError(f"packed [rows, 64] and scale_words [rows], got {packed.shape} and {scale_words.shape}")
+    check_rows_layout(rows)   # numpy, at trace time: the register positions this function relies on
+    row_layout = plgpu.Layout.WG_STRIDED((rows,), vec_size=1)
+    out_layout = rows_pallas_layout(128)
+
+    @plgpu.inline_mgpu(arg_types=(rows_pallas_layout(64), row_layout),
+                       return_type=(plgpu.ShapeDtypeStruct((rows, 128), jnp.float8_e5m2, layout=out_layout),
+                                    plgpu.ShapeDtypeStruct((rows,), jnp.float32, layout=row_layout)))
+    def convert(_, x, sw):
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import llvm, vector
+        from jax.experimental.mosaic import gpu as mgpu
+        from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+        i32 = _i32()
+        words4 = ir.VectorType.get((4,), i32)
+        e5m2x16 = ir.VectorType.get((ROWS_VECTOR_BYTES,), ir.Float8E5M2Type.get())
+        out = np.empty(rows_layout(128).registers_shape((rows, 128)), dtype=object)
+        factors = np.empty(sw.registers.shape, dtype=object)
+        for i in range(rows // 128):
+            tables = _e5m2_tables_asm(mgpu_utils.bitcast(sw.registers[i], i32))
+            factors[i] = vector.bitcast(ir.VectorType.get((1,), ir.F32Type.get()),
+                                        vector.from_elements(ir.VectorType.get((1,), i32), [tables[8]]))
+            for c in range(4):   # source vector c: channels 32c..32c+31, scale group c
+                src = mgpu_utils.bitcast(x.registers[i, 0, 0, c, 0, 0], words4)
+                outs = []
+                for k in range(4):   # word k: channels 32c + 8k .. +7 -> two words of e5m2 bytes in channel order
+                    res = llvm.inline_asm(_struct(2), [vector.extract(src, [], [k]), tables[2 * c], tables[2 * c + 1]],
+                                          FP4_E5M2X8_ASM, "=r,=r,r,r,r")
+                    outs += [llvm.extractvalue(i32, res, [0]), llvm.extractvalue(i32, res, [1])]
+                for h in range(2):   # operand vector 2c + h: channels 32c + 16h .. +15
+                    out[i, 0, 0, 2 * c + h, 0, 0] = mgpu_utils.bitcast(
+                        vector.from_elements(words4, outs[4 * h:4 * h + 4]), e5m2x16)
+        return (mgpu.FragmentedArray(_registers=out, _layout=rows_layout(128), _is_signed=None),
+                mgpu.FragmentedArray(_registers=factors, _layout=sw.layout, _is_signed=None))
+
+    return convert(packed, scale_words)
