@@ -49,6 +49,22 @@ def _report(paths):
             print(f"   {name}: shared memory {', '.join(smem)} B a CTA")
 
 
+def _issue_model(sass_path, B, T, block_t=128, sms=132, clock_ghz=1.98):
+    """Per key block and SM sub-partition: the SASS the scoring loop and the converter loop issue (one warp of
+    each per sub-partition and CTA), and the time that many issue cycles take for all B x T / block_t blocks at
+    one warp instruction a cycle (`sass_loops.block_loops`; the H100 SXM / H200 boost clock)."""
+    from benchmarks.sass_loops import block_loops, parse
+
+    found = block_loops(*parse(open(sass_path).read()))
+    per_block = {k: len(lp.body) for k, lp in found.items() if lp is not None}
+    total = sum(per_block.values())
+    blocks_per_sm = B * T / block_t / sms
+    us = total * blocks_per_sm / (clock_ghz * 1e3)
+    parts = ", ".join(f"{k} {n}" for k, n in per_block.items())
+    return (f"SASS a block and sub-partition: {parts} = {total}; issue floor {us:.1f} us at B = {B} x {T} keys "
+            f"({blocks_per_sm:.0f} blocks an SM, {clock_ghz} GHz)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir", nargs="?", default=os.environ.get("MOSAIC_GPU_DUMP_TO"))
@@ -85,8 +101,10 @@ def main():
     from pallas_kernels.indexer import gpu_mosaic
 
     # (precision, fp4_converter slots): the register path at both precisions, and session 49's converter warpgroup
+    # (session 50: "rows" = fp4_layout "rows", a thread a key row, with fp4_tables "registers")
     for precision, conv, tables in (("fp8", 0, "registers"), ("fp8", 2, "registers"), ("fp8", 2, "shared"),
-                                    ("fp8", 1, "registers"), ("f16", 0, "registers")):
+                                    ("fp8", 1, "registers"), ("fp8", 2, "rows"), ("fp8", 1, "rows"),
+                                    ("f16", 0, "registers")):
         for what in ("scores", "segment_set"):
             before = set(glob.glob(os.path.join(args.out_dir, "*")))
             if what == "scores":
@@ -95,23 +113,26 @@ def main():
                 fn = jax.jit(lambda *a, p=precision: indexer_topk_gpu(*a, k=512, kernel="mosaic", topk="segment_set",
                                                                       precision=p))
             saved = dict(gpu_mosaic.MOSAIC_CONFIG)
-            gpu_mosaic.MOSAIC_CONFIG.update(fp4_converter=conv, fp4_tables=tables)
-            label = f"== precision={precision} fp4_converter={conv} fp4_tables={tables} {what}"
+            gpu_mosaic.MOSAIC_CONFIG.update(fp4_converter=conv, fp4_tables="registers" if tables == "rows" else tables,
+                                            fp4_layout="rows" if tables == "rows" else "fragments")
+            layout = "fp4_layout=rows" if tables == "rows" else f"fp4_tables={tables}"
+            label = f"== precision={precision} fp4_converter={conv} {layout} {what}"
             try:
                 if offline:
                     for r in offline.compile_jitted(fn, q, w, keys, nv):
                         print(f"{label}: {r.line()}", flush=True)
+                        if r.sass_path:
+                            print(f"{label}: {_issue_model(r.sass_path, B, T)}", flush=True)
                     continue
                 jax.block_until_ready(fn(q, w, keys, nv))
             except Exception as e:   # one variant that fails to compile must not hide the others' numbers
-                print(f"== precision={precision} fp4_converter={conv} fp4_tables={tables} {what}: FAILED "
+                print(f"{label}: FAILED "
                       f"{type(e).__name__}: {e}"[:2000], flush=True)
                 continue
             finally:
                 gpu_mosaic.MOSAIC_CONFIG.update(saved)
             new = sorted(set(glob.glob(os.path.join(args.out_dir, "*"))) - before)
-            print(f"== precision={precision} fp4_converter={conv} fp4_tables={tables} {what}: {len(new)} new dump "
-                  "files", flush=True)
+            print(f"{label}: {len(new)} new dump files", flush=True)
             _report(new)
 
 

@@ -1,6 +1,6 @@
 """Compile Mosaic GPU kernels for sm_90a on a machine without a GPU: ptxas' registers and spills, shared memory, PTX.
 
-    python benchmarks/mosaic_offline.py fetch            # once: jax's CUDA plugin wheels for this jax, ~130 MB
+    python benchmarks/mosaic_offline.py fetch            # once: jax's CUDA plugin wheels for this jax + nvdisasm
     python benchmarks/mosaic_offline.py selftest         # compiles a one-line kernel, prints its resources
     PYTHONPATH=. python benchmarks/indexer_fp4_resources.py --offline DIR
     PYTHONPATH=. python benchmarks/mosaic_resources.py DIR --offline
@@ -21,8 +21,8 @@ LLVM's NVPTX target (fixed upstream later), so `mosaic::gpu::EnsureLLVMNVPTXTarg
 is called first at its address from the plugin's symbol table (`nm`); and the host-side JIT needs
 `libmosaic_gpu_runtime.so` loaded globally.
 
-SASS: with an nvdisasm (`nvdisasm=`, $NVDISASM, PATH, or beside ptxas; the `nvidia-cuda-nvdisasm` wheel has one) the
-plugin also writes each kernel's SASS with its control codes (`.sass_ctrl`); without one it prints "nvdisasm
+SASS: with an nvdisasm (`nvdisasm=`, $NVDISASM, PATH, beside ptxas, or the `nvidia-cuda-nvdisasm` wheel `fetch`
+unpacks) the plugin also writes each kernel's SASS with its control codes (`.sass_ctrl`); without one it prints "nvdisasm
 invocation failed" and carries on.
 
 What the numbers are: this machine's jax (0.10.x) lowering and its ptxas (`ptxas --version` is printed); the
@@ -82,16 +82,26 @@ def fetch(root: str | None = None) -> str:
     root = root or cache_dir()
     os.makedirs(root, exist_ok=True)
     wheels = os.path.join(root, "wheels")
-    specs = [f"jax-cuda13-plugin=={jax.__version__}", f"jax-cuda13-pjrt=={jax.__version__}"]
+    # nvdisasm (5 MB) for the SASS dumps `benchmarks/sass_loops.py` reads
+    specs = [f"jax-cuda13-plugin=={jax.__version__}", f"jax-cuda13-pjrt=={jax.__version__}", "nvidia-cuda-nvdisasm>=13"]
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--dest", wheels, *specs], check=True)
     for wheel in sorted(glob.glob(os.path.join(wheels, "*.whl"))):
         with zipfile.ZipFile(wheel) as z:
-            wanted = [n for n in z.namelist() if n.endswith(("xla_cuda_plugin.so", "libmosaic_gpu_runtime.so"))]
+            wanted = [n for n in z.namelist()
+                      if n.endswith(("xla_cuda_plugin.so", "libmosaic_gpu_runtime.so", "bin/nvdisasm"))]
             for name in wanted:
-                z.extract(name, root)
+                path = z.extract(name, root)
+                if name.endswith("nvdisasm"):
+                    os.chmod(path, 0o755)
                 print(f"unpacked {name}")
     plugin_paths(root)
     return root
+
+
+def cached_nvdisasm(root: str | None = None) -> str | None:
+    """The nvdisasm that `fetch` unpacked, if any."""
+    found = sorted(glob.glob(os.path.join(root or cache_dir(), "nvidia", "*", "bin", "nvdisasm")))
+    return found[-1] if found else None
 
 
 def default_cuda_root() -> str:
@@ -213,7 +223,8 @@ class OfflineMosaic:
         os.makedirs(os.path.join(self.cuda_root, "bin"))
         os.symlink(os.path.realpath(ptxas), os.path.join(self.cuda_root, "bin", "ptxas"))
         nvdisasm = (nvdisasm or os.environ.get("NVDISASM") or shutil.which("nvdisasm")
-                    or next(iter(glob.glob(os.path.join(source_root, "bin", "nvdisasm"))), None))
+                    or next(iter(glob.glob(os.path.join(source_root, "bin", "nvdisasm"))), None)
+                    or cached_nvdisasm(plugin_root))
         self.nvdisasm = nvdisasm if nvdisasm and os.path.isfile(nvdisasm) else None
         if self.nvdisasm:
             os.symlink(os.path.realpath(self.nvdisasm), os.path.join(self.cuda_root, "bin", "nvdisasm"))

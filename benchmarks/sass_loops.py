@@ -81,6 +81,22 @@ def loops(instructions: list[Instruction], labels: dict[str, int]) -> list[Loop]
     return sorted(found, key=lambda lp: (lp.start, -lp.end))
 
 
+def block_loops(instructions: list[Instruction], labels: dict[str, int]) -> dict:
+    """The Mosaic indexer kernel's per-block loops: "scores" = the smallest loop holding a wgmma (QGMMA/HGMMA: on
+    the register path it converts too), "converter" = the smallest loop without one that converts (PRMT) and stores
+    to shared memory (the fp4 converter warpgroup's); each as its Loop, or None where there is none."""
+    found = loops(instructions, labels)
+
+    def ops(lp):
+        return set(lp.histogram())
+
+    mma = [lp for lp in found if any(o.startswith(("QGMMA", "HGMMA")) for o in ops(lp))]
+    conv = [lp for lp in found if lp not in mma and "PRMT" in ops(lp)
+            and any(o.startswith("STS") for o in ops(lp))]
+    smallest = lambda ls: min(ls, key=lambda lp: len(lp.body)) if ls else None
+    return dict(scores=smallest(mma), converter=smallest(conv))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("sass")

@@ -127,3 +127,62 @@ def test_fp4_converter_kernels_fit_two_ctas_an_sm(tmp_path, converter, tables, s
     assert r.spill_stores == 0 and r.spill_loads == 0, r.ptxas_log
     assert r.registers <= 128, r.line()
     assert r.ctas_per_sm == 2, r.line()
+
+
+SASS = """
+.text.k:
+   -:-:-:Y:01        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+   -:-:1:Y:04        /*0010*/                   LDS.128 R4, [R2] ;
+   1:-:-:Y:02        /*0020*/                   PRMT R5, R4, R6, R7 ;
+   -:-:-:Y:01        /*0030*/                   STS.128 [R3], R4 ;
+   -:-:-:Y:05        /*0040*/              @!P0 BRA `(.L_x_1) ;
+.L_x_2:
+   -:-:-:Y:01        /*0050*/                   QGMMA.64x64x32.F32.E5M2.E5M2 R8, gdesc[UR4], R8 ;
+   -:-:-:Y:02        /*0060*/                   FMNMX.NAN R9, R8, RZ, !PT ;
+   -:-:-:Y:05        /*0070*/               @P1 BRA `(.L_x_2) ;
+   -:-:-:Y:05        /*0080*/                   EXIT ;
+"""
+
+
+def test_sass_loops_finds_the_block_loops():
+    from benchmarks.sass_loops import block_loops, loops, parse
+
+    instructions, labels = parse(SASS)
+    assert len(instructions) == 9 and labels == {".L_x_1": 0x10, ".L_x_2": 0x50}
+    found = loops(instructions, labels)
+    assert [(lp.start, lp.end, len(lp.body), lp.stall_cycles) for lp in found] == [(0x10, 0x40, 4, 12),
+                                                                                    (0x50, 0x70, 3, 8)]
+    assert found[0].histogram()["BRA"] == 1     # a predicated opcode counts as its opcode
+    blocks = block_loops(instructions, labels)
+    assert blocks["converter"].start == 0x10 and blocks["scores"].start == 0x50
+
+
+def test_fp4_rows_layout_issues_fewer_converter_instructions(tmp_path):
+    """fp4_layout "rows" (session 50) against the fragment layout, offline: the converter loop's SASS a block (437
+    -> 290 with ptxas 12.8 / 13.0 when measured), under the segment top-k."""
+    from benchmarks.sass_loops import block_loops, parse
+    from pallas_kernels.indexer import formats as F
+    from pallas_kernels.indexer import gpu_mosaic
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+
+    compiler = _offline_or_skip(tmp_path)
+    if not compiler.nvdisasm:
+        pytest.skip("no nvdisasm (python benchmarks/mosaic_offline.py fetch unpacks one)")
+    B, T, H = 8, 4096, 64
+    args = (jax.ShapeDtypeStruct((B, 1, H, 128), jnp.float32), jax.ShapeDtypeStruct((B, 1, H), jnp.float32),
+            jax.eval_shape(lambda k: F.quantize(k, "fp4"), jax.ShapeDtypeStruct((B, T, 128), jnp.float32)),
+            jax.ShapeDtypeStruct((B, 1), jnp.int32))
+    counts = {}
+    saved = dict(gpu_mosaic.MOSAIC_CONFIG)
+    try:
+        for layout in ("fragments", "rows"):
+            gpu_mosaic.MOSAIC_CONFIG.update(fp4_converter=2, fp4_layout=layout)
+            (r,) = compiler.compile_jitted(
+                lambda *a: indexer_topk_gpu(*a, k=512, kernel="mosaic", topk="segment_set", precision="fp8"), *args)
+            found = block_loops(*parse(open(r.sass_path).read()))
+            counts[layout] = {k: len(lp.body) for k, lp in found.items()}
+    finally:
+        gpu_mosaic.MOSAIC_CONFIG.update(saved)
+    assert counts["rows"]["converter"] < 0.75 * counts["fragments"]["converter"], counts
+    assert abs(counts["rows"]["scores"] - counts["fragments"]["scores"]) < 0.1 * counts["fragments"]["scores"], counts

@@ -276,7 +276,8 @@ MAX_CLUSTER = 8     # portable thread-block cluster size
 # fp4_layout (with fp4_converter; `FP4_LAYOUTS`; session 50): how the converter's threads split a block:
 # "fragments" (4 threads a key row, 32-bit accesses: the WGMMA fragment layout that the register path needs) or
 # "rows" (a thread a row, 16-byte accesses, tables once a key, q unpermuted: `mosaic_fp4.fp4_operand_rows`;
-# block_t a multiple of 128; fp4_tables does not apply). Offline counts: 437 -> see results README, session 50.
+# block_t a multiple of 128; fp4_tables does not apply). Counted offline (benchmarks/mosaic_offline.py): the
+# converter loop issues 283 SASS a block under the segment top-k against 429 with "fragments"; untimed.
 MOSAIC_CONFIG = dict(q_prep="triton", epilogue="full", fp4_converter=0, fp4_tables="registers",
                      fp4_layout="fragments")
 FP4_TABLES = ("registers", "shared")
