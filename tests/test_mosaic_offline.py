@@ -186,3 +186,46 @@ def test_fp4_rows_layout_issues_fewer_converter_instructions(tmp_path):
         gpu_mosaic.MOSAIC_CONFIG.update(saved)
     assert counts["rows"]["converter"] < 0.75 * counts["fragments"]["converter"], counts
     assert abs(counts["rows"]["scores"] - counts["fragments"]["scores"]) < 0.1 * counts["fragments"]["scores"], counts
+
+
+def _attention_case(fp8, t):
+    import numpy as np
+
+    from benchmarks.sparse_attention import D, make_case
+    from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
+
+    q, wpool, cpool, sinks, widx, cidx = make_case(np.random.default_rng(0), "csa", 2, t, 512, 2048, fp8, 1)
+    return (lambda *a: sparse_attention_mosaic(*a, scale=D ** -0.5)), (q, wpool, widx[0], cpool, cidx[0], sinks)
+
+
+def _indexer_case(fmt, select):
+    from pallas_kernels.indexer import formats as F
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+    from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
+
+    B, T, H = 64, 32768, 64
+    args = (jax.ShapeDtypeStruct((B, 1, H, 128), jnp.float32), jax.ShapeDtypeStruct((B, 1, H), jnp.float32),
+            jax.eval_shape(lambda k: F.quantize(k, fmt), jax.ShapeDtypeStruct((B, T, 128), jnp.float32)),
+            jax.ShapeDtypeStruct((B, 1), jnp.int32))
+    if select:
+        return (lambda *a: indexer_topk_gpu(*a, k=512, kernel="mosaic", topk="segment_set")), args
+    return (lambda *a: indexer_scores_mosaic(*a)), args
+
+
+@pytest.mark.parametrize("name", ["attention_decode_bf16", "attention_decode_fp8", "attention_prefill_bf16",
+                                  "attention_prefill_fp8", "indexer_bf16", "indexer_fp8", "indexer_fp4",
+                                  "indexer_fp8_segment_set", "indexer_fp4_segment_set"])
+def test_default_mosaic_kernels_do_not_spill(tmp_path, name):
+    """Every Mosaic GPU kernel on its default configuration compiles for sm_90a without spills (offline; the
+    indexer at V4-Flash decode shapes, B = 64 x 128K). A spill here is a regression a GPU timing would only show
+    as a slowdown."""
+    compiler = _offline_or_skip(tmp_path)
+    if name.startswith("attention"):
+        fn, args = _attention_case("fp8" in name, 1 if "decode" in name else 64)
+    else:
+        fmt = name.split("_")[1]
+        fn, args = _indexer_case(fmt, name.endswith("segment_set"))
+    results = compiler.compile_jitted(fn, *args)
+    for r in results:
+        assert r.spill_stores == 0 and r.spill_loads == 0, r.line()
+        assert r.ctas_per_sm >= 1, r.line()
