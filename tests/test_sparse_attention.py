@@ -310,6 +310,8 @@ TPU_CASES = [
     (2, 1, 4, 512, 24, 40, 8, 20, dict(fp8=False, ragged=True, dupes=True)),
     (1, 2, 64, 512, 16, 24, 8, 12, dict(fp8=True, all_invalid_c=True, ragged=True)),
     (1, 1, 128, 512, 16, 24, 8, 8, dict(fp8=False, all_invalid_c=True)),
+    # pool row counts that are no multiple of the 32-bit word's 2 / 4 rows (the word-row views pad them)
+    (1, 1, 4, 512, 23, 37, 8, 16, dict(fp8=True, ragged=True)),
 ]
 
 
@@ -329,6 +331,29 @@ def test_tpu_kernel_interpret(case, double_buffer):
     out = call(sparse_attention_tpu, inp, interpret=True, block_k=8, double_buffer=double_buffer)
     ref = call(sparse_attention_reference, inp)
     check_close(out, ref)
+
+
+def test_tpu_word_row_unpacking_is_exact():
+    """The TPU kernel's row gather fetches 32-bit word rows (`tpu._word_rows`' packing: pack consecutive rows a
+    word, the first in the low bits) and `tpu._unpack` shifts the wanted row out: every row of bf16, e4m3
+    (all 254 non-NaN codes), uint8 and f32 arrays comes back exactly."""
+    from pallas_kernels.sparse_attention.tpu import _pack, _unpack, _word_rows
+
+    rng = np.random.default_rng(50)
+    codes = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
+    arrays = [jnp.asarray(rng.standard_normal((12, 40)), jnp.bfloat16),
+              jax.lax.bitcast_convert_type(jnp.asarray(rng.choice(codes, (16, 24)), jnp.uint8), jnp.float8_e4m3fn),
+              jnp.asarray(rng.integers(0, 256, (8, 8)), jnp.uint8),
+              jnp.asarray(rng.standard_normal((6, 16)), jnp.float32)]
+    arrays[1] = arrays[1].at[:2].set(jax.lax.bitcast_convert_type(jnp.asarray(codes[:48].reshape(2, 24)),
+                                                                  jnp.float8_e4m3fn))   # every code, subnormals too
+    for a in arrays:
+        pack = _pack(a.dtype)
+        words = _word_rows(a)
+        rows = np.arange(a.shape[0])
+        got = _unpack(words[rows // pack], jnp.asarray(((rows % pack) * (32 // pack))[:, None], jnp.uint32), a.dtype)
+        want = a.astype(jnp.int32) if a.dtype == jnp.uint8 else a.astype(jnp.float32)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(a.dtype))
 
 
 def test_kernel_option_validation():

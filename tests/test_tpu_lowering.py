@@ -5,7 +5,8 @@ accepts only what Mosaic supports (block shapes tiled (8, 128), supported dtype 
 `jit(...).trace(...).lower(lowering_platforms=("tpu",))` runs that lowering from a CPU-only machine, so such
 failures show up in CI. Some lowering rules ask for the TPU generation (e.g. `sign` on v6e+); the CPU has none, so
 a v6e (Trillium) TpuInfo is registered for the "cpu" device kind while these tests run. Mosaic's own compilation
-(layout assignment, register allocation) happens in libtpu on a TPU only: a TPU compile is still never run."""
+(layout assignment, tiling rules, register allocation) happens in libtpu: tests/test_tpu_offline.py runs it for a
+described v6e topology where libtpu is installed (session 50; not in CI)."""
 
 from __future__ import annotations
 

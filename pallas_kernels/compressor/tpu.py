@@ -18,8 +18,8 @@ the per-step overhead, for a few KB of data. Now:
 wb = 8 windows for ratio < 128 (a block of 8 rows fills the sublanes), 1 window of 128 slots at ratio 128.
 
 Status: validated in the TPU interpreter (`pltpu.InterpretParams`) on CPU, and Pallas' Mosaic lowering for a TPU
-(v6e) target runs in CI (`tests/test_tpu_lowering.py`); no TPU compile (libtpu) has been run, so the speed-up is
-designed, not measured.
+(v6e) target runs in CI (`tests/test_tpu_lowering.py`); libtpu compiles it for v6e / v5e topologies on a CPU host
+(`benchmarks/tpu_offline.py`, session 50), but it has never run on a TPU, so the speed-up is designed, not measured.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ over the lane axis); fp4 nibbles decoded arithmetically with the ue8m0 scales, d
 channels of q (split outside, as in the GPU kernel).
 
 Status: validated in the TPU interpreter (`pltpu.InterpretParams`) on CPU, and Pallas' Mosaic lowering for a TPU
-(v6e) target runs in CI (`tests/test_tpu_lowering.py`); no TPU compile (libtpu) has been run.
+(v6e) target runs in CI (`tests/test_tpu_lowering.py`); libtpu compiles it for v6e / v5e topologies on a CPU host
+(`benchmarks/tpu_offline.py`, session 50); never run on a TPU.
 """
 
 from __future__ import annotations
@@ -49,8 +50,11 @@ def _scores(nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, H,
     j = pl.program_id(2)
     cols = j * block_t + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_t), 1)
     dims = (((1,), (1,)), ((), ()))
-    dot = lambda a, b: jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32,
-                                           precision=jax.lax.Precision.HIGHEST)
+    # f32 operands: HIGHEST (full f32 products); bf16 operands multiply exactly into f32 at the default, and
+    # Mosaic's compiler rejects an fp32 contract precision on bf16 operands ("Bad lhs type", libtpu, session 50)
+    dot = lambda a, b: jax.lax.dot_general(
+        a, b, dims, preferred_element_type=jnp.float32,
+        precision=jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else jax.lax.Precision.DEFAULT)
     if fmt in (None, "bf16", "fp8"):
         k = key_refs[0][...].astype(jnp.float32).astype(op_dtype)
         kparts = [(k, 0)]

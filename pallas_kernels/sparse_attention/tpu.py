@@ -12,9 +12,19 @@ row 0 instead and the logit is masked to -inf; whole blocks past the valid lengt
 FP8 pools copy their three parts (e4m3 nope, bf16 rope, ue8m0 scales) and are dequantized in VMEM; q is split
 into its nope / rope parts outside the kernel so no lane slice at offset 448 is needed.
 
-Status: validated in the TPU interpreter (`pltpu.InterpretParams`) on CPU, with and without the second slot, and
-Pallas' Mosaic lowering for a TPU (v6e) target runs in CI (`tests/test_tpu_lowering.py`); no TPU compile (libtpu)
-has been run, so the overlap is designed, not measured.
+Row gathers fetch 32-bit word rows (session 50). A TPU array of a 16- or 8-bit type packs 2 or 4 consecutive rows
+into each 32-bit word (XLA's tiled layout, (2, 1) / (4, 1) sub-tiles), so one bf16 or e4m3 row is not a unit a DMA
+can move: libtpu's Mosaic compiler rejects the single-row slice ("Slice sizes along tiled dimensions must be
+aligned to tiles"). Each pool part is therefore viewed as uint32 [rows / pack, width] (`ref.bitcast`, free) and the
+word row holding the wanted row is copied; the compute step shifts its 16 / 8 bits out (`_unpack`: row % pack
+selects them, even rows in the low bits). This reads pack x the row's bytes: 2x for bf16 pools, ~3.7x for the FP8
+rows (e4m3 and scale bytes 4 to a word, the bf16 rope 2). The pools' row counts are padded to a multiple of the
+pack where they are not one (a copy of the pool; cache capacities are multiples of 128).
+
+Status: validated in the TPU interpreter (`pltpu.InterpretParams`) on CPU, with and without the second slot;
+Pallas' Mosaic lowering for a TPU (v6e) target runs in CI (`tests/test_tpu_lowering.py`), and libtpu compiles it
+for a v6e topology on a CPU host (`benchmarks/tpu_offline.py`, session 50). Never run on a TPU (none here), so the
+overlap and the word-row gather's cost are designed, not measured.
 """
 
 from __future__ import annotations
@@ -32,7 +42,48 @@ from .fp8_layout import BLOCK, N_BLOCKS, NOPE_DIM, ROPE_DIM, Fp8KVPool
 NEG_INF = -jnp.inf
 
 
-def _kernel(*refs, srcs, block_k, scale, fp8, n_q, double_buffer):
+def _pack(dtype) -> int:
+    """Rows of `dtype` a 32-bit word row holds on the TPU (1 for 32-bit types)."""
+    bits = jnp.dtype(dtype).itemsize * 8
+    if 32 % bits:
+        raise ValueError(f"pool dtype {jnp.dtype(dtype)} does not pack into 32-bit words")
+    return 32 // bits
+
+
+def _word_rows(a):
+    """[rows, width] of a <= 32-bit type -> uint32 [rows / pack, width]: word w of column c holds rows pack w ..
+    pack w + pack - 1 of column c, the first in the low bits -- the packing of the TPU's tiled layout, as
+    `pltpu.bitcast` defines it for arrays and Mosaic's ref bitcast applies to memory (for the interpreter, which
+    has no ref bitcast)."""
+    pack = _pack(a.dtype)
+    if pack == 1:
+        return jax.lax.bitcast_convert_type(a, jnp.uint32)
+    rows, width = a.shape
+    return jax.lax.bitcast_convert_type(jnp.swapaxes(a.reshape(rows // pack, pack, width), 1, 2), jnp.uint32)
+
+
+def _unpack(words, shift, dtype):
+    """words uint32 [rows, width] (each the 32-bit word row that holds the wanted row), shift uint32 [rows, 1]
+    (the wanted row's bit offset in its word: (row % pack) x bits) -> f32 [rows, width], the wanted row's values
+    exactly (bf16 / e4m3 / float32), or for uint8 its bytes as int32."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.float32:
+        return jax.lax.bitcast_convert_type(words, jnp.float32)
+    v = jax.lax.shift_right_logical(words, shift)
+    if dtype == jnp.bfloat16:   # bf16 = the high half of an f32
+        return jax.lax.bitcast_convert_type(v << 16, jnp.float32)
+    byte = (v & 0xFF).astype(jnp.int32)
+    if dtype == jnp.uint8:
+        return byte
+    if dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"no unpacking for pool dtype {dtype}")
+    e, m = (byte >> 3) & 0xF, byte & 7   # e4m3fn: bias 7; e = 0 subnormal m x 2^-9 (0x7F / 0xFF NaN: never stored)
+    normal = jax.lax.bitcast_convert_type(((e + 120) << 23) | (m << 20), jnp.float32)
+    val = jnp.where(e == 0, m.astype(jnp.float32) * (2.0 ** -9), normal)
+    return jnp.where(byte >= 128, -val, val)
+
+
+def _kernel(*refs, srcs, block_k, scale, fp8, n_q, double_buffer, dtypes, words_given):
     # scalar prefetch: per source (idx_flat, len); inputs: q parts, sinks, per source pool parts (ANY);
     # outputs: o parts, lse; scratch: per-part kv buffers [slots, block_k, width], m, l, acc parts, DMA semaphores
     # [slots].
@@ -47,6 +98,7 @@ def _kernel(*refs, srcs, block_k, scale, fp8, n_q, double_buffer):
     m_ref, l_ref = next(it), next(it)
     acc_refs = [next(it) for _ in range(n_q)]
     sem = next(it)
+    packs = [_pack(dt) for dt in dtypes]   # per pool part: rows a 32-bit word row holds
 
     i = pl.program_id(0)
     j = pl.program_id(1)
@@ -78,6 +130,8 @@ def _kernel(*refs, srcs, block_k, scale, fp8, n_q, double_buffer):
         semaphore; the rows they name do not matter, so no index is read)."""
         def each(s_i, start, length):
             idx_ref, k, n_rows = sp[s_i][0], srcs[s_i]["k"], srcs[s_i]["n_rows"]
+            # [rows / pack, width]: free views (the interpreter, which has no ref bitcast, gets them made outside)
+            words = pools[s_i] if words_given else [part.bitcast(jnp.uint32) for part in pools[s_i]]
             out = []
             for r in range(block_k):
                 if for_wait:
@@ -85,8 +139,8 @@ def _kernel(*refs, srcs, block_k, scale, fp8, n_q, double_buffer):
                 else:
                     row = idx_ref[i * k + start + r]
                     safe = jnp.where((row >= 0) & (row < n_rows) & (start + r < length), row, 0)
-                for part, buf in zip(pools[s_i], bufs):
-                    out.append(pltpu.make_async_copy(part.at[pl.ds(safe, 1)], buf.at[slot, pl.ds(r, 1)],
+                for w, pack, buf in zip(words, packs, bufs):   # the word row that holds row `safe`
+                    out.append(pltpu.make_async_copy(w.at[pl.ds(safe // pack, 1)], buf.at[slot, pl.ds(r, 1)],
                                                      sem.at[slot]))
             return out
         return each
@@ -100,27 +154,33 @@ def _kernel(*refs, srcs, block_k, scale, fp8, n_q, double_buffer):
     def compute(s_i, start, length, slot):
         idx_ref, k, n_rows = sp[s_i][0], srcs[s_i]["k"], srcs[s_i]["n_rows"]
         row_iota = jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-        mask = jnp.zeros((1, block_k), jnp.bool_)
+        col_iota = jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+        # int32 0 / 1, not bool: Mosaic's compiler has no layout for selects between i1 vectors (libtpu, session 50)
+        mask = jnp.zeros((1, block_k), jnp.int32)
+        sub = jnp.zeros((block_k, 1), jnp.int32)     # each entry's row within its word row (row % pack, as copied)
         for r in range(block_k):
             row = idx_ref[i * k + start + r]
             ok = (row >= 0) & (row < n_rows) & (start + r < length)
-            mask = jnp.where(row_iota == r, ok, mask)
+            mask = jnp.where(row_iota == r, ok.astype(jnp.int32), mask)
+            sub = jnp.where(col_iota == r, jnp.where(ok, row, 0), sub)
+        parts = [_unpack(buf[slot], ((sub % pack) * (32 // pack)).astype(jnp.uint32), dt)
+                 for buf, pack, dt in zip(bufs, packs, dtypes)]
         if fp8:
-            nope = bufs[0][slot].astype(jnp.float32)  # [bk, 448]
-            sbits = bufs[2][slot].astype(jnp.int32)[:, :N_BLOCKS]  # [bk, 7]
+            nope = parts[0]  # [bk, 448]
+            sbits = parts[2][:, :N_BLOCKS]  # [bk, 7]
             sc = jax.lax.bitcast_convert_type(sbits << 23, jnp.float32)
             expand = (jax.lax.broadcasted_iota(jnp.int32, (N_BLOCKS, NOPE_DIM), 1) // BLOCK
                       == jax.lax.broadcasted_iota(jnp.int32, (N_BLOCKS, NOPE_DIM), 0)).astype(jnp.float32)
             sc_full = jnp.dot(sc, expand, precision=jax.lax.Precision.HIGHEST)  # exact: one term per column
-            kvs = [(nope * sc_full).astype(jnp.bfloat16), bufs[1][slot].astype(jnp.bfloat16)]
+            kvs = [(nope * sc_full).astype(jnp.bfloat16), parts[1].astype(jnp.bfloat16)]
         else:
-            kvs = [bufs[0][slot].astype(jnp.bfloat16)]
+            kvs = [parts[0].astype(jnp.bfloat16)]
         logits = None
         for q_ref, kv in zip(q_refs, kvs):
             part = jax.lax.dot_general(q_ref[...].astype(jnp.bfloat16), kv, (((1,), (1,)), ((), ())),
                                        preferred_element_type=jnp.float32)
             logits = part if logits is None else logits + part
-        logits = jnp.where(mask, logits * scale, NEG_INF)  # [Hp, bk]
+        logits = jnp.where(mask != 0, logits * scale, NEG_INF)  # [Hp, bk]
         m_prev = m_ref[...]
         m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
         alpha = jnp.exp(m_prev - m_new)
@@ -215,6 +275,12 @@ def sparse_attention_tpu(
     pool_args = []
     for s in srcs:
         pool_args += [s.pool.nope, s.pool.rope, s.pool.scale] if fp8 else [s.pool]
+    dtypes = [a.dtype for a in pool_args[:3 if fp8 else 1]]
+    pad_to = max(_pack(dt) for dt in dtypes)   # the word-row views need whole word rows
+    pool_args = [a if a.shape[0] % pad_to == 0 else jnp.pad(a, ((0, -a.shape[0] % pad_to), (0, 0)))
+                 for a in pool_args]
+    if interpret:   # the TPU interpreter's DMAs take no bitcast ref: the word-row views as arrays (same packing)
+        pool_args = [_word_rows(a) for a in pool_args]
     widths = [qp.shape[-1] for qp in q_parts]
 
     q_spec = lambda w: pl.BlockSpec((None, hp, w), lambda i, j, *_: (i, 0, 0))
@@ -224,11 +290,8 @@ def sparse_attention_tpu(
     out_shape = [jax.ShapeDtypeStruct((bt, hp, w), out_dtype) for w in widths]
     out_shape.append(jax.ShapeDtypeStruct((bt, hp, 1), jnp.float32))
     slots = 2 if double_buffer else 1
-    if fp8:
-        bufs = [pltpu.VMEM((slots, block_k, NOPE_DIM), jnp.float8_e4m3fn),
-                pltpu.VMEM((slots, block_k, ROPE_DIM), jnp.bfloat16), pltpu.VMEM((slots, block_k, 8), jnp.uint8)]
-    else:
-        bufs = [pltpu.VMEM((slots, block_k, d), window_kv.dtype)]
+    # the gathered word rows, uint32 [slots, block_k, width] per pool part
+    bufs = [pltpu.VMEM((slots, block_k, a.shape[1]), jnp.uint32) for a in pool_args[:len(dtypes)]]
     scratch = bufs + [pltpu.VMEM((hp, 1), jnp.float32), pltpu.VMEM((hp, 1), jnp.float32)]
     scratch += [pltpu.VMEM((hp, w), jnp.float32) for w in widths] + [pltpu.SemaphoreType.DMA((slots,))]
 
@@ -236,7 +299,8 @@ def sparse_attention_tpu(
         num_scalar_prefetch=len(scalars), grid=(bt, n_blocks), in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=scratch)
     kernel = functools.partial(_kernel, srcs=[dict(k=s.k, n_rows=s.n_rows) for s in srcs], block_k=block_k,
-                               scale=float(scale), fp8=fp8, n_q=len(q_parts), double_buffer=bool(double_buffer))
+                               scale=float(scale), fp8=fp8, n_q=len(q_parts), double_buffer=bool(double_buffer),
+                               dtypes=tuple(jnp.dtype(dt) for dt in dtypes), words_given=bool(interpret))
     outs = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,

@@ -1,0 +1,147 @@
+"""Compile the Pallas TPU (Mosaic) kernels with libtpu for a TPU target on a machine without a TPU.
+
+    python3 -m venv /tmp/tpuvenv && /tmp/tpuvenv/bin/pip install "jax[tpu]==$(python -c 'import jax; print(jax.__version__)')" pytest -e .
+    PYTHONPATH=.:tests /tmp/tpuvenv/bin/python benchmarks/tpu_offline.py [--topology v6e:2x2] [--only NAME,...]
+
+Why: CI lowers every TPU kernel (`tests/test_tpu_lowering.py`: Pallas' Mosaic lowering, in Python), but Mosaic's
+own compiler -- layout assignment, the tiling rules of memref slices and DMAs, VMEM allocation -- runs in libtpu,
+and until session 50 no kernel here had been through it. jax compiles ahead of time for a TPU topology it only
+describes (`jax.experimental.topologies.get_topology_desc`): libtpu runs on the CPU, no TPU attached. This compiles
+each kernel configuration of test_tpu_lowering.py that way and prints, per case, OK with the compile time and the
+executable's memory use, or the compiler's error.
+
+Kept out of the project's own environment: with libtpu installed, jax would probe for a TPU at every backend start.
+The TPU generation some lowering rules ask for (e.g. `sign` on v6e+) is registered for the "cpu" device kind, as
+the lowering tests do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")   # libtpu's start-up looks these up; a description only
+os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v6e-4")
+
+
+def topology_device(topology: str):
+    """The first device of a described (not attached) TPU topology, e.g. "v6e:2x2"."""
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(topology_name=topology, platform="tpu").devices[0]
+
+
+def register_cpu_as(chip: str = "v6e"):
+    """Lowering rules that ask for the TPU generation get `chip`'s (they look at jax.devices()[0], the CPU)."""
+    import jax
+    from jax._src.pallas.mosaic import tpu_info
+
+    version = {"v5e": tpu_info.ChipVersion.TPU_V5E, "v6e": tpu_info.ChipVersion.TPU_V6E}[chip]
+    tpu_info.registry[jax.devices()[0].device_kind] = lambda: tpu_info.get_tpu_info_for_chip(version, 1)
+
+
+def compile_for(device, fn, *args):
+    """jit(fn) compiled by libtpu for `device` (a topology device); args are arrays or ShapeDtypeStructs."""
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    sharding = SingleDeviceSharding(device)
+    specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
+    return jax.jit(fn).trace(*specs).lower().compile()
+
+
+def cases():
+    """(name, fn, args) for every TPU kernel configuration of tests/test_tpu_lowering.py's default tier, plus
+    V4-Flash decode shapes of the attention and indexer kernels."""
+    import jax
+    import jax.numpy as jnp
+
+    from test_compressor_kernels import make as make_compressor
+    from test_indexer_kernels import make as make_indexer
+    from test_sparse_attention import make_inputs as make_attention
+
+    out = []
+    from pallas_kernels.sparse_attention.tpu import sparse_attention_tpu
+
+    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
+    for fp8 in (False, True):
+        for t, label in ((1, "decode"), (4, "prefill")):
+            inp = make_attention(2, t, 64, 512, 300, 200, 128, 64, fp8=fp8, ragged=True)
+            args = tuple(inp[k] for k in keys) + (inp["window_len"], inp["compressed_len"])
+            out.append((f"attention_{label}_{'fp8' if fp8 else 'bf16'}",
+                        lambda *a: sparse_attention_tpu(*a[:6], scale=512 ** -0.5, window_len=a[6],
+                                                        compressed_len=a[7]), args))
+    from pallas_kernels.indexer.tpu import indexer_topk_tpu
+
+    for fmt, rotate in ((None, False), ("bf16", False), ("fp8", True), ("fp4", True)):
+        for S in (1, 19):
+            q, w, k, nv = make_indexer(2, S, 64, 300, fmt, rotate, causal=S > 1)
+            out.append((f"indexer_{fmt or 'f32'}_S{S}", lambda q, w, k, n: indexer_topk_tpu(q, w, k, n, k=64),
+                        (q, w, k, nv)))
+    from pallas_kernels.compressor.tpu import compress_chunk_tpu
+
+    for r, overlap, d, fmt, S in ((4, True, 128, "fp4", 1), (4, True, 128, "fp8", 33), (4, True, 512, None, 40),
+                                  (128, False, 512, None, 1), (4, True, 512, "kv_fp8", 40)):
+        inp, kw = make_compressor(2, S, r, overlap, d, None if fmt == "kv_fp8" else fmt)
+        if fmt == "kv_fp8":
+            from pallas_kernels.sparse_attention.fp8_layout import quantize_kv_fp8_rows
+
+            inp["entries"], kw["key_format"] = quantize_kv_fp8_rows(inp["entries"]), "kv_fp8"
+        ckeys = ("kv", "gate", "start", "n_valid", "state_kv", "state_gate", "prev_kv", "prev_gate", "entries")
+        rotate = fmt in ("bf16", "fp8", "fp4")
+        out.append((f"compressor_r{r}_d{d}_{fmt}_S{S}",
+                    lambda *a, kw=kw, rotate=rotate: compress_chunk_tpu(*a, **kw, rotate=rotate),
+                    tuple(inp[k] for k in ckeys)))
+    from pallas_kernels.grouped_matmul import grouped_matmul_tpu
+    from pallas_kernels.grouped_matmul.fp4 import Fp4Weights
+    from pallas_kernels.grouped_matmul.tpu import grouped_matmul_fp4_tpu
+
+    sds = jax.ShapeDtypeStruct
+    for M, E, K, N, dtype in ((96, 256, 4096, 2048, jnp.bfloat16), (20, 8, 64, 32, jnp.float32)):
+        out.append((f"grouped_matmul_{M}x{E}x{K}x{N}_{jnp.dtype(dtype).name}", grouped_matmul_tpu,
+                    (sds((M, K), dtype), sds((E, K, N), dtype), sds((E,), jnp.int32))))
+    for M, E, K, N, dtype in ((96, 256, 4096, 2048, jnp.bfloat16), (40, 8, 256, 128, jnp.float32)):
+        rhs = Fp4Weights(sds((E, N, K // 2), jnp.uint8), sds((E, N, K // 32), jnp.uint8))
+        out.append((f"grouped_matmul_fp4_{M}x{E}x{K}x{N}_{jnp.dtype(dtype).name}", grouped_matmul_fp4_tpu,
+                    (sds((M, K), dtype), rhs, sds((E,), jnp.int32))))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--topology", default="v6e:2x2")
+    ap.add_argument("--chip", default="v6e", choices=("v5e", "v6e"))
+    ap.add_argument("--only", default=None, help="comma-separated case names (prefix match)")
+    ap.add_argument("--traceback", action="store_true")
+    a = ap.parse_args()
+    import jax
+
+    print(f"jax {jax.__version__}, libtpu compile for {a.topology} (no TPU attached)", flush=True)
+    device = topology_device(a.topology)
+    register_cpu_as(a.chip)
+    only = a.only.split(",") if a.only else None
+    failed = 0
+    for name, fn, args in cases():
+        if only and not any(name.startswith(o) for o in only):
+            continue
+        t0 = time.time()
+        try:
+            compiled = compile_for(device, fn, *args)
+            mem = compiled.memory_analysis()
+            temp = getattr(mem, "temp_size_in_bytes", None)
+            print(f"OK     {name}: {time.time() - t0:.1f} s, temp {temp} B", flush=True)
+        except Exception as e:   # one case's failure must not hide the others'
+            failed += 1
+            msg = str(e).strip().splitlines()
+            print(f"FAILED {name}: {type(e).__name__}: {' | '.join(msg[:6])[:1500]}", flush=True)
+            if a.traceback:
+                traceback.print_exc()
+    print(f"{failed} failed", flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""Every Pallas TPU kernel configuration compiles with libtpu for a v6e topology (benchmarks/tpu_offline.py).
+
+Lowering (tests/test_tpu_lowering.py, in CI) runs Pallas' Python side only; Mosaic's compiler in libtpu enforces
+more (session 50 found the attention kernel's single-row DMAs of bf16 / e4m3 rows and its bool selects, and the
+indexer's fp32 contract precision on bf16 operands, all rejected there). libtpu compiles ahead of time for a
+described topology on a CPU host, but installing it changes how jax starts, so it lives in its own environment:
+
+    python3 -m venv /tmp/tpuvenv && /tmp/tpuvenv/bin/pip install "jax[tpu]==<this jax>" pytest -e .
+    PYTHONPATH=.:tests /tmp/tpuvenv/bin/python -m pytest tests/test_tpu_offline.py
+
+Skipped wherever libtpu is not installed (CI, the project's own environment).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+if importlib.util.find_spec("libtpu") is None:
+    pytest.skip("libtpu is not installed (see this module's docstring)", allow_module_level=True)
+
+from benchmarks import tpu_offline  # noqa: E402  (sets libtpu's start-up variables before jax starts it)
+
+_CASES = tpu_offline.cases()
+
+
+@pytest.fixture(scope="module")
+def v6e():
+    tpu_offline.register_cpu_as("v6e")
+    return tpu_offline.topology_device("v6e:2x2")
+
+
+@pytest.mark.parametrize("case", range(len(_CASES)), ids=[c[0] for c in _CASES])
+def test_kernel_compiles_with_libtpu(v6e, case):
+    name, fn, args = _CASES[case]
+    compiled = tpu_offline.compile_for(v6e, fn, *args)
+    assert compiled.memory_analysis() is not None, name
