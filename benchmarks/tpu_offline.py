@@ -7,8 +7,9 @@ Why: CI lowers every TPU kernel (`tests/test_tpu_lowering.py`: Pallas' Mosaic lo
 own compiler -- layout assignment, the tiling rules of memref slices and DMAs, VMEM allocation -- runs in libtpu,
 and until session 50 no kernel here had been through it. jax compiles ahead of time for a TPU topology it only
 describes (`jax.experimental.topologies.get_topology_desc`): libtpu runs on the CPU, no TPU attached. This compiles
-each kernel configuration of test_tpu_lowering.py that way and prints, per case, OK with the compile time and the
-executable's memory use, or the compiler's error.
+each kernel configuration of test_tpu_lowering.py that way, then one prefill and one decode step of the embedded
+model on the TPU kernels (DSV4_KERNEL_PLATFORM=tpu makes the dispatchers pick them on this CPU host), and prints, per
+case, OK with the compile time and the executable's memory use, or the compiler's error.
 
 Kept out of the project's own environment: with libtpu installed, jax would probe for a TPU at every backend start.
 The TPU generation some lowering rules ask for (e.g. `sign` on v6e+) is registered for the "cpu" device kind, as
@@ -25,6 +26,8 @@ import traceback
 
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")   # libtpu's start-up looks these up; a description only
 os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v6e-4")
+# the kernel dispatchers pick the TPU kernels although jax's default backend here is the CPU (pallas_kernels.dispatch)
+os.environ.setdefault("DSV4_KERNEL_PLATFORM", "tpu")
 
 
 def topology_device(topology: str):
@@ -51,6 +54,34 @@ def compile_for(device, fn, *args):
     sharding = SingleDeviceSharding(device)
     specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
     return jax.jit(fn).trace(*specs).lower().compile()
+
+
+def model_cases():
+    """(name, fn, args): one jitted chunk of the embedded model (all three layer types, attention_impl="pallas":
+    the TPU attention / indexer / compressor kernels) as prefill (S = 16) and decode (S = 1) steps, with the exact
+    cache and with the bf16 KV + fp4 indexer-key cache (the embedded model's head_dim 64 has no FP8 KV layout)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    import dsv4_jax
+    from dsv4_jax.model import forward_chunk
+
+    model = dsv4_jax.load_pretrained(dsv4_jax.embedded_checkpoint_path(), attention_impl="pallas")
+    graphdef, state = nnx.split(model)
+
+    def step(state, ids, cache, lengths):
+        return forward_chunk(nnx.merge(graphdef, state), ids, cache, lengths)
+
+    out = []
+    for fmt in (dict(), dict(kv_dtype="bf16", indexer_dtype="fp4")):   # (fp8 KV rows need head_dim 512)
+        cache = model.init_cache(2, 256, **fmt)
+        for S in (16, 1):
+            ids = jnp.zeros((2, S), jnp.int32)
+            lengths = jnp.asarray(np.full((2,), S, np.int32))
+            label = "bf16kv_fp4idx" if fmt else "exact"
+            out.append((f"model_{'prefill' if S > 1 else 'decode'}_{label}", step, (state, ids, cache, lengths)))
+    return out
 
 
 def cases():
@@ -124,7 +155,7 @@ def main():
     register_cpu_as(a.chip)
     only = a.only.split(",") if a.only else None
     failed = 0
-    for name, fn, args in cases():
+    for name, fn, args in cases() + model_cases():
         if only and not any(name.startswith(o) for o in only):
             continue
         t0 = time.time()

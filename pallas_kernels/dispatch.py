@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 
 IMPLS = ("auto", "pallas", "reference")
 _ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
+PLATFORMS = ("cpu",) + _ACCELERATORS
+
+
+def kernel_platform() -> str:
+    """The platform the dispatchers choose kernels for: $DSV4_KERNEL_PLATFORM where set (one of `PLATFORMS`), for
+    ahead-of-time compiles for a device this host does not have (e.g. libtpu compiling for a TPU topology on a CPU
+    host: `benchmarks/tpu_offline.py`), else jax's default backend."""
+    forced = os.environ.get("DSV4_KERNEL_PLATFORM")
+    if forced is None:
+        return jax.default_backend()
+    if forced not in PLATFORMS:
+        raise ValueError(f"DSV4_KERNEL_PLATFORM must be one of {PLATFORMS}, got {forced!r}")
+    return forced
 
 
 def resolve_impl(impl: str, op: str, extra: tuple = ()) -> str:
@@ -16,7 +31,7 @@ def resolve_impl(impl: str, op: str, extra: tuple = ()) -> str:
         raise ValueError(f"{op} impl must be one of {IMPLS}, got {impl!r}")
     if impl in extra:
         return impl
-    plat = jax.default_backend()
+    plat = kernel_platform()
     if impl == "reference" or (impl == "auto" and plat not in _ACCELERATORS):
         return "reference"
     if plat in ("gpu", "cuda"):

@@ -262,11 +262,24 @@ def test_decode_chain_matches_reference():
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=0)
 
 
-def test_dispatch():
+def test_dispatch(monkeypatch):
     assert resolve_impl("reference") == "reference"
     assert resolve_impl("auto") == ("gpu" if ON_GPU else "tpu" if jax.default_backend() == "tpu" else "reference")
     with pytest.raises(ValueError):
         resolve_impl("triton")
+    # DSV4_KERNEL_PLATFORM (ahead-of-time compiles for another device, benchmarks/tpu_offline.py) overrides the
+    # backend every dispatcher asks
+    from pallas_kernels.indexer import resolve_impl as indexer_impl
+    from pallas_kernels.sparse_attention import resolve_impl as attention_impl
+
+    monkeypatch.setenv("DSV4_KERNEL_PLATFORM", "tpu")
+    assert [f("auto") for f in (resolve_impl, indexer_impl, attention_impl)] == ["tpu"] * 3
+    assert resolve_impl("reference") == "reference"
+    monkeypatch.setenv("DSV4_KERNEL_PLATFORM", "cpu")
+    assert resolve_impl("auto") == "reference" and resolve_impl("pallas") == "interpret"
+    monkeypatch.setenv("DSV4_KERNEL_PLATFORM", "tpuv9")
+    with pytest.raises(ValueError, match="DSV4_KERNEL_PLATFORM must be one of"):
+        resolve_impl("auto")
 
 
 # ---- compiled kernel on a real GPU ---------------------------------------------------------------------------

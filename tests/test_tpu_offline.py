@@ -1,4 +1,5 @@
-"""Every Pallas TPU kernel configuration compiles with libtpu for a v6e topology (benchmarks/tpu_offline.py).
+"""Every Pallas TPU kernel configuration, and the embedded model's prefill / decode step on them, compiles with
+libtpu for a v6e topology (benchmarks/tpu_offline.py).
 
 Lowering (tests/test_tpu_lowering.py, in CI) runs Pallas' Python side only; Mosaic's compiler in libtpu enforces
 more (session 50 found the attention kernel's single-row DMAs of bf16 / e4m3 rows and its bool selects, and the
@@ -22,7 +23,7 @@ if importlib.util.find_spec("libtpu") is None:
 
 from benchmarks import tpu_offline  # noqa: E402  (sets libtpu's start-up variables before jax starts it)
 
-_CASES = tpu_offline.cases()
+_CASES = tpu_offline.cases() + tpu_offline.model_cases()   # every kernel config, then the whole embedded model
 
 
 @pytest.fixture(scope="module")

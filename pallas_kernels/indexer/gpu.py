@@ -86,6 +86,7 @@ from . import formats
 from .topk import INT32_MIN, _ordered_i32, producer_groups
 from ..numerics import round_to_bf16
 from ..chunking import map_query_chunks
+from ..dispatch import kernel_platform
 
 N_SM_H200 = 132
 # fp8 -> f16: measured 18% faster than bf16 operands (session 5); fp4 -> f16: 222.6 vs 289.5 us for the scores at
@@ -440,7 +441,7 @@ def resolve_kernel(kernel, q, keys, interpret, triton_options=()):
     if kernel not in KERNELS + ("auto",):
         raise ValueError(f"kernel must be one of {KERNELS + ('auto',)}, got {kernel!r}")
     if kernel == "auto":
-        use = (gpu_mosaic.AUTO and not interpret and not triton_options and jax.default_backend() == "gpu"
+        use = (gpu_mosaic.AUTO and not interpret and not triton_options and kernel_platform() == "gpu"
                and gpu_mosaic.auto_takes(q, keys))
         return "mosaic" if use else "triton"
     return kernel
@@ -668,7 +669,7 @@ def topk_from_scores(scores, k, *, topk="lax", topk_block=4096, radix_bits=None,
     if topk in THRESHOLD_METHODS:
         from .topk import topk_threshold
 
-        impl = THRESHOLD_METHODS[topk] if jax.default_backend() == "gpu" else "xla"
+        impl = THRESHOLD_METHODS[topk] if kernel_platform() == "gpu" else "xla"
         return topk_threshold(scores, k, impl=impl, sorted=topk not in SET_METHODS, group_max=group_max)
     if topk.startswith("grouped"):
         from .topk import topk_grouped

@@ -129,10 +129,6 @@ def dequantize_first(q, window_kv, window_idx, compressed_kv, compressed_idx, *,
     return gathered >= DEQUANT_MIN_REUSE * rows and fp8_rows * q.shape[-1] * 2 <= DEQUANT_MAX_BYTES
 
 
-def _platform() -> str:
-    return jax.default_backend()
-
-
 def resolve_impl(impl: str) -> str:
     return _resolve(impl, "sparse_attention")
 
