@@ -105,6 +105,11 @@ def cases():
             out.append((f"attention_{label}_{'fp8' if fp8 else 'bf16'}",
                         lambda *a: sparse_attention_tpu(*a[:6], scale=512 ** -0.5, window_len=a[6],
                                                         compressed_len=a[7]), args))
+    for dt in (jnp.float32,):   # the exact-mode f32 model's pools (f16 ones are refused: no f16 Mosaic arguments)
+        inp = make_attention(2, 1, 64, 512, 300, 200, 128, 64, ragged=True)
+        args = tuple(inp[k].astype(dt) if k.endswith("_kv") else inp[k] for k in keys)
+        out.append((f"attention_decode_{jnp.dtype(dt).name}",
+                    lambda *a: sparse_attention_tpu(*a, scale=512 ** -0.5), args))
     from pallas_kernels.indexer.tpu import indexer_topk_tpu
 
     for fmt, rotate in ((None, False), ("bf16", False), ("fp8", True), ("fp4", True)):

@@ -335,8 +335,9 @@ def test_tpu_kernel_interpret(case, double_buffer):
 
 def test_tpu_word_row_unpacking_is_exact():
     """The TPU kernel's row gather fetches 32-bit word rows (`tpu._word_rows`' packing: pack consecutive rows a
-    word, the first in the low bits) and `tpu._unpack` shifts the wanted row out: every row of bf16, e4m3
-    (all 254 non-NaN codes), uint8 and f32 arrays comes back exactly."""
+    word, the first in the low bits) and `tpu._unpack` shifts the wanted row out: every row of bf16, e4m3 (all
+    254 non-NaN codes), uint8 and f32 arrays comes back exactly; f16 pools are refused with a clear error (Mosaic
+    TPU kernels take no f16 arguments)."""
     from pallas_kernels.sparse_attention.tpu import _pack, _unpack, _word_rows
 
     rng = np.random.default_rng(50)
@@ -354,6 +355,12 @@ def test_tpu_word_row_unpacking_is_exact():
         got = _unpack(words[rows // pack], jnp.asarray(((rows % pack) * (32 // pack))[:, None], jnp.uint32), a.dtype)
         want = a.astype(jnp.int32) if a.dtype == jnp.uint8 else a.astype(jnp.float32)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(a.dtype))
+    from pallas_kernels.sparse_attention.tpu import sparse_attention_tpu
+
+    inp = make_inputs(1, 1, 4, 128, 16, 16, 8, 8)
+    inp["window_kv"], inp["compressed_kv"] = inp["window_kv"].astype(jnp.float16), inp["compressed_kv"].astype(jnp.float16)
+    with pytest.raises(ValueError, match="takes bf16, float32 or Fp8KVPool pools"):
+        call(sparse_attention_tpu, inp, interpret=True)
 
 
 def test_kernel_option_validation():

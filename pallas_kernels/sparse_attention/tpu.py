@@ -255,6 +255,9 @@ def sparse_attention_tpu(
         raise ValueError("the TPU kernel needs both pools of one kind (both Fp8KVPool or both arrays)")
     if not fp8 and compressed_kv is not None and compressed_kv.dtype != window_kv.dtype:
         raise ValueError(f"pool dtypes differ: {window_kv.dtype} vs {compressed_kv.dtype}")
+    if not fp8 and jnp.dtype(window_kv.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"the TPU kernel takes bf16, float32 or Fp8KVPool pools (Mosaic TPU kernels take no "
+                         f"{jnp.dtype(window_kv.dtype)} arguments), got {jnp.dtype(window_kv.dtype)}")
     out_dtype = jnp.dtype(out_dtype or q.dtype)
     bt = b * t
     hp = -(-h // 8) * 8
