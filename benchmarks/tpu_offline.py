@@ -46,14 +46,23 @@ def register_cpu_as(chip: str = "v6e"):
     tpu_info.registry[jax.devices()[0].device_kind] = lambda: tpu_info.get_tpu_info_for_chip(version, 1)
 
 
-def compile_for(device, fn, *args):
-    """jit(fn) compiled by libtpu for `device` (a topology device); args are arrays or ShapeDtypeStructs."""
+def compile_for(device, fn, *args, donate: bool = True, row_major: bool = False):
+    """jit(fn) compiled by libtpu for `device` (a topology device); args are arrays or ShapeDtypeStructs. donate:
+    every argument donated, as the engine donates its caches (an output a kernel aliases to an input then needs
+    no copy of that input). row_major: every argument's device layout declared row-major (`jax.experimental.layout`)
+    instead of XLA's TPU default, which for minor dims off the 128 lanes is column-major."""
     import jax
+    from jax.experimental.layout import Format, Layout
     from jax.sharding import SingleDeviceSharding
 
     sharding = SingleDeviceSharding(device)
     specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
-    return jax.jit(fn).trace(*specs).lower().compile()
+    donate_argnums = tuple(range(len(args))) if donate else ()
+    kw = {}
+    if row_major:
+        kw["in_shardings"] = jax.tree.map(
+            lambda a: Format(Layout(major_to_minor=tuple(range(len(a.shape)))), sharding), args)
+    return jax.jit(fn, donate_argnums=donate_argnums, **kw).trace(*specs).lower().compile()
 
 
 def model_cases():
@@ -82,6 +91,78 @@ def model_cases():
             label = "bf16kv_fp4idx" if fmt else "exact"
             out.append((f"model_{'prefill' if S > 1 else 'decode'}_{label}", step, (state, ids, cache, lengths)))
     return out
+
+
+def flash_cases():
+    """(name, fn, args) at V4-Flash sizes, as shapes only (no data): the attention kernel's decode at B = 64 (128
+    window + 512 CSA entries over a 128K-context pool, and 8192 HCA entries) and a 4K-query prefill chunk, bf16 and
+    FP8 pools; the indexer's decode at B = 64 x 32768 keys (128K context) per key format and a 4K-query prefill;
+    the compressors' 16K-token prefill and B = 64 decode. VMEM budgets that tiny test shapes never reach show here."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.compressor.tpu import compress_chunk_tpu
+    from pallas_kernels.indexer import formats as F
+    from pallas_kernels.indexer.tpu import indexer_topk_tpu
+    from pallas_kernels.sparse_attention.fp8_layout import quantize_kv_fp8
+    from pallas_kernels.sparse_attention.tpu import sparse_attention_tpu
+
+    sds, i32, f32 = jax.ShapeDtypeStruct, jnp.int32, jnp.float32
+    out = []
+    H, D, W = 64, 512, 128
+    for fp8 in (False, True):
+        for label, B, S, K, pool_rows in (("csa_decode_b64", 64, 1, 512, 64 * 32768),
+                                          ("hca8k_decode_b64", 64, 1, 8192, 64 * 8192),
+                                          ("csa_prefill_s4096", 1, 4096, 512, 32768)):
+            def pool(n):
+                p = sds((n, D), jnp.bfloat16)
+                return jax.eval_shape(quantize_kv_fp8, p) if fp8 else p
+            args = (sds((B, S, H, D), jnp.bfloat16), pool(B * W if S == 1 else S + W), sds((B, S, W), i32),
+                    pool(pool_rows), sds((B, S, K), i32), sds((H,), f32))
+            out.append((f"flash_attention_{label}_{'fp8' if fp8 else 'bf16'}",
+                        lambda *a: sparse_attention_tpu(*a, scale=D ** -0.5), args))
+    for fmt in ("bf16", "fp8", "fp4"):
+        for label, B, S, T in (("decode_b64_t32768", 64, 1, 32768), ("prefill_s4096", 1, 4096, 32768)):
+            keys = jax.eval_shape(lambda k, fmt=fmt: F.quantize(k, fmt), sds((B, T, 128), f32))
+            args = (sds((B, S, 64, 128), f32), sds((B, S, 64), f32), keys, sds((B, S), i32))
+            out.append((f"flash_indexer_{fmt}_{label}",
+                        lambda q, w, k, n: indexer_topk_tpu(q, w, k, n, k=512), args))
+    inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, 64, 2) / 64))
+    for label, B, S, r, overlap, d, fmt in (("csa_prefill_s16384", 1, 16384, 4, True, 512, None),
+                                            ("hca_prefill_s16384", 1, 16384, 128, False, 512, None),
+                                            ("indexer_prefill_s16384", 1, 16384, 4, True, 128, "fp4"),
+                                            ("csa_decode_b64", 64, 1, 4, True, 512, None)):
+        c = 2 if overlap else 1
+        cap = 32768 // r
+        entries = jax.eval_shape(lambda e, fmt=fmt: F.quantize(e, fmt, f32), sds((B, cap, d), f32))
+        args = (sds((B, S, c * d), f32), sds((B, S, c * d), f32), sds((B,), i32), sds((B,), i32),
+                sds((B, r, c * d), f32), sds((B, r, c * d), f32),
+                sds((B, r, d), f32) if overlap else None, sds((B, r, d), f32) if overlap else None, entries)
+        kw = dict(ratio=r, overlap=overlap, norm_weight=jnp.ones((d,), f32), eps=1e-6,
+                  inv_freq=inv_freq[: (64 if d == 512 else 64) // 2], norm_dtype=f32, key_format=fmt,
+                  rotate=fmt is not None)
+        out.append((f"flash_compressor_{label}", lambda *a, kw=kw: compress_chunk_tpu(*a, **kw), args))
+    return out
+
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+          "s32": 4, "u32": 4, "f32": 4, "s64": 8, "f64": 8}
+
+
+def relayout_copies(hlo_text: str) -> int:
+    """Bytes of the `copy` ops of a compiled TPU module (not the copy-start / copy-done pairs that stage small
+    operands in VMEM): XLA's relayouts, e.g. of a pool whose default TPU layout is column-major ([N, 448] e4m3,
+    [N, 8] uint8: minor dims off the 128 lanes) into the row-major layout a Pallas kernel's operand demands --
+    per call, a copy of the whole pool."""
+    import re
+
+    total = 0
+    for m in re.finditer(r"= ([a-z0-9]+)\[([0-9,]*)\]\{[^}]*\} copy\(", hlo_text):
+        n = 1
+        for dim in filter(None, m.group(2).split(",")):
+            n *= int(dim)
+        total += n * _BYTES.get(m.group(1), 4)
+    return total
 
 
 def cases():
@@ -150,8 +231,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--topology", default="v6e:2x2")
     ap.add_argument("--chip", default="v6e", choices=("v5e", "v6e"))
-    ap.add_argument("--only", default=None, help="comma-separated case names (prefix match)")
+    ap.add_argument("--only", default=None, help="comma-separated case names (prefix match; flash_* are V4-Flash sizes)")
     ap.add_argument("--traceback", action="store_true")
+    ap.add_argument("--row-major", action="store_true",
+                    help="declare every input's device layout row-major (removes XLA's relayout copies)")
     a = ap.parse_args()
     import jax
 
@@ -160,15 +243,17 @@ def main():
     register_cpu_as(a.chip)
     only = a.only.split(",") if a.only else None
     failed = 0
-    for name, fn, args in cases() + model_cases():
+    for name, fn, args in cases() + flash_cases() + model_cases():
         if only and not any(name.startswith(o) for o in only):
             continue
         t0 = time.time()
         try:
-            compiled = compile_for(device, fn, *args)
+            compiled = compile_for(device, fn, *args, row_major=a.row_major)
             mem = compiled.memory_analysis()
             temp = getattr(mem, "temp_size_in_bytes", None)
-            print(f"OK     {name}: {time.time() - t0:.1f} s, temp {temp} B", flush=True)
+            copies = relayout_copies(compiled.as_text())
+            print(f"OK     {name}: {time.time() - t0:.1f} s, temp {temp} B, relayout copies {copies / 1e6:.1f} MB",
+                  flush=True)
         except Exception as e:   # one case's failure must not hide the others'
             failed += 1
             msg = str(e).strip().splitlines()
