@@ -333,6 +333,23 @@ def test_tpu_kernel_interpret(case, double_buffer):
     check_close(out, ref)
 
 
+def test_tpu_kernel_splits_calls_at_the_smem_budget(monkeypatch):
+    """Index lists beyond the SMEM budget (scalar prefetch; libtpu refused 2 MiB) run as several calls over groups
+    of query rows: with a budget of 2 rows' lists, 3 calls of 2, 2 and 1 rows, still the reference's output."""
+    from pallas_kernels.sparse_attention import tpu
+    from pallas_kernels.sparse_attention.tpu import sparse_attention_tpu
+
+    inp = make_inputs(5, 1, 4, 512, 24, 40, 8, 16, fp8=True, ragged=True)
+    per_row = 4 * (8 + 16 + 2)
+    monkeypatch.setattr(tpu, "SMEM_INDEX_BUDGET", 2 * per_row + 3)
+    calls = []
+    real = tpu.pl.pallas_call
+    monkeypatch.setattr(tpu.pl, "pallas_call", lambda *a, **k: calls.append(k["grid_spec"].grid) or real(*a, **k))
+    out = call(sparse_attention_tpu, inp, interpret=True, block_k=8)
+    assert [g[0] for g in calls] == [2, 2, 1]
+    check_close(out, call(sparse_attention_reference, inp))
+
+
 def test_tpu_word_row_unpacking_is_exact():
     """The TPU kernel's row gather fetches 32-bit word rows (`tpu._word_rows`' packing: pack consecutive rows a
     word, the first in the low bits) and `tpu._unpack` shifts the wanted row out: every row of bf16, e4m3 (all

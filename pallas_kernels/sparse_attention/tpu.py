@@ -40,6 +40,10 @@ from . import common
 from .fp8_layout import BLOCK, N_BLOCKS, NOPE_DIM, ROPE_DIM, Fp8KVPool
 
 NEG_INF = -jnp.inf
+# The index lists and lengths are scalar-prefetched into SMEM (1 MiB on v5e / v6e); a call whose lists exceed this
+# budget runs as several pallas_calls over groups of query rows (session 50: libtpu refused HCA-8K decode at B = 64,
+# 2 MiB of indices, and a 4K-query prefill chunk, 10 MiB).
+SMEM_INDEX_BUDGET = 512 * 1024
 
 
 def _pack(dtype) -> int:
@@ -298,20 +302,28 @@ def sparse_attention_tpu(
     scratch = bufs + [pltpu.VMEM((hp, 1), jnp.float32), pltpu.VMEM((hp, 1), jnp.float32)]
     scratch += [pltpu.VMEM((hp, w), jnp.float32) for w in widths] + [pltpu.SemaphoreType.DMA((slots,))]
 
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=len(scalars), grid=(bt, n_blocks), in_specs=in_specs, out_specs=out_specs,
-        scratch_shapes=scratch)
     kernel = functools.partial(_kernel, srcs=[dict(k=s.k, n_rows=s.n_rows) for s in srcs], block_k=block_k,
                                scale=float(scale), fp8=fp8, n_q=len(q_parts), double_buffer=bool(double_buffer),
                                dtypes=tuple(jnp.dtype(dt) for dt in dtypes), words_given=bool(interpret))
-    outs = pl.pallas_call(
-        kernel,
-        grid_spec=grid_spec,
-        out_shape=out_shape,
-        interpret=pltpu.InterpretParams() if interpret else False,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        name="sparse_attention_tpu",
-    )(*scalars, *q_parts, sk[:, None], *pool_args)
+
+    def run(r0, r1):   # query rows [r0, r1): their index lists and lengths fit the SMEM budget
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(scalars), grid=(r1 - r0, n_blocks), in_specs=in_specs, out_specs=out_specs,
+            scratch_shapes=scratch)
+        rows = lambda a: a[r0 * a.shape[0] // bt:r1 * a.shape[0] // bt]   # idx is flat [bt * k], lengths [bt]
+        return pl.pallas_call(
+            kernel,
+            grid_spec=grid_spec,
+            out_shape=[jax.ShapeDtypeStruct((r1 - r0,) + o.shape[1:], o.dtype) for o in out_shape],
+            interpret=pltpu.InterpretParams() if interpret else False,
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+            name="sparse_attention_tpu",
+        )(*[rows(a) for a in scalars], *[qp[r0:r1] for qp in q_parts], sk[:, None], *pool_args)
+
+    per_row = 4 * (sum(s.k for s in srcs) + len(srcs))   # SMEM bytes a query row's lists and lengths take
+    rows_per_call = max(1, min(bt, SMEM_INDEX_BUDGET // per_row))
+    calls = [run(r0, min(bt, r0 + rows_per_call)) for r0 in range(0, bt, rows_per_call)]
+    outs = calls[0] if len(calls) == 1 else [jnp.concatenate(parts, axis=0) for parts in zip(*calls)]
     o = outs[0] if len(widths) == 1 else jnp.concatenate(outs[:-1], axis=-1)
     lse = outs[-1][..., 0]
     o = o[:, :h].reshape(b, t, h, d)
