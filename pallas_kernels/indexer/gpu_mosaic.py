@@ -277,7 +277,7 @@ MAX_CLUSTER = 8     # portable thread-block cluster size
 # "fragments" (4 threads a key row, 32-bit accesses: the WGMMA fragment layout that the register path needs) or
 # "rows" (a thread a row, 16-byte accesses, tables once a key, q unpermuted: `mosaic_fp4.fp4_operand_rows`;
 # block_t a multiple of 128; fp4_tables does not apply). Counted offline (benchmarks/mosaic_offline.py): the
-# converter loop issues 283 SASS a block under the segment top-k against 429 with "fragments"; untimed.
+# converter loop issues 279 SASS a block under the segment top-k against 429 with "fragments"; untimed.
 MOSAIC_CONFIG = dict(q_prep="triton", epilogue="full", fp4_converter=0, fp4_tables="registers",
                      fp4_layout="fragments")
 FP4_TABLES = ("registers", "shared")
@@ -489,8 +489,13 @@ def _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_
         def _():
             plgpu.barrier_wait(conv_empty.at[cslot])
 
-        conv_smem.at[cslot][...] = vals
-        kf_smem.at[cslot][...] = factor
+        if rows_layout and not interpret:   # plain stores: no automatic barriers around them (`store_rows_slot`)
+            from .mosaic_fp4 import store_rows_slot
+
+            store_rows_slot(vals, factor, conv_smem.at[cslot], kf_smem.at[cslot])
+        else:
+            conv_smem.at[cslot][...] = vals
+            kf_smem.at[cslot][...] = factor
         plgpu.commit_smem()   # the stores visible to the wgmma (async proxy); every thread past the key slot's reads
         plgpu.barrier_arrive(conv_full.at[cslot])
         pl.when(j + stages < n_read)(lambda: issue(j + stages))

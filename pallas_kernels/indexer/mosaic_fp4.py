@@ -448,8 +448,8 @@ def e5m2_tables_by_row(scale_words):
 # tables are built once rather than in each of 4 threads, and shared memory moves in 16-byte accesses: 4 loads and
 # 8 stores a row instead of 16 and 32. The keys' swizzle 64 and the e5m2 slots' swizzle 128 keep 8 consecutive rows'
 # 16-byte accesses on distinct banks. Counted offline (`benchmarks/mosaic_offline.py`, `benchmarks/sass_loops.py`):
-# the fragment layout's converter loop is 437 SASS a block and thread, of which 36 stores, 20 loads and ~140 table
-# instructions.
+# under the segment top-k the fragment layout's converter loop is 429 SASS a block and thread (36 stores, 20 loads,
+# ~140 table instructions), this layout's 279.
 ROWS_VECTOR_BYTES = 16
 
 
@@ -543,3 +543,23 @@ def fp4_operand_rows(packed, scale_words):
                 mgpu.FragmentedArray(_registers=factors, _layout=sw.layout, _is_signed=None))
 
     return convert(packed, scale_words)
+
+
+def store_rows_slot(vals, factor, slot_ref, factor_ref, swizzle: int = 128):
+    """In a Mosaic GPU kernel (fp4_layout "rows"): stores the converted operand (`fp4_operand_rows`' e5m2 [rows,
+    128] in `rows_pallas_layout(128)`) into its e5m2 slot (a [rows, 128] ref tiled (8, 128), swizzled `swizzle`)
+    and the factors ([rows] f32, WG_STRIDED) into theirs, as plain shared-memory stores. Pallas' `ref[...] = v`
+    brackets each store with warpgroup barriers (its automatic barriers: 4 a block for the two stores); the
+    converter's own protocol already orders them (the slot's empty barrier before, commit_smem's barrier after)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    rows = vals.shape[0]
+
+    @plgpu.inline_mgpu(arg_types=(rows_pallas_layout(128), plgpu.Layout.WG_STRIDED((rows,), vec_size=1),
+                                  plgpu.RefType((plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(swizzle))),
+                                  plgpu.RefType()))
+    def store(_, v, f, slot, fslot):
+        v.store_tiled(slot, swizzle=swizzle)
+        f.store_untiled(fslot)
+
+    store(vals, factor, slot_ref, factor_ref)
