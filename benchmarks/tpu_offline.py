@@ -127,7 +127,7 @@ def flash_cases():
             args = (sds((B, S, 64, 128), f32), sds((B, S, 64), f32), keys, sds((B, S), i32))
             out.append((f"flash_indexer_{fmt}_{label}",
                         lambda q, w, k, n: indexer_topk_tpu(q, w, k, n, k=512), args))
-    inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, 64, 2) / 64))
+    inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, 64, 2) / 64))   # 64 RoPE dims, as V4-Flash
     for label, B, S, r, overlap, d, fmt in (("csa_prefill_s16384", 1, 16384, 4, True, 512, None),
                                             ("hca_prefill_s16384", 1, 16384, 128, False, 512, None),
                                             ("indexer_prefill_s16384", 1, 16384, 4, True, 128, "fp4"),
@@ -139,7 +139,7 @@ def flash_cases():
                 sds((B, r, c * d), f32), sds((B, r, c * d), f32),
                 sds((B, r, d), f32) if overlap else None, sds((B, r, d), f32) if overlap else None, entries)
         kw = dict(ratio=r, overlap=overlap, norm_weight=jnp.ones((d,), f32), eps=1e-6,
-                  inv_freq=inv_freq[: (64 if d == 512 else 64) // 2], norm_dtype=f32, key_format=fmt,
+                  inv_freq=inv_freq, norm_dtype=f32, key_format=fmt,
                   rotate=fmt is not None)
         out.append((f"flash_compressor_{label}", lambda *a, kw=kw: compress_chunk_tpu(*a, **kw), args))
     return out

@@ -79,6 +79,16 @@ def _offline_or_skip(tmp_path):
 _COMPILER: dict = {}   # one per process: the plugin and the stand-in driver stay loaded
 
 
+def _indexer_args(fmt, B=64, T=32768, H=64):
+    """The indexer kernels' decode inputs as shapes only (q, w, keys in `fmt`, n_visible); default V4-Flash decode
+    at 128K context."""
+    from pallas_kernels.indexer import formats as F
+
+    sds = jax.ShapeDtypeStruct
+    return (sds((B, 1, H, 128), jnp.float32), sds((B, 1, H), jnp.float32),
+            jax.eval_shape(lambda k: F.quantize(k, fmt), sds((B, T, 128), jnp.float32)), sds((B, 1), jnp.int32))
+
+
 def test_offline_compile_of_a_pallas_kernel(tmp_path):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -100,16 +110,10 @@ def test_offline_compile_of_a_pallas_kernel(tmp_path):
                                                        (1, "registers", False), (2, "registers", False),
                                                        (2, "rows", True), (1, "rows", False)])
 def test_fp4_converter_kernels_fit_two_ctas_an_sm(tmp_path, converter, tables, select):
-    from pallas_kernels.indexer import formats as F
     from pallas_kernels.indexer import gpu_mosaic
     from pallas_kernels.indexer.gpu import indexer_topk_gpu
 
     compiler = _offline_or_skip(tmp_path)
-    B, T, H = 64, 32768, 64        # V4-Flash decode at 128K context
-    q = jax.ShapeDtypeStruct((B, 1, H, 128), jnp.float32)
-    w = jax.ShapeDtypeStruct((B, 1, H), jnp.float32)
-    keys = jax.eval_shape(lambda k: F.quantize(k, "fp4"), jax.ShapeDtypeStruct((B, T, 128), jnp.float32))
-    nv = jax.ShapeDtypeStruct((B, 1), jnp.int32)
     saved = dict(gpu_mosaic.MOSAIC_CONFIG)
     rows = tables == "rows"   # fp4_layout "rows" (session 50)
     gpu_mosaic.MOSAIC_CONFIG.update(fp4_converter=converter, fp4_tables="registers" if rows else tables,
@@ -119,7 +123,7 @@ def test_fp4_converter_kernels_fit_two_ctas_an_sm(tmp_path, converter, tables, s
             fn = lambda *a: indexer_topk_gpu(*a, k=512, kernel="mosaic", topk="segment_set", precision="fp8")
         else:
             fn = lambda *a: gpu_mosaic.indexer_scores_mosaic(*a, precision="fp8")
-        (r,) = compiler.compile_jitted(fn, q, w, keys, nv)
+        (r,) = compiler.compile_jitted(fn, *_indexer_args("fp4"))
     finally:
         gpu_mosaic.MOSAIC_CONFIG.update(saved)
     assert f"_cv{converter}" in r.name and ("_rows" in r.name) == rows
@@ -162,17 +166,13 @@ def test_fp4_rows_layout_issues_fewer_converter_instructions(tmp_path):
     """fp4_layout "rows" (session 50) against the fragment layout, offline: the converter loop's SASS a block (437
     -> 290 with ptxas 12.8 / 13.0 when measured), under the segment top-k."""
     from benchmarks.sass_loops import block_loops, parse
-    from pallas_kernels.indexer import formats as F
     from pallas_kernels.indexer import gpu_mosaic
     from pallas_kernels.indexer.gpu import indexer_topk_gpu
 
     compiler = _offline_or_skip(tmp_path)
     if not compiler.nvdisasm:
         pytest.skip("no nvdisasm (python benchmarks/mosaic_offline.py fetch unpacks one)")
-    B, T, H = 8, 4096, 64
-    args = (jax.ShapeDtypeStruct((B, 1, H, 128), jnp.float32), jax.ShapeDtypeStruct((B, 1, H), jnp.float32),
-            jax.eval_shape(lambda k: F.quantize(k, "fp4"), jax.ShapeDtypeStruct((B, T, 128), jnp.float32)),
-            jax.ShapeDtypeStruct((B, 1), jnp.int32))
+    args = _indexer_args("fp4", B=8, T=4096)
     counts = {}
     saved = dict(gpu_mosaic.MOSAIC_CONFIG)
     try:
@@ -199,14 +199,10 @@ def _attention_case(fp8, t):
 
 
 def _indexer_case(fmt, select):
-    from pallas_kernels.indexer import formats as F
     from pallas_kernels.indexer.gpu import indexer_topk_gpu
     from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
 
-    B, T, H = 64, 32768, 64
-    args = (jax.ShapeDtypeStruct((B, 1, H, 128), jnp.float32), jax.ShapeDtypeStruct((B, 1, H), jnp.float32),
-            jax.eval_shape(lambda k: F.quantize(k, fmt), jax.ShapeDtypeStruct((B, T, 128), jnp.float32)),
-            jax.ShapeDtypeStruct((B, 1), jnp.int32))
+    args = _indexer_args(fmt)
     if select:
         return (lambda *a: indexer_topk_gpu(*a, k=512, kernel="mosaic", topk="segment_set")), args
     return (lambda *a: indexer_scores_mosaic(*a)), args
