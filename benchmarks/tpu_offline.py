@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 import traceback
@@ -149,20 +150,137 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f
           "s32": 4, "u32": 4, "f32": 4, "s64": 8, "f64": 8}
 
 
-def relayout_copies(hlo_text: str) -> int:
-    """Bytes of the `copy` ops of a compiled TPU module (not the copy-start / copy-done pairs that stage small
-    operands in VMEM): XLA's relayouts, e.g. of a pool whose default TPU layout is column-major ([N, 448] e4m3,
-    [N, 8] uint8: minor dims off the 128 lanes) into the row-major layout a Pallas kernel's operand demands --
-    per call, a copy of the whole pool."""
-    import re
+_INSTR = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = ([a-z0-9]+)\[([0-9,]*)\](\{[^}]*\})? ([\w\-]+)\((.*)$")
+_CALLEES = re.compile(r"(?:calls|body|condition|to_apply|true_computation|false_computation)=%([\w.\-]+)"
+                      r"|branch_computations=\{([^}]*)\}")
 
-    total = 0
-    for m in re.finditer(r"= ([a-z0-9]+)\[([0-9,]*)\]\{[^}]*\} copy\(", hlo_text):
-        n = 1
-        for dim in filter(None, m.group(2).split(",")):
-            n *= int(dim)
-        total += n * _BYTES.get(m.group(1), 4)
-    return total
+
+def _layout_core(layout: str | None) -> str:
+    """A layout's dims order and tiling, without the memory space (S(n)): a copy that only changes the space is a
+    staging copy (e.g. into VMEM), not a relayout."""
+    return re.sub(r"S\(\d+\)", "", layout or "").rstrip(":}") if layout else ""
+
+
+def relayout_copies(hlo_text: str) -> dict:
+    """Bytes of a compiled TPU module's relayouts: `copy` ops whose result's dims order or tiling differs from the
+    operand's (XLA's relayouts, e.g. of a pool whose default TPU layout is column-major -- [N, 448] e4m3, minor dims
+    off the 128 lanes -- into the row-major layout a Pallas kernel's operand demands). Copies that only stage an
+    operand in another memory space are left out. Returns {"total", "entry", "loop"}: "loop" = inside a while loop's
+    body (per iteration: per decode step in the engine's loop), "entry" = once per call, outside any loop."""
+    comps, defs, copies = {}, {}, []
+    current = None
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            current = line.split()[1] if line.startswith("ENTRY") else line.split()[0]
+            current = current.lstrip("%")
+            comps[current] = set()
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        _, name, dtype, dims, layout, op, rest = m.groups()
+        defs[name] = layout
+        for callee in _CALLEES.finditer(rest):
+            if callee.group(1):
+                comps[current].add(callee.group(1))
+            else:
+                comps[current].update(c.strip().lstrip("%") for c in callee.group(2).split(","))
+        if op == "copy":
+            operand = re.match(r"%([\w.\-]+)\)", rest)
+            n = 1
+            for d in filter(None, dims.split(",")):
+                n *= int(d)
+            copies.append((current, name, operand.group(1) if operand else None, layout, n * _BYTES.get(dtype, 4)))
+    # computations run by a while loop (its body and condition, and whatever they call)
+    in_loop, todo = set(), [c for line in hlo_text.splitlines() if " while(" in line
+                            for c in re.findall(r"(?:body|condition)=%([\w.\-]+)", line)]
+    while todo:
+        c = todo.pop()
+        if c not in in_loop:
+            in_loop.add(c)
+            todo.extend(comps.get(c, ()))
+    out = {"total": 0, "entry": 0, "loop": 0}
+    for comp, name, operand, layout, nbytes in copies:
+        if operand is not None and _layout_core(defs.get(operand)) == _layout_core(layout):
+            continue
+        out["total"] += nbytes
+        out["loop" if comp in in_loop else "entry"] += nbytes
+    return out
+
+
+def compile_engine_case(device, fn, args, layouts):
+    """An `engine_cases` program compiled by libtpu for `device`: the cache (args[1]) donated, as the engine donates
+    it; with layouts, its arrays declared in them as inputs and as the returned cache (the program's last output),
+    as `generate` compiles its programs on a TPU."""
+    import jax
+    from jax.experimental.layout import Format
+    from jax.sharding import SingleDeviceSharding
+
+    sharding = SingleDeviceSharding(device)
+    specs = list(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args))
+    kw = {}
+    if layouts is not None:
+        leaves, treedef = jax.tree_util.tree_flatten(args[1])
+        fmts = [Format(l, sharding) if l is not None else sharding for l in layouts]
+        specs[1] = jax.tree_util.tree_unflatten(
+            treedef, [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=f) for a, f in zip(leaves, fmts)])
+        out = jax.eval_shape(fn, *args)
+        kw["out_shardings"] = tuple([None] * (len(out) - 1) + [jax.tree_util.tree_unflatten(treedef, fmts)])
+    return jax.jit(fn, donate_argnums=(1,), **kw).trace(*specs).lower().compile()
+
+
+def engine_cases(flash: bool = True):
+    """(name, fn, args, cache_layouts) for the engine's two programs (`dsv4_jax.engine`: the prefill of a padded
+    batch and the on-device decode loop), the cache in XLA's default TPU layouts ("xla") and in the kernels'
+    (`dsv4_jax.cache.cache_layouts`, as `generate` places it on a TPU: "kernel"). The model: the embedded one, and
+    with flash, V4-Flash's first four layers (two sliding, CSA, HCA; 8 routed experts) as shapes only, B = 8 at a
+    32K-token capacity, FP8 KV + fp4 indexer keys and bf16 KV + fp8 keys. args[1] is the cache; cache_layouts: None
+    or a Layout (None = XLA's default) per cache leaf, for `compile_engine_case`."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import dsv4_jax
+    from dsv4_jax.cache import cache_layouts
+    from dsv4_jax.engine import _decode_program, _prefill_program
+
+    models = []
+    model = dsv4_jax.load_pretrained(dsv4_jax.embedded_checkpoint_path(), attention_impl="pallas", progress=False)
+    models.append(("tiny", model, 2, 256, 16, (dict(), dict(kv_dtype="bf16", indexer_dtype="fp4"))))
+    if flash:
+        from dsv4_jax.config import PRESETS
+        from dsv4_jax.model import DeepseekV4ForCausalLM
+
+        cfg = PRESETS["v4-flash"]()
+        cfg = cfg.replace(num_hidden_layers=4, layer_types=cfg.layer_types[:4], compress_ratios=cfg.compress_ratios[:4],
+                          num_hash_layers=1, n_routed_experts=8, num_experts_per_tok=min(cfg.num_experts_per_tok, 8))
+        flash_model = nnx.eval_shape(lambda: DeepseekV4ForCausalLM(cfg, dtype=jnp.bfloat16, attention_impl="pallas",
+                                                                   rngs=nnx.Rngs(0)))
+        models.append(("flash4", flash_model, 8, 32768, 512, (dict(kv_dtype="fp8", indexer_dtype="fp4"),
+                                                               dict(kv_dtype="bf16", indexer_dtype="fp8"))))
+    sds, i32, f32 = jax.ShapeDtypeStruct, jnp.int32, jnp.float32
+    out = []
+    for mname, m, B, cap, S, fmts in models:
+        graphdef, state = nnx.split(m)
+        state = jax.tree.map(lambda a: sds(a.shape, a.dtype), state)
+        for fmt in fmts:
+            cache = jax.eval_shape(lambda fmt=fmt: m.init_cache(B, cap, **fmt))
+            label = f"{fmt.get('kv_dtype', 'exact')}kv_{fmt.get('indexer_dtype', 'exact')}idx"
+            key = sds((2,), jnp.uint32)
+            for layouts in ("xla", "kernel"):
+                boxes = cache_layouts(cache, "tpu") if layouts == "kernel" else None
+                lays = (None if boxes is None else
+                        [b.layout for b in jax.tree_util.tree_leaves(boxes, is_leaf=lambda x: hasattr(x, "layout"))])
+                pre = (lambda st, c, ids, ln, k, t, tk, tp, g=graphdef:
+                       _prefill_program(g, st, c, ids, ln, k, t, tk, tp))
+                dec = (lambda st, c, first, n, eos, k, t, tk, tp, g=graphdef:
+                       _decode_program(g, st, c, first, n, eos, k, t, tk, tp, buf_len=64))
+                scalars = (sds((), f32), sds((), i32), sds((), f32))
+                out.append((f"engine_{mname}_prefill_{label}_{layouts}", pre,
+                            (state, cache, sds((B, S), i32), sds((B,), i32), key) + scalars, lays))
+                out.append((f"engine_{mname}_decode_{label}_{layouts}", dec,
+                            (state, cache, sds((B,), i32), sds((), i32), sds((), i32), key) + scalars, lays))
+    return out
 
 
 def cases():
@@ -232,6 +350,9 @@ def main():
     ap.add_argument("--topology", default="v6e:2x2")
     ap.add_argument("--chip", default="v6e", choices=("v5e", "v6e"))
     ap.add_argument("--only", default=None, help="comma-separated case names (prefix match; flash_* are V4-Flash sizes)")
+    ap.add_argument("--engine", choices=("tiny", "flash"), default="tiny",
+                    help="the engine's programs (engine_*) for the embedded model only, or also V4-Flash's first 4 "
+                         "layers (slow: ~30 s a compile)")
     ap.add_argument("--traceback", action="store_true")
     ap.add_argument("--row-major", action="store_true",
                     help="declare every input's device layout row-major (removes XLA's relayout copies)")
@@ -243,17 +364,22 @@ def main():
     register_cpu_as(a.chip)
     only = a.only.split(",") if a.only else None
     failed = 0
-    for name, fn, args in cases() + flash_cases() + model_cases():
+    all_cases = [c + (None, False) for c in cases() + flash_cases() + model_cases()]
+    all_cases += [c[:3] + (c[3], True) for c in engine_cases(flash=a.engine == "flash")]
+    for name, fn, args, layouts, engine in all_cases:
         if only and not any(name.startswith(o) for o in only):
             continue
         t0 = time.time()
         try:
-            compiled = compile_for(device, fn, *args, row_major=a.row_major)
+            if engine:
+                compiled = compile_engine_case(device, fn, args, layouts)
+            else:
+                compiled = compile_for(device, fn, *args, row_major=a.row_major)
             mem = compiled.memory_analysis()
             temp = getattr(mem, "temp_size_in_bytes", None)
             copies = relayout_copies(compiled.as_text())
-            print(f"OK     {name}: {time.time() - t0:.1f} s, temp {temp} B, relayout copies {copies / 1e6:.1f} MB",
-                  flush=True)
+            print(f"OK     {name}: {time.time() - t0:.1f} s, temp {temp} B, relayout copies {copies['total'] / 1e6:.1f}"
+                  f" MB ({copies['loop'] / 1e6:.1f} MB of them a loop iteration)", flush=True)
         except Exception as e:   # one case's failure must not hide the others'
             failed += 1
             msg = str(e).strip().splitlines()

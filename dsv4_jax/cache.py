@@ -162,3 +162,95 @@ def init_cache(config: DeepseekV4Config, batch_size: int, max_len: int, dtype=jn
                                                            dtype))
         layers.append(lc)
     return ModelCache(tuple(layers), jnp.zeros((batch_size,), jnp.int32), max_len, fmt)
+
+
+# ------------------------------------------------------------------------------ the cache's device layouts (TPU)
+# A Pallas TPU (Mosaic) kernel takes its operands row-major, and an 8-bit operand tiled (8, 128)(4, 1) (four rows a
+# 32-bit word). XLA's default TPU layouts differ for the cache's narrow arrays: an array whose minor dim is off the
+# 128 lanes ([B, N, 448] e4m3, [B, N, 8] scales, [B, T, 64] fp4 keys) is column-major, and 8-bit arrays are tiled
+# (32, 128)(4, 1). A cache left in the defaults is relaid out around every kernel call: once a jitted step, and inside
+# an on-device decode loop twice a step (into the kernel's layout and back into the loop carry's), the whole FP8 pool
+# each time (benchmarks/tpu_offline.py, `engine_*` cases). Declaring the kernels' layouts for the cache's arrays --
+# placing the cache in them, and compiling the steps to return it in them -- removes those copies.
+# Elsewhere XLA's defaults are already what the kernels take (row-major on GPU and CPU): no layout is declared.
+TPU_KERNEL_TILING_8BIT = ((8, 128), (4, 1))
+
+
+def _tpu_kernel_layout(leaf):
+    """Row-major, with Mosaic's kernel-operand tiling for 8-bit arrays whose rows fill whole (8, 128) tiles (the
+    kernels see [B, N, w] pools as [B * N, w], a free view only then). Scalars and vectors: XLA's default."""
+    from jax.experimental.layout import Layout
+
+    if leaf.ndim < 2:
+        return None
+    tiling = TPU_KERNEL_TILING_8BIT if jnp.dtype(leaf.dtype).itemsize == 1 and leaf.shape[-2] % 8 == 0 else None
+    return Layout(major_to_minor=tuple(range(leaf.ndim)), tiling=tiling)
+
+
+# platform -> rule(leaf) -> Layout | None. Tests add a rule for "cpu" to exercise the placement on this host.
+CACHE_LAYOUT_RULES: dict[str, Any] = {"tpu": _tpu_kernel_layout}
+
+
+def cache_layouts(cache, platform: str):
+    """The device layouts the kernels want for `cache`'s arrays on `platform` (a pytree like `cache` whose leaves
+    are `jax.experimental.layout.Layout` or None = XLA's default), or None where no layout needs declaring."""
+    rule = CACHE_LAYOUT_RULES.get(platform)
+    if rule is None:
+        return None
+    leaves, treedef = jax.tree_util.tree_flatten(cache)
+    return jax.tree_util.tree_unflatten(treedef, [_Leaf(rule(l)) for l in leaves])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    """Boxes a leaf's layout (None included) so pytree maps keep one entry per cache array."""
+
+    layout: Any
+
+
+def _cache_device(cache):
+    leaves = jax.tree_util.tree_leaves(cache)
+    if not leaves or not all(isinstance(l, jax.Array) and not isinstance(l, jax.core.Tracer) for l in leaves):
+        return None
+    devices = leaves[0].devices()
+    return next(iter(devices)) if len(devices) == 1 else None
+
+
+def cache_formats(cache):
+    """`jax.experimental.layout.Format`s (layout + the cache's device) for each array of `cache` -- what a step that
+    returns the cache declares as its out_shardings -- or None where the platform's defaults are the kernels'
+    layouts, or the cache is traced / spread over several devices."""
+    from jax.experimental.layout import Format
+    from jax.sharding import SingleDeviceSharding
+
+    device = _cache_device(cache)
+    if device is None:
+        return None
+    layouts = cache_layouts(cache, device.platform)
+    if layouts is None:
+        return None
+    sharding = SingleDeviceSharding(device)
+    boxes, treedef = jax.tree_util.tree_flatten(layouts, is_leaf=lambda x: isinstance(x, _Leaf))
+    return jax.tree_util.tree_unflatten(treedef, [Format(b.layout, sharding) for b in boxes])
+
+
+def _has_layout(array, layout) -> bool:
+    if layout is None:
+        return True
+    have = array.format.layout
+    if tuple(have.major_to_minor) != tuple(layout.major_to_minor):
+        return False
+    return layout.tiling is None or tuple(map(tuple, have.tiling)) == tuple(map(tuple, layout.tiling))
+
+
+def place_cache(cache):
+    """`cache` with its arrays in the layouts the kernels want on its device (`cache_formats`): a copy of the arrays
+    that are not, done once (e.g. after `init_cache`); the cache itself where nothing is to be declared or all is in
+    place already."""
+    formats = cache_formats(cache)
+    if formats is None:
+        return cache
+    leaves, treedef = jax.tree_util.tree_flatten(cache)
+    fmts = jax.tree_util.tree_leaves(formats, is_leaf=lambda x: hasattr(x, "layout") and hasattr(x, "sharding"))
+    placed = [l if _has_layout(l, f.layout) else jax.device_put(l, f) for l, f in zip(leaves, fmts)]
+    return jax.tree_util.tree_unflatten(treedef, placed)

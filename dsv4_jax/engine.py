@@ -36,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .cache import cache_formats, place_cache
+
 PAD_ID = 0  # token fed for padding positions (masked out by `lengths`)
 _NO_TOKEN = -1  # marks "no token" in the on-device output buffer
 
@@ -138,17 +140,22 @@ def _abstract_key(tree) -> tuple:
     return treedef, tuple((tuple(l.shape), str(l.dtype)) for l in leaves)
 
 
-def _compiled(name: str, fn, static: dict, args: tuple, donate: tuple = ()):
-    """AOT-compile `fn(*args, **static)` once per (name, static, graphdef, abstract args).
+def _compiled(name: str, fn, static: dict, args: tuple, donate: tuple = (), out_shardings=None):
+    """AOT-compile `fn(*args, **static)` once per (name, static, graphdef, abstract args, output formats).
 
-    args[0] is the (hashable, static) nnx GraphDef. Returns (executable taking args[1:], compile seconds or 0.0).
+    args[0] is the (hashable, static) nnx GraphDef. The inputs' device layouts are the arguments' own (a placed
+    cache's, `cache.place_cache`); out_shardings: None, or a prefix pytree of the outputs with `Format`s where an
+    output must come back in a declared layout (the returned cache) and None elsewhere.
+    Returns (executable taking args[1:], compile seconds or 0.0).
     """
-    key = (name, tuple(sorted(static.items())), args[0], _abstract_key(args[1:]))
+    out_key = None if out_shardings is None else tuple(jax.tree_util.tree_leaves(out_shardings))
+    key = (name, tuple(sorted(static.items())), args[0], _abstract_key(args[1:]), out_key)
     exe = _COMPILED.get(key)
     if exe is not None:
         return exe, 0.0
     t0 = time.perf_counter()
-    jitted = jax.jit(fn, static_argnums=(0,), static_argnames=tuple(static), donate_argnums=donate)
+    kw = {} if out_shardings is None else {"out_shardings": out_shardings}
+    jitted = jax.jit(fn, static_argnums=(0,), static_argnames=tuple(static), donate_argnums=donate, **kw)
     exe = jitted.lower(*args, **static).compile()
     dt = time.perf_counter() - t0
     if len(_COMPILED) >= _MAX_COMPILED:
@@ -291,16 +298,22 @@ def generate_with_stats(model, prompts: Sequence[Sequence[int]], max_new_tokens:
              else model.init_cache(batch, max_len, kv_dtype=kv_dtype, indexer_dtype=indexer_dtype,
                                    indexer_rotate=indexer_rotate))
     cache_nbytes = sum(int(l.nbytes) for l in jax.tree_util.tree_leaves(cache))
+    # the kernels' layouts for the cache's arrays where they differ from XLA's defaults (TPU), so no step relays out
+    # the cache around a kernel call; both programs return it in them
+    cache = place_cache(cache)
+    formats = cache_formats(cache)
 
     pre_args = (graphdef, state, cache, ids, lens, key, temp, tk, tp)
-    pre_exe, c1 = _compiled("prefill", _prefill_program, {}, pre_args, donate=(2,))
+    pre_exe, c1 = _compiled("prefill", _prefill_program, {}, pre_args, donate=(2,),
+                            out_shardings=None if formats is None else (None, formats))
     t0 = time.perf_counter()
     first, cache = pre_exe(*pre_args[1:])
     jax.block_until_ready((first, cache))
     prefill_s = time.perf_counter() - t0
 
     dec_args = (graphdef, state, cache, first, jnp.int32(max_new_tokens), eos, key, temp, tk, tp)
-    dec_exe, c2 = _compiled("decode", _decode_program, {"buf_len": buf_len}, dec_args, donate=(2,))
+    dec_exe, c2 = _compiled("decode", _decode_program, {"buf_len": buf_len}, dec_args, donate=(2,),
+                            out_shardings=None if formats is None else (None, None, None, formats))
     t0 = time.perf_counter()
     out, counts, steps, cache = dec_exe(*dec_args[1:])
     jax.block_until_ready((out, counts, steps))
