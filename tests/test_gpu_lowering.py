@@ -733,6 +733,13 @@ def test_indexer_mosaic_fp4_lowers(B, S, H, T, opts):
     finally:
         gpu_mosaic.MOSAIC_CONFIG.clear()
         gpu_mosaic.MOSAIC_CONFIG.update(saved)
+    # the defaults (session 51): 2 converter slots, "rows" where block_t is a multiple of 128, else "fragments";
+    # off where the converter cannot run (the raw-conversion probe)
+    default = lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_scores_mosaic(*a, **opts), q, w, keys, nv)
+    rows_fit = opts.get("block_t", 128) % 128 == 0
+    assert "_cv2" in default and ("_rows" in default) == rows_fit, opts
+    assert "_cv" not in lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_scores_mosaic(
+        *a, convert="raw", **opts), q, w, keys, nv)
     if not opts:   # the epilogue timing probe (session 48): under the segment top-k too, through MOSAIC_CONFIG
         from pallas_kernels.indexer import gpu_mosaic
 
@@ -758,9 +765,9 @@ def test_indexer_mosaic_fp4_lowers(B, S, H, T, opts):
         indexer_scores_mosaic(q, w, keys, nv, precision="bf16")
     with pytest.raises(ValueError, match="convert="):
         indexer_scores_mosaic(q, w, keys, nv, convert="alu")
-    for precision in ("f16", "fp8"):
+    for precision in ("f16", "fp8"):   # the register path (the converter, default at "fp8", interprets)
         with pytest.raises(ValueError, match="interpret mode"):
-            indexer_scores_mosaic(q, w, keys, nv, interpret=True, precision=precision)
+            indexer_scores_mosaic(q, w, keys, nv, interpret=True, precision=precision, fp4_converter=0)
 
 
 @pytest.mark.parametrize("B,S,H,T,opts", sweep([core(2, 1, 64, 296, {}),

@@ -654,7 +654,7 @@ def test_mosaic_fp4_converter_rejects_what_it_cannot_do():
     with pytest.raises(ValueError, match="fp4_converter applies"):
         indexer_scores_mosaic(*make(1, 1, 16, 64, "fp8", True), fp4_converter=1)
     with pytest.raises(ValueError, match="interpret mode runs"):
-        indexer_scores_mosaic(q, w, keys, nv, interpret=True)
+        indexer_scores_mosaic(q, w, keys, nv, interpret=True, fp4_converter=0)
     from pallas_kernels.indexer import gpu_mosaic
 
     for cfg, opts, msg in [(dict(fp4_layout="columns"), {}, "fp4_layout'] must be one of"),

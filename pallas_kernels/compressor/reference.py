@@ -70,7 +70,10 @@ def open_window_state(win_kv, win_gate, prev_kv, prev_gate, start, n_valid, *, r
     r = ratio
     d = prev_kv.shape[-1] if overlap else None
     k_open = (start % r + n_valid) // r
-    pick = lambda t, i: jnp.take_along_axis(t, i[:, None, None, None], axis=1)[:, 0]
+    def pick(t, i):   # t[b, i[b]]; a select where the grid has two windows (decode), else a gather
+        if t.shape[1] == 2:
+            return jnp.where((i == 0)[:, None, None], t[:, 0], t[:, 1])
+        return jnp.take_along_axis(t, i[:, None, None, None], axis=1)[:, 0]
     state_kv, state_gate = pick(win_kv, k_open), pick(win_gate, k_open)
     if overlap:
         has_prev = (k_open >= 1)[:, None, None]
@@ -96,8 +99,13 @@ def window_pools(kv, gate, start, n_valid, state_kv, state_gate, prev_kv, prev_g
     chunk_j = grid - offset[:, None]                     # chunk token index at each grid slot
     from_chunk = (chunk_j >= 0) & (chunk_j < n_valid[:, None])
     from_state = grid < offset[:, None]
-    take_chunk = lambda t: jnp.take_along_axis(t, jnp.clip(chunk_j, 0, S - 1)[..., None], axis=1)
-    take_state = lambda t: jnp.take_along_axis(t, jnp.clip(grid, 0, r - 1)[..., None], axis=1)
+    if S == 1:   # decode: the grid's slots are state slots, then the one token, so broadcasts, no gathers
+        # (a gather over the [B, r, c * d] state made TPU layouts relay the state out twice a step, session 51)
+        take_chunk = lambda t: t
+        take_state = lambda t: jnp.concatenate([t, jnp.zeros((B, n_windows * r - r, cd), t.dtype)], axis=1)
+    else:
+        take_chunk = lambda t: jnp.take_along_axis(t, jnp.clip(chunk_j, 0, S - 1)[..., None], axis=1)
+        take_state = lambda t: jnp.take_along_axis(t, jnp.clip(grid, 0, r - 1)[..., None], axis=1)
     fill = lambda c, s: jnp.where(from_chunk[..., None], take_chunk(c),
                                   jnp.where(from_state[..., None], take_state(s), 0.0))
     win_kv = fill(kv, state_kv).reshape(B, n_windows, r, cd)

@@ -267,21 +267,25 @@ MAX_CLUSTER = 8     # portable thread-block cluster size
 # of dispatch): fp4 141.2 -> 122.5 us a call, fp8 121.5 -> 120.0; a q that arrives fake-quantized loses ~3 us on fp4
 # keys (125.6 vs 122.3: the Triton kernel repeats the fake quantization). `quantizes_q` says which paths take a raw q.
 # epilogue: `EPILOGUES` ("probe" only to time what the per-key epilogue costs; wrong values)
-# fp4_converter (session 49; fp4 keys at precision "fp8"; 0 = off, the default until timed on a GPU): the number of
-# e5m2 slots [block_t, 128] in shared memory through which a second warpgroup hands converted blocks to the scoring
-# one (`indexer_scores_mosaic(fp4_converter=)`)
+# fp4_converter (session 49; fp4 keys at precision "fp8"; 0 = off): the number of e5m2 slots [block_t, 128] in
+# shared memory through which a second warpgroup hands converted blocks to the scoring one
+# (`indexer_scores_mosaic(fp4_converter=)`). The default (2, with fp4_layout "auto") applies where the converter can
+# run: fp4 keys at precision "fp8", convert "cvt", no split_m; an explicit fp4_converter= elsewhere is an error.
 # fp4_tables (with fp4_converter; `FP4_TABLES`): "registers" (each of the 4 threads that hold a key's row builds its
 # e5m2 tables, 35 SASS a row and thread) or "shared" (thread t builds key t's tables once into shared memory, the 4
 # threads load them back; block_t a multiple of 128)
 # fp4_layout (with fp4_converter; `FP4_LAYOUTS`; session 50): how the converter's threads split a block:
-# "fragments" (4 threads a key row, 32-bit accesses: the WGMMA fragment layout that the register path needs) or
+# "fragments" (4 threads a key row, 32-bit accesses: the WGMMA fragment layout that the register path needs),
 # "rows" (a thread a row, 16-byte accesses, tables once a key, q unpermuted: `mosaic_fp4.fp4_operand_rows`;
-# block_t a multiple of 128; fp4_tables does not apply). Counted offline (benchmarks/mosaic_offline.py): the
-# converter loop issues 279 SASS a block under the segment top-k against 429 with "fragments"; untimed.
-MOSAIC_CONFIG = dict(q_prep="triton", epilogue="full", fp4_converter=0, fp4_tables="registers",
-                     fp4_layout="fragments")
+# block_t a multiple of 128, else an error; fp4_tables does not apply), or "auto" (the default): "rows" where
+# block_t is a multiple of 128 and fp4_tables is "registers", else "fragments".
+# Timed on the H200 (session 51, results/README_indexer_compressor.md), fp4 keys under the segment top-k, net of
+# the harness: B = 64 x 128K 88.9 us (register path) -> 82.5 (converter 2 + rows; 84.4 with 1 slot, 107.9 with
+# 3), B = 1 x 1M 25.8 -> 22.2, B = 16 x 128K 33.3 -> 32.6. Counted offline (benchmarks/mosaic_offline.py): the
+# converter loop issues 279 SASS a block with "rows" against 429 with "fragments".
+MOSAIC_CONFIG = dict(q_prep="triton", epilogue="full", fp4_converter=2, fp4_tables="registers", fp4_layout="auto")
 FP4_TABLES = ("registers", "shared")
-FP4_LAYOUTS = ("fragments", "rows")
+FP4_LAYOUTS = ("auto", "fragments", "rows")
 FINALS = ("auto", "cluster", "triton", "last")
 
 
@@ -873,7 +877,8 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     if epilogue != "full" and interpret:
         raise ValueError("epilogue='probe' is a compiled-kernel timing probe")
     if fp4_converter is None:   # the config's value applies where it can (benchmarks set it for every format)
-        fp4_converter = MOSAIC_CONFIG["fp4_converter"] if fmt == "fp4" and precision == "fp8" else 0
+        fp4_converter = (MOSAIC_CONFIG["fp4_converter"]
+                         if fmt == "fp4" and precision == "fp8" and convert == "cvt" and not split_m else 0)
     fp4_converter = int(fp4_converter)
     if fp4_converter and (fmt != "fp4" or precision != "fp8" or convert != "cvt" or split_m):
         raise ValueError(f"fp4_converter applies to fp4 keys at precision 'fp8', without convert='raw' or split_m; "
@@ -887,6 +892,8 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     fp4_layout = MOSAIC_CONFIG["fp4_layout"]
     if fp4_layout not in FP4_LAYOUTS:
         raise ValueError(f"MOSAIC_CONFIG['fp4_layout'] must be one of {FP4_LAYOUTS}, got {fp4_layout!r}")
+    if fp4_layout == "auto":
+        fp4_layout = "rows" if block_t_of(block_t, T) % 128 == 0 and fp4_tables == "registers" else "fragments"
     rows_layout = bool(fp4_converter) and fp4_layout == "rows"
     if rows_layout and block_t_of(block_t, T) % 128:
         raise ValueError(f"MOSAIC_CONFIG['fp4_layout'] = 'rows' gives each of the converter's 128 threads whole key "
