@@ -740,6 +740,9 @@ def test_indexer_mosaic_fp4_lowers(B, S, H, T, opts):
     assert "_cv2" in default and ("_rows" in default) == rows_fit, opts
     assert "_cv" not in lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_scores_mosaic(
         *a, convert="raw", **opts), q, w, keys, nv)
+    if not opts.get("split_m"):   # the threshold top-k's chain (group maxima) on the default converter
+        assert "_cv2" in lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(
+            *a, k=64, kernel="mosaic", topk="threshold_set", **opts), q, w, keys, nv)
     if not opts:   # the epilogue timing probe (session 48): under the segment top-k too, through MOSAIC_CONFIG
         from pallas_kernels.indexer import gpu_mosaic
 

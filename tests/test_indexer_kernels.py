@@ -691,7 +691,8 @@ def test_e4m3_f16_bit_placement_constants():
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
 
 
-@pytest.mark.parametrize("fmt,opts", [full("fp8", {}), full("bf16", dict(num_splits=3)), full("fp8", dict(block_t=64))])
+@pytest.mark.parametrize("fmt,opts", [full("fp8", {}), full("bf16", dict(num_splits=3)), full("fp8", dict(block_t=64)),
+                                      full("fp4", {})])   # fp4: the default converter + rows layout (~3 min)
 def test_mosaic_group_max_interpreted(fmt, opts):
     """group_max_k: the Mosaic kernel's per-CTA strided-group maxima (ordered int32 keys) equal the maxima of its own
     scores over each split's blocks, and the threshold top-k fed with them picks what it picks without them (GPU
