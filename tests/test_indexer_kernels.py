@@ -808,8 +808,15 @@ def test_mosaic_kernel_errors():
     qb, wb, kb, nb = make(1, 1, 16, 40, None)
     with pytest.raises(ValueError, match="takes fp8 or fp4 keys .* or bf16"):
         indexer_scores_gpu(qb, wb, kb, nb, kernel="mosaic")
-    with pytest.raises(ValueError, match="interpret mode runs"):   # fp4 keys: compiled only (but the converter)
-        indexer_scores_gpu(*make(1, 1, 16, 40, "fp4"), kernel="mosaic", interpret=True)
+    from pallas_kernels.indexer import gpu_mosaic
+
+    saved = dict(gpu_mosaic.MOSAIC_CONFIG)
+    gpu_mosaic.MOSAIC_CONFIG["fp4_converter"] = 0   # fp4's register path: compiled only (the default converter
+    try:                                            # interprets)
+        with pytest.raises(ValueError, match="interpret mode runs"):
+            indexer_scores_gpu(*make(1, 1, 16, 40, "fp4"), kernel="mosaic", interpret=True)
+    finally:
+        gpu_mosaic.MOSAIC_CONFIG.update(saved)
     with pytest.raises(ValueError, match="takes only"):
         indexer_scores_gpu(q, w, keys, nv, kernel="mosaic", num_warps=8)
     with pytest.raises(ValueError, match="multiple of 8"):
