@@ -260,22 +260,18 @@ def engine_cases(flash: bool = True):
                                                                dict(kv_dtype="bf16", indexer_dtype="fp8"))))
     sds, i32, f32 = jax.ShapeDtypeStruct, jnp.int32, jnp.float32
     out = []
+    key, scalars = sds((2,), jnp.uint32), (sds((), f32), sds((), i32), sds((), f32))
     for mname, m, B, cap, S, fmts in models:
         graphdef, state = nnx.split(m)
         state = jax.tree.map(lambda a: sds(a.shape, a.dtype), state)
+        pre = (lambda st, c, ids, ln, k, t, tk, tp, g=graphdef: _prefill_program(g, st, c, ids, ln, k, t, tk, tp))
+        dec = (lambda st, c, first, n, eos, k, t, tk, tp, g=graphdef:
+               _decode_program(g, st, c, first, n, eos, k, t, tk, tp, buf_len=64))
         for fmt in fmts:
             cache = jax.eval_shape(lambda fmt=fmt: m.init_cache(B, cap, **fmt))
             label = f"{fmt.get('kv_dtype', 'exact')}kv_{fmt.get('indexer_dtype', 'exact')}idx"
-            key = sds((2,), jnp.uint32)
             for layouts in ("xla", "kernel"):
-                boxes = cache_layouts(cache, "tpu") if layouts == "kernel" else None
-                lays = (None if boxes is None else
-                        [b.layout for b in jax.tree_util.tree_leaves(boxes, is_leaf=lambda x: hasattr(x, "layout"))])
-                pre = (lambda st, c, ids, ln, k, t, tk, tp, g=graphdef:
-                       _prefill_program(g, st, c, ids, ln, k, t, tk, tp))
-                dec = (lambda st, c, first, n, eos, k, t, tk, tp, g=graphdef:
-                       _decode_program(g, st, c, first, n, eos, k, t, tk, tp, buf_len=64))
-                scalars = (sds((), f32), sds((), i32), sds((), f32))
+                lays = cache_layouts(cache, "tpu") if layouts == "kernel" else None
                 out.append((f"engine_{mname}_prefill_{label}_{layouts}", pre,
                             (state, cache, sds((B, S), i32), sds((B,), i32), key) + scalars, lays))
                 out.append((f"engine_{mname}_decode_{label}_{layouts}", dec,

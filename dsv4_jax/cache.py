@@ -192,46 +192,11 @@ CACHE_LAYOUT_RULES: dict[str, Any] = {"tpu": _tpu_kernel_layout}
 
 
 def cache_layouts(cache, platform: str):
-    """The device layouts the kernels want for `cache`'s arrays on `platform` (a pytree like `cache` whose leaves
-    are `jax.experimental.layout.Layout` or None = XLA's default), or None where no layout needs declaring."""
+    """The device layouts the kernels want for `cache`'s arrays on `platform`: a list with one
+    `jax.experimental.layout.Layout` (or None = XLA's default) per array, in `jax.tree_util.tree_leaves` order; None
+    where no layout needs declaring."""
     rule = CACHE_LAYOUT_RULES.get(platform)
-    if rule is None:
-        return None
-    leaves, treedef = jax.tree_util.tree_flatten(cache)
-    return jax.tree_util.tree_unflatten(treedef, [_Leaf(rule(l)) for l in leaves])
-
-
-@dataclasses.dataclass(frozen=True)
-class _Leaf:
-    """Boxes a leaf's layout (None included) so pytree maps keep one entry per cache array."""
-
-    layout: Any
-
-
-def _cache_device(cache):
-    leaves = jax.tree_util.tree_leaves(cache)
-    if not leaves or not all(isinstance(l, jax.Array) and not isinstance(l, jax.core.Tracer) for l in leaves):
-        return None
-    devices = leaves[0].devices()
-    return next(iter(devices)) if len(devices) == 1 else None
-
-
-def cache_formats(cache):
-    """`jax.experimental.layout.Format`s (layout + the cache's device) for each array of `cache` -- what a step that
-    returns the cache declares as its out_shardings -- or None where the platform's defaults are the kernels'
-    layouts, or the cache is traced / spread over several devices."""
-    from jax.experimental.layout import Format
-    from jax.sharding import SingleDeviceSharding
-
-    device = _cache_device(cache)
-    if device is None:
-        return None
-    layouts = cache_layouts(cache, device.platform)
-    if layouts is None:
-        return None
-    sharding = SingleDeviceSharding(device)
-    boxes, treedef = jax.tree_util.tree_flatten(layouts, is_leaf=lambda x: isinstance(x, _Leaf))
-    return jax.tree_util.tree_unflatten(treedef, [Format(b.layout, sharding) for b in boxes])
+    return None if rule is None else [rule(leaf) for leaf in jax.tree_util.tree_leaves(cache)]
 
 
 def _has_layout(array, layout) -> bool:
@@ -244,13 +209,23 @@ def _has_layout(array, layout) -> bool:
 
 
 def place_cache(cache):
-    """`cache` with its arrays in the layouts the kernels want on its device (`cache_formats`): a copy of the arrays
-    that are not, done once (e.g. after `init_cache`); the cache itself where nothing is to be declared or all is in
-    place already."""
-    formats = cache_formats(cache)
-    if formats is None:
-        return cache
+    """-> (cache, formats). Where the kernels on the cache's device want other layouts than XLA's defaults for its
+    arrays (`cache_layouts`), the arrays not in them yet are copied into them (once, e.g. after `init_cache`), and
+    formats is a pytree like the cache of `jax.experimental.layout.Format`s (layout + device): what a step that
+    returns the cache declares as its out_shardings, to keep it there. Elsewhere, or for a traced cache or one
+    spread over several devices: (cache itself, None)."""
+    from jax.experimental.layout import Format
+    from jax.sharding import SingleDeviceSharding
+
     leaves, treedef = jax.tree_util.tree_flatten(cache)
-    fmts = jax.tree_util.tree_leaves(formats, is_leaf=lambda x: hasattr(x, "layout") and hasattr(x, "sharding"))
+    first = leaves[0] if leaves else None
+    if not isinstance(first, jax.Array) or isinstance(first, jax.core.Tracer) or len(first.devices()) != 1:
+        return cache, None
+    device = next(iter(first.devices()))
+    layouts = cache_layouts(cache, device.platform)
+    if layouts is None or not all(isinstance(l, jax.Array) and not isinstance(l, jax.core.Tracer) for l in leaves):
+        return cache, None
+    sharding = SingleDeviceSharding(device)
+    fmts = [Format(layout, sharding) for layout in layouts]
     placed = [l if _has_layout(l, f.layout) else jax.device_put(l, f) for l, f in zip(leaves, fmts)]
-    return jax.tree_util.tree_unflatten(treedef, placed)
+    return jax.tree_util.tree_unflatten(treedef, placed), jax.tree_util.tree_unflatten(treedef, fmts)

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .cache import cache_formats, place_cache
+from .cache import place_cache
 
 PAD_ID = 0  # token fed for padding positions (masked out by `lengths`)
 _NO_TOKEN = -1  # marks "no token" in the on-device output buffer
@@ -300,8 +300,7 @@ def generate_with_stats(model, prompts: Sequence[Sequence[int]], max_new_tokens:
     cache_nbytes = sum(int(l.nbytes) for l in jax.tree_util.tree_leaves(cache))
     # the kernels' layouts for the cache's arrays where they differ from XLA's defaults (TPU), so no step relays out
     # the cache around a kernel call; both programs return it in them
-    cache = place_cache(cache)
-    formats = cache_formats(cache)
+    cache, formats = place_cache(cache)
 
     pre_args = (graphdef, state, cache, ids, lens, key, temp, tk, tp)
     pre_exe, c1 = _compiled("prefill", _prefill_program, {}, pre_args, donate=(2,),

@@ -19,7 +19,7 @@ from pallas_kernels.dispatch import resolve_impl
 from pallas_kernels.indexer import PICKS
 from pallas_kernels.sparse_attention import GPU_KERNELS
 
-from .cache import CacheFormat, ModelCache, cache_formats, init_cache, place_cache
+from .cache import CacheFormat, ModelCache, init_cache, place_cache
 from .config import DeepseekV4Config
 from .layers.attention import Attention
 from .layers.common import Embedding, Linear, RMSNorm, normal, param
@@ -233,9 +233,8 @@ def _jitted_chunk_with_layouts(out_formats: tuple, treedef):
 def _jitted_chunk(graphdef, state, input_ids, cache, lengths):
     # on platforms whose kernels want other layouts than XLA's defaults for the cache's arrays (TPU), the cache is
     # placed in them (a copy the first time only) and returned in them, so no call relays it out around a kernel
-    cache = place_cache(cache)
-    formats = cache_formats(cache)
+    cache, formats = place_cache(cache)
     if formats is None:
         return _jitted_chunk_impl(graphdef, state, cache, input_ids, lengths)
-    leaves, treedef = jax.tree_util.tree_flatten(formats, is_leaf=lambda x: hasattr(x, "layout"))
+    leaves, treedef = jax.tree_util.tree_flatten(formats)
     return _jitted_chunk_with_layouts(tuple(leaves), treedef)(graphdef, state, cache, input_ids, lengths)

@@ -1,4 +1,4 @@
-"""The cache's declared device layouts (`dsv4_jax.cache.cache_layouts` / `place_cache` / `cache_formats`).
+"""The cache's declared device layouts (`dsv4_jax.cache.cache_layouts` / `place_cache`).
 
 On a TPU the kernels take the cache's arrays row-major (8-bit ones tiled (8, 128)(4, 1)), unlike XLA's defaults
 there, so `generate` and `model.prefill` / `model.decode` place the cache in those layouts and compile their steps to
@@ -34,38 +34,36 @@ def cpu_rule(monkeypatch):
     monkeypatch.setitem(cache_lib.CACHE_LAYOUT_RULES, "cpu", _column_major)
 
 
-def _boxes(layouts):
-    return jax.tree_util.tree_leaves(layouts, is_leaf=lambda x: isinstance(x, cache_lib._Leaf))
-
-
 def test_tpu_rule_declares_the_kernels_layouts(model):
     cache = model.init_cache(2, 256, kv_dtype="bf16", indexer_dtype="fp4")
     leaves = jax.tree_util.tree_leaves(cache)
-    boxes = _boxes(cache_lib.cache_layouts(cache, "tpu"))
-    assert len(boxes) == len(leaves)
+    layouts = cache_lib.cache_layouts(cache, "tpu")
+    assert len(layouts) == len(leaves)
     n_tiled = 0
-    for leaf, box in zip(leaves, boxes):
+    for leaf, layout in zip(leaves, layouts):
         if leaf.ndim < 2:
-            assert box.layout is None
+            assert layout is None
             continue
-        assert box.layout.major_to_minor == tuple(range(leaf.ndim))   # row-major, as a Mosaic operand
+        assert layout.major_to_minor == tuple(range(leaf.ndim))   # row-major, as a Mosaic operand
         eight_bit = jnp.dtype(leaf.dtype).itemsize == 1 and leaf.shape[-2] % 8 == 0
-        assert (box.layout.tiling == cache_lib.TPU_KERNEL_TILING_8BIT) == eight_bit, leaf.shape
+        assert (layout.tiling == cache_lib.TPU_KERNEL_TILING_8BIT) == eight_bit, leaf.shape
         n_tiled += eight_bit
     assert n_tiled > 0   # the fp4 indexer keys and their scales
     # XLA's defaults are the kernels' layouts on the GPU and the CPU: nothing declared, nothing placed
-    assert cache_lib.cache_layouts(cache, "gpu") is None and cache_lib.cache_formats(cache) is None
-    assert cache_lib.place_cache(cache) is cache
+    assert cache_lib.cache_layouts(cache, "gpu") is None
+    placed, formats = cache_lib.place_cache(cache)
+    assert placed is cache and formats is None
 
 
 def test_place_cache_moves_each_array_once(model, cpu_rule):
     cache = model.init_cache(2, 64)
-    placed = cache_lib.place_cache(cache)
+    placed, formats = cache_lib.place_cache(cache)
+    assert len(jax.tree_util.tree_leaves(formats)) == len(jax.tree_util.tree_leaves(cache))
     for a, b in zip(jax.tree_util.tree_leaves(cache), jax.tree_util.tree_leaves(placed)):
         want = tuple(reversed(range(a.ndim))) if a.ndim >= 2 else tuple(range(a.ndim))
         assert b.format.layout.major_to_minor == want
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    again = cache_lib.place_cache(placed)
+    again, _ = cache_lib.place_cache(placed)
     assert all(x is y for x, y in zip(jax.tree_util.tree_leaves(placed), jax.tree_util.tree_leaves(again)))
 
 
