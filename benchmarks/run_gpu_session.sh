@@ -9,6 +9,8 @@
 # tests, and the device machine has 16 cores): e.g. PYTEST_N=8 STEPS=tests5.
 # XLA_FLAGS set by the caller reach every step (the tests add --xla_gpu_autotune_level=0 to them), e.g.
 #   XLA_FLAGS=--xla_gpu_enable_pdl=true STEPS="dk tests4" ... (programmatic dependent launch, untried as of session 16)
+# FAULT_T: seconds before a test's Python stack is dumped (default 100; 600 for the model step, whose tests compile
+# for 130-145 s each on the H200: session 52's dump fired inside one and the process died of SIGSEGV, rc 139).
 # Per-step limit: T_<step> seconds (defaults below). A test that hangs dumps its Python stack (faulthandler) into
 # the step's log. Logs: $OUT/<step>.log (+ the benchmarks' json).
 set -o pipefail
@@ -39,7 +41,7 @@ for s in ${STEPS:-tests5 model comp idx}; do
     tests5) run_step tests5 450 "${PYT[@]}" tests/test_indexer_kernels.py tests/test_compressor_kernels.py \
           tests/test_indexer_topk.py tests/test_indexer_segment_select.py tests/test_indexer_q_prep.py \
           -k "${GPU_TEST_K:-gpu or matches_lax or edge_values}" ;;
-    model) run_step model 340 "${PYT[@]}" tests/test_model_pallas.py tests/test_model_pallas_quantized.py ${MODEL_K:+-k "$MODEL_K"} ;;
+    model) FAULT_T=${FAULT_T:-600} run_step model 340 "${PYT[@]}" tests/test_model_pallas.py tests/test_model_pallas_quantized.py ${MODEL_K:+-k "$MODEL_K"} ;;
     comp) run_step comp 120 $PY benchmarks/compressor.py --out "$OUT" "$@" ${COMP_ARGS:-} ;;
     compv) run_step compv 120 $PY benchmarks/compressor.py --out "$OUT/variants" --variants --cases ${COMPV_CASES:-prefill} ${COMPV_ARGS:-} ;;
     idx) run_step idx 180 $PY benchmarks/indexer.py --out "$OUT" "$@" ${IDX_ARGS:-} ;;

@@ -161,12 +161,9 @@ def _layout_core(layout: str | None) -> str:
     return re.sub(r"S\(\d+\)", "", layout or "").rstrip(":}") if layout else ""
 
 
-def relayout_copies(hlo_text: str) -> dict:
-    """Bytes of a compiled TPU module's relayouts: `copy` ops whose result's dims order or tiling differs from the
-    operand's (XLA's relayouts, e.g. of a pool whose default TPU layout is column-major -- [N, 448] e4m3, minor dims
-    off the 128 lanes -- into the row-major layout a Pallas kernel's operand demands). Copies that only stage an
-    operand in another memory space are left out. Returns {"total", "entry", "loop"}: "loop" = inside a while loop's
-    body (per iteration: per decode step in the engine's loop), "entry" = once per call, outside any loop."""
+def _relayouts(hlo_text: str) -> list:
+    """The relayout copies of a compiled TPU module (see `relayout_copies`), each as a dict: bytes, loop (inside a
+    while loop's body), and what it is (dtype, dims, the operand's and the result's layouts, jax's op name)."""
     comps, defs, copies = {}, {}, []
     current = None
     for line in hlo_text.splitlines():
@@ -187,10 +184,13 @@ def relayout_copies(hlo_text: str) -> dict:
                 comps[current].update(c.strip().lstrip("%") for c in callee.group(2).split(","))
         if op == "copy":
             operand = re.match(r"%([\w.\-]+)\)", rest)
+            op_name = re.search(r'op_name="([^"]*)"', rest)
             n = 1
             for d in filter(None, dims.split(",")):
                 n *= int(d)
-            copies.append((current, name, operand.group(1) if operand else None, layout, n * _BYTES.get(dtype, 4)))
+            copies.append(dict(comp=current, operand=operand.group(1) if operand else None, layout=layout,
+                               bytes=n * _BYTES.get(dtype, 4), what=f"{dtype}[{dims}]",
+                               op_name=op_name.group(1) if op_name else ""))
     # computations run by a while loop (its body and condition, and whatever they call)
     in_loop, todo = set(), [c for line in hlo_text.splitlines() if " while(" in line
                             for c in re.findall(r"(?:body|condition)=%([\w.\-]+)", line)]
@@ -199,13 +199,33 @@ def relayout_copies(hlo_text: str) -> dict:
         if c not in in_loop:
             in_loop.add(c)
             todo.extend(comps.get(c, ()))
-    out = {"total": 0, "entry": 0, "loop": 0}
-    for comp, name, operand, layout, nbytes in copies:
-        if operand is not None and _layout_core(defs.get(operand)) == _layout_core(layout):
+    out = []
+    for c in copies:
+        src = defs.get(c["operand"]) if c["operand"] is not None else None
+        if c["operand"] is not None and _layout_core(src) == _layout_core(c["layout"]):
             continue
-        out["total"] += nbytes
-        out["loop" if comp in in_loop else "entry"] += nbytes
+        out.append(dict(c, loop=c["comp"] in in_loop, src_layout=src))
     return out
+
+
+def relayout_copies(hlo_text: str) -> dict:
+    """Bytes of a compiled TPU module's relayouts: `copy` ops whose result's dims order or tiling differs from the
+    operand's (XLA's relayouts, e.g. of a pool whose default TPU layout is column-major -- [N, 448] e4m3, minor dims
+    off the 128 lanes -- into the row-major layout a Pallas kernel's operand demands). Copies that only stage an
+    operand in another memory space are left out. Returns {"total", "entry", "loop"}: "loop" = inside a while loop's
+    body (per iteration: per decode step in the engine's loop), "entry" = once per call, outside any loop."""
+    out = {"total": 0, "entry": 0, "loop": 0}
+    for c in _relayouts(hlo_text):
+        out["total"] += c["bytes"]
+        out["loop" if c["loop"] else "entry"] += c["bytes"]
+    return out
+
+
+def largest_relayouts(hlo_text: str, n: int) -> list:
+    """The n largest relayout copies as (bytes, one line: dtype[dims] layout -> layout, loop or not, jax's op)."""
+    rows = sorted(_relayouts(hlo_text), key=lambda c: -c["bytes"])[:n]
+    return [(c["bytes"], f"{c['what']} {c['src_layout']} -> {c['layout']}{'  (loop)' if c['loop'] else ''}"
+                         f"  {c['op_name'][-90:]}") for c in rows]
 
 
 def compile_engine_case(device, fn, args, layouts):
@@ -279,6 +299,43 @@ def engine_cases(flash: bool = True):
     return out
 
 
+def layer_cases(batch: int = 8, seq: int = 512, capacity: int = 32768):
+    """(name, fn, args, cache_layouts) for one V4-Flash attention layer's prefill chunk (CSA, layer 2; HCA, layer 3)
+    of [batch, seq] tokens into a `capacity`-token cache, FP8 KV + fp4 indexer keys, the cache in the kernels'
+    layouts: the q / o chain's relayouts in isolation (~95 s a compile at the defaults, against ~230 s for
+    the four-layer engine program). For `compile_engine_case` (the cache is args[1], returned last)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dsv4_jax.cache import CacheFormat, cache_layouts
+    from dsv4_jax.config import PRESETS
+    from dsv4_jax.model import DeepseekV4ForCausalLM
+
+    cfg = PRESETS["v4-flash"]()
+    cfg = cfg.replace(num_hidden_layers=4, layer_types=cfg.layer_types[:4], compress_ratios=cfg.compress_ratios[:4],
+                      num_hash_layers=1, n_routed_experts=8, num_experts_per_tok=min(cfg.num_experts_per_tok, 8))
+    model = nnx.eval_shape(lambda: DeepseekV4ForCausalLM(cfg, dtype=jnp.bfloat16, attention_impl="pallas",
+                                                         rngs=nnx.Rngs(0)))
+    cache = jax.eval_shape(lambda: model.init_cache(batch, capacity, kv_dtype="fp8", indexer_dtype="fp4"))
+    fmt = CacheFormat("fp8", "fp4", False)
+    sds = jax.ShapeDtypeStruct
+    out = []
+    for layer in (2, 3):
+        graphdef, state = nnx.split(model.layers[layer].attn)
+        state = jax.tree.map(lambda a: sds(a.shape, a.dtype), state)
+
+        def fn(st, cache, x, positions, start, n_valid, layer=layer, graphdef=graphdef):
+            y, lc = nnx.merge(graphdef, st)(x, positions, start, n_valid, cache.layers[layer], fmt)
+            return y, cache.replace(layers=cache.layers[:layer] + (lc,) + cache.layers[layer + 1:])
+
+        args = (state, cache, sds((batch, seq, cfg.hidden_size), jnp.bfloat16), sds((batch, seq), jnp.int32),
+                sds((batch,), jnp.int32), sds((batch,), jnp.int32))
+        kind = cfg.layer_types[layer]
+        out.append((f"layer_flash_{kind}_prefill_{batch}x{seq}_fp8kv_fp4idx", fn, args, cache_layouts(cache, "tpu")))
+    return out
+
+
 def cases():
     """(name, fn, args) for every TPU kernel configuration of tests/test_tpu_lowering.py's default tier, plus
     V4-Flash decode shapes of the attention and indexer kernels."""
@@ -349,6 +406,13 @@ def main():
     ap.add_argument("--engine", choices=("tiny", "flash"), default="tiny",
                     help="the engine's programs (engine_*) for the embedded model only, or also V4-Flash's first 4 "
                          "layers (slow: ~30 s a compile)")
+    ap.add_argument("--layers", action="store_true",
+                    help="also one V4-Flash CSA and one HCA attention layer's 4K-token prefill chunk (layer_flash_*)")
+    ap.add_argument("--no-pins", action="store_true",
+                    help="compile without the attention q / o chain's row-major pins (dsv4_jax.layers.common."
+                         "pin_row_major), for the before / after of session 52")
+    ap.add_argument("--list-copies", type=int, default=0, metavar="N",
+                    help="print each compiled program's N largest relayout copies")
     ap.add_argument("--traceback", action="store_true")
     ap.add_argument("--row-major", action="store_true",
                     help="declare every input's device layout row-major (removes XLA's relayout copies)")
@@ -361,7 +425,13 @@ def main():
     only = a.only.split(",") if a.only else None
     failed = 0
     all_cases = [c + (None, False) for c in cases() + flash_cases() + model_cases()]
+    if a.no_pins:
+        import dsv4_jax.layers.attention as attention_layer
+
+        attention_layer.pin_row_major = lambda x, active: x
     all_cases += [c[:3] + (c[3], True) for c in engine_cases(flash=a.engine == "flash")]
+    if a.layers:
+        all_cases += [c[:3] + (c[3], True) for c in layer_cases()]
     for name, fn, args, layouts, engine in all_cases:
         if only and not any(name.startswith(o) for o in only):
             continue
@@ -376,6 +446,8 @@ def main():
             copies = relayout_copies(compiled.as_text())
             print(f"OK     {name}: {time.time() - t0:.1f} s, temp {temp} B, relayout copies {copies['total'] / 1e6:.1f}"
                   f" MB ({copies['loop'] / 1e6:.1f} MB of them a loop iteration)", flush=True)
+            for nbytes, line in largest_relayouts(compiled.as_text(), a.list_copies):
+                print(f"         {nbytes / 1e6:8.1f} MB  {line}", flush=True)
         except Exception as e:   # one case's failure must not hide the others'
             failed += 1
             msg = str(e).strip().splitlines()

@@ -23,7 +23,9 @@ from pallas_kernels.sparse_attention import sparse_attention
 
 from ..cache import CacheFormat, LayerCache, encode_kv, flatten_rows
 from ..config import CSA, SLIDING, DeepseekV4Config
-from .common import Linear, RMSNorm, normal, param, rms_normalize
+from pallas_kernels.dispatch import resolve_impl
+
+from .common import Linear, RMSNorm, normal, param, pin_row_major, rms_normalize
 from .compressor import Compressor
 from .indexer import Indexer
 from .rope import apply_rope, rope_inv_freq
@@ -94,10 +96,12 @@ class Attention(nnx.Module):
         indexer's q, weights, keys, visible counts and picks): `dsv4_jax.inspect_attention` builds on it."""
         B, S, _ = x.shape
         H, d, W = self.n_heads, self.head_dim, self.window
+        # on a TPU the kernel takes q / o row-major: pin the chain to it (see pin_row_major)
+        on_tpu = resolve_impl(self.attention_impl, "sparse_attention") == "tpu"
         qr = self.q_norm(self.wq_a(x))                                            # [B, S, q_lora]
-        q = self.wq_b(qr).reshape(B, S, H, d)
+        q = pin_row_major(self.wq_b(qr).reshape(B, S, H, d), on_tpu)
         q = (rms_normalize(q, self.eps)).astype(x.dtype)                          # weightless per-head norm
-        q = apply_rope(q, positions, self.inv_freq)
+        q = pin_row_major(apply_rope(q, positions, self.inv_freq), on_tpu)
         kv = apply_rope(self.kv_norm(self.wkv(x)), positions, self.inv_freq)     # [B, S, d]
 
         kv = encode_kv(kv, fmt.kv, x.dtype)           # quantized formats: every query sees the stored values
@@ -141,7 +145,7 @@ class Attention(nnx.Module):
         o = sparse_attention(q, window_pool, window_idx, compressed_pool, compressed_idx,
                              self.attn_sink[...], scale=d ** -0.5, compressed_len=compressed_len,
                              impl=self.attention_impl, kernel=self.attention_kernel)
-        o = apply_rope(o, positions, self.inv_freq, inverse=True)                 # [B, S, H, d]
+        o = apply_rope(pin_row_major(o, on_tpu), positions, self.inv_freq, inverse=True)  # [B, S, H, d]
         grouped = o.reshape(B, S, self.o_groups, H * d // self.o_groups)
         wo_a = self.wo_a.weight[...].reshape(self.o_groups, self.o_lora_rank, -1)
         u = jnp.einsum("bsgi,gri->bsgr", grouped.astype(wo_a.dtype), wo_a, preferred_element_type=jnp.float32)

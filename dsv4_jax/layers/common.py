@@ -69,6 +69,21 @@ class Linear(nnx.Module):
         return matmul(x, self.weight[...], out_dtype)
 
 
+def pin_row_major(x: jax.Array, active: bool) -> jax.Array:
+    """x with its layout pinned row-major where `active` (the layer's Pallas kernels run on a TPU), else x.
+
+    A Pallas TPU kernel takes its operands row-major. XLA's TPU layout assignment does not see that demand
+    upstream of the kernel's own slices and pads: for the attention q / o chain of a prefill chunk it kept S as the
+    minor dim and relaid out each [B, S, H, 512] tensor into and out of the kernel (session 52: pinning q after its
+    projection, q into the kernel and o out of it cut a V4-Flash CSA layer's 4K-token chunk from 3.18 to 2.00 GB of
+    relayouts; `benchmarks/results/README_tpu.md`). GPU and CPU layouts are row-major already."""
+    if not active:
+        return x
+    from jax.experimental.layout import Layout, with_layout_constraint
+
+    return with_layout_constraint(x, Layout(major_to_minor=tuple(range(x.ndim))))
+
+
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
     """Weightless RMS normalisation over the last axis, computed in float32, returned in float32."""
     x = x.astype(jnp.float32)
