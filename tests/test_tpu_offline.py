@@ -52,7 +52,8 @@ def test_engine_program_compiles_with_libtpu(v6e, case):
 def test_kernel_layouts_keep_the_fp8_pools_out_of_the_decode_loops_copies(v6e):
     """V4-Flash's first four layers, FP8 KV + fp4 indexer keys, B = 8 at 32K tokens: in XLA's default layouts the
     decode loop relays the cache's pools out twice a step (96 MB a step, session 51); in the kernels' layouts
-    (`dsv4_jax.cache.cache_layouts`) what is left a step is activations and compressor states (34 MB). ~2 min."""
+    (`dsv4_jax.cache.cache_layouts`) what is left a step is activations and compressor states (34 MB in session 51,
+    13 MB with session 52's q / o pins). ~2 min."""
     cases = {c[0]: c for c in tpu_offline.engine_cases(flash=True) if "flash4_decode_fp8kv" in c[0]}
     loop = {}
     for name, (_, fn, args, layouts) in cases.items():
