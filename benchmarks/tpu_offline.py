@@ -249,6 +249,22 @@ def compile_engine_case(device, fn, args, layouts):
     return jax.jit(fn, donate_argnums=(1,), **kw).trace(*specs).lower().compile()
 
 
+def flash4_model():
+    """V4-Flash's first four layers (two sliding, CSA, HCA; 8 routed experts), bf16, on the Pallas kernels, as
+    shapes only (`nnx.eval_shape`: no weights are drawn)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dsv4_jax.config import PRESETS
+    from dsv4_jax.model import DeepseekV4ForCausalLM
+
+    cfg = PRESETS["v4-flash"]()
+    cfg = cfg.replace(num_hidden_layers=4, layer_types=cfg.layer_types[:4], compress_ratios=cfg.compress_ratios[:4],
+                      num_hash_layers=1, n_routed_experts=8, num_experts_per_tok=min(cfg.num_experts_per_tok, 8))
+    return nnx.eval_shape(lambda: DeepseekV4ForCausalLM(cfg, dtype=jnp.bfloat16, attention_impl="pallas",
+                                                        rngs=nnx.Rngs(0)))
+
+
 def engine_cases(flash: bool = True):
     """(name, fn, args, cache_layouts) for the engine's two programs (`dsv4_jax.engine`: the prefill of a padded
     batch and the on-device decode loop), the cache in XLA's default TPU layouts ("xla") and in the kernels'
@@ -268,15 +284,7 @@ def engine_cases(flash: bool = True):
     model = dsv4_jax.load_pretrained(dsv4_jax.embedded_checkpoint_path(), attention_impl="pallas", progress=False)
     models.append(("tiny", model, 2, 256, 16, (dict(), dict(kv_dtype="bf16", indexer_dtype="fp4"))))
     if flash:
-        from dsv4_jax.config import PRESETS
-        from dsv4_jax.model import DeepseekV4ForCausalLM
-
-        cfg = PRESETS["v4-flash"]()
-        cfg = cfg.replace(num_hidden_layers=4, layer_types=cfg.layer_types[:4], compress_ratios=cfg.compress_ratios[:4],
-                          num_hash_layers=1, n_routed_experts=8, num_experts_per_tok=min(cfg.num_experts_per_tok, 8))
-        flash_model = nnx.eval_shape(lambda: DeepseekV4ForCausalLM(cfg, dtype=jnp.bfloat16, attention_impl="pallas",
-                                                                   rngs=nnx.Rngs(0)))
-        models.append(("flash4", flash_model, 8, 32768, 512, (dict(kv_dtype="fp8", indexer_dtype="fp4"),
+        models.append(("flash4", flash4_model(), 8, 32768, 512, (dict(kv_dtype="fp8", indexer_dtype="fp4"),
                                                                dict(kv_dtype="bf16", indexer_dtype="fp8"))))
     sds, i32, f32 = jax.ShapeDtypeStruct, jnp.int32, jnp.float32
     out = []
@@ -309,14 +317,9 @@ def layer_cases(batch: int = 8, seq: int = 512, capacity: int = 32768):
     from flax import nnx
 
     from dsv4_jax.cache import CacheFormat, cache_layouts
-    from dsv4_jax.config import PRESETS
-    from dsv4_jax.model import DeepseekV4ForCausalLM
 
-    cfg = PRESETS["v4-flash"]()
-    cfg = cfg.replace(num_hidden_layers=4, layer_types=cfg.layer_types[:4], compress_ratios=cfg.compress_ratios[:4],
-                      num_hash_layers=1, n_routed_experts=8, num_experts_per_tok=min(cfg.num_experts_per_tok, 8))
-    model = nnx.eval_shape(lambda: DeepseekV4ForCausalLM(cfg, dtype=jnp.bfloat16, attention_impl="pallas",
-                                                         rngs=nnx.Rngs(0)))
+    model = flash4_model()
+    cfg = model.config
     cache = jax.eval_shape(lambda: model.init_cache(batch, capacity, kv_dtype="fp8", indexer_dtype="fp4"))
     fmt = CacheFormat("fp8", "fp4", False)
     sds = jax.ShapeDtypeStruct
@@ -443,10 +446,11 @@ def main():
                 compiled = compile_for(device, fn, *args, row_major=a.row_major)
             mem = compiled.memory_analysis()
             temp = getattr(mem, "temp_size_in_bytes", None)
-            copies = relayout_copies(compiled.as_text())
+            hlo = compiled.as_text()
+            copies = relayout_copies(hlo)
             print(f"OK     {name}: {time.time() - t0:.1f} s, temp {temp} B, relayout copies {copies['total'] / 1e6:.1f}"
                   f" MB ({copies['loop'] / 1e6:.1f} MB of them a loop iteration)", flush=True)
-            for nbytes, line in largest_relayouts(compiled.as_text(), a.list_copies):
+            for nbytes, line in largest_relayouts(hlo, a.list_copies) if a.list_copies else ():
                 print(f"         {nbytes / 1e6:8.1f} MB  {line}", flush=True)
         except Exception as e:   # one case's failure must not hide the others'
             failed += 1

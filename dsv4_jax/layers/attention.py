@@ -19,12 +19,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.dispatch import resolve_impl
 from pallas_kernels.sparse_attention import sparse_attention
 
 from ..cache import CacheFormat, LayerCache, encode_kv, flatten_rows
 from ..config import CSA, SLIDING, DeepseekV4Config
-from pallas_kernels.dispatch import resolve_impl
-
 from .common import Linear, RMSNorm, normal, param, pin_row_major, rms_normalize
 from .compressor import Compressor
 from .indexer import Indexer
