@@ -311,7 +311,8 @@ def layer_cases(batch: int = 8, seq: int = 512, capacity: int = 32768):
     """(name, fn, args, cache_layouts) for one V4-Flash attention layer's prefill chunk (CSA, layer 2; HCA, layer 3)
     of [batch, seq] tokens into a `capacity`-token cache, FP8 KV + fp4 indexer keys, the cache in the kernels'
     layouts: the q / o chain's relayouts in isolation (~95 s a compile at the defaults, against ~230 s for
-    the four-layer engine program). For `compile_engine_case` (the cache is args[1], returned last)."""
+    the four-layer engine program); and the CSA layer's indexer alone over fp4 and fp8 keys (session 53). For
+    `compile_engine_case` (the cache, or the keys, is args[1], returned last)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -336,6 +337,21 @@ def layer_cases(batch: int = 8, seq: int = 512, capacity: int = 32768):
                 sds((batch,), jnp.int32), sds((batch,), jnp.int32))
         kind = cfg.layer_types[layer]
         out.append((f"layer_flash_{kind}_prefill_{batch}x{seq}_fp8kv_fp4idx", fn, args, cache_layouts(cache, "tpu")))
+    # the CSA layer's indexer alone (q projection, RoPE, scores kernel, top-k, set conversion; ~20 s a compile):
+    # "cache" = its keys, in the kernel's layouts, returned last as `compile_engine_case` wants
+    graphdef, state = nnx.split(model.layers[2].attn.indexer)
+    state = jax.tree.map(lambda a: sds(a.shape, a.dtype), state)
+    for key_fmt in ("fp4", "fp8"):
+        keys = jax.eval_shape(lambda: model.init_cache(batch, capacity, kv_dtype="fp8", indexer_dtype=key_fmt)
+                              ).layers[2].indexer_keys
+
+        def fn(st, keys, x, qr, positions, key_fmt=key_fmt):
+            picks = nnx.merge(graphdef, st).select(x, qr, positions, keys, key_fmt, impl="pallas", picks="set")
+            return picks, keys
+
+        args = (state, keys, sds((batch, seq, cfg.hidden_size), jnp.bfloat16),
+                sds((batch, seq, cfg.q_lora_rank), jnp.bfloat16), sds((batch, seq), jnp.int32))
+        out.append((f"layer_flash_csa_indexer_{batch}x{seq}_{key_fmt}idx", fn, args, cache_layouts(keys, "tpu")))
     return out
 
 
@@ -410,7 +426,8 @@ def main():
                     help="the engine's programs (engine_*) for the embedded model only, or also V4-Flash's first 4 "
                          "layers (slow: ~30 s a compile)")
     ap.add_argument("--layers", action="store_true",
-                    help="also one V4-Flash CSA and one HCA attention layer's 4K-token prefill chunk (layer_flash_*)")
+                    help="also one V4-Flash CSA and one HCA attention layer's 4K-token prefill chunk, and the CSA "
+                         "layer's indexer alone (layer_flash_*)")
     ap.add_argument("--no-pins", action="store_true",
                     help="compile without the attention q / o chain's row-major pins (dsv4_jax.layers.common."
                          "pin_row_major), for the before / after of session 52")

@@ -103,6 +103,49 @@ def test_tpu_kernel_skips_unseen_key_blocks(fmt):
     check_picks(indexer_topk(q, w, keys, nv, k=32, impl="interpret_tpu"), q, w, keys, nv, 32)
 
 
+def test_tpu_kernel_prepares_fp4_q_itself():
+    """fp4 keys on the TPU kernel (default precision): the kernel fake-quantizes q itself, once a query block
+    (`tpu._prepare_fp4_q`: masked lane maxima, e2m1 rounding by bits, even / odd channels by 0/1 matmuls), so the
+    dispatcher passes the model's raw q through (`tpu.takes_raw_q`). The preparation equals `formats.fake_quantize`
+    bit for bit -- zero, sub-floor, huge and mixed-magnitude groups, values on e2m1's rounding ties -- and is
+    idempotent; a raw q (quantize_q=True) and a fake-quantized one give the reference's scores and picks, in query
+    chunks too (padding of the last)."""
+    from pallas_kernels.indexer import tpu as T
+
+    rng = np.random.default_rng(next(_SEED))
+    q = rng.standard_normal((48, 128)).astype(np.float32) * np.exp2(rng.integers(-30, 30, (48, 1)))
+    q[0, :32] = 0.0                                         # an all-zero group
+    q[1, 32:64] *= np.float32(1e-38)                        # below the amax floor
+    q[2, 64:] = np.float32(1e37) * np.sign(q[2, 64:])       # huge (a code past f32's range is inf either way)
+    q[3] = rng.choice([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -5.0], 128) * 2.0 ** 7  # e2m1 ties x 2^e
+    q[3, 0] = 6.0 * 2.0 ** 7                                # ... under a group amax that fixes e
+    q[4, ::2] *= np.float32(2.0 ** -20)                     # two magnitudes in every group
+    q[5, 5] = -0.0
+    fq = np.asarray(F.fake_quantize(jnp.asarray(q), "fp4"))
+    prep = jax.jit(T._prepare_fp4_q)
+    for x in (q, fq):                                       # raw, and already quantized (idempotent)
+        even, odd = (np.asarray(a, np.float32) for a in prep(jnp.asarray(x)))
+        np.testing.assert_array_equal(even, fq[:, 0::2])
+        np.testing.assert_array_equal(odd, fq[:, 1::2])
+
+    assert T.takes_raw_q(F.quantize(jnp.zeros((1, 8, 128)), "fp4"), {})
+    assert not T.takes_raw_q(F.quantize(jnp.zeros((1, 8, 128)), "fp4"), dict(precision="f32"))
+    assert not T.takes_raw_q(F.quantize(jnp.zeros((1, 8, 128)), "fp8"), {})
+
+    B, S, H, Tk = 2, 19, 16, 300
+    raw = jnp.asarray(rng.standard_normal((B, S, H, 128)), jnp.float32)
+    _, w, keys, nv = make(B, S, H, Tk, "fp4")
+    fq = F.fake_quantize(raw, "fp4")
+    ref = np.asarray(indexer_scores(fq, w, keys, nv))
+    for x, quantize in ((raw, True), (fq, False), (fq, True)):
+        got = np.asarray(indexer_scores_pallas(x, w, keys, nv, impl="interpret_tpu", quantize_q=quantize))
+        np.testing.assert_array_equal(np.isfinite(got), np.isfinite(ref))
+        fin = np.isfinite(ref)       # f32 sums in another order: the norm-wise error of check_scores
+        assert np.linalg.norm(got[fin] - ref[fin]) <= 1e-6 * np.linalg.norm(ref[fin])
+    picks = indexer_topk(raw, w, keys, nv, k=24, query_chunk=8, impl="interpret_tpu", quantize_q=True)
+    check_picks(picks, fq, w, keys, nv, 24)
+
+
 @pytest.mark.parametrize("fmt", ["bf16", full("fp4")])
 def test_decode_wide_default_blocks(fmt):
     """T >= 2048 decode takes the 256-key x 8-warp default: ragged visible lengths, one row ending mid-block."""

@@ -70,10 +70,25 @@ def test_row_major_pins_halve_a_prefill_chunks_relayouts(v6e, monkeypatch):
     import dsv4_jax.layers.attention as attention_layer
 
     def relayouts():
-        (name, fn, args, layouts), = [c for c in tpu_offline.layer_cases() if "_csa_" in c[0]]
+        (name, fn, args, layouts), = [c for c in tpu_offline.layer_cases() if "_csa_prefill" in c[0]]
         return tpu_offline.relayout_copies(tpu_offline.compile_engine_case(v6e, fn, args, layouts).as_text())["total"]
 
     pinned = relayouts()
     monkeypatch.setattr(attention_layer, "pin_row_major", lambda x, active: x)
     unpinned = relayouts()
     assert pinned < 0.7 * unpinned, (pinned, unpinned)
+
+
+@pytest.mark.parametrize("key_fmt", ["fp4", "fp8"])
+def test_indexer_prefill_relays_q_out_only_into_its_chunks(v6e, key_fmt):
+    """The V4-Flash CSA layer's indexer alone over a B = 8 x 512-query prefill chunk (two 256-query chunks): q's
+    projection written per head (`matmul_heads`), the chunks sliced where q lies (`chunking.map_query_chunks`) and,
+    for fp4 keys, q's fake quantization and even / odd split inside the kernel. Outside the chunk loop XLA relaid
+    out 848 MB (fp4) / 362 MB (fp8) before session 53; now only small arrays. Inside it, per 256-query chunk: at
+    most the chunk's q and lax.top_k's three full-size copies (XLA's TPU sort works with the rows on the lanes).
+    ~15 s."""
+    (name, fn, args, layouts), = [c for c in tpu_offline.layer_cases() if c[0].endswith(f"indexer_8x512_{key_fmt}idx")]
+    copies = tpu_offline.relayout_copies(tpu_offline.compile_engine_case(v6e, fn, args, layouts).as_text())
+    chunk_scores = 8 * 256 * 8192 * 4
+    assert copies["entry"] < 32e6, copies
+    assert copies["loop"] <= 4 * chunk_scores + 1e6, copies

@@ -12,10 +12,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.indexer import formats, indexer_topk
+from pallas_kernels.indexer import formats, indexer_topk, resolve_impl
 
 from ..config import DeepseekV4Config
-from .common import Linear, matmul
+from .common import Linear, matmul, matmul_heads
 from .compressor import Compressor
 from .rope import apply_rope
 
@@ -36,17 +36,22 @@ class Indexer(nnx.Module):
         -> picks [B, S, min(topk, T)] int32 entry indices (-1 where not causally visible), best first (picks
         "sorted") or in ascending index order (picks "set"); the -1s come last either way.
         Queries get the keys' rotation and (fake) quantization; the quantization is left to the op (`quantize_q`),
-        which skips it where its kernel quantizes q itself (the Mosaic GPU kernel: the same scores, fewer kernels)."""
-        q, w = self.query(x, qr, positions, fmt, rotate, quantize=False)
+        which skips it where its kernel quantizes q itself (the Mosaic GPU kernel, the TPU kernel over fp4 keys: the
+        same scores, fewer kernels)."""
+        q, w = self.query(x, qr, positions, fmt, rotate, quantize=False, heads_dot=resolve_impl(impl) == "tpu")
         return indexer_topk(q, w, keys, self.n_visible(positions), k=self.topk, impl=impl, picks=picks,
                             quantize_q=fmt in ("fp8", "fp4"))
 
-    def query(self, x, qr, positions, fmt=None, rotate=False, quantize=True):
+    def query(self, x, qr, positions, fmt=None, rotate=False, quantize=True, heads_dot=False):
         """The scoring side of `select`: (q [B, S, n_heads, head_dim] f32 with RoPE, the keys' rotation and (fake)
         quantization (quantize=False: not quantized); head weights [B, S, n_heads] f32 with both scale factors folded
-        in)."""
+        in). heads_dot (the TPU kernel path): q's projection written straight into [B, S, n_heads, head_dim]
+        (`matmul_heads`: the same products and sums, no re-tiling of the flat result on a TPU)."""
         B, S = x.shape[:2]
-        q = matmul(qr, self.wq_b.weight[...], jnp.float32).reshape(B, S, self.n_heads, self.head_dim)
+        if heads_dot:
+            q = matmul_heads(qr, self.wq_b.weight[...], self.n_heads, jnp.float32)
+        else:
+            q = matmul(qr, self.wq_b.weight[...], jnp.float32).reshape(B, S, self.n_heads, self.head_dim)
         q = apply_rope(q, positions, self.inv_freq)
         if rotate:
             q = formats.hadamard(q)

@@ -20,8 +20,8 @@ kernel path it selects topk="auto_set" -- "hist_set", "tour_set" or "threshold_s
 where each measured faster (`gpu.resolve_set_method`), none sorting its picks -- unless another set method is given;
 any other topk option is followed by the set conversion).
 quantize_q=True: q arrives raw (rotated, not quantized) and the op fake-quantizes it in the keys' format, except on the
-Mosaic GPU kernel's paths that quantize q themselves from a raw q with the same result (`prepare_q`): the model's
-indexer passes its q this way.
+Mosaic GPU kernel's paths and the TPU kernel over fp4 keys, which quantize q themselves from a raw q with the same
+result (`prepare_q`): the model's indexer passes its q this way.
 Every impl checks its arguments first (`common.validate`: shapes, dtypes, key storage, k): a ValueError naming the
 argument, at trace time.
 """
@@ -50,8 +50,9 @@ PICKS = ("sorted", "set")
 def prepare_q(q, keys, target, kernel_options, query_chunk=None):
     """quantize_q=True: q as the chosen path takes it -- fake-quantized in the keys' format (`formats.fake_quantize`),
     except where the kernel quantizes q itself and a raw q gives the same scores (`gpu.takes_raw_q`: the Mosaic
-    kernel over fp8 keys, and over fp4 keys with its one-kernel q preparation), which saves the fake quantization's
-    XLA kernels. The kernel is chosen per query chunk (`chunking.map_query_chunks`: every chunk [B, query_chunk]
+    kernel over fp8 keys, and over fp4 keys with its one-kernel q preparation; `tpu.takes_raw_q`: the TPU kernel
+    over fp4 keys at its default precision), which saves the fake quantization's XLA kernels (on a TPU, also their
+    relayouts of q). The kernel is chosen per query chunk (`chunking.map_query_chunks`: every chunk [B, query_chunk]
     when S > query_chunk), so the choice is made for that shape."""
     fmt = keys.fmt if isinstance(keys, formats.QuantizedKeys) else None   # bf16 / exact keys: q is not quantized
     if fmt is None:
@@ -62,6 +63,11 @@ def prepare_q(q, keys, target, kernel_options, query_chunk=None):
         chunk = q if query_chunk is None or q.shape[1] <= query_chunk else \
             jax.ShapeDtypeStruct((q.shape[0], query_chunk) + q.shape[2:], q.dtype)
         if takes_raw_q(chunk, keys, target == "interpret", kernel_options):
+            return q
+    elif target in ("tpu", "interpret_tpu"):
+        from .tpu import takes_raw_q as tpu_takes_raw_q
+
+        if tpu_takes_raw_q(keys, kernel_options):
             return q
     return formats.fake_quantize(q, fmt)
 

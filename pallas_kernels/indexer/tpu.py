@@ -8,7 +8,13 @@ Per step: logits = (block_q * H) x dI queries against block_t keys on the MXU (f
 to [block_q, H, block_t], head-weighted sum, per-key fp8 scale, causal mask. Keys are dequantized in VMEM: bf16 /
 f32 rows; fp8 e4m3 rows (scale applied to the result; the scale is passed transposed, [B, 1, T], so it broadcasts
 over the lane axis); fp4 nibbles decoded arithmetically with the ue8m0 scales, dotted against the even / odd
-channels of q (split outside, as in the GPU kernel).
+channels of q. At fp4's default precision ("bf16") the kernel takes q as it comes (raw or already fake-quantized:
+the quantization is idempotent) and prepares it itself once a query block, at its first key step
+(`_prepare_fp4_q`): the fp4 fake quantization by masked lane maxima and bit arithmetic, the even / odd channels by
+two 0/1 matmuls on the MXU, into VMEM scratch. Done in XLA (`formats.fake_quantize`'s nibble packing and
+unpacking, then `split_q`'s strided slices) the same steps re-tiled q's minor dimension again and again: 0.45 GB of
+relayout copies for a V4-Flash CSA layer's indexer over an 8 x 512-query prefill chunk (session 53, libtpu compile
+for v6e: 1088 -> 635 MB; `benchmarks/results/README_tpu.md`).
 
 Status: validated in the TPU interpreter (`pltpu.InterpretParams`) on CPU, and Pallas' Mosaic lowering for a TPU
 (v6e) target runs in CI (`tests/test_tpu_lowering.py`); libtpu compiles it for v6e / v5e topologies on a CPU host
@@ -26,9 +32,50 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import formats
 from .gpu import e2m1_value, key_format_of, split_q, topk_over_query_chunks
+from .q_prep import _pow2_exponent_bits, _round_e2m1
 
 
-def _kernel(last_ref, nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, H, T, op_dtype, n_qb):
+def _prepare_fp4_q(q):
+    """In the kernel: q [rows, dI] f32, raw or fake-quantized -> (its even, its odd channels) bf16 [rows, dI / 2],
+    fake-quantized to fp4 first. `formats.fake_quantize(q, "fp4")` exactly: each 32-channel group's exponent from a
+    masked lane maximum (no [.., dI/32, 32] reshape), e2m1 rounding by integer ops on the bits (q_prep's helpers).
+    The values (an e2m1 code times a power of two) are exact in bf16; the even / odd channels come out of two 0/1
+    matmuls, exact too (one nonzero product a column, f32 accumulation). Fake quantization is idempotent, so an
+    already quantized q comes out unchanged. (A value whose code rounds past f32's range, |q| > ~3.2e38, is inf in
+    the reference's quantization; here the matmuls spread it as NaN over its row: no finite score either way.)"""
+    rows, d = q.shape
+    group = jax.lax.broadcasted_iota(jnp.int32, (rows, d), 1) // formats.FP4_BLOCK
+    mag = jnp.abs(q)
+    e_el = jnp.zeros((rows, d), jnp.int32)
+    for g in range(d // formats.FP4_BLOCK):
+        amax = jnp.max(jnp.where(group == g, mag, 0.0), axis=1, keepdims=True)
+        e_g = jnp.clip(_pow2_exponent_bits(amax, formats.E2M1_MAX, formats.E2M1_AMAX_FLOOR), -127, 127)
+        e_el = jnp.where(group == g, e_g, e_el)
+    fq = (_round_e2m1(q * formats._exp2(-e_el)) * formats._exp2(e_el)).astype(jnp.bfloat16)
+    chan = jax.lax.broadcasted_iota(jnp.int32, (d, d // 2), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (d, d // 2), 1)
+    take = lambda parity: jnp.dot(fq, jnp.where(chan == 2 * col + parity, 1.0, 0.0).astype(jnp.bfloat16),
+                                  preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    return take(0), take(1)
+
+
+def takes_raw_q(keys, kernel_options) -> bool:
+    """Whether the TPU kernel fake-quantizes q itself for these keys and options (fp4 keys at precision "bf16",
+    `_prepare_fp4_q`), so `indexer_topk(quantize_q=True)` need not do it in XLA first."""
+    fmt = key_format_of(keys)
+    return fmt == "fp4" and (kernel_options.get("precision") or DEFAULT_PRECISION[fmt]) == "bf16"
+
+
+def _kernel(last_ref, nvis_ref, w_ref, *refs, fmt, n_qparts, n_terms, block_q, block_t, H, T, op_dtype, n_qb,
+            q_in_kernel=False):
+    if q_in_kernel:   # refs: q, keys..., out, then the scratch for q's even / odd channels
+        q_ref, *refs, even_ref, odd_ref = refs
+
+        @pl.when(pl.program_id(2) == 0)   # a query block's first key step (the key axis runs in order)
+        def _():
+            even_ref[...], odd_ref[...] = _prepare_fp4_q(q_ref[...].astype(jnp.float32))
+
+        refs = [even_ref, odd_ref] + refs
     o_ref = refs[-1]
     j = pl.program_id(2)
     last = last_ref[pl.program_id(0) * n_qb + pl.program_id(1)]
@@ -91,7 +138,9 @@ def indexer_scores_tpu(q, weights, keys, n_visible, *, interpret=False, precisio
     T = keys.shape[1]
     fmt = key_format_of(keys)
     precision = precision or DEFAULT_PRECISION[fmt]
-    bq = block_q
+    # fewer queries than a block (decode: 1, MTP: 2): one block of exactly those, no padded query rows to read and
+    # score (a block dim equal to the array's is a legal tile)
+    bq = block_q if S >= block_q else S
     bt = block_t or (512 if T >= 512 else 128)
     Sp = -(-S // bq) * bq
     Tp = -(-T // bt) * bt
@@ -100,8 +149,12 @@ def indexer_scores_tpu(q, weights, keys, n_visible, *, interpret=False, precisio
         qf = jnp.pad(qf, ((0, 0), (0, Sp - S), (0, 0), (0, 0)))
         wf = jnp.pad(wf, ((0, 0), (0, Sp - S), (0, 0)))
         nv = jnp.pad(nv, ((0, 0), (0, Sp - S)))
-    qparts, n_terms = split_q(qf, fmt, precision)
-    qparts = [p.reshape(B, Sp * H, p.shape[-1]) for p in qparts]
+    q_in_kernel = takes_raw_q(keys, dict(precision=precision))
+    if q_in_kernel:   # q whole ([B, Sp * H, dI] merges major dims only: no relayout); the kernel splits it
+        qparts, n_terms = [qf.reshape(B, Sp * H, d)], 1
+    else:
+        qparts, n_terms = split_q(qf, fmt, precision)
+        qparts = [p.reshape(B, Sp * H, p.shape[-1]) for p in qparts]
     op_dtype = jnp.float32 if precision == "f32" else jnp.bfloat16
     # the last key block any query of a query block sees: later steps of that block repeat its index in the key
     # BlockSpecs, so the pipeline copies nothing for them (a decode cache filled to L reads ~L keys, not its
@@ -126,12 +179,14 @@ def indexer_scores_tpu(q, weights, keys, n_visible, *, interpret=False, precisio
                 pl.BlockSpec((None, bq, H), lambda b, i, j, lr: (b, i, 0))]
     in_specs += [pl.BlockSpec((None, bq * H, p.shape[-1]), lambda b, i, j, lr: (b, i, 0)) for p in qparts]
     in_specs += kspecs
-    kernel = functools.partial(_kernel, fmt=fmt, n_qparts=len(qparts), n_terms=n_terms, block_q=bq, block_t=bt,
-                               H=H, T=T, op_dtype=op_dtype, n_qb=n_qb)
+    kernel = functools.partial(_kernel, fmt=fmt, n_qparts=2 if q_in_kernel else len(qparts), n_terms=n_terms,
+                               block_q=bq, block_t=bt, H=H, T=T, op_dtype=op_dtype, n_qb=n_qb,
+                               q_in_kernel=q_in_kernel)
     extra = dict(interpret=pltpu.InterpretParams()) if interpret else {}
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1, grid=(B, n_qb, Tp // bt), in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, bq, bt), lambda b, i, j, lr: (b, i, j)))
+        out_specs=pl.BlockSpec((None, bq, bt), lambda b, i, j, lr: (b, i, j)),
+        scratch_shapes=[pltpu.VMEM((bq * H, d // 2), jnp.bfloat16)] * 2 if q_in_kernel else [])
     out = pl.pallas_call(
         kernel, grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((B, Sp, Tp), jnp.float32),
