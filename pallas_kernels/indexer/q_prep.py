@@ -123,18 +123,25 @@ def _frexp_exponent(amax):
     return jnp.where(amax > 0, E - 126 - jnp.where(sub, 32, 0), 0)
 
 
-def _kernel_fp4(q_ref, w_ref, perm_ref, qo_ref, wo_ref, *, e5m2=False):
-    q = q_ref[0]                                   # [H, d], channels in their own order
-    H, d = q.shape
-    group = jax.lax.broadcasted_iota(jnp.int32, (H, d), 1) // FP4_BLOCK
+def fake_quantize_fp4_rows(q):
+    """Inside a kernel: q [rows, d] f32 (channels in their own order) -> `formats.fake_quantize(q, "fp4")` exactly.
+    Each element's group exponent comes from masked row maxima (2-D only: Triton has no tensor slices, and a TPU
+    keeps the channels on its lanes), the rounding from `_round_e2m1`'s integer ops. Shared by this module's
+    Triton kernel and the TPU indexer kernel (`tpu._prepare_fp4_q`)."""
+    rows, d = q.shape
+    group = jax.lax.broadcasted_iota(jnp.int32, (rows, d), 1) // FP4_BLOCK
     mag = jnp.abs(q)
-    # each element's group exponent, by masked row maxima (2-D only: Triton has no tensor slices)
-    e_el = jnp.zeros((H, d), jnp.int32)
+    e_el = jnp.zeros((rows, d), jnp.int32)
     for g in range(d // FP4_BLOCK):
         e_g = jnp.clip(_pow2_exponent_bits(jnp.max(jnp.where(group == g, mag, 0.0), axis=1), E2M1_MAX, E2M1_AMAX_FLOOR),
                        -127, 127)
         e_el = jnp.where(group == g, e_g[:, None], e_el)
-    fq = _round_e2m1(q * _exp2(-e_el)) * _exp2(e_el)          # formats.fake_quantize(q, "fp4"), exactly
+    return _round_e2m1(q * _exp2(-e_el)) * _exp2(e_el)
+
+
+def _kernel_fp4(q_ref, w_ref, perm_ref, qo_ref, wo_ref, *, e5m2=False):
+    q = q_ref[0]                                   # [H, d], channels in their own order
+    fq = fake_quantize_fp4_rows(q)
     if e5m2:   # precision "fp8": gpu.quantize_q_fp8's scale 2^(e - FP4_Q_SHIFT), e = the fp4 rule's exponent of
         e = jnp.clip(_pow2_exponent_bits(jnp.max(jnp.abs(fq), axis=1), E2M1_MAX, E2M1_AMAX_FLOOR), -100, 127)
         e = e - FP4_Q_SHIFT   # the head's amax: codes e2m1 x 2^(e_g - e + 13), exact in f16 and in e5m2 while the

@@ -32,26 +32,20 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import formats
 from .gpu import e2m1_value, key_format_of, split_q, topk_over_query_chunks
-from .q_prep import _pow2_exponent_bits, _round_e2m1
+from .q_prep import fake_quantize_fp4_rows
 
 
 def _prepare_fp4_q(q):
     """In the kernel: q [rows, dI] f32, raw or fake-quantized -> (its even, its odd channels) bf16 [rows, dI / 2],
-    fake-quantized to fp4 first. `formats.fake_quantize(q, "fp4")` exactly: each 32-channel group's exponent from a
-    masked lane maximum (no [.., dI/32, 32] reshape), e2m1 rounding by integer ops on the bits (q_prep's helpers).
+    fake-quantized to fp4 first: `formats.fake_quantize(q, "fp4")` exactly, by `q_prep.fake_quantize_fp4_rows`
+    (each 32-channel group's exponent from a masked lane maximum, no [.., dI/32, 32] reshape; e2m1 rounding by
+    integer ops on the bits).
     The values (an e2m1 code times a power of two) are exact in bf16; the even / odd channels come out of two 0/1
     matmuls, exact too (one nonzero product a column, f32 accumulation). Fake quantization is idempotent, so an
     already quantized q comes out unchanged. (A value whose code rounds past f32's range, |q| > ~3.2e38, is inf in
     the reference's quantization; here the matmuls spread it as NaN over its row: no finite score either way.)"""
-    rows, d = q.shape
-    group = jax.lax.broadcasted_iota(jnp.int32, (rows, d), 1) // formats.FP4_BLOCK
-    mag = jnp.abs(q)
-    e_el = jnp.zeros((rows, d), jnp.int32)
-    for g in range(d // formats.FP4_BLOCK):
-        amax = jnp.max(jnp.where(group == g, mag, 0.0), axis=1, keepdims=True)
-        e_g = jnp.clip(_pow2_exponent_bits(amax, formats.E2M1_MAX, formats.E2M1_AMAX_FLOOR), -127, 127)
-        e_el = jnp.where(group == g, e_g, e_el)
-    fq = (_round_e2m1(q * formats._exp2(-e_el)) * formats._exp2(e_el)).astype(jnp.bfloat16)
+    d = q.shape[1]
+    fq = fake_quantize_fp4_rows(q).astype(jnp.bfloat16)
     chan = jax.lax.broadcasted_iota(jnp.int32, (d, d // 2), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (d, d // 2), 1)
     take = lambda parity: jnp.dot(fq, jnp.where(chan == 2 * col + parity, 1.0, 0.0).astype(jnp.bfloat16),
