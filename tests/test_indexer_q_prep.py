@@ -50,6 +50,26 @@ def test_q_prep_kernel_equals_the_jnp_path(R, H, fake, f16):
     np.testing.assert_array_equal(np.asarray(got_w), np.asarray(w * scale))
 
 
+def test_q_prep_head_blocks_agree():
+    """The heads a program (`q_prep.HEAD_BLOCK`, MOSAIC_CONFIG q_prep_heads; session 54: 16, one program a row
+    before) change only the grid: 16, 32 and 64 heads a program give the same operands and weights bit for bit, fp8
+    and fp4 (with and without the permutation), 48 heads padded to the block; a block that is not a power of two >= 16
+    is an error."""
+    rng = np.random.default_rng(54)
+    q = jnp.asarray(rng.standard_normal((3, 48, 128)) * rng.choice([1e-3, 1.0, 300.0], (3, 48, 1)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((3, 48)), jnp.float32)
+    perm = q_prep.column_permutation(_fp4_columns())
+    runs = {hb: (q_prep.q_prep_fp8(q, w, interpret=True, head_block=hb),
+                 q_prep.q_prep_fp4(q, w, None, e5m2=True, interpret=True, head_block=hb),
+                 q_prep.q_prep_fp4(q, w, perm, interpret=True, head_block=hb)) for hb in (16, 32, 64)}
+    for hb in (32, 64):
+        for got, want in zip(jax.tree.leaves(runs[hb]), jax.tree.leaves(runs[16])):
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    for hb in (8, 24):
+        with pytest.raises(ValueError, match="head block"):
+            q_prep.q_prep_fp8(q, w, interpret=True, head_block=hb)
+
+
 def test_q_prep_errors():
     with pytest.raises(ValueError, match="power of two"):
         q_prep.q_prep_fp8(jnp.zeros((2, 64, 96)), jnp.zeros((2, 64)), interpret=True)
@@ -185,11 +205,13 @@ def test_q_prep_fp4_kernel_equals_the_jnp_path(R, H, fake):
     np.testing.assert_array_equal(np.asarray(got_w), np.asarray(want_w))
 
 
-@pytest.mark.parametrize("R,H,fake", [(3, 64, True), (3, 64, False), (2, 8, False), full(2, 96, False)])
-def test_q_prep_fp4_e5m2_equals_the_jnp_path(R, H, fake):
+@pytest.mark.parametrize("R,H,fake,rows", [(3, 64, True, False), (3, 64, False, False), (2, 8, False, False),
+                                           full(2, 96, False, False), (3, 64, False, True), (2, 40, True, True)])
+def test_q_prep_fp4_e5m2_equals_the_jnp_path(R, H, fake, rows):
     """precision "fp8" (session 45): the kernel's e5m2 operand and weights (Pallas interpreter) equal
     `gpu_mosaic.fp4_q_operand_e5m2` bit for bit, from a raw or a fake-quantized q, heads 1e-3..300 apart and groups
-    within a head 100x apart; its shift is gpu's."""
+    within a head 100x apart; its shift is gpu's. rows: the converter's rows layout (channels in their order), where
+    the kernel takes perm=None and runs no permutation MMA; 40 heads are padded to 3 blocks of 16."""
     from pallas_kernels.indexer import gpu
     from pallas_kernels.indexer.gpu_mosaic import fp4_q_operand_e5m2
     from pallas_kernels.indexer.mosaic_fp4 import register_plan
@@ -200,9 +222,9 @@ def test_q_prep_fp4_e5m2_equals_the_jnp_path(R, H, fake):
                     * rng.choice([1e-2, 1.0], (R, H, 128)), jnp.float32)
     fq = F.fake_quantize(q, "fp4")
     w = jnp.asarray(rng.standard_normal((R, H)), jnp.float32)
-    columns = register_plan(64, "e5m2")[1]
-    got_q, got_w = q_prep.q_prep_fp4(fq if fake else q, w, q_prep.column_permutation(columns), e5m2=True,
-                                     interpret=True)
+    columns = np.arange(128) if rows else register_plan(64, "e5m2")[1]
+    got_q, got_w = q_prep.q_prep_fp4(fq if fake else q, w, None if rows else q_prep.column_permutation(columns),
+                                     e5m2=True, interpret=True)
     want_q, want_w = fp4_q_operand_e5m2(q, w, columns)
     assert got_q.dtype == jnp.float8_e5m2 == want_q.dtype
     np.testing.assert_array_equal(np.asarray(got_q, np.float32), np.asarray(want_q, np.float32))

@@ -283,7 +283,10 @@ MAX_CLUSTER = 8     # portable thread-block cluster size
 # the harness: B = 64 x 128K 88.9 us (register path) -> 82.5 (converter 2 + rows; 84.4 with 1 slot, 107.9 with
 # 3), B = 1 x 1M 25.8 -> 22.2, B = 16 x 128K 33.3 -> 32.6. Counted offline (benchmarks/mosaic_offline.py): the
 # converter loop issues 279 SASS a block with "rows" against 429 with "fragments".
-MOSAIC_CONFIG = dict(q_prep="triton", epilogue="full", fp4_converter=2, fp4_tables="registers", fp4_layout="auto")
+# q_prep_heads: heads a program of the "triton" q preparation (`q_prep.HEAD_BLOCK`; session 54: one program a row
+# before, 64 heads)
+MOSAIC_CONFIG = dict(q_prep="triton", epilogue="full", fp4_converter=2, fp4_tables="registers", fp4_layout="auto",
+                     q_prep_heads=16)
 FP4_TABLES = ("registers", "shared")
 FP4_LAYOUTS = ("auto", "fragments", "rows")
 FINALS = ("auto", "cluster", "triton", "last")
@@ -976,7 +979,8 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         if q_prep == "triton":   # one kernel: the codes (f16, or e4m3 for "fp8") and w x s
             from .q_prep import q_prep_fp8
 
-            q_op, wf = q_prep_fp8(qf.reshape(R, hp, d), wf.reshape(R, hp), f16=f16, interpret=bool(interpret))
+            q_op, wf = q_prep_fp8(qf.reshape(R, hp, d), wf.reshape(R, hp), f16=f16, interpret=bool(interpret),
+                                  head_block=MOSAIC_CONFIG["q_prep_heads"])
         else:
             q_op, q_scale = quantize_q_fp8(qf, "fp8")           # exact for a fake-quantized q
             wf = wf * q_scale
@@ -991,11 +995,12 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         _, columns = register_plan(64, "e5m2")
         if rows_layout:   # fp4_layout "rows": channel c in column c
             columns = np.arange(128, dtype=np.int32)
-        if q_prep == "triton":   # one kernel
+        if q_prep == "triton":   # one kernel (no permutation MMA in the rows layout)
             from .q_prep import column_permutation, q_prep_fp4
 
-            q_op, wf = q_prep_fp4(qf.reshape(R, hp, d), wf.reshape(R, hp), column_permutation(columns), e5m2=True,
-                                  interpret=bool(interpret))
+            perm = None if rows_layout else column_permutation(columns)
+            q_op, wf = q_prep_fp4(qf.reshape(R, hp, d), wf.reshape(R, hp), perm, e5m2=True, interpret=bool(interpret),
+                                  head_block=MOSAIC_CONFIG["q_prep_heads"])
         else:
             q_op, wf = fp4_q_operand_e5m2(qf, wf, columns)
             q_op = q_op.reshape(R, hp, d)
@@ -1007,7 +1012,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
             from .q_prep import column_permutation, q_prep_fp4
 
             q_op, wf = q_prep_fp4(qf.reshape(R, hp, d), wf.reshape(R, hp), column_permutation(columns),
-                                  interpret=bool(interpret))
+                                  interpret=bool(interpret), head_block=MOSAIC_CONFIG["q_prep_heads"])
         else:
             q_op, wf = fp4_q_operand(qf, wf, columns)
             q_op = q_op.reshape(R, hp, d)

@@ -11,7 +11,10 @@ per head by 2^e into f16 and its channels moved to the key operand's columns; se
 e4m3 codes and a power-of-two scale s) with the codes as the wgmma operand and s folded into the head weight
 (ReLU(s x) = s ReLU(x), s > 0). Written as jnp, XLA runs it as two or three small kernels a call (the per-head amax
 reduction, the codes, w x s): ~1.2-2 us each at B = 64 plus the gaps between them (session 40's kernel list). This
-kernel does it in one launch, one program per query row.
+kernel does it in one launch, one program per (query row, HEAD_BLOCK heads). Until session 54 a program took a
+whole row (64 heads), and the fp4 kernel also multiplied by the identity permutation in the converter's rows
+layout: 16-64 programs of 4 warps for a decode call, 6.1-6.5 us (fp4) and 2.4 us (fp8) on the H100; with 16 heads a
+program and no identity MMA 2.3-2.8 and 1.8 us (CUPTI, `benchmarks/results/h100_s54r*_ikern.log`).
 
 Equal to the XLA path bit for bit. The scale is formats' rule, s = 2^e with e = ceil(log2(max(amax, 1e-4) / 448)),
 computed without the division (`_pow2_exponent_bits`): with max(amax, 1e-4) = m 2^E (m in [1, 2)), e = E - 8 +
@@ -56,12 +59,21 @@ def _kernel(q_ref, w_ref, qo_ref, wo_ref, *, f16):
     wo_ref[0] = w_ref[0] * _exp2(e)
 
 
-def _per_row(kernel, q, w, consts, least_heads, q_dtype, name, num_warps, interpret):
-    """One program per query row r: kernel(q_ref [1, H, d], w_ref [1, H], *const_refs, qo_ref [1, H, d] q_dtype,
-    wo_ref [1, H] f32), consts whole to every program. H is padded with zero heads to a power of two >= least_heads
-    (a Triton block's dimensions are powers of two) and sliced off the outputs."""
+# heads per program: a row's heads are split over programs, so a decode call of R rows runs R x H / HEAD_BLOCK programs
+# (one program per row left 16-64 programs of 4 warps each to do a row's 64 x 128 values serially; module doc);
+# 16: the permutation's MMA takes >= 16 rows
+HEAD_BLOCK = 16
+
+
+def _per_block(kernel, q, w, consts, q_dtype, name, num_warps, interpret, hb):
+    """One program per (query row r, block of hb heads): kernel(q_ref [1, hb, d], w_ref [1, hb], *const_refs,
+    qo_ref [1, hb, d] q_dtype, wo_ref [1, hb] f32), consts whole to every program. H is padded with zero heads to a
+    multiple of the block (a power of two >= 16: a Triton block's dimensions are powers of two, and an MMA takes >= 16
+    rows) and sliced off the outputs."""
+    if hb < 16 or hb & (hb - 1):
+        raise ValueError(f"q_prep: the head block must be a power of two >= 16, got {hb}")
     R, H0, d = q.shape
-    hp = max(least_heads, 1 << (H0 - 1).bit_length())
+    hp = -(-H0 // hb) * hb
     q, w = q.astype(jnp.float32), w.astype(jnp.float32)
     if hp != H0:   # a zero head's operand and weight are 0
         q, w = jnp.pad(q, ((0, 0), (0, hp - H0), (0, 0))), jnp.pad(w, ((0, 0), (0, hp - H0)))
@@ -70,29 +82,34 @@ def _per_row(kernel, q, w, consts, least_heads, q_dtype, name, num_warps, interp
         from jax.experimental.pallas import triton as pltriton
 
         extra = dict(compiler_params=pltriton.CompilerParams(num_warps=num_warps))
-    whole = lambda c: pl.BlockSpec(c.shape, lambda r: (0,) * c.ndim)
+    whole = lambda c: pl.BlockSpec(c.shape, lambda r, j: (0,) * c.ndim)
     q_op, w_op = pl.pallas_call(
-        kernel, grid=(R,),
-        in_specs=[pl.BlockSpec((1, hp, d), lambda r: (r, 0, 0)), pl.BlockSpec((1, hp), lambda r: (r, 0))]
+        kernel, grid=(R, hp // hb),
+        in_specs=[pl.BlockSpec((1, hb, d), lambda r, j: (r, j, 0)), pl.BlockSpec((1, hb), lambda r, j: (r, j))]
                  + [whole(c) for c in consts],
-        out_specs=[pl.BlockSpec((1, hp, d), lambda r: (r, 0, 0)), pl.BlockSpec((1, hp), lambda r: (r, 0))],
+        out_specs=[pl.BlockSpec((1, hb, d), lambda r, j: (r, j, 0)), pl.BlockSpec((1, hb), lambda r, j: (r, j))],
         out_shape=[jax.ShapeDtypeStruct((R, hp, d), q_dtype), jax.ShapeDtypeStruct((R, hp), jnp.float32)],
         interpret=interpret, name=name, **extra,
     )(q, w, *consts)
     return q_op[:, :H0], w_op[:, :H0]
 
 
-@functools.partial(jax.jit, static_argnames=("f16", "interpret"))
-def q_prep_fp8(q, w, f16: bool = True, interpret: bool = False):
+def q_prep_fp8(q, w, f16: bool = True, interpret: bool = False, head_block: int | None = None):
     """q [R, H, d] float32, w [R, H] float32 -> (q_op [R, H, d] (f16 codes, or e4m3 with f16=False), w' [R, H]
-    f32): `gpu.quantize_q_fp8` + the weights' scale + the f16 conversion, in one kernel (module doc)."""
+    f32): `gpu.quantize_q_fp8` + the weights' scale + the f16 conversion, in one kernel (module doc); head_block
+    heads a program (None: HEAD_BLOCK)."""
     R, H0, d = q.shape
     if w.shape != (R, H0):
         raise ValueError(f"q_prep_fp8: w must be [R, H] = {(R, H0)}, got {w.shape}")
     if d & (d - 1):
         raise ValueError(f"q_prep_fp8: head_dim must be a power of two (a Triton block), got {d}")
-    return _per_row(functools.partial(_kernel, f16=f16), q, w, (), 1, jnp.float16 if f16 else jnp.float8_e4m3fn,
-                    "indexer_q_prep_fp8", 4 if H0 * d <= 8192 else 8, interpret)
+    return _q_prep_fp8(q, w, f16=f16, interpret=interpret, hb=HEAD_BLOCK if head_block is None else head_block)
+
+
+@functools.partial(jax.jit, static_argnames=("f16", "interpret", "hb"))
+def _q_prep_fp8(q, w, f16, interpret, hb):
+    return _per_block(functools.partial(_kernel, f16=f16), q, w, (), jnp.float16 if f16 else jnp.float8_e4m3fn,
+                      "indexer_q_prep_fp8", 4, interpret, hb)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -139,8 +156,10 @@ def fake_quantize_fp4_rows(q):
     return _round_e2m1(q * _exp2(-e_el)) * _exp2(e_el)
 
 
-def _kernel_fp4(q_ref, w_ref, perm_ref, qo_ref, wo_ref, *, e5m2=False):
-    q = q_ref[0]                                   # [H, d], channels in their own order
+def _kernel_fp4(q_ref, w_ref, *refs, e5m2=False):
+    """refs: (perm_ref,)? + (qo_ref, wo_ref); without perm_ref the channels stay in their order."""
+    *perm_ref, qo_ref, wo_ref = refs
+    q = q_ref[0]                                   # [hb, d], channels in their own order
     fq = fake_quantize_fp4_rows(q)
     if e5m2:   # precision "fp8": gpu.quantize_q_fp8's scale 2^(e - FP4_Q_SHIFT), e = the fp4 rule's exponent of
         e = jnp.clip(_pow2_exponent_bits(jnp.max(jnp.abs(fq), axis=1), E2M1_MAX, E2M1_AMAX_FLOOR), -100, 127)
@@ -148,9 +167,9 @@ def _kernel_fp4(q_ref, w_ref, perm_ref, qo_ref, wo_ref, *, e5m2=False):
     else:                     # head's groups span <= 28 binades
         e = _frexp_exponent(jnp.max(jnp.abs(fq), axis=1))     # the head's scale into its weight
     q16 = (fq * _exp2(-e)[:, None]).astype(jnp.float16)
-    # channels -> the key operand's columns: one f16 MMA with a 0/1 matrix, exact (one nonzero product a column)
-    moved = jnp.dot(q16, perm_ref[...], preferred_element_type=jnp.float32)
-    qo_ref[0] = moved.astype(jnp.float8_e5m2 if e5m2 else jnp.float16)
+    if perm_ref:   # channels -> the key operand's columns: one f16 MMA with a 0/1 matrix, exact (one nonzero
+        q16 = jnp.dot(q16, perm_ref[0][...], preferred_element_type=jnp.float32)   # product a column)
+    qo_ref[0] = q16.astype(jnp.float8_e5m2 if e5m2 else jnp.float16)
     wo_ref[0] = w_ref[0] * _exp2(e)
 
 
@@ -165,24 +184,30 @@ def column_permutation(columns):
     return jnp.asarray(p)
 
 
-@functools.partial(jax.jit, static_argnames=("e5m2", "interpret"))
-def q_prep_fp4(q, w, perm, e5m2: bool = False, interpret: bool = False):
+def q_prep_fp4(q, w, perm, e5m2: bool = False, interpret: bool = False, head_block: int | None = None):
     """q [R, H, d] float32 (raw, or already fake-quantized to fp4: the same result), w [R, H] f32, perm [d, d] f16
-    (`column_permutation`) -> (q_op [R, H, d] f16, w' [R, H] f32): per (row, head), q fake-quantized to fp4
-    (`formats.fake_quantize`: e2m1 codes, one power-of-two scale per 32 channels), divided by 2^e (e: frexp's
-    exponent of its largest magnitude) into f16, its channels moved to the key operand's columns; w' = w x 2^e.
+    (`column_permutation`) or None (the channels in their own order, as the converter's rows layout takes them: no
+    MMA) -> (q_op [R, H, d] f16, w' [R, H] f32): per (row, head), q fake-quantized to fp4 (`formats.fake_quantize`:
+    e2m1 codes, one power-of-two scale per 32 channels), divided by 2^e (e: frexp's exponent of its largest
+    magnitude) into f16, its channels moved to the key operand's columns; w' = w x 2^e.
     Equal bit for bit to `gpu_mosaic`'s jnp preparation of a fake-quantized q for |q| < 2^120.
     e5m2=True (the kernel's precision "fp8", session 45): q_op e5m2 codes of q / 2^(e - 13), e the fp4 rule's
     exponent of the head's amax (`gpu.quantize_q_fp8`), w' = w x 2^(e - 13); equal bit for bit to
-    `gpu_mosaic.fp4_q_operand_e5m2`."""
+    `gpu_mosaic.fp4_q_operand_e5m2`. head_block heads a program (None: HEAD_BLOCK)."""
     R, H0, d = q.shape
-    if w.shape != (R, H0) or perm.shape != (d, d):
-        raise ValueError(f"q_prep_fp4: w must be [R, H] = {(R, H0)} and perm [d, d] = {(d, d)}, got {w.shape}, "
-                         f"{perm.shape}")
+    if w.shape != (R, H0) or (perm is not None and perm.shape != (d, d)):
+        raise ValueError(f"q_prep_fp4: w must be [R, H] = {(R, H0)} and perm [d, d] = {(d, d)} or None, got "
+                         f"{w.shape}, {None if perm is None else perm.shape}")
     if d & (d - 1) or d % FP4_BLOCK:
         raise ValueError(f"q_prep_fp4: head_dim must be a power of two and a multiple of {FP4_BLOCK} (a Triton block "
                          f"of whole groups), got {d}")
-    # 16 heads at least: the permutation's MMA takes >= 16 rows
-    return _per_row(functools.partial(_kernel_fp4, e5m2=e5m2), q, w, (perm.astype(jnp.float16),), 16,
-                    jnp.float8_e5m2 if e5m2 else jnp.float16, "indexer_q_prep_fp4" + ("_e5m2" if e5m2 else ""),
-                    4, interpret)
+    return _q_prep_fp4(q, w, perm, e5m2=e5m2, interpret=interpret,
+                       hb=HEAD_BLOCK if head_block is None else head_block)
+
+
+@functools.partial(jax.jit, static_argnames=("e5m2", "interpret", "hb"))
+def _q_prep_fp4(q, w, perm, e5m2, interpret, hb):
+    consts = () if perm is None else (perm.astype(jnp.float16),)
+    return _per_block(functools.partial(_kernel_fp4, e5m2=e5m2), q, w, consts,
+                      jnp.float8_e5m2 if e5m2 else jnp.float16, "indexer_q_prep_fp4" + ("_e5m2" if e5m2 else ""),
+                      4, interpret, hb)
