@@ -99,6 +99,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from . import formats
+from .q_prep import HEAD_BLOCK as Q_PREP_HEAD_BLOCK
 
 N_SM_H200 = 132
 # splits of the key range: ~2 CTAs per SM, all resident at once (a second wave of CTAs cost 20-25%: B = 64 x 128K,
@@ -283,10 +284,10 @@ MAX_CLUSTER = 8     # portable thread-block cluster size
 # the harness: B = 64 x 128K 88.9 us (register path) -> 82.5 (converter 2 + rows; 84.4 with 1 slot, 107.9 with
 # 3), B = 1 x 1M 25.8 -> 22.2, B = 16 x 128K 33.3 -> 32.6. Counted offline (benchmarks/mosaic_offline.py): the
 # converter loop issues 279 SASS a block with "rows" against 429 with "fragments".
-# q_prep_heads: heads a program of the "triton" q preparation (`q_prep.HEAD_BLOCK`; session 54: one program a row
-# before, 64 heads)
+# q_prep_heads: heads a program of the "triton" q preparation (default `q_prep.HEAD_BLOCK`; session 54: one program
+# a row before, 64 heads)
 MOSAIC_CONFIG = dict(q_prep="triton", epilogue="full", fp4_converter=2, fp4_tables="registers", fp4_layout="auto",
-                     q_prep_heads=16)
+                     q_prep_heads=Q_PREP_HEAD_BLOCK)
 FP4_TABLES = ("registers", "shared")
 FP4_LAYOUTS = ("auto", "fragments", "rows")
 FINALS = ("auto", "cluster", "triton", "last")

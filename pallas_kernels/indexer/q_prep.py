@@ -94,16 +94,16 @@ def _per_block(kernel, q, w, consts, q_dtype, name, num_warps, interpret, hb):
     return q_op[:, :H0], w_op[:, :H0]
 
 
-def q_prep_fp8(q, w, f16: bool = True, interpret: bool = False, head_block: int | None = None):
+def q_prep_fp8(q, w, f16: bool = True, interpret: bool = False, head_block: int = HEAD_BLOCK):
     """q [R, H, d] float32, w [R, H] float32 -> (q_op [R, H, d] (f16 codes, or e4m3 with f16=False), w' [R, H]
     f32): `gpu.quantize_q_fp8` + the weights' scale + the f16 conversion, in one kernel (module doc); head_block
-    heads a program (None: HEAD_BLOCK)."""
+    heads a program."""
     R, H0, d = q.shape
     if w.shape != (R, H0):
         raise ValueError(f"q_prep_fp8: w must be [R, H] = {(R, H0)}, got {w.shape}")
     if d & (d - 1):
         raise ValueError(f"q_prep_fp8: head_dim must be a power of two (a Triton block), got {d}")
-    return _q_prep_fp8(q, w, f16=f16, interpret=interpret, hb=HEAD_BLOCK if head_block is None else head_block)
+    return _q_prep_fp8(q, w, f16=f16, interpret=interpret, hb=head_block)
 
 
 @functools.partial(jax.jit, static_argnames=("f16", "interpret", "hb"))
@@ -184,7 +184,7 @@ def column_permutation(columns):
     return jnp.asarray(p)
 
 
-def q_prep_fp4(q, w, perm, e5m2: bool = False, interpret: bool = False, head_block: int | None = None):
+def q_prep_fp4(q, w, perm, e5m2: bool = False, interpret: bool = False, head_block: int = HEAD_BLOCK):
     """q [R, H, d] float32 (raw, or already fake-quantized to fp4: the same result), w [R, H] f32, perm [d, d] f16
     (`column_permutation`) or None (the channels in their own order, as the converter's rows layout takes them: no
     MMA) -> (q_op [R, H, d] f16, w' [R, H] f32): per (row, head), q fake-quantized to fp4 (`formats.fake_quantize`:
@@ -193,7 +193,7 @@ def q_prep_fp4(q, w, perm, e5m2: bool = False, interpret: bool = False, head_blo
     Equal bit for bit to `gpu_mosaic`'s jnp preparation of a fake-quantized q for |q| < 2^120.
     e5m2=True (the kernel's precision "fp8", session 45): q_op e5m2 codes of q / 2^(e - 13), e the fp4 rule's
     exponent of the head's amax (`gpu.quantize_q_fp8`), w' = w x 2^(e - 13); equal bit for bit to
-    `gpu_mosaic.fp4_q_operand_e5m2`. head_block heads a program (None: HEAD_BLOCK)."""
+    `gpu_mosaic.fp4_q_operand_e5m2`. head_block heads a program."""
     R, H0, d = q.shape
     if w.shape != (R, H0) or (perm is not None and perm.shape != (d, d)):
         raise ValueError(f"q_prep_fp4: w must be [R, H] = {(R, H0)} and perm [d, d] = {(d, d)} or None, got "
@@ -201,8 +201,7 @@ def q_prep_fp4(q, w, perm, e5m2: bool = False, interpret: bool = False, head_blo
     if d & (d - 1) or d % FP4_BLOCK:
         raise ValueError(f"q_prep_fp4: head_dim must be a power of two and a multiple of {FP4_BLOCK} (a Triton block "
                          f"of whole groups), got {d}")
-    return _q_prep_fp4(q, w, perm, e5m2=e5m2, interpret=interpret,
-                       hb=HEAD_BLOCK if head_block is None else head_block)
+    return _q_prep_fp4(q, w, perm, e5m2=e5m2, interpret=interpret, hb=head_block)
 
 
 @functools.partial(jax.jit, static_argnames=("e5m2", "interpret", "hb"))
