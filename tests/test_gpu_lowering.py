@@ -357,7 +357,14 @@ def lower_model_steps(model, cache, marker):
                                               core(2, 1, 8192, dict(idx_stream=True, n_splits=2), True),
                                               (2, 1, 8192, dict(idx_stream=True, fp8_dequant="consumers"), True),
                                               (2, 1, 8192, dict(idx_stream=True, fp8_dequant="producer"), True),
-                                              (1, 64, 60, dict(idx_stream=True), True)]))
+                                              (1, 64, 60, dict(idx_stream=True), True),
+                                              # the producer loads FP8 rows into registers (no staging)
+                                              core(3, 1, 512, dict(fp8_dequant="direct"), True),
+                                              (2, 1, 8192, dict(fp8_dequant="direct", n_splits=3, combine="xla"),
+                                               True),
+                                              (1, 64, 60, dict(fp8_dequant="direct", heads=128, conv_batch=1), True),
+                                              (3, 1, 512, dict(fp8_dequant="direct", block_k=32), True),
+                                              (2, 1, 8192, dict(fp8_dequant="direct", idx_stream=True), True)]))
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -485,6 +492,26 @@ def test_sparse_attention_mosaic_fp8_dequant_producer_rejects_what_it_cannot_do(
         sparse_attention_mosaic(*long, scale=0.1, n_splits=1, conv_batch=2, idx_stream=False)
     with pytest.raises(ValueError, match="producer, converter, consumer"):   # the shared default is (56, 56, 200)
         sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant="converter", conv_units=5, regs=(64, 64, 200))
+
+
+@full_tier
+def test_sparse_attention_mosaic_fp8_dequant_direct_rejects_what_it_cannot_do():
+    """fp8_dequant="direct" (the producer loads the rows into registers, no staging ring): FP8 pools with split_d,
+    block_k 64 or 32, no num_stages (nothing is staged), conv_batch within a step's passes (18 at block_k 64), and
+    a two-tile ring of 64 rows that leaves no room for a third tile."""
+    from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
+
+    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
+    bf16 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True)
+    with pytest.raises(ValueError, match="dequantizes FP8 pools"):
+        sparse_attention_mosaic(*(bf16[k] for k in keys), scale=0.1, fp8_dequant="direct")
+    fp8 = [make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)[k] for k in keys]
+    for opts, match in [(dict(block_k=128), "takes block_k=64"), (dict(split_d=False), "runs with split_d"),
+                        (dict(num_stages=2), "num_stages does not apply"), (dict(conv_batch=19), "conv_batch"),
+                        (dict(conv_batch=0), "conv_batch"), (dict(block_k=32, conv_batch=10), "conv_batch"),
+                        (dict(tile_slots=3), "shared memory .* over"), (dict(regs=(96, 208)), "regs must be")]:
+        with pytest.raises(ValueError, match=match):
+            sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant="direct", **opts)
 
 
 def test_sparse_attention_mosaic_fp8_overlap_needs_fp8_split_d():

@@ -76,7 +76,7 @@ def opts_id(opts):
         "_sd" if opts.get("split_d") else "", f"_{opts['fp8_convert']}" if "fp8_convert" in opts else "",
         f"_st{opts['num_stages']}" if "num_stages" in opts and "block_k" not in opts else "",
         "_ovl" if opts.get("fp8_overlap") else "",
-        {"producer": "_pdq", "converter": "_cvwg", "consumers": "_cons"}.get(opts.get("fp8_dequant"), ""),
+        {"producer": "_pdq", "converter": "_cvwg", "consumers": "_cons", "direct": "_direct"}.get(opts.get("fp8_dequant"), ""),
         f"_cu{opts['conv_units']}" if "conv_units" in opts else "",
         "_dg" if opts.get("fp8_chunk_order") == "diagonal" else "",
         f"_ts{opts['tile_slots']}" if "tile_slots" in opts else "",

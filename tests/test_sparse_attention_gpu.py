@@ -252,6 +252,17 @@ MOSAIC_CASES += [(*c[:7], dict(lazy_rescale=False, **c[7])) for c in [
     TILE_RING_CASES[0], TILE_RING_CASES[2], (3, 2, 128, 600, 128, 1024, dict(ragged=True, heads=128), {})]]
 
 
+# fp8_dequant="direct" (session 55): the producer loads the raw rows from global memory into registers and converts
+# them into a ring of 64-row bf16 tiles (no staging): every tile-ring case (num_stages does not apply), 32-row tiles,
+# each batch size from one chunk to a whole step, the "cvt" conversion, the streamed index ring, and B=16 HCA-8K
+DIRECT_CASES = [(*c[:7], {k: v for k, v in c[7].items() if k != "num_stages"}) for c in TILE_RING_CASES]
+MOSAIC_CASES += [(*c[:7], dict(fp8_dequant="direct", **c[7])) for c in DIRECT_CASES]
+MOSAIC_CASES += [(*c[:7], dict(fp8_dequant="direct", **o, **c[7])) for o in (
+    dict(block_k=32), dict(block_k=32, tile_slots=2), dict(conv_batch=1), dict(conv_batch=18),
+    dict(fp8_convert="cvt"), dict(idx_stream=True), dict(block_k=32, tile_slots=3)) for c in DIRECT_CASES[:3]]
+MOSAIC_CASES += [(16, 1, 128, 9000, 128, 8192, dict(ragged=True, fp8=True), dict(fp8_dequant="direct"))]
+
+
 # the index rows streamed through a ring of a few steps' entries (idx_stream; session 29): long lists with one or
 # two splits (the case the ring is for), many short splits (a source change within a CTA's first steps), all-invalid
 # and ragged lists, prefill (split_d, split_scores), 128 heads, pingpong, and each FP8 conversion path

@@ -164,7 +164,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
            regs=None, n_hg=1, split_scores=False, profile=None, cp_async=False, l2_ahead=0, ccomb=False,
            store_wait_read=False, idx_first=False, pingpong=False, cluster_early=False, split_d=False,
            fp8_convert="cvt", fp8_overlap=False, pdq=False, conv=False, conv_units=None, chunk_order="rows",
-           n_tiles=PDQ_TILES, conv_batch=1, lazy=False, idx_ring=0):
+           n_tiles=PDQ_TILES, conv_batch=1, lazy=False, idx_ring=0, direct=False):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -180,6 +180,11 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     read as they read a bf16 ring. conv (`fp8_dequant="converter"`): the same rings, but a fourth warpgroup (wg 3, 512
     threads per CTA) converts, so the producer only issues copies (staging slots released by the converter's 128
     arrivals) and regs is (producer, converter, consumer).
+    direct (FP8, split_d: `fp8_dequant="direct"`): no staging ring. The producer's 128 threads load each step's raw
+    rows from global memory into registers (16 B loads at the rows' own addresses, conv_batch chunks at a time),
+    convert them and store the bf16 rows into the tile ring (n_tiles tiles of bk rows; bk = 64 gives 128 B swizzle
+    tiles, which the consumers read exactly as a bf16 ring), as FlashMLA's FP8 decode producer does: no bulk copies
+    to issue and no staging round trip through shared memory, so two 64-row tiles fit next to q and the exchange.
     idx_ring (0 or the ring's depth in steps): 0 = the split's whole index lists land in shared memory at the start
     (one bulk copy, cleaned in place by the producer). n > 0 = streamed: shared memory holds the entries of n steps,
     a ring slot per step; the producer loads each step's entries from global memory a step ahead (one per thread,
@@ -200,8 +205,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
 
     n_src = len(srcs)
     n_in = 5 if fp8 else 3      # gmem refs per source
-    tiles = pdq or conv         # FP8 staging converted into a ring of bf16 tiles outside the consumers
-    assert not tiles or bk * (NOPE_DIM // 16 + ROPE_DIM // 8) == 128 * CONV_UNITS, bk
+    tiles = pdq or conv or direct   # FP8 rows converted into a ring of bf16 tiles outside the consumers
+    assert not (pdq or conv) or bk * (NOPE_DIM // 16 + ROPE_DIM // 8) == 128 * CONV_UNITS, bk
+    assert not direct or (split_d and bk in (32, 64)), (split_d, bk)
     conv_units = CONV_UNITS if conv_units is None else conv_units
     # the producer's share of each step's conversion: all of it (pdq), the units past conv_units (conv), or none
     p_units = (0, CONV_UNITS) if pdq else (conv_units, CONV_UNITS) if conv and conv_units < CONV_UNITS else None
@@ -227,6 +233,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
         elif pdq:   # full / empty: the bf16 tile ring's (producer -> consumers); st_bars: the staging slots' copies
             (q_smem, ring, nope_st, rope_st, scale_st, x_s, idx_smem), (q_bar, idx_bar), \
                 (st_bars, full_bars, empty_bars, cons_bar) = scratch
+        elif direct:   # the tile ring alone: the producer's registers are the staging
+            (q_smem, ring, x_s, idx_smem), (q_bar, idx_bar), (full_bars, empty_bars, cons_bar) = scratch
         elif fp8 and split_d:
             (q_smem, tile, nope_st, rope_st, scale_st, x_s, idx_smem), (q_bar, idx_bar), \
                 (full_bars, empty_bars, cons_bar) = scratch
@@ -530,8 +538,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             lane0 = mu.single_thread_predicate(mu.ThreadSubset.WARP)
             warp = arith.remui(arith.index_cast(index, mu.warp_idx(sync=True)), c(4))
 
-            if fp8:
+            if fp8 and not direct:
                 scale_st_ptr = mu.memref_ptr(scale_st)
+            if fp8:
                 scale_gptrs = [llvm.addrspacecast(llvm.PointerType.get(address_space=1), mu.memref_ptr(src_gmem[k][4]))
                                for k in range(n_src)]
 
@@ -560,6 +569,65 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                         arith.muli(slot, c(bk * 8)), arith.muli(r, c(8))))], i8)
                     src = mu.getelementptr(scale_gptrs[k], [arith.index_cast(i64, arith.muli(e, c(8)))], i8)
                     nvvm.cp_async_shared_global(dst, src, 8, nvvm.LoadCacheModifierKind.CA)
+
+            if direct:
+                nope_gptrs, rope_gptrs = ([llvm.addrspacecast(llvm.PointerType.get(address_space=1),
+                                                              mu.memref_ptr(src_gmem[k][part])) for k in range(n_src)]
+                                          for part in (2, 3))
+                v4i32 = ir.VectorType.get((4,), i32)
+
+            def direct_load(k, kind, p, src_row, lt):
+                """direct: pass p of a step (128 chunks of 16 B; the nope passes first, then the rope passes) for
+                this thread, loaded from global memory at its row's address. Nope: (row, chunk, 16 e4m3 as 4 x i32,
+                the chunk's 64-column scale byte as i32), as load_chunk returns from staging; rope: (row, chunk, 8
+                bf16), as load_rope. Invalid entries read row 0 (src_row), which the consumers mask out."""
+                v = arith.addi(lt, c(128 * p))
+                if kind == "nope":
+                    r, cb = chunk_coords(v, NOPE_DIM // 16)
+                    e = arith.index_cast(i64, src_row(r))
+                    at = arith.addi(arith.muli(e, arith.constant(i64, NOPE_DIM)), arith.index_cast(i64, arith.muli(cb, c(16))))
+                    raw = llvm.load(v4i32, mu.getelementptr(nope_gptrs[k], [at], i8), alignment=16)
+                    s_at = arith.addi(arith.muli(e, arith.constant(i64, SCALE_BYTES)),
+                                      arith.index_cast(i64, arith.divui(cb, c(4))))
+                    sbyte = arith.extui(i32, llvm.load(i8, mu.getelementptr(scale_gptrs[k], [s_at], i8)))
+                    return r, cb, raw, sbyte
+                r, ch = chunk_coords(v, ROPE_DIM // 8, "rows")   # a warp's 32 threads: 4 whole 128 B rows
+                e = arith.index_cast(i64, src_row(r))
+                at = arith.addi(arith.muli(e, arith.constant(i64, ROPE_DIM * 2)), arith.index_cast(i64, arith.muli(ch, c(16))))
+                raw = llvm.load(v4i32, mu.getelementptr(rope_gptrs[k], [at], i8), alignment=16)
+                return r, ch, vector.bitcast(ir.VectorType.get((8,), bf16), raw)
+
+            def direct_step(k, g, src_row):
+                """direct: step g of source k gathered, converted and stored into tile g % n_tiles. The first batch
+                of loads is issued before the wait for the tile (the loads need the rows, not the tile), so its
+                latency runs under that wait; each later batch's loads are issued after the previous batch's
+                stores (conv_batch chunks of 16 B live at once). Then each thread fences its stores for the async
+                proxy (wgmma) and arrives on the tile's full barrier (128 arrivals)."""
+                t_ = arith.remui(g, c(n_tiles))
+                # the thread's index as an opaque function of the step: every chunk's coordinates (row, chunk,
+                # swizzled offsets) depend only on it and the pass, and hoisted out of the step loop they are ~18 x 3
+                # values live through the loop, which spills the producer's registers (offline ptxas, session 55)
+                lt = arith.index_cast(index, llvm.inline_asm(
+                    i32, [arith.index_cast(i32, ptid), arith.index_cast(i32, g)], "mov.b32 $0, $1;", "=r,r,r"))
+                n_nope, n_rope = bk * (NOPE_DIM // 16) // 128, bk * (ROPE_DIM // 8) // 128
+                passes = [("nope", p_) for p_ in range(n_nope)] + [("rope", p_) for p_ in range(n_rope)]
+                batches = [passes[i:i + conv_batch] for i in range(0, len(passes), conv_batch)]
+                region = begin("p_load")
+                loaded = [direct_load(k, kind, p_, src_row, lt) for kind, p_ in batches[0]]
+                end(region)
+                region = begin("p_wait_tile")
+                with mu.when(arith.cmpi(arith.CmpIPredicate.uge, g, c(n_tiles))):
+                    empty_bars[t_].wait()
+                end(region)
+                region = begin("p_convert")
+                for bi, batch in enumerate(batches):
+                    if bi:
+                        loaded = [direct_load(k, kind, p_, src_row, lt) for kind, p_ in batch]
+                    for (kind, _p), ld in zip(batch, loaded):
+                        (store_chunk if kind == "nope" else store_rope)(ld, ring, (t_,))
+                nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)  # st.shared -> wgmma
+                full_bars[t_].arrive()
+                end(region)
 
             if cp_async:
                 ring_ptr = mu.memref_ptr(ring)
@@ -649,13 +717,14 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     nxt = raw_entry(k, arith.minsi(arith.addi(j, c(1)), arith.subi(ranges[k][1], c(1))))
                 if l2_ahead:   # the step whose slot frees l2_ahead steps from now: its rows into L2 now
                     prefetch_step(arith.addi(g, c(stages + l2_ahead)))
-                if not pdq:   # (pdq: this warpgroup converted the slot's last step itself, a barrier ago)
+                if not (pdq or direct):   # (pdq: this warpgroup converted the slot's last step itself, a barrier
+                    # ago; direct waits for its tile in direct_step, after the first loads)
                     region = begin("p_wait_empty")
                     with mu.when(arith.cmpi(arith.CmpIPredicate.uge, g, c(stages))):
                         (st_empty if conv else empty_bars)[slot].wait()
                     end(region)
                 region = begin("p_issue")
-                full = st_bars[slot] if tiles else full_bars[slot]
+                full = None if direct else st_bars[slot] if tiles else full_bars[slot]
                 off = arith.muli(arith.subi(j, ranges[k][2]), c(bk))
                 if idx_ring:
                     # the step's entries, cleaned as `entry` does, into ring slot u: the consumers that read the
@@ -672,6 +741,10 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     src_row = lambda r: ring_row(u, r)
                 else:
                     src_row = lambda r: row_of(k, arith.addi(off, r))
+                if direct:
+                    end(region)
+                    direct_step(k, g, src_row)
+                    return carry
                 if cp_async:
                     issue_cp_async(k, slot, full, off)
                     end(region)
@@ -1222,7 +1295,18 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     lead = ((bt, ns) if out_split else (bt,)) + (n_hg,)
     out_shape = (jax.ShapeDtypeStruct((*lead, BLOCK_H, d), jnp.bfloat16),
                  jax.ShapeDtypeStruct((*lead, BLOCK_H), jnp.float32))
-    if tiles:
+    if direct:
+        smem = (
+            (jax.ShapeDtypeStruct((BLOCK_H // 8, d // tc, 8, tc), jnp.bfloat16),     # q, then o
+             jax.ShapeDtypeStruct((n_tiles, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # the bf16 tile ring
+             jax.ShapeDtypeStruct((2, BLOCK_H // 8, bk // 32, 8, 32), jnp.float32),  # split_d's partials | sinks, lse
+             jax.ShapeDtypeStruct((idx_len,), jnp.int32)),
+            (mgpu.TMABarrier(1), mgpu.TMABarrier(1)),
+            # tile full: the 128 producer threads; tile empty / cons: the 256 consumer threads
+            (mgpu.Barrier(arrival_count=128, num_barriers=n_tiles),
+             mgpu.Barrier(arrival_count=256, num_barriers=n_tiles), mgpu.Barrier(arrival_count=256)),
+        )
+    elif tiles:
         smem = (
             (jax.ShapeDtypeStruct((BLOCK_H // 8, d // tc, 8, tc), jnp.bfloat16),     # q, then o
              jax.ShapeDtypeStruct((n_tiles, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # the bf16 tile ring
@@ -1310,7 +1394,7 @@ DEFAULT_FP8_CONVERT = "cvt"   # see `sparse_attention_mosaic`'s fp8_convert
 DEFAULT_FP8_OVERLAP = False   # see `sparse_attention_mosaic`'s fp8_overlap (H200, session 20: no faster)
 # fp8_chunk_order per fp8_dequant mode (see `sparse_attention_mosaic`): H200 session 25, the diagonal order takes
 # 10-18% off the converter mode and makes it the fastest FP8 path; the consumers' own conversion got slower with it
-DEFAULT_FP8_CHUNK_ORDER = {"consumers": "rows", "producer": "diagonal", "converter": "diagonal"}
+DEFAULT_FP8_CHUNK_ORDER = {"consumers": "rows", "producer": "diagonal", "converter": "diagonal", "direct": "diagonal"}
 DEFAULT_FP8_DEQUANT = "converter"   # see `sparse_attention_mosaic`'s fp8_dequant (H200 session 25, diagonal order)
 DEFAULT_L2_AHEAD = 0      # L2 prefetch distance in steps (see `sparse_attention_mosaic`'s l2_ahead)
 DEFAULT_PRODUCER = "tma"   # the bf16 ring's gather (see `sparse_attention_mosaic`'s producer)
@@ -1366,6 +1450,12 @@ def _device_ordinal(x):
 LAUNCH_REGS = 168   # registers per thread a 384-thread CTA starts with: 65536 / 384, rounded down to a multiple of 8
 CONV_REGS = (40, 56, 208)   # fp8_dequant="converter": (producer, converter, consumer); 512 threads start with 128 each
 CONV_SHARED_REGS = (56, 56, 200)   # ... with conv_units < CONV_UNITS: the producer converts too
+# fp8_dequant="direct": (producer, consumer) registers. The producer holds a batch of loaded chunks (4 registers each,
+# + a scale byte) next to its addresses. Offline ptxas (session 55, CSA decode, block_k 64): bf16's consumers spill
+# 36 B at 208 (0 at 224); the direct kernel spills 84 B with batches of 2-6 chunks, 232 B with 9, 904 B with 18, and
+# more where the producer has fewer registers (432 B at 56, batch 2)
+DIRECT_REGS = (80, 208)
+DIRECT_BATCH = 6   # fp8_dequant="direct": conv_batch's default, 16 B chunks loaded at once (a 64-row step has 18)
 
 
 def check_conv_regs(regs, shared=False):
@@ -1579,6 +1669,14 @@ def sparse_attention_mosaic(
     conv_units=5, diagonal order): both converting warpgroups idle a third of their span while the consumers still
     wait ~660 cycles a step for a tile, which a deeper ring may hide. Timed in session 26: no faster (CSA B=64 31.1
     vs 31.4 us, B=128 49.6 vs 47.9, with conv_batch=3), and HCA-8K B=64 20% slower for the staging slot it takes.
+    fp8_dequant="direct" (session 55; FlashMLA's FP8 decode kernel keeps its producer in this shape): no staging
+    ring and no bulk copies of raw rows. The producer's 128 threads load each step's rows from global memory into
+    registers (16 B loads at each row's own address, conv_batch chunks at a time, default DIRECT_BATCH), convert
+    them and store the bf16 rows into a ring of tile_slots bf16 tiles (default 2 of block_k = 64 rows: without
+    staging, two 64-row tiles fit next to q and split_d's 32 KB exchange), which the consumers read exactly as
+    they read a bf16 ring. The point: the other modes stage 32-row steps (a third of shared memory is staging), so
+    their consumers run m64n32 steps at ~3300 cycles per 32 rows, against ~2350 for bf16's 64-row steps (session
+    26). regs default DIRECT_REGS. block_k=32 takes 4 tiles. split_d only.
     conv_batch (fp8_dequant="producer" / "converter"; None = DEFAULT_CONV_BATCH): chunks a converting thread loads
     before it converts and stores them. 1 = a loop over the step's passes, one 16-byte chunk at a time; there
     every chunk's loads wait for the previous chunk's stores (shared loads and stores may alias, so they stay in
@@ -1616,9 +1714,14 @@ def sparse_attention_mosaic(
         if split_d is False or split_scores or pingpong or fp8_overlap or _diag is not None:
             return (f"fp8_dequant={mode!r} runs with split_d (the consumers' bf16 steps), without split_scores / "
                     "pingpong / fp8_overlap / _diag")
-        if (block_k or 32) != 32:
+        if mode == "direct":
+            if (block_k or 64) not in (32, 64):
+                return f"fp8_dequant='direct' takes block_k=64 (the default) or 32, got {block_k}"
+            if num_stages is not None:
+                return "fp8_dequant='direct' stages nothing in shared memory: num_stages does not apply"
+        elif (block_k or 32) != 32:
             return (f"fp8_dequant={mode!r} takes block_k=32 (two bf16 tiles of 64 rows do not fit in shared "
-                    f"memory), got {block_k}")
+                    f"memory next to the staging ring), got {block_k}")
         if mode == "converter" and regs is not None and len(regs) != 3:
             return (f"fp8_dequant='converter' takes regs as (producer, converter, consumer), got {tuple(regs)} "
                     "(a (producer, consumer) split is the 384-thread kernel's)")
@@ -1628,10 +1731,11 @@ def sparse_attention_mosaic(
     if fp8_dequant is None:   # the default where it applies; the consumers convert where an option needs them to
         default_fits = DEFAULT_FP8_DEQUANT == "consumers" or tile_ring_conflict(DEFAULT_FP8_DEQUANT) is None
         fp8_dequant = DEFAULT_FP8_DEQUANT if default_fits else "consumers"
-    if fp8_dequant not in ("consumers", "producer", "converter"):
-        raise ValueError(f"fp8_dequant must be 'consumers', 'producer' or 'converter', got {fp8_dequant!r}")
+    if fp8_dequant not in ("consumers", "producer", "converter", "direct"):
+        raise ValueError(f"fp8_dequant must be 'consumers', 'producer', 'converter' or 'direct', got {fp8_dequant!r}")
     pdq = fp8_dequant == "producer"
     conv = fp8_dequant == "converter"
+    direct = fp8_dequant == "direct"
     fp8_chunk_order = fp8_chunk_order or DEFAULT_FP8_CHUNK_ORDER[fp8_dequant]
     if fp8_chunk_order not in ("rows", "diagonal"):
         raise ValueError(f"fp8_chunk_order must be 'rows' or 'diagonal', got {fp8_chunk_order!r}")
@@ -1644,20 +1748,29 @@ def sparse_attention_mosaic(
 
     check_ring_knob("conv_units", conv_units, 1, CONV_UNITS,
                     f"the converter warpgroup's share of a step's {CONV_UNITS} conversion passes", ("converter",))
-    check_ring_knob("tile_slots", tile_slots, 2, 4, "the bf16 tile ring's depth", ("producer", "converter"))
-    check_ring_knob("conv_batch", conv_batch, 1, CONV_UNITS, "the chunks a converting thread loads at once",
-                    ("producer", "converter"))
+    check_ring_knob("tile_slots", tile_slots, 2, 4, "the bf16 tile ring's depth", ("producer", "converter", "direct"))
+    if direct:   # a step of block_k rows is block_k * 36 / 128 passes of 128 chunks
+        check_ring_knob("conv_batch", conv_batch, 1, (block_k or 64) * 36 // 128,
+                        "the chunks a producer thread loads at once", ("direct",))
+    else:
+        check_ring_knob("conv_batch", conv_batch, 1, CONV_UNITS, "the chunks a converting thread loads at once",
+                        ("producer", "converter"))
     conv_shared = conv and conv_units is not None and conv_units < CONV_UNITS
     n_tiles = PDQ_TILES if tile_slots is None else tile_slots
     if lazy_rescale is not None and not isinstance(lazy_rescale, bool):
         raise ValueError(f"lazy_rescale must be a bool or None, got {lazy_rescale!r}")
-    tiles = pdq or conv   # the bf16 tile ring with 32-row steps
+    tiles = pdq or conv or direct   # the bf16 tile ring (32-row steps; direct: 64 by default)
     if tiles:
         conflict = tile_ring_conflict(fp8_dequant)
         if conflict:
             raise ValueError(conflict)
-        block_k, split_d = 32, True
-        num_stages = PDQ_STAGING if num_stages is None else num_stages
+        if direct:   # no staging ring (num_stages = 1 only sizes the index ring's depth)
+            block_k, split_d, num_stages = block_k or 64, True, 1
+            if tile_slots is None and block_k == 32:
+                n_tiles = 4
+        else:
+            block_k, split_d = 32, True
+            num_stages = PDQ_STAGING if num_stages is None else num_stages
         fp8_convert = fp8_convert or "rebias"
     out_dtype = jnp.dtype(out_dtype or q.dtype)
     combine = resolve_combine(combine, out_dtype)
@@ -1735,8 +1848,8 @@ def sparse_attention_mosaic(
     if bk == 32 and producer == "tma" and not fp8:
         raise ValueError("block_k=32 (64 B swizzle) needs producer='cp_async': a 64 B row of a 64 B-swizzled tile "
                          "is not 128 B aligned, as a bulk tensor copy's destination must be")
-    ring_bytes = stages * bk * (NOPE_STRIDE + 2 * ROPE_DIM + SCALE_BYTES) + (n_tiles if tiles else 1) * bk * d * 2 \
-        if fp8 else stages * bk * d * 2
+    ring_bytes = (0 if direct else stages * bk * (NOPE_STRIDE + 2 * ROPE_DIM + SCALE_BYTES)) + \
+        (n_tiles if tiles else 1) * bk * d * 2 if fp8 else stages * bk * d * 2
 
     def exchange_bytes():
         """The consumers' exchange buffers: split_scores' P halves, maxima and sums; split_d's two f32 [64, bk]
@@ -1769,7 +1882,7 @@ def sparse_attention_mosaic(
         # failed in Mosaic's own (232552 > 232448 B)
         idx_bytes = idx_ring_steps * bk * 4 if stream else sum(idx_rows) * 4
         smem = BLOCK_H * d * 2 + ring_bytes + idx_bytes + 2 * BLOCK_H * 4 + exchange_bytes() + \
-            (3 + 2 * stages + (2 * n_tiles if tiles else 0) + (stages if conv else 0)) * 8 + \
+            (3 + (0 if direct else 2 * stages) + (2 * n_tiles if tiles else 0) + (stages if conv else 0)) * 8 + \
             ((4 if conv else 3) * 4 * prof_entries + 1024 if _profile else 0)   # + the profiler's alignment
         if smem > SMEM_BUDGET and idx_stream is None and ring_ok and not stream:
             # the split's whole lists do not fit next to the rest: stream them, at the default split count
@@ -1825,13 +1938,14 @@ def sparse_attention_mosaic(
     lazy_rescale = lazy_rescale and not split_scores
     profile = None if _profile is None else (prof_entries, str(_profile))
     kernel = _build(bt, ns, d, bk, stages, bps, meta, idx_rows, float(scale) * LOG2E, ns > 1 and not ccomb, fp8,
-                    _diag, check_conv_regs(regs, conv_shared) if conv else check_regs(regs), n_hg,
+                    _diag, check_conv_regs(regs, conv_shared) if conv else check_regs(
+                        DIRECT_REGS if direct and regs is None else regs), n_hg,
                     bool(split_scores), profile, producer == "cp_async", l2_ahead,
                     ccomb, store_wait == "read", DEFAULT_IDX_FIRST if idx_first is None else bool(idx_first),
                     pingpong, cluster_loads == "early", split_d, fp8_convert, fp8_overlap, pdq, conv,
                     conv_units if conv else None, fp8_chunk_order, n_tiles,
-                    DEFAULT_CONV_BATCH if conv_batch is None else conv_batch, lazy_rescale,
-                    idx_ring_steps if stream else 0)
+                    (DIRECT_BATCH if direct else DEFAULT_CONV_BATCH) if conv_batch is None else conv_batch,
+                    lazy_rescale, idx_ring_steps if stream else 0, direct)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1 and not ccomb:
         o, lse = combine_lib.combine(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h), sinks.astype(jnp.float32),
