@@ -362,7 +362,10 @@ def lower_model_steps(model, cache, marker):
                                               core(3, 1, 512, dict(fp8_dequant="direct"), True),
                                               (2, 1, 8192, dict(fp8_dequant="direct", n_splits=3, combine="xla"),
                                                True),
-                                              (1, 64, 60, dict(fp8_dequant="direct", heads=128, conv_batch=1), True),
+                                              (1, 64, 60, dict(fp8_dequant="direct", heads=128, conv_batch=1,
+                                                               direct_staging="registers"), True),
+                                              (3, 1, 512, dict(fp8_dequant="direct", direct_staging="registers"),
+                                               True),
                                               (3, 1, 512, dict(fp8_dequant="direct", block_k=32), True),
                                               (2, 1, 8192, dict(fp8_dequant="direct", idx_stream=True), True)]))
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
@@ -509,9 +512,13 @@ def test_sparse_attention_mosaic_fp8_dequant_direct_rejects_what_it_cannot_do():
     for opts, match in [(dict(block_k=128), "takes block_k=64"), (dict(split_d=False), "runs with split_d"),
                         (dict(num_stages=2), "num_stages does not apply"), (dict(conv_batch=19), "conv_batch"),
                         (dict(conv_batch=0), "conv_batch"), (dict(block_k=32, conv_batch=10), "conv_batch"),
+                        (dict(conv_batch=4), "direct_staging='tile'"), (dict(direct_staging="smem"), "must be"),
+                        (dict(block_k=32, direct_staging="tile"), "direct_staging='tile'"),
                         (dict(tile_slots=3), "shared memory .* over"), (dict(regs=(96, 208)), "regs must be")]:
         with pytest.raises(ValueError, match=match):
             sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant="direct", **opts)
+    with pytest.raises(ValueError, match="direct_staging applies"):
+        sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant="converter", direct_staging="tile")
 
 
 def test_sparse_attention_mosaic_fp8_overlap_needs_fp8_split_d():

@@ -81,7 +81,8 @@ def opts_id(opts):
         "_dg" if opts.get("fp8_chunk_order") == "diagonal" else "",
         f"_ts{opts['tile_slots']}" if "tile_slots" in opts else "",
         f"_cb{opts['conv_batch']}" if "conv_batch" in opts else "", {True: "_lazy", False: "_eager"}.get(opts.get("lazy_rescale"), ""),
-        {True: "_ist", False: "_noist"}.get(opts.get("idx_stream"), "")])
+        {True: "_ist", False: "_noist"}.get(opts.get("idx_stream"), ""),
+        {"registers": "_dsreg", "tile": "_dstile"}.get(opts.get("direct_staging"), "")])
 
 
 def call(fn, inp, **kw):

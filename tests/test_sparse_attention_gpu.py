@@ -258,9 +258,13 @@ MOSAIC_CASES += [(*c[:7], dict(lazy_rescale=False, **c[7])) for c in [
 DIRECT_CASES = [(*c[:7], {k: v for k, v in c[7].items() if k != "num_stages"}) for c in TILE_RING_CASES]
 MOSAIC_CASES += [(*c[:7], dict(fp8_dequant="direct", **c[7])) for c in DIRECT_CASES]
 MOSAIC_CASES += [(*c[:7], dict(fp8_dequant="direct", **o, **c[7])) for o in (
-    dict(block_k=32), dict(block_k=32, tile_slots=2), dict(conv_batch=1), dict(conv_batch=18),
-    dict(fp8_convert="cvt"), dict(idx_stream=True), dict(block_k=32, tile_slots=3)) for c in DIRECT_CASES[:3]]
+    dict(block_k=32), dict(block_k=32, tile_slots=2), dict(fp8_convert="cvt"), dict(idx_stream=True),
+    dict(block_k=32, tile_slots=3), dict(direct_staging="tile", lazy_rescale=False)) for c in DIRECT_CASES[:3]]
 MOSAIC_CASES += [(16, 1, 128, 9000, 128, 8192, dict(ragged=True, fp8=True), dict(fp8_dequant="direct"))]
+# ... with the raw rows in the producer's registers instead of the tile (direct_staging; the default is "tile")
+MOSAIC_CASES += [(*c[:7], dict(fp8_dequant="direct", direct_staging="registers", **c[7])) for c in DIRECT_CASES]
+MOSAIC_CASES += [(*c[:7], dict(fp8_dequant="direct", direct_staging="registers", conv_batch=b, **c[7]))
+                 for b in (1, 18) for c in DIRECT_CASES[:3]]
 
 
 # the index rows streamed through a ring of a few steps' entries (idx_stream; session 29): long lists with one or

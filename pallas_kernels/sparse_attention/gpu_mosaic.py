@@ -164,7 +164,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
            regs=None, n_hg=1, split_scores=False, profile=None, cp_async=False, l2_ahead=0, ccomb=False,
            store_wait_read=False, idx_first=False, pingpong=False, cluster_early=False, split_d=False,
            fp8_convert="cvt", fp8_overlap=False, pdq=False, conv=False, conv_units=None, chunk_order="rows",
-           n_tiles=PDQ_TILES, conv_batch=1, lazy=False, idx_ring=0, direct=False):
+           n_tiles=PDQ_TILES, conv_batch=1, lazy=False, idx_ring=0, direct=False, direct_tile=False):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -185,6 +185,11 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     convert them and store the bf16 rows into the tile ring (n_tiles tiles of bk rows; bk = 64 gives 128 B swizzle
     tiles, which the consumers read exactly as a bf16 ring), as FlashMLA's FP8 decode producer does: no bulk copies
     to issue and no staging round trip through shared memory, so two 64-row tiles fit next to q and the exchange.
+    direct_tile (direct, bk = 64): the raw rows are staged in the tile they will be converted into instead of in
+    registers: 16 B cp.async copies (no registers held while they fly) put a step's raw nope rows and scales into
+    the tile's pieces DIRECT_RAW_PIECE.. (unswizzled 128 B row slots) and its rope rows straight into their final
+    place (piece 7, swizzled); the producer converts the chunks bound for the pieces below the raw area from it,
+    holds the rest in registers, and after a warpgroup barrier stores those over the raw area.
     idx_ring (0 or the ring's depth in steps): 0 = the split's whole index lists land in shared memory at the start
     (one bulk copy, cleaned in place by the producer). n > 0 = streamed: shared memory holds the entries of n steps,
     a ring slot per step; the producer loads each step's entries from global memory a step ahead (one per thread,
@@ -208,6 +213,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     tiles = pdq or conv or direct   # FP8 rows converted into a ring of bf16 tiles outside the consumers
     assert not (pdq or conv) or bk * (NOPE_DIM // 16 + ROPE_DIM // 8) == 128 * CONV_UNITS, bk
     assert not direct or (split_d and bk in (32, 64)), (split_d, bk)
+    assert not direct_tile or (direct and bk == 64), (direct, bk)   # 128 B swizzle: (8, 64) tiles
     conv_units = CONV_UNITS if conv_units is None else conv_units
     # the producer's share of each step's conversion: all of it (pdq), the units past conv_units (conv), or none
     p_units = (0, CONV_UNITS) if pdq else (conv_units, CONV_UNITS) if conv and conv_units < CONV_UNITS else None
@@ -629,6 +635,98 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 full_bars[t_].arrive()
                 end(region)
 
+            if direct_tile:
+                tile_ptr = mu.memref_ptr(ring)
+                raw_p0 = DIRECT_RAW_PIECE                 # the raw nope rows' first piece (8 chunks a piece)
+                n_low = raw_p0 * 4                        # chunks converted from the raw area (pieces < raw_p0)
+                n_high = NOPE_DIM // 16 - n_low           # chunks held in registers across the barrier
+                # the scales' 16 B slot in the raw area's last piece: the first one chunks 24-27 leave free (as
+                # chunk 28 would sit, XOR-ed with the row like the chunks)
+                scale_at = ((NOPE_DIM // 16) % 8) * 16
+
+            def direct_tile_step(k, g, src_row):
+                """direct_tile: step g of source k, staged in tile g % n_tiles itself (see _build's direct_tile).
+                Thread t works on row t % 64 alone, half h = t // 64 of it (h is warp-uniform): one index load a step,
+                copies at fixed offsets from the row's addresses. Raw nope chunk c of row r sits at byte
+                16 ((c % 8) ^ (r % 8)) of r's 128 B slot in piece DIRECT_RAW_PIECE + c // 8 (the XOR keeps a
+                copy's and a read's 8 rows of a shared-memory phase on 8 distinct 16-byte slots), the row's 8 scale
+                bytes after chunks 24-27. Then: the copies land (cp.async wait + warpgroup barrier); each thread
+                reads its row's chunks bound for pieces >= DIRECT_RAW_PIECE into registers and converts the others
+                (chunks h, h + 2, ..: 8 consecutive rows, one chunk, per phase: conflict-free for the swizzled
+                stores too); a warpgroup barrier; it stores the held ones over the raw area; proxy fence; the
+                tile's full barrier (128 arrivals)."""
+                t_ = arith.remui(g, c(n_tiles))
+                lt = arith.index_cast(index, llvm.inline_asm(   # opaque in g, as in direct_step
+                    i32, [arith.index_cast(i32, ptid), arith.index_cast(i32, g)], "mov.b32 $0, $1;", "=r,r,r"))
+                r = arith.remui(lt, c(bk))
+                h = arith.divui(lt, c(bk))
+                r8x16 = arith.muli(arith.remui(r, c(8)), c(16))
+                row_base = arith.addi(arith.muli(t_, c(bk * d * 2)), arith.addi(
+                    arith.muli(arith.divui(r, c(8)), c(pieces * 8 * swz)), arith.muli(arith.remui(r, c(8)), c(swz))))
+
+                def sptr(p_, byte):   # row r's 128 B slot of piece p_ of the tile, + byte (index)
+                    return mu.getelementptr(tile_ptr, [arith.index_cast(i32, arith.addi(
+                        row_base, arith.addi(c(p_ * 8 * swz), byte)))], i8)
+
+                def raw_byte(cc):     # chunk cc's (static) byte in its raw slot
+                    return arith.xori(c((cc % 8) * 16), r8x16)
+
+                region = begin("p_wait_tile")
+                with mu.when(arith.cmpi(arith.CmpIPredicate.uge, g, c(n_tiles))):
+                    empty_bars[t_].wait()
+                end(region)
+                region = begin("p_issue")
+                e = arith.index_cast(i64, src_row(r))
+                ncb = NOPE_DIM // 16
+                nope_row = mu.getelementptr(nope_gptrs[k], [arith.muli(e, arith.constant(i64, NOPE_DIM))], i8)
+                rope_row = mu.getelementptr(rope_gptrs[k], [arith.muli(e, arith.constant(i64, ROPE_DIM * 2))], i8)
+                scale_row = mu.getelementptr(scale_gptrs[k], [arith.muli(e, arith.constant(i64, SCALE_BYTES))], i8)
+                n_rope = ROPE_DIM // 8
+                for hh in range(2):   # warp-uniform branches: static chunk numbers in each
+                    with mu.when(arith.cmpi(arith.CmpIPredicate.eq, h, c(hh))):
+                        for cc in range(hh * ncb // 2, (hh + 1) * ncb // 2):
+                            nvvm.cp_async_shared_global(
+                                sptr(raw_p0 + cc // 8, raw_byte(cc)),
+                                mu.getelementptr(nope_row, [arith.constant(i64, cc * 16)], i8), 16,
+                                nvvm.LoadCacheModifierKind.CG)
+                        for j in range(hh * n_rope // 2, (hh + 1) * n_rope // 2):   # rope: its final place
+                            nvvm.cp_async_shared_global(
+                                sptr(pieces - 1, arith.xori(c(j * 16), r8x16)),
+                                mu.getelementptr(rope_row, [arith.constant(i64, j * 16)], i8), 16,
+                                nvvm.LoadCacheModifierKind.CG)
+                        if hh == 0:
+                            nvvm.cp_async_shared_global(sptr(raw_p0 + (ncb - 1) // 8, raw_byte(scale_at // 16)), scale_row, 8,
+                                                        nvvm.LoadCacheModifierKind.CA)
+                nvvm.cp_async_commit_group()
+                end(region)
+                region = begin("p_wait_raw")
+                nvvm.cp_async_wait_group(0)
+                mu.warpgroup_barrier()                    # every thread's copies landed
+                end(region)
+                region = begin("p_convert")
+                scales = llvm.load(i64, sptr(raw_p0 + (ncb - 1) // 8, raw_byte(scale_at // 16)), alignment=8)
+
+                def raw_chunk(i):
+                    """Chunk h + 2 i of row r from the raw area: (r, chunk, 4 x i32, its scale byte as i32)."""
+                    cb = arith.addi(h, c(2 * i))
+                    byte = arith.xori(arith.muli(arith.remui(cb, c(8)), c(16)), r8x16)
+                    raw = llvm.load(v4i32, mu.getelementptr(tile_ptr, [arith.index_cast(i32, arith.addi(
+                        row_base, arith.addi(arith.muli(arith.addi(c(raw_p0), arith.divui(cb, c(8))), c(8 * swz)),
+                                             byte)))], i8), alignment=16)
+                    sb = arith.trunci(i32, arith.andi(arith.shrui(scales, arith.index_cast(
+                        i64, arith.muli(arith.divui(cb, c(4)), c(8)))), arith.constant(i64, 255)))
+                    return r, cb, raw, sb
+
+                held = [raw_chunk(i) for i in range(n_low // 2, ncb // 2)]   # bound for the raw area's pieces
+                for i in range(n_low // 2):               # bound for the pieces below it
+                    store_chunk(raw_chunk(i), ring, (t_,))
+                mu.warpgroup_barrier()                    # the raw area is read: it may be overwritten
+                for ld in held:
+                    store_chunk(ld, ring, (t_,))
+                nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)  # -> wgmma
+                full_bars[t_].arrive()
+                end(region)
+
             if cp_async:
                 ring_ptr = mu.memref_ptr(ring)
                 pool_gptrs = [llvm.addrspacecast(llvm.PointerType.get(address_space=1), mu.memref_ptr(src_gmem[k][2]))
@@ -743,7 +841,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     src_row = lambda r: row_of(k, arith.addi(off, r))
                 if direct:
                     end(region)
-                    direct_step(k, g, src_row)
+                    (direct_tile_step if direct_tile else direct_step)(k, g, src_row)
                     return carry
                 if cp_async:
                     issue_cp_async(k, slot, full, off)
@@ -1159,7 +1257,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     valid = load_valid()
                 region = begin("c_wait_full")
                 full_bars[slot].wait()
-                if cp_async:   # the block was written through the generic proxy; wgmma reads through the async one
+                if cp_async or direct_tile:   # the block's cp.async copies (direct_tile: its rope rows) went through
+                    # the generic proxy; wgmma reads through the async one
                     llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.shared::cta;", "",
                                     has_side_effects=True)
                 end(region)
@@ -1456,6 +1555,8 @@ CONV_SHARED_REGS = (56, 56, 200)   # ... with conv_units < CONV_UNITS: the produ
 # more where the producer has fewer registers (432 B at 56, batch 2)
 DIRECT_REGS = (80, 208)
 DIRECT_BATCH = 6   # fp8_dequant="direct": conv_batch's default, 16 B chunks loaded at once (a 64-row step has 18)
+DIRECT_RAW_PIECE = 3   # direct_staging="tile": raw nope rows in pieces 3-6 of their own tile (chunks 0-11 -> 0-2 first)
+DEFAULT_DIRECT_STAGING = "tile"   # see `sparse_attention_mosaic`'s direct_staging
 
 
 def check_conv_regs(regs, shared=False):
@@ -1522,6 +1623,7 @@ def sparse_attention_mosaic(
     fp8_chunk_order: str | None = None,
     tile_slots: int | None = None,
     conv_batch: int | None = None,
+    direct_staging: str | None = None,
     idx_stream: bool | None = None,
     lazy_rescale: bool | None = None,
     _diag: str | None = None,
@@ -1677,6 +1779,12 @@ def sparse_attention_mosaic(
     they read a bf16 ring. The point: the other modes stage 32-row steps (a third of shared memory is staging), so
     their consumers run m64n32 steps at ~3300 cycles per 32 rows, against ~2350 for bf16's 64-row steps (session
     26). regs default DIRECT_REGS. block_k=32 takes 4 tiles. split_d only.
+    direct_staging (fp8_dequant="direct"; None = DEFAULT_DIRECT_STAGING at block_k 64, else "registers"): where a
+    step's raw rows wait between their load and their conversion. "registers": 16 B global loads into the
+    producer's registers, conv_batch at a time (measured slower than the converter on the H100, session 55: the
+    producer's 80 registers keep ~6 chunks a thread in flight, ~12 KB an SM, so it waits on memory latency).
+    "tile": 16 B cp.async copies (no registers held in flight) into the upper pieces of the tile being filled
+    (`_build`'s direct_tile), converted from there in two phases.
     conv_batch (fp8_dequant="producer" / "converter"; None = DEFAULT_CONV_BATCH): chunks a converting thread loads
     before it converts and stores them. 1 = a loop over the step's passes, one 16-byte chunk at a time; there
     every chunk's loads wait for the previous chunk's stores (shared loads and stores may alias, so they stay in
@@ -1760,6 +1868,8 @@ def sparse_attention_mosaic(
     if lazy_rescale is not None and not isinstance(lazy_rescale, bool):
         raise ValueError(f"lazy_rescale must be a bool or None, got {lazy_rescale!r}")
     tiles = pdq or conv or direct   # the bf16 tile ring (32-row steps; direct: 64 by default)
+    if direct_staging is not None and not direct:
+        raise ValueError(f"direct_staging applies to fp8_dequant='direct' only, got it with fp8_dequant={fp8_dequant!r}")
     if tiles:
         conflict = tile_ring_conflict(fp8_dequant)
         if conflict:
@@ -1768,6 +1878,13 @@ def sparse_attention_mosaic(
             block_k, split_d, num_stages = block_k or 64, True, 1
             if tile_slots is None and block_k == 32:
                 n_tiles = 4
+            if direct_staging is None:
+                direct_staging = DEFAULT_DIRECT_STAGING if block_k == 64 else "registers"
+            if direct_staging not in ("registers", "tile"):
+                raise ValueError(f"direct_staging must be 'registers' or 'tile', got {direct_staging!r}")
+            if direct_staging == "tile" and (block_k != 64 or conv_batch is not None):
+                raise ValueError("direct_staging='tile' stages 64-row steps in the upper pieces of their own tile "
+                                 f"(block_k=64, no conv_batch), got block_k={block_k}, conv_batch={conv_batch}")
         else:
             block_k, split_d = 32, True
             num_stages = PDQ_STAGING if num_stages is None else num_stages
@@ -1945,7 +2062,7 @@ def sparse_attention_mosaic(
                     pingpong, cluster_loads == "early", split_d, fp8_convert, fp8_overlap, pdq, conv,
                     conv_units if conv else None, fp8_chunk_order, n_tiles,
                     (DIRECT_BATCH if direct else DEFAULT_CONV_BATCH) if conv_batch is None else conv_batch,
-                    lazy_rescale, idx_ring_steps if stream else 0, direct)
+                    lazy_rescale, idx_ring_steps if stream else 0, direct, direct and direct_staging == "tile")
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1 and not ccomb:
         o, lse = combine_lib.combine(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h), sinks.astype(jnp.float32),
