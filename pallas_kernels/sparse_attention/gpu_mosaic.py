@@ -63,7 +63,12 @@ dequantization's conversion instructions are not what binds: one conversion per 
 (fp8_convert="rebias") measured the same (34.6 vs 34.1 us). What binds is that the conversion runs serially
 before the consumers' scores; `fp8_dequant="producer"` moves it to the producer warpgroup, which converts into a
 ring of two 32-row bf16 tiles ahead of the consumers: correct, but then the producer (conversion + issuing the
-copies, ~4800 cycles per 32-row step) binds instead, so it is no faster (session 22) and off.
+copies, ~4800 cycles per 32-row step) binds instead, so it is no faster (session 22) and off. The default since
+session 25 is `fp8_dequant="converter"` (a fourth warpgroup converts the staging ring into 32-row tiles).
+`fp8_dequant="direct"` (session 55, FlashMLA's producer shape) drops the staging ring: the producer gathers raw
+rows straight into (registers or) the upper pieces of the 64-row tile they become, converts them there, and the
+consumers run bf16's 64-row steps; correct, but 13-23% slower than the converter on the H100, as its fill of a
+step cannot overlap the previous step's conversion (no room for a third buffer), so it is off.
 
 Step sequence (the same in all three roles): the window list's valid blocks of this split, then the compressed
 list's; a source's blocks past its valid length are not visited. Outputs as gpu.py: one split -> o with the sink in
@@ -1556,7 +1561,7 @@ CONV_SHARED_REGS = (56, 56, 200)   # ... with conv_units < CONV_UNITS: the produ
 DIRECT_REGS = (80, 208)
 DIRECT_BATCH = 6   # fp8_dequant="direct": conv_batch's default, 16 B chunks loaded at once (a 64-row step has 18)
 DIRECT_RAW_PIECE = 3   # direct_staging="tile": raw nope rows in pieces 3-6 of their own tile (chunks 0-11 -> 0-2 first)
-DEFAULT_DIRECT_STAGING = "tile"   # see `sparse_attention_mosaic`'s direct_staging
+DEFAULT_DIRECT_STAGING = "tile"   # see `sparse_attention_mosaic`'s direct_staging (H100 session 55: the faster one)
 
 
 def check_conv_regs(regs, shared=False):
@@ -1778,11 +1783,21 @@ def sparse_attention_mosaic(
     staging, two 64-row tiles fit next to q and split_d's 32 KB exchange), which the consumers read exactly as
     they read a bf16 ring. The point: the other modes stage 32-row steps (a third of shared memory is staging), so
     their consumers run m64n32 steps at ~3300 cycles per 32 rows, against ~2350 for bf16's 64-row steps (session
-    26). regs default DIRECT_REGS. block_k=32 takes 4 tiles. split_d only.
+    26). regs default DIRECT_REGS. block_k=32 takes 4 tiles. split_d only. H100 (session 55, CUPTI kernel us,
+    against the converter default in the same call): correct (37 GPU cases), but slower, so it is off: "tile"
+    staging CSA B=64 34.6 vs 28.2, B=128 54.5 vs 44.2, HCA-8K B=64 272.4 vs 239.6, HCA-1K B=64 50.2 vs 42.3
+    (bf16 pools: 25.8, 39.6, 204.8, 36.6); "registers" staging slower still (HCA-8K B=64 311.9). Why: with no
+    buffer besides the two tiles, a step's fill can start only when the consumers release the tile two steps
+    back, and it is serial: the copies' transfer (all SMs burst at once, ~37 KB each), then the conversion; at
+    ~8.6K cycles per 64-row step it is longer than the consumers' step, while the converter mode's separate
+    staging ring overlaps the next step's transfer with this one's conversion. A third place for raw rows (~29
+    KB) does not fit next to q, two 64-row tiles and split_d's exchange.
     direct_staging (fp8_dequant="direct"; None = DEFAULT_DIRECT_STAGING at block_k 64, else "registers"): where a
     step's raw rows wait between their load and their conversion. "registers": 16 B global loads into the
     producer's registers, conv_batch at a time (measured slower than the converter on the H100, session 55: the
-    producer's 80 registers keep ~6 chunks a thread in flight, ~12 KB an SM, so it waits on memory latency).
+    producer's 80 registers keep ~6 chunks a thread in flight, ~12 KB an SM, so it waits on memory latency:
+    HCA-8K B=64 311.9 us, CSA B=64 35.9 in one call, against 272.4 and 34.6 with "tile" staging in another, the
+    converter at 239.6-240.4 and 28.2-28.3 in both).
     "tile": 16 B cp.async copies (no registers held in flight) into the upper pieces of the tile being filled
     (`_build`'s direct_tile), converted from there in two phases.
     conv_batch (fp8_dequant="producer" / "converter"; None = DEFAULT_CONV_BATCH): chunks a converting thread loads
