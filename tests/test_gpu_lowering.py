@@ -367,7 +367,11 @@ def lower_model_steps(model, cache, marker):
                                               (3, 1, 512, dict(fp8_dequant="direct", direct_staging="registers"),
                                                True),
                                               (3, 1, 512, dict(fp8_dequant="direct", block_k=32), True),
-                                              (2, 1, 8192, dict(fp8_dequant="direct", idx_stream=True), True)]))
+                                              (2, 1, 8192, dict(fp8_dequant="direct", idx_stream=True), True),
+                                              (2, 1, 8192, dict(fp8_dequant="direct", idx_stream=True,
+                                                                direct_prefetch="lines"), True),
+                                              (3, 1, 512, dict(fp8_dequant="direct", direct_prefetch="lines"), True),
+                                              (3, 1, 512, dict(fp8_dequant="direct", direct_prefetch=False), True)]))
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -519,6 +523,10 @@ def test_sparse_attention_mosaic_fp8_dequant_direct_rejects_what_it_cannot_do():
             sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant="direct", **opts)
     with pytest.raises(ValueError, match="direct_staging applies"):
         sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant="converter", direct_staging="tile")
+    with pytest.raises(ValueError, match="direct_prefetch applies"):
+        sparse_attention_mosaic(*fp8, scale=0.1, direct_prefetch=True)
+    with pytest.raises(ValueError, match="direct_prefetch must be"):
+        sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant="direct", direct_prefetch="tma")
 
 
 def test_sparse_attention_mosaic_fp8_overlap_needs_fp8_split_d():

@@ -82,7 +82,8 @@ def opts_id(opts):
         f"_ts{opts['tile_slots']}" if "tile_slots" in opts else "",
         f"_cb{opts['conv_batch']}" if "conv_batch" in opts else "", {True: "_lazy", False: "_eager"}.get(opts.get("lazy_rescale"), ""),
         {True: "_ist", False: "_noist"}.get(opts.get("idx_stream"), ""),
-        {"registers": "_dsreg", "tile": "_dstile"}.get(opts.get("direct_staging"), "")])
+        {"registers": "_dsreg", "tile": "_dstile"}.get(opts.get("direct_staging"), ""),
+        f"_pf{opts['direct_prefetch']}" if "direct_prefetch" in opts else ""])
 
 
 def call(fn, inp, **kw):

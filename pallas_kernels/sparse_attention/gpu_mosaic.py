@@ -169,7 +169,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
            regs=None, n_hg=1, split_scores=False, profile=None, cp_async=False, l2_ahead=0, ccomb=False,
            store_wait_read=False, idx_first=False, pingpong=False, cluster_early=False, split_d=False,
            fp8_convert="cvt", fp8_overlap=False, pdq=False, conv=False, conv_units=None, chunk_order="rows",
-           n_tiles=PDQ_TILES, conv_batch=1, lazy=False, idx_ring=0, direct=False, direct_tile=False):
+           n_tiles=PDQ_TILES, conv_batch=1, lazy=False, idx_ring=0, direct=False, direct_tile=False,
+           direct_prefetch=False):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -195,6 +196,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     the tile's pieces DIRECT_RAW_PIECE.. (unswizzled 128 B row slots) and its rope rows straight into their final
     place (piece 7, swizzled); the producer converts the chunks bound for the pieces below the raw area from it,
     holds the rest in registers, and after a warpgroup barrier stores those over the raw area.
+    direct_prefetch (direct): before its step's loads, producer thread t < bk asks L2 for the raw row of entry t of
+    the next step (`cp.async.bulk.prefetch.L2`: nope, rope and scale bytes; no shared memory, nothing to wait for),
+    so the next fill's loads hit L2 while this step converts with nothing else in flight.
     idx_ring (0 or the ring's depth in steps): 0 = the split's whole index lists land in shared memory at the start
     (one bulk copy, cleaned in place by the producer). n > 0 = streamed: shared memory holds the entries of n steps,
     a ring slot per step; the producer loads each step's entries from global memory a step ahead (one per thread,
@@ -649,6 +653,55 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 # chunk 28 would sit, XOR-ed with the row like the chunks)
                 scale_at = ((NOPE_DIM // 16) % 8) * 16
 
+            def direct_prefetch_next(k, j, nxt):
+                """direct_prefetch: the raw rows of block j + 1 of source k (if that block is this CTA's) into L2.
+                Thread t takes entry t % bk of the block (nxt: this thread's entry of it as loaded from global memory
+                with idx_ring, where t < bk; else read from the split's index rows). "bulk": threads t < bk, one
+                `cp.async.bulk.prefetch.L2` per part (nope, rope, the scales' 16-byte line; a bulk operation takes
+                uniform operands, so ptxas loops over a warp's distinct addresses); "lines": all 128 threads,
+                `prefetch.global.L2` of the 128 B lines of the row's parts, half of them each."""
+                has_next = arith.cmpi(arith.CmpIPredicate.slt, arith.addi(j, c(1)), ranges[k][1])
+                bulk = direct_prefetch == "bulk"
+                lane = ptid if bulk or nxt is not None else arith.remui(ptid, c(bk))
+                who = arith.cmpi(arith.CmpIPredicate.ult, ptid, c(bk)) if bulk or nxt is not None else None
+                cond = has_next if who is None else arith.andi(has_next, who)
+                with mu.when(cond):
+                    pos = arith.addi(arith.muli(arith.addi(j, c(1)), c(bk)), lane)
+                    if nxt is None:
+                        e, ok = entry(k, arith.addi(arith.muli(arith.subi(arith.addi(j, c(1)), ranges[k][2]), c(bk)),
+                                                    lane))
+                    else:
+                        e, ok = nxt, names_row(k, nxt, pos)
+                    with mu.when(ok):
+                        e64 = arith.extsi(i64, e)
+
+                        def at(base, row_bytes, byte, mask=0):
+                            off_ = arith.addi(arith.muli(e64, arith.constant(i64, row_bytes)), arith.constant(i64, byte))
+                            if mask:
+                                off_ = arith.andi(off_, arith.constant(i64, ~mask))
+                            return llvm.ptrtoint(i64, mu.getelementptr(base, [off_], i8))
+
+                        def pf(addr, size=None):
+                            op = (f"cp.async.bulk.prefetch.L2.global [$0], {size};" if size else
+                                  "prefetch.global.L2 [$0];")
+                            llvm.inline_asm(ir.Type.parse("!llvm.void"), [addr], op, "l", has_side_effects=True)
+
+                        if bulk:
+                            pf(at(nope_gptrs[k], NOPE_DIM, 0), NOPE_DIM)
+                            pf(at(rope_gptrs[k], ROPE_DIM * 2, 0), ROPE_DIM * 2)
+                            pf(at(scale_gptrs[k], SCALE_BYTES, 0, 15), 16)   # the 16-byte line of the 8 scales
+                        else:   # with idx_ring only threads t < bk hold an entry: they take every line
+                            halves = [(0, 128, 256, 384, NOPE_DIM - 1)] if nxt is not None else \
+                                [(0, 128, 256), (384, NOPE_DIM - 1)]
+                            for hh, offs in enumerate(halves):
+                                with (mu.when(arith.cmpi(arith.CmpIPredicate.eq, arith.divui(ptid, c(bk)), c(hh)))
+                                      if len(halves) > 1 else contextlib.nullcontext()):
+                                    for o in offs:
+                                        pf(at(nope_gptrs[k], NOPE_DIM, o))
+                                    if hh == len(halves) - 1:
+                                        pf(at(rope_gptrs[k], ROPE_DIM * 2, 0))
+                                        pf(at(scale_gptrs[k], SCALE_BYTES, 0))
+
             def direct_tile_step(k, g, src_row):
                 """direct_tile: step g of source k, staged in tile g % n_tiles itself (see _build's direct_tile).
                 Thread t works on row t % 64 alone, half h = t // 64 of it (h is warp-uniform): one index load a step,
@@ -846,6 +899,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     src_row = lambda r: row_of(k, arith.addi(off, r))
                 if direct:
                     end(region)
+                    if direct_prefetch:
+                        direct_prefetch_next(k, j, nxt if idx_ring else None)
                     (direct_tile_step if direct_tile else direct_step)(k, g, src_row)
                     return carry
                 if cp_async:
@@ -1561,6 +1616,8 @@ CONV_SHARED_REGS = (56, 56, 200)   # ... with conv_units < CONV_UNITS: the produ
 DIRECT_REGS = (80, 208)
 DIRECT_BATCH = 6   # fp8_dequant="direct": conv_batch's default, 16 B chunks loaded at once (a 64-row step has 18)
 DIRECT_RAW_PIECE = 3   # direct_staging="tile": raw nope rows in pieces 3-6 of their own tile (chunks 0-11 -> 0-2 first)
+DIRECT_PREFETCH_OP = "bulk"   # direct_prefetch=True: how (see `sparse_attention_mosaic`'s direct_prefetch)
+DEFAULT_DIRECT_PREFETCH = DIRECT_PREFETCH_OP   # direct_prefetch=None
 DEFAULT_DIRECT_STAGING = "tile"   # see `sparse_attention_mosaic`'s direct_staging (H100 session 55: the faster one)
 
 
@@ -1629,6 +1686,7 @@ def sparse_attention_mosaic(
     tile_slots: int | None = None,
     conv_batch: int | None = None,
     direct_staging: str | None = None,
+    direct_prefetch: bool | None = None,
     idx_stream: bool | None = None,
     lazy_rescale: bool | None = None,
     _diag: str | None = None,
@@ -1800,6 +1858,10 @@ def sparse_attention_mosaic(
     converter at 239.6-240.4 and 28.2-28.3 in both).
     "tile": 16 B cp.async copies (no registers held in flight) into the upper pieces of the tile being filled
     (`_build`'s direct_tile), converted from there in two phases.
+    direct_prefetch (fp8_dequant="direct"; None = DEFAULT_DIRECT_PREFETCH, True = DIRECT_PREFETCH_OP, "bulk",
+    "lines" or False): each step, the producer asks L2 for the next step's raw rows (`_build`'s direct_prefetch)
+    before it loads this step's, so a fill's transfer comes from L2 and the HBM reads of step g + 1 run under step
+    g's conversion.
     conv_batch (fp8_dequant="producer" / "converter"; None = DEFAULT_CONV_BATCH): chunks a converting thread loads
     before it converts and stores them. 1 = a loop over the step's passes, one 16-byte chunk at a time; there
     every chunk's loads wait for the previous chunk's stores (shared loads and stores may alias, so they stay in
@@ -1883,6 +1945,10 @@ def sparse_attention_mosaic(
     if lazy_rescale is not None and not isinstance(lazy_rescale, bool):
         raise ValueError(f"lazy_rescale must be a bool or None, got {lazy_rescale!r}")
     tiles = pdq or conv or direct   # the bf16 tile ring (32-row steps; direct: 64 by default)
+    if direct_prefetch is not None and not direct:
+        raise ValueError(f"direct_prefetch applies to fp8_dequant='direct' only, got it with fp8_dequant={fp8_dequant!r}")
+    if direct_prefetch not in (None, False, True, "bulk", "lines"):
+        raise ValueError(f"direct_prefetch must be None, False, True, 'bulk' or 'lines', got {direct_prefetch!r}")
     if direct_staging is not None and not direct:
         raise ValueError(f"direct_staging applies to fp8_dequant='direct' only, got it with fp8_dequant={fp8_dequant!r}")
     if tiles:
@@ -2077,7 +2143,9 @@ def sparse_attention_mosaic(
                     pingpong, cluster_loads == "early", split_d, fp8_convert, fp8_overlap, pdq, conv,
                     conv_units if conv else None, fp8_chunk_order, n_tiles,
                     (DIRECT_BATCH if direct else DEFAULT_CONV_BATCH) if conv_batch is None else conv_batch,
-                    lazy_rescale, idx_ring_steps if stream else 0, direct, direct and direct_staging == "tile")
+                    lazy_rescale, idx_ring_steps if stream else 0, direct, direct and direct_staging == "tile",
+                    direct and {None: DEFAULT_DIRECT_PREFETCH, True: DIRECT_PREFETCH_OP}.get(direct_prefetch,
+                                                                                           direct_prefetch))
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1 and not ccomb:
         o, lse = combine_lib.combine(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h), sinks.astype(jnp.float32),
