@@ -1616,8 +1616,8 @@ CONV_SHARED_REGS = (56, 56, 200)   # ... with conv_units < CONV_UNITS: the produ
 DIRECT_REGS = (80, 208)
 DIRECT_BATCH = 6   # fp8_dequant="direct": conv_batch's default, 16 B chunks loaded at once (a 64-row step has 18)
 DIRECT_RAW_PIECE = 3   # direct_staging="tile": raw nope rows in pieces 3-6 of their own tile (chunks 0-11 -> 0-2 first)
-DIRECT_PREFETCH_OP = "bulk"   # direct_prefetch=True: how (see `sparse_attention_mosaic`'s direct_prefetch)
-DEFAULT_DIRECT_PREFETCH = DIRECT_PREFETCH_OP   # direct_prefetch=None
+DIRECT_PREFETCH_OP = "lines"   # direct_prefetch=True: how (see `sparse_attention_mosaic`'s direct_prefetch)
+DEFAULT_DIRECT_PREFETCH = False   # direct_prefetch=None: off (H100 session 55: "lines" no faster, "bulk" slower)
 DEFAULT_DIRECT_STAGING = "tile"   # see `sparse_attention_mosaic`'s direct_staging (H100 session 55: the faster one)
 
 
@@ -1861,7 +1861,12 @@ def sparse_attention_mosaic(
     direct_prefetch (fp8_dequant="direct"; None = DEFAULT_DIRECT_PREFETCH, True = DIRECT_PREFETCH_OP, "bulk",
     "lines" or False): each step, the producer asks L2 for the next step's raw rows (`_build`'s direct_prefetch)
     before it loads this step's, so a fill's transfer comes from L2 and the HBM reads of step g + 1 run under step
-    g's conversion.
+    g's conversion. H100 (session 55, CUPTI kernel us, tile staging): "lines" no faster than none (HCA-8K B=64
+    271.4 vs 269.7, CSA B=64 35.2 vs 34.9), "bulk" slower (340.3 and 38.7: a bulk prefetch takes uniform
+    operands, so ptxas loops over a warp's addresses), so it is off. That the transfer's latency is not what the
+    fill waits on points at the conversion: one warpgroup converting a 64-row step takes ~6.4K cycles (the
+    converter mode's converter, session 25: ~3190 per 32 rows), as long as a bf16 consumer step, and here it
+    runs after the transfer instead of beside it.
     conv_batch (fp8_dequant="producer" / "converter"; None = DEFAULT_CONV_BATCH): chunks a converting thread loads
     before it converts and stores them. 1 = a loop over the step's passes, one 16-byte chunk at a time; there
     every chunk's loads wait for the previous chunk's stores (shared loads and stores may alias, so they stay in
