@@ -445,9 +445,9 @@ def test_sparse_attention_mosaic_split_d_rejects_what_it_cannot_do():
 
 @full_tier
 def test_sparse_attention_mosaic_fp8_dequant_producer_rejects_what_it_cannot_do():
-    """fp8_dequant="producer" / "converter" convert FP8 pools into 32-row bf16 tiles for the split_d consumers: bf16
-    pools, other block sizes, split_d off, the consumers' own dequantization variants and register splits the CTA
-    cannot cover are refused, with the reason."""
+    """fp8_dequant="producer" / "converter" convert FP8 pools into 32-row bf16 tiles for the split_d consumers, and
+    "direct" into 64-row ones: bf16 pools, other block sizes, split_d off, the consumers' own dequantization
+    variants and register splits the CTA cannot cover are refused, with the reason."""
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
     keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
@@ -499,34 +499,23 @@ def test_sparse_attention_mosaic_fp8_dequant_producer_rejects_what_it_cannot_do(
         sparse_attention_mosaic(*long, scale=0.1, n_splits=1, conv_batch=2, idx_stream=False)
     with pytest.raises(ValueError, match="producer, converter, consumer"):   # the shared default is (56, 56, 200)
         sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant="converter", conv_units=5, regs=(64, 64, 200))
-
-
-@full_tier
-def test_sparse_attention_mosaic_fp8_dequant_direct_rejects_what_it_cannot_do():
-    """fp8_dequant="direct" (the producer loads the rows into registers, no staging ring): FP8 pools with split_d,
-    block_k 64 or 32, no num_stages (nothing is staged), conv_batch within a step's passes (18 at block_k 64), and
-    a two-tile ring of 64 rows that leaves no room for a third tile."""
-    from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
-
-    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
-    bf16 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True)
+    # fp8_dequant="direct" (the producer gathers the rows itself, no staging ring): block_k 64 or 32, no num_stages
+    # (nothing is staged), conv_batch within a step's passes (18 at block_k 64) and only with register staging, a
+    # two-tile ring of 64 rows with no room for a third, and its own knobs with it only
     with pytest.raises(ValueError, match="dequantizes FP8 pools"):
         sparse_attention_mosaic(*(bf16[k] for k in keys), scale=0.1, fp8_dequant="direct")
-    fp8 = [make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)[k] for k in keys]
     for opts, match in [(dict(block_k=128), "takes block_k=64"), (dict(split_d=False), "runs with split_d"),
                         (dict(num_stages=2), "num_stages does not apply"), (dict(conv_batch=19), "conv_batch"),
                         (dict(conv_batch=0), "conv_batch"), (dict(block_k=32, conv_batch=10), "conv_batch"),
                         (dict(conv_batch=4), "direct_staging='tile'"), (dict(direct_staging="smem"), "must be"),
                         (dict(block_k=32, direct_staging="tile"), "direct_staging='tile'"),
-                        (dict(tile_slots=3), "shared memory .* over"), (dict(regs=(96, 208)), "regs must be")]:
+                        (dict(tile_slots=3), "shared memory .* over"), (dict(regs=(96, 208)), "regs must be"),
+                        (dict(direct_prefetch="tma"), "direct_prefetch must be")]:
         with pytest.raises(ValueError, match=match):
             sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant="direct", **opts)
-    with pytest.raises(ValueError, match="direct_staging applies"):
-        sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant="converter", direct_staging="tile")
-    with pytest.raises(ValueError, match="direct_prefetch applies"):
-        sparse_attention_mosaic(*fp8, scale=0.1, direct_prefetch=True)
-    with pytest.raises(ValueError, match="direct_prefetch must be"):
-        sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant="direct", direct_prefetch="tma")
+    for knob, value in (("direct_staging", "tile"), ("direct_prefetch", True)):
+        with pytest.raises(ValueError, match=f"{knob} applies"):
+            sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant="converter", **{knob: value})
 
 
 def test_sparse_attention_mosaic_fp8_overlap_needs_fp8_split_d():
