@@ -579,7 +579,14 @@ def test_sparse_attention_mosaic_streams_long_index_lists(monkeypatch, b, k_c, f
 
     built = []
     real = gpu_mosaic._build
-    monkeypatch.setattr(gpu_mosaic, "_build", lambda *a, **k: built.append((a[1], a[-1])) or real(*a, **k))
+    sig = inspect.signature(real)
+
+    def spy(*a, **k):
+        args = sig.bind(*a, **k).arguments
+        built.append((args["ns"], args.get("idx_ring", 0)))
+        return real(*a, **k)
+
+    monkeypatch.setattr(gpu_mosaic, "_build", spy)
     inp = make_attention(b, 1, 64, 512, 300, 9000, 128, k_c, ragged=True, fp8=fp8)
     keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
     lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(
