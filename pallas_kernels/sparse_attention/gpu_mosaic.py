@@ -600,7 +600,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 if kind == "nope":
                     r, cb = chunk_coords(v, NOPE_DIM // 16)
                     e = arith.index_cast(i64, src_row(r))
-                    at = arith.addi(arith.muli(e, arith.constant(i64, NOPE_DIM)), arith.index_cast(i64, arith.muli(cb, c(16))))
+                    at = arith.addi(arith.muli(e, arith.constant(i64, NOPE_DIM)),
+                                    arith.index_cast(i64, arith.muli(cb, c(16))))
                     raw = llvm.load(v4i32, mu.getelementptr(nope_gptrs[k], [at], i8), alignment=16)
                     s_at = arith.addi(arith.muli(e, arith.constant(i64, SCALE_BYTES)),
                                       arith.index_cast(i64, arith.divui(cb, c(4))))
@@ -608,7 +609,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     return r, cb, raw, sbyte
                 r, ch = chunk_coords(v, ROPE_DIM // 8, "rows")   # a warp's 32 threads: 4 whole 128 B rows
                 e = arith.index_cast(i64, src_row(r))
-                at = arith.addi(arith.muli(e, arith.constant(i64, ROPE_DIM * 2)), arith.index_cast(i64, arith.muli(ch, c(16))))
+                at = arith.addi(arith.muli(e, arith.constant(i64, ROPE_DIM * 2)),
+                                arith.index_cast(i64, arith.muli(ch, c(16))))
                 raw = llvm.load(v4i32, mu.getelementptr(rope_gptrs[k], [at], i8), alignment=16)
                 return r, ch, vector.bitcast(ir.VectorType.get((8,), bf16), raw)
 
@@ -676,7 +678,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                         e64 = arith.extsi(i64, e)
 
                         def at(base, row_bytes, byte, mask=0):
-                            off_ = arith.addi(arith.muli(e64, arith.constant(i64, row_bytes)), arith.constant(i64, byte))
+                            off_ = arith.addi(arith.muli(e64, arith.constant(i64, row_bytes)),
+                                              arith.constant(i64, byte))
                             if mask:
                                 off_ = arith.andi(off_, arith.constant(i64, ~mask))
                             return llvm.ptrtoint(i64, mu.getelementptr(base, [off_], i8))
@@ -753,8 +756,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                                 mu.getelementptr(rope_row, [arith.constant(i64, j * 16)], i8), 16,
                                 nvvm.LoadCacheModifierKind.CG)
                         if hh == 0:
-                            nvvm.cp_async_shared_global(sptr(raw_p0 + (ncb - 1) // 8, raw_byte(scale_at // 16)), scale_row, 8,
-                                                        nvvm.LoadCacheModifierKind.CA)
+                            nvvm.cp_async_shared_global(sptr(raw_p0 + (ncb - 1) // 8, raw_byte(scale_at // 16)),
+                                                        scale_row, 8, nvvm.LoadCacheModifierKind.CA)
                 nvvm.cp_async_commit_group()
                 end(region)
                 region = begin("p_wait_raw")
@@ -1951,11 +1954,13 @@ def sparse_attention_mosaic(
         raise ValueError(f"lazy_rescale must be a bool or None, got {lazy_rescale!r}")
     tiles = pdq or conv or direct   # the bf16 tile ring (32-row steps; direct: 64 by default)
     if direct_prefetch is not None and not direct:
-        raise ValueError(f"direct_prefetch applies to fp8_dequant='direct' only, got it with fp8_dequant={fp8_dequant!r}")
+        raise ValueError(f"direct_prefetch applies to fp8_dequant='direct' only, got it with "
+                         f"fp8_dequant={fp8_dequant!r}")
     if direct_prefetch not in (None, False, True, "bulk", "lines"):
         raise ValueError(f"direct_prefetch must be None, False, True, 'bulk' or 'lines', got {direct_prefetch!r}")
     if direct_staging is not None and not direct:
-        raise ValueError(f"direct_staging applies to fp8_dequant='direct' only, got it with fp8_dequant={fp8_dequant!r}")
+        raise ValueError(f"direct_staging applies to fp8_dequant='direct' only, got it with "
+                         f"fp8_dequant={fp8_dequant!r}")
     if tiles:
         conflict = tile_ring_conflict(fp8_dequant)
         if conflict:
