@@ -369,8 +369,8 @@ def lower_model_steps(model, cache, marker):
                                               (3, 1, 512, dict(fp8_dequant="direct", block_k=32), True),
                                               (2, 1, 8192, dict(fp8_dequant="direct", idx_stream=True), True),
                                               (2, 1, 8192, dict(fp8_dequant="direct", idx_stream=True,
-                                                                direct_prefetch="lines"), True),
-                                              (3, 1, 512, dict(fp8_dequant="direct", direct_prefetch="lines"), True),
+                                                                direct_prefetch=True), True),
+                                              (3, 1, 512, dict(fp8_dequant="direct", direct_prefetch=True), True),
                                               (3, 1, 512, dict(fp8_dequant="direct", direct_prefetch=False), True)]))
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
@@ -510,7 +510,7 @@ def test_sparse_attention_mosaic_fp8_dequant_producer_rejects_what_it_cannot_do(
                         (dict(conv_batch=4), "direct_staging='tile'"), (dict(direct_staging="smem"), "must be"),
                         (dict(block_k=32, direct_staging="tile"), "direct_staging='tile'"),
                         (dict(tile_slots=3), "shared memory .* over"), (dict(regs=(96, 208)), "regs must be"),
-                        (dict(direct_prefetch="tma"), "direct_prefetch must be")]:
+                        (dict(direct_prefetch="lines"), "direct_prefetch must be")]:
         with pytest.raises(ValueError, match=match):
             sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant="direct", **opts)
     for knob, value in (("direct_staging", "tile"), ("direct_prefetch", True)):

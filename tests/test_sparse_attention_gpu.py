@@ -265,10 +265,10 @@ MOSAIC_CASES += [(16, 1, 128, 9000, 128, 8192, dict(ragged=True, fp8=True), dict
 MOSAIC_CASES += [(*c[:7], dict(fp8_dequant="direct", direct_staging="registers", **c[7])) for c in DIRECT_CASES]
 MOSAIC_CASES += [(*c[:7], dict(fp8_dequant="direct", direct_staging="registers", conv_batch=b, **c[7]))
                  for b in (1, 18) for c in DIRECT_CASES[:3]]
-# ... and each way (or none) of asking L2 for the next step's rows (direct_prefetch), whole and streamed index rows
+# ... with and without asking L2 for the next step's rows (direct_prefetch), whole and streamed index rows
 MOSAIC_CASES += [(*c[:7], dict(fp8_dequant="direct", direct_prefetch=pf, **o, **c[7]))
-                 for pf in (False, "lines", "bulk") for o in ({}, dict(idx_stream=True)) for c in DIRECT_CASES[:3]]
-MOSAIC_CASES += [(*c[:7], dict(fp8_dequant="direct", direct_staging="registers", direct_prefetch="lines", **c[7]))
+                 for pf in (False, True) for o in ({}, dict(idx_stream=True)) for c in DIRECT_CASES[:3]]
+MOSAIC_CASES += [(*c[:7], dict(fp8_dequant="direct", direct_staging="registers", direct_prefetch=True, **c[7]))
                  for c in DIRECT_CASES[:3]]
 
 

@@ -196,9 +196,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     the tile's pieces DIRECT_RAW_PIECE.. (unswizzled 128 B row slots) and its rope rows straight into their final
     place (piece 7, swizzled); the producer converts the chunks bound for the pieces below the raw area from it,
     holds the rest in registers, and after a warpgroup barrier stores those over the raw area.
-    direct_prefetch (direct): before its step's loads, producer thread t < bk asks L2 for the raw row of entry t of
-    the next step (`cp.async.bulk.prefetch.L2`: nope, rope and scale bytes; no shared memory, nothing to wait for),
-    so the next fill's loads hit L2 while this step converts with nothing else in flight.
+    direct_prefetch (direct): before its step's loads, the producer asks L2 for the next step's raw rows
+    (`prefetch.global.L2` of each row's 128 B lines: nope, rope and scale bytes; no shared memory, nothing to wait
+    for), so the next fill's loads hit L2 while this step converts with nothing else in flight.
     idx_ring (0 or the ring's depth in steps): 0 = the split's whole index lists land in shared memory at the start
     (one bulk copy, cleaned in place by the producer). n > 0 = streamed: shared memory holds the entries of n steps,
     a ring slot per step; the producer loads each step's entries from global memory a step ahead (one per thread,
@@ -591,6 +591,13 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                                           for part in (2, 3))
                 v4i32 = ir.VectorType.get((4,), i32)
 
+            def step_tid(g):
+                """direct: this producer thread's index as an opaque function of step g. Every chunk's coordinates
+                (row, chunk, offsets) depend only on it and the pass; hoisted out of the step loop they are dozens of
+                values live through it, which spills the producer's 80 registers (offline ptxas, session 55)."""
+                return arith.index_cast(index, llvm.inline_asm(
+                    i32, [arith.index_cast(i32, ptid), arith.index_cast(i32, g)], "mov.b32 $0, $1;", "=r,r,r"))
+
             def direct_load(k, kind, p, src_row, lt):
                 """direct: pass p of a step (128 chunks of 16 B; the nope passes first, then the rope passes) for
                 this thread, loaded from global memory at its row's address. Nope: (row, chunk, 16 e4m3 as 4 x i32,
@@ -621,11 +628,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 stores (conv_batch chunks of 16 B live at once). Then each thread fences its stores for the async
                 proxy (wgmma) and arrives on the tile's full barrier (128 arrivals)."""
                 t_ = arith.remui(g, c(n_tiles))
-                # the thread's index as an opaque function of the step: every chunk's coordinates (row, chunk,
-                # swizzled offsets) depend only on it and the pass, and hoisted out of the step loop they are ~18 x 3
-                # values live through the loop, which spills the producer's registers (offline ptxas, session 55)
-                lt = arith.index_cast(index, llvm.inline_asm(
-                    i32, [arith.index_cast(i32, ptid), arith.index_cast(i32, g)], "mov.b32 $0, $1;", "=r,r,r"))
+                lt = step_tid(g)
                 n_nope, n_rope = bk * (NOPE_DIM // 16) // 128, bk * (ROPE_DIM // 8) // 128
                 passes = [("nope", p_) for p_ in range(n_nope)] + [("rope", p_) for p_ in range(n_rope)]
                 batches = [passes[i:i + conv_batch] for i in range(0, len(passes), conv_batch)]
@@ -656,54 +659,41 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 scale_at = ((NOPE_DIM // 16) % 8) * 16
 
             def direct_prefetch_next(k, j, nxt):
-                """direct_prefetch: the raw rows of block j + 1 of source k (if that block is this CTA's) into L2.
-                Thread t takes entry t % bk of the block (nxt: this thread's entry of it as loaded from global memory
-                with idx_ring, where t < bk; else read from the split's index rows). "bulk": threads t < bk, one
-                `cp.async.bulk.prefetch.L2` per part (nope, rope, the scales' 16-byte line; a bulk operation takes
-                uniform operands, so ptxas loops over a warp's distinct addresses); "lines": all 128 threads,
-                `prefetch.global.L2` of the 128 B lines of the row's parts, half of them each."""
+                """direct_prefetch: the raw rows of block j + 1 of source k (if that block is this CTA's) into L2, by
+                `prefetch.global.L2` of their 128 B lines. With the split's whole index lists in shared memory, thread
+                t takes entry t % bk, half of its row's lines; with idx_ring (nxt: this thread's entry of that block,
+                loaded from global memory a step ahead, t < bk) threads t < bk take every line of theirs. (A bulk
+                prefetch per row part takes uniform operands, so ptxas loops over a warp's addresses: 10-26% slower
+                on the H100, session 55.)"""
                 has_next = arith.cmpi(arith.CmpIPredicate.slt, arith.addi(j, c(1)), ranges[k][1])
-                bulk = direct_prefetch == "bulk"
-                lane = ptid if bulk or nxt is not None else arith.remui(ptid, c(bk))
-                who = arith.cmpi(arith.CmpIPredicate.ult, ptid, c(bk)) if bulk or nxt is not None else None
-                cond = has_next if who is None else arith.andi(has_next, who)
+                streamed = nxt is not None
+                lane = ptid if streamed else arith.remui(ptid, c(bk))
+                cond = arith.andi(has_next, arith.cmpi(arith.CmpIPredicate.ult, ptid, c(bk))) if streamed else has_next
                 with mu.when(cond):
-                    pos = arith.addi(arith.muli(arith.addi(j, c(1)), c(bk)), lane)
-                    if nxt is None:
+                    if streamed:
+                        e, ok = nxt, names_row(k, nxt, arith.addi(arith.muli(arith.addi(j, c(1)), c(bk)), lane))
+                    else:
                         e, ok = entry(k, arith.addi(arith.muli(arith.subi(arith.addi(j, c(1)), ranges[k][2]), c(bk)),
                                                     lane))
-                    else:
-                        e, ok = nxt, names_row(k, nxt, pos)
                     with mu.when(ok):
                         e64 = arith.extsi(i64, e)
 
-                        def at(base, row_bytes, byte, mask=0):
-                            off_ = arith.addi(arith.muli(e64, arith.constant(i64, row_bytes)),
-                                              arith.constant(i64, byte))
-                            if mask:
-                                off_ = arith.andi(off_, arith.constant(i64, ~mask))
-                            return llvm.ptrtoint(i64, mu.getelementptr(base, [off_], i8))
+                        def prefetch(base, row_bytes, byte):
+                            addr = mu.getelementptr(base, [arith.addi(arith.muli(e64, arith.constant(i64, row_bytes)),
+                                                                      arith.constant(i64, byte))], i8)
+                            llvm.inline_asm(ir.Type.parse("!llvm.void"), [llvm.ptrtoint(i64, addr)],
+                                            "prefetch.global.L2 [$0];", "l", has_side_effects=True)
 
-                        def pf(addr, size=None):
-                            op = (f"cp.async.bulk.prefetch.L2.global [$0], {size};" if size else
-                                  "prefetch.global.L2 [$0];")
-                            llvm.inline_asm(ir.Type.parse("!llvm.void"), [addr], op, "l", has_side_effects=True)
-
-                        if bulk:
-                            pf(at(nope_gptrs[k], NOPE_DIM, 0), NOPE_DIM)
-                            pf(at(rope_gptrs[k], ROPE_DIM * 2, 0), ROPE_DIM * 2)
-                            pf(at(scale_gptrs[k], SCALE_BYTES, 0, 15), 16)   # the 16-byte line of the 8 scales
-                        else:   # with idx_ring only threads t < bk hold an entry: they take every line
-                            halves = [(0, 128, 256, 384, NOPE_DIM - 1)] if nxt is not None else \
-                                [(0, 128, 256), (384, NOPE_DIM - 1)]
-                            for hh, offs in enumerate(halves):
-                                with (mu.when(arith.cmpi(arith.CmpIPredicate.eq, arith.divui(ptid, c(bk)), c(hh)))
-                                      if len(halves) > 1 else contextlib.nullcontext()):
-                                    for o in offs:
-                                        pf(at(nope_gptrs[k], NOPE_DIM, o))
-                                    if hh == len(halves) - 1:
-                                        pf(at(rope_gptrs[k], ROPE_DIM * 2, 0))
-                                        pf(at(scale_gptrs[k], SCALE_BYTES, 0))
+                        nope_lines = (0, 128, 256, 384, NOPE_DIM - 1)   # the 448 B row spans up to 5 lines
+                        halves = [nope_lines] if streamed else [nope_lines[:3], nope_lines[3:]]
+                        for hh, offs in enumerate(halves):
+                            with (mu.when(arith.cmpi(arith.CmpIPredicate.eq, arith.divui(ptid, c(bk)), c(hh)))
+                                  if len(halves) > 1 else contextlib.nullcontext()):
+                                for o in offs:
+                                    prefetch(nope_gptrs[k], NOPE_DIM, o)
+                                if hh == len(halves) - 1:
+                                    prefetch(rope_gptrs[k], ROPE_DIM * 2, 0)
+                                    prefetch(scale_gptrs[k], SCALE_BYTES, 0)
 
             def direct_tile_step(k, g, src_row):
                 """direct_tile: step g of source k, staged in tile g % n_tiles itself (see _build's direct_tile).
@@ -717,8 +707,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 stores too); a warpgroup barrier; it stores the held ones over the raw area; proxy fence; the
                 tile's full barrier (128 arrivals)."""
                 t_ = arith.remui(g, c(n_tiles))
-                lt = arith.index_cast(index, llvm.inline_asm(   # opaque in g, as in direct_step
-                    i32, [arith.index_cast(i32, ptid), arith.index_cast(i32, g)], "mov.b32 $0, $1;", "=r,r,r"))
+                lt = step_tid(g)
                 r = arith.remui(lt, c(bk))
                 h = arith.divui(lt, c(bk))
                 r8x16 = arith.muli(arith.remui(r, c(8)), c(16))
@@ -1457,30 +1446,22 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     lead = ((bt, ns) if out_split else (bt,)) + (n_hg,)
     out_shape = (jax.ShapeDtypeStruct((*lead, BLOCK_H, d), jnp.bfloat16),
                  jax.ShapeDtypeStruct((*lead, BLOCK_H), jnp.float32))
-    if direct:
+    if tiles:
+        # (direct stages nothing in shared memory: no staging buffers, no staging barriers)
+        staging = () if direct else (
+            jax.ShapeDtypeStruct((stages, bk, NOPE_STRIDE), jnp.float8_e4m3fn),      # staging: nope
+            jax.ShapeDtypeStruct((stages, bk, ROPE_DIM), jnp.bfloat16),              # staging: rope
+            jax.ShapeDtypeStruct((stages, bk, SCALE_BYTES), jnp.uint8))              # staging: scales
         smem = (
             (jax.ShapeDtypeStruct((BLOCK_H // 8, d // tc, 8, tc), jnp.bfloat16),     # q, then o
              jax.ShapeDtypeStruct((n_tiles, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # the bf16 tile ring
-             jax.ShapeDtypeStruct((2, BLOCK_H // 8, bk // 32, 8, 32), jnp.float32),  # split_d's partials | sinks, lse
-             jax.ShapeDtypeStruct((idx_len,), jnp.int32)),
-            (mgpu.TMABarrier(1), mgpu.TMABarrier(1)),
-            # tile full: the 128 producer threads; tile empty / cons: the 256 consumer threads
-            (mgpu.Barrier(arrival_count=128, num_barriers=n_tiles),
-             mgpu.Barrier(arrival_count=256, num_barriers=n_tiles), mgpu.Barrier(arrival_count=256)),
-        )
-    elif tiles:
-        smem = (
-            (jax.ShapeDtypeStruct((BLOCK_H // 8, d // tc, 8, tc), jnp.bfloat16),     # q, then o
-             jax.ShapeDtypeStruct((n_tiles, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # the bf16 tile ring
-             jax.ShapeDtypeStruct((stages, bk, NOPE_STRIDE), jnp.float8_e4m3fn),     # staging: nope
-             jax.ShapeDtypeStruct((stages, bk, ROPE_DIM), jnp.bfloat16),             # staging: rope
-             jax.ShapeDtypeStruct((stages, bk, SCALE_BYTES), jnp.uint8),             # staging: scales
+             *staging,
              jax.ShapeDtypeStruct((2, BLOCK_H // 8, bk // 32, 8, 32), jnp.float32),  # split_d's partials | sinks, lse
              jax.ShapeDtypeStruct((idx_len,), jnp.int32)),
             (mgpu.TMABarrier(1), mgpu.TMABarrier(1)),
             # staging: the expect_tx arrival + one cp.async arrival per producer warp; tile full: the 128 producer
             # threads; tile empty / cons: the 256 consumer threads
-            (mgpu.Barrier(arrival_count=5, num_barriers=stages),
+            (*(() if direct else (mgpu.Barrier(arrival_count=5, num_barriers=stages),)),
              *((mgpu.Barrier(arrival_count=128, num_barriers=stages),) if conv else ()),   # conv: staging released
              # tile full: 128 arrivals per converting warpgroup (conv_units < CONV_UNITS: converter and producer)
              mgpu.Barrier(arrival_count=256 if conv and p_units else 128, num_barriers=n_tiles),
@@ -1619,8 +1600,7 @@ CONV_SHARED_REGS = (56, 56, 200)   # ... with conv_units < CONV_UNITS: the produ
 DIRECT_REGS = (80, 208)
 DIRECT_BATCH = 6   # fp8_dequant="direct": conv_batch's default, 16 B chunks loaded at once (a 64-row step has 18)
 DIRECT_RAW_PIECE = 3   # direct_staging="tile": raw nope rows in pieces 3-6 of their own tile (chunks 0-11 -> 0-2 first)
-DIRECT_PREFETCH_OP = "lines"   # direct_prefetch=True: how (see `sparse_attention_mosaic`'s direct_prefetch)
-DEFAULT_DIRECT_PREFETCH = False   # direct_prefetch=None: off (H100 session 55: "lines" no faster, "bulk" slower)
+DEFAULT_DIRECT_PREFETCH = False   # see `sparse_attention_mosaic`'s direct_prefetch (H100 session 55: no faster)
 DEFAULT_DIRECT_STAGING = "tile"   # see `sparse_attention_mosaic`'s direct_staging (H100 session 55: the faster one)
 
 
@@ -1838,9 +1818,9 @@ def sparse_attention_mosaic(
     wait ~660 cycles a step for a tile, which a deeper ring may hide. Timed in session 26: no faster (CSA B=64 31.1
     vs 31.4 us, B=128 49.6 vs 47.9, with conv_batch=3), and HCA-8K B=64 20% slower for the staging slot it takes.
     fp8_dequant="direct" (session 55; FlashMLA's FP8 decode kernel keeps its producer in this shape): no staging
-    ring and no bulk copies of raw rows. The producer's 128 threads load each step's rows from global memory into
-    registers (16 B loads at each row's own address, conv_batch chunks at a time, default DIRECT_BATCH), convert
-    them and store the bf16 rows into a ring of tile_slots bf16 tiles (default 2 of block_k = 64 rows: without
+    ring and no bulk copies of raw rows. The producer's 128 threads gather each step's rows from global memory
+    themselves (into the tile being filled, or into registers: direct_staging), convert them and store the bf16
+    rows into a ring of tile_slots bf16 tiles (default 2 of block_k = 64 rows: without
     staging, two 64-row tiles fit next to q and split_d's 32 KB exchange), which the consumers read exactly as
     they read a bf16 ring. The point: the other modes stage 32-row steps (a third of shared memory is staging), so
     their consumers run m64n32 steps at ~3300 cycles per 32 rows, against ~2350 for bf16's 64-row steps (session
@@ -1849,10 +1829,10 @@ def sparse_attention_mosaic(
     staging CSA B=64 34.6 vs 28.2, B=128 54.5 vs 44.2, HCA-8K B=64 272.4 vs 239.6, HCA-1K B=64 50.2 vs 42.3
     (bf16 pools: 25.8, 39.6, 204.8, 36.6); "registers" staging slower still (HCA-8K B=64 311.9). Why: with no
     buffer besides the two tiles, a step's fill can start only when the consumers release the tile two steps
-    back, and it is serial: the copies' transfer (all SMs burst at once, ~37 KB each), then the conversion; at
-    ~8.6K cycles per 64-row step it is longer than the consumers' step, while the converter mode's separate
-    staging ring overlaps the next step's transfer with this one's conversion. A third place for raw rows (~29
-    KB) does not fit next to q, two 64-row tiles and split_d's exchange.
+    back, and it is serial: the copies' transfer, then the conversion (~6.4K cycles for 64 rows by one
+    warpgroup; see direct_prefetch); at ~8.6K cycles per 64-row step it is longer than the consumers' step,
+    while the converter mode's separate staging ring lets its converter work beside the next step's copies. A
+    third place for raw rows (~29 KB) does not fit next to q, two 64-row tiles and split_d's exchange.
     direct_staging (fp8_dequant="direct"; None = DEFAULT_DIRECT_STAGING at block_k 64, else "registers"): where a
     step's raw rows wait between their load and their conversion. "registers": 16 B global loads into the
     producer's registers, conv_batch at a time (measured slower than the converter on the H100, session 55: the
@@ -1861,15 +1841,14 @@ def sparse_attention_mosaic(
     converter at 239.6-240.4 and 28.2-28.3 in both).
     "tile": 16 B cp.async copies (no registers held in flight) into the upper pieces of the tile being filled
     (`_build`'s direct_tile), converted from there in two phases.
-    direct_prefetch (fp8_dequant="direct"; None = DEFAULT_DIRECT_PREFETCH, True = DIRECT_PREFETCH_OP, "bulk",
-    "lines" or False): each step, the producer asks L2 for the next step's raw rows (`_build`'s direct_prefetch)
-    before it loads this step's, so a fill's transfer comes from L2 and the HBM reads of step g + 1 run under step
-    g's conversion. H100 (session 55, CUPTI kernel us, tile staging): "lines" no faster than none (HCA-8K B=64
-    271.4 vs 269.7, CSA B=64 35.2 vs 34.9), "bulk" slower (340.3 and 38.7: a bulk prefetch takes uniform
-    operands, so ptxas loops over a warp's addresses), so it is off. That the transfer's latency is not what the
-    fill waits on points at the conversion: one warpgroup converting a 64-row step takes ~6.4K cycles (the
-    converter mode's converter, session 25: ~3190 per 32 rows), as long as a bf16 consumer step, and here it
-    runs after the transfer instead of beside it.
+    direct_prefetch (fp8_dequant="direct"; None = DEFAULT_DIRECT_PREFETCH): each step, the producer asks L2 for the
+    next step's raw rows (`_build`'s direct_prefetch) before it loads this step's, so a fill's transfer would come
+    from L2 and the HBM reads of step g + 1 run under step g's conversion. H100 (session 55, CUPTI kernel us, tile
+    staging): no faster (HCA-8K B=64 271.4 vs 269.7, CSA B=64 35.2 vs 34.9), so it is off; one bulk prefetch per row
+    part instead was slower (340.3 and 38.7) and is gone. That the transfer's latency is not what the fill waits on
+    points at the conversion: one warpgroup converting a 64-row step takes ~6.4K cycles (the converter mode's
+    converter, session 25: ~3190 per 32 rows), as long as a bf16 consumer step, and here it runs after the
+    transfer instead of beside it.
     conv_batch (fp8_dequant="producer" / "converter"; None = DEFAULT_CONV_BATCH): chunks a converting thread loads
     before it converts and stores them. 1 = a loop over the step's passes, one 16-byte chunk at a time; there
     every chunk's loads wait for the previous chunk's stores (shared loads and stores may alias, so they stay in
@@ -1956,8 +1935,8 @@ def sparse_attention_mosaic(
     if direct_prefetch is not None and not direct:
         raise ValueError(f"direct_prefetch applies to fp8_dequant='direct' only, got it with "
                          f"fp8_dequant={fp8_dequant!r}")
-    if direct_prefetch not in (None, False, True, "bulk", "lines"):
-        raise ValueError(f"direct_prefetch must be None, False, True, 'bulk' or 'lines', got {direct_prefetch!r}")
+    if direct_prefetch is not None and not isinstance(direct_prefetch, bool):
+        raise ValueError(f"direct_prefetch must be a bool or None, got {direct_prefetch!r}")
     if direct_staging is not None and not direct:
         raise ValueError(f"direct_staging applies to fp8_dequant='direct' only, got it with "
                          f"fp8_dequant={fp8_dequant!r}")
@@ -2154,8 +2133,7 @@ def sparse_attention_mosaic(
                     conv_units if conv else None, fp8_chunk_order, n_tiles,
                     (DIRECT_BATCH if direct else DEFAULT_CONV_BATCH) if conv_batch is None else conv_batch,
                     lazy_rescale, idx_ring_steps if stream else 0, direct, direct and direct_staging == "tile",
-                    direct and {None: DEFAULT_DIRECT_PREFETCH, True: DIRECT_PREFETCH_OP}.get(direct_prefetch,
-                                                                                           direct_prefetch))
+                    direct and (DEFAULT_DIRECT_PREFETCH if direct_prefetch is None else direct_prefetch))
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1 and not ccomb:
         o, lse = combine_lib.combine(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h), sinks.astype(jnp.float32),
