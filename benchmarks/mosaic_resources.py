@@ -39,6 +39,9 @@ VARIANTS += [("fp8_pdq", True, None, None), ("fp8_converter", True, None, None),
 # session 25: the converter shares each step's conversion with the producer (the producer now converts at 56)
 OPTS.update({f"fp8_conv{u}": dict(fp8_dequant="converter", conv_units=u) for u in (4, 5)})
 VARIANTS += [("fp8_conv4", True, None, None), ("fp8_conv5", True, None, None)]
+# session 56: the ring's full barriers per piece of d (each consumer's score chain waits piece by piece)
+OPTS["bf16_pieces"] = dict(piece_barriers=True)
+VARIANTS += [("bf16_pieces", False, None, None)]
 
 
 def main(out_dir: str, only: list[str] | None, offline_mode: bool):

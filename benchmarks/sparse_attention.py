@@ -161,7 +161,7 @@ def fmt(r):
 GROUPS = (
     "b1", "colsplit", "decode", "fp8ops", "hca8k_fp8", "kernels", "knobs5", "prefetch", "prefill",
     "qreload", "s14", "s16", "s17", "s18", "s19", "s22", "s23", "s25", "s25d", "s26", "s26b", "s26c",
-    "s28", "s29", "s29p", "s9", "ss", "variants")
+    "s28", "s29", "s29p", "s56", "s9", "ss", "variants")
 
 
 def main():
@@ -392,6 +392,13 @@ def main():
     if "s29p" in groups:  # session 29: HCA prefill (every query attends 128 + 8192 entries), streamed vs whole lists
         for o in (dict(mos), dict(mos, idx_stream=False)):
             record(bench_case(rng, ceil, "hca", 1, 2048, 8192, False, opts=o, ref=False))
+    if "s56" in groups:  # session 56: the bf16 ring's full barriers per piece of d (piece_barriers), off / rows / pieces
+        for how in (False, "rows", "pieces"):
+            o = dict(mos, piece_barriers=how)
+            for kind, b, kc in [("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 8192)]:
+                record(bench_case(rng, ceil, kind, b, 1, kc, False, opts=o, ref=False))
+            for t in (4096, 16384):
+                record(bench_case(rng, ceil, "csa", 1, t, 512, False, opts=o, ref=False, csa_cap=t // 4))
     if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor
         for kind, b, kc, fp8 in [("csa", 16, 512, False), ("csa", 64, 512, True), ("hca", 16, 8192, True)]:
             for o in ({}, dict(partial_dtype="bfloat16"), dict(fp8_scales="vector"),

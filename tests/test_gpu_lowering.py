@@ -371,7 +371,19 @@ def lower_model_steps(model, cache, marker):
                                               (2, 1, 8192, dict(fp8_dequant="direct", idx_stream=True,
                                                                 direct_prefetch=True), True),
                                               (3, 1, 512, dict(fp8_dequant="direct", direct_prefetch=True), True),
-                                              (3, 1, 512, dict(fp8_dequant="direct", direct_prefetch=False), True)]))
+                                              (3, 1, 512, dict(fp8_dequant="direct", direct_prefetch=False), True),
+                                              # the ring's full barriers per piece of d (bf16, split_d)
+                                              core(3, 1, 512, dict(piece_barriers=True), False),
+                                              (2, 1, 8192, dict(piece_barriers=True, idx_stream=True, n_splits=2),
+                                               False),
+                                              (2, 1, 8192, dict(piece_barriers=True, n_splits=3, combine="xla"),
+                                               False),
+                                              (1, 64, 60, dict(piece_barriers=True, heads=128), False),
+                                              (3, 1, 512, dict(piece_barriers=True, num_stages=1), False),
+                                              core(3, 1, 512, dict(piece_barriers="pieces"), False),
+                                              (2, 1, 8192, dict(piece_barriers="pieces", idx_stream=True,
+                                                                n_splits=2), False),
+                                              (1, 64, 60, dict(piece_barriers="pieces", heads=128), False)]))
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -516,6 +528,26 @@ def test_sparse_attention_mosaic_fp8_dequant_producer_rejects_what_it_cannot_do(
     for knob, value in (("direct_staging", "tile"), ("direct_prefetch", True)):
         with pytest.raises(ValueError, match=f"{knob} applies"):
             sparse_attention_mosaic(*fp8, scale=0.1, fp8_dequant="converter", **{knob: value})
+
+
+def test_sparse_attention_mosaic_piece_barriers_rejects_what_it_cannot_do():
+    """piece_barriers waits for each bulk-copied piece of d of a bf16 ring under split_d: FP8 pools, the cp.async
+    producer (block_k=32), split_scores, pingpong and split_d off are refused, with the reason."""
+    from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
+
+    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
+    bf16 = [make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True)[k] for k in keys]
+    fp8 = [make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)[k] for k in keys]
+    with pytest.raises(ValueError, match="not with FP8 pools"):
+        sparse_attention_mosaic(*fp8, scale=0.1, piece_barriers=True)
+    with pytest.raises(ValueError, match="piece_barriers must be"):
+        sparse_attention_mosaic(*bf16, scale=0.1, piece_barriers="columns")
+    for opts, match in [(dict(producer="cp_async"), "piece_barriers"), (dict(block_k=32), "bulk-copy producer"),
+                        (dict(split_scores=True, split_d=False), "piece_barriers"),
+                        (dict(pingpong=True, split_d=False), "piece_barriers"),
+                        (dict(split_d=False), "piece_barriers")]:
+        with pytest.raises(ValueError, match=match):
+            sparse_attention_mosaic(*bf16, scale=0.1, piece_barriers=True, **opts)
 
 
 def test_sparse_attention_mosaic_fp8_overlap_needs_fp8_split_d():

@@ -83,7 +83,8 @@ def opts_id(opts):
         f"_cb{opts['conv_batch']}" if "conv_batch" in opts else "", {True: "_lazy", False: "_eager"}.get(opts.get("lazy_rescale"), ""),
         {True: "_ist", False: "_noist"}.get(opts.get("idx_stream"), ""),
         {"registers": "_dsreg", "tile": "_dstile"}.get(opts.get("direct_staging"), ""),
-        f"_pf{opts['direct_prefetch']}" if "direct_prefetch" in opts else ""])
+        f"_pf{opts['direct_prefetch']}" if "direct_prefetch" in opts else "",
+        {True: "_pcs", "rows": "_pcs", "pieces": "_pcsp"}.get(opts.get("piece_barriers"), "")])
 
 
 def call(fn, inp, **kw):

@@ -298,6 +298,23 @@ MOSAIC_CASES += [(*c[:7], dict(idx_stream=True, **c[7])) for c in STREAM_CASES]
 # would not fit next to split_d's buffer), bf16 and FP8
 MOSAIC_CASES += [(16, 1, 128, 9000, 128, 8192, dict(ragged=True, fp8=f), {}) for f in (False, True)]
 
+# the ring's full barriers per piece of d (piece_barriers, session 56): decode with the cluster merge, one split,
+# the XLA merge with all-invalid lists, a long list (streamed index rows, whole ones at 2 splits), prefill,
+# 128 heads, a one-slot ring, K not a multiple of block_k
+PIECE_CASES = [
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), {}),
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True), dict(n_splits=1)),
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True), dict(n_splits=3, combine="xla")),
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True), {}),
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True), dict(idx_stream=True, n_splits=2)),
+    (16, 1, 128, 9000, 128, 8192, dict(ragged=True), {}),
+    (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True), {}),
+    (3, 2, 128, 600, 128, 1024, dict(ragged=True, heads=128), dict(n_splits=2)),
+    (4, 1, 128, 300, 128, 512, dict(ragged=True), dict(num_stages=1, n_splits=1)),   # one slot: every step waits
+    (1, 64, 512, 200, 100, 60, dict(ragged=True), {}),
+]
+MOSAIC_CASES += [(*c[:7], dict(piece_barriers=how, **c[7])) for how in (True, "pieces") for c in PIECE_CASES]
+
 
 @pytest.mark.parametrize("case", MOSAIC_CASES,
                          ids=lambda c: f"b{c[0]}t{c[1]}k{c[5]}{'_fp8' if c[6].get('fp8') else ''}"

@@ -160,6 +160,14 @@ mul.rn.bf16x2 t, t, $2;
 mul.rn.bf16x2 $0, t, $3; }"""
 
 
+def piece_order(pieces: int) -> list[int]:
+    """piece_bars: the order the producer issues a block's 128 B-swizzle pieces of d in. Under split_d consumer w
+    reads pieces [w P/2, (w + 1) P/2), so the two halves alternate (0, P/2, 1, P/2 + 1, ...) and both consumers'
+    score chains can start after the first two pieces land."""
+    half = pieces // 2
+    return [h * half + i for i in range(half) for h in range(2)]
+
+
 def default_config(bt: int, total_blocks: int):
     n_splits = max(1, min(N_SM_H200 // max(bt, 1), max(1, total_blocks // 2)))
     return dict(block_k=64, num_stages=2, n_splits=n_splits)
@@ -170,7 +178,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
            store_wait_read=False, idx_first=False, pingpong=False, cluster_early=False, split_d=False,
            fp8_convert="cvt", fp8_overlap=False, pdq=False, conv=False, conv_units=None, chunk_order="rows",
            n_tiles=PDQ_TILES, conv_batch=1, lazy=False, idx_ring=0, direct=False, direct_tile=False,
-           direct_prefetch=False):
+           direct_prefetch=False, piece_bars=False):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -206,6 +214,13 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     the step's full barrier. Shared memory then no longer grows with the list, so a long split (HCA's 8K entries)
     keeps split_d, the FP8 tile ring and one CTA per SM instead of splitting into many short CTAs. n must exceed
     the producer's lead over the consumers (stages, + the tile ring's depth with FP8 tiles).
+    piece_bars (False, "rows" or "pieces"; bf16 ring, TMA producer, split_d): one full barrier per (slot, 128
+    B-swizzle piece of d) instead of one per slot. The producer registers each piece's bytes on its own barrier,
+    and each consumer waits for each of its own pieces just before that piece's 4 score wgmma. "rows" issues a
+    block row by row (each row's pieces together, as without piece_bars); "pieces" issues all rows' piece p, then
+    the next (`piece_order` alternates the two consumers' halves), each lane-0 thread holding its 16 rows' indices
+    in registers, so a score chain runs while the rest of its block lands (FlashMLA's fine-grained copy / GEMM
+    pipelining) instead of after all of it.
     profile ((entries per warpgroup, dump directory) or None): Mosaic GPU's on-device profiler records each
     warpgroup's named regions (thread 0 of the warpgroup: SM clock at entry and exit) and the wrapper dumps a Chrome
     trace per call into the directory (benchmarks/mosaic_phase_profile.py reads it). Without it the regions emit
@@ -223,6 +238,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     assert not (pdq or conv) or bk * (NOPE_DIM // 16 + ROPE_DIM // 8) == 128 * CONV_UNITS, bk
     assert not direct or (split_d and bk in (32, 64)), (split_d, bk)
     assert not direct_tile or (direct and bk == 64), (direct, bk)   # 128 B swizzle: (8, 64) tiles
+    assert not piece_bars or (split_d and not fp8 and not cp_async), (split_d, fp8, cp_async)
     conv_units = CONV_UNITS if conv_units is None else conv_units
     # the producer's share of each step's conversion: all of it (pdq), the units past conv_units (conv), or none
     p_units = (0, CONV_UNITS) if pdq else (conv_units, CONV_UNITS) if conv and conv_units < CONV_UNITS else None
@@ -559,15 +575,21 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 scale_gptrs = [llvm.addrspacecast(llvm.PointerType.get(address_space=1), mu.memref_ptr(src_gmem[k][4]))
                                for k in range(n_src)]
 
+            def copy_piece(k, slot, full, r, e, p):
+                """bf16: issue piece p (swz bytes) of row e of source k's pool into row r of ring slot `slot`, the
+                (8, tc)-tiled, swz-swizzled place wgmma reads it from (lane 0 of each warp)."""
+                ctx.async_copy(src_ref=src_gmem[k][2],
+                               dst_ref=mu.memref_slice(ring, (slot, arith.divui(r, c(8)), p,
+                                                              mu.ds(arith.remui(r, c(8)), 1))),
+                               gmem_slice=(mu.ds(e, 1), mu.ds(p * tc if isinstance(p, int) else arith.muli(p, c(tc)),
+                                                                tc)), swizzle=swz, barrier=full,
+                               arrive=False, predicate=lane0)
+
             def copy_row(k, slot, full, r, e):
                 """Issue row e of source k's pool into row r of ring / staging slot `slot` (lane 0 of each warp)."""
                 if not fp8:   # d / tc pieces of swz bytes into the (8, tc)-tiled, swz-swizzled ring
-                    r_hi, r_lo = arith.divui(r, c(8)), arith.remui(r, c(8))
                     for p in range(pieces):
-                        ctx.async_copy(src_ref=src_gmem[k][2],
-                                       dst_ref=mu.memref_slice(ring, (slot, r_hi, p, mu.ds(r_lo, 1))),
-                                       gmem_slice=(mu.ds(e, 1), mu.ds(p * tc, tc)), swizzle=swz, barrier=full,
-                                       arrive=False, predicate=lane0)
+                        copy_piece(k, slot, full, r, e, p)
                     return
                 # FP8 raw row: nope (2 bulk copies, 256 + 192 B), rope (1 bulk copy), and the 8 scale bytes (cp.async,
                 # tracked by the slot's barrier through cp.async.mbarrier.arrive.noinc after the row loop)
@@ -899,13 +921,38 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     issue_cp_async(k, slot, full, off)
                     end(region)
                     return carry
-                full.arrive_expect_tx(bk * (NOPE_DIM + 2 * ROPE_DIM if fp8 else d * 2), predicate=one)
+                if piece_bars:   # each piece of d on its own barrier, issued piece by piece (all rows' piece p)
+                    piece_bar = lambda p_: full_bars[arith.addi(arith.muli(slot, c(pieces)),
+                                                                c(p_) if isinstance(p_, int) else p_)]
+                    for p_ in range(pieces):
+                        piece_bar(p_).arrive_expect_tx(bk * tc * 2, predicate=one)
+                    if piece_bars == "rows":   # rows in order, each row's pieces together (as without piece_bars)
+                        @mu.fori(c(bk // 4), None)
+                        def _(t, _c):
+                            r = arith.addi(arith.muli(t, c(4)), warp)
+                            e = src_row(r)
+                            for p_ in range(pieces):
+                                copy_piece(k, slot, piece_bar(p_), r, e, p_)
+                            return _c
+                    else:   # "pieces": all rows' piece p, then the next (piece_order); each row's index read once
+                        rows_ = [arith.addi(c(4 * t), warp) for t in range(bk // 4)]
+                        es = [src_row(r) for r in rows_]
+                        half = pieces // 2
 
-                @mu.fori(c(bk // 4), None)
-                def _(t, _c):
-                    r = arith.addi(arith.muli(t, c(4)), warp)
-                    copy_row(k, slot, full, r, src_row(r))
-                    return _c
+                        @mu.fori(c(pieces), None)
+                        def _(i, _c):   # piece_order(pieces)[i], computed: (i % 2) * half + i // 2
+                            p_ = arith.addi(arith.muli(arith.remui(i, c(2)), c(half)), arith.divui(i, c(2)))
+                            for r, e in zip(rows_, es):
+                                copy_piece(k, slot, piece_bar(p_), r, e, p_)
+                            return _c
+                else:
+                    full.arrive_expect_tx(bk * (NOPE_DIM + 2 * ROPE_DIM if fp8 else d * 2), predicate=one)
+
+                    @mu.fori(c(bk // 4), None)
+                    def _(t, _c):
+                        r = arith.addi(arith.muli(t, c(4)), warp)
+                        copy_row(k, slot, full, r, src_row(r))
+                        return _c
 
                 if fp8:
                     with mu.when(lane0):   # one of the slot's 4 counted arrivals, once this thread's scale copies land
@@ -1240,13 +1287,26 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                         (p_h * (m_h[i] - m_new).exp2(approx=True).broadcast_minor(half)).astype(bf16)
                 return m_new, l, p
 
-            def split_d_scores(kv, own=None):
+            def split_d_scores(kv, own=None, slot=None):
                 """split_d: S = q K^T over this consumer's half of d (16 k-steps of m64n<bk>k16 instead of 32), its
                 f32 partial through shared memory to the other consumer, which adds it to its own: each computes half
                 the score work instead of all of it, and both hold the same S (a + b == b + a in f32). The first
                 barrier keeps us from overwriting the buffer the other consumer may still be reading (last step's
                 partial, or the sinks aliased into it before the first step); the second publishes our partial.
-                own: this consumer's partial, already computed (fp8_overlap). Returns S [64, bk] f32 (WGMMA layout)."""
+                own: this consumer's partial, already computed (fp8_overlap). piece_bars: each of this consumer's
+                pieces of d waited for (slot's piece barriers) right before its 4 k-steps are issued. Returns S [64, bk]
+                f32 (WGMMA layout)."""
+                if own is None and piece_bars:
+                    s_acc = mgpu.WGMMAAccumulator.zero(BLOCK_H, bk)
+                    for p_ in range(pieces // 2):
+                        piece = arith.addi(arith.muli(wgi, c(pieces // 2)), c(p_))
+                        full_bars[arith.addi(arith.muli(slot, c(pieces)), piece)].wait()
+                        cols = (slice(None), mu.ds(piece, 1))
+                        s_acc = mgpu.wgmma(s_acc, mu.memref_slice(q_smem, cols),
+                                           mu.memref_transpose(mu.memref_slice(kv, cols), (1, 0, 3, 2)), swizzle=swz)
+                        nvvm.wgmma_commit_group_sync_aligned()
+                    nvvm.wgmma_wait_group_sync_aligned(0)
+                    own = s_acc.value
                 if own is None:
                     s_acc = mgpu.WGMMAAccumulator.zero(BLOCK_H, bk)
                     k_half = mu.memref_transpose(mu.memref_slice(kv, (slice(None), v_cols)), (1, 0, 3, 2))
@@ -1308,13 +1368,14 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 if not idx_ring:
                     valid = load_valid()
                 region = begin("c_wait_full")
-                full_bars[slot].wait()
+                if not piece_bars:   # (piece_bars: each piece is waited for in split_d_scores)
+                    full_bars[slot].wait()
                 if cp_async or direct_tile:   # the block's cp.async copies (direct_tile: its rope rows) went through
                     # the generic proxy; wgmma reads through the async one
                     llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.shared::cta;", "",
                                     has_side_effects=True)
                 end(region)
-                if idx_ring:
+                if idx_ring and not piece_bars:
                     valid = load_valid()
                 own = None
                 if fp8 and fp8_overlap:
@@ -1338,7 +1399,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 else:
                     region = begin("c_scores")
                     if split_d:
-                        scores = split_d_scores(kv, own)
+                        scores = split_d_scores(kv, own, slot)
+                        if idx_ring and piece_bars:   # the ring slot is published by every piece's barrier
+                            valid = load_valid()
                     else:
                         turn("bar.sync", my_turn_bar)
                         s_acc = mgpu.WGMMAAccumulator.zero(BLOCK_H, bk)
@@ -1497,8 +1560,10 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                  jax.ShapeDtypeStruct((stages, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # KV ring
                  jax.ShapeDtypeStruct((2, BLOCK_H // 8, bk // 32, 8, 32), jnp.float32),  # partial S per consumer
                  jax.ShapeDtypeStruct((idx_len,), jnp.int32)),
+                # full: per slot (piece_bars: per slot and piece of d, slot-major)
                 (mgpu.TMABarrier(1), mgpu.TMABarrier(1),
-                 mgpu.Barrier(arrival_count=128, num_barriers=stages) if cp_async else mgpu.TMABarrier(stages)),
+                 mgpu.Barrier(arrival_count=128, num_barriers=stages) if cp_async else
+                 mgpu.TMABarrier(stages * (pieces if piece_bars else 1))),
                 (mgpu.Barrier(arrival_count=256, num_barriers=stages), mgpu.Barrier(arrival_count=256)),
             )
         else:
@@ -1602,6 +1667,7 @@ DIRECT_BATCH = 6   # fp8_dequant="direct": conv_batch's default, 16 B chunks loa
 DIRECT_RAW_PIECE = 3   # direct_staging="tile": raw nope rows in pieces 3-6 of their own tile (chunks 0-11 -> 0-2 first)
 DEFAULT_DIRECT_PREFETCH = False   # see `sparse_attention_mosaic`'s direct_prefetch (H100 session 55: no faster)
 DEFAULT_DIRECT_STAGING = "tile"   # see `sparse_attention_mosaic`'s direct_staging (H100 session 55: the faster one)
+DEFAULT_PIECE_BARRIERS = "rows"   # decode shapes only (< SPLIT_SCORES_MIN_T queries a sequence): see `sparse_attention_mosaic`'s piece_barriers
 
 
 def check_conv_regs(regs, shared=False):
@@ -1672,6 +1738,7 @@ def sparse_attention_mosaic(
     direct_prefetch: bool | None = None,
     idx_stream: bool | None = None,
     lazy_rescale: bool | None = None,
+    piece_barriers: bool | str | None = None,
     _diag: str | None = None,
     _profile: str | None = None,
 ):
@@ -1870,6 +1937,15 @@ def sparse_attention_mosaic(
     default split count, else streamed. Without it a long list (HCA: 8K + 128 entries a decode row, 33 KB) made
     the default split the row into short CTAs until the lists fit (HCA-8K B=64: 15 splits, 960 CTAs, and the XLA
     merge) or drop split_d / the FP8 tile ring. Not with producer="cp_async", l2_ahead or block_k > 128.
+    piece_barriers (None = DEFAULT_PIECE_BARRIERS where it applies, with fewer than SPLIT_SCORES_MIN_T queries per
+    sequence, else False; False, "rows" (= True) or "pieces"; bf16 pools, the TMA
+    producer, split_d): the ring's full barriers per 128 B-swizzle piece of d (8 per 64-row slot) instead of per
+    slot, and each consumer waits for each of its pieces just before that piece's score wgmma (see `_build`'s
+    piece_bars). "rows": the producer issues a block row by row as without it (a row's 8 pieces together), so a
+    piece's barrier completes once the block's last row has that piece; "pieces": all rows' piece p, then the
+    next (`piece_order`), so each consumer's score chain starts after the block's first two pieces land, FlashMLA's
+    fine-grained copy / GEMM pipelining. An explicit value other than False raises where it does not apply (also
+    where split_d was turned off to fit the split's index rows).
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -2001,6 +2077,17 @@ def sparse_attention_mosaic(
         raise ValueError("pingpong takes turns between the consumers' wgmma: bf16 pools without split_scores only "
                          "(FP8's dequantization and split_scores' exchange synchronise the consumers every step)")
     pingpong = DEFAULT_PINGPONG and not (fp8 or split_scores or split_d) if pingpong is None else bool(pingpong)
+    if piece_barriers is None:   # decode shapes (H100, session 56: decode 0-3.5% faster, prefill 2.5% slower)
+        want_pieces = DEFAULT_PIECE_BARRIERS if t < SPLIT_SCORES_MIN_T else False
+    else:
+        want_pieces = piece_barriers
+    want_pieces = "rows" if want_pieces is True else want_pieces
+    if want_pieces not in (False, "rows", "pieces"):
+        raise ValueError(f"piece_barriers must be False, True / 'rows' or 'pieces', got {piece_barriers!r}")
+    if piece_barriers and (fp8 or producer == "cp_async" or split_scores or pingpong or split_d is False):
+        raise ValueError("piece_barriers waits for each piece of d of a bf16 ring gathered by bulk copies, under "
+                         "split_d: not with FP8 pools, producer='cp_async' (block_k=32), split_scores, pingpong or "
+                         "split_d=False")
     fp8_convert = fp8_convert or DEFAULT_FP8_CONVERT
     if fp8_convert not in ("cvt", "rebias"):
         raise ValueError(f"fp8_convert must be 'cvt' or 'rebias', got {fp8_convert!r}")
@@ -2068,8 +2155,11 @@ def sparse_attention_mosaic(
         # without them a ring that fills shared memory to the byte (block_k=32 x 5 slots) passed this check and
         # failed in Mosaic's own (232552 > 232448 B)
         idx_bytes = idx_ring_steps * bk * 4 if stream else sum(idx_rows) * 4
+        # piece_bars' extra full barriers (as resolved below)
+        pieces_bars = stages * (d // 64 - 1) if want_pieces and split_d and not fp8 and producer != "cp_async" else 0
         smem = BLOCK_H * d * 2 + ring_bytes + idx_bytes + 2 * BLOCK_H * 4 + exchange_bytes() + \
-            (3 + (0 if direct else 2 * stages) + (2 * n_tiles if tiles else 0) + (stages if conv else 0)) * 8 + \
+            (3 + (0 if direct else 2 * stages) + (2 * n_tiles if tiles else 0) + (stages if conv else 0)
+             + pieces_bars) * 8 + \
             ((4 if conv else 3) * 4 * prof_entries + 1024 if _profile else 0)   # + the profiler's alignment
         if smem > SMEM_BUDGET and idx_stream is None and ring_ok and not stream:
             # the split's whole lists do not fit next to the rest: stream them, at the default split count
@@ -2086,6 +2176,12 @@ def sparse_attention_mosaic(
                 continue
             break
         bps -= 1
+    piece_bars = want_pieces if not fp8 and producer != "cp_async" and split_d and not (split_scores or pingpong) \
+        else False
+    if piece_barriers and not piece_bars:
+        raise ValueError("piece_barriers=True needs the bulk-copy producer (block_k >= 64) and split_d"
+                         + ("" if producer == "cp_async" else ", which does not fit next to this split's index rows "
+                            "(raise n_splits or pass idx_stream=True)"))
     if fp8_overlap and not (fp8 and split_d):
         raise ValueError("fp8_overlap interleaves one consumer's dequantization of its half of d with its score "
                          "wgmma: FP8 pools with split_d only (split_d is off here"
@@ -2133,7 +2229,8 @@ def sparse_attention_mosaic(
                     conv_units if conv else None, fp8_chunk_order, n_tiles,
                     (DIRECT_BATCH if direct else DEFAULT_CONV_BATCH) if conv_batch is None else conv_batch,
                     lazy_rescale, idx_ring_steps if stream else 0, direct, direct and direct_staging == "tile",
-                    direct and (DEFAULT_DIRECT_PREFETCH if direct_prefetch is None else direct_prefetch))
+                    direct and (DEFAULT_DIRECT_PREFETCH if direct_prefetch is None else direct_prefetch),
+                    piece_bars)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1 and not ccomb:
         o, lse = combine_lib.combine(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h), sinks.astype(jnp.float32),
