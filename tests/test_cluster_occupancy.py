@@ -4,6 +4,8 @@ on the GPU: test_sparse_attention_gpu.py::test_gpu_cluster_occupancy_query."""
 
 import ctypes
 
+import jax.numpy as jnp
+
 from pallas_kernels.sparse_attention import cluster_occupancy as co
 
 
@@ -26,3 +28,19 @@ def test_no_driver_no_answer(monkeypatch):
         assert co.max_active_clusters(2, 200 * 1024) is None
     finally:
         co.max_active_clusters.cache_clear()
+
+
+def test_fewer_splits_where_the_default_clusters_do_not_fit(monkeypatch):
+    """combine="auto" at the default split count: where a row's clusters do not all fit at once, the largest smaller
+    split count whose clusters do, if a CTA then runs at most one step more (the caps: the H100's, session 56)."""
+    from pallas_kernels.sparse_attention import gpu_mosaic
+
+    caps = {2: 66, 3: 39, 4: 30, 5: 22, 6: 17, 7: 15, 8: 15}
+    monkeypatch.setattr(co, "max_active_clusters", lambda n, smem, threads=384, device=0: caps.get(n))
+    fewer = lambda rows, ns, blocks, dtype=jnp.bfloat16: gpu_mosaic._fewer_splits_that_fit(
+        rows, ns, blocks, 230 * 1024, dtype)
+    assert fewer(32, 4, 10) == 3            # CSA B=32: 4 splits of <= 3 steps -> 3 of <= 4, in clusters
+    assert fewer(40, 4, 10) is None         # 40 clusters of 3 do not fit either, and 2 splits take 5 steps
+    assert fewer(16, 8, 130) is None        # HCA-8K B=16: 7 or 6 splits would take 19 or 22 steps instead of 17
+    assert fewer(16, 8, 18) == 6            # 18 blocks: 8 splits of 3 steps -> 6 of 3
+    assert fewer(32, 4, 10, jnp.float32) is None   # the cluster merge writes bf16 only

@@ -1638,6 +1638,27 @@ def _auto_combine(rows, ns, smem, out_dtype, device_ordinal=0, threads=384):
     return "cluster" if cap is not None and rows <= cap else "xla"
 
 
+def _fewer_splits_that_fit(rows, ns, total_blocks, smem, out_dtype, device_ordinal=0, threads=384):
+    """combine="auto" with the default split count, where the rows' clusters of `ns` CTAs do not fit on the GPU at
+    once (so the XLA merge): the largest split count below ns whose clusters do fit, if a CTA then runs at most one
+    step more (ceil(total_blocks / ns') <= ceil(total_blocks / ns) + 1), else None. The XLA merge and its launch gap
+    cost more than one step at small batches (H100, session 56: CSA B=32, 4 splits + XLA merge 16.7 + 4.3 us of
+    kernels, 23.4 us net; 3 splits in clusters 19.9 us, 21.0 net), not than five (HCA-8K B=16: 8 splits + XLA merge
+    62.2 + 4.8 us against 72.0 for 6 splits in clusters)."""
+    if jnp.dtype(out_dtype) != jnp.bfloat16:
+        return None
+    from .cluster_occupancy import max_active_clusters
+
+    steps = -(-total_blocks // ns)
+    for fewer in range(min(ns, MAX_CLUSTER + 1) - 1, 1, -1):
+        if -(-total_blocks // fewer) > steps + 1:
+            return None
+        cap = max_active_clusters(fewer, smem, threads, device_ordinal)
+        if cap is not None and rows <= cap:
+            return fewer
+    return None
+
+
 def profile_entries(max_steps):
     """i32 entries per warpgroup for the profiler: 3 header words, then 4 per region (enter and exit, each a name and
     a clock); at most 5 regions per step (consumers, FP8) plus 2 outside the loop, and a margin. A multiple of 64:
@@ -2203,6 +2224,14 @@ def sparse_attention_mosaic(
         # an SM to itself either way, and a size over the maximum made the occupancy query fail -> "xla")
         combine = _auto_combine(bt * n_hg, ns, min(smem + 1024, SMEM_BUDGET), out_dtype, _device_ordinal(q),
                                 threads=512 if conv else 384)
+        fewer = _fewer_splits_that_fit(bt * n_hg, ns, total_blocks, min(smem + 1024, SMEM_BUDGET), out_dtype,
+                                       _device_ordinal(q), 512 if conv else 384) \
+            if combine != "cluster" and n_splits is None and ns > 2 else None
+        if fewer is not None:   # the default split count's clusters do not fit at once: fewer splits that do,
+            try:                # unless this configuration cannot take that count (its own checks say so)
+                return sparse_attention_mosaic(**{**call_args, "n_splits": fewer})
+            except ValueError:
+                pass
     ccomb = combine == "cluster" and ns > 1
 
     args = [q.reshape(bt, n_hg, BLOCK_H, d), sinks.astype(jnp.float32).reshape(n_hg, BLOCK_H)]
