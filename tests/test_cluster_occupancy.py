@@ -32,7 +32,7 @@ def test_no_driver_no_answer(monkeypatch):
 
 def test_fewer_splits_where_the_default_clusters_do_not_fit(monkeypatch):
     """combine="auto" at the default split count: where a row's clusters do not all fit at once, the largest smaller
-    split count whose clusters do, if a CTA then runs at most one step more (the caps: the H100's, session 56)."""
+    split count whose clusters do, if a CTA then gathers at most 64 entries more (the caps: the H100's, session 56)."""
     from pallas_kernels.sparse_attention import gpu_mosaic
 
     caps = {2: 66, 3: 39, 4: 30, 5: 22, 6: 17, 7: 15, 8: 15}
@@ -44,3 +44,7 @@ def test_fewer_splits_where_the_default_clusters_do_not_fit(monkeypatch):
     assert fewer(16, 8, 130) is None        # HCA-8K B=16: 7 or 6 splits would take 19 or 22 steps instead of 17
     assert fewer(16, 8, 18) == 6            # 18 blocks: 8 splits of 3 steps -> 6 of 3
     assert fewer(32, 4, 10, jnp.float32) is None   # the cluster merge writes bf16 only
+    fp8 = lambda rows, ns, blocks: gpu_mosaic._fewer_splits_that_fit(rows, ns, blocks, 230 * 1024, jnp.bfloat16,
+                                                                      threads=512, block_k=32)
+    assert fp8(32, 4, 20) == 3              # FP8's 32-row steps: 5 -> 7 steps a CTA, 64 entries more
+    assert fp8(16, 8, 260) is None          # HCA-8K B=16: 33 -> 38 steps

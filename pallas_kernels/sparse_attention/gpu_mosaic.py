@@ -1638,20 +1638,20 @@ def _auto_combine(rows, ns, smem, out_dtype, device_ordinal=0, threads=384):
     return "cluster" if cap is not None and rows <= cap else "xla"
 
 
-def _fewer_splits_that_fit(rows, ns, total_blocks, smem, out_dtype, device_ordinal=0, threads=384):
+def _fewer_splits_that_fit(rows, ns, total_blocks, smem, out_dtype, device_ordinal=0, threads=384, block_k=64):
     """combine="auto" with the default split count, where the rows' clusters of `ns` CTAs do not fit on the GPU at
-    once (so the XLA merge): the largest split count below ns whose clusters do fit, if a CTA then runs at most one
-    step more (ceil(total_blocks / ns') <= ceil(total_blocks / ns) + 1), else None. The XLA merge and its launch gap
-    cost more than one step at small batches (H100, session 56: CSA B=32, 4 splits + XLA merge 16.7 + 4.3 us of
-    kernels, 23.4 us net; 3 splits in clusters 19.9 us, 21.0 net), not than five (HCA-8K B=16: 8 splits + XLA merge
-    62.2 + 4.8 us against 72.0 for 6 splits in clusters)."""
+    once (so the XLA merge): the largest split count below ns whose clusters do fit, if a CTA then gathers at most
+    64 entries more (one 64-row step, two of FP8's 32-row ones), else None. The XLA merge and its launch gap cost
+    more than one step at small batches (H100, session 56, kernel time: CSA B=32, 4 splits + the XLA merge 16.3 +
+    4.4 us, 3 splits in clusters 19.9; HCA-1K B=32 23.8 + 4.5 against 25.6), not than five (HCA-8K B=16: 8 splits
+    + the XLA merge 62.2 + 4.8 us against 72.0 for 6 splits in clusters)."""
     if jnp.dtype(out_dtype) != jnp.bfloat16:
         return None
     from .cluster_occupancy import max_active_clusters
 
     steps = -(-total_blocks // ns)
     for fewer in range(min(ns, MAX_CLUSTER + 1) - 1, 1, -1):
-        if -(-total_blocks // fewer) > steps + 1:
+        if (-(-total_blocks // fewer) - steps) * block_k > 64:
             return None
         cap = max_active_clusters(fewer, smem, threads, device_ordinal)
         if cap is not None and rows <= cap:
@@ -2225,7 +2225,7 @@ def sparse_attention_mosaic(
         combine = _auto_combine(bt * n_hg, ns, min(smem + 1024, SMEM_BUDGET), out_dtype, _device_ordinal(q),
                                 threads=512 if conv else 384)
         fewer = _fewer_splits_that_fit(bt * n_hg, ns, total_blocks, min(smem + 1024, SMEM_BUDGET), out_dtype,
-                                       _device_ordinal(q), 512 if conv else 384) \
+                                       _device_ordinal(q), 512 if conv else 384, bk) \
             if combine != "cluster" and n_splits is None and ns > 2 else None
         if fewer is not None:   # the default split count's clusters do not fit at once: fewer splits that do,
             try:                # unless this configuration cannot take that count (its own checks say so)
