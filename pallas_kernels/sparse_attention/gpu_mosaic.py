@@ -34,6 +34,10 @@ side by side and the second group's gathers of the same KV rows mostly hit L2.
   columns and they swap P. Then the online softmax in exp2
   units with the running max initialised at the sink logit (so it is always finite), and P.V for their own half of the d output columns: each holds a [64, d/2] f32 accumulator.
   After P.V both arrive on the slot's "consumed" barrier, which the producer waits on before refilling it.
+* decode (session 56, `piece_barriers="rows"`): the ring's full barriers are per (slot, 128 B piece of d), and each
+  consumer waits for each of its own pieces just before that piece's score wgmma instead of for the whole block
+  (H100: decode 0.4-3.5% faster; prefill 2.5% slower, so off there). The piece-major issue order of FlashMLA's
+  fine-grained pipelining (`"pieces"`) is 1-9% slower on the H100, where decode is memory-bound.
 * the q tile becomes the output tile once both consumers are past their last scores (a barrier between them).
 * `split_scores` (bf16 pools; the prefill default from session 12 to 17, now only where split_d is off and T >=
   SPLIT_SCORES_MIN_T queries per sequence): each consumer
@@ -75,7 +79,9 @@ list's; a source's blocks past its valid length are not visited. Outputs as gpu.
 the denominator, lse without it; split-K -> partials normalised by their own sum, merged either inside the kernel
 (`combine="cluster"`: the row's splits are one thread-block cluster and merge through distributed shared memory,
 the default where the clusters fit on the GPU at once; H200 session 16: 4-5 us per decode call less at B = 16-64)
-or after it (`common.combine_splits` / `combine.combine_splits_pallas`).
+or after it (`common.combine_splits` / `combine.combine_splits_pallas`). Where the default split count's clusters do
+not fit, the default takes fewer splits whose clusters do if that costs a CTA at most 64 more entries
+(`_fewer_splits_that_fit`, session 56: CSA B=32 20.7 -> 19.9 us of kernels on the H100, HCA-1K B=32 28.3 -> 25.6).
 
 Not interpretable on CPU, but it lowers there (CI: tests/test_gpu_lowering.py); runs on Hopper (sm_90a) only.
 """
