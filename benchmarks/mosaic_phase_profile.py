@@ -8,7 +8,9 @@ stamps the SM clock at the entry and exit of named regions,
   producer   p_setup (q, sinks, index rows until landed), per step p_wait_empty (slot free) and p_issue
   consumers  c_wait_q, per step c_wait_full (the block landed), c_scores (q K^T wgmma), c_softmax, c_pv (P.V
              wgmma; c_split_softmax with split_scores, c_dequant with FP8 pools, c_dequant_scores with
-             fp8_overlap: the conversions and the score wgmma interleaved), then c_epilogue
+             fp8_overlap: the conversions and the score wgmma interleaved), then c_epilogue. With
+             piece_barriers (the bf16 decode default since session 56) the waits for the block's pieces sit
+             inside c_scores, and c_wait_full is empty: pass piece_barriers=False to see them apart
 
 and prints, per role and region, cycles per occurrence and per CTA, the share of the CTA's span, and how the CTAs'
 start times spread over the launch (waves). Reading: if c_wait_full dominates the consumers, the gathers bind
