@@ -392,7 +392,7 @@ def main():
     if "s29p" in groups:  # session 29: HCA prefill (every query attends 128 + 8192 entries), streamed vs whole lists
         for o in (dict(mos), dict(mos, idx_stream=False)):
             record(bench_case(rng, ceil, "hca", 1, 2048, 8192, False, opts=o, ref=False))
-    if "s56" in groups:  # session 56: the bf16 ring's full barriers per piece of d (piece_barriers), off / rows / pieces
+    if "s56" in groups:  # session 56: the bf16 ring's barriers per piece of d (piece_barriers): off / rows / pieces
         for how in (False, "rows", "pieces"):
             o = dict(mos, piece_barriers=how)
             for kind, b, kc in [("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 8192)]:

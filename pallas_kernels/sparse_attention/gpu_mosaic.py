@@ -927,7 +927,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     issue_cp_async(k, slot, full, off)
                     end(region)
                     return carry
-                if piece_bars:   # each piece of d on its own barrier, issued piece by piece (all rows' piece p)
+                if piece_bars:   # each piece of d on its own barrier (slot-major), issued in rows or pieces order
                     piece_bar = lambda p_: full_bars[arith.addi(arith.muli(slot, c(pieces)),
                                                                 c(p_) if isinstance(p_, int) else p_)]
                     for p_ in range(pieces):
@@ -1694,7 +1694,8 @@ DIRECT_BATCH = 6   # fp8_dequant="direct": conv_batch's default, 16 B chunks loa
 DIRECT_RAW_PIECE = 3   # direct_staging="tile": raw nope rows in pieces 3-6 of their own tile (chunks 0-11 -> 0-2 first)
 DEFAULT_DIRECT_PREFETCH = False   # see `sparse_attention_mosaic`'s direct_prefetch (H100 session 55: no faster)
 DEFAULT_DIRECT_STAGING = "tile"   # see `sparse_attention_mosaic`'s direct_staging (H100 session 55: the faster one)
-DEFAULT_PIECE_BARRIERS = "rows"   # decode shapes only (< SPLIT_SCORES_MIN_T queries a sequence): see `sparse_attention_mosaic`'s piece_barriers
+# decode shapes only (< SPLIT_SCORES_MIN_T queries a sequence): see `sparse_attention_mosaic`'s piece_barriers
+DEFAULT_PIECE_BARRIERS = "rows"
 
 
 def check_conv_regs(regs, shared=False):
