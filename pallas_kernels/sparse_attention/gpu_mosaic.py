@@ -166,14 +166,6 @@ mul.rn.bf16x2 t, t, $2;
 mul.rn.bf16x2 $0, t, $3; }"""
 
 
-def piece_order(pieces: int) -> list[int]:
-    """piece_bars: the order the producer issues a block's 128 B-swizzle pieces of d in. Under split_d consumer w
-    reads pieces [w P/2, (w + 1) P/2), so the two halves alternate (0, P/2, 1, P/2 + 1, ...) and both consumers'
-    score chains can start after the first two pieces land."""
-    half = pieces // 2
-    return [h * half + i for i in range(half) for h in range(2)]
-
-
 def default_config(bt: int, total_blocks: int):
     n_splits = max(1, min(N_SM_H200 // max(bt, 1), max(1, total_blocks // 2)))
     return dict(block_k=64, num_stages=2, n_splits=n_splits)
@@ -224,9 +216,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     B-swizzle piece of d) instead of one per slot. The producer registers each piece's bytes on its own barrier,
     and each consumer waits for each of its own pieces just before that piece's 4 score wgmma. "rows" issues a
     block row by row (each row's pieces together, as without piece_bars); "pieces" issues all rows' piece p, then
-    the next (`piece_order` alternates the two consumers' halves), each lane-0 thread holding its 16 rows' indices
-    in registers, so a score chain runs while the rest of its block lands (FlashMLA's fine-grained copy / GEMM
-    pipelining) instead of after all of it.
+    the next (0, P/2, 1, P/2 + 1, ...: the two consumers' halves alternate), each lane-0 thread holding its 16
+    rows' indices in registers, so a score chain runs while the rest of its block lands (FlashMLA's fine-grained
+    copy / GEMM pipelining) instead of after all of it.
     profile ((entries per warpgroup, dump directory) or None): Mosaic GPU's on-device profiler records each
     warpgroup's named regions (thread 0 of the warpgroup: SM clock at entry and exit) and the wrapper dumps a Chrome
     trace per call into the directory (benchmarks/mosaic_phase_profile.py reads it). Without it the regions emit
@@ -940,13 +932,14 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                             for p_ in range(pieces):
                                 copy_piece(k, slot, piece_bar(p_), r, e, p_)
                             return _c
-                    else:   # "pieces": all rows' piece p, then the next (piece_order); each row's index read once
+                    else:   # "pieces": all rows' piece p, then the next; each row's index read once
                         rows_ = [arith.addi(c(4 * t), warp) for t in range(bk // 4)]
                         es = [src_row(r) for r in rows_]
                         half = pieces // 2
 
                         @mu.fori(c(pieces), None)
-                        def _(i, _c):   # piece_order(pieces)[i], computed: (i % 2) * half + i // 2
+                        def _(i, _c):   # pieces 0, P/2, 1, P/2 + 1, ...: consumer w reads [w P/2, (w + 1) P/2),
+                            # so both consumers' score chains start after the block's first two pieces land
                             p_ = arith.addi(arith.muli(arith.remui(i, c(2)), c(half)), arith.divui(i, c(2)))
                             for r, e in zip(rows_, es):
                                 copy_piece(k, slot, piece_bar(p_), r, e, p_)
@@ -1651,16 +1644,11 @@ def _fewer_splits_that_fit(rows, ns, total_blocks, smem, out_dtype, device_ordin
     more than one step at small batches (H100, session 56, kernel time: CSA B=32, 4 splits + the XLA merge 16.3 +
     4.4 us, 3 splits in clusters 19.9; HCA-1K B=32 23.8 + 4.5 against 25.6), not than five (HCA-8K B=16: 8 splits
     + the XLA merge 62.2 + 4.8 us against 72.0 for 6 splits in clusters)."""
-    if jnp.dtype(out_dtype) != jnp.bfloat16:
-        return None
-    from .cluster_occupancy import max_active_clusters
-
     steps = -(-total_blocks // ns)
     for fewer in range(min(ns, MAX_CLUSTER + 1) - 1, 1, -1):
         if (-(-total_blocks // fewer) - steps) * block_k > 64:
             return None
-        cap = max_active_clusters(fewer, smem, threads, device_ordinal)
-        if cap is not None and rows <= cap:
+        if _auto_combine(rows, fewer, smem, out_dtype, device_ordinal, threads) == "cluster":
             return fewer
     return None
 
@@ -1971,9 +1959,9 @@ def sparse_attention_mosaic(
     slot, and each consumer waits for each of its pieces just before that piece's score wgmma (see `_build`'s
     piece_bars). "rows": the producer issues a block row by row as without it (a row's 8 pieces together), so a
     piece's barrier completes once the block's last row has that piece; "pieces": all rows' piece p, then the
-    next (`piece_order`), so each consumer's score chain starts after the block's first two pieces land, FlashMLA's
-    fine-grained copy / GEMM pipelining. An explicit value other than False raises where it does not apply (also
-    where split_d was turned off to fit the split's index rows).
+    next (the consumers' halves alternating), so each score chain starts after the block's first two pieces land,
+    FlashMLA's fine-grained copy / GEMM pipelining. An explicit value other than False raises where it does not
+    apply (also where split_d was turned off to fit the split's index rows).
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -2112,10 +2100,6 @@ def sparse_attention_mosaic(
     want_pieces = "rows" if want_pieces is True else want_pieces
     if want_pieces not in (False, "rows", "pieces"):
         raise ValueError(f"piece_barriers must be False, True / 'rows' or 'pieces', got {piece_barriers!r}")
-    if piece_barriers and (fp8 or producer == "cp_async" or split_scores or pingpong or split_d is False):
-        raise ValueError("piece_barriers waits for each piece of d of a bf16 ring gathered by bulk copies, under "
-                         "split_d: not with FP8 pools, producer='cp_async' (block_k=32), split_scores, pingpong or "
-                         "split_d=False")
     fp8_convert = fp8_convert or DEFAULT_FP8_CONVERT
     if fp8_convert not in ("cvt", "rebias"):
         raise ValueError(f"fp8_convert must be 'cvt' or 'rebias', got {fp8_convert!r}")
@@ -2169,6 +2153,10 @@ def sparse_attention_mosaic(
         raise ValueError("idx_stream=True streams the index rows through the TMA producer: not with "
                          "producer='cp_async' (block_k=32 with bf16 pools), l2_ahead or block_k > 128")
     stream = bool(idx_stream)
+
+    def pieces_apply():
+        """Whether piece_bars runs with the options as resolved so far (split_d may still be turned off below)."""
+        return bool(want_pieces) and split_d and not (fp8 or producer == "cp_async" or split_scores or pingpong)
     if cluster and n_splits is not None and n_splits > MAX_CLUSTER:
         raise ValueError(f"combine='cluster' merges a row's splits in one thread-block cluster: n_splits <= "
                          f"{MAX_CLUSTER}, got {n_splits}")
@@ -2183,8 +2171,7 @@ def sparse_attention_mosaic(
         # without them a ring that fills shared memory to the byte (block_k=32 x 5 slots) passed this check and
         # failed in Mosaic's own (232552 > 232448 B)
         idx_bytes = idx_ring_steps * bk * 4 if stream else sum(idx_rows) * 4
-        # piece_bars' extra full barriers (as resolved below)
-        pieces_bars = stages * (d // 64 - 1) if want_pieces and split_d and not fp8 and producer != "cp_async" else 0
+        pieces_bars = stages * (d // 64 - 1) if pieces_apply() else 0   # piece_bars' extra full barriers
         smem = BLOCK_H * d * 2 + ring_bytes + idx_bytes + 2 * BLOCK_H * 4 + exchange_bytes() + \
             (3 + (0 if direct else 2 * stages) + (2 * n_tiles if tiles else 0) + (stages if conv else 0)
              + pieces_bars) * 8 + \
@@ -2204,12 +2191,14 @@ def sparse_attention_mosaic(
                 continue
             break
         bps -= 1
-    piece_bars = want_pieces if not fp8 and producer != "cp_async" and split_d and not (split_scores or pingpong) \
-        else False
+    piece_bars = want_pieces if pieces_apply() else False
     if piece_barriers and not piece_bars:
-        raise ValueError("piece_barriers=True needs the bulk-copy producer (block_k >= 64) and split_d"
-                         + ("" if producer == "cp_async" else ", which does not fit next to this split's index rows "
-                            "(raise n_splits or pass idx_stream=True)"))
+        why = ("not with FP8 pools" if fp8 else "not producer='cp_async' (block_k=32 takes it)"
+               if producer == "cp_async" else "not with split_scores or pingpong" if split_scores or pingpong
+               else "not with split_d=False" if call_args["split_d"] is False
+               else "split_d does not fit next to this split's index rows (raise n_splits or pass idx_stream=True)")
+        raise ValueError("piece_barriers waits for each piece of d of a bf16 ring under split_d, gathered by the "
+                         f"bulk-copy producer: {why}")
     if fp8_overlap and not (fp8 and split_d):
         raise ValueError("fp8_overlap interleaves one consumer's dequantization of its half of d with its score "
                          "wgmma: FP8 pools with split_d only (split_d is off here"
@@ -2229,10 +2218,9 @@ def sparse_attention_mosaic(
     if combine == "auto":
         # (+1 KB of margin for Mosaic's own alignment, capped at the per-block maximum: past half of it a CTA has
         # an SM to itself either way, and a size over the maximum made the occupancy query fail -> "xla")
-        combine = _auto_combine(bt * n_hg, ns, min(smem + 1024, SMEM_BUDGET), out_dtype, _device_ordinal(q),
-                                threads=512 if conv else 384)
-        fewer = _fewer_splits_that_fit(bt * n_hg, ns, total_blocks, min(smem + 1024, SMEM_BUDGET), out_dtype,
-                                       _device_ordinal(q), 512 if conv else 384, bk) \
+        occupancy = (min(smem + 1024, SMEM_BUDGET), out_dtype, _device_ordinal(q), 512 if conv else 384)
+        combine = _auto_combine(bt * n_hg, ns, *occupancy)
+        fewer = _fewer_splits_that_fit(bt * n_hg, ns, total_blocks, *occupancy, bk) \
             if combine != "cluster" and n_splits is None and ns > 2 else None
         if fewer is not None:   # the default split count's clusters do not fit at once: fewer splits that do,
             try:                # unless this configuration cannot take that count (its own checks say so)
