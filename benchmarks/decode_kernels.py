@@ -15,7 +15,8 @@ launch gaps) is measured rather than guessed:
 
     PYTHONPATH=. python benchmarks/decode_kernels.py --out DIR [--cases csa64,csa64:kernel=mosaic+producer=cp_async,...] [--unroll 16]
 
-A case is NAME[:opt=value+opt=value...] with NAME in CASES and options passed to `sparse_attention` (ints, a/b for a
+A case is NAME[:opt=value+opt=value...] with NAME in CASES (or any batch: csa<B>, hca<N>k<B> with N x 1024
+entries, + _fp8) and options passed to `sparse_attention` (ints, a/b for a
 tuple of ints, or true / false),
 except wlen / clen: every row's valid window / compressed length (wlen=0+clen=0: the kernel's fixed cost, no blocks).
 Needs a GPU (CUPTI).
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from collections import defaultdict
@@ -52,6 +54,22 @@ CASES = {
     "hca1k32": ("hca", 32, 1024, "bf16"),
     "hca1k32_fp8": ("hca", 32, 1024, "fp8"),
 }
+
+
+CASE_NAME = re.compile(r"^(csa|hca(\d+)k)(\d+)(_fp8)?$")
+
+
+def case_shape(name):
+    """A case name -> (kind, B, K_c, kv): one of CASES, or any batch as csa<B> (512 top-k) or hca<N>k<B> (N x 1024
+    entries), + _fp8 for FP8 pools."""
+    if name in CASES:
+        return CASES[name]
+    m = CASE_NAME.match(name)
+    if not m:
+        raise ValueError(f"unknown case {name!r}: one of {sorted(CASES)}, or csa<B> / hca<N>k<B> with an "
+                         "optional _fp8")
+    kind, kc = ("csa", 512) if m.group(1) == "csa" else ("hca", int(m.group(2)) * 1024)
+    return kind, int(m.group(3)), kc, "fp8" if m.group(4) else "bf16"
 
 
 def parse_case(spec):
@@ -97,7 +115,7 @@ def main():
     results = {}
     for spec in args.cases.split(","):
         name, opts = parse_case(spec)
-        kind, b, kc, kv = CASES[name]
+        kind, b, kc, kv = case_shape(name)
 
         def measure():
             q, wpool, cpool, sinks, widx, cidx = make_case(rng, kind, b, 1, kc, 4096, kv == "fp8", 8)

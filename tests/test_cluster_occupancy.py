@@ -48,3 +48,26 @@ def test_fewer_splits_where_the_default_clusters_do_not_fit(monkeypatch):
                                                                       threads=512, block_k=32)
     assert fp8(32, 4, 20) == 3              # FP8's 32-row steps: 5 -> 7 steps a CTA, 64 entries more
     assert fp8(16, 8, 260) is None          # HCA-8K B=16: 33 -> 38 steps
+
+
+def test_split_count_past_one_wave():
+    """Decode rows (x head groups) beyond one CTA an SM: `wave_splits` takes the split count with the least
+    estimated time where it promises WAVE_MIN_GAIN over one split a row. The estimate's order agrees with the H100's
+    measurements (session 57: HCA-8K, 130 steps a row, at B = 136: 1 split 722.8 us, 2 576.7, 4 517.0, 8 528.0; at
+    B = 192: 1 718.2, 2 614.2, 4 654.2), and short lists, where no count measured faster, keep one split."""
+    from pallas_kernels.sparse_attention import gpu_mosaic
+
+    est = lambda rows, blocks, ns: gpu_mosaic.wave_estimate(rows, blocks, ns)
+    assert est(136, 130, 4) < est(136, 130, 2) < est(136, 130, 1)
+    assert est(192, 130, 2) < est(192, 130, 4) < est(192, 130, 1)
+    splits = lambda rows, blocks, decode=True: gpu_mosaic.default_config(rows, blocks, decode)["n_splits"]
+    assert 4 <= splits(136, 130) <= 8
+    assert splits(192, 130) == 2
+    assert splits(256, 130) == 1             # 256 CTAs: two nearly full waves already
+    assert splits(136, 10) == splits(192, 10) == 1   # CSA: 79.8 / 100.4 us with 2 splits against 75.7 / 71.9
+    assert splits(136, 18) == 1              # HCA-1K: 117.9 / 117.1 with 2 / 3 against 116.8
+    assert splits(136, 130, decode=False) == 1   # prefill shapes: one split a row, as before
+    # up to one wave: the rule of sessions 1-56 (enough splits to fill the SMs, two steps a split at least)
+    for rows in (1, 16, 32, 64, 100, 128, 132):
+        for blocks in (2, 10, 18, 130):
+            assert splits(rows, blocks) == max(1, min(132 // rows, max(1, blocks // 2)))

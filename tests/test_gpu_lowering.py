@@ -632,6 +632,25 @@ def test_sparse_attention_mosaic_streams_long_index_lists(monkeypatch, b, k_c, f
         assert ns > 8
 
 
+@pytest.mark.parametrize("b,k_c,fp8", [(136, 8192, False), full(136, 8192, True), (136, 512, False)])
+def test_sparse_attention_mosaic_splits_past_one_wave(monkeypatch, b, k_c, fp8):
+    """Past one wave of CTAs the wrapper builds `wave_splits`' count (HCA-8K at B = 136: several splits and the XLA
+    merge; CSA: one split a row) and lowers."""
+    from pallas_kernels.sparse_attention import gpu_mosaic
+
+    built = []
+    real = gpu_mosaic._build
+    sig = inspect.signature(real)
+    monkeypatch.setattr(gpu_mosaic, "_build", lambda *a, **k: built.append(sig.bind(*a, **k).arguments["ns"])
+                        or real(*a, **k))
+    inp = make_attention(b, 1, 64, 512, 300, 9000, 128, k_c, ragged=True, fp8=fp8)
+    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
+    lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(
+        *a, scale=0.1, window_len=inp["window_len"], compressed_len=inp["compressed_len"]), *(inp[k] for k in keys))
+    assert built == [gpu_mosaic.wave_splits(b, (128 + k_c) // 64)]
+    assert (built[0] > 1) is (k_c == 8192)
+
+
 def test_sparse_attention_mosaic_idx_stream_rejects_what_it_cannot_do():
     """The ring is filled by the TMA producer's threads one step ahead: not with the cp.async producer (block_k=32
     over bf16 pools), L2 prefetches of later steps' rows (they read the entries ahead of the ring), or more than one

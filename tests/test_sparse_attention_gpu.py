@@ -317,6 +317,9 @@ MOSAIC_CASES += [(*c[:7], dict(piece_barriers=how, **c[7])) for how in (True, "p
 # B=32 CSA decode: the default 4 splits' 32 clusters do not fit on an H100 / H200 at once, so the default takes 3
 # splits in clusters (`_fewer_splits_that_fit`, session 56), bf16 and FP8 pools
 MOSAIC_CASES += [(32, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True, fp8=f), {}) for f in (False, True)]
+# B=136 x (128 + 8192) entries: past one wave of CTAs, the default takes several splits and the XLA merge
+# (`wave_splits`, session 57), bf16 and FP8 pools
+MOSAIC_CASES += [(136, 1, 128, 9000, 128, 8192, dict(ragged=True, fp8=f), {}) for f in (False, True)]
 
 
 @pytest.mark.parametrize("case", MOSAIC_CASES,

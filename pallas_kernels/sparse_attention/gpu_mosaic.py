@@ -82,6 +82,9 @@ the default where the clusters fit on the GPU at once; H200 session 16: 4-5 us p
 or after it (`common.combine_splits` / `combine.combine_splits_pallas`). Where the default split count's clusters do
 not fit, the default takes fewer splits whose clusters do if that costs a CTA at most 64 more entries
 (`_fewer_splits_that_fit`, session 56: CSA B=32 20.7 -> 19.9 us of kernels on the H100, HCA-1K B=32 28.3 -> 25.6).
+Past one wave of CTAs (decode rows x head groups > 132, one CTA an SM), one split a row left the last wave's few
+CTAs as long as a full one: the default now takes the split count of least estimated time (`wave_splits`, session
+57; H100, HCA-8K B=136 733 -> 524 us, B=160 731 -> 546, FP8 929 -> 602; short lists keep one split).
 
 Not interpretable on CPU, but it lowers there (CI: tests/test_gpu_lowering.py); runs on Hopper (sm_90a) only.
 """
@@ -166,8 +169,47 @@ mul.rn.bf16x2 t, t, $2;
 mul.rn.bf16x2 $0, t, $3; }"""
 
 
-def default_config(bt: int, total_blocks: int):
-    n_splits = max(1, min(N_SM_H200 // max(bt, 1), max(1, total_blocks // 2)))
+# The split count past one wave of CTAs (`wave_splits`), in units of one CTA's 64-row step (~2.9 us on the H100 with
+# every SM gathering; H100 session 57, results/h100_s57r2_dk.log): a CTA's fixed cost (q and output tiles, the first
+# block's latency, the epilogue), the XLA merge's (launch, then per (row, split) partial), and the least gain the
+# estimate must promise before the default leaves one split a row.
+WAVE_CTA_FIXED = 2.0
+WAVE_MERGE = (2.0, 0.005)
+WAVE_MIN_GAIN = 0.15
+WAVE_MAX_SPLITS = 16
+
+
+def wave_estimate(rows: int, total_blocks: int, n_splits: int, n_sm: int = N_SM_H200) -> float:
+    """A decode call's time in CTA steps with `n_splits` splits a row, one CTA an SM (the kernel's ~200 KB of shared
+    memory): waves of n_sm CTAs, each as long as its CTA's steps plus the fixed cost, and the XLA merge where
+    n_splits > 1 (past one wave the clusters of the in-kernel merge do not all fit)."""
+    steps = -(-total_blocks // n_splits) + WAVE_CTA_FIXED
+    merge = WAVE_MERGE[0] + WAVE_MERGE[1] * rows * n_splits if n_splits > 1 else 0.0
+    return -(-rows * n_splits // n_sm) * steps + merge
+
+
+def wave_splits(rows: int, total_blocks: int, n_sm: int = N_SM_H200) -> int:
+    """Splits a row where the rows alone fill more than one wave of CTAs. One split a row leaves the last wave
+    with rows - n_sm CTAs that take as long as a full one: HCA-8K (130 steps a row) at B = 136 took 722.8 us
+    against 384.4 at B = 128 on the H100, and 517.0 with 4 splits (FP8: 956.1 -> 618.3); B = 192 718.2 -> 614.2
+    with 2. Short lists gain nothing measurable (CSA and HCA-1K at B = 136 / 192: 1-2 splits within 1-4 us or
+    slower with the merge), hence the margin: the count with the lowest `wave_estimate`, if it promises
+    WAVE_MIN_GAIN over one split, else 1."""
+    est = {ns: wave_estimate(rows, total_blocks, ns, n_sm) for ns in range(1, min(total_blocks, WAVE_MAX_SPLITS) + 1)}
+    best = min(est, key=est.get)
+    return best if est[best] < (1.0 - WAVE_MIN_GAIN) * est[1] else 1
+
+
+def default_config(rows: int, total_blocks: int, decode: bool = True):
+    """rows = query rows x head groups (a CTA each per split). Up to one wave: enough splits to fill the SMs (at
+    least two steps a split); past it, `wave_splits` for decode shapes (measured there) and one split a row for
+    prefill's (many waves, each query's own list)."""
+    if rows > N_SM_H200:
+        if not decode:
+            return dict(block_k=64, num_stages=2, n_splits=1)
+        n_splits = wave_splits(rows, total_blocks)
+    else:
+        n_splits = max(1, min(N_SM_H200 // max(rows, 1), max(1, total_blocks // 2)))
     return dict(block_k=64, num_stages=2, n_splits=n_splits)
 
 
@@ -2112,7 +2154,7 @@ def sparse_attention_mosaic(
     if compressed_kv is not None:
         flat.append(common.flatten_source(compressed_kv, compressed_idx, compressed_len, bt, bk0, clip=False))
     total_blocks = sum(s_.k // bk0 for s_ in flat)
-    cfg = default_config(bt * n_hg, total_blocks)
+    cfg = default_config(bt * n_hg, total_blocks, decode=t < SPLIT_SCORES_MIN_T)
     for k_, v_ in dict(block_k=block_k, num_stages=num_stages, n_splits=n_splits).items():
         if v_ is not None:
             cfg[k_] = v_
