@@ -15,8 +15,8 @@ launch gaps) is measured rather than guessed:
 
     PYTHONPATH=. python benchmarks/decode_kernels.py --out DIR [--cases csa64,csa64:kernel=mosaic+producer=cp_async,...] [--unroll 16]
 
-A case is NAME[:opt=value+opt=value...] with NAME in CASES (or any batch: csa<B>, hca<N>k<B> with N x 1024
-entries, + _fp8) and options passed to `sparse_attention` (ints, a/b for a
+A case is NAME[:opt=value+opt=value...] with NAME as CASE_NAME reads it (csa<B>, hca<N>k<B>, + _fp8, + _h<heads>:
+csa64, hca8k136_fp8, hca8k72_h128) and options passed to `sparse_attention` (ints, a/b for a
 tuple of ints, or true / false),
 except wlen / clen: every row's valid window / compressed length (wlen=0+clen=0: the kernel's fixed cost, no blocks).
 Needs a GPU (CUPTI).
@@ -33,43 +33,18 @@ from collections import defaultdict
 
 import numpy as np
 
-# name -> (kind, B, K_c, kv)
-CASES = {
-    "csa16": ("csa", 16, 512, "bf16"),
-    "csa32": ("csa", 32, 512, "bf16"),
-    "csa64": ("csa", 64, 512, "bf16"),
-    "csa128": ("csa", 128, 512, "bf16"),
-    "hca1k64": ("hca", 64, 1024, "bf16"),
-    "hca1k16": ("hca", 16, 1024, "bf16"),
-    "hca8k16": ("hca", 16, 8192, "bf16"),
-    "hca8k32": ("hca", 32, 8192, "bf16"),
-    "csa16_fp8": ("csa", 16, 512, "fp8"),
-    "csa64_fp8": ("csa", 64, 512, "fp8"),
-    "csa128_fp8": ("csa", 128, 512, "fp8"),
-    "hca1k64_fp8": ("hca", 64, 1024, "fp8"),
-    "hca8k16_fp8": ("hca", 16, 8192, "fp8"),
-    "hca8k64": ("hca", 64, 8192, "bf16"),
-    "hca8k64_fp8": ("hca", 64, 8192, "fp8"),
-    "csa32_fp8": ("csa", 32, 512, "fp8"),
-    "hca1k32": ("hca", 32, 1024, "bf16"),
-    "hca1k32_fp8": ("hca", 32, 1024, "fp8"),
-}
-
-
-CASE_NAME = re.compile(r"^(csa|hca(\d+)k)(\d+)(_fp8)?$")
+# a case's name: csa<B> (128 window + 512 top-k entries a row) or hca<N>k<B> (128 + N x 1024), + _fp8 for FP8 pools,
+# + _h<H> for H query heads (64 by default; 128 = V4-Pro's two head groups)
+CASE_NAME = re.compile(r"^(csa|hca(\d+)k)(\d+)(_fp8)?(?:_h(\d+))?$")
 
 
 def case_shape(name):
-    """A case name -> (kind, B, K_c, kv): one of CASES, or any batch as csa<B> (512 top-k) or hca<N>k<B> (N x 1024
-    entries), + _fp8 for FP8 pools."""
-    if name in CASES:
-        return CASES[name]
+    """A case name -> (kind, B, K_c, kv, heads)."""
     m = CASE_NAME.match(name)
     if not m:
-        raise ValueError(f"unknown case {name!r}: one of {sorted(CASES)}, or csa<B> / hca<N>k<B> with an "
-                         "optional _fp8")
+        raise ValueError(f"unknown case {name!r}: csa<B> or hca<N>k<B>, optionally + _fp8, + _h<heads>")
     kind, kc = ("csa", 512) if m.group(1) == "csa" else ("hca", int(m.group(2)) * 1024)
-    return kind, int(m.group(3)), kc, "fp8" if m.group(4) else "bf16"
+    return kind, int(m.group(3)), kc, "fp8" if m.group(4) else "bf16", int(m.group(5) or 64)
 
 
 def parse_case(spec):
@@ -115,10 +90,10 @@ def main():
     results = {}
     for spec in args.cases.split(","):
         name, opts = parse_case(spec)
-        kind, b, kc, kv = case_shape(name)
+        kind, b, kc, kv, heads = case_shape(name)
 
         def measure():
-            q, wpool, cpool, sinks, widx, cidx = make_case(rng, kind, b, 1, kc, 4096, kv == "fp8", 8)
+            q, wpool, cpool, sinks, widx, cidx = make_case(rng, kind, b, 1, kc, 4096, kv == "fp8", 8, heads)
             kopts = dict(opts)
             lens = {k: kopts.pop(k) for k in ("wlen", "clen") if k in kopts}
             if lens:   # valid lengths for every row: wlen=0+clen=0 times the kernel's fixed cost (no blocks)

@@ -67,3 +67,10 @@ def test_decode_kernels_grouping_and_case_specs():
     assert g["combine"]["us_per_call"] == pytest.approx(4)
     assert parse_case("csa64:n_splits=1+split_scores=true") == ("csa64", dict(n_splits=1, split_scores=True))
     assert parse_case("csa16") == ("csa16", {})
+    from benchmarks.decode_kernels import case_shape
+
+    assert case_shape("csa16") == ("csa", 16, 512, "bf16", 64)
+    assert case_shape("hca8k136_fp8") == ("hca", 136, 8192, "fp8", 64)
+    assert case_shape("hca1k72_h128") == ("hca", 72, 1024, "bf16", 128)
+    with pytest.raises(ValueError, match="unknown case"):
+        case_shape("hca8k")

@@ -320,6 +320,7 @@ MOSAIC_CASES += [(32, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True, fp8=f
 # B=136 x (128 + 8192) entries: past one wave of CTAs, the default takes several splits and the XLA merge
 # (`wave_splits`, session 57), bf16 and FP8 pools
 MOSAIC_CASES += [(136, 1, 128, 9000, 128, 8192, dict(ragged=True, fp8=f), {}) for f in (False, True)]
+MOSAIC_CASES += [(72, 1, 128, 9000, 128, 8192, dict(ragged=True, heads=128), {})]   # 144 CTA rows: two head groups
 
 
 @pytest.mark.parametrize("case", MOSAIC_CASES,

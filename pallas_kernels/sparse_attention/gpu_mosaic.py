@@ -200,14 +200,15 @@ def wave_splits(rows: int, total_blocks: int, n_sm: int = N_SM_H200) -> int:
     return best if est[best] < (1.0 - WAVE_MIN_GAIN) * est[1] else 1
 
 
-def default_config(rows: int, total_blocks: int, decode: bool = True):
-    """rows = query rows x head groups (a CTA each per split). Up to one wave: enough splits to fill the SMs (at
-    least two steps a split); past it, `wave_splits` for decode shapes (measured there) and one split a row for
-    prefill's (many waves, each query's own list)."""
+def default_config(rows: int, total_blocks: int, decode: bool = True, block_k: int = 64):
+    """rows = query rows x head groups (a CTA each per split), total_blocks of block_k entries a row (FP8's tile
+    ring: 32). Up to one wave: enough splits to fill the SMs (at least two steps a split); past it, `wave_splits`
+    (in 64-entry steps, the unit it was fitted in) for decode shapes and one split a row for prefill's (many waves,
+    each query's own list)."""
     if rows > N_SM_H200:
         if not decode:
             return dict(block_k=64, num_stages=2, n_splits=1)
-        n_splits = wave_splits(rows, total_blocks)
+        n_splits = wave_splits(rows, -(-total_blocks * block_k // 64))
     else:
         n_splits = max(1, min(N_SM_H200 // max(rows, 1), max(1, total_blocks // 2)))
     return dict(block_k=64, num_stages=2, n_splits=n_splits)
@@ -2154,7 +2155,7 @@ def sparse_attention_mosaic(
     if compressed_kv is not None:
         flat.append(common.flatten_source(compressed_kv, compressed_idx, compressed_len, bt, bk0, clip=False))
     total_blocks = sum(s_.k // bk0 for s_ in flat)
-    cfg = default_config(bt * n_hg, total_blocks, decode=t < SPLIT_SCORES_MIN_T)
+    cfg = default_config(bt * n_hg, total_blocks, decode=t < SPLIT_SCORES_MIN_T, block_k=bk0)
     for k_, v_ in dict(block_k=block_k, num_stages=num_stages, n_splits=n_splits).items():
         if v_ is not None:
             cfg[k_] = v_
