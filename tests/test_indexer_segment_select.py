@@ -239,7 +239,10 @@ def _abstract_inputs(B, T, fmt):
     return sds((B, 1, 64, 128), jnp.float32), sds((B, 1, 64), jnp.float32), keys, sds((B, 1), jnp.int32)
 
 
-@pytest.mark.parametrize("fmt,B,T,opts,takes", [("fp8", 64, 32768, {}, True), ("fp8", 64, 40000, {}, True),
+@pytest.mark.parametrize("fmt,B,T,opts,takes", [("fp8", 64, 32768, {}, True),
+                                                # (5 splits given: by default 320 CTAs pass a wave, and
+                                                # `select_splits` takes 8 of ~5K keys, whose survivors do not fit)
+                                                ("fp8", 64, 40000, dict(num_splits=5), True),
                                                 ("fp8", 64, 32768, dict(num_splits=6), False),
                                                 ("fp8", 16, 32768, {}, False), ("bf16", 8, 16384, {}, False),
                                                 ("fp8", 64, 32768, dict(probe=2), True)])
@@ -281,6 +284,16 @@ def test_auto_set_takes_segment_set(monkeypatch):
     assert not gpu.segment_auto_takes(q(64), fp8(64, 16384), False, {})             # hist_set's rows
     assert not gpu.segment_auto_takes(q(8), fp8(8, 32768), False, {})               # the Triton scores kernel
     assert not gpu.segment_auto_takes(q(64), fp8(64, 32768), False, {"kernel": "triton"})
+    # since session 57 also where the rule gave the chain (65-95 rows) or the histogram kernel (96-128 rows)
+    method = lambda B, keys: gpu.auto_set_method(q(B), keys, 512, False, {})
+    fp4 = lambda B, T: F.QuantizedKeys(sds((B, T, 64), jnp.uint8), sds((B, T, 4), jnp.uint8), "fp4")
+    for B in (16, 64, 80, 100, 128):
+        assert method(B, fp8(B, 32768)) == method(B, fp4(B, 32768)) == "segment_set", B
+    assert gpu.resolve_set_method(32768, 512, 80) == "threshold_set"   # what those rows took before
+    assert gpu.resolve_set_method(32768, 512, 100) == "hist_set"
+    assert method(160, fp8(160, 32768)) == "hist_set"                  # past AUTO_SEGMENT_ROWS: not timed
+    assert method(80, fp8(80, 16384)) == "hist_set"                    # other row lengths keep their method
+    assert method(80, bf16(80, 32768)) == gpu.resolve_set_method(32768, 512, 80)
     seen = []
 
     def spy(*a, **kw):
@@ -292,6 +305,20 @@ def test_auto_set_takes_segment_set(monkeypatch):
         jax.eval_shape(lambda *a: gpu.indexer_topk_gpu(*a, k=512, topk="auto_set"), q(64),
                        sds((64, 1, 64), jnp.float32), fp8(64, 32768), sds((64, 1), jnp.int32))
     assert seen == ["segment"]
+
+
+def test_segment_splits_past_one_wave():
+    """The segment top-k's default split count: the fewest splits whose segments fit (T / max_segment) up to one wave
+    of CTAs (TARGET_CTAS), past it `select_splits`' (the counts measured fastest on the H100, session 57: 6 at
+    B = 80, 5 at 100, 4 at 128); an explicit num_splits is kept."""
+    from pallas_kernels.indexer.gpu_mosaic import launch_layout
+
+    splits = lambda R, fmt="fp4", **kw: launch_layout(R, 32768, fmt, select=True, converter=2 if fmt == "fp4" else 0,
+                                                     **kw)[4]
+    assert [splits(R) for R in (1, 16, 64, 80, 100, 128)] == [64, 16, 4, 6, 5, 4]
+    assert [splits(R, "fp8") for R in (64, 80, 100, 128)] == [4, 6, 5, 4]
+    assert splits(80, num_splits=4) == 4
+    assert launch_layout(80, 32768, "fp8")[4] == 3   # the scores alone (no segments): one wave, as before
 
 
 def _split_layout(R, T, fmt, **opts):
@@ -360,6 +387,25 @@ def test_gpu_segment_set_picks(B, S, H, T, fmt, final, monkeypatch):
     monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "final", final)
     q, w, keys, nv = make(B, S, H, T, fmt, True)
     got = np.asarray(indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="segment_set"))
+    tour, sorted_set, sorted_picks = _tournament_sets(q, w, keys, nv, 512)
+    np.testing.assert_array_equal(got, tour)
+    np.testing.assert_array_equal(got, sorted_set)
+    check_picks(sorted_picks, q, w, keys, nv, 512)
+
+
+@gpu
+@pytest.mark.parametrize("B,fmt", [(80, "fp8"), (100, "fp4"), (128, "fp8")])
+def test_gpu_auto_set_segment_past_one_wave(B, fmt):
+    """The model's default picks (topk="auto_set") at 128K context from 65 to 128 rows: "segment_set" with
+    `select_splits`' split count (6 / 5 / 4, session 57) gives the tournament's set over the same scores and the
+    reference's picks up to near-ties."""
+    from test_indexer_kernels import check_picks
+
+    from pallas_kernels.indexer import gpu
+
+    q, w, keys, nv = make(B, 1, 64, 32768, fmt, True)
+    assert gpu.auto_set_method(q, keys, 512, False, {}) == "segment_set"
+    got = np.asarray(indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set"))
     tour, sorted_set, sorted_picks = _tournament_sets(q, w, keys, nv, 512)
     np.testing.assert_array_equal(got, tour)
     np.testing.assert_array_equal(got, sorted_set)

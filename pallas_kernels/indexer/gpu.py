@@ -56,7 +56,8 @@ runs its last segment stage and the final selection as one kernel, session 38: s
 "auto_set" = "hist_set" for rows of
 2048-16384 candidates (8K-64K context) and for calls of >= 96 rows of up to 32768 (128K context), "tour_set" for
 longer rows where a call holds <= 2^21 candidates, "threshold_set" elsewhere (`resolve_set_method`; the model's GPU
-default since session 34). "segment_set" = the tournament's first stage inside the Mosaic scores kernel:
+default since session 34; since session 57 "segment_set" for fp8 / fp4 keys at 128K context up to 128 rows a call,
+`auto_set_method`). "segment_set" = the tournament's first stage inside the Mosaic scores kernel:
 each CTA selects its split's top-k superset from its scores in shared memory and writes only that
 (`mosaic_select`, session 40), then the row's set among the survivors: in the same kernel (the
 row's splits as one thread-block cluster) or one Triton program per row (`segment_topk`, `gpu_mosaic.SELECT_CONFIG`).
@@ -745,9 +746,7 @@ def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 
     B = 64 x 128K) for ~3 us more in the kernel; with its split_m default the fp8 / bf16 `threshold_set` pipelines
     took 2-6 us less (results/h200_s30r4_idx.log, h200_s30r6_idx.log); the default since session 31."""
     if topk == "auto_set":   # resolved here, so the scores kernel writes group maxima only for the chain
-        topk = resolve_set_method(keys.shape[1], k, rows=q.shape[0] * min(q.shape[1], query_chunk))
-        if topk == "tour_set" and segment_auto_takes(q, keys, interpret, kernel_options):
-            topk = "segment_set"
+        topk = auto_set_method(q, keys, k, interpret, kernel_options, query_chunk)
     if topk == "segment_set":
         return segment_topk(q, weights, keys, n_visible, k=k, query_chunk=query_chunk, interpret=interpret,
                             **kernel_options)
@@ -761,17 +760,33 @@ def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 
                                   topk_block=topk_block, radix_bits=radix_bits)
 
 
-# "auto_set" takes "segment_set" instead of "tour_set" for these key formats and rows of AUTO_SEGMENT_T candidates
-# where the scores run on the Mosaic kernel (H200, session 40, results/h200_s40r{1,2}_idx.log, whole calls in us,
-# tour_set vs segment_set: B = 64 x 128K fp8 125.0 vs 122.5, B = 16 x 128K fp8 52.8 vs 51.2, B = 64 x 128K fp4
-# 134.5 vs 128.3; bf16 keys slower, 180.4 vs 186.6; other row lengths not timed)
+# "auto_set" takes "segment_set" for these key formats and rows of AUTO_SEGMENT_T candidates where the scores run on
+# the Mosaic kernel, for calls of up to AUTO_SEGMENT_ROWS rows, whatever `resolve_set_method` gave:
+# - instead of the tournament (<= 64 rows at 128K context; H200, session 40, results/h200_s40r{1,2}_idx.log, whole
+#   calls in us, tour_set vs segment_set: B = 64 x 128K fp8 125.0 vs 122.5, B = 16 x 128K fp8 52.8 vs 51.2,
+#   B = 64 x 128K fp4 134.5 vs 128.3; bf16 keys slower, 180.4 vs 186.6);
+# - instead of the chain (65-95 rows) and the histogram kernel (96-128 rows) since session 57 (H100, 128K context,
+#   own us, default then vs segment_set with `gpu_mosaic.select_splits`' split count: B = 80 fp4 134.2 vs 113.6 (6
+#   splits), fp8 164.3 vs 141.5; B = 100 fp4 170.8 vs 132.4 (5), fp8 200.0 vs 168.5; B = 128 fp4 182.7 vs 166.8 (4),
+#   fp8 239.9 vs 210.3; results/h100_s57r{8..11}_idx.log). Past 128 rows and at other row lengths: not timed (at
+#   256K, B = 64 fp4 once: 190.0 vs 163.1).
 AUTO_SEGMENT = True
 AUTO_SEGMENT_FORMATS = ("fp8", "fp4")
 AUTO_SEGMENT_T = (16385, 32768)
+AUTO_SEGMENT_ROWS = 128
+
+
+def auto_set_method(q, keys, k: int, interpret, kernel_options, query_chunk: int = 256) -> str:
+    """The set method topk="auto_set" runs for this call: `resolve_set_method`'s, or "segment_set" where
+    `segment_auto_takes` (and the call has at most AUTO_SEGMENT_ROWS rows per top-k call)."""
+    rows = q.shape[0] * min(q.shape[1], query_chunk)
+    if rows <= AUTO_SEGMENT_ROWS and k < keys.shape[1] and segment_auto_takes(q, keys, interpret, kernel_options):
+        return "segment_set"
+    return resolve_set_method(keys.shape[1], k, rows=rows)
 
 
 def segment_auto_takes(q, keys, interpret, kernel_options) -> bool:
-    """Whether "auto_set", having resolved to the tournament, runs "segment_set" instead (see AUTO_SEGMENT)."""
+    """Whether "auto_set" runs "segment_set" for these keys and options (see AUTO_SEGMENT)."""
     from .gpu_mosaic import key_format
 
     lo, hi = AUTO_SEGMENT_T

@@ -376,6 +376,22 @@ def default_config(R: int, T: int, fmt: str = "fp8"):
                 num_splits=max(1, min(-(-nb // MIN_BLOCKS), TARGET_CTAS // max(R, 1))))
 
 
+SELECT_WAVE_GAIN = 0.1   # the least gain `select_splits`' estimate must promise over the fewest splits
+
+
+def select_splits(R: int, nb: int, min_splits: int) -> int:
+    """The segment top-k's split count where R rows x min_splits CTAs pass one wave (TARGET_CTAS, two CTAs an SM):
+    of min_splits .. 2 min_splits, the one with the fewest waves x blocks a split (each split's segment must fit its
+    shared memory, hence the floor; more splits leave more survivors for the final), if it promises SELECT_WAVE_GAIN
+    over min_splits. H100, 128K context (session 57, own us): B = 80 fp4 4 splits 129.6, 6 113.6, 8 111.8 (this rule:
+    6); B = 100 fp4 4 164.8, 5 132.4, 6 136.9 (5), fp8 5 168.5, 6 194.2; B = 128 4 166.8, 6 168.2 (4)."""
+    if R * min_splits <= TARGET_CTAS:
+        return min_splits
+    est = {ns: -(-R * ns // TARGET_CTAS) * -(-nb // ns) for ns in range(min_splits, 2 * min_splits + 1)}
+    best = min(est, key=est.get)
+    return best if est[best] <= (1.0 - SELECT_WAVE_GAIN) * est[min_splits] else min_splits
+
+
 def launch_layout(R: int, T: int, fmt: str, *, block_t=None, num_stages=None, num_splits=None, select=False,
                   converter=0):
     """A call's (block_t, num_stages, nb blocks of keys, bps blocks a split, n_split splits): `default_config`'s,
@@ -391,6 +407,8 @@ def launch_layout(R: int, T: int, fmt: str, *, block_t=None, num_stages=None, nu
         if converter >= 2:
             cfg["num_stages"] = min(cfg["num_stages"], 2)
         cfg["num_splits"] = max(cfg["num_splits"], -(-T // SELECT_CONFIG["max_segment"]))
+        if num_splits is None:
+            cfg["num_splits"] = select_splits(R, -(-T // cfg["block_t"]), cfg["num_splits"])
     for k_, v_ in dict(block_t=block_t, num_stages=num_stages, num_splits=num_splits).items():
         if v_ is not None:
             cfg[k_] = int(v_)
