@@ -67,6 +67,7 @@ def test_split_count_past_one_wave():
     assert splits(136, 10) == splits(192, 10) == 1   # CSA: 79.8 / 100.4 us with 2 splits against 75.7 / 71.9
     assert splits(136, 18) == 1              # HCA-1K: 117.9 / 117.1 with 2 / 3 against 116.8
     assert splits(136, 130, decode=False) == 1   # prefill shapes: one split a row, as before
+    assert splits(200, 1) == splits(200, 0) == 1   # nothing to split
     # FP8's tile ring counts 32-entry blocks: the same entries, the same split count
     assert gpu_mosaic.default_config(136, 260, block_k=32)["n_splits"] == splits(136, 130)
     # up to one wave: the rule of sessions 1-56 (enough splits to fill the SMs, two steps a split at least)

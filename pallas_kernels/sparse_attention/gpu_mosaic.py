@@ -195,7 +195,8 @@ def wave_splits(rows: int, total_blocks: int, n_sm: int = N_SM_H200) -> int:
     with 2. Short lists gain nothing measurable (CSA and HCA-1K at B = 136 / 192: 1-2 splits within 1-4 us or
     slower with the merge), hence the margin: the count with the lowest `wave_estimate`, if it promises
     WAVE_MIN_GAIN over one split, else 1."""
-    est = {ns: wave_estimate(rows, total_blocks, ns, n_sm) for ns in range(1, min(total_blocks, WAVE_MAX_SPLITS) + 1)}
+    est = {ns: wave_estimate(rows, total_blocks, ns, n_sm)
+           for ns in range(1, max(1, min(total_blocks, WAVE_MAX_SPLITS)) + 1)}
     best = min(est, key=est.get)
     return best if est[best] < (1.0 - WAVE_MIN_GAIN) * est[1] else 1
 
