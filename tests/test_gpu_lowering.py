@@ -29,6 +29,17 @@ def lowers_for(platform, marker, fn, *args):
     return text
 
 
+def spy_mosaic_builds(monkeypatch):
+    """Record the arguments (by name) of every Mosaic attention kernel the wrapper builds: a list that fills as it
+    lowers."""
+    from pallas_kernels.sparse_attention import gpu_mosaic
+
+    built, real = [], gpu_mosaic._build
+    bind = inspect.signature(real).bind
+    monkeypatch.setattr(gpu_mosaic, "_build", lambda *a, **kw: built.append(bind(*a, **kw).arguments) or real(*a, **kw))
+    return built
+
+
 def lowers_for_cuda(fn, *args):
     lowers_for("cuda", "triton", fn, *args)
 
@@ -609,22 +620,13 @@ def test_sparse_attention_mosaic_streams_long_index_lists(monkeypatch, b, k_c, f
     elsewhere; idx_stream=False is the old behaviour (split further). Checked on the kernel the wrapper builds."""
     from pallas_kernels.sparse_attention import gpu_mosaic
 
-    built = []
-    real = gpu_mosaic._build
-    sig = inspect.signature(real)
-
-    def spy(*a, **k):
-        args = sig.bind(*a, **k).arguments
-        built.append((args["ns"], args.get("idx_ring", 0)))
-        return real(*a, **k)
-
-    monkeypatch.setattr(gpu_mosaic, "_build", spy)
+    built = spy_mosaic_builds(monkeypatch)
     inp = make_attention(b, 1, 64, 512, 300, 9000, 128, k_c, ragged=True, fp8=fp8)
     keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
     lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(
         *a, scale=0.1, window_len=inp["window_len"], compressed_len=inp["compressed_len"], **opts),
         *(inp[k] for k in keys))
-    (ns, idx_ring), = built
+    (ns, idx_ring), = [(a["ns"], a.get("idx_ring", 0)) for a in built]
     assert idx_ring == ring
     if max_ns is not None:
         assert ns <= max_ns
@@ -638,17 +640,14 @@ def test_sparse_attention_mosaic_splits_past_one_wave(monkeypatch, b, k_c, fp8):
     merge; CSA: one split a row) and lowers."""
     from pallas_kernels.sparse_attention import gpu_mosaic
 
-    built = []
-    real = gpu_mosaic._build
-    sig = inspect.signature(real)
-    monkeypatch.setattr(gpu_mosaic, "_build", lambda *a, **k: built.append(sig.bind(*a, **k).arguments["ns"])
-                        or real(*a, **k))
+    built = spy_mosaic_builds(monkeypatch)
     inp = make_attention(b, 1, 64, 512, 300, 9000, 128, k_c, ragged=True, fp8=fp8)
     keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
     lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(
         *a, scale=0.1, window_len=inp["window_len"], compressed_len=inp["compressed_len"]), *(inp[k] for k in keys))
-    assert built == [gpu_mosaic.wave_splits(b, (128 + k_c) // 64)]
-    assert (built[0] > 1) is (k_c == 8192)
+    (ns,) = [a["ns"] for a in built]
+    assert ns == gpu_mosaic.wave_splits(b, (128 + k_c) // 64)
+    assert (ns > 1) is (k_c == 8192)
 
 
 def test_sparse_attention_mosaic_idx_stream_rejects_what_it_cannot_do():
@@ -892,11 +891,8 @@ def test_sparse_attention_mosaic_fp8_dequant_default(monkeypatch):
     fp8_overlap keeps working whichever mode is the default; bf16 pools never build a tile ring."""
     from pallas_kernels.sparse_attention import gpu_mosaic
 
-    built = []
-    real = gpu_mosaic._build
-    bind = inspect.signature(real).bind
     monkeypatch.setattr(gpu_mosaic, "DEFAULT_FP8_DEQUANT", "converter")
-    monkeypatch.setattr(gpu_mosaic, "_build", lambda *a, **kw: built.append(bind(*a, **kw).arguments) or real(*a, **kw))
+    built = spy_mosaic_builds(monkeypatch)
     keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
     fp8 = [make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)[k] for k in keys]
     bf16 = [make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True)[k] for k in keys]

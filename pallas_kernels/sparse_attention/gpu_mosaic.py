@@ -206,12 +206,12 @@ def default_config(rows: int, total_blocks: int, decode: bool = True, block_k: i
     ring: 32). Up to one wave: enough splits to fill the SMs (at least two steps a split); past it, `wave_splits`
     (in 64-entry steps, the unit it was fitted in) for decode shapes and one split a row for prefill's (many waves,
     each query's own list)."""
-    if rows > N_SM_H200:
-        if not decode:
-            return dict(block_k=64, num_stages=2, n_splits=1)
+    if rows <= N_SM_H200:
+        n_splits = max(1, min(N_SM_H200 // max(rows, 1), max(1, total_blocks // 2)))
+    elif decode:
         n_splits = wave_splits(rows, -(-total_blocks * block_k // 64))
     else:
-        n_splits = max(1, min(N_SM_H200 // max(rows, 1), max(1, total_blocks // 2)))
+        n_splits = 1
     return dict(block_k=64, num_stages=2, n_splits=n_splits)
 
 
@@ -627,11 +627,12 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                                                                 tc)), swizzle=swz, barrier=full,
                                arrive=False, predicate=lane0)
 
-            def copy_row(k, slot, full, r, e):
-                """Issue row e of source k's pool into row r of ring / staging slot `slot` (lane 0 of each warp)."""
+            def copy_row(k, slot, full, r, e, piece_bar=None):
+                """Issue row e of source k's pool into row r of ring / staging slot `slot` (lane 0 of each warp), on
+                barrier `full`, or with piece_bars piece p on piece_bar(p)."""
                 if not fp8:   # d / tc pieces of swz bytes into the (8, tc)-tiled, swz-swizzled ring
                     for p in range(pieces):
-                        copy_piece(k, slot, full, r, e, p)
+                        copy_piece(k, slot, full if piece_bar is None else piece_bar(p), r, e, p)
                     return
                 # FP8 raw row: nope (2 bulk copies, 256 + 192 B), rope (1 bulk copy), and the 8 scale bytes (cp.async,
                 # tracked by the slot's barrier through cp.async.mbarrier.arrive.noinc after the row loop)
@@ -963,38 +964,31 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     issue_cp_async(k, slot, full, off)
                     end(region)
                     return carry
-                if piece_bars:   # each piece of d on its own barrier (slot-major), issued in rows or pieces order
+                piece_bar = None
+                if piece_bars:   # each piece of d on its own barrier (slot-major)
                     piece_bar = lambda p_: full_bars[arith.addi(arith.muli(slot, c(pieces)),
                                                                 c(p_) if isinstance(p_, int) else p_)]
                     for p_ in range(pieces):
                         piece_bar(p_).arrive_expect_tx(bk * tc * 2, predicate=one)
-                    if piece_bars == "rows":   # rows in order, each row's pieces together (as without piece_bars)
-                        @mu.fori(c(bk // 4), None)
-                        def _(t, _c):
-                            r = arith.addi(arith.muli(t, c(4)), warp)
-                            e = src_row(r)
-                            for p_ in range(pieces):
-                                copy_piece(k, slot, piece_bar(p_), r, e, p_)
-                            return _c
-                    else:   # "pieces": all rows' piece p, then the next; each row's index read once
-                        rows_ = [arith.addi(c(4 * t), warp) for t in range(bk // 4)]
-                        es = [src_row(r) for r in rows_]
-                        half = pieces // 2
-
-                        @mu.fori(c(pieces), None)
-                        def _(i, _c):   # pieces 0, P/2, 1, P/2 + 1, ...: consumer w reads [w P/2, (w + 1) P/2),
-                            # so both consumers' score chains start after the block's first two pieces land
-                            p_ = arith.addi(arith.muli(arith.remui(i, c(2)), c(half)), arith.divui(i, c(2)))
-                            for r, e in zip(rows_, es):
-                                copy_piece(k, slot, piece_bar(p_), r, e, p_)
-                            return _c
                 else:
                     full.arrive_expect_tx(bk * (NOPE_DIM + 2 * ROPE_DIM if fp8 else d * 2), predicate=one)
+                if piece_bars == "pieces":   # all rows' piece p, then the next; each row's index read once
+                    rows_ = [arith.addi(c(4 * t), warp) for t in range(bk // 4)]
+                    es = [src_row(r) for r in rows_]
+                    half = pieces // 2
 
+                    @mu.fori(c(pieces), None)
+                    def _(i, _c):   # pieces 0, P/2, 1, P/2 + 1, ...: consumer w reads [w P/2, (w + 1) P/2),
+                        # so both consumers' score chains start after the block's first two pieces land
+                        p_ = arith.addi(arith.muli(arith.remui(i, c(2)), c(half)), arith.divui(i, c(2)))
+                        for r, e in zip(rows_, es):
+                            copy_piece(k, slot, piece_bar(p_), r, e, p_)
+                        return _c
+                else:   # rows in order, each row's pieces together (piece_bars "rows": each on its own barrier)
                     @mu.fori(c(bk // 4), None)
                     def _(t, _c):
                         r = arith.addi(arith.muli(t, c(4)), warp)
-                        copy_row(k, slot, full, r, src_row(r))
+                        copy_row(k, slot, full, r, src_row(r), piece_bar)
                         return _c
 
                 if fp8:
