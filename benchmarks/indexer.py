@@ -159,16 +159,20 @@ def set_pipeline(cfg: str):
 def config_scope(opts: dict, cfg: str):
     """opts (a parsed config) -> (the options left, wrap): wrap(fn) runs fn (a call that traces) with the prefixed
     items in force and restores them after. An item 'topk.NAME=value' sets the module constant NAME of
-    pallas_kernels.indexer.topk (converted to its type), e.g. 'topk.COUNT_WIDTH=512'; 'hist.NAME=value' an entry of
+    pallas_kernels.indexer.topk (converted to its type), e.g. 'topk.COUNT_WIDTH=512'; 'gpu.NAME=value' one of
+    pallas_kernels.indexer.gpu, e.g. 'gpu.AUTO_SEGMENT=0' (auto_set's methods before segment_set); 'hist.NAME=value' an entry of
     `topk_hist.HIST_KERNEL_CONFIG` (topk=hist_set / tour_set), e.g. 'hist.num_warps=32'; 'tour.NAME=value' an entry of
     `topk_hist.TOUR_CONFIG` (topk=tour_set), e.g. 'tour.seg_len=2048'; 'sel.NAME=value' an entry of
     `gpu_mosaic.SELECT_CONFIG` (topk=segment_set), e.g. 'sel.num_stages=4'; 'mosaic.NAME=value' an entry of
     `gpu_mosaic.MOSAIC_CONFIG` (the Mosaic scores kernel), e.g. 'mosaic.q_prep=triton', 'mosaic.fp4_converter=2'."""
     from pallas_kernels.indexer import topk as topk_mod
+    from pallas_kernels.indexer import gpu as gpu_mod
     from pallas_kernels.indexer import gpu_mosaic, topk_hist
 
     opts = dict(opts)
-    consts = {name[5:]: opts.pop(name) for name in list(opts) if name.startswith("topk.")}
+    # (module, constant name) -> value, for the 'topk.' and 'gpu.' items
+    consts = {(mod, name.partition(".")[2]): opts.pop(name) for name in list(opts)
+              for prefix, mod in (("topk.", topk_mod), ("gpu.", gpu_mod)) if name.startswith(prefix)}
     # prefix -> (its config table, the table's name): the items given for each
     prefixes = {"hist.": (topk_hist.HIST_KERNEL_CONFIG, "HIST_KERNEL_CONFIG"),
                 "tour.": (topk_hist.TOUR_CONFIG, "TOUR_CONFIG"), "sel.": (gpu_mosaic.SELECT_CONFIG, "SELECT_CONFIG"),
@@ -180,26 +184,29 @@ def config_scope(opts: dict, cfg: str):
         if unknown:
             raise ValueError(f"config {cfg!r}: {what} has no options {unknown}")
         tables.append((table, given))
-    for c in consts:
-        if not hasattr(topk_mod, c):
-            raise ValueError(f"config {cfg!r}: pallas_kernels.indexer.topk has no constant {c!r}")
+    for mod, c in consts:
+        if not hasattr(mod, c):
+            raise ValueError(f"config {cfg!r}: {mod.__name__} has no constant {c!r}")
+
+    def as_type(old, v):   # 'gpu.AUTO_SEGMENT=0' is False (bool("0") would be True)
+        return bool(int(v)) if isinstance(old, bool) else type(old)(v)
 
     def wrap(fn):
         def run(*args):
-            saved = {c: getattr(topk_mod, c) for c in consts}
+            saved = {mc: getattr(*mc) for mc in consts}
             saved_tables = [dict(table) for table, _ in tables]
             for table, given in tables:
                 table.update(given)
             try:
-                for c, v in consts.items():
-                    setattr(topk_mod, c, type(saved[c])(v))
+                for (mod, c), v in consts.items():
+                    setattr(mod, c, as_type(saved[mod, c], v))
                 return fn(*args)
             finally:
                 for (table, _), saved_t in zip(tables, saved_tables):
                     table.clear()
                     table.update(saved_t)
-                for c, v in saved.items():
-                    setattr(topk_mod, c, v)
+                for (mod, c), v in saved.items():
+                    setattr(mod, c, v)
 
         return run
 

@@ -207,6 +207,31 @@ def test_topk_and_indexer_benchmark_scripts_run(tmp_path):
     assert row["pallas_fused_set_own_us"] == row["pallas_fused_set_us"] - row["harness_us"], row
 
 
+def test_indexer_benchmark_config_scope():
+    """benchmarks/indexer.py's option sets: a 'gpu.NAME=value' item sets pallas_kernels.indexer.gpu's constant while
+    the variant traces (a bool from '0' / '1', not bool('0')) and restores it after, even when the call raises; an
+    unknown constant is refused."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.indexer import config_scope
+
+    from pallas_kernels.indexer import gpu
+
+    before = (gpu.AUTO_SEGMENT, gpu.AUTO_SEGMENT_ROWS)
+    opts, scoped = config_scope({"gpu.AUTO_SEGMENT": 0, "gpu.AUTO_SEGMENT_ROWS": 300, "topk": "auto_set"}, "cfg")
+    assert opts == {"topk": "auto_set"}
+    assert scoped(lambda: (gpu.AUTO_SEGMENT, gpu.AUTO_SEGMENT_ROWS))() == (False, 300)
+    assert (gpu.AUTO_SEGMENT, gpu.AUTO_SEGMENT_ROWS) == before
+
+    def fails():
+        raise RuntimeError("traced")
+
+    with pytest.raises(RuntimeError):
+        scoped(fails)()
+    assert (gpu.AUTO_SEGMENT, gpu.AUTO_SEGMENT_ROWS) == before
+    with pytest.raises(ValueError, match="no constant 'NOPE'"):
+        config_scope({"gpu.NOPE": 1}, "gpu.NOPE=1")
+
+
 def test_fp8_conversion_bank_model():
     """benchmarks/fp8_conversion_banks.py, the shared-memory model behind fp8_chunk_order: the diagonal order is a
     bijection onto every conversion path's chunk grid and serves each bf16 store phase in one wavefront, where

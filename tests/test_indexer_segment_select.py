@@ -268,8 +268,9 @@ def test_segment_set_last_final_lowers(fmt, B, T, opts, takes, monkeypatch):
 
 def test_auto_set_takes_segment_set(monkeypatch):
     """"auto_set" runs "segment_set" where it resolved to the tournament and the scores run on the Mosaic kernel over
-    fp8 / fp4 keys with rows of 16385-32768 candidates (where it measured faster on the H200, session 40); bf16 keys,
-    other lengths, the Triton kernel and interpret mode keep their method."""
+    fp8 / fp4 keys with rows of 16385-262144 candidates (128K to 1M context: where it measured faster, sessions 40,
+    57, 58), for calls of up to 256 rows; bf16 keys, other lengths, the Triton kernel and interpret mode keep their
+    method."""
     from pallas_kernels.indexer import gpu
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")   # the Mosaic kernel's auto rule asks for a GPU
@@ -282,16 +283,23 @@ def test_auto_set_takes_segment_set(monkeypatch):
     assert not gpu.segment_auto_takes(q(64), fp8(64, 32768), True, {})              # interpret mode
     assert not gpu.segment_auto_takes(q(64), bf16(64, 32768), False, {})            # bf16 keys: slower
     assert not gpu.segment_auto_takes(q(64), fp8(64, 16384), False, {})             # hist_set's rows
+    assert gpu.segment_auto_takes(q(16), fp8(16, 65536), False, {})                 # 256K context (session 58)
+    assert gpu.segment_auto_takes(q(64), fp8(64, 262144), False, {})                # 1M
+    assert not gpu.segment_auto_takes(q(64), fp8(64, 262152), False, {})            # past 1M: not timed
     assert not gpu.segment_auto_takes(q(8), fp8(8, 32768), False, {})               # the Triton scores kernel
     assert not gpu.segment_auto_takes(q(64), fp8(64, 32768), False, {"kernel": "triton"})
     # since session 57 also where the rule gave the chain (65-95 rows) or the histogram kernel (96-128 rows)
     method = lambda B, keys: gpu.auto_set_method(q(B), keys, 512, False, {})
     fp4 = lambda B, T: F.QuantizedKeys(sds((B, T, 64), jnp.uint8), sds((B, T, 4), jnp.uint8), "fp4")
-    for B in (16, 64, 80, 100, 128):
+    for B in (16, 64, 80, 100, 128, 192, 256):
         assert method(B, fp8(B, 32768)) == method(B, fp4(B, 32768)) == "segment_set", B
+    for B, T in ((16, 65536), (64, 65536), (16, 262144), (64, 262144)):   # 256K and 1M context (session 58)
+        assert method(B, fp8(B, T)) == method(B, fp4(B, T)) == "segment_set", (B, T)
     assert gpu.resolve_set_method(32768, 512, 80) == "threshold_set"   # what those rows took before
     assert gpu.resolve_set_method(32768, 512, 100) == "hist_set"
-    assert method(160, fp8(160, 32768)) == "hist_set"                  # past AUTO_SEGMENT_ROWS: not timed
+    assert gpu.resolve_set_method(262144, 512, 64) == "threshold_set"
+    assert method(257, fp8(257, 32768)) == "hist_set"                  # past AUTO_SEGMENT_ROWS: not timed
+    assert method(8, fp8(8, 262144)) == gpu.resolve_set_method(262144, 512, 8)   # B < MIN_ROWS: Triton scores
     assert method(80, fp8(80, 16384)) == "hist_set"                    # other row lengths keep their method
     assert method(80, bf16(80, 32768)) == gpu.resolve_set_method(32768, 512, 80)
     seen = []
@@ -373,13 +381,15 @@ def _tournament_sets(q, w, keys, nv, k):
                                          (2, 2, 64, 70000, "fp8"), (5, 1, 16, 776, "fp8"), (3, 1, 64, 20000, "bf16"),
                                          (3, 1, 64, 20000, "fp4"), (20, 2, 64, 20000, "fp8"),
                                          (33, 1, 64, 4096, "bf16"), (64, 1, 64, 32768, "fp4"),
-                                         (16, 1, 64, 32768, "fp8")])
+                                         (16, 1, 64, 32768, "fp8"), (3, 1, 64, 262144, "fp4"),
+                                         (2, 1, 64, 262144, "fp8")])
 @pytest.mark.parametrize("final", ["auto", "triton", "last"])   # "auto": the cluster final where it applies
 def test_gpu_segment_set_picks(B, S, H, T, fmt, final, monkeypatch):
     """topk="segment_set" picks the same index set as the tournament over the same Mosaic scores (exactly), and the
     reference's picks (up to near-ties, `check_picks`): the row's set selected in the kernel (final "auto" where a
     row's splits fit one cluster: 64 x 32768, 40 rows x 6 splits, 33 x 8; final "last" where the row's survivors fit
-    the last split's segment buffer: 64 x 32768) or by the Triton final."""
+    the last split's segment buffer: 64 x 32768) or by the Triton final. 262144 keys (1M context): 32 splits a row,
+    whose survivors go through tournament stages before the final."""
     from test_indexer_kernels import check_picks
 
     from pallas_kernels.indexer import gpu_mosaic
@@ -394,16 +404,18 @@ def test_gpu_segment_set_picks(B, S, H, T, fmt, final, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("B,fmt", [(80, "fp8"), (100, "fp4"), (128, "fp8")])
-def test_gpu_auto_set_segment_past_one_wave(B, fmt):
-    """The model's default picks (topk="auto_set") at 128K context from 65 to 128 rows: "segment_set" with
-    `select_splits`' split count (6 / 5 / 4, session 57) gives the tournament's set over the same scores and the
-    reference's picks up to near-ties."""
+@pytest.mark.parametrize("B,T,fmt", [(80, 32768, "fp8"), (100, 32768, "fp4"), (128, 32768, "fp8"),
+                                     (192, 32768, "fp4"), (16, 65536, "fp8"), (20, 262144, "fp4")])
+def test_gpu_auto_set_segment_past_one_wave(B, T, fmt):
+    """The model's default picks (topk="auto_set") where "segment_set" took over from the chain / histogram top-k:
+    at 128K context from 65 to 256 rows, with `select_splits`' split count (6 / 5 / 4 at 80 / 100 / 128 rows,
+    session 57), and at 256K and 1M context (session 58). It gives the tournament's set over the same scores and
+    the reference's picks up to near-ties."""
     from test_indexer_kernels import check_picks
 
     from pallas_kernels.indexer import gpu
 
-    q, w, keys, nv = make(B, 1, 64, 32768, fmt, True)
+    q, w, keys, nv = make(B, 1, 64, T, fmt, True)
     assert gpu.auto_set_method(q, keys, 512, False, {}) == "segment_set"
     got = np.asarray(indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set"))
     tour, sorted_set, sorted_picks = _tournament_sets(q, w, keys, nv, 512)

@@ -768,12 +768,18 @@ def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 
 # - instead of the chain (65-95 rows) and the histogram kernel (96-128 rows) since session 57 (H100, 128K context,
 #   own us, default then vs segment_set with `gpu_mosaic.select_splits`' split count: B = 80 fp4 134.2 vs 113.6 (6
 #   splits), fp8 164.3 vs 141.5; B = 100 fp4 170.8 vs 132.4 (5), fp8 200.0 vs 168.5; B = 128 fp4 182.7 vs 166.8 (4),
-#   fp8 239.9 vs 210.3; results/h100_s57r{8..11}_idx.log). Past 128 rows and at other row lengths: not timed (at
-#   256K, B = 64 fp4 once: 190.0 vs 163.1).
+#   fp8 239.9 vs 210.3; results/h100_s57r{8..11}_idx.log);
+# - at 256K and 1M context (65536 / 262144 candidates a row) and up to 256 rows since session 58 (H100, own us, the
+#   default then vs segment_set, in one call, results/h100_s58r1_idx2.log): B = 16 x 256K fp4 53.9 vs 48.4, fp8
+#   68.7 vs 60.5; B = 64 x 256K fp8 254.0 vs 213.7 (fp4 190.0 vs 163.1 in session 57); B = 16 x 1M fp4 199.3 vs
+#   169.1; B = 64 x 1M fp4 659.4 vs 609.2, fp8 906.2 vs 824.6; 128K context, B = 192 fp4 351.0 vs 247.4, fp8 406.6
+#   vs 317.4, B = 256 fp4 352.0 vs 321.1.
+# Past 256 rows and past 262144 candidates: not timed, the methods stay. Below MIN_ROWS rows (B = 1 decode) the
+# scores run on the Triton kernel, which has no in-kernel selection, so the rule does not apply there.
 AUTO_SEGMENT = True
 AUTO_SEGMENT_FORMATS = ("fp8", "fp4")
-AUTO_SEGMENT_T = (16385, 32768)
-AUTO_SEGMENT_ROWS = 128
+AUTO_SEGMENT_T = (16385, 262144)
+AUTO_SEGMENT_ROWS = 256
 
 
 def auto_set_method(q, keys, k: int, interpret, kernel_options, query_chunk: int = 256) -> str:
