@@ -74,3 +74,23 @@ def test_split_count_past_one_wave():
     for rows in (1, 16, 32, 64, 100, 128, 132):
         for blocks in (2, 10, 18, 130):
             assert splits(rows, blocks) == max(1, min(132 // rows, max(1, blocks // 2)))
+
+
+def test_triton_split_count_past_one_wave():
+    """The Triton kernel (every GPU's fallback) had the same cliff past one wave of programs (H100, session 58:
+    HCA-8K at B = 136 1146.3 us with one split a row against 577.2 at B = 128, 743.2 with 4 splits) and takes the
+    same rule: `common.wave_splits` in 64-entry steps for decode shapes; up to one wave and for prefill shapes its
+    rule of before."""
+    from pallas_kernels.sparse_attention import common, gpu
+
+    splits = lambda bt, h, total_k, prefill=False, fp8=False: gpu.default_config(bt, h, total_k, fp8, prefill)["n_splits"]
+    hca8k = 128 + 8192
+    assert splits(136, 64, hca8k) == splits(136, 64, hca8k, fp8=True) == common.wave_splits(136, 130) > 1
+    assert splits(160, 64, hca8k) == common.wave_splits(160, 130) > 1
+    assert splits(72, 128, hca8k) == common.wave_splits(144, 130) > 1   # 128 heads: two head blocks a row
+    assert splits(136, 64, 128 + 512) == 1                                 # CSA: short lists keep one split
+    assert splits(136, 64, hca8k, prefill=True) == 1
+    for bt in (1, 16, 64, 128, 132):                                       # up to one wave: as before
+        assert splits(bt, 64, hca8k) == max(1, min(132 // bt, 130 // 2))
+    # f32 q: 16 heads a program and 32-entry blocks; the same entries give the same split count
+    assert gpu.default_config(40, 64, hca8k, False, False, q_bytes=4)["n_splits"] == common.wave_splits(160, 130)

@@ -41,6 +41,10 @@ CASES = [
     (4, 1, 64, 128, 300, 128, 512, dict(fp8=True, ragged=True, dupes=True), dict(n_splits=4, combine="pallas")),
     (3, 2, 128, 128, 600, 128, 1024, dict(fp8=False, all_invalid_c=True, ragged=True),
      dict(n_splits=3, combine="pallas")),
+    # past one wave of programs (136 rows x 130 steps): the Triton default takes `common.wave_splits`' split count
+    # and the XLA merge (session 58)
+    (136, 1, 64, 128, 9000, 128, 8192, dict(fp8=False, ragged=True), dict(kernel="triton")),
+    (136, 1, 64, 128, 9000, 128, 8192, dict(fp8=True, ragged=True), dict(kernel="triton")),
 ]
 
 

@@ -769,17 +769,24 @@ def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 
 #   own us, default then vs segment_set with `gpu_mosaic.select_splits`' split count: B = 80 fp4 134.2 vs 113.6 (6
 #   splits), fp8 164.3 vs 141.5; B = 100 fp4 170.8 vs 132.4 (5), fp8 200.0 vs 168.5; B = 128 fp4 182.7 vs 166.8 (4),
 #   fp8 239.9 vs 210.3; results/h100_s57r{8..11}_idx.log);
-# - at 256K and 1M context (65536 / 262144 candidates a row) and up to 256 rows since session 58 (H100, own us, the
+# - at 256K and 1M context (65536 / 262144 candidates a row) and up to 256 rows, session 58 (H100, own us, the
 #   default then vs segment_set, in one call, results/h100_s58r1_idx2.log): B = 16 x 256K fp4 53.9 vs 48.4, fp8
 #   68.7 vs 60.5; B = 64 x 256K fp8 254.0 vs 213.7 (fp4 190.0 vs 163.1 in session 57); B = 16 x 1M fp4 199.3 vs
 #   169.1; B = 64 x 1M fp4 659.4 vs 609.2, fp8 906.2 vs 824.6; 128K context, B = 192 fp4 351.0 vs 247.4, fp8 406.6
-#   vs 317.4, B = 256 fp4 352.0 vs 321.1.
-# Past 256 rows and past 262144 candidates: not timed, the methods stay. Below MIN_ROWS rows (B = 1 decode) the
+#   vs 317.4, B = 256 fp4 352.0 vs 321.1; the same call with this rule as the default against gpu.AUTO_SEGMENT=0
+#   (results/h100_s58r2_idxa.log): B = 32 x 256K fp4 99.7 -> 88.2, B = 128 x 256K fp4 353.5 -> 316.8, fp8 470.7 ->
+#   419.8, B = 256 x 128K fp8 483.8 -> 419.1, B = 32 x 1M fp8 470.6 -> 408.2;
+# - from 16384 candidates (64K context) and up to 512 rows, also session 58 (results/h100_s58r{2,3}_idx{b,c}.log,
+#   the default then vs segment_set): B = 64 x 64K fp4 52.4 vs 48.7, fp8 68.7 vs 60.6, B = 256 x 64K fp8 243.1 vs
+#   222.6, B = 16 x 64K fp8 23.6 vs 22.9, B = 128 x 64K fp4 88.4 vs 87.6; B = 384 x 128K fp4 523.7 vs 478.6, fp8
+#   830.2 vs 623.4; B = 512 x 128K fp4 694.1 vs 640.1, fp8 937.0 vs 834.1. Not at 8192 candidates (32K context,
+#   B = 64: fp8 38.9 vs 38.0, fp4 28.1 vs 28.9; 8K context fp8 9.4 vs 12.5), where the histogram kernel stays.
+# Past 512 rows and past 262144 candidates: not timed, the methods stay. Below MIN_ROWS rows (B = 1 decode) the
 # scores run on the Triton kernel, which has no in-kernel selection, so the rule does not apply there.
 AUTO_SEGMENT = True
 AUTO_SEGMENT_FORMATS = ("fp8", "fp4")
-AUTO_SEGMENT_T = (16385, 262144)
-AUTO_SEGMENT_ROWS = 256
+AUTO_SEGMENT_T = (16384, 262144)
+AUTO_SEGMENT_ROWS = 512
 
 
 def auto_set_method(q, keys, k: int, interpret, kernel_options, query_chunk: int = 256) -> str:

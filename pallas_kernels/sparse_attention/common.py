@@ -110,3 +110,38 @@ def combine_splits(o_parts, lse_parts, sinks, out_dtype):
     o = sum(wn[..., i, :, None] * o_parts[..., i, :, :].astype(jnp.float32) for i in range(n))
     lse = jnp.where(sw > 0, jnp.log(sw) + m, -jnp.inf)
     return o.astype(out_dtype), lse
+
+
+N_SM = 132   # the H100's and the H200's SMs
+
+
+# The split count past one wave of CTAs (`wave_splits`), in units of one CTA's 64-row step (~2.9 us on the H100 with
+# every SM gathering; H100 session 57, results/h100_s57r2_dk.log): a CTA's fixed cost (q and output tiles, the first
+# block's latency, the epilogue), the XLA merge's (launch, then per (row, split) partial), and the least gain the
+# estimate must promise before the default leaves one split a row.
+WAVE_CTA_FIXED = 2.0
+WAVE_MERGE = (2.0, 0.005)
+WAVE_MIN_GAIN = 0.15
+WAVE_MAX_SPLITS = 16
+
+
+def wave_estimate(rows: int, total_blocks: int, n_splits: int, n_sm: int = N_SM) -> float:
+    """A decode call's time in CTA steps with `n_splits` splits a row, one CTA an SM (the kernel's ~200 KB of shared
+    memory): waves of n_sm CTAs, each as long as its CTA's steps plus the fixed cost, and the XLA merge where
+    n_splits > 1 (past one wave the clusters of the in-kernel merge do not all fit)."""
+    steps = -(-total_blocks // n_splits) + WAVE_CTA_FIXED
+    merge = WAVE_MERGE[0] + WAVE_MERGE[1] * rows * n_splits if n_splits > 1 else 0.0
+    return -(-rows * n_splits // n_sm) * steps + merge
+
+
+def wave_splits(rows: int, total_blocks: int, n_sm: int = N_SM) -> int:
+    """Splits a row where the rows alone fill more than one wave of CTAs. One split a row leaves the last wave
+    with rows - n_sm CTAs that take as long as a full one: HCA-8K (130 steps a row) at B = 136 took 722.8 us
+    against 384.4 at B = 128 on the H100, and 517.0 with 4 splits (FP8: 956.1 -> 618.3); B = 192 718.2 -> 614.2
+    with 2. Short lists gain nothing measurable (CSA and HCA-1K at B = 136 / 192: 1-2 splits within 1-4 us or
+    slower with the merge), hence the margin: the count with the lowest `wave_estimate`, if it promises
+    WAVE_MIN_GAIN over one split, else 1."""
+    est = {ns: wave_estimate(rows, total_blocks, ns, n_sm)
+           for ns in range(1, max(1, min(total_blocks, WAVE_MAX_SPLITS)) + 1)}
+    best = min(est, key=est.get)
+    return best if est[best] < (1.0 - WAVE_MIN_GAIN) * est[1] else 1

@@ -100,6 +100,8 @@ import numpy as np
 
 from . import combine as combine_lib
 from . import common
+# the split count past one wave of CTAs, shared with the Triton kernel
+from .common import wave_estimate, wave_splits  # noqa: F401
 from .fp8_layout import NOPE_DIM, ROPE_DIM, SCALE_BYTES, Fp8KVPool
 
 LOG2E = math.log2(math.e)
@@ -167,38 +169,6 @@ mov.b32 m, 0x80008000;
 lop3.b32 t, t, h, m, 0xF8;
 mul.rn.bf16x2 t, t, $2;
 mul.rn.bf16x2 $0, t, $3; }"""
-
-
-# The split count past one wave of CTAs (`wave_splits`), in units of one CTA's 64-row step (~2.9 us on the H100 with
-# every SM gathering; H100 session 57, results/h100_s57r2_dk.log): a CTA's fixed cost (q and output tiles, the first
-# block's latency, the epilogue), the XLA merge's (launch, then per (row, split) partial), and the least gain the
-# estimate must promise before the default leaves one split a row.
-WAVE_CTA_FIXED = 2.0
-WAVE_MERGE = (2.0, 0.005)
-WAVE_MIN_GAIN = 0.15
-WAVE_MAX_SPLITS = 16
-
-
-def wave_estimate(rows: int, total_blocks: int, n_splits: int, n_sm: int = N_SM_H200) -> float:
-    """A decode call's time in CTA steps with `n_splits` splits a row, one CTA an SM (the kernel's ~200 KB of shared
-    memory): waves of n_sm CTAs, each as long as its CTA's steps plus the fixed cost, and the XLA merge where
-    n_splits > 1 (past one wave the clusters of the in-kernel merge do not all fit)."""
-    steps = -(-total_blocks // n_splits) + WAVE_CTA_FIXED
-    merge = WAVE_MERGE[0] + WAVE_MERGE[1] * rows * n_splits if n_splits > 1 else 0.0
-    return -(-rows * n_splits // n_sm) * steps + merge
-
-
-def wave_splits(rows: int, total_blocks: int, n_sm: int = N_SM_H200) -> int:
-    """Splits a row where the rows alone fill more than one wave of CTAs. One split a row leaves the last wave
-    with rows - n_sm CTAs that take as long as a full one: HCA-8K (130 steps a row) at B = 136 took 722.8 us
-    against 384.4 at B = 128 on the H100, and 517.0 with 4 splits (FP8: 956.1 -> 618.3); B = 192 718.2 -> 614.2
-    with 2. Short lists gain nothing measurable (CSA and HCA-1K at B = 136 / 192: 1-2 splits within 1-4 us or
-    slower with the merge), hence the margin: the count with the lowest `wave_estimate`, if it promises
-    WAVE_MIN_GAIN over one split, else 1."""
-    est = {ns: wave_estimate(rows, total_blocks, ns, n_sm)
-           for ns in range(1, max(1, min(total_blocks, WAVE_MAX_SPLITS)) + 1)}
-    best = min(est, key=est.get)
-    return best if est[best] < (1.0 - WAVE_MIN_GAIN) * est[1] else 1
 
 
 def default_config(rows: int, total_blocks: int, decode: bool = True, block_k: int = 64):
