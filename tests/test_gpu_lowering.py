@@ -76,17 +76,20 @@ def test_indexer_fused_group_maxima_lower(fmt, topk):
     lowers_for("cuda", "_g1024", fused, q, w, keys, nv)
 
 
-@pytest.mark.parametrize("T,marker,absent,tour_max", [(4096, "topk_hist", "_g1024", None),
-                                                      full(65536, "topk_hist_segments", "_g1024", None),
-                                                      full(65536, "_g1024", "topk_hist", 0)])
-def test_indexer_auto_set_lowers(T, marker, absent, tour_max, monkeypatch):
+@pytest.mark.parametrize("T,marker,absent,tour_max,segment", [(4096, "topk_hist", "_g1024", None, True),
+                                                              full(65536, "topk_hist_segments", "_g1024", None, False),
+                                                              full(65536, "_g1024", "topk_hist", 0, False),
+                                                              full(65536, "_sel512", "_g1024", None, True)])
+def test_indexer_auto_set_lowers(T, marker, absent, tour_max, segment, monkeypatch):
     """topk="auto_set" (the model's set picks on the GPU) at 16 decode rows: the histogram top-k kernel at 4096 keys
-    (and no group maxima from the Mosaic scores kernel), the tournament (segment programs, no maxima) at 65536, and
-    the chain with the maxima (..._g1024) there when the tournament's limit is lowered below the call's size."""
+    (and no group maxima from the Mosaic scores kernel); at 65536 the segment top-k inside the scores kernel
+    (..._sel512, since session 58), and with it off (`gpu.AUTO_SEGMENT`) the tournament (segment programs, no maxima),
+    or the chain with the maxima (..._g1024) where the tournament's limit is lowered below the call's size."""
     from pallas_kernels.indexer import gpu
     from pallas_kernels.indexer.gpu import indexer_topk_gpu
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")    # the GPU's top-k impls, not XLA's
+    monkeypatch.setattr(gpu, "AUTO_SEGMENT", segment)
     if tour_max is not None:
         monkeypatch.setattr(gpu, "AUTO_SET_TOUR_MAX", tour_max)
     q, w, keys, nv = make_indexer(16, 1, 64, T, "fp8", False)
