@@ -145,3 +145,15 @@ def wave_splits(rows: int, total_blocks: int, n_sm: int = N_SM) -> int:
            for ns in range(1, max(1, min(total_blocks, WAVE_MAX_SPLITS)) + 1)}
     best = min(est, key=est.get)
     return best if est[best] < (1.0 - WAVE_MIN_GAIN) * est[1] else 1
+
+
+def split_count(rows: int, total_blocks: int, decode: bool, block_k: int = 64, n_sm: int = N_SM) -> int:
+    """Both GPU kernels' default split-K count: rows = CTAs (programs) a split needs, total_blocks of block_k entries
+    a row. Up to one wave, enough splits to fill the SMs, at least two blocks a split; past it, `wave_splits` for
+    decode shapes (counted in 64-entry steps, the unit it was fitted in) and one split a row for prefill's (many
+    waves, each query with its own list)."""
+    if rows <= n_sm:
+        return max(1, min(n_sm // max(rows, 1), max(1, total_blocks // 2)))
+    if decode:
+        return wave_splits(rows, -(-total_blocks * block_k // 64), n_sm)
+    return 1

@@ -33,7 +33,6 @@ from .fp8_layout import NOPE_DIM, Fp8KVPool
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-N_SM_H200 = 132
 
 
 def _dot_nt(a, b):
@@ -228,9 +227,9 @@ def default_config(bt: int, h: int, total_k: int, any_fp8: bool, prefill: bool, 
                    q_bytes: int = 2):
     """Defaults picked from the H200 sweep (benchmarks/NOTES_sparse_attention.md): 64 heads x 64 entries per
     step, 8 warps; split-K so that about one program per SM runs when B*T*head_blocks*col_splits is below the SM
-    count; past one wave of programs, for decode shapes, `common.wave_splits` (as the Mosaic kernel: one split a
-    row left a second wave as long as the first, HCA-8K B = 136 1146.3 us against 577.2 at B = 128 on the H100,
-    743.2 with 4 splits; B = 160 1132.6 -> 760.1; session 58, results/h100_s58r4_dk.log)."""
+    count; past one wave of programs, for decode shapes, `common.wave_splits` (`common.split_count`, shared with the
+    Mosaic kernel: one split a row left a second wave as long as the first, HCA-8K B = 136 1146.3 us against 577.2
+    at B = 128 on the H100, 743.2 with 4 splits; B = 160 1132.6 -> 760.1; session 58, results/h100_s58r4_dk.log)."""
     # an f32 q at head_dim 512 overflows the H200's 232,448 B of shared memory on the defaults (session 28): with
     # bf16 rows Triton takes them to f32 for the dot, 64 x 512 x 4 B a stage (3 stages asked for 262,656 B, 2 for
     # 262,400); with FP8 rows 64 heads a program asked for 315,648 B. 16 heads keep q's f32 tile at 32 KB, and over
@@ -241,10 +240,7 @@ def default_config(bt: int, h: int, total_k: int, any_fp8: bool, prefill: bool, 
     n_hb = -(-h // block_h)
     programs = bt * n_hb * col_splits
     total_blocks = -(-total_k // block_k)
-    if programs > N_SM_H200 and not prefill:
-        n_splits = common.wave_splits(programs, -(-total_k // 64))   # in 64-entry steps, the unit it was fitted in
-    else:
-        n_splits = max(1, min(N_SM_H200 // programs, max(1, total_blocks // 2)))
+    n_splits = common.split_count(programs, total_blocks, not prefill, block_k)
     num_stages = 2 if any_fp8 else 3
     if f32_q and not any_fp8:
         block_k, num_stages = 32, 2

@@ -106,7 +106,6 @@ from .fp8_layout import NOPE_DIM, ROPE_DIM, SCALE_BYTES, Fp8KVPool
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-N_SM_H200 = 132
 BLOCK_H = 64          # heads per CTA = the M of one warpgroup's wgmma
 SPLIT_SCORES_MIN_T = 64   # split_scores=None: on with bf16 pools from this many queries per sequence (prefill)
 SMEM_BUDGET = 227 * 1024
@@ -173,16 +172,8 @@ mul.rn.bf16x2 $0, t, $3; }"""
 
 def default_config(rows: int, total_blocks: int, decode: bool = True, block_k: int = 64):
     """rows = query rows x head groups (a CTA each per split), total_blocks of block_k entries a row (FP8's tile
-    ring: 32). Up to one wave: enough splits to fill the SMs (at least two steps a split); past it, `wave_splits`
-    (in 64-entry steps, the unit it was fitted in) for decode shapes and one split a row for prefill's (many waves,
-    each query's own list)."""
-    if rows <= N_SM_H200:
-        n_splits = max(1, min(N_SM_H200 // max(rows, 1), max(1, total_blocks // 2)))
-    elif decode:
-        n_splits = wave_splits(rows, -(-total_blocks * block_k // 64))
-    else:
-        n_splits = 1
-    return dict(block_k=64, num_stages=2, n_splits=n_splits)
+    ring: 32); the split count is `common.split_count`'s."""
+    return dict(block_k=64, num_stages=2, n_splits=common.split_count(rows, total_blocks, decode, block_k))
 
 
 def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=False, diag=None,
