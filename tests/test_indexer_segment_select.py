@@ -384,14 +384,17 @@ def _tournament_sets(q, w, keys, nv, k):
                                          (3, 1, 64, 20000, "fp4"), (20, 2, 64, 20000, "fp8"),
                                          (33, 1, 64, 4096, "bf16"), (64, 1, 64, 32768, "fp4"),
                                          (16, 1, 64, 32768, "fp8"), (3, 1, 64, 262144, "fp4"),
-                                         (2, 1, 64, 262144, "fp8")])
+                                         (2, 1, 64, 262144, "fp8"), (64, 1, 64, 12288, "fp4"),
+                                         (24, 1, 64, 10240, "fp8"), (640, 1, 64, 32768, "fp8")])
 @pytest.mark.parametrize("final", ["auto", "triton", "last"])   # "auto": the cluster final where it applies
 def test_gpu_segment_set_picks(B, S, H, T, fmt, final, monkeypatch):
     """topk="segment_set" picks the same index set as the tournament over the same Mosaic scores (exactly), and the
     reference's picks (up to near-ties, `check_picks`): the row's set selected in the kernel (final "auto" where a
     row's splits fit one cluster: 64 x 32768, 40 rows x 6 splits, 33 x 8; final "last" where the row's survivors fit
     the last split's segment buffer: 64 x 32768) or by the Triton final. 262144 keys (1M context): 32 splits a row,
-    whose survivors go through tournament stages before the final."""
+    whose survivors go through tournament stages before the final. 10240 / 12288 keys (40K / 48K context, between
+    the histogram top-k's rows and `gpu.AUTO_SEGMENT_T`) and 640 rows (past `gpu.AUTO_SEGMENT_ROWS`): the shapes
+    session 59 timed it at."""
     from test_indexer_kernels import check_picks
 
     from pallas_kernels.indexer import gpu_mosaic
