@@ -268,8 +268,8 @@ def test_segment_set_last_final_lowers(fmt, B, T, opts, takes, monkeypatch):
 
 def test_auto_set_takes_segment_set(monkeypatch):
     """"auto_set" runs "segment_set" where it resolved to the tournament and the scores run on the Mosaic kernel over
-    fp8 / fp4 keys with rows of 16384-262144 candidates (64K to 1M context: where it measured faster, sessions 40,
-    57, 58), for calls of up to 512 rows; bf16 keys, shorter rows, the Triton kernel and interpret mode keep their
+    fp8 / fp4 keys with rows of 8193-262144 candidates (past 32K up to 1M context: where it measured faster, sessions
+    40, 57-59), for calls of up to 1024 rows; bf16 keys, shorter rows, the Triton kernel and interpret mode keep their
     method."""
     from pallas_kernels.indexer import gpu
 
@@ -283,7 +283,8 @@ def test_auto_set_takes_segment_set(monkeypatch):
     assert not gpu.segment_auto_takes(q(64), fp8(64, 32768), True, {})              # interpret mode
     assert not gpu.segment_auto_takes(q(64), bf16(64, 32768), False, {})            # bf16 keys: slower
     assert gpu.segment_auto_takes(q(64), fp8(64, 16384), False, {})                 # 64K context (session 58)
-    assert not gpu.segment_auto_takes(q(64), fp8(64, 16376), False, {})             # hist_set's rows
+    assert gpu.segment_auto_takes(q(64), fp8(64, 12288), False, {})                 # 48K context (session 59)
+    assert gpu.segment_auto_takes(q(64), fp8(64, 8200), False, {})
     assert not gpu.segment_auto_takes(q(64), fp8(64, 8192), False, {})              # 32K: no faster, hist_set
     assert gpu.segment_auto_takes(q(16), fp8(16, 65536), False, {})                 # 256K context (session 58)
     assert gpu.segment_auto_takes(q(64), fp8(64, 262144), False, {})                # 1M
@@ -293,14 +294,16 @@ def test_auto_set_takes_segment_set(monkeypatch):
     # since session 57 also where the rule gave the chain (65-95 rows) or the histogram kernel (96-128 rows)
     method = lambda B, keys: gpu.auto_set_method(q(B), keys, 512, False, {})
     fp4 = lambda B, T: F.QuantizedKeys(sds((B, T, 64), jnp.uint8), sds((B, T, 4), jnp.uint8), "fp4")
-    for B in (16, 64, 80, 100, 128, 192, 256, 384, 512):
+    for B in (16, 64, 80, 100, 128, 192, 256, 384, 512, 640, 1024):   # past 512 rows since session 59
         assert method(B, fp8(B, 32768)) == method(B, fp4(B, 32768)) == "segment_set", B
-    for B, T in ((64, 16384), (16, 65536), (64, 65536), (16, 262144), (64, 262144)):   # 64K-1M (session 58)
+    for B, T in ((64, 16384), (16, 65536), (64, 65536), (16, 262144), (64, 262144),   # 64K-1M (session 58)
+                 (64, 10240), (128, 12288), (64, 15360)):                             # 40K-60K (session 59)
         assert method(B, fp8(B, T)) == method(B, fp4(B, T)) == "segment_set", (B, T)
     assert gpu.resolve_set_method(32768, 512, 80) == "threshold_set"   # what those rows took before
     assert gpu.resolve_set_method(32768, 512, 100) == "hist_set"
     assert gpu.resolve_set_method(262144, 512, 64) == "threshold_set"
-    assert method(513, fp8(513, 32768)) == "hist_set"                  # past AUTO_SEGMENT_ROWS: not timed
+    assert method(1025, fp8(1025, 32768)) == "hist_set"                # past AUTO_SEGMENT_ROWS: not timed
+    assert method(64, fp8(64, 12288)) != gpu.resolve_set_method(12288, 512, 64) == "hist_set"   # what 48K took
     assert method(8, fp8(8, 262144)) == gpu.resolve_set_method(262144, 512, 8)   # B < MIN_ROWS: Triton scores
     assert method(80, fp8(80, 8192)) == "hist_set"                     # shorter rows keep their method
     assert method(80, bf16(80, 32768)) == gpu.resolve_set_method(32768, 512, 80)
@@ -392,9 +395,8 @@ def test_gpu_segment_set_picks(B, S, H, T, fmt, final, monkeypatch):
     reference's picks (up to near-ties, `check_picks`): the row's set selected in the kernel (final "auto" where a
     row's splits fit one cluster: 64 x 32768, 40 rows x 6 splits, 33 x 8; final "last" where the row's survivors fit
     the last split's segment buffer: 64 x 32768) or by the Triton final. 262144 keys (1M context): 32 splits a row,
-    whose survivors go through tournament stages before the final. 10240 / 12288 keys (40K / 48K context, between
-    the histogram top-k's rows and `gpu.AUTO_SEGMENT_T`) and 640 rows (past `gpu.AUTO_SEGMENT_ROWS`): the shapes
-    session 59 timed it at."""
+    whose survivors go through tournament stages before the final. 10240 / 12288 keys (40K / 48K context) and 640
+    rows: shapes session 59 timed it at before `auto_set` took it there."""
     from test_indexer_kernels import check_picks
 
     from pallas_kernels.indexer import gpu_mosaic
@@ -411,11 +413,12 @@ def test_gpu_segment_set_picks(B, S, H, T, fmt, final, monkeypatch):
 @gpu
 @pytest.mark.parametrize("B,T,fmt", [(80, 32768, "fp8"), (100, 32768, "fp4"), (128, 32768, "fp8"),
                                      (192, 32768, "fp4"), (16, 65536, "fp8"), (20, 262144, "fp4"),
-                                     (64, 16384, "fp4"), (384, 32768, "fp8")])
+                                     (64, 16384, "fp4"), (384, 32768, "fp8"), (64, 12288, "fp8"),
+                                     (768, 32768, "fp4")])
 def test_gpu_auto_set_segment_past_one_wave(B, T, fmt):
     """The model's default picks (topk="auto_set") where "segment_set" took over from the chain / histogram top-k:
     at 128K context from 65 to 512 rows, with `select_splits`' split count (6 / 5 / 4 at 80 / 100 / 128 rows,
-    session 57), and at 64K, 256K and 1M context (session 58). It gives the tournament's set over the same scores and
+    session 57), at 64K, 256K and 1M context (session 58), at 48K context and past 512 rows (session 59). It gives the tournament's set over the same scores and
     the reference's picks up to near-ties."""
     from test_indexer_kernels import check_picks
 

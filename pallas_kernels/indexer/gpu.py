@@ -780,13 +780,19 @@ def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 
 #   the default then vs segment_set): B = 64 x 64K fp4 52.4 vs 48.7, fp8 68.7 vs 60.6, B = 256 x 64K fp8 243.1 vs
 #   222.6, B = 16 x 64K fp8 23.6 vs 22.9, B = 128 x 64K fp4 88.4 vs 87.6; B = 384 x 128K fp4 523.7 vs 478.6, fp8
 #   830.2 vs 623.4; B = 512 x 128K fp4 694.1 vs 640.1, fp8 937.0 vs 834.1. Not at 8192 candidates (32K context,
-#   B = 64: fp8 38.9 vs 38.0, fp4 28.1 vs 28.9; 8K context fp8 9.4 vs 12.5), where the histogram kernel stays.
-# Past 512 rows and past 262144 candidates: not timed, the methods stay. Below MIN_ROWS rows (B = 1 decode) the
+#   B = 64: fp8 38.9 vs 38.0, fp4 28.1 vs 28.9; 8K context fp8 9.4 vs 12.5), where the histogram kernel stays;
+# - from 8193 candidates (past 32K context) and up to 1024 rows since session 59 (H100, own us, the histogram
+#   top-k / the chain vs segment_set, results/h100_s59r1_idx.log): B = 64 x 40K fp8 42.1 vs 40.7, 48K fp4 33.9 vs
+#   32.2, fp8 51.5 vs 46.6, 60K fp8 59.8 vs 52.0, B = 128 x 48K fp8 94.9 vs 86.2; B = 640 x 128K fp8 1315.6 vs
+#   1028.9, B = 768 x 128K fp4 1005.8 vs 952.5, B = 1024 x 128K fp8 1856.7 vs 1673.7, B = 1024 x 64K fp4 701.4 vs
+#   676.1; the rule as the default against gpu.AUTO_SEGMENT=0 in one call (results/h100_s59r3_idx.log): B = 64 x
+#   48K fp8 50.3 -> 45.0, B = 32 x 60K fp4 27.6 -> 27.0, B = 640 x 128K fp4 868.9 -> 799.7.
+# Past 1024 rows and past 262144 candidates: not timed, the methods stay. Below MIN_ROWS rows (B = 1 decode) the
 # scores run on the Triton kernel, which has no in-kernel selection, so the rule does not apply there.
 AUTO_SEGMENT = True
 AUTO_SEGMENT_FORMATS = ("fp8", "fp4")
-AUTO_SEGMENT_T = (16384, 262144)
-AUTO_SEGMENT_ROWS = 512
+AUTO_SEGMENT_T = (8193, 262144)
+AUTO_SEGMENT_ROWS = 1024
 
 
 def auto_set_method(q, keys, k: int, interpret, kernel_options, query_chunk: int = 256) -> str:
