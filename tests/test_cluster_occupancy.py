@@ -55,9 +55,9 @@ def test_split_count_past_one_wave():
     estimated time where it promises WAVE_MIN_GAIN over one split a row. The estimate's order agrees with the H100's
     measurements (session 57: HCA-8K, 130 steps a row, at B = 136: 1 split 722.8 us, 2 576.7, 4 517.0, 8 528.0; at
     B = 192: 1 718.2, 2 614.2, 4 654.2), and short lists, where no count measured faster, keep one split."""
-    from pallas_kernels.sparse_attention import gpu_mosaic
+    from pallas_kernels.sparse_attention import common, gpu_mosaic
 
-    est = lambda rows, blocks, ns: gpu_mosaic.wave_estimate(rows, blocks, ns)
+    est = lambda rows, blocks, ns: common.wave_estimate(rows, blocks, ns)
     assert est(136, 130, 4) < est(136, 130, 2) < est(136, 130, 1)
     assert est(192, 130, 2) < est(192, 130, 4) < est(192, 130, 1)
     splits = lambda rows, blocks, decode=True: gpu_mosaic.default_config(rows, blocks, decode)["n_splits"]

@@ -641,7 +641,7 @@ def test_sparse_attention_mosaic_streams_long_index_lists(monkeypatch, b, k_c, f
 def test_sparse_attention_mosaic_splits_past_one_wave(monkeypatch, b, k_c, fp8):
     """Past one wave of CTAs the wrapper builds `wave_splits`' count (HCA-8K at B = 136: several splits and the XLA
     merge; CSA: one split a row) and lowers."""
-    from pallas_kernels.sparse_attention import gpu_mosaic
+    from pallas_kernels.sparse_attention import common, gpu_mosaic
 
     built = spy_mosaic_builds(monkeypatch)
     inp = make_attention(b, 1, 64, 512, 300, 9000, 128, k_c, ragged=True, fp8=fp8)
@@ -649,7 +649,7 @@ def test_sparse_attention_mosaic_splits_past_one_wave(monkeypatch, b, k_c, fp8):
     lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(
         *a, scale=0.1, window_len=inp["window_len"], compressed_len=inp["compressed_len"]), *(inp[k] for k in keys))
     (ns,) = [a["ns"] for a in built]
-    assert ns == gpu_mosaic.wave_splits(b, (128 + k_c) // 64)
+    assert ns == common.wave_splits(b, (128 + k_c) // 64)
     assert (ns > 1) is (k_c == 8192)
 
 

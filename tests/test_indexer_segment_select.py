@@ -418,8 +418,8 @@ def test_gpu_segment_set_picks(B, S, H, T, fmt, final, monkeypatch):
 def test_gpu_auto_set_segment_past_one_wave(B, T, fmt):
     """The model's default picks (topk="auto_set") where "segment_set" took over from the chain / histogram top-k:
     at 128K context from 65 to 512 rows, with `select_splits`' split count (6 / 5 / 4 at 80 / 100 / 128 rows,
-    session 57), at 64K, 256K and 1M context (session 58), at 48K context and past 512 rows (session 59). It gives the tournament's set over the same scores and
-    the reference's picks up to near-ties."""
+    session 57), at 64K, 256K and 1M context (session 58), at 48K context and past 512 rows (session 59). It gives
+    the tournament's set over the same scores and the reference's picks up to near-ties."""
     from test_indexer_kernels import check_picks
 
     from pallas_kernels.indexer import gpu

@@ -100,8 +100,6 @@ import numpy as np
 
 from . import combine as combine_lib
 from . import common
-# the split count past one wave of CTAs, shared with the Triton kernel
-from .common import wave_estimate, wave_splits  # noqa: F401
 from .fp8_layout import NOPE_DIM, ROPE_DIM, SCALE_BYTES, Fp8KVPool
 
 LOG2E = math.log2(math.e)
