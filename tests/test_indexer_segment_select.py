@@ -455,13 +455,38 @@ def test_gpu_segment_set_ties(final, monkeypatch):
     np.testing.assert_array_equal((np.asarray(got) < 0).sum(-1), (np.asarray(ref) < 0).sum(-1))
 
 
+# final "last" runs only where a row's survivors fit the segment buffer (2 x splits x (k + slack) <= a split's keys);
+# otherwise the kernel takes the Triton final. B = 64 x 40000 keys has 8 splits by default since session 57's
+# wave-aware split count (`select_splits`), too many for "last": it gives 5, the count it had before.
+LAST_FINAL_CASES = [(64, 32768, "fp8", 512, {}), (64, 40000, "fp8", 512, dict(num_splits=5)),
+                    (8, 32768, "fp8", 512, dict(num_splits=5)), (6, 32768, "fp4", 512, dict(num_splits=4)),
+                    (4, 4096, "fp8", 64, dict(num_splits=4)), (5, 4096, "bf16", 64, dict(num_splits=3)),
+                    (3, 20000, "fp8", 4, dict(num_splits=7))]
+
+
+@pytest.mark.parametrize("B,T,fmt,k,opts", LAST_FINAL_CASES)
+def test_last_final_cases_lower(B, T, fmt, k, opts, monkeypatch):
+    """Every case of `test_gpu_segment_set_last_final` lowers for CUDA from this machine with the "last" final in
+    its module, so a change of the default split count that takes a case out of "last" fails here, not first on a
+    GPU; and a layout with too many splits (64 x 40000 at its default 8) falls back to the Triton final."""
+    from test_gpu_lowering import lowers_for
+
+    from pallas_kernels.indexer import gpu_mosaic
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+
+    monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "final", "last")
+    text = lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=k, topk="segment_set", **opts),
+                      *_abstract_inputs(B, T, fmt))
+    assert "dsv4last_load" in text
+    if (B, T) == (64, 40000):
+        assert gpu_mosaic.launch_layout(B, T, fmt, select=True)[-1] == 8
+        text = lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=k, topk="segment_set"),
+                          *_abstract_inputs(B, T, fmt))
+        assert "dsv4last_load" not in text
+
+
 @gpu
-@pytest.mark.parametrize("B,T,fmt,k,opts", [(64, 32768, "fp8", 512, {}), (64, 40000, "fp8", 512, {}),
-                                            (8, 32768, "fp8", 512, dict(num_splits=5)),
-                                            (6, 32768, "fp4", 512, dict(num_splits=4)),
-                                            (4, 4096, "fp8", 64, dict(num_splits=4)),
-                                            (5, 4096, "bf16", 64, dict(num_splits=3)),
-                                            (3, 20000, "fp8", 4, dict(num_splits=7))])
+@pytest.mark.parametrize("B,T,fmt,k,opts", LAST_FINAL_CASES)
 def test_gpu_segment_set_last_final(B, T, fmt, k, opts, monkeypatch):
     """final "last" (the split CTA that arrives last selects the row's set in the kernel), checked where it runs
     (the lowered module holds its PTX): 4-7 splits a row, k 512 / 64 / 4, fp8 / fp4 / bf16 keys, ragged n_visible.
