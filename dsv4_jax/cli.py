@@ -1,12 +1,16 @@
 """`dsv4-jax` command line: `generate` and `info`.
 
     dsv4-jax generate [--checkpoint DIR] --prompt "1 2 3" [--prompt ...] --max-new-tokens N
-                      [--temperature T] [--top-k K] [--top-p P] [--seed S] [--eos-id ID] [--max-len L]
+                      [--temperature T] [--top-k K] [--top-p P] [--seed S] [--eos-id ID|none] [--max-len L]
                       [--dtype float32|bfloat16]
+    dsv4-jax generate --checkpoint DIR --text "The capital of France is" [--text ...] [--tokenizer FILE_OR_DIR]
     dsv4-jax info [--checkpoint DIR | --preset v4-flash|v4-pro|tiny] [--context 1048576] [--batch-size 1]
 
-Prompts are token ids (space- or comma-separated); there is no tokenizer. Without --checkpoint both commands use
-the embedded default checkpoint (a tiny random-weight DeepSeek-V4-architecture model shipped with the package).
+Prompts are token ids (--prompt, space- or comma-separated) or text (--text), encoded by the checkpoint's
+tokenizer.json (`dsv4_jax.tokenizer`; --tokenizer points elsewhere); with --text the continuation is printed as
+text too, and generation stops at the tokenizer's EOS token unless --eos-id says otherwise. Without --checkpoint
+both commands use the embedded default checkpoint (a tiny random-weight DeepSeek-V4-architecture model shipped with
+the package; it has no tokenizer).
 """
 
 from __future__ import annotations
@@ -25,6 +29,33 @@ def _parse_prompt(text: str) -> list[int]:
         return [int(p) for p in parts]
     except ValueError:
         raise argparse.ArgumentTypeError(f"prompt {text!r} is not a list of integer token ids (e.g. \"1 2 3\")")
+
+
+def _parse_eos(text: str) -> int | None:
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--eos-id {text!r} is not a token id or 'none'")
+
+
+_EOS_UNSET = object()   # --eos-id not given: none for token-id prompts, the tokenizer's EOS for text prompts
+
+
+def _text_prompts(args, ckpt: str):
+    """(prompts as token ids, the tokenizer) for --text; (args.prompt, None) for --prompt."""
+    if args.text is None:
+        if args.tokenizer:
+            raise SystemExit("dsv4-jax: error: --tokenizer applies to --text prompts only")
+        return args.prompt, None
+    from dsv4_jax.tokenizer import load_tokenizer
+
+    try:
+        tok = load_tokenizer(args.tokenizer or ckpt)
+        return [tok.encode(t) for t in args.text], tok
+    except (OSError, ImportError, ValueError) as e:
+        raise SystemExit(f"dsv4-jax: error: {e}")
 
 
 def _checkpoint_dir(arg: str | None) -> tuple[str, bool]:
@@ -62,6 +93,7 @@ def cmd_generate(args) -> int:
     from dsv4_jax.engine import generate_with_stats
 
     ckpt, embedded = _checkpoint_dir(args.checkpoint)
+    prompts, tok = _text_prompts(args, ckpt)   # before the weights load: a missing tokenizer fails at once
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     model = load_pretrained(ckpt, dtype=dtype, attention_impl=args.attention_impl, progress=False,
                             indexer_picks=args.indexer_picks, attention_kernel=args.attention_kernel,
@@ -71,20 +103,31 @@ def cmd_generate(args) -> int:
     print(f"model: {cfg.summary()}")
     print(f"dtype: {args.dtype}, routed experts: {args.expert_weights}, device: {jax.devices()[0].platform} "
           f"({jax.devices()[0].device_kind})")
-    kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=args.eos_id,
+    eos_id = args.eos_id
+    if eos_id is _EOS_UNSET:
+        eos_id = tok.eos_id if tok is not None else None
+    if tok is not None:
+        print(f"tokenizer: {tok.path} ({tok.vocab_size:,} tokens; model vocab_size {cfg.vocab_size:,}); "
+              f"bos {tok.bos_id if tok.add_bos else 'not added'}, stop at eos: "
+              f"{'none' if eos_id is None else f'{eos_id} ({tok.token(eos_id)!r})'}")
+    kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=eos_id,
               max_len=args.max_len, kv_dtype=args.kv_dtype, indexer_dtype=args.indexer_dtype,
               indexer_rotate=args.indexer_rotate)
     compile_s = 0.0
     try:
         for _ in range(max(0, args.warmup)):  # untimed runs: compile + first-execution overheads
-            compile_s += generate_with_stats(model, args.prompt, args.max_new_tokens, **kw)[1].compile_s
-        tokens, st = generate_with_stats(model, args.prompt, args.max_new_tokens, **kw)
+            compile_s += generate_with_stats(model, prompts, args.max_new_tokens, **kw)[1].compile_s
+        tokens, st = generate_with_stats(model, prompts, args.max_new_tokens, **kw)
         compile_s += st.compile_s
     except ValueError as e:
         raise SystemExit(f"dsv4-jax: error: {e}")
-    for i, (p, t) in enumerate(zip(args.prompt, tokens)):
+    for i, (p, t) in enumerate(zip(prompts, tokens)):
+        if tok is not None:
+            print(f"[{i}] prompt text: {args.text[i]!r}")
         print(f"[{i}] prompt ({len(p)} tokens): {' '.join(map(str, p))}")
         print(f"[{i}] new tokens ({len(t)}): {' '.join(map(str, t))}")
+        if tok is not None:
+            print(f"[{i}] new text: {tok.decode(t)!r}")
     if args.max_new_tokens == 0:
         return 0
     print(f"compile: {compile_s:.2f} s (ahead-of-time, excluded from the rates below); timed run after "
@@ -187,16 +230,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsv4-jax", description="DeepSeek-V4 in JAX: generation and model info.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate tokens from token-id prompts")
+    g = sub.add_parser("generate", help="generate tokens from token-id or text prompts")
     g.add_argument("--checkpoint", help="checkpoint directory (default: the embedded tiny model)")
-    g.add_argument("--prompt", action="append", type=_parse_prompt, required=True,
-                   help='token ids, e.g. "1 2 3"; repeat for a batch of prompts')
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", type=_parse_prompt,
+                     help='token ids, e.g. "1 2 3"; repeat for a batch of prompts')
+    src.add_argument("--text", action="append",
+                     help="a text prompt, encoded by the checkpoint's tokenizer.json; repeat for a batch")
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizer.json, or a directory holding it, for --text (default: the checkpoint directory)")
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--eos-id", type=int, default=None, help="stop a row after this token")
+    g.add_argument("--eos-id", type=_parse_eos, default=_EOS_UNSET,
+                   help="stop a row after this token; 'none' never stops early (default: none for --prompt, the "
+                        "tokenizer's eos_token for --text)")
     g.add_argument("--max-len", type=int, default=None, help="cache capacity in tokens (default: bucketed)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     g.add_argument("--kv-dtype", choices=("bf16", "fp8"), default=None,
