@@ -95,7 +95,7 @@ def cmd_generate(args) -> int:
     ckpt, embedded = _checkpoint_dir(args.checkpoint)
     prompts, tok = _text_prompts(args, ckpt)   # before the weights load: a missing tokenizer fails at once
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
-    model = load_pretrained(ckpt, dtype=dtype, attention_impl=args.attention_impl, progress=False,
+    model = load_pretrained(ckpt, dtype=dtype, attention_impl=args.attention_impl, progress=not embedded,
                             indexer_picks=args.indexer_picks, attention_kernel=args.attention_kernel,
                             expert_weights=args.expert_weights)
     cfg = model.config

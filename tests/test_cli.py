@@ -308,3 +308,19 @@ def test_indexer_fp4_resources_script_needs_its_dump_variables():
     r = subprocess.run([sys.executable, "benchmarks/indexer_fp4_resources.py"], capture_output=True, text=True,
                        env=env, cwd=ROOT)
     assert r.returncode != 0 and "MOSAIC_GPU_DUMP_PTXAS=1" in r.stderr, r.stderr[-2000:]
+
+
+def test_generate_checkpoint_dir_shows_loading_progress(tmp_path, capsys):
+    """A checkpoint given by --checkpoint loads with tqdm's progress bar on stderr (real checkpoints take minutes);
+    the embedded default loads silently."""
+    import shutil
+
+    from dsv4_jax.assets import embedded_checkpoint_path
+
+    ckpt = shutil.copytree(embedded_checkpoint_path(), tmp_path / "ckpt")
+    assert cli.main(["generate", "--checkpoint", str(ckpt), "--prompt", "1 2", "--max-new-tokens", "1",
+                     "--warmup", "0"]) == 0
+    captured = capsys.readouterr()
+    assert "loading checkpoint" in captured.err and f"checkpoint: {ckpt}" in captured.out
+    assert cli.main(["generate", "--prompt", "1 2", "--max-new-tokens", "1", "--warmup", "0"]) == 0
+    assert "loading checkpoint" not in capsys.readouterr().err
