@@ -8,7 +8,8 @@
 
 Prompts are token ids (--prompt, space- or comma-separated) or text (--text), encoded by the checkpoint's
 tokenizer.json (`dsv4_jax.tokenizer`; --tokenizer points elsewhere); with --text the continuation is printed as
-text too, and generation stops at the tokenizer's EOS token unless --eos-id says otherwise. Without --checkpoint
+text too, and generation stops at the tokenizer's EOS token (else the model config's eos_token_id) unless
+--eos-id says otherwise. Without --checkpoint
 both commands use the embedded default checkpoint (a tiny random-weight DeepSeek-V4-architecture model shipped with
 the package; it has no tokenizer).
 """
@@ -103,13 +104,16 @@ def cmd_generate(args) -> int:
     print(f"model: {cfg.summary()}")
     print(f"dtype: {args.dtype}, routed experts: {args.expert_weights}, device: {jax.devices()[0].platform} "
           f"({jax.devices()[0].device_kind})")
-    eos_id = args.eos_id
-    if eos_id is _EOS_UNSET:
-        eos_id = tok.eos_id if tok is not None else None
+    eos_id, eos_from = args.eos_id, "--eos-id"
+    if eos_id is _EOS_UNSET:   # text: the tokenizer's eos_token, else the model config's eos_token_id
+        eos_id, eos_from = None, ""
+        if tok is not None:
+            eos_id, eos_from = ((tok.eos_id, "tokenizer_config.json") if tok.eos_id is not None
+                                else (cfg.eos_token_id, "config.json"))
     if tok is not None:
         print(f"tokenizer: {tok.path} ({tok.vocab_size:,} tokens; model vocab_size {cfg.vocab_size:,}); "
               f"bos {tok.bos_id if tok.add_bos else 'not added'}, stop at eos: "
-              f"{'none' if eos_id is None else f'{eos_id} ({tok.token(eos_id)!r})'}")
+              f"{'none' if eos_id is None else f'{eos_id} ({tok.token(eos_id)!r}, {eos_from})'}")
     kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=eos_id,
               max_len=args.max_len, kv_dtype=args.kv_dtype, indexer_dtype=args.indexer_dtype,
               indexer_rotate=args.indexer_rotate)
@@ -245,8 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--eos-id", type=_parse_eos, default=_EOS_UNSET,
-                   help="stop a row after this token; 'none' never stops early (default: none for --prompt, the "
-                        "tokenizer's eos_token for --text)")
+                   help="stop a row after this token; 'none' never stops early (default: none for --prompt; for "
+                        "--text the tokenizer's eos_token, else config.json's eos_token_id)")
     g.add_argument("--max-len", type=int, default=None, help="cache capacity in tokens (default: bucketed)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     g.add_argument("--kv-dtype", choices=("bf16", "fp8"), default=None,

@@ -107,8 +107,19 @@ def test_generate_text_stops_at_the_tokenizers_eos(tmp_path, capsys):
     assert cli.main(["generate", "--tokenizer", str(tmp_path / "e"), "--text", "a city", "--max-new-tokens", "6",
                      "--warmup", "0"]) == 0
     out = capsys.readouterr().out
-    assert f"stop at eos: {first} ('{word}')" in out
+    assert f"stop at eos: {first} ('{word}', tokenizer_config.json)" in out
     assert re.search(rf"^\[0\] new tokens \(1\): {first}$", out, re.M)
+
+
+def test_generate_text_eos_from_the_model_config(tmp_path, capsys):
+    """A tokenizer.json without tokenizer_config.json: no BOS added, and the rows stop at config.json's
+    eos_token_id (the embedded model's is 1)."""
+    write_tokenizer(tmp_path, config=False)
+    assert cli.main(["generate", "--tokenizer", str(tmp_path), "--text", "a city", "--max-new-tokens", "2",
+                     "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "bos not added, stop at eos: 1 ('<s>', config.json)" in out
+    assert "[0] prompt (2 tokens): 9 10" in out
 
 
 def test_generate_text_errors(tmp_path, capsys):
