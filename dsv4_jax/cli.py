@@ -9,9 +9,8 @@
 Prompts are token ids (--prompt, space- or comma-separated) or text (--text), encoded by the checkpoint's
 tokenizer.json (`dsv4_jax.tokenizer`; --tokenizer points elsewhere); with --text the continuation is printed as
 text too, and generation stops at the tokenizer's EOS token (else the model config's eos_token_id) unless
---eos-id says otherwise. Without --checkpoint
-both commands use the embedded default checkpoint (a tiny random-weight DeepSeek-V4-architecture model shipped with
-the package; it has no tokenizer).
+--eos-id says otherwise. Without --checkpoint both commands use the embedded default checkpoint (a tiny
+random-weight DeepSeek-V4-architecture model shipped with the package; it has no tokenizer).
 """
 
 from __future__ import annotations
@@ -105,11 +104,13 @@ def cmd_generate(args) -> int:
     print(f"dtype: {args.dtype}, routed experts: {args.expert_weights}, device: {jax.devices()[0].platform} "
           f"({jax.devices()[0].device_kind})")
     eos_id, eos_from = args.eos_id, "--eos-id"
-    if eos_id is _EOS_UNSET:   # text: the tokenizer's eos_token, else the model config's eos_token_id
-        eos_id, eos_from = None, ""
-        if tok is not None:
-            eos_id, eos_from = ((tok.eos_id, "tokenizer_config.json") if tok.eos_id is not None
-                                else (cfg.eos_token_id, "config.json"))
+    if eos_id is _EOS_UNSET:   # token ids: no stop; text: the tokenizer's eos_token, else config.json's eos_token_id
+        if tok is None:
+            eos_id = None
+        elif tok.eos_id is not None:
+            eos_id, eos_from = tok.eos_id, "tokenizer_config.json"
+        else:
+            eos_id, eos_from = cfg.eos_token_id, "config.json"
     if tok is not None:
         print(f"tokenizer: {tok.path} ({tok.vocab_size:,} tokens; model vocab_size {cfg.vocab_size:,}); "
               f"bos {tok.bos_id if tok.add_bos else 'not added'}, stop at eos: "

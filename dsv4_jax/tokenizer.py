@@ -41,7 +41,7 @@ class TextTokenizer:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        """text -> token ids (BOS first where `add_bos`). Raises ValueError for a text with no tokens (the empty string)."""
+        """text -> token ids (BOS first where `add_bos`). Raises ValueError for the empty string (no tokens)."""
         ids = list(self.tokenizer.encode(text, add_special_tokens=True).ids) if text else []
         if not ids:
             raise ValueError(f"text prompt {text!r} has no tokens")

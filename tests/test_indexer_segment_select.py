@@ -239,17 +239,25 @@ def _abstract_inputs(B, T, fmt):
     return sds((B, 1, 64, 128), jnp.float32), sds((B, 1, 64), jnp.float32), keys, sds((B, 1), jnp.int32)
 
 
-@pytest.mark.parametrize("fmt,B,T,opts,takes", [("fp8", 64, 32768, {}, True),
-                                                # (5 splits given: by default 320 CTAs pass a wave, and
-                                                # `select_splits` takes 8 of ~5K keys, whose survivors do not fit)
-                                                ("fp8", 64, 40000, dict(num_splits=5), True),
-                                                ("fp8", 64, 32768, dict(num_splits=6), False),
-                                                ("fp8", 16, 32768, {}, False), ("bf16", 8, 16384, {}, False),
-                                                ("fp8", 64, 32768, dict(probe=2), True)])
-def test_segment_set_last_final_lowers(fmt, B, T, opts, takes, monkeypatch):
+# `test_gpu_segment_set_last_final`'s cases (B, T, fmt, k, opts), each where final "last" runs; the CPU test below
+# lowers them too, so a default split count that moves one off "last" fails in CI, not first on a GPU. B = 64 x
+# 40000 keys: 5 splits given (by default 320 CTAs pass a wave, and `select_splits` takes 8 of ~5K keys, whose
+# survivors do not fit).
+LAST_FINAL_CASES = [(64, 32768, "fp8", 512, {}), (64, 40000, "fp8", 512, dict(num_splits=5)),
+                    (8, 32768, "fp8", 512, dict(num_splits=5)), (6, 32768, "fp4", 512, dict(num_splits=4)),
+                    (4, 4096, "fp8", 64, dict(num_splits=4)), (5, 4096, "bf16", 64, dict(num_splits=3)),
+                    (3, 20000, "fp8", 4, dict(num_splits=7))]
+
+
+@pytest.mark.parametrize("fmt,B,T,k,opts,takes", [(f, B, T, k, o, True) for B, T, f, k, o in LAST_FINAL_CASES] +
+                         [("fp8", 64, 40000, 512, {}, False), ("fp8", 64, 32768, 512, dict(num_splits=6), False),
+                          ("fp8", 16, 32768, 512, {}, False), ("bf16", 8, 16384, 512, {}, False),
+                          ("fp8", 64, 32768, 512, dict(probe=2), True)])
+def test_segment_set_last_final_lowers(fmt, B, T, k, opts, takes, monkeypatch):
     """final "last": the split CTA that arrives last selects the row's set in the kernel (no Triton kernel follows)
     where the row's survivors fit its segment buffer: 4 or 5 splits of ~8K keys at B = 64 (128K-160K context); many
-    short splits (B = 16, or 6 splits given) keep the Triton final. Lowers for CUDA from this machine."""
+    short splits (B = 16, 6 splits given, or 64 x 40000 at its default 8) keep the Triton final. Lowers for CUDA
+    from this machine."""
     from test_gpu_lowering import lowers_for
 
     from pallas_kernels.indexer import gpu_mosaic
@@ -259,7 +267,7 @@ def test_segment_set_last_final_lowers(fmt, B, T, opts, takes, monkeypatch):
     opts = dict(opts)
     probe = opts.pop("probe", 0)   # 2: the timing probe (no compaction, no final)
     monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "probe", probe)
-    text = lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=512, topk="segment_set", **opts),
+    text = lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=k, topk="segment_set", **opts),
                       *_abstract_inputs(B, T, fmt))
     assert "dsv4sel_compact" in text
     assert "dsv4sel_ca:" in text or probe
@@ -453,36 +461,6 @@ def test_gpu_segment_set_ties(final, monkeypatch):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(tour))
     ref = indexer_topk_reference(q, w, keys, nv, k=512)
     np.testing.assert_array_equal((np.asarray(got) < 0).sum(-1), (np.asarray(ref) < 0).sum(-1))
-
-
-# final "last" runs only where a row's survivors fit the segment buffer (2 x splits x (k + slack) <= a split's keys);
-# otherwise the kernel takes the Triton final. B = 64 x 40000 keys has 8 splits by default since session 57's
-# wave-aware split count (`select_splits`), too many for "last": it gives 5, the count it had before.
-LAST_FINAL_CASES = [(64, 32768, "fp8", 512, {}), (64, 40000, "fp8", 512, dict(num_splits=5)),
-                    (8, 32768, "fp8", 512, dict(num_splits=5)), (6, 32768, "fp4", 512, dict(num_splits=4)),
-                    (4, 4096, "fp8", 64, dict(num_splits=4)), (5, 4096, "bf16", 64, dict(num_splits=3)),
-                    (3, 20000, "fp8", 4, dict(num_splits=7))]
-
-
-@pytest.mark.parametrize("B,T,fmt,k,opts", LAST_FINAL_CASES)
-def test_last_final_cases_lower(B, T, fmt, k, opts, monkeypatch):
-    """Every case of `test_gpu_segment_set_last_final` lowers for CUDA from this machine with the "last" final in
-    its module, so a change of the default split count that takes a case out of "last" fails here, not first on a
-    GPU; and a layout with too many splits (64 x 40000 at its default 8) falls back to the Triton final."""
-    from test_gpu_lowering import lowers_for
-
-    from pallas_kernels.indexer import gpu_mosaic
-    from pallas_kernels.indexer.gpu import indexer_topk_gpu
-
-    monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "final", "last")
-    text = lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=k, topk="segment_set", **opts),
-                      *_abstract_inputs(B, T, fmt))
-    assert "dsv4last_load" in text
-    if (B, T) == (64, 40000):
-        assert gpu_mosaic.launch_layout(B, T, fmt, select=True)[-1] == 8
-        text = lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=k, topk="segment_set"),
-                          *_abstract_inputs(B, T, fmt))
-        assert "dsv4last_load" not in text
 
 
 @gpu

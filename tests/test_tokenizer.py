@@ -14,15 +14,15 @@ WORDS = ["the", "capital", "of", "france", "is", "paris", "a", "city", "and", "r
 VOCAB = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: 3 + i for i, w in enumerate(WORDS)}}
 
 
-def write_tokenizer(directory, config=None, post_bos=False):
-    """tokenizer.json (word level, whitespace split; post_bos: its post-processor puts <s> first itself) and,
-    unless config is False, tokenizer_config.json (default: add_bos_token with <s>, eos </s>)."""
+def write_tokenizer(directory, config=None, post_bos=False, vocab=VOCAB):
+    """tokenizer.json (word level over `vocab`, whitespace split; post_bos: its post-processor puts <s> first
+    itself) and, unless config is False, tokenizer_config.json (default: add_bos_token with <s>, eos </s>)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece(prefix="##")   # joins words with spaces
-    tok.add_special_tokens(["<s>", "</s>"])
+    tok.add_special_tokens([t for t in ("<s>", "</s>") if t in vocab])
     if post_bos:
         tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     directory.mkdir(parents=True, exist_ok=True)
@@ -96,14 +96,7 @@ def test_generate_text_stops_at_the_tokenizers_eos(tmp_path, capsys):
     vocab = {w: i for w, i in VOCAB.items() if i != first}
     word = f"tok{first}"
     vocab[word] = first   # the model's first token, now the EOS
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    (tmp_path / "e").mkdir()
-    tok.save(str(tmp_path / "e" / "tokenizer.json"))
-    (tmp_path / "e" / "tokenizer_config.json").write_text(json.dumps(
-        {"add_bos_token": True, "bos_token": "<s>", "eos_token": word}))
+    write_tokenizer(tmp_path / "e", config={"add_bos_token": True, "bos_token": "<s>", "eos_token": word}, vocab=vocab)
     assert cli.main(["generate", "--tokenizer", str(tmp_path / "e"), "--text", "a city", "--max-new-tokens", "6",
                      "--warmup", "0"]) == 0
     out = capsys.readouterr().out
@@ -131,12 +124,7 @@ def test_generate_text_errors(tmp_path, capsys):
         cli.main(["generate", "--prompt", "1 2", "--tokenizer", str(tmp_path)])
     with pytest.raises(SystemExit):                              # argparse: not an id
         cli.main(["generate", "--prompt", "1", "--eos-id", "end"])
-    big = {**VOCAB, "huge": 300}
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel(big, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(tmp_path / "tokenizer.json"))
+    write_tokenizer(tmp_path, config=False, vocab={**VOCAB, "huge": 300})
     with pytest.raises(SystemExit, match="outside"):            # an id past the model's vocabulary
         cli.main(["generate", "--tokenizer", str(tmp_path), "--text", "huge city", "--max-new-tokens", "2"])
     with pytest.raises(SystemExit, match="no tokens"):
