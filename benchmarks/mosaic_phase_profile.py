@@ -75,6 +75,11 @@ CASES = {
     "csa128_fp8_cb9": ("csa", 128, 1, 512, "fp8", dict(conv_batch=9)),
     "csa128_fp8_cb3_ts3": ("csa", 128, 1, 512, "fp8", dict(conv_batch=3, tile_slots=3, num_stages=2)),
     "csa128_lazy": ("csa", 128, 1, 512, "bf16", dict(lazy_rescale=True)),   # the lazy rescale (session 26)
+    # the next step's scores in flight under this step's softmax (score_ahead, session 61; regions c_wait_full,
+    # c_softmax, c_pv (issue), c_scores (waiting for S(g + 1) and the exchange), c_pv_wait)
+    "csa128_fp8_ahead": ("csa", 128, 1, 512, "fp8", dict(score_ahead=True)),
+    "csa128_fp8_ahead_cv5": ("csa", 128, 1, 512, "fp8", dict(score_ahead=True, conv_units=5)),
+    "csa128_bk32_ahead": ("csa", 128, 1, 512, "bf16", dict(block_k=32, num_stages=4, score_ahead=True)),
     "csa128_fp8_lazy_cb3": ("csa", 128, 1, 512, "fp8", dict(lazy_rescale=True, conv_batch=3)),
     "csa64_cpa": ("csa", 64, 1, 512, "bf16", dict(producer="cp_async")),       # the cp.async producer
     "csa128_cpa": ("csa", 128, 1, 512, "bf16", dict(producer="cp_async")),

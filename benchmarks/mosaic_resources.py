@@ -42,6 +42,11 @@ VARIANTS += [("fp8_conv4", True, None, None), ("fp8_conv5", True, None, None)]
 # session 56: the ring's full barriers per piece of d (each consumer's score chain waits piece by piece)
 OPTS["bf16_pieces"] = dict(piece_barriers=True)
 VARIANTS += [("bf16_pieces", False, None, None)]
+# session 61: the next step's score wgmma in flight under this step's softmax (score_ahead)
+OPTS.update({"fp8_ahead": dict(score_ahead=True), "fp8_ahead_conv5": dict(score_ahead=True, conv_units=5),
+             "bf16_ahead": dict(score_ahead=True), "bf16_bk32_ahead": dict(block_k=32, num_stages=4, score_ahead=True)})
+VARIANTS += [(n, n.startswith("fp8"), None, None) for n in ("fp8_ahead", "fp8_ahead_conv5", "bf16_ahead",
+                                                              "bf16_bk32_ahead")]
 
 
 def main(out_dir: str, only: list[str] | None, offline_mode: bool):

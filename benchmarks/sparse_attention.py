@@ -161,7 +161,7 @@ def fmt(r):
 GROUPS = (
     "b1", "colsplit", "decode", "fp8ops", "hca8k_fp8", "kernels", "knobs5", "prefetch", "prefill",
     "qreload", "s14", "s16", "s17", "s18", "s19", "s22", "s23", "s25", "s25d", "s26", "s26b", "s26c",
-    "s28", "s29", "s29p", "s56", "s9", "ss", "variants")
+    "s28", "s29", "s29p", "s56", "s61", "s9", "ss", "variants")
 
 
 def main():
@@ -185,7 +185,8 @@ def main():
                          "and 3 with tile_slots=3), s26c (lazy_rescale on bf16 / FP8 decode and FP8 prefill), s28 (FP8 "
                          "prefill: pools dequantized first, fp8_pools='dequantize', vs in-kernel, bf16 alongside), "
                          "s29 (index rows streamed, idx_stream, vs whole lists: HCA decode and CSA decode), s29p (the same, "
-                         "HCA prefill: 2048 queries x 8320 entries)")
+                         "HCA prefill: 2048 queries x 8320 entries), s61 (score_ahead against the default, FP8 and "
+                         "bf16, decode and bf16 prefill)")
     ap.add_argument("--dtypes", default="bf16,fp8", help="decode / prefill / b1 groups: the KV dtypes to run")
     ap.add_argument("--ref-batches", default=None,
                     help="decode / prefill / b1 groups: time the XLA reference only at these batch sizes (comma "
@@ -399,6 +400,19 @@ def main():
                 record(bench_case(rng, ceil, kind, b, 1, kc, False, opts=o, ref=False))
             for t in (4096, 16384):
                 record(bench_case(rng, ceil, "csa", 1, t, 512, False, opts=o, ref=False, csa_cap=t // 4))
+    if "s61" in groups:  # session 61: the next step's score wgmma under this step's softmax (score_ahead)
+        # FP8: the default (two tiles, three staging slots), its ring change alone (three tiles, two slots: what
+        # score_ahead takes), score_ahead, and score_ahead with the producer sharing the conversion
+        fp8_modes([dict(mos), dict(mos, tile_slots=3, num_stages=2), dict(mos, score_ahead=True),
+                   dict(mos, score_ahead=True, conv_units=5)],
+                  [("csa", 16, 512), ("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 1024), ("hca", 64, 8192)], ())
+        # bf16: the default (64-row steps, two slots), 32-row steps in four slots alone and with score_ahead, and
+        # score_ahead on the default ring (both slots held: the producer waits), decode and prefill
+        bk32 = dict(mos, block_k=32, num_stages=4)
+        for o in (dict(mos), bk32, dict(bk32, score_ahead=True), dict(mos, score_ahead=True)):
+            for kind, b, kc in [("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 8192)]:
+                record(bench_case(rng, ceil, kind, b, 1, kc, False, opts=o, ref=False))
+            record(bench_case(rng, ceil, "csa", 1, 4096, 512, False, opts=o, ref=False, csa_cap=1024))
     if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor
         for kind, b, kc, fp8 in [("csa", 16, 512, False), ("csa", 64, 512, True), ("hca", 16, 8192, True)]:
             for o in ({}, dict(partial_dtype="bfloat16"), dict(fp8_scales="vector"),

@@ -397,7 +397,15 @@ def lower_model_steps(model, cache, marker):
                                               core(3, 1, 512, dict(piece_barriers="pieces"), False),
                                               (2, 1, 8192, dict(piece_barriers="pieces", idx_stream=True,
                                                                 n_splits=2), False),
-                                              (1, 64, 60, dict(piece_barriers="pieces", heads=128), False)]))
+                                              (1, 64, 60, dict(piece_barriers="pieces", heads=128), False),
+                                              # the next step's scores in flight under the softmax (score_ahead)
+                                              core(3, 1, 512, dict(score_ahead=True), True),
+                                              (2, 1, 8192, dict(score_ahead=True, idx_stream=True, n_splits=2),
+                                               True),
+                                              (1, 64, 60, dict(score_ahead=True, conv_units=5, heads=128), True),
+                                              core(3, 1, 512, dict(score_ahead=True, block_k=32, num_stages=4),
+                                                   False),
+                                              (1, 64, 60, dict(score_ahead=True), False)]))
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -562,6 +570,33 @@ def test_sparse_attention_mosaic_piece_barriers_rejects_what_it_cannot_do():
                         (dict(split_d=False), "piece_barriers")]:
         with pytest.raises(ValueError, match=match):
             sparse_attention_mosaic(*bf16, scale=0.1, piece_barriers=True, **opts)
+
+
+def test_sparse_attention_mosaic_score_ahead_builds_and_rejects(monkeypatch):
+    """score_ahead runs split_d's consumers one score wgmma ahead: FP8 pools get the three-tile ring next to two
+    staging slots by default (explicit depths kept); the options it cannot combine with are refused, with the
+    reason; the default is off."""
+    from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
+
+    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
+    bf16 = [make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True)[k] for k in keys]
+    fp8 = [make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)[k] for k in keys]
+    built = spy_mosaic_builds(monkeypatch)
+    for pools, opts, want in [(fp8, {}, dict(ahead=True, n_tiles=3, stages=2, conv=True)),
+                              (fp8, dict(tile_slots=2, num_stages=3), dict(ahead=True, n_tiles=2, stages=3)),
+                              (bf16, dict(block_k=32, num_stages=4), dict(ahead=True, stages=4, piece_bars=False))]:
+        jax.jit(lambda *a: sparse_attention_mosaic(*a, scale=0.1, score_ahead=True, **opts)).trace(*pools).lower(
+            lowering_platforms=("cuda",))
+        assert {k: built[-1][k] for k in want} == want, (opts, built[-1])
+    jax.jit(lambda *a: sparse_attention_mosaic(*a, scale=0.1)).trace(*fp8).lower(lowering_platforms=("cuda",))
+    assert not built[-1].get("ahead", False) and built[-1]["n_tiles"] == 2 and built[-1]["stages"] == 3
+    for pools, opts in [(bf16, dict(piece_barriers=True)), (bf16, dict(split_scores=True, split_d=False)),
+                        (bf16, dict(pingpong=True, split_d=False)), (bf16, dict(split_d=False)),
+                        (fp8, dict(fp8_dequant="consumers")), (fp8, dict(fp8_overlap=True))]:
+        with pytest.raises(ValueError, match="score_ahead overlaps"):
+            sparse_attention_mosaic(*pools, scale=0.1, score_ahead=True, **opts)
+    with pytest.raises(ValueError, match="score_ahead must be a bool"):
+        sparse_attention_mosaic(*bf16, scale=0.1, score_ahead="yes")
 
 
 def test_sparse_attention_mosaic_fp8_overlap_needs_fp8_split_d():

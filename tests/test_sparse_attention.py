@@ -84,7 +84,8 @@ def opts_id(opts):
         {True: "_ist", False: "_noist"}.get(opts.get("idx_stream"), ""),
         {"registers": "_dsreg", "tile": "_dstile"}.get(opts.get("direct_staging"), ""),
         f"_pf{opts['direct_prefetch']}" if "direct_prefetch" in opts else "",
-        {True: "_pcs", "rows": "_pcs", "pieces": "_pcsp"}.get(opts.get("piece_barriers"), "")])
+        {True: "_pcs", "rows": "_pcs", "pieces": "_pcsp"}.get(opts.get("piece_barriers"), ""),
+        "_ahead" if opts.get("score_ahead") else ""])
 
 
 def call(fn, inp, **kw):

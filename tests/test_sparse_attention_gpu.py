@@ -326,6 +326,26 @@ MOSAIC_CASES += [(32, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True, fp8=f
 MOSAIC_CASES += [(136, 1, 128, 9000, 128, 8192, dict(ragged=True, fp8=f), {}) for f in (False, True)]
 MOSAIC_CASES += [(72, 1, 128, 9000, 128, 8192, dict(ragged=True, heads=128), {})]   # 144 CTA rows: two head groups
 
+# the next step's score wgmma in flight under this step's softmax (score_ahead, session 61): the FP8 tile ring
+# (three tiles, two staging slots by default) on every tile-ring case, with the converter sharing the conversion,
+# the eager rescale and streamed index rows; bf16 rings of 32-row (four slots) and 64-row (two) steps; ragged
+# lengths leave some split CTAs without steps (no scores before the loop) and others with one
+AHEAD_CASES = [
+    *TILE_RING_CASES,
+    (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, dupes=True), dict(conv_units=5)),
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True, fp8=True, wide_scales=True), dict(lazy_rescale=False)),
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True, fp8=True), dict(idx_stream=True, n_splits=2)),
+    (3, 2, 128, 600, 128, 1024, dict(ragged=True, fp8=True), dict(n_splits=8, combine="xla")),
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), dict(block_k=32, num_stages=4)),
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True, wide_scales=True), dict(block_k=32, num_stages=4)),
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, heads=128), dict(block_k=32, num_stages=4,
+                                                                                       n_splits=3, combine="xla")),
+    (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True), dict(block_k=32, num_stages=4)),   # prefill
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True), {}),
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True), dict(idx_stream=True, n_splits=2)),
+]
+MOSAIC_CASES += [(*c[:7], dict(score_ahead=True, **c[7])) for c in AHEAD_CASES]
+
 
 @pytest.mark.parametrize("case", MOSAIC_CASES,
                          ids=lambda c: f"b{c[0]}t{c[1]}k{c[5]}{'_fp8' if c[6].get('fp8') else ''}"

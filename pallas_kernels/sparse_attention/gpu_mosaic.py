@@ -179,7 +179,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
            store_wait_read=False, idx_first=False, pingpong=False, cluster_early=False, split_d=False,
            fp8_convert="cvt", fp8_overlap=False, pdq=False, conv=False, conv_units=None, chunk_order="rows",
            n_tiles=PDQ_TILES, conv_batch=1, lazy=False, idx_ring=0, direct=False, direct_tile=False,
-           direct_prefetch=False, piece_bars=False):
+           direct_prefetch=False, piece_bars=False, ahead=False):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -222,6 +222,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     the next (0, P/2, 1, P/2 + 1, ...: the two consumers' halves alternate), each lane-0 thread holding its 16
     rows' indices in registers, so a score chain runs while the rest of its block lands (FlashMLA's fine-grained
     copy / GEMM pipelining) instead of after all of it.
+    ahead (split_d; bf16 ring or FP8 tile ring: `score_ahead`): the consumers carry each step's complete scores
+    into it and issue the next step's score wgmma before the softmax (consume_ahead), holding two ring slots.
     profile ((entries per warpgroup, dump directory) or None): Mosaic GPU's on-device profiler records each
     warpgroup's named regions (thread 0 of the warpgroup: SM clock at entry and exit) and the wrapper dumps a Chrome
     trace per call into the directory (benchmarks/mosaic_phase_profile.py reads it). Without it the regions emit
@@ -240,6 +242,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     assert not direct or (split_d and bk in (32, 64)), (split_d, bk)
     assert not direct_tile or (direct and bk == 64), (direct, bk)   # 128 B swizzle: (8, 64) tiles
     assert not piece_bars or (split_d and not fp8 and not cp_async), (split_d, fp8, cp_async)
+    assert not ahead or (split_d and not split_scores and not pingpong and not fp8_overlap and not piece_bars
+                         and (tiles or not fp8)), "score_ahead"
     conv_units = CONV_UNITS if conv_units is None else conv_units
     # the producer's share of each step's conversion: all of it (pdq), the units past conv_units (conv), or none
     p_units = (0, CONV_UNITS) if pdq else (conv_units, CONV_UNITS) if conv and conv_units < CONV_UNITS else None
@@ -1304,12 +1308,24 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     nvvm.wgmma_wait_group_sync_aligned(0)
                     own = s_acc.value
                 if own is None:
-                    s_acc = mgpu.WGMMAAccumulator.zero(BLOCK_H, bk)
-                    k_half = mu.memref_transpose(mu.memref_slice(kv, (slice(None), v_cols)), (1, 0, 3, 2))
-                    s_acc = mgpu.wgmma(s_acc, mu.memref_slice(q_smem, (slice(None), v_cols)), k_half, swizzle=swz)
-                    nvvm.wgmma_commit_group_sync_aligned()
+                    s_acc = issue_own_scores(kv)
                     nvvm.wgmma_wait_group_sync_aligned(0)
                     own = s_acc.value
+                return exchange_partials(own)
+
+            def issue_own_scores(kv):
+                """split_d: q K^T over this consumer's half of d for the block in kv [bk/8, d/tc, 8, tc], committed
+                as one wgmma group and not waited for. -> the [64, bk] f32 accumulator in flight."""
+                s_acc = mgpu.WGMMAAccumulator.zero(BLOCK_H, bk)
+                k_half = mu.memref_transpose(mu.memref_slice(kv, (slice(None), v_cols)), (1, 0, 3, 2))
+                s_acc = mgpu.wgmma(s_acc, mu.memref_slice(q_smem, (slice(None), v_cols)), k_half, swizzle=swz)
+                nvvm.wgmma_commit_group_sync_aligned()
+                return s_acc
+
+            def exchange_partials(own):
+                """split_d: our f32 partial scores [64, bk] through shared memory to the other consumer, theirs to
+                us -> S = own + other (bit-identical in both: a + b == b + a). The first barrier keeps us from
+                overwriting the buffer the other may still be reading; the second publishes our partial."""
                 consumers_barrier()
                 own.store_tiled(mu.memref_slice(x_s, wgi), swizzle=128)
                 consumers_barrier()
@@ -1346,30 +1362,74 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     out.append(fa.FragmentedArray(_registers=regs, _layout=a.layout, _is_signed=a.is_signed))
                 return tuple(out)
 
-            def consume(k, j, g, carry):
-                m, l, acc = carry
-                slot = arith.remui(g, c(n_tiles if tiles else stages))
+            def online_softmax(scores, valid, m, l):
+                """One block's step of the online softmax in exp2 units. scores [64, bk] f32 (q.K, unscaled), valid
+                [64, bk] (entry names a row), m / l [64] the running max and sum. Lazy: m moves only where the
+                block's max passes it by LAZY_RESCALE_LOG2 (so p <= 2^that). -> (m_new, alpha = 2^(m - m_new),
+                l_new, P [64, bk] bf16)."""
+                logits = valid.select(scores * scale2, neg_inf)
+                if lazy:
+                    blk_max = logits.reduce("max", axis=1)
+                    m_new = (blk_max > m + LAZY_RESCALE_LOG2).select(blk_max, m)
+                else:
+                    m_new = m.max(logits.reduce("max", axis=1))
+                alpha = (m - m_new).exp2(approx=True)
+                p = (logits - m_new.broadcast_minor(bk)).exp2(approx=True)
+                return m_new, alpha, l * alpha + p.reduce("add", axis=1), p.astype(bf16)
+
+            def rescaled_accumulators(acc, alpha, m, m_new):
+                """The output accumulators (pv_parts of [64, dh / pv_parts] f32) times alpha, as wgmma
+                accumulators. Lazy (never with split_scores: the wrapper turns it off there): a warp rescales its
+                16 rows' registers only if one of them raised its m."""
+                if lazy:
+                    moved = warp_any(m_new > m)
+                    acc = when_else(moved, lambda: [a * alpha.broadcast_minor(dh // pv_parts) for a in acc], acc)
+                    return [mgpu.WGMMAAccumulator.from_registers(a) for a in acc]
+                return [mgpu.WGMMAAccumulator.from_registers(a * alpha.broadcast_minor(dh // pv_parts)) for a in acc]
+
+            def issue_pv(o_accs, p, kv):
+                """o += P.V over this consumer's output columns of kv [bk/8, d/tc, 8, tc] (V = K), committed as one
+                wgmma group and not waited for. -> the accumulators in flight."""
+                o_accs = [mgpu.wgmma(o_acc, p, mu.memref_slice(kv, (slice(None), cols)), swizzle=swz)
+                          for o_acc, cols in zip(o_accs, pv_cols)]
+                nvvm.wgmma_commit_group_sync_aligned()
+                return o_accs
+
+            def first_entry(k, j, g):
+                """Step g's (source k, block j) first entry in idx_smem that this consumer scores: all the block's,
+                or its half with split_scores. idx_ring: ring slot g % idx_ring, written by the producer before the
+                step's full barrier (read after it)."""
                 off = arith.muli(arith.subi(j, ranges[k][2]), c(bk))
-                # this consumer's entries: all, or its half with split_scores. idx_ring: in ring slot g % idx_ring,
-                # written by the producer before the step's full barrier (read after it)
                 first = arith.muli(arith.remui(g, c(idx_ring)), c(bk)) if idx_ring else arith.addi(c(idx_base[k]), off)
                 if split_scores:
                     first = arith.addi(first, arith.muli(wgi, c(half)))
+                return first
 
-                def load_valid():
-                    ids = fa.FragmentedArray.load_untiled(mu.memref_slice(idx_smem, mu.ds(first, n_scored)),
-                                                          layout=fa.WGMMA_COL_LAYOUT, is_signed=True, optimized=False)
-                    return (ids >= 0).broadcast_in_dim((BLOCK_H, n_scored), (1,), fa.WGMMA_LAYOUT)
+            def valid_from(first):
+                """[64, n_scored] bool: entries first .. first + n_scored of idx_smem name a row (>= 0)."""
+                ids = fa.FragmentedArray.load_untiled(mu.memref_slice(idx_smem, mu.ds(first, n_scored)),
+                                                      layout=fa.WGMMA_COL_LAYOUT, is_signed=True, optimized=False)
+                return (ids >= 0).broadcast_in_dim((BLOCK_H, n_scored), (1,), fa.WGMMA_LAYOUT)
 
+            def wait_full(slot):
+                """Wait for ring slot `slot`'s block (None: no wait, piece_bars waits piece by piece); the
+                cp.async copies (direct_tile: its rope rows) went through the generic proxy, which the wgmma's
+                async-proxy reads must be fenced against."""
+                if slot is not None:
+                    full_bars[slot].wait()
+                if cp_async or direct_tile:
+                    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.shared::cta;", "",
+                                    has_side_effects=True)
+
+            def consume(k, j, g, carry):
+                m, l, acc = carry
+                slot = arith.remui(g, c(n_tiles if tiles else stages))
+                first = first_entry(k, j, g)
+                load_valid = lambda: valid_from(first)
                 if not idx_ring:
                     valid = load_valid()
                 region = begin("c_wait_full")
-                if not piece_bars:   # (piece_bars: each piece is waited for in split_d_scores)
-                    full_bars[slot].wait()
-                if cp_async or direct_tile:   # the block's cp.async copies (direct_tile: its rope rows) went through
-                    # the generic proxy; wgmma reads through the async one
-                    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.shared::cta;", "",
-                                    has_side_effects=True)
+                wait_full(None if piece_bars else slot)   # (piece_bars: each piece is waited for in split_d_scores)
                 end(region)
                 if idx_ring and not piece_bars:
                     valid = load_valid()
@@ -1408,30 +1468,12 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                         scores = s_acc.value
                     end(region)
                     region = begin("c_softmax")
-                    logits = valid.select(scores * scale2, neg_inf)
-                    if lazy:   # keep m unless the block's max passes it by LAZY_RESCALE_LOG2 (then p <= 2^that)
-                        blk_max = logits.reduce("max", axis=1)
-                        m_new = (blk_max > m + LAZY_RESCALE_LOG2).select(blk_max, m)
-                    else:
-                        m_new = m.max(logits.reduce("max", axis=1))
-                    alpha = (m - m_new).exp2(approx=True)
-                    p = (logits - m_new.broadcast_minor(bk)).exp2(approx=True)
-                    l = l * alpha + p.reduce("add", axis=1)
-                    p = p.astype(bf16)
+                    m_new, alpha, l, p = online_softmax(scores, valid, m, l)
                     end(region)
                 region = begin("c_pv")
-                if lazy:   # (never with split_scores: the wrapper turns it off there)
-                    # this warp's 16 rows: rescale its accumulator registers only if one of them raised its m
-                    moved = warp_any(m_new > m)
-                    acc = when_else(moved, lambda: [a * alpha.broadcast_minor(dh // pv_parts) for a in acc], acc)
-                    o_accs = [mgpu.WGMMAAccumulator.from_registers(a) for a in acc]
-                else:
-                    o_accs = [mgpu.WGMMAAccumulator.from_registers(a * alpha.broadcast_minor(dh // pv_parts))
-                              for a in acc]
+                o_accs = rescaled_accumulators(acc, alpha, m, m_new)
                 turn("bar.sync", my_turn_bar)
-                o_accs = [mgpu.wgmma(o_acc, p, mu.memref_slice(kv, (slice(None), cols)), swizzle=swz)
-                          for o_acc, cols in zip(o_accs, pv_cols)]
-                nvvm.wgmma_commit_group_sync_aligned()
+                o_accs = issue_pv(o_accs, p, kv)
                 turn("bar.arrive", other_turn_bar)
                 nvvm.wgmma_wait_group_sync_aligned(0)
                 if not fp8 or tiles:
@@ -1443,7 +1485,59 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             if pingpong:   # consumer 1 hands consumer 0 the first turn
                 with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(1))):
                     turn("bar.arrive", other_turn_bar)
-            m, l, acc = steps(consume, (m0, zero_row, acc0))
+            def consume_ahead(k, j, g, carry):
+                """score_ahead: step g with step g + 1's score wgmma in flight under it (FlashAttention-3's
+                intra-warpgroup overlap). carry: (m, l, acc, S of step g, complete). Issues S(g + 1) over this
+                consumer's half of d, then runs step g's softmax and issues its P.V; waits for S(g + 1) alone,
+                swaps partials with the other consumer while P.V runs, then waits for P.V and releases step g's
+                slot. The tensor cores thus score the next block while the softmax runs, and the exchange runs
+                under P.V. The consumers hold two ring slots at once (g's, g + 1's), so the ring needs a slot more
+                than without it to keep the fill ahead. Past the last step the issued wgmma re-scores step g's own
+                slot (no branch around a wgmma in flight) and its result is dropped unexchanged."""
+                m, l, acc, scores = carry
+                slot = arith.remui(g, c(n_ring))
+                kv = mu.memref_slice(ring, slot)
+                nxt = arith.addi(g, c(1))
+                has_next = arith.cmpi(arith.CmpIPredicate.ult, nxt, total)
+                slot_n = arith.select(has_next, arith.remui(nxt, c(n_ring)), slot)
+                region = begin("c_wait_full")
+                with mu.when(has_next):
+                    wait_full(slot_n)
+                end(region)
+                s_next = issue_own_scores(mu.memref_slice(ring, slot_n))
+                valid = valid_from(first_entry(k, j, g))   # (idx_ring: slot g published by step g's barrier)
+                region = begin("c_softmax")
+                m_new, alpha, l, p = online_softmax(scores, valid, m, l)
+                end(region)
+                region = begin("c_pv")
+                o_accs = issue_pv(rescaled_accumulators(acc, alpha, m, m_new), p, kv)
+                end(region)
+                region = begin("c_scores")
+                nvvm.wgmma_wait_group_sync_aligned(1)   # S(g + 1), committed before P.V
+                own = s_next.value
+                (scores,) = when_else(has_next, lambda: [exchange_partials(own)], [own])
+                end(region)
+                region = begin("c_pv_wait")
+                nvvm.wgmma_wait_group_sync_aligned(0)
+                empty_bars[slot].arrive()
+                end(region)
+                return m_new, l, tuple(o_acc.value for o_acc in o_accs), scores
+
+            if ahead:   # step 0's scores before the loop (none where the CTA has no steps)
+                n_ring = n_tiles if tiles else stages
+                total = total_steps()
+
+                def first_scores():
+                    wait_full(c(0))
+                    s_acc = issue_own_scores(mu.memref_slice(ring, c(0)))
+                    nvvm.wgmma_wait_group_sync_aligned(0)
+                    return [exchange_partials(s_acc.value)]
+
+                zero_s = fa.FragmentedArray.splat(arith.constant(f32, 0.0), (BLOCK_H, bk), fa.WGMMA_LAYOUT)
+                (s0,) = when_else(arith.cmpi(arith.CmpIPredicate.ugt, total, c(0)), first_scores, [zero_s])
+                m, l, acc, _ = steps(consume_ahead, (m0, zero_row, acc0, s0))
+            else:
+                m, l, acc = steps(consume, (m0, zero_row, acc0))
             if pingpong:   # consumer 0 takes consumer 1's last pass
                 with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
                     turn("bar.sync", my_turn_bar)
@@ -1681,6 +1775,8 @@ DEFAULT_DIRECT_PREFETCH = False   # see `sparse_attention_mosaic`'s direct_prefe
 DEFAULT_DIRECT_STAGING = "tile"   # see `sparse_attention_mosaic`'s direct_staging (H100 session 55: the faster one)
 # decode shapes only (< SPLIT_SCORES_MIN_T queries a sequence): see `sparse_attention_mosaic`'s piece_barriers
 DEFAULT_PIECE_BARRIERS = "rows"
+DEFAULT_SCORE_AHEAD = False   # see `sparse_attention_mosaic`'s score_ahead (session 61: not yet timed)
+AHEAD_TILES, AHEAD_STAGING = 3, 2   # score_ahead's FP8 tile ring: a tile more, a staging slot less (what fits)
 
 
 def check_conv_regs(regs, shared=False):
@@ -1752,6 +1848,7 @@ def sparse_attention_mosaic(
     idx_stream: bool | None = None,
     lazy_rescale: bool | None = None,
     piece_barriers: bool | str | None = None,
+    score_ahead: bool | None = None,
     _diag: str | None = None,
     _profile: str | None = None,
 ):
@@ -1959,6 +2056,15 @@ def sparse_attention_mosaic(
     next (the consumers' halves alternating), so each score chain starts after the block's first two pieces land,
     FlashMLA's fine-grained copy / GEMM pipelining. An explicit value other than False raises where it does not
     apply (also where split_d was turned off to fit the split's index rows).
+    score_ahead (None = DEFAULT_SCORE_AHEAD; split_d without split_scores / pingpong / fp8_overlap /
+    piece_barriers; FP8 pools through a tile ring): each consumer issues the next step's score wgmma before this
+    step's softmax and waits for it only after issuing this step's P.V, so the tensor cores score block g + 1 while
+    the softmax of block g runs, and the consumers' exchange of g + 1's partial scores runs under g's P.V
+    (FlashAttention-3's intra-warpgroup overlap; `_build`'s consume_ahead). Without it a step is serial: scores,
+    the exchange and the softmax with the tensor cores idle, then P.V (H200 session 26, FP8 CSA B=128: scores 1314 +
+    softmax 685 + P.V 751 cycles a 32-row step, the tensor cores' share of which is ~1000). The consumers then hold
+    two slots of the ring at once, so with FP8's tile ring the default becomes tile_slots=3 and num_stages=2 (what
+    fits), and with a bf16 ring use block_k=32, num_stages=4.
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -2017,7 +2123,8 @@ def sparse_attention_mosaic(
         check_ring_knob("conv_batch", conv_batch, 1, CONV_UNITS, "the chunks a converting thread loads at once",
                         ("producer", "converter"))
     conv_shared = conv and conv_units is not None and conv_units < CONV_UNITS
-    n_tiles = PDQ_TILES if tile_slots is None else tile_slots
+    ahead_asked = DEFAULT_SCORE_AHEAD if score_ahead is None else score_ahead   # (validated below)
+    n_tiles = (AHEAD_TILES if ahead_asked and (pdq or conv) else PDQ_TILES) if tile_slots is None else tile_slots
     if lazy_rescale is not None and not isinstance(lazy_rescale, bool):
         raise ValueError(f"lazy_rescale must be a bool or None, got {lazy_rescale!r}")
     tiles = pdq or conv or direct   # the bf16 tile ring (32-row steps; direct: 64 by default)
@@ -2046,7 +2153,7 @@ def sparse_attention_mosaic(
                                  f"(block_k=64, no conv_batch), got block_k={block_k}, conv_batch={conv_batch}")
         else:
             block_k, split_d = 32, True
-            num_stages = PDQ_STAGING if num_stages is None else num_stages
+            num_stages = (AHEAD_STAGING if ahead_asked else PDQ_STAGING) if num_stages is None else num_stages
         fp8_convert = fp8_convert or "rebias"
     out_dtype = jnp.dtype(out_dtype or q.dtype)
     combine = resolve_combine(combine, out_dtype)
@@ -2090,7 +2197,17 @@ def sparse_attention_mosaic(
         raise ValueError("pingpong takes turns between the consumers' wgmma: bf16 pools without split_scores only "
                          "(FP8's dequantization and split_scores' exchange synchronise the consumers every step)")
     pingpong = DEFAULT_PINGPONG and not (fp8 or split_scores or split_d) if pingpong is None else bool(pingpong)
-    if piece_barriers is None:   # decode shapes (H100, session 56: decode 0-3.5% faster, prefill 2.5% slower)
+    if score_ahead is not None and not isinstance(score_ahead, bool):
+        raise ValueError(f"score_ahead must be a bool or None, got {score_ahead!r}")
+    if score_ahead and (piece_barriers or split_scores or pingpong or fp8_overlap or split_d is False
+                        or (fp8 and not tiles)):
+        raise ValueError("score_ahead overlaps the next step's split_d score wgmma with this step's softmax: split_d "
+                         "without split_scores, pingpong, fp8_overlap or piece_barriers, and FP8 pools only through "
+                         "a tile ring (fp8_dequant 'converter', 'producer' or 'direct')")
+    ahead = DEFAULT_SCORE_AHEAD and (tiles or not fp8) if score_ahead is None else score_ahead
+    if piece_barriers is None and ahead:
+        want_pieces = False
+    elif piece_barriers is None:   # decode shapes (H100, session 56: decode 0-3.5% faster, prefill 2.5% slower)
         want_pieces = DEFAULT_PIECE_BARRIERS if t < SPLIT_SCORES_MIN_T else False
     else:
         want_pieces = piece_barriers
@@ -2189,6 +2306,9 @@ def sparse_attention_mosaic(
             break
         bps -= 1
     piece_bars = want_pieces if pieces_apply() else False
+    if ahead and not split_d:
+        raise ValueError("score_ahead overlaps split_d's score wgmma: split_d does not fit next to this split's index "
+                         "rows (raise n_splits or pass idx_stream=True)")
     if piece_barriers and not piece_bars:
         why = ("not with FP8 pools" if fp8 else "not producer='cp_async' (block_k=32 takes it)"
                if producer == "cp_async" else "not with split_scores or pingpong" if split_scores or pingpong
@@ -2251,7 +2371,7 @@ def sparse_attention_mosaic(
                     (DIRECT_BATCH if direct else DEFAULT_CONV_BATCH) if conv_batch is None else conv_batch,
                     lazy_rescale, idx_ring_steps if stream else 0, direct, direct and direct_staging == "tile",
                     direct and (DEFAULT_DIRECT_PREFETCH if direct_prefetch is None else direct_prefetch),
-                    piece_bars)
+                    piece_bars, ahead)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1 and not ccomb:
         o, lse = combine_lib.combine(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h), sinks.astype(jnp.float32),
