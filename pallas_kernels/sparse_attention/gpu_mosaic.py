@@ -1775,7 +1775,7 @@ DEFAULT_DIRECT_PREFETCH = False   # see `sparse_attention_mosaic`'s direct_prefe
 DEFAULT_DIRECT_STAGING = "tile"   # see `sparse_attention_mosaic`'s direct_staging (H100 session 55: the faster one)
 # decode shapes only (< SPLIT_SCORES_MIN_T queries a sequence): see `sparse_attention_mosaic`'s piece_barriers
 DEFAULT_PIECE_BARRIERS = "rows"
-DEFAULT_SCORE_AHEAD = False   # see `sparse_attention_mosaic`'s score_ahead (session 61: not yet timed)
+DEFAULT_SCORE_AHEAD = False   # see `sparse_attention_mosaic`'s score_ahead (H100 session 61: 7-16% slower, off)
 AHEAD_TILES, AHEAD_STAGING = 3, 2   # score_ahead's FP8 tile ring: a tile more, a staging slot less (what fits)
 
 
@@ -2064,7 +2064,13 @@ def sparse_attention_mosaic(
     the exchange and the softmax with the tensor cores idle, then P.V (H200 session 26, FP8 CSA B=128: scores 1314 +
     softmax 685 + P.V 751 cycles a 32-row step, the tensor cores' share of which is ~1000). The consumers then hold
     two slots of the ring at once, so with FP8's tile ring the default becomes tile_slots=3 and num_stages=2 (what
-    fits), and with a bf16 ring use block_k=32, num_stages=4.
+    fits), and with a bf16 ring use block_k=32, num_stages=4. Correct on the H100 (16 GPU cases), but slower, so it
+    is off. H100, session 61 (CUPTI kernel us, default / its ring alone / score_ahead): FP8 CSA B=64 28.2 / 28.4 /
+    31.6, B=128 44.4 / 43.9 / 50.2, HCA-1K B=64 42.9 / 42.1 / 46.4, HCA-8K B=64 238.0 / 235.4 / 265.3; bf16 32-row
+    steps CSA B=128 42.9 -> 42.6, HCA-8K B=64 215.1 -> 219.1 (the 64-row default: 40.6, 204.2). Why (phase profile,
+    FP8 CSA B=128): issuing the next step's 16 m64n32k16 score wgmma takes ~1700 cycles before the softmax can
+    start, i.e. the issue itself waits for the tensor cores (two consumers' chains, bound by their A operand's
+    shared-memory reads at N = 32), so nothing runs under them; the step grew from ~4100 to ~5000 cycles.
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
