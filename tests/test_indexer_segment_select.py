@@ -441,6 +441,46 @@ def test_gpu_auto_set_segment_past_one_wave(B, T, fmt):
     check_picks(sorted_picks, q, w, keys, nv, 512)
 
 
+def make_on_device(B, T, fmt, seed, H=64, d=128, rows_per=128):
+    """A decode call's (q, w, keys, nv) with the keys drawn on the device a few rows at a time and quantized there:
+    `make` draws [B, T, d] float64 on the host, 43 GB at B = 1280 x 32768 and as much again for its `* 2.0` (session
+    61: such a case failed on an H100 with its report cut off by the call's time limit; the host draw is the likely
+    cause). Rotated (Hadamard) q and keys, ragged n_visible with 0 and > T."""
+    key = jax.random.key(seed)
+    kq, kw, kk, kn = jax.random.split(key, 4)
+    q = F.fake_quantize(F.hadamard(jax.random.normal(kq, (B, 1, H, d), jnp.float32)), fmt)
+    w = jax.random.normal(kw, (B, 1, H), jnp.float32) * (H ** -0.5 * d ** -0.5)
+    draw = jax.jit(lambda k_, n: F.quantize(F.hadamard(2.0 * jax.random.normal(k_, (n, T, d), jnp.float32)), fmt),
+                   static_argnums=1)
+    parts = [draw(jax.random.fold_in(kk, i), min(rows_per, B - i)) for i in range(0, B, rows_per)]
+    keys = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *parts)
+    nv = jax.random.randint(kn, (B, 1), 0, T + 3, jnp.int32).at[0, 0].set(0).at[-1, 0].set(T + 5)
+    return q, w, keys, nv
+
+
+@gpu
+@pytest.mark.parametrize("B,T,fmt", [(1280, 32768, "fp8"), (2048, 16384, "fp4")])
+def test_gpu_segment_set_past_1024_rows(B, T, fmt):
+    """topk="segment_set" on calls of more than 1024 rows (auto_set's cap, AUTO_SEGMENT_ROWS; H100, session 61: 12%
+    faster than the default at 1280 x 128K fp8, 3% at 2048 x 64K fp4, results/h100_s61r2_idx.log), keys over 4 GiB
+    at 1280 x 32768 fp8: the tournament's set over the same Mosaic scores for every row, and the reference's picks
+    up to near-ties on the first and last 32 rows."""
+    from test_indexer_kernels import check_picks
+
+    q, w, keys, nv = make_on_device(B, T, fmt, next(_SEED))
+    got = np.asarray(indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="segment_set"))
+    tour = np.asarray(indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="tour_set",
+                                   kernel="mosaic"))
+    np.testing.assert_array_equal(got, tour)
+    for rows in (slice(0, 32), slice(B - 32, B)):
+        part = (q[rows], w[rows], jax.tree.map(lambda x: x[rows], keys), nv[rows])
+        sorted_picks = indexer_topk(*part, k=512, impl="pallas", kernel="mosaic")
+        from pallas_kernels.indexer.topk import as_index_set
+
+        np.testing.assert_array_equal(got[rows], np.asarray(as_index_set(sorted_picks)))
+        check_picks(sorted_picks, *part, 512)
+
+
 @gpu
 @pytest.mark.parametrize("final", ["auto", "triton", "last"])
 def test_gpu_segment_set_ties(final, monkeypatch):
