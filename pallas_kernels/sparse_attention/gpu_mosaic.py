@@ -1421,9 +1421,11 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.shared::cta;", "",
                                     has_side_effects=True)
 
+            n_ring = n_tiles if tiles else stages   # the slots the consumers read: tile ring or KV ring
+
             def consume(k, j, g, carry):
                 m, l, acc = carry
-                slot = arith.remui(g, c(n_tiles if tiles else stages))
+                slot = arith.remui(g, c(n_ring))
                 first = first_entry(k, j, g)
                 load_valid = lambda: valid_from(first)
                 if not idx_ring:
@@ -1524,7 +1526,6 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 return m_new, l, tuple(o_acc.value for o_acc in o_accs), scores
 
             if ahead:   # step 0's scores before the loop (none where the CTA has no steps)
-                n_ring = n_tiles if tiles else stages
                 total = total_steps()
 
                 def first_scores():
@@ -2129,11 +2130,13 @@ def sparse_attention_mosaic(
         check_ring_knob("conv_batch", conv_batch, 1, CONV_UNITS, "the chunks a converting thread loads at once",
                         ("producer", "converter"))
     conv_shared = conv and conv_units is not None and conv_units < CONV_UNITS
-    ahead_asked = DEFAULT_SCORE_AHEAD if score_ahead is None else score_ahead   # (validated below)
-    n_tiles = (AHEAD_TILES if ahead_asked and (pdq or conv) else PDQ_TILES) if tile_slots is None else tile_slots
+    tiles = pdq or conv or direct   # the bf16 tile ring (32-row steps; direct: 64 by default)
+    if score_ahead is not None and not isinstance(score_ahead, bool):
+        raise ValueError(f"score_ahead must be a bool or None, got {score_ahead!r}")
+    ahead = DEFAULT_SCORE_AHEAD and (tiles or not fp8) if score_ahead is None else score_ahead   # (checked below)
+    n_tiles = (AHEAD_TILES if ahead and (pdq or conv) else PDQ_TILES) if tile_slots is None else tile_slots
     if lazy_rescale is not None and not isinstance(lazy_rescale, bool):
         raise ValueError(f"lazy_rescale must be a bool or None, got {lazy_rescale!r}")
-    tiles = pdq or conv or direct   # the bf16 tile ring (32-row steps; direct: 64 by default)
     if direct_prefetch is not None and not direct:
         raise ValueError(f"direct_prefetch applies to fp8_dequant='direct' only, got it with "
                          f"fp8_dequant={fp8_dequant!r}")
@@ -2159,7 +2162,7 @@ def sparse_attention_mosaic(
                                  f"(block_k=64, no conv_batch), got block_k={block_k}, conv_batch={conv_batch}")
         else:
             block_k, split_d = 32, True
-            num_stages = (AHEAD_STAGING if ahead_asked else PDQ_STAGING) if num_stages is None else num_stages
+            num_stages = (AHEAD_STAGING if ahead else PDQ_STAGING) if num_stages is None else num_stages
         fp8_convert = fp8_convert or "rebias"
     out_dtype = jnp.dtype(out_dtype or q.dtype)
     combine = resolve_combine(combine, out_dtype)
@@ -2203,14 +2206,11 @@ def sparse_attention_mosaic(
         raise ValueError("pingpong takes turns between the consumers' wgmma: bf16 pools without split_scores only "
                          "(FP8's dequantization and split_scores' exchange synchronise the consumers every step)")
     pingpong = DEFAULT_PINGPONG and not (fp8 or split_scores or split_d) if pingpong is None else bool(pingpong)
-    if score_ahead is not None and not isinstance(score_ahead, bool):
-        raise ValueError(f"score_ahead must be a bool or None, got {score_ahead!r}")
     if score_ahead and (piece_barriers or split_scores or pingpong or fp8_overlap or split_d is False
                         or (fp8 and not tiles)):
         raise ValueError("score_ahead overlaps the next step's split_d score wgmma with this step's softmax: split_d "
                          "without split_scores, pingpong, fp8_overlap or piece_barriers, and FP8 pools only through "
                          "a tile ring (fp8_dequant 'converter', 'producer' or 'direct')")
-    ahead = DEFAULT_SCORE_AHEAD and (tiles or not fp8) if score_ahead is None else score_ahead
     if piece_barriers is None and ahead:
         want_pieces = False
     elif piece_barriers is None:   # decode shapes (H100, session 56: decode 0-3.5% faster, prefill 2.5% slower)
