@@ -277,13 +277,13 @@ def test_segment_set_last_final_lowers(fmt, B, T, k, opts, takes, monkeypatch):
 def test_auto_set_takes_segment_set(monkeypatch):
     """"auto_set" runs "segment_set" where it resolved to the tournament and the scores run on the Mosaic kernel over
     fp8 / fp4 keys with rows of 8193-262144 candidates (past 32K up to 1M context: where it measured faster, sessions
-    40, 57-59), for calls of up to 1024 rows; bf16 keys, shorter rows, the Triton kernel and interpret mode keep their
+    40, 57-59), for calls of up to 2048 rows (1024 before session 62); bf16 keys, shorter rows, the Triton kernel and interpret mode keep their
     method."""
     from pallas_kernels.indexer import gpu
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")   # the Mosaic kernel's auto rule asks for a GPU
     sds = jax.ShapeDtypeStruct
-    q = lambda B: sds((B, 1, 64, 128), jnp.float32)
+    q = lambda B, S=1: sds((B, S, 64, 128), jnp.float32)
     fp8 = lambda B, T: F.QuantizedKeys(sds((B, T, 128), jnp.float8_e4m3fn), sds((B, T, 1), jnp.float32), "fp8")
     bf16 = lambda B, T: sds((B, T, 128), jnp.bfloat16)
     assert gpu.segment_auto_takes(q(64), fp8(64, 32768), False, {})
@@ -302,7 +302,8 @@ def test_auto_set_takes_segment_set(monkeypatch):
     # since session 57 also where the rule gave the chain (65-95 rows) or the histogram kernel (96-128 rows)
     method = lambda B, keys: gpu.auto_set_method(q(B), keys, 512, False, {})
     fp4 = lambda B, T: F.QuantizedKeys(sds((B, T, 64), jnp.uint8), sds((B, T, 4), jnp.uint8), "fp4")
-    for B in (16, 64, 80, 100, 128, 192, 256, 384, 512, 640, 1024):   # past 512 rows since session 59
+    for B in (16, 64, 80, 100, 128, 192, 256, 384, 512, 640, 1024,   # past 512 rows since session 59
+              1025, 1280, 2048):                                     # past 1024 since session 62
         assert method(B, fp8(B, 32768)) == method(B, fp4(B, 32768)) == "segment_set", B
     for B, T in ((64, 16384), (16, 65536), (64, 65536), (16, 262144), (64, 262144),   # 64K-1M (session 58)
                  (64, 10240), (128, 12288), (64, 15360)):                             # 40K-60K (session 59)
@@ -310,7 +311,9 @@ def test_auto_set_takes_segment_set(monkeypatch):
     assert gpu.resolve_set_method(32768, 512, 80) == "threshold_set"   # what those rows took before
     assert gpu.resolve_set_method(32768, 512, 100) == "hist_set"
     assert gpu.resolve_set_method(262144, 512, 64) == "threshold_set"
-    assert method(1025, fp8(1025, 32768)) == "hist_set"                # past AUTO_SEGMENT_ROWS: not timed
+    assert method(2049, fp8(2049, 32768)) == "hist_set"                # past AUTO_SEGMENT_ROWS: not timed
+    # prefill chunks (256 queries a row) score on the Triton kernel: their method, whatever the rows
+    assert gpu.auto_set_method(q(8, 256), fp8(8, 32768), 512, False, {}) == gpu.resolve_set_method(32768, 512, 2048)
     assert method(64, fp8(64, 12288)) != gpu.resolve_set_method(12288, 512, 64) == "hist_set"   # what 48K took
     assert method(8, fp8(8, 262144)) == gpu.resolve_set_method(262144, 512, 8)   # B < MIN_ROWS: Triton scores
     assert method(80, fp8(80, 8192)) == "hist_set"                     # shorter rows keep their method
@@ -461,14 +464,19 @@ def make_on_device(B, T, fmt, seed, H=64, d=128, rows_per=128):
 @gpu
 @pytest.mark.parametrize("B,T,fmt", [(1280, 32768, "fp8"), (2048, 16384, "fp4")])
 def test_gpu_segment_set_past_1024_rows(B, T, fmt):
-    """topk="segment_set" on calls of more than 1024 rows (auto_set's cap, AUTO_SEGMENT_ROWS; H100, session 61: 12%
-    faster than the default at 1280 x 128K fp8, 3% at 2048 x 64K fp4, results/h100_s61r2_idx.log), keys over 4 GiB
-    at 1280 x 32768 fp8: the tournament's set over the same Mosaic scores for every row, and the reference's picks
-    up to near-ties on the first and last 32 rows."""
+    """The default picks (topk="auto_set", which takes "segment_set" up to AUTO_SEGMENT_ROWS = 2048 rows since
+    session 62; H100, session 61: 12% faster than the default then at 1280 x 128K fp8, 3% at 2048 x 64K fp4,
+    results/h100_s61r2_idx.log) on calls of more than 1024 rows, keys over 4 GiB at 1280 x 32768 fp8: the
+    tournament's set over the same Mosaic scores for every row, and the reference's picks up to near-ties on the
+    first and last 32 rows. Passed with topk="segment_set" on an H100 before the cap was raised
+    (results/h100_s62r1_tests5.log)."""
     from test_indexer_kernels import check_picks
 
+    from pallas_kernels.indexer import gpu
+
     q, w, keys, nv = make_on_device(B, T, fmt, next(_SEED))
-    got = np.asarray(indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="segment_set"))
+    assert gpu.auto_set_method(q, keys, 512, False, {}) == "segment_set"
+    got = np.asarray(indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set"))
     tour, sorted_set, sorted_picks = _tournament_sets(q, w, keys, nv, 512)
     np.testing.assert_array_equal(got, tour)
     np.testing.assert_array_equal(got, sorted_set)
