@@ -28,6 +28,36 @@ from test_indexer_kernels import make
 from tiers import core, sweep
 
 _SEED = itertools.count(40000)
+
+
+def make_on_device(B, T, fmt, seed, H=64, d=128, S=1, rows_per=128):
+    """A decode call's (q, w, keys, nv) with the keys drawn on the device a few rows at a time and quantized there:
+    `make` draws [B, T, d] float64 on the host, 43 GB at B = 1280 x 32768 and as much again for its `* 2.0` (session
+    61: such a case failed on an H100 with its report cut off by the call's time limit; the host draw is the likely
+    cause), and moves it to the device as one f32 array (10-12 GB at 640-768 x 32768: session 62's GPU runs with 3
+    and 8 pytest workers ran out of memory there, results/h100_s62r{2,3}_tests5.log). Rotated (Hadamard) q and
+    keys, ragged n_visible with 0 and > T."""
+    key = jax.random.key(seed)
+    kq, kw, kk, kn = jax.random.split(key, 4)
+    q = F.hadamard(jax.random.normal(kq, (B, S, H, d), jnp.float32))
+    q = F.fake_quantize(q, fmt) if fmt in ("fp8", "fp4") else q
+    w = jax.random.normal(kw, (B, S, H), jnp.float32) * (H ** -0.5 * d ** -0.5)
+    draw = jax.jit(lambda k_, n: F.quantize(F.hadamard(2.0 * jax.random.normal(k_, (n, T, d), jnp.float32)), fmt),
+                   static_argnums=1)
+    parts = [draw(jax.random.fold_in(kk, i), min(rows_per, B - i)) for i in range(0, B, rows_per)]
+    keys = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *parts)
+    nv = jax.random.randint(kn, (B, S), 0, T + 3, jnp.int32).at[0, 0].set(0).at[-1, -1].set(T + 5)
+    return q, w, keys, nv
+
+
+def make_decode(B, S, H, T, fmt):
+    """`make(B, S, H, T, fmt, rotate=True)`, or `make_on_device` from 256 rows on (f32 keys of 4 GiB and more at 32768
+    candidates)."""
+    if B >= 256:
+        return make_on_device(B, T, fmt, next(_SEED), H=H, S=S)
+    return make(B, S, H, T, fmt, True)
+
+
 ON_GPU = jax.default_backend() == "gpu"
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU (compiled Mosaic GPU kernel)")
 
@@ -413,7 +443,7 @@ def test_gpu_segment_set_picks(B, S, H, T, fmt, final, monkeypatch):
     from pallas_kernels.indexer import gpu_mosaic
 
     monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "final", final)
-    q, w, keys, nv = make(B, S, H, T, fmt, True)
+    q, w, keys, nv = make_decode(B, S, H, T, fmt)
     got = np.asarray(indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set", topk="segment_set"))
     tour, sorted_set, sorted_picks = _tournament_sets(q, w, keys, nv, 512)
     np.testing.assert_array_equal(got, tour)
@@ -435,30 +465,13 @@ def test_gpu_auto_set_segment_past_one_wave(B, T, fmt):
 
     from pallas_kernels.indexer import gpu
 
-    q, w, keys, nv = make(B, 1, 64, T, fmt, True)
+    q, w, keys, nv = make_decode(B, 1, 64, T, fmt)
     assert gpu.auto_set_method(q, keys, 512, False, {}) == "segment_set"
     got = np.asarray(indexer_topk(q, w, keys, nv, k=512, impl="pallas", picks="set"))
     tour, sorted_set, sorted_picks = _tournament_sets(q, w, keys, nv, 512)
     np.testing.assert_array_equal(got, tour)
     np.testing.assert_array_equal(got, sorted_set)
     check_picks(sorted_picks, q, w, keys, nv, 512)
-
-
-def make_on_device(B, T, fmt, seed, H=64, d=128, rows_per=128):
-    """A decode call's (q, w, keys, nv) with the keys drawn on the device a few rows at a time and quantized there:
-    `make` draws [B, T, d] float64 on the host, 43 GB at B = 1280 x 32768 and as much again for its `* 2.0` (session
-    61: such a case failed on an H100 with its report cut off by the call's time limit; the host draw is the likely
-    cause). Rotated (Hadamard) q and keys, ragged n_visible with 0 and > T."""
-    key = jax.random.key(seed)
-    kq, kw, kk, kn = jax.random.split(key, 4)
-    q = F.fake_quantize(F.hadamard(jax.random.normal(kq, (B, 1, H, d), jnp.float32)), fmt)
-    w = jax.random.normal(kw, (B, 1, H), jnp.float32) * (H ** -0.5 * d ** -0.5)
-    draw = jax.jit(lambda k_, n: F.quantize(F.hadamard(2.0 * jax.random.normal(k_, (n, T, d), jnp.float32)), fmt),
-                   static_argnums=1)
-    parts = [draw(jax.random.fold_in(kk, i), min(rows_per, B - i)) for i in range(0, B, rows_per)]
-    keys = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *parts)
-    nv = jax.random.randint(kn, (B, 1), 0, T + 3, jnp.int32).at[0, 0].set(0).at[-1, 0].set(T + 5)
-    return q, w, keys, nv
 
 
 @gpu
