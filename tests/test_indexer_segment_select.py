@@ -307,8 +307,8 @@ def test_segment_set_last_final_lowers(fmt, B, T, k, opts, takes, monkeypatch):
 def test_auto_set_takes_segment_set(monkeypatch):
     """"auto_set" runs "segment_set" where it resolved to the tournament and the scores run on the Mosaic kernel over
     fp8 / fp4 keys with rows of 8193-262144 candidates (past 32K up to 1M context: where it measured faster, sessions
-    40, 57-59), for calls of up to 2048 rows (1024 before session 62); bf16 keys, shorter rows, the Triton kernel and interpret mode keep their
-    method."""
+    40, 57-59), for calls of up to 2048 rows (1024 before session 62); bf16 keys, shorter rows, the Triton kernel
+    and interpret mode keep their method."""
     from pallas_kernels.indexer import gpu
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")   # the Mosaic kernel's auto rule asks for a GPU

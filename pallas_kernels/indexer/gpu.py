@@ -792,9 +792,9 @@ def indexer_topk_gpu(q, weights, keys, n_visible, *, k: int, query_chunk: int = 
 # 4172.0 is noise (prefill chunks score on the Triton kernel, which this rule leaves alone). The cap is 2048 since
 # session 62, when `test_gpu_segment_set_past_1024_rows` (keys over 4 GiB) passed on an H100
 # (results/h100_s62r1_tests5.log); the same session, this cap against 1024 in one call (results/h100_s62r3_idx.log):
-# B = 1280 x 128K fp8 2325.2 -> 2039.9, B = 1536 x 128K fp4 1999.9 -> 1809.6. Past 2048 rows and past 262144 candidates: not timed, the methods stay. Below
-# MIN_ROWS rows (B = 1 decode) the scores run on the Triton kernel, which has no in-kernel selection, so the rule
-# does not apply there.
+# B = 1280 x 128K fp8 2325.2 -> 2039.9, B = 1536 x 128K fp4 1999.9 -> 1809.6. Past 2048 rows and past 262144
+# candidates: not timed, the methods stay. Below MIN_ROWS rows (B = 1 decode) the scores run on the Triton kernel,
+# which has no in-kernel selection, so the rule does not apply there.
 AUTO_SEGMENT = True
 AUTO_SEGMENT_FORMATS = ("fp8", "fp4")
 AUTO_SEGMENT_T = (8193, 262144)

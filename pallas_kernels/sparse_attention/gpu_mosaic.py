@@ -1289,11 +1289,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
 
             def split_d_scores(kv, own=None, slot=None):
                 """split_d: S = q K^T over this consumer's half of d (16 k-steps of m64n<bk>k16 instead of 32), its
-                f32 partial through shared memory to the other consumer, which adds it to its own: each computes half
-                the score work instead of all of it, and both hold the same S (a + b == b + a in f32). The first
-                barrier keeps us from overwriting the buffer the other consumer may still be reading (last step's
-                partial, or the sinks aliased into it before the first step); the second publishes our partial.
-                own: this consumer's partial, already computed (fp8_overlap). piece_bars: each of this consumer's
+                f32 partial through shared memory to the other consumer, which adds it to its own
+                (`exchange_partials`): each computes half the score work instead of all of it, and both hold the same
+                S. own: this consumer's partial, already computed (fp8_overlap). piece_bars: each of this consumer's
                 pieces of d waited for (slot's piece barriers) right before its 4 k-steps are issued. Returns S [64, bk]
                 f32 (WGMMA layout)."""
                 if own is None and piece_bars:
@@ -1324,8 +1322,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
 
             def exchange_partials(own):
                 """split_d: our f32 partial scores [64, bk] through shared memory to the other consumer, theirs to
-                us -> S = own + other (bit-identical in both: a + b == b + a). The first barrier keeps us from
-                overwriting the buffer the other may still be reading; the second publishes our partial."""
+                us -> S = own + other (bit-identical in both: a + b == b + a in f32). The first barrier keeps us from
+                overwriting the buffer the other may still be reading (last step's partial, or the sinks aliased into
+                it before the first step); the second publishes our partial."""
                 consumers_barrier()
                 own.store_tiled(mu.memref_slice(x_s, wgi), swizzle=128)
                 consumers_barrier()
@@ -1530,9 +1529,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
 
                 def first_scores():
                     wait_full(c(0))
-                    s_acc = issue_own_scores(mu.memref_slice(ring, c(0)))
-                    nvvm.wgmma_wait_group_sync_aligned(0)
-                    return [exchange_partials(s_acc.value)]
+                    return [split_d_scores(mu.memref_slice(ring, c(0)))]
 
                 zero_s = fa.FragmentedArray.splat(arith.constant(f32, 0.0), (BLOCK_H, bk), fa.WGMMA_LAYOUT)
                 (s0,) = when_else(arith.cmpi(arith.CmpIPredicate.ugt, total, c(0)), first_scores, [zero_s])
@@ -2211,10 +2208,8 @@ def sparse_attention_mosaic(
         raise ValueError("score_ahead overlaps the next step's split_d score wgmma with this step's softmax: split_d "
                          "without split_scores, pingpong, fp8_overlap or piece_barriers, and FP8 pools only through "
                          "a tile ring (fp8_dequant 'converter', 'producer' or 'direct')")
-    if piece_barriers is None and ahead:
-        want_pieces = False
-    elif piece_barriers is None:   # decode shapes (H100, session 56: decode 0-3.5% faster, prefill 2.5% slower)
-        want_pieces = DEFAULT_PIECE_BARRIERS if t < SPLIT_SCORES_MIN_T else False
+    if piece_barriers is None:   # decode shapes (H100, session 56: decode 0-3.5% faster, prefill 2.5% slower)
+        want_pieces = DEFAULT_PIECE_BARRIERS if t < SPLIT_SCORES_MIN_T and not ahead else False
     else:
         want_pieces = piece_barriers
     want_pieces = "rows" if want_pieces is True else want_pieces
