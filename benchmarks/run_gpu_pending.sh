@@ -13,7 +13,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/pending_out}
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>&1 | head -n 1)
-echo "card: $card; commit $(git log --oneline -1 2>/dev/null | cut -c1-7); part ${PART:-1}"
+echo "card: $card; part ${PART:-1}"   # (the device copy's git history can be stale: no commit here)
 session() { OUT="$OUT/$1" bash benchmarks/run_gpu_session.sh; }
 indexer_tests() {
   T_tests5=150 STEPS=tests5 GPU_TEST_K="gpu and past_1024" session tests_past_1024

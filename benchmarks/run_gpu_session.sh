@@ -9,7 +9,8 @@
 # tests, and the device machine has 16 cores): e.g. PYTEST_N=3 STEPS=tests5. With 8 and 3 workers tests5 ran out of
 # GPU memory on an H100 (session 62, results/h100_s62r{2,3}_tests5.log: `make`'s 10-12 GB f32 keys of the 640-768-row
 # cases beside other workers); those cases now draw their keys on the device (test_indexer_segment_select.make_decode),
-# not yet rerun.
+# and with 3 workers (session 63, h100_s63r1_tests5.log) 60 of 62 passed, 2 ran out of memory in check_picks' reference
+# (9-18 GiB in one piece), which now runs 128 rows at a time.
 # XLA_FLAGS set by the caller reach every step (the tests add --xla_gpu_autotune_level=0 to them), e.g.
 #   XLA_FLAGS=--xla_gpu_enable_pdl=true STEPS="dk tests4" ... (programmatic dependent launch, untried as of session 16)
 # FAULT_T: seconds before a test's Python stack is dumped (default 100; 600 for the model step, whose tests compile
