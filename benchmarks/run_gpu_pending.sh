@@ -23,8 +23,8 @@ indexer_tests() {
 case "$card:${PART:-1}" in
   *H200*:1)
     T_attn=290 ATTN_ARGS="--groups decode --net-decode --ref-batches 64" STEPS=attn session decode_table
-    T_idx=170 STEPS=idx IDX_ARGS="--skip-topk-only --variants pallas_auto_set --set-configs topk=auto_set,mosaic.q_prep_heads=64 \
---cases 64x1x131072xfp4,64x1x131072xfp8,64x1x131072xbf16,1x1x131072xfp4,1x1x131072xfp8,64x1x1048576xfp4,\
+    T_idx=170 STEPS=idx IDX_ARGS="--skip-topk-only --variants pallas_auto_set \
+--set-configs topk=auto_set,mosaic.q_prep_heads=64 --cases 64x1x131072xfp4,64x1x131072xfp8,64x1x131072xbf16,1x1x131072xfp4,1x1x131072xfp8,64x1x1048576xfp4,\
 64x1x1048576xfp8,1x1x1048576xfp4,64x1x8192xfp8" session indexer_table ;;
   *H200*:2)
     T_attn=120 ATTN_ARGS="--groups s56 --net-decode --no-ref" STEPS=attn session pieces

@@ -481,8 +481,9 @@ def test_gpu_segment_set_past_1024_rows(B, T, fmt):
     session 62; H100, session 61: 12% faster than the default then at 1280 x 128K fp8, 3% at 2048 x 64K fp4,
     results/h100_s61r2_idx.log) on calls of more than 1024 rows, keys over 4 GiB at 1280 x 32768 fp8: the
     tournament's set over the same Mosaic scores and the reference's picks up to near-ties, on every row (session 62
-    checked the reference's on the first and last 32 rows). Passed with topk="segment_set" on an H100 before the cap was raised
-    (results/h100_s62r1_tests5.log)."""
+    checked the reference's on the first and last 32 rows). Passed with topk="segment_set" on an H100 before the cap
+    was raised (results/h100_s62r1_tests5.log), and on the default picks in session 63
+    (results/h100_s63r2_tests5_past1024.log)."""
     from test_indexer_kernels import check_picks
 
     from pallas_kernels.indexer import gpu
