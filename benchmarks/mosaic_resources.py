@@ -47,6 +47,12 @@ OPTS.update({"fp8_ahead": dict(score_ahead=True), "fp8_ahead_conv5": dict(score_
              "bf16_ahead": dict(score_ahead=True), "bf16_bk32_ahead": dict(block_k=32, num_stages=4, score_ahead=True)})
 VARIANTS += [(n, n.startswith("fp8"), None, None) for n in ("fp8_ahead", "fp8_ahead_conv5", "bf16_ahead",
                                                               "bf16_bk32_ahead")]
+# session 64: FlashMLA's consumer split (consumers="asym": one consumer scores, the other only runs P.V); the
+# register split moved toward the scorer (it holds S, P and its half of o), and the lazy rescale
+OPTS.update({"bf16_asym": dict(consumers="asym"), "bf16_asym_lazy": dict(consumers="asym", lazy_rescale=True)})
+VARIANTS += [("bf16_asym", False, None, None), ("bf16_asym_lazy", False, None, None),
+             ("bf16_asym_r40_232", False, None, (40, 232)), ("bf16_asym_r24_240", False, None, (24, 240))]
+OPTS["bf16_asym_r40_232"] = OPTS["bf16_asym_r24_240"] = dict(consumers="asym")
 
 
 def main(out_dir: str, only: list[str] | None, offline_mode: bool):

@@ -5,10 +5,13 @@
 # H200, part 1: issue #4's decode table on today's defaults with the XLA reference at B = 64, then issue #5's rows
 #   (indexer decode at 8K / 128K / 1M, B = 1 and 64, each key format) on the defaults, against session 54's q
 #   preparation grid of before (`mosaic.q_prep_heads=64`) in the same call.
-# H200, part 2: `piece_barriers="pieces"` against the default (group s56), then the indexer GPU tests below.
-# Any other card, either part: the indexer GPU tests that session 62 changed and did not run to their end:
-#   test_gpu_segment_set_past_1024_rows on the default picks (auto_set -> segment_set past 1024 rows), alone, then
-#   the segment tests whose large cases now draw their keys on the device (make_decode), in 3 pytest workers.
+# H200 part 2, and any other card's part 1: session 64's consumers="asym" (FlashMLA's consumer split): its GPU
+#   tests (the kernel against the reference, 14 cases), then timed against the default pair (group s64: bf16
+#   decode rows and prefill).
+# Any other card, part 2: issue #4's decode table on today's defaults (the last H100 table is session 56's;
+#   sessions 57-61 changed the defaults past one wave of CTAs).
+# INDEXER_TESTS=1 (any card, any part): the indexer GPU tests of sessions 62-63 instead (all passed on an H100 in
+#   session 63).
 # Logs: $OUT/<part>/<step>.log, as benchmarks/run_gpu_session.sh writes them.
 set -o pipefail
 OUT=${OUT:-/tmp/pending_out}
@@ -20,14 +23,21 @@ indexer_tests() {
   PYTEST_N=3 T_tests5=${T_SEGMENT:-380} STEPS=tests5 GPU_TEST_K="gpu and (segment_set_picks or past_one_wave)" \
     session tests_segment
 }
+asym() {
+  PYTEST_N=4 T_tests4=200 T4_K="asym" STEPS=tests4 session asym_tests
+  T_attn=330 ATTN_ARGS="--groups s64 --net-decode --no-ref" STEPS=attn session asym_timing
+}
+decode_table() {
+  T_attn=290 ATTN_ARGS="--groups decode --net-decode --ref-batches 64" STEPS=attn session decode_table
+}
+if [ -n "$INDEXER_TESTS" ]; then indexer_tests; exit; fi
 case "$card:${PART:-1}" in
   *H200*:1)
-    T_attn=290 ATTN_ARGS="--groups decode --net-decode --ref-batches 64" STEPS=attn session decode_table
+    decode_table
     T_idx=170 STEPS=idx IDX_ARGS="--skip-topk-only --variants pallas_auto_set \
 --set-configs topk=auto_set,mosaic.q_prep_heads=64 --cases 64x1x131072xfp4,64x1x131072xfp8,64x1x131072xbf16,1x1x131072xfp4,1x1x131072xfp8,64x1x1048576xfp4,\
 64x1x1048576xfp8,1x1x1048576xfp4,64x1x8192xfp8" session indexer_table ;;
-  *H200*:2)
-    T_attn=120 ATTN_ARGS="--groups s56 --net-decode --no-ref" STEPS=attn session pieces
-    T_SEGMENT=270 indexer_tests ;;
-  *) indexer_tests ;;
+  *H200*:2) asym ;;
+  *:1) asym ;;
+  *) decode_table ;;
 esac

@@ -405,7 +405,15 @@ def lower_model_steps(model, cache, marker):
                                               (1, 64, 60, dict(score_ahead=True, conv_units=5, heads=128), True),
                                               core(3, 1, 512, dict(score_ahead=True, block_k=32, num_stages=4),
                                                    False),
-                                              (1, 64, 60, dict(score_ahead=True), False)]))
+                                              (1, 64, 60, dict(score_ahead=True), False),
+                                              # FlashMLA's consumer split: one consumer scores, the other runs P.V
+                                              core(3, 1, 512, dict(consumers="asym"), False),
+                                              (2, 1, 8192, dict(consumers="asym", idx_stream=True, n_splits=2),
+                                               False),
+                                              (2, 1, 8192, dict(consumers="asym", n_splits=3, combine="xla"), False),
+                                              (1, 64, 60, dict(consumers="asym", heads=128), False),
+                                              (3, 1, 512, dict(consumers="asym", lazy_rescale=True, num_stages=1),
+                                               False)]))
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -436,6 +444,35 @@ def test_sparse_attention_cluster_combine_rejects_what_it_cannot_do():
         jax.jit(lambda *a: sparse_attention_mosaic(*a, **kw, combine="cluster", cluster_loads="late")).lower(*args)
     assert resolve_combine("cluster", jnp.bfloat16) == "cluster"
     assert resolve_combine("pallas", jnp.float32) == "pallas"
+
+
+def test_sparse_attention_mosaic_asym_consumers_reject_what_they_cannot_do(monkeypatch):
+    """consumers="asym" (one consumer scores, the other runs P.V from the first's P in shared memory) runs bf16 rings
+    of 64-row steps from the bulk-copy producer, in 1-4 slots (a named barrier each), and none of the pair's own
+    schedules; where it applies the wrapper builds it with split_d, split_scores and pingpong off."""
+    from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
+
+    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
+    bf16 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=False)
+    fp8 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)
+    with pytest.raises(ValueError, match="consumers must be"):
+        sparse_attention_mosaic(*(bf16[k] for k in keys), scale=0.1, consumers="seesaw")
+    with pytest.raises(ValueError, match="FP8 pools"):
+        sparse_attention_mosaic(*(fp8[k] for k in keys), scale=0.1, consumers="asym")
+    for opts, match in [(dict(split_d=True), "split_d"), (dict(split_scores=True), "split_scores"),
+                        (dict(pingpong=True), "pingpong"), (dict(piece_barriers=True), "piece_barriers"),
+                        (dict(score_ahead=True), "score_ahead"), (dict(block_k=32), "block_k=32"),
+                        (dict(block_k=128), "block_k=128"), (dict(producer="cp_async"), "cp_async"),
+                        (dict(num_stages=5), "1-4 ring slots")]:
+        with pytest.raises(ValueError, match=match):
+            sparse_attention_mosaic(*(bf16[k] for k in keys), scale=0.1, consumers="asym", **opts)
+    built = spy_mosaic_builds(monkeypatch)
+    prefill = make_attention(1, 64, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=False)
+    for inp in (bf16, prefill):   # decode and prefill shapes (where the pair's default is split_d / split_scores)
+        lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, scale=0.1, consumers="asym"),
+                   *(inp[k] for k in keys))
+    assert [(b["asym"], b["split_d"], b["split_scores"], b["pingpong"], b["bk"]) for b in built] == \
+        [(True, False, False, False, 64)] * 2
 
 
 @full_tier

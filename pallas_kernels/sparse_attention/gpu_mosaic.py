@@ -38,6 +38,10 @@ side by side and the second group's gathers of the same KV rows mostly hit L2.
   consumer waits for each of its own pieces just before that piece's score wgmma instead of for the whole block
   (H100: decode 0.4-3.5% faster; prefill 2.5% slower, so off there). The piece-major issue order of FlashMLA's
   fine-grained pipelining (`"pieces"`) is 1-9% slower on the H100, where decode is memory-bound.
+* `consumers="asym"` (session 64, bf16 rings; off by default until timed): FlashMLA's decode split instead of the
+  pair. Consumer 0 scores over all of d, runs the softmax and hands P (bf16) and its rescale factors to consumer 1
+  through shared memory (8 KB + 256 B a ring slot, one named barrier); each runs P.V over its half of the output
+  columns, consumer 1's of step g under consumer 0's scores of step g + 1. See `_build`'s asym.
 * the q tile becomes the output tile once both consumers are past their last scores (a barrier between them).
 * `split_scores` (bf16 pools; the prefill default from session 12 to 17, now only where split_d is off and T >=
   SPLIT_SCORES_MIN_T queries per sequence): each consumer
@@ -179,7 +183,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
            store_wait_read=False, idx_first=False, pingpong=False, cluster_early=False, split_d=False,
            fp8_convert="cvt", fp8_overlap=False, pdq=False, conv=False, conv_units=None, chunk_order="rows",
            n_tiles=PDQ_TILES, conv_batch=1, lazy=False, idx_ring=0, direct=False, direct_tile=False,
-           direct_prefetch=False, piece_bars=False, ahead=False):
+           direct_prefetch=False, piece_bars=False, ahead=False, asym=False):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -224,6 +228,18 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     copy / GEMM pipelining) instead of after all of it.
     ahead (split_d; bf16 ring or FP8 tile ring: `score_ahead`): the consumers carry each step's complete scores
     into it and issue the next step's score wgmma before the softmax (consume_ahead), holding two ring slots.
+    asym (bf16 ring of 64-row steps, without split_d / split_scores / pingpong / piece_bars / ahead:
+    `consumers="asym"`, FlashMLA's decode split of the two consumers): consumer 0, the scorer, computes S over all of d
+    (32 m64n64k16 wgmma, q from shared memory), runs the softmax, writes P (bf16, the wgmma's tiled 128 B-swizzled
+    layout) and the rescale factors alpha into slot g % stages of two small buffers, arrives on named barrier
+    12 + slot, then runs P.V over its half of the output columns with P from registers. Consumer 1, the helper,
+    waits on that barrier, rescales its accumulator by alpha and runs P.V over the other half with P from shared
+    memory. Nothing else passes between them: no partial scores (split_d's 32 KB and two barriers a step), the
+    softmax is computed once, and the helper's P.V of step g runs while the scorer scores step g + 1. The P and
+    alpha slots need no barrier of their own: the scorer writes slot g % stages only after the ring's full barrier
+    of step g, which needs both consumers' empty arrivals of step g - stages, which the helper gives after its P.V
+    read P. For the same reason the scorer cannot arrive twice on one named barrier before the helper waited on it.
+    At the end the scorer's 1 / l goes to the helper through shared memory (x_a's last row).
     profile ((entries per warpgroup, dump directory) or None): Mosaic GPU's on-device profiler records each
     warpgroup's named regions (thread 0 of the warpgroup: SM clock at entry and exit) and the wrapper dumps a Chrome
     trace per call into the directory (benchmarks/mosaic_phase_profile.py reads it). Without it the regions emit
@@ -244,6 +260,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     assert not piece_bars or (split_d and not fp8 and not cp_async), (split_d, fp8, cp_async)
     assert not ahead or (split_d and not split_scores and not pingpong and not fp8_overlap and not piece_bars
                          and (tiles or not fp8)), "score_ahead"
+    assert not asym or (not fp8 and bk == 64 and stages <= 4 and not (split_d or split_scores or pingpong
+                                                                       or piece_bars or ahead)), "asym"
     conv_units = CONV_UNITS if conv_units is None else conv_units
     # the producer's share of each step's conversion: all of it (pdq), the units past conv_units (conv), or none
     p_units = (0, CONV_UNITS) if pdq else (conv_units, CONV_UNITS) if conv and conv_units < CONV_UNITS else None
@@ -285,6 +303,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 (empty_bars, cons_bar) = scratch
         elif split_d:
             (q_smem, ring, x_s, idx_smem), (q_bar, idx_bar, full_bars), (empty_bars, cons_bar) = scratch
+        elif asym:   # x_p: P per ring slot (the helper's wgmma A operand); x_a: alpha per slot, then 1 / l
+            (q_smem, ring, x_p, idx_smem, vec_smem, x_a), (q_bar, idx_bar, full_bars), (empty_bars, cons_bar) = \
+                scratch
         else:
             (q_smem, ring, idx_smem, vec_smem), (q_bar, idx_bar, full_bars), (empty_bars, cons_bar) = scratch
         index, i32, f32, bf16 = ir.IndexType.get(), ir.IntegerType.get_signless(32), ir.F32Type.get(), ir.BF16Type.get()
@@ -1344,22 +1365,27 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                                        "vote.sync.any.pred q, p, 0xffffffff; selp.u32 $0, 1, 0, q; }", "=r,r")
                 return arith.cmpi(arith.CmpIPredicate.ne, anyw, ci(0))
 
-            def when_else(cond, then_fn, arrays):
-                """scf.if over FragmentedArrays: then_fn() (same layouts as `arrays`) where cond, else `arrays`
-                unchanged. cond is warp-uniform (warp_any), so a warp either runs then_fn's instructions or skips
-                them."""
-                flat = [r for a in arrays for r in a.registers.flat]
+            def two_way(cond, then_fn, else_fn, like):
+                """scf.if over FragmentedArrays: then_fn() where cond, else else_fn(); both return arrays of the
+                shapes and layouts of `like`, and so does this."""
+                flat = [r for a in like for r in a.registers.flat]
                 if_op = scf.IfOp(cond, [r.type for r in flat], has_else=True)
                 with ir.InsertionPoint(if_op.then_block):
                     scf.yield_([r for a in then_fn() for r in a.registers.flat])
                 with ir.InsertionPoint(if_op.else_block):
-                    scf.yield_(flat)
+                    scf.yield_([r for a in else_fn() for r in a.registers.flat])
                 res, out = iter(if_op.results), []
-                for a in arrays:
+                for a in like:
                     regs = np.empty(a.registers.shape, dtype=object)
                     regs.flat[:] = [next(res) for _ in range(regs.size)]
                     out.append(fa.FragmentedArray(_registers=regs, _layout=a.layout, _is_signed=a.is_signed))
                 return tuple(out)
+
+            def when_else(cond, then_fn, arrays):
+                """scf.if over FragmentedArrays: then_fn() (same layouts as `arrays`) where cond, else `arrays`
+                unchanged. cond is warp-uniform (warp_any), so a warp either runs then_fn's instructions or skips
+                them."""
+                return two_way(cond, then_fn, lambda: arrays, arrays)
 
             def online_softmax(scores, valid, m, l):
                 """One block's step of the online softmax in exp2 units. scores [64, bk] f32 (q.K, unscaled), valid
@@ -1524,7 +1550,86 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 end(region)
                 return m_new, l, tuple(o_acc.value for o_acc in o_accs), scores
 
-            if ahead:   # step 0's scores before the loop (none where the CTA has no steps)
+            def p_ready(op, slot):
+                """asym: named barrier 12 + slot (256 threads): the scorer arrives once P and alpha of the step in
+                ring slot `slot` are in shared memory, the helper waits on it."""
+                llvm.inline_asm(ir.Type.parse("!llvm.void"), [arith.addi(ci(12), arith.index_cast(i32, slot))],
+                                f"{op} $0, 256;", "r", has_side_effects=True)
+
+            def consume_scorer(k, j, g, carry):
+                """asym, consumer 0: S over all of d, the softmax, P and alpha published for the helper, then P.V
+                over this consumer's output columns (P from registers)."""
+                m, l, acc = carry
+                slot = arith.remui(g, c(n_ring))
+                region = begin("c_wait_full")
+                wait_full(slot)
+                end(region)
+                kv = mu.memref_slice(ring, slot)
+                region = begin("c_scores")
+                # q at an offset the compiler cannot see is 0: otherwise it hoists the chain's 32 q descriptors
+                # (64-bit each) out of the step loop and ptxas spills them
+                zero = arith.index_cast(index, llvm.inline_asm(i32, [], "mov.u32 $0, 0;", "=r",
+                                                               has_side_effects=True))
+                q_view = mu.memref_slice(q_smem, mu.ds(zero, BLOCK_H // 8))
+                s_acc = mgpu.WGMMAAccumulator.zero(BLOCK_H, bk)
+                s_acc = mgpu.wgmma(s_acc, q_view, mu.memref_transpose(kv, (1, 0, 3, 2)), swizzle=swz)
+                nvvm.wgmma_commit_group_sync_aligned()
+                valid = valid_from(first_entry(k, j, g))   # the entries' mask loads under the score chain
+                nvvm.wgmma_wait_group_sync_aligned(0)
+                end(region)
+                region = begin("c_softmax")
+                m_new, alpha, l, p = online_softmax(s_acc.value, valid, m, l)
+                p.store_tiled(mu.memref_slice(x_p, slot), swizzle=swz)
+                alpha.store_untiled(mu.memref_slice(x_a, slot), optimized=False)
+                # our generic-proxy stores of P before the helper's wgmma (async proxy) reads them
+                nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+                p_ready("bar.arrive", slot)
+                end(region)
+                region = begin("c_pv")
+                o_accs = issue_pv(rescaled_accumulators(acc, alpha, m, m_new), p, kv)
+                nvvm.wgmma_wait_group_sync_aligned(0)
+                empty_bars[slot].arrive()
+                end(region)
+                return m_new, l, tuple(o_acc.value for o_acc in o_accs)
+
+            def consume_helper(k, j, g, carry):
+                """asym, consumer 1: once the scorer's P of this step is published, the accumulator times its
+                alpha and P.V over this consumer's output columns with P from shared memory. m and l pass through
+                (the scorer's are the row's)."""
+                m, l, acc = carry
+                slot = arith.remui(g, c(n_ring))
+                region = begin("c_wait_p")
+                wait_full(slot)   # (long complete: the scorer waited for it; this orders the ring's TMA writes)
+                p_ready("bar.sync", slot)
+                end(region)
+                region = begin("c_pv")
+                alpha = fa.FragmentedArray.load_untiled(mu.memref_slice(x_a, slot), layout=fa.WGMMA_ROW_LAYOUT,
+                                                        optimized=False)
+                scaled = lambda: [a * alpha.broadcast_minor(dh // pv_parts) for a in acc]
+                if lazy:   # alpha is exactly 1 on rows whose running max stayed
+                    acc = when_else(warp_any(one_row > alpha), scaled, acc)
+                else:
+                    acc = scaled()
+                kv = mu.memref_slice(ring, slot)
+                o_accs = [mgpu.wgmma(mgpu.WGMMAAccumulator.from_registers(a), mu.memref_slice(x_p, slot),
+                                     mu.memref_slice(kv, (slice(None), cols)), swizzle=swz)
+                          for a, cols in zip(acc, pv_cols)]
+                nvvm.wgmma_commit_group_sync_aligned()
+                nvvm.wgmma_wait_group_sync_aligned(0)
+                empty_bars[slot].arrive()
+                end(region)
+                return m, l, tuple(o_acc.value for o_acc in o_accs)
+
+            one_row = fa.FragmentedArray.splat(arith.constant(f32, 1.0), (BLOCK_H,), fa.WGMMA_ROW_LAYOUT)
+            if asym:   # each consumer its own loop over the steps
+                def run_steps(fn):
+                    m_, l_, acc_ = steps(fn, (m0, zero_row, acc0))
+                    return (m_, l_, *acc_)
+
+                m, l, *acc = two_way(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0)), lambda: run_steps(consume_scorer),
+                                     lambda: run_steps(consume_helper), (m0, zero_row, *acc0))
+                acc = tuple(acc)
+            elif ahead:   # step 0's scores before the loop (none where the CTA has no steps)
                 total = total_steps()
 
                 def first_scores():
@@ -1548,7 +1653,6 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 l = l_h[0] + l_h[1]
             # finish: lse without the sink; one split divides by l + e^(sink - m), split-K partials by l alone
             has = l > 0.0
-            one_row = fa.FragmentedArray.splat(arith.constant(f32, 1.0), (BLOCK_H,), fa.WGMMA_ROW_LAYOUT)
             l_safe = has.select(l, one_row)
             lse = has.select(m * LN2 + l_safe.log(approx=False),              # m is in log2 units
                              fa.FragmentedArray.splat(arith.constant(f32, -math.inf), (BLOCK_H,), fa.WGMMA_ROW_LAYOUT))
@@ -1556,9 +1660,15 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 inv = has.select(one_row / l_safe, zero_row)
             else:
                 inv = one_row / (l + (sink2 - m).exp2(approx=True))
-            o = [(a * inv.broadcast_minor(dh // pv_parts)).astype(bf16) for a in acc]
+            if asym:   # the scorer's normalisation is the row's: to the helper through x_a's last row
+                with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
+                    inv.store_untiled(mu.memref_slice(x_a, stages), optimized=False)
             cons_bar.arrive()   # both consumers are past their last q.K: q_smem can hold the output
             cons_bar.wait()
+            if asym:
+                inv = fa.FragmentedArray.load_untiled(mu.memref_slice(x_a, stages), layout=fa.WGMMA_ROW_LAYOUT,
+                                                      optimized=False)
+            o = [(a * inv.broadcast_minor(dh // pv_parts)).astype(bf16) for a in acc]
             for o_part, cols in zip(o, pv_cols):
                 o_part.store_tiled(mu.memref_slice(q_smem, (slice(None), cols)), swizzle=swz)
             with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
@@ -1642,7 +1752,19 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 jax.ShapeDtypeStruct((2, 2, BLOCK_H), jnp.float32),
                 jax.ShapeDtypeStruct((2, BLOCK_H), jnp.float32)) if split_scores else ()
         tail = split_scores and diag == "ss_tail"
-        if split_d:   # the consumers' f32 partial scores, (8, 32) tiles with 128 B swizzle; sinks | lse alias them
+        if asym:   # P per slot right after the ring (1 KB aligned, as a wgmma operand must be), alpha per slot + 1 / l
+            smem = (
+                (jax.ShapeDtypeStruct((BLOCK_H // 8, d // tc, 8, tc), jnp.bfloat16),     # q, then o
+                 jax.ShapeDtypeStruct((stages, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # KV ring
+                 jax.ShapeDtypeStruct((stages, BLOCK_H // 8, bk // tc, 8, tc), jnp.bfloat16),   # P per slot
+                 jax.ShapeDtypeStruct((idx_len,), jnp.int32),                        # this split's index rows
+                 jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32),                      # sinks | lse
+                 jax.ShapeDtypeStruct((stages + 1, BLOCK_H), jnp.float32)),              # alpha per slot, 1 / l
+                (mgpu.TMABarrier(1), mgpu.TMABarrier(1),
+                 mgpu.Barrier(arrival_count=128, num_barriers=stages) if cp_async else mgpu.TMABarrier(stages)),
+                (mgpu.Barrier(arrival_count=256, num_barriers=stages), mgpu.Barrier(arrival_count=256)),
+            )
+        elif split_d:   # the consumers' f32 partial scores, (8, 32) tiles with 128 B swizzle; sinks | lse alias them
             smem = (
                 (jax.ShapeDtypeStruct((BLOCK_H // 8, d // tc, 8, tc), jnp.bfloat16),     # q, then o
                  jax.ShapeDtypeStruct((stages, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # KV ring
@@ -1695,6 +1817,7 @@ DEFAULT_FP8_DEQUANT = "converter"   # see `sparse_attention_mosaic`'s fp8_dequan
 DEFAULT_L2_AHEAD = 0      # L2 prefetch distance in steps (see `sparse_attention_mosaic`'s l2_ahead)
 DEFAULT_PRODUCER = "tma"   # the bf16 ring's gather (see `sparse_attention_mosaic`'s producer)
 DEFAULT_REGS = (56, 224)   # setmaxnreg: (producer, each consumer) registers per thread
+DEFAULT_CONSUMERS = "pair"   # see `sparse_attention_mosaic`'s consumers (session 64: "asym" built, not yet timed)
 
 
 def resolve_combine(how, out_dtype):
@@ -1847,6 +1970,7 @@ def sparse_attention_mosaic(
     lazy_rescale: bool | None = None,
     piece_barriers: bool | str | None = None,
     score_ahead: bool | None = None,
+    consumers: str | None = None,
     _diag: str | None = None,
     _profile: str | None = None,
 ):
@@ -2069,10 +2193,34 @@ def sparse_attention_mosaic(
     FP8 CSA B=128): issuing the next step's 16 m64n32k16 score wgmma takes ~1700 cycles before the softmax can
     start, i.e. the issue itself waits for the tensor cores (two consumers' chains, bound by their A operand's
     shared-memory reads at N = 32), so nothing runs under them; the step grew from ~4100 to ~5000 cycles.
+    consumers (None = DEFAULT_CONSUMERS: "pair"): how the two consumer warpgroups share a step. "pair": the
+    symmetric pair above (split_d, split_scores or pingpong, as resolved). "asym" (bf16 pools, block_k 64, the
+    bulk-copy producer; not with split_d=True, split_scores, pingpong, piece_barriers or score_ahead): FlashMLA's
+    decode split, see `_build`'s asym: consumer 0 scores over all of d, runs the softmax and hands P and its
+    rescale factors to consumer 1 through shared memory (8 KB + 256 B a ring slot); each runs P.V over its half of
+    the output columns, consumer 1's of step g under consumer 0's scores of step g + 1. No partial-score exchange,
+    one softmax instead of two.
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
     call_args = dict(locals())   # for the fallback below: the default tile ring where it does not fit
+    consumers = DEFAULT_CONSUMERS if consumers is None else consumers
+    if consumers not in ("pair", "asym"):
+        raise ValueError(f"consumers must be 'pair' or 'asym', got {consumers!r}")
+    asym = consumers == "asym"
+    if asym:
+        clash = [name for name, v in (("split_d", split_d), ("split_scores", split_scores), ("pingpong", pingpong),
+                                      ("piece_barriers", piece_barriers), ("score_ahead", score_ahead),
+                                      ("fp8_overlap", fp8_overlap)) if v]
+        if isinstance(window_kv, Fp8KVPool) or clash or (block_k or 64) != 64 or producer == "cp_async" \
+                or _diag is not None:
+            raise ValueError("consumers='asym' runs bf16 pools in 64-row steps gathered by the bulk-copy producer, "
+                             "without split_d, split_scores, pingpong, piece_barriers, score_ahead or _diag; got "
+                             f"{'FP8 pools, ' if isinstance(window_kv, Fp8KVPool) else ''}block_k={block_k}, "
+                             f"producer={producer!r}" + (f", {', '.join(clash)}" if clash else ""))
+        if num_stages is not None and not 1 <= num_stages <= 4:
+            raise ValueError(f"consumers='asym' takes 1-4 ring slots (a named barrier each), got {num_stages}")
+        split_d, split_scores, pingpong, piece_barriers, score_ahead = False, False, False, False, False
     b, t, h, d = common.validate(q, window_kv, window_idx, compressed_kv, compressed_idx, sinks, window_len,
                                  compressed_len, scale)
     pools = [window_kv] + ([] if compressed_kv is None else [compressed_kv])
@@ -2257,6 +2405,8 @@ def sparse_attention_mosaic(
         partials, which hold the sinks | lse (counted below) inside them."""
         if split_d:
             return 2 * BLOCK_H * bk * 4 - 2 * BLOCK_H * 4
+        if asym:   # P (bf16) and alpha per ring slot, 1 / l
+            return stages * BLOCK_H * bk * 2 + (stages + 1) * BLOCK_H * 4
         return (4 * BLOCK_H * (bk // 2) * 2 + 4 * BLOCK_H * 4 + 2 * BLOCK_H * 4) if split_scores else 0
 
     cluster = combine == "cluster"
@@ -2372,7 +2522,7 @@ def sparse_attention_mosaic(
                     (DIRECT_BATCH if direct else DEFAULT_CONV_BATCH) if conv_batch is None else conv_batch,
                     lazy_rescale, idx_ring_steps if stream else 0, direct, direct and direct_staging == "tile",
                     direct and (DEFAULT_DIRECT_PREFETCH if direct_prefetch is None else direct_prefetch),
-                    piece_bars, ahead)
+                    piece_bars, ahead, asym)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if ns > 1 and not ccomb:
         o, lse = combine_lib.combine(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h), sinks.astype(jnp.float32),
