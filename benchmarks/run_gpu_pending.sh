@@ -9,7 +9,7 @@
 #   tests (the kernel against the reference, 14 cases), then timed against the default pair (group s64: bf16
 #   decode rows and prefill).
 # Any other card, part 2: issue #4's decode table on today's defaults (the last H100 table is session 56's;
-#   sessions 57-61 changed the defaults past one wave of CTAs).
+#   sessions 57-61 changed the defaults past one wave of CTAs), then the phase profile of consumers="asym".
 # INDEXER_TESTS=1 (any card, any part): the indexer GPU tests of sessions 62-63 instead (all passed on an H100 in
 #   session 63).
 # Logs: $OUT/<part>/<step>.log, as benchmarks/run_gpu_session.sh writes them.
@@ -39,5 +39,6 @@ case "$card:${PART:-1}" in
 64x1x1048576xfp8,1x1x1048576xfp4,64x1x8192xfp8" session indexer_table ;;
   *H200*:2) asym ;;
   *:1) asym ;;
-  *) decode_table ;;
+  *) decode_table
+     T_mprof=200 MPROF_ARGS="--cases csa128_asym,csa64_asym,csa128_nosd,prefill2k_asym" STEPS=mprof session asym_profile ;;
 esac
