@@ -1663,12 +1663,14 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             if asym:   # the scorer's normalisation is the row's: to the helper through x_a's last row
                 with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
                     inv.store_untiled(mu.memref_slice(x_a, stages), optimized=False)
+            else:
+                o = [(a * inv.broadcast_minor(dh // pv_parts)).astype(bf16) for a in acc]
             cons_bar.arrive()   # both consumers are past their last q.K: q_smem can hold the output
             cons_bar.wait()
             if asym:
                 inv = fa.FragmentedArray.load_untiled(mu.memref_slice(x_a, stages), layout=fa.WGMMA_ROW_LAYOUT,
                                                       optimized=False)
-            o = [(a * inv.broadcast_minor(dh // pv_parts)).astype(bf16) for a in acc]
+                o = [(a * inv.broadcast_minor(dh // pv_parts)).astype(bf16) for a in acc]
             for o_part, cols in zip(o, pv_cols):
                 o_part.store_tiled(mu.memref_slice(q_smem, (slice(None), cols)), swizzle=swz)
             with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
