@@ -24,8 +24,8 @@ indexer_tests() {
     session tests_segment
 }
 asym() {
-  PYTEST_N=4 T_tests4=200 T4_K="asym" STEPS=tests4 session asym_tests
-  T_attn=330 ATTN_ARGS="--groups s64 --net-decode --no-ref" STEPS=attn session asym_timing
+  PYTEST_N=4 T_tests4=${T_ASYM_TESTS:-170} T4_K="asym" STEPS=tests4 session asym_tests
+  T_attn=${T_ASYM_TIMING:-260} ATTN_ARGS="--groups s64 --net-decode --no-ref" STEPS=attn session asym_timing
 }
 decode_table() {
   T_attn=290 ATTN_ARGS="--groups decode --net-decode --ref-batches 64" STEPS=attn session decode_table
