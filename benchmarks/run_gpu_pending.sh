@@ -25,7 +25,8 @@ indexer_tests() {
 }
 asym() {
   PYTEST_N=4 T_tests4=${T_ASYM_TESTS:-170} T4_K="asym" STEPS=tests4 session asym_tests
-  T_attn=${T_ASYM_TIMING:-260} ATTN_ARGS="--groups s64 --net-decode --no-ref" STEPS=attn session asym_timing
+  T_attn=${T_ASYM_TIMING:-260} ATTN_ARGS="--groups ${ASYM_GROUP:-s64} --net-decode --no-ref" STEPS=attn \
+    session asym_timing
 }
 decode_table() {
   T_attn=290 ATTN_ARGS="--groups decode --net-decode --ref-batches 64" STEPS=attn session decode_table

@@ -161,7 +161,7 @@ def fmt(r):
 GROUPS = (
     "b1", "colsplit", "decode", "fp8ops", "hca8k_fp8", "kernels", "knobs5", "prefetch", "prefill",
     "qreload", "s14", "s16", "s17", "s18", "s19", "s22", "s23", "s25", "s25d", "s26", "s26b", "s26c",
-    "s28", "s29", "s29p", "s56", "s61", "s64", "s9", "ss", "variants")
+    "s28", "s29", "s29p", "s56", "s61", "s64", "s64q", "s9", "ss", "variants")
 
 
 def main():
@@ -187,7 +187,7 @@ def main():
                          "s29 (index rows streamed, idx_stream, vs whole lists: HCA decode and CSA decode), s29p (the same, "
                          "HCA prefill: 2048 queries x 8320 entries), s61 (score_ahead against the default, FP8 and "
                          "bf16, decode and bf16 prefill), s64 (consumers='asym' against the default pair, bf16 "
-                         "decode and prefill, with and without lazy_rescale)")
+                         "decode and prefill, with and without lazy_rescale), s64q (its short form: CSA B=64 / 128, 16K prefill)")
     ap.add_argument("--dtypes", default="bf16,fp8", help="decode / prefill / b1 groups: the KV dtypes to run")
     ap.add_argument("--ref-batches", default=None,
                     help="decode / prefill / b1 groups: time the XLA reference only at these batch sizes (comma "
@@ -422,9 +422,14 @@ def main():
                 record(bench_case(rng, ceil, kind, b, 1, kc, False, opts=o, ref=False))
             for t in (4096, 16384):
                 record(bench_case(rng, ceil, "csa", 1, t, 512, False, opts=o, ref=False, csa_cap=t // 4))
-        lazy = dict(mos, consumers="asym", lazy_rescale=True)
+        lazy = dict(mos, consumers="asym", lazy_rescale=True)   # (s64q: the first call's short form, below)
         record(bench_case(rng, ceil, "csa", 128, 1, 512, False, opts=lazy, ref=False))
         record(bench_case(rng, ceil, "csa", 1, 16384, 512, False, opts=lazy, ref=False, csa_cap=4096))
+    if "s64q" in groups:  # session 64, short: asym against the pair on CSA decode B = 64 / 128 and 16K prefill
+        for o in (dict(mos), dict(mos, consumers="asym")):
+            for b in (64, 128):
+                record(bench_case(rng, ceil, "csa", b, 1, 512, False, opts=o, ref=False))
+            record(bench_case(rng, ceil, "csa", 1, 16384, 512, False, opts=o, ref=False, csa_cap=4096))
     if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor
         for kind, b, kc, fp8 in [("csa", 16, 512, False), ("csa", 64, 512, True), ("hca", 16, 8192, True)]:
             for o in ({}, dict(partial_dtype="bfloat16"), dict(fp8_scales="vector"),
