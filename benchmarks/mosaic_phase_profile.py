@@ -88,6 +88,9 @@ CASES = {
     "csa64_asym": ("csa", 64, 1, 512, "bf16", dict(consumers="asym")),
     "csa128_nosd": ("csa", 128, 1, 512, "bf16", dict(split_d=False)),
     "prefill2k_asym": ("csa", 1, 2048, 512, "bf16", dict(consumers="asym")),
+    # ... over the direct FP8 gather (FlashMLA's FP8 shape), and the direct gather with the pair
+    "csa128_fp8_direct_asym": ("csa", 128, 1, 512, "fp8", dict(fp8_dequant="direct", consumers="asym")),
+    "csa128_fp8_direct": ("csa", 128, 1, 512, "fp8", dict(fp8_dequant="direct")),
     "csa64_cpa": ("csa", 64, 1, 512, "bf16", dict(producer="cp_async")),       # the cp.async producer
     "csa128_cpa": ("csa", 128, 1, 512, "bf16", dict(producer="cp_async")),
     "csa64_bk32": ("csa", 64, 1, 512, "bf16", dict(block_k=32, num_stages=4)),    # 32-entry steps, 4 slots

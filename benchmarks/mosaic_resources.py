@@ -53,6 +53,12 @@ OPTS.update({"bf16_asym": dict(consumers="asym"), "bf16_asym_lazy": dict(consume
 VARIANTS += [("bf16_asym", False, None, None), ("bf16_asym_lazy", False, None, None),
              ("bf16_asym_r40_232", False, None, (40, 232)), ("bf16_asym_r24_240", False, None, (24, 240))]
 OPTS["bf16_asym_r40_232"] = OPTS["bf16_asym_r24_240"] = dict(consumers="asym")
+# ... and FlashMLA's whole FP8 shape: its consumer split over the producer's direct FP8 gather (fp8_dequant="direct")
+OPTS.update({"fp8_direct_asym": dict(consumers="asym", fp8_dequant="direct"),
+             "fp8_direct": dict(fp8_dequant="direct")})
+VARIANTS += [("fp8_direct", True, None, None), ("fp8_direct_asym", True, None, None),
+             ("fp8_direct_asym_r56_224", True, None, (56, 224))]
+OPTS["fp8_direct_asym_r56_224"] = dict(consumers="asym", fp8_dequant="direct")
 
 
 def main(out_dir: str, only: list[str] | None, offline_mode: bool):

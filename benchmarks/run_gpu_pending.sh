@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # The device work still pending, as one command that picks its steps by the card it lands on (the device tool gives
 # an H100 or an H200, whichever comes; H200s have not come since session 55). Each part fits one 600 s call.
-#   device run:  PART=1 bash benchmarks/run_gpu_pending.sh        (then PART=2 while the machine is warm)
+#   device run:  PART=1 bash benchmarks/run_gpu_pending.sh        (then PART=2, 3 while the machine is warm)
 # H200, part 1: issue #4's decode table on today's defaults with the XLA reference at B = 64, then issue #5's rows
 #   (indexer decode at 8K / 128K / 1M, B = 1 and 64, each key format) on the defaults, against session 54's q
 #   preparation grid of before (`mosaic.q_prep_heads=64`) in the same call.
-# H200 part 2, and any other card's part 1: session 64's consumers="asym" (FlashMLA's consumer split): its GPU
-#   tests (the kernel against the reference, 14 cases), then timed against the default pair (group s64: bf16
-#   decode rows and prefill).
-# Any other card, part 2: issue #4's decode table on today's defaults (the last H100 table is session 56's;
-#   sessions 57-61 changed the defaults past one wave of CTAs), then the phase profile of consumers="asym".
+# Session 64's consumers="asym" (FlashMLA's consumer split), built and never run: H200 parts 2-3, any other card's
+#   parts 1-2. First its GPU tests (the kernel against the reference, 20 cases: bf16 rings and FP8's direct gather)
+#   and its bf16 timing against the default pair (group s64: decode rows and prefill); then its FP8 timing (group
+#   s64f: FlashMLA's whole FP8 shape, the direct gather with the asym split, against the default converter and the
+#   direct gather with the pair) and the phase profile of the asym kernel.
+# Any other card, part 3: issue #4's decode table on today's defaults (the last H100 table is session 56's;
+#   sessions 57-61 changed the defaults past one wave of CTAs).
 # INDEXER_TESTS=1 (any card, any part): the indexer GPU tests of sessions 62-63 instead (all passed on an H100 in
 #   session 63).
+# T_ASYM_TESTS / T_ASYM_TIMING / ASYM_GROUP (s64q: the short form) for a call with little device time left.
 # Logs: $OUT/<part>/<step>.log, as benchmarks/run_gpu_session.sh writes them.
 set -o pipefail
 OUT=${OUT:-/tmp/pending_out}
@@ -31,6 +34,10 @@ asym() {
 decode_table() {
   T_attn=290 ATTN_ARGS="--groups decode --net-decode --ref-batches 64" STEPS=attn session decode_table
 }
+asym_fp8() {
+  T_attn=170 ATTN_ARGS="--groups s64f --net-decode --no-ref" STEPS=attn session asym_fp8_timing
+  T_mprof=200 MPROF_ARGS="--cases csa128_asym,csa128_nosd,prefill2k_asym,csa128_fp8_direct_asym,csa128_fp8_direct" STEPS=mprof session asym_profile
+}
 if [ -n "$INDEXER_TESTS" ]; then indexer_tests; exit; fi
 case "$card:${PART:-1}" in
   *H200*:1)
@@ -39,7 +46,8 @@ case "$card:${PART:-1}" in
 --set-configs topk=auto_set,mosaic.q_prep_heads=64 --cases 64x1x131072xfp4,64x1x131072xfp8,64x1x131072xbf16,1x1x131072xfp4,1x1x131072xfp8,64x1x1048576xfp4,\
 64x1x1048576xfp8,1x1x1048576xfp4,64x1x8192xfp8" session indexer_table ;;
   *H200*:2) asym ;;
+  *H200*:*) asym_fp8 ;;
   *:1) asym ;;
-  *) decode_table
-     T_mprof=200 MPROF_ARGS="--cases csa128_asym,csa64_asym,csa128_nosd,prefill2k_asym" STEPS=mprof session asym_profile ;;
+  *:2) asym_fp8 ;;
+  *) decode_table ;;
 esac

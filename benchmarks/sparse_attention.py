@@ -161,7 +161,7 @@ def fmt(r):
 GROUPS = (
     "b1", "colsplit", "decode", "fp8ops", "hca8k_fp8", "kernels", "knobs5", "prefetch", "prefill",
     "qreload", "s14", "s16", "s17", "s18", "s19", "s22", "s23", "s25", "s25d", "s26", "s26b", "s26c",
-    "s28", "s29", "s29p", "s56", "s61", "s64", "s64q", "s9", "ss", "variants")
+    "s28", "s29", "s29p", "s56", "s61", "s64", "s64f", "s64q", "s9", "ss", "variants")
 
 
 def main():
@@ -187,7 +187,8 @@ def main():
                          "s29 (index rows streamed, idx_stream, vs whole lists: HCA decode and CSA decode), s29p (the same, "
                          "HCA prefill: 2048 queries x 8320 entries), s61 (score_ahead against the default, FP8 and "
                          "bf16, decode and bf16 prefill), s64 (consumers='asym' against the default pair, bf16 "
-                         "decode and prefill, with and without lazy_rescale), s64q (its short form: CSA B=64 / 128, 16K prefill)")
+                         "decode and prefill, with and without lazy_rescale), s64q (its short form: CSA B=64 / 128, 16K prefill), s64f (FP8 decode: "
+                         "the default, fp8_dequant='direct', and 'direct' with consumers='asym')")
     ap.add_argument("--dtypes", default="bf16,fp8", help="decode / prefill / b1 groups: the KV dtypes to run")
     ap.add_argument("--ref-batches", default=None,
                     help="decode / prefill / b1 groups: time the XLA reference only at these batch sizes (comma "
@@ -425,6 +426,10 @@ def main():
         lazy = dict(mos, consumers="asym", lazy_rescale=True)   # (s64q: the first call's short form, below)
         record(bench_case(rng, ceil, "csa", 128, 1, 512, False, opts=lazy, ref=False))
         record(bench_case(rng, ceil, "csa", 1, 16384, 512, False, opts=lazy, ref=False, csa_cap=4096))
+    if "s64f" in groups:  # session 64, FP8: FlashMLA's shape (the direct gather + the asym split) against the
+        # default (the converter warpgroup, the pair) and the direct gather with the pair, decode rows
+        fp8_modes([dict(mos), dict(mos, fp8_dequant="direct"), dict(mos, fp8_dequant="direct", consumers="asym")],
+                  [("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 1024), ("hca", 64, 8192)], ())
     if "s64q" in groups:  # session 64, short: asym against the pair on CSA decode B = 64 / 128 and 16K prefill
         for o in (dict(mos), dict(mos, consumers="asym")):
             for b in (64, 128):

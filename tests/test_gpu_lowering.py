@@ -413,7 +413,15 @@ def lower_model_steps(model, cache, marker):
                                               (2, 1, 8192, dict(consumers="asym", n_splits=3, combine="xla"), False),
                                               (1, 64, 60, dict(consumers="asym", heads=128), False),
                                               (3, 1, 512, dict(consumers="asym", lazy_rescale=True, num_stages=1),
-                                               False)]))
+                                               False),
+                                              # ... over the producer's direct FP8 gather (FlashMLA's FP8 shape)
+                                              core(3, 1, 512, dict(consumers="asym", fp8_dequant="direct"), True),
+                                              (2, 1, 8192, dict(consumers="asym", fp8_dequant="direct",
+                                                                idx_stream=True, n_splits=2), True),
+                                              (1, 64, 60, dict(consumers="asym", fp8_dequant="direct", heads=128),
+                                               True),
+                                              (3, 1, 512, dict(consumers="asym", fp8_dequant="direct",
+                                                               direct_staging="registers"), True)]))
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -457,8 +465,9 @@ def test_sparse_attention_mosaic_asym_consumers_reject_what_they_cannot_do(monke
     fp8 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)
     with pytest.raises(ValueError, match="consumers must be"):
         sparse_attention_mosaic(*(bf16[k] for k in keys), scale=0.1, consumers="seesaw")
-    with pytest.raises(ValueError, match="FP8 pools"):
-        sparse_attention_mosaic(*(fp8[k] for k in keys), scale=0.1, consumers="asym")
+    for dequant in (None, "converter", "consumers"):   # FP8 pools: only through the direct gather's tile ring
+        with pytest.raises(ValueError, match="FP8 pools with fp8_dequant"):
+            sparse_attention_mosaic(*(fp8[k] for k in keys), scale=0.1, consumers="asym", fp8_dequant=dequant)
     for opts, match in [(dict(split_d=True), "split_d"), (dict(split_scores=True), "split_scores"),
                         (dict(pingpong=True), "pingpong"), (dict(piece_barriers=True), "piece_barriers"),
                         (dict(score_ahead=True), "score_ahead"), (dict(block_k=32), "block_k=32"),
@@ -471,8 +480,10 @@ def test_sparse_attention_mosaic_asym_consumers_reject_what_they_cannot_do(monke
     for inp in (bf16, prefill):   # decode and prefill shapes (where the pair's default is split_d / split_scores)
         lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, scale=0.1, consumers="asym"),
                    *(inp[k] for k in keys))
-    assert [(b["asym"], b["split_d"], b["split_scores"], b["pingpong"], b["bk"]) for b in built] == \
-        [(True, False, False, False, 64)] * 2
+    lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, scale=0.1, consumers="asym",
+                                                                         fp8_dequant="direct"), *(fp8[k] for k in keys))
+    assert [(b["asym"], b["split_d"], b["split_scores"], b["pingpong"], b["bk"], b["direct"]) for b in built] == \
+        [(True, False, False, False, 64, False)] * 2 + [(True, False, False, False, 64, True)]
 
 
 @full_tier

@@ -358,6 +358,16 @@ ASYM_CASES = [
     (136, 1, 128, 9000, 128, 8192, dict(ragged=True), {}),
 ]
 MOSAIC_CASES += [(*c[:7], dict(consumers="asym", **c[7])) for c in ASYM_CASES]
+# ... and FlashMLA's whole FP8 shape: the split over the producer's direct gather of FP8 rows (fp8_dequant="direct")
+ASYM_FP8_CASES = [
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, dupes=True, fp8=True), {}),
+    (3, 2, 128, 600, 128, 1024, dict(all_invalid_c=True, ragged=True, fp8=True), dict(n_splits=3, combine="xla")),
+    (2, 1, 128, 9000, 128, 8192, dict(ragged=True, fp8=True, wide_scales=True), dict(idx_stream=True, n_splits=2)),
+    (3, 2, 128, 600, 128, 1024, dict(ragged=True, fp8=True, heads=128), dict(lazy_rescale=False)),
+    (4, 1, 128, 300, 128, 512, dict(ragged=True, fp8=True), dict(direct_staging="registers")),
+    (1, 256, 2048, 1024, 128, 512, dict(ragged=True, dupes=True, fp8=True), {}),   # prefill
+]
+MOSAIC_CASES += [(*c[:7], dict(consumers="asym", fp8_dequant="direct", **c[7])) for c in ASYM_FP8_CASES]
 
 
 @pytest.mark.parametrize("case", MOSAIC_CASES,

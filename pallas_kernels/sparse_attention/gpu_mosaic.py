@@ -38,7 +38,8 @@ side by side and the second group's gathers of the same KV rows mostly hit L2.
   consumer waits for each of its own pieces just before that piece's score wgmma instead of for the whole block
   (H100: decode 0.4-3.5% faster; prefill 2.5% slower, so off there). The piece-major issue order of FlashMLA's
   fine-grained pipelining (`"pieces"`) is 1-9% slower on the H100, where decode is memory-bound.
-* `consumers="asym"` (session 64, bf16 rings; off by default until timed): FlashMLA's decode split instead of the
+* `consumers="asym"` (session 64, bf16 rings and FP8's direct gather; off by default until timed): FlashMLA's
+  decode split instead of the
   pair. Consumer 0 scores over all of d, runs the softmax and hands P (bf16) and its rescale factors to consumer 1
   through shared memory (8 KB + 256 B a ring slot, one named barrier); each runs P.V over its half of the output
   columns, consumer 1's of step g under consumer 0's scores of step g + 1. See `_build`'s asym.
@@ -228,8 +229,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     copy / GEMM pipelining) instead of after all of it.
     ahead (split_d; bf16 ring or FP8 tile ring: `score_ahead`): the consumers carry each step's complete scores
     into it and issue the next step's score wgmma before the softmax (consume_ahead), holding two ring slots.
-    asym (bf16 ring of 64-row steps, without split_d / split_scores / pingpong / piece_bars / ahead:
-    `consumers="asym"`, FlashMLA's decode split of the two consumers): consumer 0, the scorer, computes S over all of d
+    asym (64-row steps of a bf16 ring, or of the direct FP8 gather's tile ring; without split_d / split_scores /
+    pingpong / piece_bars / ahead: `consumers="asym"`, FlashMLA's decode split of the two consumers; with `direct`,
+    FlashMLA's whole FP8 decode shape): consumer 0, the scorer, computes S over all of d
     (32 m64n64k16 wgmma, q from shared memory), runs the softmax, writes P (bf16, the wgmma's tiled 128 B-swizzled
     layout) and the rescale factors alpha into slot g % stages of two small buffers, arrives on named barrier
     12 + slot, then runs P.V over its half of the output columns with P from registers. Consumer 1, the helper,
@@ -255,13 +257,14 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     n_in = 5 if fp8 else 3      # gmem refs per source
     tiles = pdq or conv or direct   # FP8 rows converted into a ring of bf16 tiles outside the consumers
     assert not (pdq or conv) or bk * (NOPE_DIM // 16 + ROPE_DIM // 8) == 128 * CONV_UNITS, bk
-    assert not direct or (split_d and bk in (32, 64)), (split_d, bk)
+    assert not direct or ((split_d or asym) and bk in (32, 64)), (split_d, bk)
     assert not direct_tile or (direct and bk == 64), (direct, bk)   # 128 B swizzle: (8, 64) tiles
     assert not piece_bars or (split_d and not fp8 and not cp_async), (split_d, fp8, cp_async)
     assert not ahead or (split_d and not split_scores and not pingpong and not fp8_overlap and not piece_bars
                          and (tiles or not fp8)), "score_ahead"
-    assert not asym or (not fp8 and bk == 64 and stages <= 4 and not (split_d or split_scores or pingpong
-                                                                       or piece_bars or ahead)), "asym"
+    asym_slots = n_tiles if (pdq or conv or direct) else stages   # asym: P / alpha slots, one per ring slot
+    assert not asym or ((not fp8 or direct) and bk == 64 and asym_slots <= 4
+                        and not (split_d or split_scores or pingpong or piece_bars or ahead)), "asym"
     conv_units = CONV_UNITS if conv_units is None else conv_units
     # the producer's share of each step's conversion: all of it (pdq), the units past conv_units (conv), or none
     p_units = (0, CONV_UNITS) if pdq else (conv_units, CONV_UNITS) if conv and conv_units < CONV_UNITS else None
@@ -287,6 +290,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
         elif pdq:   # full / empty: the bf16 tile ring's (producer -> consumers); st_bars: the staging slots' copies
             (q_smem, ring, nope_st, rope_st, scale_st, x_s, idx_smem), (q_bar, idx_bar), \
                 (st_bars, full_bars, empty_bars, cons_bar) = scratch
+        elif direct and asym:   # the tile ring, then asym's P and alpha slots (as for a bf16 ring)
+            (q_smem, ring, x_p, idx_smem, vec_smem, x_a), (q_bar, idx_bar), (full_bars, empty_bars, cons_bar) = \
+                scratch
         elif direct:   # the tile ring alone: the producer's registers are the staging
             (q_smem, ring, x_s, idx_smem), (q_bar, idx_bar), (full_bars, empty_bars, cons_bar) = scratch
         elif fp8 and split_d:
@@ -1662,13 +1668,13 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 inv = one_row / (l + (sink2 - m).exp2(approx=True))
             if asym:   # the scorer's normalisation is the row's: to the helper through x_a's last row
                 with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
-                    inv.store_untiled(mu.memref_slice(x_a, stages), optimized=False)
+                    inv.store_untiled(mu.memref_slice(x_a, asym_slots), optimized=False)
             else:
                 o = [(a * inv.broadcast_minor(dh // pv_parts)).astype(bf16) for a in acc]
             cons_bar.arrive()   # both consumers are past their last q.K: q_smem can hold the output
             cons_bar.wait()
             if asym:
-                inv = fa.FragmentedArray.load_untiled(mu.memref_slice(x_a, stages), layout=fa.WGMMA_ROW_LAYOUT,
+                inv = fa.FragmentedArray.load_untiled(mu.memref_slice(x_a, asym_slots), layout=fa.WGMMA_ROW_LAYOUT,
                                                       optimized=False)
                 o = [(a * inv.broadcast_minor(dh // pv_parts)).astype(bf16) for a in acc]
             for o_part, cols in zip(o, pv_cols):
@@ -1719,8 +1725,12 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             (jax.ShapeDtypeStruct((BLOCK_H // 8, d // tc, 8, tc), jnp.bfloat16),     # q, then o
              jax.ShapeDtypeStruct((n_tiles, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # the bf16 tile ring
              *staging,
-             jax.ShapeDtypeStruct((2, BLOCK_H // 8, bk // 32, 8, 32), jnp.float32),  # split_d's partials | sinks, lse
-             jax.ShapeDtypeStruct((idx_len,), jnp.int32)),
+             *((jax.ShapeDtypeStruct((asym_slots, BLOCK_H // 8, bk // tc, 8, tc), jnp.bfloat16),   # asym: P,
+                jax.ShapeDtypeStruct((idx_len,), jnp.int32),
+                jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32),                  # sinks | lse,
+                jax.ShapeDtypeStruct((asym_slots + 1, BLOCK_H), jnp.float32)) if asym else   # alpha, 1 / l
+               (jax.ShapeDtypeStruct((2, BLOCK_H // 8, bk // 32, 8, 32), jnp.float32),  # split_d's partials | sinks,
+                jax.ShapeDtypeStruct((idx_len,), jnp.int32)))),                         # lse
             (mgpu.TMABarrier(1), mgpu.TMABarrier(1)),
             # staging: the expect_tx arrival + one cp.async arrival per producer warp; tile full: the 128 producer
             # threads; tile empty / cons: the 256 consumer threads
@@ -1758,10 +1768,10 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             smem = (
                 (jax.ShapeDtypeStruct((BLOCK_H // 8, d // tc, 8, tc), jnp.bfloat16),     # q, then o
                  jax.ShapeDtypeStruct((stages, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # KV ring
-                 jax.ShapeDtypeStruct((stages, BLOCK_H // 8, bk // tc, 8, tc), jnp.bfloat16),   # P per slot
+                 jax.ShapeDtypeStruct((asym_slots, BLOCK_H // 8, bk // tc, 8, tc), jnp.bfloat16),   # P per slot
                  jax.ShapeDtypeStruct((idx_len,), jnp.int32),                        # this split's index rows
                  jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32),                      # sinks | lse
-                 jax.ShapeDtypeStruct((stages + 1, BLOCK_H), jnp.float32)),              # alpha per slot, 1 / l
+                 jax.ShapeDtypeStruct((asym_slots + 1, BLOCK_H), jnp.float32)),          # alpha per slot, 1 / l
                 (mgpu.TMABarrier(1), mgpu.TMABarrier(1),
                  mgpu.Barrier(arrival_count=128, num_barriers=stages) if cp_async else mgpu.TMABarrier(stages)),
                 (mgpu.Barrier(arrival_count=256, num_barriers=stages), mgpu.Barrier(arrival_count=256)),
@@ -2196,8 +2206,9 @@ def sparse_attention_mosaic(
     start, i.e. the issue itself waits for the tensor cores (two consumers' chains, bound by their A operand's
     shared-memory reads at N = 32), so nothing runs under them; the step grew from ~4100 to ~5000 cycles.
     consumers (None = DEFAULT_CONSUMERS: "pair"): how the two consumer warpgroups share a step. "pair": the
-    symmetric pair above (split_d, split_scores or pingpong, as resolved). "asym" (bf16 pools, block_k 64, the
-    bulk-copy producer; not with split_d=True, split_scores, pingpong, piece_barriers or score_ahead): FlashMLA's
+    symmetric pair above (split_d, split_scores or pingpong, as resolved). "asym" (block_k 64: bf16 pools gathered
+    by the bulk-copy producer, or FP8 pools with fp8_dequant="direct", which is then FlashMLA's whole FP8 decode
+    shape; not with split_d=True, split_scores, pingpong, piece_barriers or score_ahead): FlashMLA's
     decode split, see `_build`'s asym: consumer 0 scores over all of d, runs the softmax and hands P and its
     rescale factors to consumer 1 through shared memory (8 KB + 256 B a ring slot); each runs P.V over its half of
     the output columns, consumer 1's of step g under consumer 0's scores of step g + 1. No partial-score exchange,
@@ -2214,12 +2225,13 @@ def sparse_attention_mosaic(
         clash = [name for name, v in (("split_d", split_d), ("split_scores", split_scores), ("pingpong", pingpong),
                                       ("piece_barriers", piece_barriers), ("score_ahead", score_ahead),
                                       ("fp8_overlap", fp8_overlap)) if v]
-        if isinstance(window_kv, Fp8KVPool) or clash or (block_k or 64) != 64 or producer == "cp_async" \
-                or _diag is not None:
-            raise ValueError("consumers='asym' runs bf16 pools in 64-row steps gathered by the bulk-copy producer, "
-                             "without split_d, split_scores, pingpong, piece_barriers, score_ahead or _diag; got "
-                             f"{'FP8 pools, ' if isinstance(window_kv, Fp8KVPool) else ''}block_k={block_k}, "
-                             f"producer={producer!r}" + (f", {', '.join(clash)}" if clash else ""))
+        fp8_not_direct = isinstance(window_kv, Fp8KVPool) and fp8_dequant != "direct"
+        if fp8_not_direct or clash or (block_k or 64) != 64 or producer == "cp_async" or _diag is not None:
+            raise ValueError("consumers='asym' runs 64-row steps of bf16 rings gathered by the bulk-copy producer, or "
+                             "of FP8 pools through fp8_dequant='direct', without split_d, split_scores, pingpong, "
+                             "piece_barriers, score_ahead, fp8_overlap or _diag; got "
+                             f"{'FP8 pools with fp8_dequant=' + repr(fp8_dequant) + ', ' if fp8_not_direct else ''}"
+                             f"block_k={block_k}, producer={producer!r}" + (f", {', '.join(clash)}" if clash else ""))
         if num_stages is not None and not 1 <= num_stages <= 4:
             raise ValueError(f"consumers='asym' takes 1-4 ring slots (a named barrier each), got {num_stages}")
         split_d, split_scores, pingpong, piece_barriers, score_ahead = False, False, False, False, False
@@ -2232,9 +2244,10 @@ def sparse_attention_mosaic(
         None where it can."""
         if not fp8:
             return f"fp8_dequant={mode!r} dequantizes FP8 pools (bf16 pools need no conversion)"
-        if split_d is False or split_scores or pingpong or fp8_overlap or _diag is not None:
-            return (f"fp8_dequant={mode!r} runs with split_d (the consumers' bf16 steps), without split_scores / "
-                    "pingpong / fp8_overlap / _diag")
+        if (split_d is False and not (asym and mode == "direct")) or split_scores or pingpong or fp8_overlap \
+                or _diag is not None:
+            return (f"fp8_dequant={mode!r} runs with split_d (the consumers' bf16 steps; 'direct' also with "
+                    "consumers='asym'), without split_scores / pingpong / fp8_overlap / _diag")
         if mode == "direct":
             if (block_k or 64) not in (32, 64):
                 return f"fp8_dequant='direct' takes block_k=64 (the default) or 32, got {block_k}"
@@ -2297,7 +2310,7 @@ def sparse_attention_mosaic(
         if conflict:
             raise ValueError(conflict)
         if direct:   # no staging ring (num_stages = 1 only sizes the index ring's depth)
-            block_k, split_d, num_stages = block_k or 64, True, 1
+            block_k, split_d, num_stages = block_k or 64, not asym, 1
             if tile_slots is None and block_k == 32:
                 n_tiles = 4
             if direct_staging is None:
@@ -2407,8 +2420,9 @@ def sparse_attention_mosaic(
         partials, which hold the sinks | lse (counted below) inside them."""
         if split_d:
             return 2 * BLOCK_H * bk * 4 - 2 * BLOCK_H * 4
-        if asym:   # P (bf16) and alpha per ring slot, 1 / l
-            return stages * BLOCK_H * bk * 2 + (stages + 1) * BLOCK_H * 4
+        if asym:   # P (bf16) and alpha per ring slot (the tile ring's with FP8), 1 / l
+            slots = n_tiles if tiles else stages
+            return slots * BLOCK_H * bk * 2 + (slots + 1) * BLOCK_H * 4
         return (4 * BLOCK_H * (bk // 2) * 2 + 4 * BLOCK_H * 4 + 2 * BLOCK_H * 4) if split_scores else 0
 
     cluster = combine == "cluster"
