@@ -34,7 +34,7 @@ asym() {
 decode_table() {
   T_attn=290 ATTN_ARGS="--groups decode --net-decode --ref-batches 64" STEPS=attn session decode_table
 }
-asym_fp8() {
+asym_fp8_and_profile() {
   T_attn=170 ATTN_ARGS="--groups s64f --net-decode --no-ref" STEPS=attn session asym_fp8_timing
   T_mprof=200 MPROF_ARGS="--cases csa128_asym,csa128_nosd,prefill2k_asym,csa128_fp8_direct_asym,csa128_fp8_direct" STEPS=mprof session asym_profile
 }
@@ -46,8 +46,8 @@ case "$card:${PART:-1}" in
 --set-configs topk=auto_set,mosaic.q_prep_heads=64 --cases 64x1x131072xfp4,64x1x131072xfp8,64x1x131072xbf16,1x1x131072xfp4,1x1x131072xfp8,64x1x1048576xfp4,\
 64x1x1048576xfp8,1x1x1048576xfp4,64x1x8192xfp8" session indexer_table ;;
   *H200*:2) asym ;;
-  *H200*:*) asym_fp8 ;;
+  *H200*:*) asym_fp8_and_profile ;;
   *:1) asym ;;
-  *:2) asym_fp8 ;;
+  *:2) asym_fp8_and_profile ;;
   *) decode_table ;;
 esac

@@ -415,26 +415,26 @@ def main():
             for kind, b, kc in [("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 8192)]:
                 record(bench_case(rng, ceil, kind, b, 1, kc, False, opts=o, ref=False))
             record(bench_case(rng, ceil, "csa", 1, 4096, 512, False, opts=o, ref=False, csa_cap=1024))
-    if "s64" in groups:  # session 64: FlashMLA's consumer split (consumers="asym") against the default pair, bf16
-        # decode (each row of the table, B = 16 / 64 / 128) and prefill; the lazy rescale with it
-        for o in (dict(mos), dict(mos, consumers="asym")):
-            for kind, b, kc in [("csa", 16, 512), ("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 1024),
-                                ("hca", 16, 8192), ("hca", 64, 8192)]:
+    if "s64" in groups or "s64q" in groups:  # session 64: FlashMLA's consumer split (consumers="asym") against the
+        # default pair, bf16 decode (each row of the table, B = 16 / 64 / 128) and prefill, and the lazy
+        # rescale with it; s64q, the short form for a call with little device time left: CSA B = 64 / 128, 16K
+        short = "s64" not in groups
+        rows, lens = ([("csa", 64, 512), ("csa", 128, 512)], (16384,)) if short else (
+            [("csa", 16, 512), ("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 1024), ("hca", 16, 8192),
+             ("hca", 64, 8192)], (4096, 16384))
+        asym = dict(mos, consumers="asym")
+        plan = [(dict(mos), rows, lens), (asym, rows, lens)]   # (options, decode rows, prefill lengths)
+        if not short:
+            plan.append((dict(asym, lazy_rescale=True), [("csa", 128, 512)], (16384,)))
+        for o, rows_, lens_ in plan:
+            for kind, b, kc in rows_:
                 record(bench_case(rng, ceil, kind, b, 1, kc, False, opts=o, ref=False))
-            for t in (4096, 16384):
+            for t in lens_:
                 record(bench_case(rng, ceil, "csa", 1, t, 512, False, opts=o, ref=False, csa_cap=t // 4))
-        lazy = dict(mos, consumers="asym", lazy_rescale=True)   # (s64q: the first call's short form, below)
-        record(bench_case(rng, ceil, "csa", 128, 1, 512, False, opts=lazy, ref=False))
-        record(bench_case(rng, ceil, "csa", 1, 16384, 512, False, opts=lazy, ref=False, csa_cap=4096))
     if "s64f" in groups:  # session 64, FP8: FlashMLA's shape (the direct gather + the asym split) against the
         # default (the converter warpgroup, the pair) and the direct gather with the pair, decode rows
         fp8_modes([dict(mos), dict(mos, fp8_dequant="direct"), dict(mos, fp8_dequant="direct", consumers="asym")],
                   [("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 1024), ("hca", 64, 8192)], ())
-    if "s64q" in groups:  # session 64, short: asym against the pair on CSA decode B = 64 / 128 and 16K prefill
-        for o in (dict(mos), dict(mos, consumers="asym")):
-            for b in (64, 128):
-                record(bench_case(rng, ceil, "csa", b, 1, 512, False, opts=o, ref=False))
-            record(bench_case(rng, ceil, "csa", 1, 16384, 512, False, opts=o, ref=False, csa_cap=4096))
     if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor
         for kind, b, kc, fp8 in [("csa", 16, 512, False), ("csa", 64, 512, True), ("hca", 16, 8192, True)]:
             for o in ({}, dict(partial_dtype="bfloat16"), dict(fp8_scales="vector"),

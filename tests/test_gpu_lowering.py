@@ -455,9 +455,10 @@ def test_sparse_attention_cluster_combine_rejects_what_it_cannot_do():
 
 
 def test_sparse_attention_mosaic_asym_consumers_reject_what_they_cannot_do(monkeypatch):
-    """consumers="asym" (one consumer scores, the other runs P.V from the first's P in shared memory) runs bf16 rings
-    of 64-row steps from the bulk-copy producer, in 1-4 slots (a named barrier each), and none of the pair's own
-    schedules; where it applies the wrapper builds it with split_d, split_scores and pingpong off."""
+    """consumers="asym" (one consumer scores, the other runs P.V from the first's P in shared memory) runs 64-row
+    steps of bf16 rings from the bulk-copy producer in 1-4 slots (a named barrier each), or of FP8 pools through
+    fp8_dequant="direct" only, and none of the pair's own schedules; where it applies the wrapper builds it with
+    split_d, split_scores and pingpong off."""
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
     keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")

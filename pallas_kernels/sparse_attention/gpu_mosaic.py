@@ -39,8 +39,7 @@ side by side and the second group's gathers of the same KV rows mostly hit L2.
   (H100: decode 0.4-3.5% faster; prefill 2.5% slower, so off there). The piece-major issue order of FlashMLA's
   fine-grained pipelining (`"pieces"`) is 1-9% slower on the H100, where decode is memory-bound.
 * `consumers="asym"` (session 64, bf16 rings and FP8's direct gather; off by default until timed): FlashMLA's
-  decode split instead of the
-  pair. Consumer 0 scores over all of d, runs the softmax and hands P (bf16) and its rescale factors to consumer 1
+  decode split instead of the pair. Consumer 0 scores over all of d, runs the softmax and hands P (bf16) and its rescale factors to consumer 1
   through shared memory (8 KB + 256 B a ring slot, one named barrier); each runs P.V over its half of the output
   columns, consumer 1's of step g under consumer 0's scores of step g + 1. See `_build`'s asym.
 * the q tile becomes the output tile once both consumers are past their last scores (a barrier between them).
@@ -233,13 +232,13 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     pingpong / piece_bars / ahead: `consumers="asym"`, FlashMLA's decode split of the two consumers; with `direct`,
     FlashMLA's whole FP8 decode shape): consumer 0, the scorer, computes S over all of d
     (32 m64n64k16 wgmma, q from shared memory), runs the softmax, writes P (bf16, the wgmma's tiled 128 B-swizzled
-    layout) and the rescale factors alpha into slot g % stages of two small buffers, arrives on named barrier
+    layout) and the rescale factors alpha into ring slot g % n_ring of two small buffers, arrives on named barrier
     12 + slot, then runs P.V over its half of the output columns with P from registers. Consumer 1, the helper,
     waits on that barrier, rescales its accumulator by alpha and runs P.V over the other half with P from shared
     memory. Nothing else passes between them: no partial scores (split_d's 32 KB and two barriers a step), the
     softmax is computed once, and the helper's P.V of step g runs while the scorer scores step g + 1. The P and
-    alpha slots need no barrier of their own: the scorer writes slot g % stages only after the ring's full barrier
-    of step g, which needs both consumers' empty arrivals of step g - stages, which the helper gives after its P.V
+    alpha slots need no barrier of their own: the scorer writes slot g % n_ring only after the ring's full barrier
+    of step g, which needs both consumers' empty arrivals of step g - n_ring, which the helper gives after its P.V
     read P. For the same reason the scorer cannot arrive twice on one named barrier before the helper waited on it.
     At the end the scorer's 1 / l goes to the helper through shared memory (x_a's last row).
     profile ((entries per warpgroup, dump directory) or None): Mosaic GPU's on-device profiler records each
@@ -262,8 +261,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     assert not piece_bars or (split_d and not fp8 and not cp_async), (split_d, fp8, cp_async)
     assert not ahead or (split_d and not split_scores and not pingpong and not fp8_overlap and not piece_bars
                          and (tiles or not fp8)), "score_ahead"
-    asym_slots = n_tiles if (pdq or conv or direct) else stages   # asym: P / alpha slots, one per ring slot
-    assert not asym or ((not fp8 or direct) and bk == 64 and asym_slots <= 4
+    n_ring = n_tiles if tiles else stages   # the slots the consumers read: tile ring or KV ring
+    assert not asym or ((not fp8 or direct) and bk == 64 and n_ring <= 4
                         and not (split_d or split_scores or pingpong or piece_bars or ahead)), "asym"
     conv_units = CONV_UNITS if conv_units is None else conv_units
     # the producer's share of each step's conversion: all of it (pdq), the units past conv_units (conv), or none
@@ -1452,7 +1451,6 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.shared::cta;", "",
                                     has_side_effects=True)
 
-            n_ring = n_tiles if tiles else stages   # the slots the consumers read: tile ring or KV ring
 
             def consume(k, j, g, carry):
                 m, l, acc = carry
@@ -1668,13 +1666,13 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 inv = one_row / (l + (sink2 - m).exp2(approx=True))
             if asym:   # the scorer's normalisation is the row's: to the helper through x_a's last row
                 with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
-                    inv.store_untiled(mu.memref_slice(x_a, asym_slots), optimized=False)
+                    inv.store_untiled(mu.memref_slice(x_a, n_ring), optimized=False)
             else:
                 o = [(a * inv.broadcast_minor(dh // pv_parts)).astype(bf16) for a in acc]
             cons_bar.arrive()   # both consumers are past their last q.K: q_smem can hold the output
             cons_bar.wait()
             if asym:
-                inv = fa.FragmentedArray.load_untiled(mu.memref_slice(x_a, asym_slots), layout=fa.WGMMA_ROW_LAYOUT,
+                inv = fa.FragmentedArray.load_untiled(mu.memref_slice(x_a, n_ring), layout=fa.WGMMA_ROW_LAYOUT,
                                                       optimized=False)
                 o = [(a * inv.broadcast_minor(dh // pv_parts)).astype(bf16) for a in acc]
             for o_part, cols in zip(o, pv_cols):
@@ -1715,6 +1713,10 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     lead = ((bt, ns) if out_split else (bt,)) + (n_hg,)
     out_shape = (jax.ShapeDtypeStruct((*lead, BLOCK_H, d), jnp.bfloat16),
                  jax.ShapeDtypeStruct((*lead, BLOCK_H), jnp.float32))
+    # asym: P per ring slot (bf16, the helper's wgmma A operand: right after the ring, 1 KB aligned), and alpha per
+    # ring slot + the final 1 / l (after sinks | lse)
+    asym_p = jax.ShapeDtypeStruct((n_ring, BLOCK_H // 8, bk // tc, 8, tc), jnp.bfloat16)
+    asym_a = jax.ShapeDtypeStruct((n_ring + 1, BLOCK_H), jnp.float32)
     if tiles:
         # (direct stages nothing in shared memory: no staging buffers, no staging barriers)
         staging = () if direct else (
@@ -1725,10 +1727,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             (jax.ShapeDtypeStruct((BLOCK_H // 8, d // tc, 8, tc), jnp.bfloat16),     # q, then o
              jax.ShapeDtypeStruct((n_tiles, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # the bf16 tile ring
              *staging,
-             *((jax.ShapeDtypeStruct((asym_slots, BLOCK_H // 8, bk // tc, 8, tc), jnp.bfloat16),   # asym: P,
-                jax.ShapeDtypeStruct((idx_len,), jnp.int32),
-                jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32),                  # sinks | lse,
-                jax.ShapeDtypeStruct((asym_slots + 1, BLOCK_H), jnp.float32)) if asym else   # alpha, 1 / l
+             *((asym_p, jax.ShapeDtypeStruct((idx_len,), jnp.int32),
+                jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32), asym_a) if asym else      # asym | sinks, lse
                (jax.ShapeDtypeStruct((2, BLOCK_H // 8, bk // 32, 8, 32), jnp.float32),  # split_d's partials | sinks,
                 jax.ShapeDtypeStruct((idx_len,), jnp.int32)))),                         # lse
             (mgpu.TMABarrier(1), mgpu.TMABarrier(1)),
@@ -1762,21 +1762,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
         # the barriers (8 mod 16 B: the session-10 layout, kept as _diag="ss_tail")
         exch = (jax.ShapeDtypeStruct((2, 2, BLOCK_H, bk // 2), jnp.bfloat16),
                 jax.ShapeDtypeStruct((2, 2, BLOCK_H), jnp.float32),
-                jax.ShapeDtypeStruct((2, BLOCK_H), jnp.float32)) if split_scores else ()
+                jax.ShapeDtypeStruct((2, BLOCK_H), jnp.float32)) if split_scores else (asym_p,) if asym else ()
         tail = split_scores and diag == "ss_tail"
-        if asym:   # P per slot right after the ring (1 KB aligned, as a wgmma operand must be), alpha per slot + 1 / l
-            smem = (
-                (jax.ShapeDtypeStruct((BLOCK_H // 8, d // tc, 8, tc), jnp.bfloat16),     # q, then o
-                 jax.ShapeDtypeStruct((stages, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # KV ring
-                 jax.ShapeDtypeStruct((asym_slots, BLOCK_H // 8, bk // tc, 8, tc), jnp.bfloat16),   # P per slot
-                 jax.ShapeDtypeStruct((idx_len,), jnp.int32),                        # this split's index rows
-                 jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32),                      # sinks | lse
-                 jax.ShapeDtypeStruct((asym_slots + 1, BLOCK_H), jnp.float32)),          # alpha per slot, 1 / l
-                (mgpu.TMABarrier(1), mgpu.TMABarrier(1),
-                 mgpu.Barrier(arrival_count=128, num_barriers=stages) if cp_async else mgpu.TMABarrier(stages)),
-                (mgpu.Barrier(arrival_count=256, num_barriers=stages), mgpu.Barrier(arrival_count=256)),
-            )
-        elif split_d:   # the consumers' f32 partial scores, (8, 32) tiles with 128 B swizzle; sinks | lse alias them
+        if split_d:   # the consumers' f32 partial scores, (8, 32) tiles with 128 B swizzle; sinks | lse alias them
             smem = (
                 (jax.ShapeDtypeStruct((BLOCK_H // 8, d // tc, 8, tc), jnp.bfloat16),     # q, then o
                  jax.ShapeDtypeStruct((stages, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # KV ring
@@ -1794,7 +1782,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                  jax.ShapeDtypeStruct((stages, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # KV ring
                  *(() if tail else exch),
                  jax.ShapeDtypeStruct((idx_len,), jnp.int32),                        # this split's index rows
-                 jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32)),                     # sinks | lse
+                 jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32),                      # sinks | lse
+                 *((asym_a,) if asym else ())),
                 # full: the expect_tx arrival (TMA), or the 128 producer threads' cp.async arrivals
                 (mgpu.TMABarrier(1), mgpu.TMABarrier(1),
                  mgpu.Barrier(arrival_count=128, num_barriers=stages) if cp_async else mgpu.TMABarrier(stages)),
