@@ -487,6 +487,30 @@ def test_sparse_attention_mosaic_asym_consumers_reject_what_they_cannot_do(monke
         [(True, False, False, False, 64, False)] * 2 + [(True, False, False, False, 64, True)]
 
 
+def test_sparse_attention_mosaic_default_consumers_yield_to_the_pairs_modes(monkeypatch):
+    """With "asym" as the bf16 default (DEFAULT_CONSUMERS; H100 session 65 timed it faster, the flip waits for the
+    model-level GPU test) a call without options builds asym, and one that names a pair mode (split_d, split_scores,
+    piece_barriers, block_k 32, the cp.async producer) builds the pair instead of raising; likewise for FP8 pools
+    (an "asym" default there would build asym only over fp8_dequant="direct")."""
+    from pallas_kernels.sparse_attention import gpu_mosaic
+
+    monkeypatch.setattr(gpu_mosaic, "DEFAULT_CONSUMERS", {"bf16": "asym", "fp8": "asym"})
+    built = spy_mosaic_builds(monkeypatch)
+    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
+    bf16 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=False)
+    fp8 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)
+    cases = [(bf16, {}, True), (bf16, dict(lazy_rescale=True, n_splits=2), True), (bf16, dict(split_d=True), False),
+             (bf16, dict(split_d=False), False), (bf16, dict(piece_barriers=False), False),
+             (bf16, dict(block_k=32, num_stages=4), False), (bf16, dict(producer="cp_async"), False),
+             (fp8, {}, False), (fp8, dict(fp8_dequant="direct"), True)]
+    for inp, opts, want_asym in cases:
+        built.clear()
+        lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(
+            *a, scale=0.1, window_len=inp["window_len"], compressed_len=inp["compressed_len"], **opts),
+            *(inp[k] for k in keys))
+        assert [a.get("asym", False) for a in built] == [want_asym], opts
+
+
 @full_tier
 def test_sparse_attention_mosaic_split_d_rejects_what_it_cannot_do():
     """split_d (each consumer scores half of d, f32 partials swapped through shared memory) excludes split_scores and
@@ -694,8 +718,9 @@ def test_sparse_attention_mosaic_counts_its_barriers_in_shared_memory():
 
 
 @pytest.mark.parametrize("b,k_c,fp8,opts,ring,max_ns", [
-    (16, 8192, False, {}, 3, 8),            # HCA-8K decode: whole lists would not fit at 8 splits -> streamed
-    full(16, 8192, False, dict(idx_stream=False), 0, None),   # ... whole: split further (more, shorter CTAs)
+    (16, 8192, False, dict(consumers="pair"), 3, 8),   # HCA-8K decode: the pair's whole lists would not fit at
+    full(16, 8192, False, dict(consumers="pair", idx_stream=False), 0, None),   # 8 splits -> streamed; whole: split
+    (16, 8192, False, dict(consumers="asym"), 0, 8),   # further. asym (10 KB less) holds them whole at 8
     full(16, 8192, True, dict(n_splits=2), 0, 2),   # FP8 tile ring: 4160 entries a split still fit whole ...
     (16, 8192, True, dict(n_splits=1), 6, 1),   # ... 8320 do not: a ring of 3 staging + 2 tiles + 1 steps
     (4, 512, False, {}, 0, None),            # CSA decode: the lists fit, held whole

@@ -53,9 +53,10 @@ def test_indexer_picks_auto_and_invalid():
 @pytest.mark.skipif(jax.default_backend() not in ("gpu", "cuda"), reason="the Mosaic GPU kernel runs only on a GPU")
 def test_bf16_model_on_mosaic_attention_matches_triton_and_reference(monkeypatch):
     """A bf16 model with 64 heads (the shape the Mosaic GPU kernel takes) on each GPU attention kernel, and on the
-    Mosaic kernel's split_scores schedule (its prefill default until session 18, forced on for every call here; the
-    default is split_d): its logits are as
-    close to the reference path as the Triton kernel's (all differ from it only by bf16 rounding order).
+    Mosaic kernel's three consumer schedules, each forced on for every call: "asym" (session 64), the symmetric
+    pair's split_d (the default since session 18) and its split_scores (the prefill default until session 18). Its
+    logits are as close to the reference path as the Triton kernel's (all differ from it only by bf16 rounding
+    order).
 
     Every MoE layer routes by hash (num_hash_layers = 2): with the learned router in layer 2 the top-2 choice of one
     prefill token sits 2.1e-3 (relative) from a flip, and on the CPU random noise of the kernels' size (relative norm
@@ -71,8 +72,12 @@ def test_bf16_model_on_mosaic_attention_matches_triton_and_reference(monkeypatch
     ids = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 18))
     make = lambda **kw: DeepseekV4ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(4), **kw)
     ref = _run(make(attention_impl="reference"), ids)
-    outs = {k: _run(make(attention_impl="pallas", attention_kernel=k), ids) for k in ("triton", "mosaic")}
-    # split_scores only runs where split_d (the default since session 18) is off
+    outs = {"triton": _run(make(attention_impl="pallas", attention_kernel="triton"), ids)}
+    for consumers in ("asym", "pair"):   # each schedule forced, whichever is the default
+        monkeypatch.setattr(gpu_mosaic, "DEFAULT_CONSUMERS", {"bf16": consumers, "fp8": "pair"})
+        jax.clear_caches()
+        outs[f"mosaic_{consumers}"] = _run(make(attention_impl="pallas", attention_kernel="mosaic"), ids)
+    # split_scores only runs where split_d (the pair's default since session 18) is off
     monkeypatch.setattr(gpu_mosaic, "DEFAULT_SPLIT_D", False)
     monkeypatch.setattr(gpu_mosaic, "SPLIT_SCORES_MIN_T", 1)
     jax.clear_caches()
@@ -81,8 +86,9 @@ def test_bf16_model_on_mosaic_attention_matches_triton_and_reference(monkeypatch
                            / np.abs(y.astype(np.float32)).max() for x, y in zip(a, b))
     err = {k: rel(o, ref) for k, o in outs.items()}
     print("max logit error against the reference path:", {k: round(float(v), 4) for k, v in err.items()})
-    # the forced schedule really ran: its bf16 rounding differs from the default's somewhere in the logits
-    assert not all(np.array_equal(a, b) for a, b in zip(outs["mosaic"], outs["mosaic_split_scores"]))
-    for k in ("mosaic", "mosaic_split_scores"):
+    # the forced schedules really ran: their bf16 rounding differs somewhere in the logits
+    for k in ("mosaic_asym", "mosaic_split_scores"):
+        assert not all(np.array_equal(a, b) for a, b in zip(outs["mosaic_pair"], outs[k])), k
+    for k in ("mosaic_asym", "mosaic_pair", "mosaic_split_scores"):
         assert err[k] <= max(2 * err["triton"], 2e-2), err
         assert rel(outs[k], outs["triton"]) <= 2e-2, err
