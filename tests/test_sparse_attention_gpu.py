@@ -347,9 +347,9 @@ AHEAD_CASES = [
 MOSAIC_CASES += [(*c[:7], dict(score_ahead=True, **c[7])) for c in AHEAD_CASES]
 
 # FlashMLA's consumer split (consumers="asym", session 64): consumer 0 scores and hands P and alpha to consumer 1
-# through shared memory; the bf16 default since session 65. The piece-barrier cases (every list shape, split count
-# and merge, prefill, 128 heads, one ring slot), plus the lazy rescale, a wave past 132 CTAs and the cluster merge
-# (three 64 KB slots of d = 512 do not fit next to q: the wrapper refuses them, H100 session 65)
+# through shared memory (faster for bf16 on an H100, session 65). The piece-barrier cases (every list shape, split
+# count and merge, prefill, 128 heads, one ring slot), plus the lazy rescale, a wave past 132 CTAs and the cluster
+# merge (three 64 KB slots of d = 512 do not fit next to q: the wrapper refuses them, H100 session 65)
 ASYM_CASES = [
     *PIECE_CASES,
     (2, 1, 128, 9000, 128, 8192, dict(ragged=True, wide_scales=True), dict(lazy_rescale=True)),

@@ -2219,28 +2219,29 @@ def sparse_attention_mosaic(
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
     call_args = dict(locals())   # for the fallback below: the default tile ring where it does not fit
-    if consumers is None:   # the default for the pools' dtype, the pair wherever an option asks for the pair's modes
-        consumers = DEFAULT_CONSUMERS["fp8" if isinstance(window_kv, Fp8KVPool) else "bf16"]
-        pair_knobs = (split_d, split_scores, pingpong, piece_barriers, score_ahead, fp8_overlap, _diag)
-        if consumers == "asym" and (any(v is not None for v in pair_knobs) or (block_k or 64) != 64
-                                    or producer == "cp_async" or (num_stages is not None and not 1 <= num_stages <= 4)
-                                    or (isinstance(window_kv, Fp8KVPool) and fp8_dequant != "direct")):
+    pair_modes = (("split_d", split_d), ("split_scores", split_scores), ("pingpong", pingpong),
+                  ("piece_barriers", piece_barriers), ("score_ahead", score_ahead), ("fp8_overlap", fp8_overlap))
+    fp8_pools = isinstance(window_kv, Fp8KVPool)
+    fp8_not_direct = fp8_pools and fp8_dequant != "direct"
+    # what keeps asym from running besides the pair's own modes switched on
+    asym_misfit = fp8_not_direct or (block_k or 64) != 64 or producer == "cp_async" or _diag is not None
+    asym_slots_ok = num_stages is None or 1 <= num_stages <= 4
+    if consumers is None:   # the default for the pools' dtype; the pair wherever an option names one of its modes
+        consumers = DEFAULT_CONSUMERS["fp8" if fp8_pools else "bf16"]
+        if consumers == "asym" and (any(v is not None for _, v in pair_modes) or asym_misfit or not asym_slots_ok):
             consumers = "pair"
     if consumers not in ("pair", "asym"):
         raise ValueError(f"consumers must be 'pair' or 'asym', got {consumers!r}")
     asym = consumers == "asym"
     if asym:
-        clash = [name for name, v in (("split_d", split_d), ("split_scores", split_scores), ("pingpong", pingpong),
-                                      ("piece_barriers", piece_barriers), ("score_ahead", score_ahead),
-                                      ("fp8_overlap", fp8_overlap)) if v]
-        fp8_not_direct = isinstance(window_kv, Fp8KVPool) and fp8_dequant != "direct"
-        if fp8_not_direct or clash or (block_k or 64) != 64 or producer == "cp_async" or _diag is not None:
+        clash = [name for name, v in pair_modes if v]
+        if asym_misfit or clash:
             raise ValueError("consumers='asym' runs 64-row steps of bf16 rings gathered by the bulk-copy producer, or "
                              "of FP8 pools through fp8_dequant='direct', without split_d, split_scores, pingpong, "
                              "piece_barriers, score_ahead, fp8_overlap or _diag; got "
                              f"{'FP8 pools with fp8_dequant=' + repr(fp8_dequant) + ', ' if fp8_not_direct else ''}"
                              f"block_k={block_k}, producer={producer!r}" + (f", {', '.join(clash)}" if clash else ""))
-        if num_stages is not None and not 1 <= num_stages <= 4:
+        if not asym_slots_ok:
             raise ValueError(f"consumers='asym' takes 1-4 ring slots (a named barrier each), got {num_stages}")
         split_d, split_scores, pingpong, piece_barriers, score_ahead = False, False, False, False, False
     b, t, h, d = common.validate(q, window_kv, window_idx, compressed_kv, compressed_idx, sinks, window_len,
