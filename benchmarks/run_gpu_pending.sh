@@ -16,7 +16,7 @@
 #   session 63).
 # T_ASYM_TESTS / T_ASYM_TIMING / ASYM_GROUP (s64q: the short form) for a call with little device time left.
 # PART=0 (any card; session 65's first call for the next session): the bf16 model-level test with consumers="asym"
-#   forced, the one check left before asym becomes the bf16 default (its kernel cases and timing passed on an H100
+#   forced (and its pair / split_scores legs, in parallel), the one check left before asym becomes the bf16 default (its kernel cases and timing passed on an H100
 #   in session 65). If it passes: DEFAULT_CONSUMERS["bf16"] = "asym", then the tables.
 # Logs: $OUT/<part>/<step>.log, as benchmarks/run_gpu_session.sh writes them.
 set -o pipefail
@@ -41,9 +41,11 @@ asym_fp8_and_profile() {
   T_attn=${T_S64F:-170} ATTN_ARGS="--groups s64f --net-decode --no-ref" STEPS=attn session asym_fp8_timing
   T_mprof=200 MPROF_ARGS="--cases csa128_asym,csa128_nosd,prefill2k_asym,csa128_fp8_direct_asym,csa128_fp8_direct" STEPS=mprof session asym_profile
 }
-model_asym() {   # session 65: the bf16 model test with each consumer schedule forced (asym, pair, split_scores);
-  # 170-347 s in sessions 45-60 with one Mosaic leg fewer, cut at 170 and 205 s in session 65
-  T_model=${T_MODEL:-420} MODEL_K="bf16_model_on_mosaic" STEPS=model session model_asym
+model_asym() {   # the bf16 model test, one test per consumer schedule forced (asym, pair, split_scores; session 66),
+  # next to the FP8-cache model test, four processes at once (one test took 170-347 s in sessions 45-60 with one
+  # Mosaic leg fewer and was cut at 170 and 205 s in session 65; a leg compiles the model three times, ~60-70 s each)
+  PYTEST_N=${PYTEST_N:-4} T_model=${T_MODEL:-420} MODEL_K=${MODEL_K:-bf16_model_on_mosaic} STEPS=model \
+    session model_asym
 }
 if [ -n "$INDEXER_TESTS" ]; then indexer_tests; exit; fi
 if [ "${PART:-1}" = 0 ]; then model_asym; exit; fi
