@@ -8,7 +8,6 @@ compilation to PTX happens on the GPU only.)"""
 
 from __future__ import annotations
 
-import inspect
 import re
 
 import jax
@@ -16,6 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 from test_compressor_kernels import make as make_compressor
+from kernel_spies import spy_mosaic_builds
 from tiers import core, full, full_tier, sweep
 from test_indexer_kernels import make as make_indexer
 from test_sparse_attention import make_inputs as make_attention
@@ -27,17 +27,6 @@ def lowers_for(platform, marker, fn, *args):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text().lower()
     assert marker in text, f"no {marker} kernel in the module lowered for {platform}"
     return text
-
-
-def spy_mosaic_builds(monkeypatch):
-    """Record the arguments (by name) of every Mosaic attention kernel the wrapper builds: a list that fills as it
-    lowers."""
-    from pallas_kernels.sparse_attention import gpu_mosaic
-
-    built, real = [], gpu_mosaic._build
-    bind = inspect.signature(real).bind
-    monkeypatch.setattr(gpu_mosaic, "_build", lambda *a, **kw: built.append(bind(*a, **kw).arguments) or real(*a, **kw))
-    return built
 
 
 def lowers_for_cuda(fn, *args):

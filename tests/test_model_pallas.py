@@ -9,6 +9,7 @@ from flax import nnx
 
 from dsv4_jax.config import tiny
 from dsv4_jax.model import DeepseekV4ForCausalLM
+from kernel_spies import spy_mosaic_builds
 from tiers import full
 
 
@@ -65,8 +66,6 @@ def test_bf16_model_on_mosaic_attention_matches_triton_and_reference(monkeypatch
     1.9e-3 on each attention output) flipped it in 2 of 6 seeds, a logit error of 0.11 (session 13,
     benchmarks/attention_noise_model.py). That is a property of the toy model, not of a kernel; with hash routing
     no output depends on a near-tie."""
-    import inspect
-
     import jax.numpy as jnp
 
     from pallas_kernels.sparse_attention import gpu_mosaic
@@ -83,19 +82,11 @@ def test_bf16_model_on_mosaic_attention_matches_triton_and_reference(monkeypatch
     if schedule == "split_scores":   # it only runs where split_d is off
         monkeypatch.setattr(gpu_mosaic, "DEFAULT_SPLIT_D", False)
         monkeypatch.setattr(gpu_mosaic, "SPLIT_SCORES_MIN_T", 1)
-    # the kernels built, by their schedule flags: the forced schedule really ran on every call
-    built, real_build = [], gpu_mosaic._build
-    sig = inspect.signature(real_build)
-
-    def spy(*a, **kw):
-        bound = sig.bind(*a, **kw)
-        bound.apply_defaults()
-        built.append((bound.arguments["asym"], bound.arguments["split_scores"], bound.arguments["split_d"]))
-        return real_build(*a, **kw)
-
-    monkeypatch.setattr(gpu_mosaic, "_build", spy)
+    # the kernels built, by their schedule flags (asym, split_scores, split_d): the forced schedule really ran
+    calls = spy_mosaic_builds(monkeypatch)
     jax.clear_caches()   # no jitted program traced under another schedule
     out = _run(make(attention_impl="pallas", attention_kernel="mosaic"), ids)
+    built = [tuple(bool(c.get(k, False)) for k in ("asym", "split_scores", "split_d")) for c in calls]
     # (asym on every call; the pair and split_scores never asym, and each on at least one call: a list too long for
     # split_d's 32 KB next to its index rows falls back to the kernel without it, by design)
     flag = {"asym": 0, "split_scores": 1, "pair": 2}[schedule]
