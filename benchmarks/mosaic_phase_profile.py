@@ -9,8 +9,9 @@ stamps the SM clock at the entry and exit of named regions,
   consumers  c_wait_q, per step c_wait_full (the block landed), c_scores (q K^T wgmma), c_softmax, c_pv (P.V
              wgmma; c_split_softmax with split_scores, c_dequant with FP8 pools, c_dequant_scores with
              fp8_overlap: the conversions and the score wgmma interleaved), then c_epilogue. With
-             piece_barriers (the bf16 decode default since session 56) the waits for the block's pieces sit
-             inside c_scores, and c_wait_full is empty: pass piece_barriers=False to see them apart
+             piece_barriers (the pair's bf16 decode default since session 56) the waits for the block's pieces
+             sit inside c_scores, and c_wait_full is empty: pass piece_barriers=False to see them apart. Since
+             session 66 a bf16 case that names none of the pair's modes profiles consumers="asym" (the default)
 
 and prints, per role and region, cycles per occurrence and per CTA, the share of the CTA's span, and how the CTAs'
 start times spread over the launch (waves). Reading: if c_wait_full dominates the consumers, the gathers bind
@@ -102,11 +103,11 @@ CASES = {
     "csa16_cle": ("csa", 16, 1, 512, "bf16", dict(cluster_loads="early")),     # the merge's reads issued first
     "csa64_cle": ("csa", 64, 1, 512, "bf16", dict(cluster_loads="early")),
     "hca1k64_cle": ("hca", 64, 1, 1024, "bf16", dict(cluster_loads="early")),
-    # with bf16 pools split_d, the default since session 18, is off in every case here: the profiler's records
+    # with bf16 pools split_d, the pair's default since session 18, is off in every case here: the profiler's records
     # (2.5-3.3 KB) do not fit next to its 32 KB exchange buffer, the q tile and the two-slot ring at any split count
     # (session 18, call 5). FP8 pools with split_d (one staging slot) leave room: ~206 KB + the records.
     "prefill2k_pp": ("csa", 1, 2048, 512, "bf16", dict(split_scores=False, pingpong=True)),
-    "prefill2k": ("csa", 1, 2048, 512, "bf16", {}),                        # split_scores (the prefill default)
+    "prefill2k": ("csa", 1, 2048, 512, "bf16", {}),   # the default: split_scores until session 65, asym since 66
     "prefill2k_noss": ("csa", 1, 2048, 512, "bf16", dict(split_scores=False)),
 }
 

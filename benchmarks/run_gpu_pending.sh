@@ -2,22 +2,21 @@
 # The device work still pending, as one command that picks its steps by the card it lands on (the device tool gives
 # an H100 or an H200, whichever comes; H200s have not come since session 55). Each part fits one 600 s call.
 #   device run:  PART=1 bash benchmarks/run_gpu_pending.sh        (then PART=2, 3 while the machine is warm)
-# H200, part 1: issue #4's decode table on today's defaults with the XLA reference at B = 64, then issue #5's rows
-#   (indexer decode at 8K / 128K / 1M, B = 1 and 64, each key format) on the defaults, against session 54's q
-#   preparation grid of before (`mosaic.q_prep_heads=64`) in the same call.
-# Session 64's consumers="asym" (FlashMLA's consumer split), built and never run: H200 parts 2-3, any other card's
-#   parts 1-2. First its GPU tests (the kernel against the reference, 20 cases: bf16 rings and FP8's direct gather)
-#   and its bf16 timing against the default pair (group s64: decode rows and prefill); then its FP8 timing (group
-#   s64f: FlashMLA's whole FP8 shape, the direct gather with the asym split, against the default converter and the
-#   direct gather with the pair) and the phase profile of the asym kernel.
-# Any other card, part 3: issue #4's decode table on today's defaults (the last H100 table is session 56's;
-#   sessions 57-61 changed the defaults past one wave of CTAs).
+# H200, part 1: issue #4's decode table on today's defaults (bf16 on consumers="asym" since session 66) with the XLA
+#   reference at B = 64, then issue #5's rows (indexer decode at 8K / 128K / 1M, B = 1 and 64, each key format) on
+#   the defaults, against session 54's q preparation grid of before (`mosaic.q_prep_heads=64`) in the same call.
+# H200, parts 2-3: consumers="asym" (FlashMLA's consumer split) on the H200, so far measured on an H100 only (session
+#   65): its GPU tests (the kernel against the reference: bf16 rings and FP8's direct gather) and its bf16 timing
+#   against the pair (group s64: decode rows and prefill); then its FP8 timing (group s64f: the direct gather with
+#   the asym split against the converter default and the direct gather with the pair) and its phase profile.
+# Any other card: parts 1-2 as the H200's parts 2-3 (done on an H100 in session 65); part 3 issue #4's decode table on
+#   today's defaults with the XLA reference at B = 64 (session 66's H100 table ran without it).
 # INDEXER_TESTS=1 (any card, any part): the indexer GPU tests of sessions 62-63 instead (all passed on an H100 in
 #   session 63).
 # T_ASYM_TESTS / T_ASYM_TIMING / ASYM_GROUP (s64q: the short form) for a call with little device time left.
-# PART=0 (any card; session 65's first call for the next session): the bf16 model-level test with consumers="asym"
-#   forced (and its pair / split_scores legs, in parallel), the one check left before asym becomes the bf16 default (its kernel cases and timing passed on an H100
-#   in session 65). If it passes: DEFAULT_CONSUMERS["bf16"] = "asym", then the tables.
+# PART=0 (any card): the model-level Mosaic tests, the bf16 one per forced consumer schedule (asym, the pair,
+#   split_scores) and the FP8-cache one, four processes at once (all four passed on an H100 in session 66 in 307 s,
+#   which made asym the bf16 default).
 # Logs: $OUT/<part>/<step>.log, as benchmarks/run_gpu_session.sh writes them.
 set -o pipefail
 OUT=${OUT:-/tmp/pending_out}

@@ -308,7 +308,8 @@ def main():
             for o in ({}, dict(kernel="mosaic", split_scores=False),
                       dict(kernel="mosaic", split_scores=False, pingpong=True)):
                 record(bench_case(rng, ceil, "csa", 1, t, 512, False, opts=o, ref=False, csa_cap=t // 4))
-    if "s18" in groups:  # session 18: split_d (each consumer scores half of d) -- the decode default -- against off
+    if "s18" in groups:  # session 18: split_d (each consumer scores half of d; the pair's default) against off
+        # ({} is today's default: consumers="asym" for bf16 since session 66, the pair with split_d before)
         for kind, b, kc in [("csa", 16, 512), ("csa", 64, 512), ("csa", 128, 512), ("hca", 16, 1024),
                             ("hca", 64, 1024), ("hca", 16, 8192)]:
             for o in ({}, dict(kernel="mosaic", split_d=False)):

@@ -27,22 +27,24 @@ side by side and the second group's gathers of the same KV rows mostly hit L2.
   barrier. H200, net of dispatch: HCA-8K B=64 253.5 -> 187.6-206.5 us (1.74x -> 1.29-1.42x the floor), B=128
   493 -> 373-390 us, HCA-1K B=128 77.2 -> 62.6-63.0 us; HCA prefill (2048 queries x 8320 entries) 347 -> 401
   TFLOP/s. Lists that fit stay whole (streaming them costs CSA decode 3-5%).
-* warpgroups 0 and 1, the **consumers**: both hold the scores S = q K^T [64, block_k] (wgmma, both operands in
-  shared memory). By default (`split_d`, session 18) each computes S over its own half of d and the two swap their
-  f32 partials through a 32 KB shared buffer, so the score work is done once (CSA decode 14-16% faster, prefill
-  S=16K 380 vs 302 TFLOP/s); with split_d=False both compute all of S, with split_scores each computes half the
-  columns and they swap P. Then the online softmax in exp2
-  units with the running max initialised at the sink logit (so it is always finite), and P.V for their own half of the d output columns: each holds a [64, d/2] f32 accumulator.
-  After P.V both arrive on the slot's "consumed" barrier, which the producer waits on before refilling it.
-* decode (session 56, `piece_barriers="rows"`): the ring's full barriers are per (slot, 128 B piece of d), and each
-  consumer waits for each of its own pieces just before that piece's score wgmma instead of for the whole block
+* warpgroups 0 and 1, the **consumers**, as the symmetric **pair** (FP8 pools' default, and bf16's wherever an option
+  names one of the pair's modes; bf16 pools default to "asym" below since session 66): both hold the scores S = q K^T
+  [64, block_k] (wgmma, both operands in shared memory). By default (`split_d`, session 18) each computes S over its own
+  half of d and the two swap their f32 partials through a 32 KB shared buffer, so the score work is done once (CSA
+  decode 14-16% faster, prefill S=16K 380 vs 302 TFLOP/s); with split_d=False both compute all of S, with split_scores
+  each computes half the columns and they swap P. Then the online softmax in exp2 units with the running max initialised
+  at the sink logit (so it is always finite), and P.V for their own half of the d output columns: each holds a [64, d/2]
+  f32 accumulator. After P.V both arrive on the slot's "consumed" barrier, which the producer waits on before refilling
+  it.
+* the pair's decode (session 56, `piece_barriers="rows"`): the ring's full barriers are per (slot, 128 B piece of
+  d), and each consumer waits for each of its own pieces just before that piece's score wgmma instead of for the whole block
   (H100: decode 0.4-3.5% faster; prefill 2.5% slower, so off there). The piece-major issue order of FlashMLA's
   fine-grained pipelining (`"pieces"`) is 1-9% slower on the H100, where decode is memory-bound.
-* `consumers="asym"` (session 64, bf16 rings and FP8's direct gather; faster for bf16 on an H100, session 65, and
-  not yet the default, see DEFAULT_CONSUMERS): FlashMLA's
-  decode split instead of the pair. Consumer 0 scores over all of d, runs the softmax and hands P (bf16) and its rescale factors to consumer 1
-  through shared memory (8 KB + 256 B a ring slot, one named barrier); each runs P.V over its half of the output
-  columns, consumer 1's of step g under consumer 0's scores of step g + 1. See `_build`'s asym.
+* `consumers="asym"` (session 64, bf16 rings and FP8's direct gather; **the bf16 default since session 66**, see
+  DEFAULT_CONSUMERS: on an H100 bf16 decode 0-6.5% and prefill 9-10% faster than the pair): FlashMLA's decode split
+  instead of the pair. Consumer 0 scores over all of d, runs the softmax and hands P (bf16) and its rescale factors to
+  consumer 1 through shared memory (8 KB + 256 B a ring slot, one named barrier); each runs P.V over its half of the
+  output columns, consumer 1's of step g under consumer 0's scores of step g + 1. See `_build`'s asym.
 * the q tile becomes the output tile once both consumers are past their last scores (a barrier between them).
 * `split_scores` (bf16 pools; the prefill default from session 12 to 17, now only where split_d is off and T >=
   SPLIT_SCORES_MIN_T queries per sequence): each consumer
@@ -1819,12 +1821,12 @@ DEFAULT_FP8_DEQUANT = "converter"   # see `sparse_attention_mosaic`'s fp8_dequan
 DEFAULT_L2_AHEAD = 0      # L2 prefetch distance in steps (see `sparse_attention_mosaic`'s l2_ahead)
 DEFAULT_PRODUCER = "tma"   # the bf16 ring's gather (see `sparse_attention_mosaic`'s producer)
 DEFAULT_REGS = (56, 224)   # setmaxnreg: (producer, each consumer) registers per thread
-# see `sparse_attention_mosaic`'s consumers. bf16: "asym" measured faster on an H100 (session 65: decode 0-6.5%,
-# prefill 9-10%, CSA B=64 within the noise) and its kernel cases pass there (19 + the 118 bf16 cases with it as the
-# default), but the bf16 model-level GPU test has not yet run to its end on it (cut by the call's time limit), so the
-# pair stays the default until it does. FP8: the pair over the converter warpgroup (asym runs only over the direct
-# gather, which is 5-20% slower than the converter there)
-DEFAULT_CONSUMERS = {"bf16": "pair", "fp8": "pair"}
+# see `sparse_attention_mosaic`'s consumers. bf16: "asym" since session 66, measured faster on an H100 (session 65:
+# decode 0-6.5%, prefill 9-10%, CSA B=64 within the noise); its kernel cases pass there (19 + the 118 bf16 cases with
+# it as the default, session 65) and so does the bf16 model test with it forced (session 66, logit error 0.006, the
+# Triton kernel's). FP8: the pair over the converter warpgroup (asym runs only over the direct gather, which is
+# 5-20% slower than the converter there)
+DEFAULT_CONSUMERS = {"bf16": "asym", "fp8": "pair"}
 
 
 def resolve_combine(how, out_dtype):
@@ -2200,9 +2202,9 @@ def sparse_attention_mosaic(
     FP8 CSA B=128): issuing the next step's 16 m64n32k16 score wgmma takes ~1700 cycles before the softmax can
     start, i.e. the issue itself waits for the tensor cores (two consumers' chains, bound by their A operand's
     shared-memory reads at N = 32), so nothing runs under them; the step grew from ~4100 to ~5000 cycles.
-    consumers (None = DEFAULT_CONSUMERS for the pools' dtype, "pair" for both today; a default of "asym" yields to
-    the pair wherever an option names one of the pair's modes: split_d, split_scores, pingpong, piece_barriers or
-    score_ahead given, block_k other than 64, the cp.async producer, more than 4 ring slots, FP8 pools without
+    consumers (None = DEFAULT_CONSUMERS for the pools' dtype: "asym" for bf16 pools, "pair" for FP8; the "asym" default
+    yields to the pair wherever an option names one of the pair's modes: split_d, split_scores, pingpong, piece_barriers
+    or score_ahead given, block_k other than 64, the cp.async producer, more than 4 ring slots, FP8 pools without
     fp8_dequant="direct"): how the two consumer warpgroups share a step. H100, session 65 (`sparse_attention.py
     --groups s64`, net us, pair -> asym): bf16 CSA B=16 16.4 -> 15.5, B=64 27.5 -> 27.9, B=128 43.0 -> 41.1,
     HCA-1K B=64 38.6 -> 37.9, HCA-8K B=16 69.9 -> 65.4, B=64 209.8 -> 200.9; prefill S=4K 899 -> 807, S=16K
