@@ -478,9 +478,9 @@ def test_sparse_attention_mosaic_asym_consumers_reject_what_they_cannot_do(monke
 
 def test_sparse_attention_mosaic_default_consumers_yield_to_the_pairs_modes(monkeypatch):
     """With "asym" as the default (DEFAULT_CONSUMERS: bf16's since session 66; set for FP8 here too) a call without
-    options builds asym, and one that names a pair mode (split_d, split_scores,
-    piece_barriers, block_k 32, the cp.async producer) builds the pair instead of raising; likewise for FP8 pools
-    (an "asym" default there would build asym only over fp8_dequant="direct")."""
+    options builds asym, and one that names a pair mode (split_d, split_scores, piece_barriers, block_k 32, the
+    cp.async producer) builds the pair instead of raising; likewise for FP8 pools (an "asym" default there would
+    build asym only over fp8_dequant="direct")."""
     from pallas_kernels.sparse_attention import gpu_mosaic
 
     monkeypatch.setattr(gpu_mosaic, "DEFAULT_CONSUMERS", {"bf16": "asym", "fp8": "asym"})

@@ -37,8 +37,8 @@ side by side and the second group's gathers of the same KV rows mostly hit L2.
   f32 accumulator. After P.V both arrive on the slot's "consumed" barrier, which the producer waits on before refilling
   it.
 * the pair's decode (session 56, `piece_barriers="rows"`): the ring's full barriers are per (slot, 128 B piece of
-  d), and each consumer waits for each of its own pieces just before that piece's score wgmma instead of for the whole block
-  (H100: decode 0.4-3.5% faster; prefill 2.5% slower, so off there). The piece-major issue order of FlashMLA's
+  d), and each consumer waits for each of its own pieces just before that piece's score wgmma instead of for the
+  whole block (H100: decode 0.4-3.5% faster; prefill 2.5% slower, so off there). The piece-major issue order of FlashMLA's
   fine-grained pipelining (`"pieces"`) is 1-9% slower on the H100, where decode is memory-bound.
 * `consumers="asym"` (session 64, bf16 rings and FP8's direct gather; **the bf16 default since session 66**, see
   DEFAULT_CONSUMERS: on an H100 bf16 decode 0-6.5% and prefill 9-10% faster than the pair): FlashMLA's decode split
@@ -2223,13 +2223,13 @@ def sparse_attention_mosaic(
     call_args = dict(locals())   # for the fallback below: the default tile ring where it does not fit
     pair_modes = (("split_d", split_d), ("split_scores", split_scores), ("pingpong", pingpong),
                   ("piece_barriers", piece_barriers), ("score_ahead", score_ahead), ("fp8_overlap", fp8_overlap))
-    fp8_pools = isinstance(window_kv, Fp8KVPool)
-    fp8_not_direct = fp8_pools and fp8_dequant != "direct"
+    fp8 = isinstance(window_kv, Fp8KVPool)   # FP8 pools (validated below: both sources alike)
+    fp8_not_direct = fp8 and fp8_dequant != "direct"
     # what keeps asym from running besides the pair's own modes switched on
     asym_misfit = fp8_not_direct or (block_k or 64) != 64 or producer == "cp_async" or _diag is not None
     asym_slots_ok = num_stages is None or 1 <= num_stages <= 4
     if consumers is None:   # the default for the pools' dtype; the pair wherever an option names one of its modes
-        consumers = DEFAULT_CONSUMERS["fp8" if fp8_pools else "bf16"]
+        consumers = DEFAULT_CONSUMERS["fp8" if fp8 else "bf16"]
         if consumers == "asym" and (any(v is not None for _, v in pair_modes) or asym_misfit or not asym_slots_ok):
             consumers = "pair"
     if consumers not in ("pair", "asym"):
@@ -2249,7 +2249,6 @@ def sparse_attention_mosaic(
     b, t, h, d = common.validate(q, window_kv, window_idx, compressed_kv, compressed_idx, sinks, window_len,
                                  compressed_len, scale)
     pools = [window_kv] + ([] if compressed_kv is None else [compressed_kv])
-    fp8 = isinstance(window_kv, Fp8KVPool)
     def tile_ring_conflict(mode):
         """Why fp8_dequant=mode ("producer" / "converter": the bf16 tile ring) cannot run with these options, or
         None where it can."""
