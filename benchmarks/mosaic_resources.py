@@ -59,6 +59,11 @@ OPTS.update({"fp8_direct_asym": dict(consumers="asym", fp8_dequant="direct"),
 VARIANTS += [("fp8_direct", True, None, None), ("fp8_direct_asym", True, None, None),
              ("fp8_direct_asym_r56_224", True, None, (56, 224))]
 OPTS["fp8_direct_asym_r56_224"] = dict(consumers="asym", fp8_dequant="direct")
+# session 67: the converter warpgroup's conversion (the tile ring's default "rebias") as four conversions a pair
+# ("cvt") and as none (_diag="bits")
+OPTS.update({"fp8_converter_cvt": dict(fp8_dequant="converter", fp8_convert="cvt"),
+             "fp8_converter_bits": dict(fp8_dequant="converter")})
+VARIANTS += [("fp8_converter_cvt", True, None, None), ("fp8_converter_bits", True, "bits", None)]
 
 
 def main(out_dir: str, only: list[str] | None, offline_mode: bool):

@@ -161,7 +161,7 @@ def fmt(r):
 GROUPS = (
     "b1", "colsplit", "decode", "fp8ops", "hca8k_fp8", "kernels", "knobs5", "prefetch", "prefill",
     "qreload", "s14", "s16", "s17", "s18", "s19", "s22", "s23", "s25", "s25d", "s26", "s26b", "s26c",
-    "s28", "s29", "s29p", "s56", "s61", "s64", "s64f", "s64q", "s9", "ss", "variants")
+    "s28", "s29", "s29p", "s56", "s61", "s64", "s64f", "s64q", "s67", "s9", "ss", "variants")
 
 
 def main():
@@ -188,7 +188,8 @@ def main():
                          "HCA prefill: 2048 queries x 8320 entries), s61 (score_ahead against the default, FP8 and "
                          "bf16, decode and bf16 prefill), s64 (consumers='asym' against the default pair, bf16 "
                          "decode and prefill, with and without lazy_rescale), s64q (its short form: CSA B=64 / 128, 16K prefill), s64f (FP8 decode: "
-                         "the default, fp8_dequant='direct', and 'direct' with consumers='asym')")
+                         "the default, fp8_dequant='direct', and 'direct' with consumers='asym'), s67 (FP8: the converter "
+                         "warpgroup with fp8_convert='rebias' and _diag='bits', each also with conv_batch=3)")
     ap.add_argument("--dtypes", default="bf16,fp8", help="decode / prefill / b1 groups: the KV dtypes to run")
     ap.add_argument("--ref-batches", default=None,
                     help="decode / prefill / b1 groups: time the XLA reference only at these batch sizes (comma "
@@ -437,6 +438,13 @@ def main():
         # default (the converter warpgroup, the pair) and the direct gather with the pair, decode rows
         fp8_modes([dict(mos), dict(mos, fp8_dequant="direct"), dict(mos, fp8_dequant="direct", consumers="asym")],
                   [("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 1024), ("hca", 64, 8192)], ())
+    if "s67" in groups:  # session 67, FP8: the converter warpgroup's conversion without the slow conversion pipe
+        # (fp8_convert="rebias": one e4m3x2 -> f16x2 per pair, then integer and bf16 ops; measured only in the
+        # consumers' own conversion, session 19) and with none at all (_diag="bits"), each also with conv_batch=3
+        cv = dict(mos, fp8_dequant="converter")
+        fp8_modes([cv, dict(cv, fp8_convert="rebias"), dict(cv, fp8_convert="rebias", conv_batch=3),
+                   dict(cv, _diag="bits"), dict(cv, _diag="bits", conv_batch=3)],
+                  [("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 1024), ("hca", 64, 8192)], (16384,))
     if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor
         for kind, b, kc, fp8 in [("csa", 16, 512, False), ("csa", 64, 512, True), ("hca", 16, 8192, True)]:
             for o in ({}, dict(partial_dtype="bfloat16"), dict(fp8_scales="vector"),

@@ -319,6 +319,8 @@ def lower_model_steps(model, cache, marker):
                                                                regs=(24, 64, 208)), True),
                                               # ... and shares each step's conversion with the producer
                                               (3, 1, 512, dict(fp8_dequant="converter", conv_units=5), True),
+                                              # ... converting without conversion instructions (session 67)
+                                              (3, 1, 512, dict(fp8_dequant="converter", _diag="bits"), True),
                                               # the diagonal chunk order, each conversion path
                                               (3, 1, 512, dict(fp8_chunk_order="diagonal"), True),
                                               (1, 64, 60, dict(fp8_chunk_order="diagonal", num_stages=2), True),

@@ -2255,9 +2255,10 @@ def sparse_attention_mosaic(
         if not fp8:
             return f"fp8_dequant={mode!r} dequantizes FP8 pools (bf16 pools need no conversion)"
         if (split_d is False and not (asym and mode == "direct")) or split_scores or pingpong or fp8_overlap \
-                or _diag is not None:
+                or (_diag is not None and not (_diag == "bits" and mode != "direct")):
             return (f"fp8_dequant={mode!r} runs with split_d (the consumers' bf16 steps; 'direct' also with "
-                    "consumers='asym'), without split_scores / pingpong / fp8_overlap / _diag")
+                    "consumers='asym'), without split_scores / pingpong / fp8_overlap / _diag (but 'bits' with "
+                    "the tile ring's 'producer' / 'converter')")
         if mode == "direct":
             if (block_k or 64) not in (32, 64):
                 return f"fp8_dequant='direct' takes block_k=64 (the default) or 32, got {block_k}"
