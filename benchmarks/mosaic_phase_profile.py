@@ -82,6 +82,9 @@ CASES = {
     "csa128_fp8_ahead_cv5": ("csa", 128, 1, 512, "fp8", dict(score_ahead=True, conv_units=5)),
     "csa128_bk32_ahead": ("csa", 128, 1, 512, "bf16", dict(block_k=32, num_stages=4, score_ahead=True)),
     "csa128_fp8_lazy_cb3": ("csa", 128, 1, 512, "fp8", dict(lazy_rescale=True, conv_batch=3)),
+    # session 67: the converter's conversion as four conversion instructions a pair (it had been "rebias")
+    "csa128_fp8_rebias": ("csa", 128, 1, 512, "fp8", dict(fp8_convert="rebias")),
+    "csa128_fp8_cvt": ("csa", 128, 1, 512, "fp8", dict(fp8_convert="cvt")),
     # FlashMLA's consumer split (consumers="asym", session 64): consumer 0 c_wait_full, c_scores, c_softmax (with
     # P's and alpha's stores), c_pv; consumer 1 c_wait_p (the named barrier) and c_pv. Its 215 KB leave room for
     # the profiler's records, which split_d's 32 KB exchange does not (the pair without split_d for comparison)

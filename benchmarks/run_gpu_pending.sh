@@ -10,7 +10,8 @@
 #   against the pair (group s64: decode rows and prefill); then its FP8 timing (group s64f: the direct gather with
 #   the asym split against the converter default and the direct gather with the pair) and its phase profile.
 # Any other card: parts 1-2 as the H200's parts 2-3 (done on an H100 in session 65); part 3 issue #4's decode table on
-#   today's defaults with the XLA reference at B = 64 (session 66's H100 table ran without it).
+#   today's defaults with the XLA reference at B = 64 (done on an H100 in session 67, h100_s67r1, before the FP8
+#   converter moved to fp8_convert="cvt"; that FP8 table without the reference: h100_s67r6).
 # INDEXER_TESTS=1 (any card, any part): the indexer GPU tests of sessions 62-63 instead (all passed on an H100 in
 #   session 63).
 # T_ASYM_TESTS / T_ASYM_TIMING / ASYM_GROUP (s64q: the short form) for a call with little device time left.

@@ -502,6 +502,26 @@ def test_sparse_attention_mosaic_default_consumers_yield_to_the_pairs_modes(monk
         assert [a.get("asym", False) for a in built] == [want_asym], opts
 
 
+def test_sparse_attention_mosaic_fp8_conversion_defaults_per_mode(monkeypatch):
+    """FP8 pools: the converter warpgroup (the default) and the direct gather convert with four conversion
+    instructions a pair ("cvt", session 67), the producer mode with one ("rebias", session 22); an explicit
+    fp8_convert wins in every mode."""
+    from pallas_kernels.sparse_attention import gpu_mosaic
+
+    built = spy_mosaic_builds(monkeypatch)
+    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
+    fp8 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)
+    cases = [({}, "cvt"), (dict(fp8_dequant="direct"), "cvt"), (dict(fp8_dequant="producer"), "rebias"),
+             (dict(fp8_dequant="consumers"), "cvt"), (dict(fp8_convert="rebias"), "rebias"),
+             (dict(fp8_dequant="producer", fp8_convert="cvt"), "cvt")]
+    for opts, want in cases:
+        built.clear()
+        lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(
+            *a, scale=0.1, window_len=fp8["window_len"], compressed_len=fp8["compressed_len"], **opts),
+            *(fp8[k] for k in keys))
+        assert [a.get("fp8_convert", "cvt") for a in built] == [want], opts
+
+
 @full_tier
 def test_sparse_attention_mosaic_split_d_rejects_what_it_cannot_do():
     """split_d (each consumer scores half of d, f32 partials swapped through shared memory) excludes split_scores and

@@ -2066,7 +2066,12 @@ def sparse_attention_mosaic(
     multiplies (one conversion per pair; see REBIAS_ASM). Both are exact. The guess behind it: the conversions'
     rate (16 per SM per cycle) binds the dequantization (session 14's phase profile: 4467 cycles per 64-row block).
     Measured on the H200 (session 19): no gain (CSA B=64 57.7 vs 56.2 us without split_d, 38.2 vs 38.5 and 34.6 vs
-    34.1 with it), so the guess was wrong and "cvt" stays the default.
+    34.1 with it), so the guess was wrong and "cvt" stays the default. The tile ring's modes took "rebias" from
+    session 22 to 66 (the producer mode still does); in the converter warpgroup (the FP8 default) "cvt" is 1-7%
+    faster on every row of the FP8 decode table and 5.5% in 16K prefill (H100, session 67, same call; phase
+    profile at CSA B=128: the converter's 32-row step 2730 against 2939 cycles, the consumers' wait for a tile 311
+    against 517), so the converter and the direct gather take "cvt" since. The integer route of "rebias" (three
+    integer and two bf16 instructions a pair) costs the converter more issue than the conversions it saves.
     fp8_overlap (FP8 pools with split_d; None = DEFAULT_FP8_OVERLAP): each consumer converts its half of the block
     one 64-column piece at a time and issues that piece's score wgmma (4 k-steps) right away, asynchronously, so
     the next piece's conversion runs while the tensor cores score the last (one warpgroup barrier per piece instead
@@ -2334,7 +2339,9 @@ def sparse_attention_mosaic(
         else:
             block_k, split_d = 32, True
             num_stages = (AHEAD_STAGING if ahead else PDQ_STAGING) if num_stages is None else num_stages
-        fp8_convert = fp8_convert or "rebias"
+        # the producer converts alone, so its conversion rate was taken to matter (session 22, not re-timed); the
+        # converter and the direct gather take the module default (session 67: "cvt" 1-7% faster than "rebias")
+        fp8_convert = fp8_convert or ("rebias" if pdq else DEFAULT_FP8_CONVERT)
     out_dtype = jnp.dtype(out_dtype or q.dtype)
     combine = resolve_combine(combine, out_dtype)
     store_wait = store_wait or DEFAULT_STORE_WAIT
