@@ -161,7 +161,7 @@ def fmt(r):
 GROUPS = (
     "b1", "colsplit", "decode", "fp8ops", "hca8k_fp8", "kernels", "knobs5", "prefetch", "prefill",
     "qreload", "s14", "s16", "s17", "s18", "s19", "s22", "s23", "s25", "s25d", "s26", "s26b", "s26c",
-    "s28", "s29", "s29p", "s56", "s61", "s64", "s64f", "s64q", "s67", "s9", "ss", "variants")
+    "s28", "s29", "s29p", "s56", "s61", "s64", "s64f", "s64q", "s67", "s67u", "s9", "ss", "variants")
 
 
 def main():
@@ -189,7 +189,8 @@ def main():
                          "bf16, decode and bf16 prefill), s64 (consumers='asym' against the default pair, bf16 "
                          "decode and prefill, with and without lazy_rescale), s64q (its short form: CSA B=64 / 128, 16K prefill), s64f (FP8 decode: "
                          "the default, fp8_dequant='direct', and 'direct' with consumers='asym'), s67 (FP8: the converter "
-                         "warpgroup's fp8_convert='rebias' vs 'cvt' vs _diag='bits', with conv_batch=3)")
+                         "warpgroup's fp8_convert='rebias' vs 'cvt' vs _diag='bits', with conv_batch=3), s67u (FP8 decode table "
+                         "rows and 16K prefill: the default against conv_units=7)")
     ap.add_argument("--dtypes", default="bf16,fp8", help="decode / prefill / b1 groups: the KV dtypes to run")
     ap.add_argument("--ref-batches", default=None,
                     help="decode / prefill / b1 groups: time the XLA reference only at these batch sizes (comma "
@@ -447,6 +448,11 @@ def main():
         fp8_modes([rb, dict(cv, fp8_convert="cvt"), dict(rb, conv_batch=3), dict(cv, _diag="bits"),
                    dict(cv, _diag="bits", conv_batch=3)],
                   [("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 1024), ("hca", 64, 8192)], (16384,))
+    if "s67u" in groups:  # session 67, FP8: the producer taking 2 of the converter's 9 passes a step (conv_units=7,
+        # 1-2% faster in one call of s25) against the default, every row of the FP8 decode table, each row's
+        # two runs back to back
+        rows = [(k, b, kc) for k, kc in (("csa", 512), ("hca", 1024), ("hca", 8192)) for b in (16, 64, 128)]
+        fp8_modes([dict(mos), dict(mos, fp8_dequant="converter", conv_units=7)], rows, (16384,))
     if "variants" in groups:  # kernel knobs on the decode cases furthest from their floor
         for kind, b, kc, fp8 in [("csa", 16, 512, False), ("csa", 64, 512, True), ("hca", 16, 8192, True)]:
             for o in ({}, dict(partial_dtype="bfloat16"), dict(fp8_scales="vector"),
