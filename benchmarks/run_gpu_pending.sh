@@ -8,13 +8,14 @@
 # H200, parts 2-3: consumers="asym" (FlashMLA's consumer split) on the H200, so far measured on an H100 only (session
 #   65): its GPU tests (the kernel against the reference: bf16 rings and FP8's direct gather) and its bf16 timing
 #   against the pair (group s64: decode rows and prefill); then its FP8 timing (group s64f: the direct gather with
-#   the asym split against the converter default and the direct gather with the pair) and its phase profile.
+#   the asym split against the converter default and the direct gather with the pair), the FP8 converter's
+#   conversions (group s67: "cvt", its default since session 67, against "rebias" and bits) and the phase profile.
 # Any other card: parts 1-2 as the H200's parts 2-3 (done on an H100 in session 65); part 3 issue #4's decode table on
 #   today's defaults with the XLA reference at B = 64 (done on an H100 in session 67, h100_s67r1, before the FP8
 #   converter moved to fp8_convert="cvt"; that FP8 table without the reference: h100_s67r6).
 # INDEXER_TESTS=1 (any card, any part): the indexer GPU tests of sessions 62-63 instead (all passed on an H100 in
 #   session 63).
-# T_ASYM_TESTS / T_ASYM_TIMING / ASYM_GROUP (s64q: the short form) for a call with little device time left.
+# T_ASYM_TESTS / T_ASYM_TIMING / ASYM_GROUP (s64q: the short form) / T_S64F / T_S67 for a call with little device time left.
 # PART=0 (any card): the model-level Mosaic tests, the bf16 one per forced consumer schedule (asym, the pair,
 #   split_scores) and the FP8-cache one, four processes at once (all four passed on an H100 in session 66 in 307 s,
 #   which made asym the bf16 default).
@@ -39,6 +40,8 @@ decode_table() {
 }
 asym_fp8_and_profile() {
   T_attn=${T_S64F:-170} ATTN_ARGS="--groups s64f --net-decode --no-ref" STEPS=attn session asym_fp8_timing
+  # the converter's conversion, "cvt" (the default since session 67, measured on an H100) against "rebias" and bits
+  T_attn=${T_S67:-120} ATTN_ARGS="--groups s67 --net-decode --no-ref" STEPS=attn session converter_conversions
   T_mprof=200 MPROF_ARGS="--cases csa128_asym,csa128_nosd,prefill2k_asym,csa128_fp8_direct_asym,csa128_fp8_direct" STEPS=mprof session asym_profile
 }
 model_asym() {   # the bf16 model test, one test per consumer schedule forced (asym, pair, split_scores; session 66),
