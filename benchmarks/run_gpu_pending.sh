@@ -15,7 +15,8 @@
 #   converter moved to fp8_convert="cvt"; that FP8 table without the reference: h100_s67r6).
 # INDEXER_TESTS=1 (any card, any part): the indexer GPU tests of sessions 62-63 instead (all passed on an H100 in
 #   session 63).
-# T_ASYM_TESTS / T_ASYM_TIMING / ASYM_GROUP (s64q: the short form) / T_S64F / T_S67 for a call with little device time left.
+# T_ASYM_TESTS / T_ASYM_TIMING / ASYM_GROUP (s64q: the short form) / T_S64F / T_S67 for a call with little device
+#   time left.
 # PART=0 (any card): the model-level Mosaic tests, the bf16 one per forced consumer schedule (asym, the pair,
 #   split_scores) and the FP8-cache one, four processes at once (all four passed on an H100 in session 66 in 307 s,
 #   which made asym the bf16 default).
