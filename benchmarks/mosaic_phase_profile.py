@@ -85,6 +85,8 @@ CASES = {
     # session 67: the converter's conversion as four conversion instructions a pair (it had been "rebias")
     "csa128_fp8_rebias": ("csa", 128, 1, 512, "fp8", dict(fp8_convert="rebias")),
     "csa128_fp8_cvt": ("csa", 128, 1, 512, "fp8", dict(fp8_convert="cvt")),
+    # ... and FlashMLA's consumer split over the converter's tiles
+    "csa128_fp8_cv_asym": ("csa", 128, 1, 512, "fp8", dict(fp8_dequant="converter", consumers="asym")),
     # FlashMLA's consumer split (consumers="asym", session 64): consumer 0 c_wait_full, c_scores, c_softmax (with
     # P's and alpha's stores), c_pv; consumer 1 c_wait_p (the named barrier) and c_pv. Its 215 KB leave room for
     # the profiler's records, which split_d's 32 KB exchange does not (the pair without split_d for comparison)

@@ -59,11 +59,17 @@ OPTS.update({"fp8_direct_asym": dict(consumers="asym", fp8_dequant="direct"),
 VARIANTS += [("fp8_direct", True, None, None), ("fp8_direct_asym", True, None, None),
              ("fp8_direct_asym_r56_224", True, None, (56, 224))]
 OPTS["fp8_direct_asym_r56_224"] = dict(consumers="asym", fp8_dequant="direct")
-# session 67: the converter warpgroup's conversion (the tile ring's default "rebias") as four conversions a pair
-# ("cvt") and as none (_diag="bits")
-OPTS.update({"fp8_converter_cvt": dict(fp8_dequant="converter", fp8_convert="cvt"),
+# session 67: the converter warpgroup's conversion ("cvt", the default since) as one conversion a pair ("rebias",
+# the default before) and as none (_diag="bits")
+OPTS.update({"fp8_converter_rebias": dict(fp8_dequant="converter", fp8_convert="rebias"),
              "fp8_converter_bits": dict(fp8_dequant="converter")})
-VARIANTS += [("fp8_converter_cvt", True, None, None), ("fp8_converter_bits", True, "bits", None)]
+VARIANTS += [("fp8_converter_rebias", True, None, None), ("fp8_converter_bits", True, "bits", None)]
+# ... and FlashMLA's consumer split over the converter's 32-row tiles (consumers="asym")
+OPTS.update({"fp8_converter_asym": dict(fp8_dequant="converter", consumers="asym"),
+             "fp8_converter_asym_cu5": dict(fp8_dequant="converter", consumers="asym", conv_units=5),
+             "fp8_converter_asym_eager": dict(fp8_dequant="converter", consumers="asym", lazy_rescale=False)})
+VARIANTS += [(n, True, None, None) for n in ("fp8_converter_asym", "fp8_converter_asym_cu5",
+                                             "fp8_converter_asym_eager")]
 
 
 def main(out_dir: str, only: list[str] | None, offline_mode: bool):

@@ -161,7 +161,7 @@ def fmt(r):
 GROUPS = (
     "b1", "colsplit", "decode", "fp8ops", "hca8k_fp8", "kernels", "knobs5", "prefetch", "prefill",
     "qreload", "s14", "s16", "s17", "s18", "s19", "s22", "s23", "s25", "s25d", "s26", "s26b", "s26c",
-    "s28", "s29", "s29p", "s56", "s61", "s64", "s64f", "s64q", "s67", "s67u", "s9", "ss", "variants")
+    "s28", "s29", "s29p", "s56", "s61", "s64", "s64f", "s64q", "s67", "s67a", "s67u", "s9", "ss", "variants")
 
 
 def main():
@@ -190,7 +190,8 @@ def main():
                          "decode and prefill, with and without lazy_rescale), s64q (its short form: CSA B=64 / 128, 16K prefill), s64f (FP8 decode: "
                          "the default, fp8_dequant='direct', and 'direct' with consumers='asym'), s67 (FP8: the converter "
                          "warpgroup's fp8_convert='rebias' vs 'cvt' vs _diag='bits', with conv_batch=3), s67u (FP8 decode table "
-                         "rows and 16K prefill: the default against conv_units=7)")
+                         "rows and 16K prefill: the default against conv_units=7), s67a (FP8: consumers='asym' over "
+                         "the converter's tiles against the pair)")
     ap.add_argument("--dtypes", default="bf16,fp8", help="decode / prefill / b1 groups: the KV dtypes to run")
     ap.add_argument("--ref-batches", default=None,
                     help="decode / prefill / b1 groups: time the XLA reference only at these batch sizes (comma "
@@ -448,6 +449,13 @@ def main():
         fp8_modes([rb, dict(cv, fp8_convert="cvt"), dict(rb, conv_batch=3), dict(cv, _diag="bits"),
                    dict(cv, _diag="bits", conv_batch=3)],
                   [("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 1024), ("hca", 64, 8192)], (16384,))
+    if "s67a" in groups:  # session 67, FP8: FlashMLA's consumer split over the converter warpgroup's 32-row tiles
+        # (consumers="asym": one consumer scores over all of d and hands P to the other) against the default pair
+        # (each consumer scores half of d, f32 partials exchanged), decode rows and 16K prefill in-kernel
+        cv = dict(mos, fp8_dequant="converter")
+        fp8_modes([dict(cv, consumers="pair"), dict(cv, consumers="asym")],
+                  [("csa", 16, 512), ("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 1024), ("hca", 128, 1024),
+                   ("hca", 64, 8192)], (16384,))
     if "s67u" in groups:  # session 67, FP8: the producer taking 2 of the converter's 9 passes a step (conv_units=7,
         # 1-2% faster in one call of s25) against the default, every row of the FP8 decode table, each row's
         # two runs back to back

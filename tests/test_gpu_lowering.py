@@ -412,7 +412,15 @@ def lower_model_steps(model, cache, marker):
                                               (1, 64, 60, dict(consumers="asym", fp8_dequant="direct", heads=128),
                                                True),
                                               (3, 1, 512, dict(consumers="asym", fp8_dequant="direct",
-                                                               direct_staging="registers"), True)]))
+                                                               direct_staging="registers"), True),
+                                              # ... over the converter warpgroup's 32-row tiles (session 67)
+                                              core(3, 1, 512, dict(consumers="asym", fp8_dequant="converter"), True),
+                                              (2, 1, 8192, dict(consumers="asym", fp8_dequant="converter",
+                                                                n_splits=3, combine="xla"), True),
+                                              (1, 64, 60, dict(consumers="asym", fp8_dequant="converter", heads=128),
+                                               True),
+                                              (2, 1, 8192, dict(consumers="asym", fp8_dequant="converter",
+                                                                idx_stream=True, n_splits=2, conv_units=5), True)]))
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -447,9 +455,9 @@ def test_sparse_attention_cluster_combine_rejects_what_it_cannot_do():
 
 def test_sparse_attention_mosaic_asym_consumers_reject_what_they_cannot_do(monkeypatch):
     """consumers="asym" (one consumer scores, the other runs P.V from the first's P in shared memory) runs 64-row
-    steps of bf16 rings from the bulk-copy producer in 1-4 slots (a named barrier each), or of FP8 pools through
-    fp8_dequant="direct" only, and none of the pair's own schedules; where it applies the wrapper builds it with
-    split_d, split_scores and pingpong off."""
+    steps of bf16 rings from the bulk-copy producer in 1-4 slots (a named barrier each), or FP8 pools through a
+    named tile ring (fp8_dequant="direct", 64-row steps, or "converter", 32-row), and none of the pair's own
+    schedules; where it applies the wrapper builds it with split_d, split_scores and pingpong off."""
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
     keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
@@ -457,9 +465,12 @@ def test_sparse_attention_mosaic_asym_consumers_reject_what_they_cannot_do(monke
     fp8 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)
     with pytest.raises(ValueError, match="consumers must be"):
         sparse_attention_mosaic(*(bf16[k] for k in keys), scale=0.1, consumers="seesaw")
-    for dequant in (None, "converter", "consumers"):   # FP8 pools: only through the direct gather's tile ring
+    for dequant in (None, "producer", "consumers"):   # FP8 pools: only through the direct or converter tile ring
         with pytest.raises(ValueError, match="FP8 pools with fp8_dequant"):
             sparse_attention_mosaic(*(fp8[k] for k in keys), scale=0.1, consumers="asym", fp8_dequant=dequant)
+    with pytest.raises(ValueError, match="takes block_k=32"):   # the converter's tiles are 32 rows
+        sparse_attention_mosaic(*(fp8[k] for k in keys), scale=0.1, consumers="asym", fp8_dequant="converter",
+                                block_k=64)
     for opts, match in [(dict(split_d=True), "split_d"), (dict(split_scores=True), "split_scores"),
                         (dict(pingpong=True), "pingpong"), (dict(piece_barriers=True), "piece_barriers"),
                         (dict(score_ahead=True), "score_ahead"), (dict(block_k=32), "block_k=32"),
@@ -472,17 +483,21 @@ def test_sparse_attention_mosaic_asym_consumers_reject_what_they_cannot_do(monke
     for inp in (bf16, prefill):   # decode and prefill shapes (where the pair's default is split_d / split_scores)
         lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, scale=0.1, consumers="asym"),
                    *(inp[k] for k in keys))
-    lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, scale=0.1, consumers="asym",
-                                                                         fp8_dequant="direct"), *(fp8[k] for k in keys))
-    assert [(b["asym"], b["split_d"], b["split_scores"], b["pingpong"], b["bk"], b["direct"]) for b in built] == \
-        [(True, False, False, False, 64, False)] * 2 + [(True, False, False, False, 64, True)]
+    for dequant in ("direct", "converter"):
+        lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, scale=0.1, consumers="asym",
+                                                                             fp8_dequant=dequant),
+                   *(fp8[k] for k in keys))
+    assert [(b["asym"], b["split_d"], b["split_scores"], b["pingpong"], b["bk"], b.get("direct", False),
+             b.get("conv", False)) for b in built] == \
+        [(True, False, False, False, 64, False, False)] * 2 + [(True, False, False, False, 64, True, False),
+                                                              (True, False, False, False, 32, False, True)]
 
 
 def test_sparse_attention_mosaic_default_consumers_yield_to_the_pairs_modes(monkeypatch):
     """With "asym" as the default (DEFAULT_CONSUMERS: bf16's since session 66; set for FP8 here too) a call without
     options builds asym, and one that names a pair mode (split_d, split_scores, piece_barriers, block_k 32, the
     cp.async producer) builds the pair instead of raising; likewise for FP8 pools (an "asym" default there would
-    build asym only over fp8_dequant="direct")."""
+    build asym only over a named tile ring, fp8_dequant="direct" or "converter")."""
     from pallas_kernels.sparse_attention import gpu_mosaic
 
     monkeypatch.setattr(gpu_mosaic, "DEFAULT_CONSUMERS", {"bf16": "asym", "fp8": "asym"})
@@ -493,7 +508,7 @@ def test_sparse_attention_mosaic_default_consumers_yield_to_the_pairs_modes(monk
     cases = [(bf16, {}, True), (bf16, dict(lazy_rescale=True, n_splits=2), True), (bf16, dict(split_d=True), False),
              (bf16, dict(split_d=False), False), (bf16, dict(piece_barriers=False), False),
              (bf16, dict(block_k=32, num_stages=4), False), (bf16, dict(producer="cp_async"), False),
-             (fp8, {}, False), (fp8, dict(fp8_dequant="direct"), True)]
+             (fp8, {}, False), (fp8, dict(fp8_dequant="direct"), True), (fp8, dict(fp8_dequant="converter"), True)]
     for inp, opts, want_asym in cases:
         built.clear()
         lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(

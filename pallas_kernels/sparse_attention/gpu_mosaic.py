@@ -232,7 +232,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     copy / GEMM pipelining) instead of after all of it.
     ahead (split_d; bf16 ring or FP8 tile ring: `score_ahead`): the consumers carry each step's complete scores
     into it and issue the next step's score wgmma before the softmax (consume_ahead), holding two ring slots.
-    asym (64-row steps of a bf16 ring, or of the direct FP8 gather's tile ring; without split_d / split_scores /
+    asym (64-row steps of a bf16 ring or of the direct FP8 gather's tile ring, or the converter's 32-row tiles
+    (64 B swizzle: P is [64, 32] a slot, S one m64n32 chain over all of d); without split_d / split_scores /
     pingpong / piece_bars / ahead: `consumers="asym"`, FlashMLA's decode split of the two consumers; with `direct`,
     FlashMLA's whole FP8 decode shape): consumer 0, the scorer, computes S over all of d
     (32 m64n64k16 wgmma, q from shared memory), runs the softmax, writes P (bf16, the wgmma's tiled 128 B-swizzled
@@ -266,7 +267,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     assert not ahead or (split_d and not split_scores and not pingpong and not fp8_overlap and not piece_bars
                          and (tiles or not fp8)), "score_ahead"
     n_ring = n_tiles if tiles else stages   # the slots the consumers read: tile ring or KV ring
-    assert not asym or ((not fp8 or direct) and bk == 64 and n_ring <= 4
+    assert not asym or ((not fp8 or direct or conv) and (bk == 64 or (conv and bk == 32)) and n_ring <= 4
                         and not (split_d or split_scores or pingpong or piece_bars or ahead)), "asym"
     conv_units = CONV_UNITS if conv_units is None else conv_units
     # the producer's share of each step's conversion: all of it (pdq), the units past conv_units (conv), or none
@@ -287,7 +288,10 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
         src_gmem = [refs[2 + n_in * k: 2 + n_in * (k + 1)] for k in range(n_src)]
         o_gmem, lse_gmem = refs[2 + n_in * n_src], refs[3 + n_in * n_src]
         scratch = refs[-1]
-        if conv:   # as pdq, plus st_empty: the converter's release of a staging slot to the producer
+        if conv and asym:   # as conv, with asym's P and alpha slots (following the tile ring) for split_d's x_s
+            (q_smem, ring, nope_st, rope_st, scale_st, x_p, idx_smem, vec_smem, x_a), (q_bar, idx_bar), \
+                (st_bars, st_empty, full_bars, empty_bars, cons_bar) = scratch
+        elif conv:   # as pdq, plus st_empty: the converter's release of a staging slot to the producer
             (q_smem, ring, nope_st, rope_st, scale_st, x_s, idx_smem), (q_bar, idx_bar), \
                 (st_bars, st_empty, full_bars, empty_bars, cons_bar) = scratch
         elif pdq:   # full / empty: the bf16 tile ring's (producer -> consumers); st_bars: the staging slots' copies
@@ -2211,14 +2215,16 @@ def sparse_attention_mosaic(
     consumers (None = DEFAULT_CONSUMERS for the pools' dtype: "asym" for bf16 pools, "pair" for FP8; the "asym" default
     yields to the pair wherever an option names one of the pair's modes: split_d, split_scores, pingpong, piece_barriers
     or score_ahead given, block_k other than 64, the cp.async producer, more than 4 ring slots, FP8 pools without
-    fp8_dequant="direct"): how the two consumer warpgroups share a step. H100, session 65 (`sparse_attention.py
+    fp8_dequant="direct" or "converter"): how the two consumer warpgroups share a step. H100, session 65 (`sparse_attention.py
     --groups s64`, net us, pair -> asym): bf16 CSA B=16 16.4 -> 15.5, B=64 27.5 -> 27.9, B=128 43.0 -> 41.1,
     HCA-1K B=64 38.6 -> 37.9, HCA-8K B=16 69.9 -> 65.4, B=64 209.8 -> 200.9; prefill S=4K 899 -> 807, S=16K
     3444 -> 3131 (399 -> 439 TFLOP/s). FP8 through the direct gather, CSA B=128 55.3 -> 54.2 (the converter
     default: 46.0), HCA-8K B=64 278.3 -> 260.1 (default 249.9). "pair": the
     symmetric pair above (split_d, split_scores or pingpong, as resolved). "asym" (block_k 64: bf16 pools gathered
     by the bulk-copy producer, or FP8 pools with fp8_dequant="direct", which is then FlashMLA's whole FP8 decode
-    shape; not with split_d=True, split_scores, pingpong, piece_barriers or score_ahead): FlashMLA's
+    shape; or FP8 pools with fp8_dequant="converter", over its 32-row tiles: built in session 67, lowered and
+    compiled offline with 0 spills and 203 KB of shared memory, not yet run on a GPU; not with split_d=True,
+    split_scores, pingpong, piece_barriers or score_ahead): FlashMLA's
     decode split, see `_build`'s asym: consumer 0 scores over all of d, runs the softmax and hands P and its
     rescale factors to consumer 1 through shared memory (8 KB + 256 B a ring slot); each runs P.V over its half of
     the output columns, consumer 1's of step g under consumer 0's scores of step g + 1. No partial-score exchange,
@@ -2230,9 +2236,11 @@ def sparse_attention_mosaic(
     pair_modes = (("split_d", split_d), ("split_scores", split_scores), ("pingpong", pingpong),
                   ("piece_barriers", piece_barriers), ("score_ahead", score_ahead), ("fp8_overlap", fp8_overlap))
     fp8 = isinstance(window_kv, Fp8KVPool)   # FP8 pools (validated below: both sources alike)
-    fp8_not_direct = fp8 and fp8_dequant != "direct"
+    # FP8 pools run asym over a tile ring: the direct gather's (64-row steps) or the converter's (32-row steps)
+    fp8_no_asym = fp8 and fp8_dequant not in ("direct", "converter")
+    asym_bk_ok = (block_k or 64) == 64 or (fp8 and fp8_dequant == "converter" and block_k == 32)
     # what keeps asym from running besides the pair's own modes switched on
-    asym_misfit = fp8_not_direct or (block_k or 64) != 64 or producer == "cp_async" or _diag is not None
+    asym_misfit = fp8_no_asym or not asym_bk_ok or producer == "cp_async" or _diag is not None
     asym_slots_ok = num_stages is None or 1 <= num_stages <= 4
     if consumers is None:   # the default for the pools' dtype; the pair wherever an option names one of its modes
         consumers = DEFAULT_CONSUMERS["fp8" if fp8 else "bf16"]
@@ -2245,9 +2253,9 @@ def sparse_attention_mosaic(
         clash = [name for name, v in pair_modes if v]
         if asym_misfit or clash:
             raise ValueError("consumers='asym' runs 64-row steps of bf16 rings gathered by the bulk-copy producer, or "
-                             "of FP8 pools through fp8_dequant='direct', without split_d, split_scores, pingpong, "
-                             "piece_barriers, score_ahead, fp8_overlap or _diag; got "
-                             f"{'FP8 pools with fp8_dequant=' + repr(fp8_dequant) + ', ' if fp8_not_direct else ''}"
+                             "FP8 pools through fp8_dequant='direct' (64-row steps) or 'converter' (32-row), without "
+                             "split_d, split_scores, pingpong, piece_barriers, score_ahead, fp8_overlap or _diag; got "
+                             f"{'FP8 pools with fp8_dequant=' + repr(fp8_dequant) + ', ' if fp8_no_asym else ''}"
                              f"block_k={block_k}, producer={producer!r}" + (f", {', '.join(clash)}" if clash else ""))
         if not asym_slots_ok:
             raise ValueError(f"consumers='asym' takes 1-4 ring slots (a named barrier each), got {num_stages}")
@@ -2260,11 +2268,11 @@ def sparse_attention_mosaic(
         None where it can."""
         if not fp8:
             return f"fp8_dequant={mode!r} dequantizes FP8 pools (bf16 pools need no conversion)"
-        if (split_d is False and not (asym and mode == "direct")) or split_scores or pingpong or fp8_overlap \
-                or (_diag is not None and not (_diag == "bits" and mode != "direct")):
-            return (f"fp8_dequant={mode!r} runs with split_d (the consumers' bf16 steps; 'direct' also with "
-                    "consumers='asym'), without split_scores / pingpong / fp8_overlap / _diag (but 'bits' with "
-                    "the tile ring's 'producer' / 'converter')")
+        if (split_d is False and not (asym and mode in ("direct", "converter"))) or split_scores or pingpong \
+                or fp8_overlap or (_diag is not None and not (_diag == "bits" and mode != "direct")):
+            return (f"fp8_dequant={mode!r} runs with split_d (the consumers' bf16 steps; 'direct' and 'converter' "
+                    "also with consumers='asym'), without split_scores / pingpong / fp8_overlap / _diag (but "
+                    "'bits' with the tile ring's 'producer' / 'converter')")
         if mode == "direct":
             if (block_k or 64) not in (32, 64):
                 return f"fp8_dequant='direct' takes block_k=64 (the default) or 32, got {block_k}"
@@ -2338,7 +2346,7 @@ def sparse_attention_mosaic(
                 raise ValueError("direct_staging='tile' stages 64-row steps in the upper pieces of their own tile "
                                  f"(block_k=64, no conv_batch), got block_k={block_k}, conv_batch={conv_batch}")
         else:
-            block_k, split_d = 32, True
+            block_k, split_d = 32, not asym
             num_stages = (AHEAD_STAGING if ahead else PDQ_STAGING) if num_stages is None else num_stages
         # the producer converts alone, so its conversion rate was taken to matter (session 22, not re-timed); the
         # converter and the direct gather take the module default (session 67: "cvt" 1-7% faster than "rebias")
