@@ -2215,20 +2215,20 @@ def sparse_attention_mosaic(
     consumers (None = DEFAULT_CONSUMERS for the pools' dtype: "asym" for bf16 pools, "pair" for FP8; the "asym" default
     yields to the pair wherever an option names one of the pair's modes: split_d, split_scores, pingpong, piece_barriers
     or score_ahead given, block_k other than 64, the cp.async producer, more than 4 ring slots, FP8 pools without
-    fp8_dequant="direct" or "converter"): how the two consumer warpgroups share a step. H100, session 65 (`sparse_attention.py
-    --groups s64`, net us, pair -> asym): bf16 CSA B=16 16.4 -> 15.5, B=64 27.5 -> 27.9, B=128 43.0 -> 41.1,
-    HCA-1K B=64 38.6 -> 37.9, HCA-8K B=16 69.9 -> 65.4, B=64 209.8 -> 200.9; prefill S=4K 899 -> 807, S=16K
-    3444 -> 3131 (399 -> 439 TFLOP/s). FP8 through the direct gather, CSA B=128 55.3 -> 54.2 (the converter
-    default: 46.0), HCA-8K B=64 278.3 -> 260.1 (default 249.9). "pair": the
-    symmetric pair above (split_d, split_scores or pingpong, as resolved). "asym" (block_k 64: bf16 pools gathered
-    by the bulk-copy producer, or FP8 pools with fp8_dequant="direct", which is then FlashMLA's whole FP8 decode
-    shape; or FP8 pools with fp8_dequant="converter", over its 32-row tiles: built in session 67, lowered and
-    compiled offline with 0 spills and 203 KB of shared memory, not yet run on a GPU; not with split_d=True,
-    split_scores, pingpong, piece_barriers or score_ahead): FlashMLA's
-    decode split, see `_build`'s asym: consumer 0 scores over all of d, runs the softmax and hands P and its
-    rescale factors to consumer 1 through shared memory (8 KB + 256 B a ring slot); each runs P.V over its half of
-    the output columns, consumer 1's of step g under consumer 0's scores of step g + 1. No partial-score exchange,
-    one softmax instead of two.
+    fp8_dequant="direct" or "converter"): how the two consumer warpgroups share a step. H100, session 65
+    (`sparse_attention.py --groups s64`, net us, pair -> asym): bf16 CSA B=16 16.4 -> 15.5, B=64 27.5 -> 27.9, B=128
+    43.0 -> 41.1, HCA-1K B=64 38.6 -> 37.9, HCA-8K B=16 69.9 -> 65.4, B=64 209.8 -> 200.9; prefill S=4K 899 -> 807,
+    S=16K 3444 -> 3131 (399 -> 439 TFLOP/s). FP8 through the direct gather, CSA B=128 55.3 -> 54.2 (the converter
+    default: 46.0), HCA-8K B=64 278.3 -> 260.1 (default 249.9). "pair": the symmetric pair above (split_d, split_scores
+    or pingpong, as resolved). "asym" (block_k 64: bf16 pools gathered by the bulk-copy producer, or FP8 pools with
+    fp8_dequant="direct", which is then FlashMLA's whole FP8 decode shape; or FP8 pools with fp8_dequant="converter",
+    over its 32-row tiles: built in session 67, lowered and compiled offline with 0 spills and 203 KB of shared memory,
+    not yet run on a GPU; not with split_d=True, split_scores, pingpong, piece_barriers or score_ahead): FlashMLA's
+    decode split, see `_build`'s asym: consumer 0 scores over all of d, runs the softmax and hands P and its rescale
+    factors to consumer 1 through shared memory (8 KB + 256 B a ring slot, 4 KB + 256 B over the converter's tiles);
+    each runs P.V over its half of the output
+    columns, consumer 1's of step g under consumer 0's scores of step g + 1. No partial-score exchange, one softmax
+    instead of two.
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
