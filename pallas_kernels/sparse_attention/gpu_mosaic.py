@@ -2226,9 +2226,8 @@ def sparse_attention_mosaic(
     not yet run on a GPU; not with split_d=True, split_scores, pingpong, piece_barriers or score_ahead): FlashMLA's
     decode split, see `_build`'s asym: consumer 0 scores over all of d, runs the softmax and hands P and its rescale
     factors to consumer 1 through shared memory (8 KB + 256 B a ring slot, 4 KB + 256 B over the converter's tiles);
-    each runs P.V over its half of the output
-    columns, consumer 1's of step g under consumer 0's scores of step g + 1. No partial-score exchange, one softmax
-    instead of two.
+    each runs P.V over its half of the output columns, consumer 1's of step g under consumer 0's scores of step g + 1.
+    No partial-score exchange, one softmax instead of two.
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
