@@ -188,10 +188,10 @@ def main():
                          "HCA prefill: 2048 queries x 8320 entries), s61 (score_ahead against the default, FP8 and "
                          "bf16, decode and bf16 prefill), s64 (consumers='asym' against the default pair, bf16 "
                          "decode and prefill, with and without lazy_rescale), s64q (its short form: CSA B=64 / 128, 16K prefill), s64f (FP8 decode: "
-                         "the default, fp8_dequant='direct', and 'direct' with consumers='asym'), s67 (FP8: the converter "
-                         "warpgroup's fp8_convert='rebias' vs 'cvt' vs _diag='bits', with conv_batch=3), s67u (FP8 decode table "
-                         "rows and 16K prefill: the default against conv_units=7), s67a (FP8: consumers='asym' over "
-                         "the converter's tiles against the pair)")
+                         "the default, fp8_dequant='direct', and 'direct' with consumers='asym'), s67 (FP8: the "
+                         "converter warpgroup's fp8_convert='rebias' vs 'cvt' vs _diag='bits', with conv_batch=3), "
+                         "s67u (FP8 decode table rows and 16K prefill: the default against conv_units=7), s67a (FP8: "
+                         "consumers='asym' over the converter's tiles against the pair)")
     ap.add_argument("--dtypes", default="bf16,fp8", help="decode / prefill / b1 groups: the KV dtypes to run")
     ap.add_argument("--ref-batches", default=None,
                     help="decode / prefill / b1 groups: time the XLA reference only at these batch sizes (comma "

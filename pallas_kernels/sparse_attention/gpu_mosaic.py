@@ -288,7 +288,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
         src_gmem = [refs[2 + n_in * k: 2 + n_in * (k + 1)] for k in range(n_src)]
         o_gmem, lse_gmem = refs[2 + n_in * n_src], refs[3 + n_in * n_src]
         scratch = refs[-1]
-        if conv and asym:   # as conv, with asym's P and alpha slots (following the tile ring) for split_d's x_s
+        if conv and asym:   # as conv, with asym's P and alpha slots (following the tile ring) in place of x_s
             (q_smem, ring, nope_st, rope_st, scale_st, x_p, idx_smem, vec_smem, x_a), (q_bar, idx_bar), \
                 (st_bars, st_empty, full_bars, empty_bars, cons_bar) = scratch
         elif conv:   # as pdq, plus st_empty: the converter's release of a staging slot to the producer
@@ -2268,7 +2268,7 @@ def sparse_attention_mosaic(
         if not fp8:
             return f"fp8_dequant={mode!r} dequantizes FP8 pools (bf16 pools need no conversion)"
         if (split_d is False and not (asym and mode in ("direct", "converter"))) or split_scores or pingpong \
-                or fp8_overlap or (_diag is not None and not (_diag == "bits" and mode != "direct")):
+                or fp8_overlap or (_diag is not None and (_diag != "bits" or mode == "direct")):
             return (f"fp8_dequant={mode!r} runs with split_d (the consumers' bf16 steps; 'direct' and 'converter' "
                     "also with consumers='asym'), without split_scores / pingpong / fp8_overlap / _diag (but "
                     "'bits' with the tile ring's 'producer' / 'converter')")
