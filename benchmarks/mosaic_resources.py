@@ -70,6 +70,9 @@ OPTS.update({"fp8_converter_asym": dict(fp8_dequant="converter", consumers="asym
              "fp8_converter_asym_eager": dict(fp8_dequant="converter", consumers="asym", lazy_rescale=False)})
 VARIANTS += [(n, True, None, None) for n in ("fp8_converter_asym", "fp8_converter_asym_cu5",
                                              "fp8_converter_asym_eager")]
+# session 68: asym is the FP8 default, so the FP8 variants above without consumers now build it; the pair, named
+OPTS["fp8_converter_pair"] = dict(fp8_dequant="converter", consumers="pair")
+VARIANTS += [("fp8_converter_pair", True, None, None)]
 
 
 def main(out_dir: str, only: list[str] | None, offline_mode: bool):

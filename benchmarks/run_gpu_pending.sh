@@ -2,19 +2,19 @@
 # The device work still pending, as one command that picks its steps by the card it lands on (the device tool gives
 # an H100 or an H200, whichever comes; H200s have not come since session 55). Each part fits one 600 s call.
 #   device run:  PART=1 bash benchmarks/run_gpu_pending.sh        (then PART=2, 3, 4 while the machine is warm)
-# H200, part 1: issue #4's decode table on today's defaults (bf16 on consumers="asym" since session 66) with the XLA
-#   reference at B = 64, then issue #5's rows (indexer decode at 8K / 128K / 1M, B = 1 and 64, each key format) on
-#   the defaults, against session 54's q preparation grid of before (`mosaic.q_prep_heads=64`) in the same call.
+# H200, part 1 / any other card, part 1: issue #4's decode table on today's defaults (consumers="asym" for bf16 since
+#   session 66, for FP8 over the converter's tiles since session 68) with the XLA reference at B = 64; on an H200
+#   then issue #5's rows (indexer decode at 8K / 128K / 1M, B = 1 and 64, each key format) on the defaults, against
+#   session 54's q preparation grid of before (`mosaic.q_prep_heads=64`) in the same call.
 # H200, parts 2-3: consumers="asym" (FlashMLA's consumer split) on the H200, so far measured on an H100 only (session
 #   65): its GPU tests (the kernel against the reference: bf16 rings and FP8's direct gather) and its bf16 timing
 #   against the pair (group s64: decode rows and prefill); then its FP8 timing (group s64f: the direct gather with
 #   the asym split against the converter default and the direct gather with the pair), the FP8 converter's
 #   conversions (group s67: "cvt", its default since session 67, against "rebias" and bits) and the phase profile.
-# H200, part 4 / any other card, part 1: consumers="asym" over the FP8 converter warpgroup's 32-row tiles (built in
-#   session 67, lowered and compiled offline only): its GPU tests (T4_K "cvwg and asym"), its timing against the
-#   pair (group s67a) and the phase profile of both.
-# Any other card: parts 2-3 as the H200's parts 2-3 (done on an H100 in session 65); part 4 issue #4's decode table on
-#   today's defaults with the XLA reference at B = 64 (done on an H100 in session 67: h100_s67r12).
+# H200, part 4 / any other card, part 2: consumers="asym" over the FP8 converter warpgroup's 32-row tiles (the FP8
+#   default since session 68, measured on an H100 only): its GPU tests (T4_K "cvwg and asym"), its timing against
+#   the pair (group s67a) and the phase profile of both.
+# Any other card: parts 3-4 as the H200's parts 2-3 (done on an H100 in session 65).
 # INDEXER_TESTS=1 (any card, any part): the indexer GPU tests of sessions 62-63 instead (all passed on an H100 in
 #   session 63).
 # T_ASYM_TESTS / T_ASYM_TIMING / ASYM_GROUP (s64q: the short form) / T_S64F / T_S67 for a call with little device
@@ -47,11 +47,11 @@ asym_fp8_and_profile() {
   T_attn=${T_S67:-120} ATTN_ARGS="--groups s67 --net-decode --no-ref" STEPS=attn session converter_conversions
   T_mprof=200 MPROF_ARGS="--cases csa128_asym,csa128_nosd,prefill2k_asym,csa128_fp8_direct_asym,csa128_fp8_direct" STEPS=mprof session asym_profile
 }
-conv_asym() {   # consumers="asym" over the FP8 converter's 32-row tiles (built in session 67, not yet run on a GPU):
+conv_asym() {   # consumers="asym" over the FP8 converter's 32-row tiles (the FP8 default since session 68):
   # its GPU tests, then its timing against the pair (group s67a) and its phase profile next to the pair's
   PYTEST_N=4 T_tests4=${T_CONV_ASYM_TESTS:-150} T4_K="cvwg and asym" STEPS=tests4 session conv_asym_tests
   T_attn=${T_CONV_ASYM_TIMING:-150} ATTN_ARGS="--groups s67a --net-decode --no-ref" STEPS=attn session conv_asym_timing
-  T_mprof=150 MPROF_ARGS="--cases csa128_fp8_cv,csa128_fp8_cv_asym" STEPS=mprof session conv_asym_profile
+  T_mprof=150 MPROF_ARGS="--cases csa128_fp8_cv_pair,csa128_fp8_cv_asym" STEPS=mprof session conv_asym_profile
 }
 model_asym() {   # the bf16 model test, one test per consumer schedule forced (asym, pair, split_scores; session 66),
   # next to the FP8-cache model test, four processes at once (one test took 170-347 s in sessions 45-60 with one
@@ -70,8 +70,8 @@ case "$card:${PART:-1}" in
   *H200*:2) asym ;;
   *H200*:3) asym_fp8_and_profile ;;
   *H200*:*) conv_asym ;;
-  *:1) conv_asym ;;
-  *:2) asym ;;
-  *:3) asym_fp8_and_profile ;;
-  *) decode_table ;;
+  *:1) decode_table ;;
+  *:2) conv_asym ;;
+  *:3) asym ;;
+  *) asym_fp8_and_profile ;;
 esac

@@ -465,9 +465,11 @@ def test_sparse_attention_mosaic_asym_consumers_reject_what_they_cannot_do(monke
     fp8 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)
     with pytest.raises(ValueError, match="consumers must be"):
         sparse_attention_mosaic(*(bf16[k] for k in keys), scale=0.1, consumers="seesaw")
-    for dequant in (None, "producer", "consumers"):   # FP8 pools: only through the direct or converter tile ring
+    for dequant in ("producer", "consumers"):   # FP8 pools: only through the direct or converter tile ring
         with pytest.raises(ValueError, match="FP8 pools with fp8_dequant"):
             sparse_attention_mosaic(*(fp8[k] for k in keys), scale=0.1, consumers="asym", fp8_dequant=dequant)
+    with pytest.raises(ValueError, match="default tile ring .* takes regs as"):   # rules the default converter out
+        sparse_attention_mosaic(*(fp8[k] for k in keys), scale=0.1, consumers="asym", regs=(40, 232))
     with pytest.raises(ValueError, match="takes block_k=32"):   # the converter's tiles are 32 rows
         sparse_attention_mosaic(*(fp8[k] for k in keys), scale=0.1, consumers="asym", fp8_dequant="converter",
                                 block_k=64)
@@ -483,21 +485,41 @@ def test_sparse_attention_mosaic_asym_consumers_reject_what_they_cannot_do(monke
     for inp in (bf16, prefill):   # decode and prefill shapes (where the pair's default is split_d / split_scores)
         lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, scale=0.1, consumers="asym"),
                    *(inp[k] for k in keys))
-    for dequant in ("direct", "converter"):
+    for dequant in ("direct", "converter", None):   # (None: the default, the converter)
         lowers_for("cuda", "mosaic_gpu", lambda *a: sparse_attention_mosaic(*a, scale=0.1, consumers="asym",
                                                                              fp8_dequant=dequant),
                    *(fp8[k] for k in keys))
     assert [(b["asym"], b["split_d"], b["split_scores"], b["pingpong"], b["bk"], b.get("direct", False),
              b.get("conv", False)) for b in built] == \
-        [(True, False, False, False, 64, False, False)] * 2 + [(True, False, False, False, 64, True, False),
-                                                              (True, False, False, False, 32, False, True)]
+        [(True, False, False, False, 64, False, False)] * 2 + [(True, False, False, False, 64, True, False)] + \
+        [(True, False, False, False, 32, False, True)] * 2
+
+
+def test_mosaic_scratch_swizzled_buffers_must_be_1k_aligned():
+    """Mosaic GPU packs scratch buffers back to back; a tiled bf16 buffer (what wgmma / TMA read swizzled) after
+    768 B of FP8 scale rows is misaligned, which the hardware's swizzle would read wrongly without an error (session
+    68's first GPU run of the converter's asym P slots). The check names it; the same buffers in an aligned order,
+    an f32 exchange buffer and barriers (8 B each) ahead of an aligned offset pass."""
+    import jax.experimental.mosaic.gpu as mgpu
+    from pallas_kernels.sparse_attention.gpu_mosaic import _check_swizzle_alignment
+
+    sds = jax.ShapeDtypeStruct
+    ring = sds((2, 4, 16, 8, 32), jnp.bfloat16)     # 64 KB: ends 1 KB aligned
+    scales = sds((3, 32, 8), jnp.uint8)             # 768 B
+    p_slots = sds((2, 8, 1, 8, 32), jnp.bfloat16)   # swizzled (wgmma's A operand)
+    with pytest.raises(AssertionError, match="at byte 66304, not 1 KB aligned"):
+        _check_swizzle_alignment(((ring, scales, p_slots), (mgpu.Barrier(arrival_count=1),)))
+    _check_swizzle_alignment(((ring, p_slots, scales), (mgpu.Barrier(arrival_count=1),)))
+    _check_swizzle_alignment(((ring, scales, sds((2, 8, 1, 8, 32), jnp.float32)),))   # f32: store/load_tiled only
+    _check_swizzle_alignment(((ring, sds((248,), jnp.float32)), (mgpu.Barrier(arrival_count=1, num_barriers=4),),
+                              (p_slots,)))   # 992 B + 4 barriers = 1 KB
 
 
 def test_sparse_attention_mosaic_default_consumers_yield_to_the_pairs_modes(monkeypatch):
-    """With "asym" as the default (DEFAULT_CONSUMERS: bf16's since session 66; set for FP8 here too) a call without
+    """With "asym" as the default (DEFAULT_CONSUMERS: bf16's since session 66, FP8's since 68) a call without
     options builds asym, and one that names a pair mode (split_d, split_scores, piece_barriers, block_k 32, the
     cp.async producer) builds the pair instead of raising; likewise for FP8 pools (an "asym" default there would
-    build asym only over a named tile ring, fp8_dequant="direct" or "converter")."""
+    build asym over the tile rings that take it: the direct gather's and the converter's, the default one)."""
     from pallas_kernels.sparse_attention import gpu_mosaic
 
     monkeypatch.setattr(gpu_mosaic, "DEFAULT_CONSUMERS", {"bf16": "asym", "fp8": "asym"})
@@ -508,7 +530,9 @@ def test_sparse_attention_mosaic_default_consumers_yield_to_the_pairs_modes(monk
     cases = [(bf16, {}, True), (bf16, dict(lazy_rescale=True, n_splits=2), True), (bf16, dict(split_d=True), False),
              (bf16, dict(split_d=False), False), (bf16, dict(piece_barriers=False), False),
              (bf16, dict(block_k=32, num_stages=4), False), (bf16, dict(producer="cp_async"), False),
-             (fp8, {}, False), (fp8, dict(fp8_dequant="direct"), True), (fp8, dict(fp8_dequant="converter"), True)]
+             (fp8, {}, True), (fp8, dict(fp8_dequant="direct"), True), (fp8, dict(fp8_dequant="converter"), True),
+             (fp8, dict(fp8_dequant="producer"), False), (fp8, dict(fp8_dequant="consumers"), False),
+             (fp8, dict(regs=(40, 232)), False), (fp8, dict(block_k=32), True)]
     for inp, opts, want_asym in cases:
         built.clear()
         lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(

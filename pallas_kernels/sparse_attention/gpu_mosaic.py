@@ -27,8 +27,8 @@ side by side and the second group's gathers of the same KV rows mostly hit L2.
   barrier. H200, net of dispatch: HCA-8K B=64 253.5 -> 187.6-206.5 us (1.74x -> 1.29-1.42x the floor), B=128
   493 -> 373-390 us, HCA-1K B=128 77.2 -> 62.6-63.0 us; HCA prefill (2048 queries x 8320 entries) 347 -> 401
   TFLOP/s. Lists that fit stay whole (streaming them costs CSA decode 3-5%).
-* warpgroups 0 and 1, the **consumers**, as the symmetric **pair** (FP8 pools' default, and bf16's wherever an option
-  names one of the pair's modes; bf16 pools default to "asym" below since session 66): both hold the scores S = q K^T
+* warpgroups 0 and 1, the **consumers**, as the symmetric **pair** (wherever an option names one of the pair's modes;
+  bf16 pools default to "asym" below since session 66, FP8 pools since session 68): both hold the scores S = q K^T
   [64, block_k] (wgmma, both operands in shared memory). By default (`split_d`, session 18) each computes S over its own
   half of d and the two swap their f32 partials through a 32 KB shared buffer, so the score work is done once (CSA
   decode 14-16% faster, prefill S=16K 380 vs 302 TFLOP/s); with split_d=False both compute all of S, with split_scores
@@ -40,9 +40,9 @@ side by side and the second group's gathers of the same KV rows mostly hit L2.
   d), and each consumer waits for each of its own pieces just before that piece's score wgmma instead of for the
   whole block (H100: decode 0.4-3.5% faster; prefill 2.5% slower, so off there). The piece-major issue order of FlashMLA's
   fine-grained pipelining (`"pieces"`) is 1-9% slower on the H100, where decode is memory-bound.
-* `consumers="asym"` (session 64, bf16 rings and FP8's direct gather; **the bf16 default since session 66**, see
-  DEFAULT_CONSUMERS: on an H100 bf16 decode 0-6.5% and prefill 9-10% faster than the pair): FlashMLA's decode split
-  instead of the pair. Consumer 0 scores over all of d, runs the softmax and hands P (bf16) and its rescale factors to
+* `consumers="asym"` (session 64, bf16 rings and FP8's tile rings; **the bf16 default since session 66, FP8's since
+  session 68**, see DEFAULT_CONSUMERS: on an H100 bf16 decode 0-6.5% and prefill 9-10% faster than the pair, FP8 over
+  the converter's tiles decode at B >= 64 3-14% and prefill 9-10% faster): FlashMLA's decode split instead of the pair. Consumer 0 scores over all of d, runs the softmax and hands P (bf16) and its rescale factors to
   consumer 1 through shared memory (8 KB + 256 B a ring slot, one named barrier); each runs P.V over its half of the
   output columns, consumer 1's of step g under consumer 0's scores of step g + 1. See `_build`'s asym.
 * the q tile becomes the output tile once both consumers are past their last scores (a barrier between them).
@@ -182,6 +182,24 @@ def default_config(rows: int, total_blocks: int, decode: bool = True, block_k: i
     return dict(block_k=64, num_stages=2, n_splits=common.split_count(rows, total_blocks, decode, block_k))
 
 
+def _check_swizzle_alignment(smem):
+    """Mosaic GPU packs the scratch buffers back to back in tree order, with no padding (barriers 8 B each). Every
+    tiled bf16 buffer ([..., 8, cols]: the ones wgmma or TMA read or write swizzled) must start 1 KB aligned, as
+    the hardware takes the swizzle pattern from the address bits while `store_tiled` computes it from the offset in
+    the buffer: misaligned, the two disagree, which is silently wrong, not an error. (split_d's f32 partials are
+    written and read by `store_tiled` / `load_tiled` alone, which agree with each other anywhere.) Raises
+    AssertionError naming the first misaligned buffer."""
+    import jax.experimental.mosaic.gpu as mgpu
+    offset = 0
+    for leaf in jax.tree.leaves(smem, is_leaf=lambda x: isinstance(x, (mgpu.Barrier, mgpu.TMABarrier))):
+        if isinstance(leaf, (mgpu.Barrier, mgpu.TMABarrier)):
+            offset += 8 * leaf.num_barriers
+            continue
+        if len(leaf.shape) >= 4 and leaf.shape[-2] == 8 and leaf.dtype == jnp.bfloat16:
+            assert offset % 1024 == 0, f"swizzled scratch buffer {leaf} at byte {offset}, not 1 KB aligned"
+        offset += math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
+
+
 def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=False, diag=None,
            regs=None, n_hg=1, split_scores=False, profile=None, cp_async=False, l2_ahead=0, ccomb=False,
            store_wait_read=False, idx_first=False, pingpong=False, cluster_early=False, split_d=False,
@@ -288,8 +306,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
         src_gmem = [refs[2 + n_in * k: 2 + n_in * (k + 1)] for k in range(n_src)]
         o_gmem, lse_gmem = refs[2 + n_in * n_src], refs[3 + n_in * n_src]
         scratch = refs[-1]
-        if conv and asym:   # as conv, with asym's P and alpha slots (following the tile ring) in place of x_s
-            (q_smem, ring, nope_st, rope_st, scale_st, x_p, idx_smem, vec_smem, x_a), (q_bar, idx_bar), \
+        if conv and asym:   # as conv, with asym's P slots right after the tile ring and alpha slots in place of x_s
+            (q_smem, ring, x_p, nope_st, rope_st, scale_st, idx_smem, vec_smem, x_a), (q_bar, idx_bar), \
                 (st_bars, st_empty, full_bars, empty_bars, cons_bar) = scratch
         elif conv:   # as pdq, plus st_empty: the converter's release of a staging slot to the producer
             (q_smem, ring, nope_st, rope_st, scale_st, x_s, idx_smem), (q_bar, idx_bar), \
@@ -1731,11 +1749,15 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             jax.ShapeDtypeStruct((stages, bk, NOPE_STRIDE), jnp.float8_e4m3fn),      # staging: nope
             jax.ShapeDtypeStruct((stages, bk, ROPE_DIM), jnp.bfloat16),              # staging: rope
             jax.ShapeDtypeStruct((stages, bk, SCALE_BYTES), jnp.uint8))              # staging: scales
+        # asym's P slots go right after the tile ring: Mosaic packs the buffers back to back, and the swizzled P
+        # tiles need the 1 KB alignment the ring ends on (after the staging ring's 8 B scale rows they would not
+        # have it: session 68's first GPU run of conv + asym read P through a misaligned swizzle)
         smem = (
             (jax.ShapeDtypeStruct((BLOCK_H // 8, d // tc, 8, tc), jnp.bfloat16),     # q, then o
              jax.ShapeDtypeStruct((n_tiles, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # the bf16 tile ring
+             *((asym_p,) if asym else ()),
              *staging,
-             *((asym_p, jax.ShapeDtypeStruct((idx_len,), jnp.int32),
+             *((jax.ShapeDtypeStruct((idx_len,), jnp.int32),
                 jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32), asym_a) if asym else      # asym | sinks, lse
                (jax.ShapeDtypeStruct((2, BLOCK_H // 8, bk // 32, 8, 32), jnp.float32),  # split_d's partials | sinks,
                 jax.ShapeDtypeStruct((idx_len,), jnp.int32)))),                         # lse
@@ -1798,6 +1820,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 (mgpu.Barrier(arrival_count=256, num_barriers=stages), mgpu.Barrier(arrival_count=256)),
                 *((exch,) if tail else ()),
             )
+    if diag != "ss_tail":   # (the session-10 layout puts its exchange after the barriers on purpose)
+        _check_swizzle_alignment(smem)
     prof = None if profile is None else mgpu.profiler.ProfilerSpec(profile[0], dump_path=profile[1])
     with jax_mlir.make_ir_context(), ir.Location.unknown():
         return mgpu.as_gpu_kernel(body, grid=(bt * n_hg, ns, 1), block=(512 if conv else 384, 1, 1),
@@ -1829,9 +1853,12 @@ DEFAULT_REGS = (56, 224)   # setmaxnreg: (producer, each consumer) registers per
 # see `sparse_attention_mosaic`'s consumers. bf16: "asym" since session 66, measured faster on an H100 (session 65:
 # decode 0-6.5%, prefill 9-10%, CSA B=64 within the noise); its kernel cases pass there (19 + the 118 bf16 cases with
 # it as the default, session 65) and so does the bf16 model test with it forced (session 66, logit error 0.006, the
-# Triton kernel's). FP8: the pair over the converter warpgroup (asym runs only over the direct gather, which is
-# 5-20% slower than the converter there)
-DEFAULT_CONSUMERS = {"bf16": "asym", "fp8": "pair"}
+# Triton kernel's). FP8: "asym" over the converter warpgroup's 32-row tiles since session 68 (H100, group s67a, two
+# calls, net us pair -> asym: CSA B=64 27.8-30.5 -> 27.0-29.7, B=128 43.5-43.7 -> 37.4-39.2, HCA-1K B=128 70.0-75.6 ->
+# 62.9-66.2, HCA-8K B=64 231.6-241.3 -> 212.3-224.8, prefill S=16K 290-294 -> 322-324 TFLOP/s; CSA B=16 within the
+# noise); all 219 FP8 kernel cases pass with it as the default and so does the FP8-cache model test (logit error
+# 0.0096, the pair's)
+DEFAULT_CONSUMERS = {"bf16": "asym", "fp8": "asym"}
 
 
 def resolve_combine(how, out_dtype):
@@ -2212,18 +2239,19 @@ def sparse_attention_mosaic(
     FP8 CSA B=128): issuing the next step's 16 m64n32k16 score wgmma takes ~1700 cycles before the softmax can
     start, i.e. the issue itself waits for the tensor cores (two consumers' chains, bound by their A operand's
     shared-memory reads at N = 32), so nothing runs under them; the step grew from ~4100 to ~5000 cycles.
-    consumers (None = DEFAULT_CONSUMERS for the pools' dtype: "asym" for bf16 pools, "pair" for FP8; the "asym" default
+    consumers (None = DEFAULT_CONSUMERS for the pools' dtype: "asym" for both since session 68; the "asym" default
     yields to the pair wherever an option names one of the pair's modes: split_d, split_scores, pingpong, piece_barriers
-    or score_ahead given, block_k other than 64, the cp.async producer, more than 4 ring slots, FP8 pools without
-    fp8_dequant="direct" or "converter"): how the two consumer warpgroups share a step. H100, session 65
+    or score_ahead given, block_k other than 64 (other than 32 over the converter's tiles), the cp.async producer, more
+    than 4 ring slots, FP8 pools converted by fp8_dequant="consumers" or "producer", or an option that rules out the
+    default converter, such as a (producer, consumer) regs pair): how the two consumer warpgroups share a step. H100, session 65
     (`sparse_attention.py --groups s64`, net us, pair -> asym): bf16 CSA B=16 16.4 -> 15.5, B=64 27.5 -> 27.9, B=128
     43.0 -> 41.1, HCA-1K B=64 38.6 -> 37.9, HCA-8K B=16 69.9 -> 65.4, B=64 209.8 -> 200.9; prefill S=4K 899 -> 807,
     S=16K 3444 -> 3131 (399 -> 439 TFLOP/s). FP8 through the direct gather, CSA B=128 55.3 -> 54.2 (the converter
     default: 46.0), HCA-8K B=64 278.3 -> 260.1 (default 249.9). "pair": the symmetric pair above (split_d, split_scores
     or pingpong, as resolved). "asym" (block_k 64: bf16 pools gathered by the bulk-copy producer, or FP8 pools with
     fp8_dequant="direct", which is then FlashMLA's whole FP8 decode shape; or FP8 pools with fp8_dequant="converter",
-    over its 32-row tiles: built in session 67, lowered and compiled offline with 0 spills and 203 KB of shared memory,
-    not yet run on a GPU; not with split_d=True, split_scores, pingpong, piece_barriers or score_ahead): FlashMLA's
+    the default, over its 32-row tiles (session 67-68; H100 pair -> asym in DEFAULT_CONSUMERS' note); not with
+    split_d=True, split_scores, pingpong, piece_barriers or score_ahead): FlashMLA's
     decode split, see `_build`'s asym: consumer 0 scores over all of d, runs the softmax and hands P and its rescale
     factors to consumer 1 through shared memory (8 KB + 256 B a ring slot, 4 KB + 256 B over the converter's tiles);
     each runs P.V over its half of the output columns, consumer 1's of step g under consumer 0's scores of step g + 1.
@@ -2236,11 +2264,14 @@ def sparse_attention_mosaic(
                   ("piece_barriers", piece_barriers), ("score_ahead", score_ahead), ("fp8_overlap", fp8_overlap))
     fp8 = isinstance(window_kv, Fp8KVPool)   # FP8 pools (validated below: both sources alike)
     # FP8 pools run asym over a tile ring: the direct gather's (64-row steps) or the converter's (32-row steps)
-    fp8_no_asym = fp8 and fp8_dequant not in ("direct", "converter")
-    asym_bk_ok = (block_k or 64) == 64 or (fp8 and fp8_dequant == "converter" and block_k == 32)
+    # (fp8_dequant=None: the module default, which is resolved below)
+    fp8_no_asym = fp8 and (fp8_dequant or DEFAULT_FP8_DEQUANT) not in ("direct", "converter")
+    asym_bk_ok = (block_k or 64) == 64 or (fp8 and (fp8_dequant or DEFAULT_FP8_DEQUANT) == "converter"
+                                           and block_k == 32)
     # what keeps asym from running besides the pair's own modes switched on
     asym_misfit = fp8_no_asym or not asym_bk_ok or producer == "cp_async" or _diag is not None
     asym_slots_ok = num_stages is None or 1 <= num_stages <= 4
+    consumers_defaulted = consumers is None
     if consumers is None:   # the default for the pools' dtype; the pair wherever an option names one of its modes
         consumers = DEFAULT_CONSUMERS["fp8" if fp8 else "bf16"]
         if consumers == "asym" and (any(v is not None for _, v in pair_modes) or asym_misfit or not asym_slots_ok):
@@ -2288,6 +2319,12 @@ def sparse_attention_mosaic(
     dequant_defaulted = fp8_dequant is None
     if fp8_dequant is None:   # the default where it applies; the consumers convert where an option needs them to
         default_fits = DEFAULT_FP8_DEQUANT == "consumers" or tile_ring_conflict(DEFAULT_FP8_DEQUANT) is None
+        if fp8 and not default_fits and asym:   # the consumers' own conversion runs under the pair only
+            if consumers_defaulted:
+                return sparse_attention_mosaic(**{**call_args, "consumers": "pair"})
+            raise ValueError(f"consumers='asym' runs FP8 pools over the default tile ring (fp8_dequant="
+                             f"{DEFAULT_FP8_DEQUANT!r}), which these options rule out: "
+                             f"{tile_ring_conflict(DEFAULT_FP8_DEQUANT)}")
         fp8_dequant = DEFAULT_FP8_DEQUANT if default_fits else "consumers"
     if fp8_dequant not in ("consumers", "producer", "converter", "direct"):
         raise ValueError(f"fp8_dequant must be 'consumers', 'producer', 'converter' or 'direct', got {fp8_dequant!r}")
