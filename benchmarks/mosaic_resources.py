@@ -73,6 +73,11 @@ VARIANTS += [(n, True, None, None) for n in ("fp8_converter_asym", "fp8_converte
 # session 68: asym is the FP8 default, so the FP8 variants above without consumers now build it; the pair, named
 OPTS["fp8_converter_pair"] = dict(fp8_dequant="converter", consumers="pair")
 VARIANTS += [("fp8_converter_pair", True, None, None)]
+# ... and the producer taking one or two of the converter's nine passes under asym (the converter sets the pace
+# there), at the shared split (56, 56, 200) and with the consumers' 208 kept (48, 48, 208)
+for u in (8, 7):
+    OPTS[f"fp8_asym_cu{u}"] = OPTS[f"fp8_asym_cu{u}_r48"] = dict(consumers="asym", conv_units=u)
+    VARIANTS += [(f"fp8_asym_cu{u}", True, None, None), (f"fp8_asym_cu{u}_r48", True, None, (48, 48, 208))]
 
 
 def main(out_dir: str, only: list[str] | None, offline_mode: bool):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device work still pending, as one command that picks its steps by the card it lands on (the device tool gives
 # an H100 or an H200, whichever comes; H200s have not come since session 55). Each part fits one 600 s call.
-#   device run:  PART=1 bash benchmarks/run_gpu_pending.sh        (then PART=2, 3, 4 while the machine is warm)
+#   device run:  PART=1 bash benchmarks/run_gpu_pending.sh        (then PART=2, 3, 4, 5 while the machine is warm)
 # H200, part 1 / any other card, part 1: issue #4's decode table on today's defaults (consumers="asym" for bf16 since
 #   session 66, for FP8 over the converter's tiles since session 68) with the XLA reference at B = 64; on an H200
 #   then issue #5's rows (indexer decode at 8K / 128K / 1M, B = 1 and 64, each key format) on the defaults, against
@@ -11,14 +11,18 @@
 #   against the pair (group s64: decode rows and prefill); then its FP8 timing (group s64f: the direct gather with
 #   the asym split against the converter default and the direct gather with the pair), the FP8 converter's
 #   conversions (group s67: "cvt", its default since session 67, against "rebias" and bits) and the phase profile.
-# H200, part 4 / any other card, part 2: consumers="asym" over the FP8 converter warpgroup's 32-row tiles (the FP8
+# H200, part 4 / any other card, part 3: consumers="asym" over the FP8 converter warpgroup's 32-row tiles (the FP8
 #   default since session 68, measured on an H100 only): its GPU tests (T4_K "cvwg and asym"), its timing against
 #   the pair (group s67a) and the phase profile of both.
-# Any other card: parts 3-4 as the H200's parts 2-3 (done on an H100 in session 65).
+# H200, part 5 / any other card, part 2: under FP8's asym the converter sets the pace (session 68's profile), so the
+#   producer takes 1 or 2 of its 9 passes (group s68: conv_units 8 / 7, two register splits, against the default).
+# Any other card: parts 4-5 as the H200's parts 2-3 (done on an H100 in session 65).
 # INDEXER_TESTS=1 (any card, any part): the indexer GPU tests of sessions 62-63 instead (all passed on an H100 in
 #   session 63).
 # T_ASYM_TESTS / T_ASYM_TIMING / ASYM_GROUP (s64q: the short form) / T_S64F / T_S67 for a call with little device
 #   time left (T_CONV_ASYM_TESTS / T_CONV_ASYM_TIMING for conv_asym).
+# FP8_CHECK=1 (any card): the FP8-cache model test and all FP8 kernel cases side by side (~210 s), the check an FP8
+#   default change needs (session 68).
 # PART=0 (any card): the model-level Mosaic tests, the bf16 one per forced consumer schedule (asym, the pair,
 #   split_scores) and the FP8-cache one, four processes at once (all four passed on an H100 in session 66 in 307 s,
 #   which made asym the bf16 default).
@@ -53,13 +57,25 @@ conv_asym() {   # consumers="asym" over the FP8 converter's 32-row tiles (the FP
   T_attn=${T_CONV_ASYM_TIMING:-150} ATTN_ARGS="--groups s67a --net-decode --no-ref" STEPS=attn session conv_asym_timing
   T_mprof=150 MPROF_ARGS="--cases csa128_fp8_cv_pair,csa128_fp8_cv_asym" STEPS=mprof session conv_asym_profile
 }
+asym_conv_units() {   # group s68 (session 68): conv_units 8 / 7 under FP8's asym against the default
+  T_attn=${T_S68:-260} ATTN_ARGS="--groups s68 --net-decode --no-ref" STEPS=attn session asym_conv_units
+}
 model_asym() {   # the bf16 model test, one test per consumer schedule forced (asym, pair, split_scores; session 66),
   # next to the FP8-cache model test, four processes at once (one test took 170-347 s in sessions 45-60 with one
   # Mosaic leg fewer and was cut at 170 and 205 s in session 65; a leg compiles the model three times, ~60-70 s each)
   PYTEST_N=${PYTEST_N:-4} T_model=${T_MODEL:-420} MODEL_K=${MODEL_K:-bf16_model_on_mosaic} STEPS=model \
     session model_asym
 }
+fp8_default_check() {   # the FP8-cache model test next to every FP8 kernel case (session 68's check of an FP8 default,
+  # h100_s68r4: 199 s and 164 s side by side); waits on the model step's pid (a `pgrep -f` would find this shell)
+  PYTEST_N=1 T_model=${T_MODEL:-340} MODEL_K=fp8_cache_bf16_model_on_mosaic STEPS=model session fp8_model &
+  local model_pid=$!
+  sleep 15   # (the model test's first compile ahead of the kernel cases' four processes)
+  PYTEST_N=4 T_tests4=${T_FP8_TESTS:-280} T4_K=fp8 STEPS=tests4 session fp8_kernel_cases
+  wait "$model_pid"
+}
 if [ -n "$INDEXER_TESTS" ]; then indexer_tests; exit; fi
+if [ -n "$FP8_CHECK" ]; then fp8_default_check; exit; fi
 if [ "${PART:-1}" = 0 ]; then model_asym; exit; fi
 case "$card:${PART:-1}" in
   *H200*:1)
@@ -69,9 +85,11 @@ case "$card:${PART:-1}" in
 64x1x1048576xfp8,1x1x1048576xfp4,64x1x8192xfp8" session indexer_table ;;
   *H200*:2) asym ;;
   *H200*:3) asym_fp8_and_profile ;;
-  *H200*:*) conv_asym ;;
+  *H200*:4) conv_asym ;;
+  *H200*:*) asym_conv_units ;;
   *:1) decode_table ;;
-  *:2) conv_asym ;;
-  *:3) asym ;;
+  *:2) asym_conv_units ;;
+  *:3) conv_asym ;;
+  *:4) asym ;;
   *) asym_fp8_and_profile ;;
 esac

@@ -161,7 +161,7 @@ def fmt(r):
 GROUPS = (
     "b1", "colsplit", "decode", "fp8ops", "hca8k_fp8", "kernels", "knobs5", "prefetch", "prefill",
     "qreload", "s14", "s16", "s17", "s18", "s19", "s22", "s23", "s25", "s25d", "s26", "s26b", "s26c",
-    "s28", "s29", "s29p", "s56", "s61", "s64", "s64f", "s64q", "s67", "s67a", "s67u", "s9", "ss", "variants")
+    "s28", "s29", "s29p", "s56", "s61", "s64", "s64f", "s64q", "s67", "s67a", "s67u", "s68", "s9", "ss", "variants")
 
 
 def main():
@@ -191,7 +191,9 @@ def main():
                          "the default, fp8_dequant='direct', and 'direct' with consumers='asym'), s67 (FP8: the "
                          "converter warpgroup's fp8_convert='rebias' vs 'cvt' vs _diag='bits', with conv_batch=3), "
                          "s67u (FP8 decode table rows and 16K prefill: the default against conv_units=7), s67a (FP8: "
-                         "consumers='asym' over the converter's tiles against the pair)")
+                         "consumers='asym' over the converter's tiles against the pair), s68 (FP8 on asym, the "
+                         "default since session 68: the producer taking 1 or 2 of the converter's 9 passes, "
+                         "conv_units=8 / 7, at the shared register split and at (48, 48, 208))")
     ap.add_argument("--dtypes", default="bf16,fp8", help="decode / prefill / b1 groups: the KV dtypes to run")
     ap.add_argument("--ref-batches", default=None,
                     help="decode / prefill / b1 groups: time the XLA reference only at these batch sizes (comma "
@@ -454,6 +456,15 @@ def main():
         # (each consumer scores half of d, f32 partials exchanged), decode rows and 16K prefill in-kernel
         cv = dict(mos, fp8_dequant="converter")
         fp8_modes([dict(cv, consumers="pair"), dict(cv, consumers="asym")],
+                  [("csa", 16, 512), ("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 1024), ("hca", 128, 1024),
+                   ("hca", 64, 8192)], (16384,))
+    if "s68" in groups:  # session 68, FP8 on consumers="asym" (the default since): the converter warpgroup sets the
+        # pace there (its span above the consumers', h100_s68r2), so the producer, idle ~28% of its span under asym,
+        # takes one or two of the converter's nine passes a step (conv_units=8 / 7; slower under the pair, s67u),
+        # at the shared split (56, 56, 200) and with the consumers' 208 registers kept (48, 48, 208); offline all
+        # four compile without spills. Every option named, so the comparison holds across defaults
+        asym = dict(mos, fp8_dequant="converter", consumers="asym")
+        fp8_modes([asym] + [dict(asym, conv_units=u, **r) for u in (8, 7) for r in ({}, dict(regs=(48, 48, 208)))],
                   [("csa", 16, 512), ("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 1024), ("hca", 128, 1024),
                    ("hca", 64, 8192)], (16384,))
     if "s67u" in groups:  # session 67, FP8: the producer taking 2 of the converter's 9 passes a step (conv_units=7,

@@ -42,7 +42,8 @@ side by side and the second group's gathers of the same KV rows mostly hit L2.
   fine-grained pipelining (`"pieces"`) is 1-9% slower on the H100, where decode is memory-bound.
 * `consumers="asym"` (session 64, bf16 rings and FP8's tile rings; **the bf16 default since session 66, FP8's since
   session 68**, see DEFAULT_CONSUMERS: on an H100 bf16 decode 0-6.5% and prefill 9-10% faster than the pair, FP8 over
-  the converter's tiles decode at B >= 64 3-14% and prefill 9-10% faster): FlashMLA's decode split instead of the pair. Consumer 0 scores over all of d, runs the softmax and hands P (bf16) and its rescale factors to
+  the converter's tiles decode at B >= 64 3-14% and prefill 9-10% faster): FlashMLA's decode split instead of the
+  pair. Consumer 0 scores over all of d, runs the softmax and hands P (bf16) and its rescale factors to
   consumer 1 through shared memory (8 KB + 256 B a ring slot, one named barrier); each runs P.V over its half of the
   output columns, consumer 1's of step g under consumer 0's scores of step g + 1. See `_build`'s asym.
 * the q tile becomes the output tile once both consumers are past their last scores (a barrier between them).
@@ -2243,15 +2244,15 @@ def sparse_attention_mosaic(
     yields to the pair wherever an option names one of the pair's modes: split_d, split_scores, pingpong, piece_barriers
     or score_ahead given, block_k other than 64 (other than 32 over the converter's tiles), the cp.async producer, more
     than 4 ring slots, FP8 pools converted by fp8_dequant="consumers" or "producer", or an option that rules out the
-    default converter, such as a (producer, consumer) regs pair): how the two consumer warpgroups share a step. H100, session 65
-    (`sparse_attention.py --groups s64`, net us, pair -> asym): bf16 CSA B=16 16.4 -> 15.5, B=64 27.5 -> 27.9, B=128
-    43.0 -> 41.1, HCA-1K B=64 38.6 -> 37.9, HCA-8K B=16 69.9 -> 65.4, B=64 209.8 -> 200.9; prefill S=4K 899 -> 807,
-    S=16K 3444 -> 3131 (399 -> 439 TFLOP/s). FP8 through the direct gather, CSA B=128 55.3 -> 54.2 (the converter
-    default: 46.0), HCA-8K B=64 278.3 -> 260.1 (default 249.9). "pair": the symmetric pair above (split_d, split_scores
-    or pingpong, as resolved). "asym" (block_k 64: bf16 pools gathered by the bulk-copy producer, or FP8 pools with
-    fp8_dequant="direct", which is then FlashMLA's whole FP8 decode shape; or FP8 pools with fp8_dequant="converter",
-    the default, over its 32-row tiles (session 67-68; H100 pair -> asym in DEFAULT_CONSUMERS' note); not with
-    split_d=True, split_scores, pingpong, piece_barriers or score_ahead): FlashMLA's
+    default converter, such as a (producer, consumer) regs pair): how the two consumer warpgroups share a step.
+    H100, session 65 (`sparse_attention.py --groups s64`, net us, pair -> asym): bf16 CSA B=16 16.4 -> 15.5, B=64
+    27.5 -> 27.9, B=128 43.0 -> 41.1, HCA-1K B=64 38.6 -> 37.9, HCA-8K B=16 69.9 -> 65.4, B=64 209.8 -> 200.9;
+    prefill S=4K 899 -> 807, S=16K 3444 -> 3131 (399 -> 439 TFLOP/s). FP8 through the direct gather, CSA B=128
+    55.3 -> 54.2 (the converter then: 46.0), HCA-8K B=64 278.3 -> 260.1 (249.9). "pair": the symmetric pair above
+    (split_d, split_scores or pingpong, as resolved). "asym" (block_k 64: bf16 pools gathered by the bulk-copy
+    producer, or FP8 pools with fp8_dequant="direct", which is then FlashMLA's whole FP8 decode shape; or FP8 pools
+    with fp8_dequant="converter", the default, over its 32-row tiles (sessions 67-68; H100 pair -> asym in
+    DEFAULT_CONSUMERS' note); not with split_d=True, split_scores, pingpong, piece_barriers or score_ahead): FlashMLA's
     decode split, see `_build`'s asym: consumer 0 scores over all of d, runs the softmax and hands P and its rescale
     factors to consumer 1 through shared memory (8 KB + 256 B a ring slot, 4 KB + 256 B over the converter's tiles);
     each runs P.V over its half of the output columns, consumer 1's of step g under consumer 0's scores of step g + 1.
