@@ -78,6 +78,8 @@ VARIANTS += [("fp8_converter_pair", True, None, None)]
 for u in (8, 7):
     OPTS[f"fp8_asym_cu{u}"] = OPTS[f"fp8_asym_cu{u}_r48"] = dict(consumers="asym", conv_units=u)
     VARIANTS += [(f"fp8_asym_cu{u}", True, None, None), (f"fp8_asym_cu{u}_r48", True, None, (48, 48, 208))]
+OPTS["fp8_asym_noconv"] = dict(consumers="asym")   # the converter storing raw bytes (wrong output: group s68's bound)
+VARIANTS += [("fp8_asym_noconv", True, "no_convert", None)]
 
 
 def main(out_dir: str, only: list[str] | None, offline_mode: bool):

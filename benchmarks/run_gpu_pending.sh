@@ -15,7 +15,8 @@
 #   default since session 68, measured on an H100 only): its GPU tests (T4_K "cvwg and asym"), its timing against
 #   the pair (group s67a) and the phase profile of both.
 # H200, part 5 / any other card, part 2: under FP8's asym the converter sets the pace (session 68's profile), so the
-#   producer takes 1 or 2 of its 9 passes (group s68: conv_units 8 / 7, two register splits, against the default).
+#   producer takes 1 or 2 of its 9 passes (group s68: conv_units 8 / 7, two register splits, against the default),
+#   next to the bound without conversions (_diag="no_convert", wrong output), and the phase profile of both.
 # Any other card: parts 4-5 as the H200's parts 2-3 (done on an H100 in session 65).
 # INDEXER_TESTS=1 (any card, any part): the indexer GPU tests of sessions 62-63 instead (all passed on an H100 in
 #   session 63).
@@ -57,8 +58,10 @@ conv_asym() {   # consumers="asym" over the FP8 converter's 32-row tiles (the FP
   T_attn=${T_CONV_ASYM_TIMING:-150} ATTN_ARGS="--groups s67a --net-decode --no-ref" STEPS=attn session conv_asym_timing
   T_mprof=150 MPROF_ARGS="--cases csa128_fp8_cv_pair,csa128_fp8_cv_asym" STEPS=mprof session conv_asym_profile
 }
-asym_conv_units() {   # group s68 (session 68): conv_units 8 / 7 under FP8's asym against the default
+asym_conv_units() {   # group s68 (session 68): conv_units 8 / 7 under FP8's asym against the default, and the bound
+  # without conversions (_diag="no_convert"), then the phase profile of the default next to that bound
   T_attn=${T_S68:-260} ATTN_ARGS="--groups s68 --net-decode --no-ref" STEPS=attn session asym_conv_units
+  T_mprof=120 MPROF_ARGS="--cases csa128_fp8_cv_asym,csa128_fp8_asym_noconv" STEPS=mprof session asym_noconv_profile
 }
 model_asym() {   # the bf16 model test, one test per consumer schedule forced (asym, pair, split_scores; session 66),
   # next to the FP8-cache model test, four processes at once (one test took 170-347 s in sessions 45-60 with one

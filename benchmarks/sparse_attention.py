@@ -193,7 +193,8 @@ def main():
                          "s67u (FP8 decode table rows and 16K prefill: the default against conv_units=7), s67a (FP8: "
                          "consumers='asym' over the converter's tiles against the pair), s68 (FP8 on asym, the "
                          "default since session 68: the producer taking 1 or 2 of the converter's 9 passes, "
-                         "conv_units=8 / 7, at the shared register split and at (48, 48, 208))")
+                         "conv_units=8 / 7, at the shared register split and at (48, 48, 208), and the bound without conversions, "
+                         "_diag='no_convert')")
     ap.add_argument("--dtypes", default="bf16,fp8", help="decode / prefill / b1 groups: the KV dtypes to run")
     ap.add_argument("--ref-batches", default=None,
                     help="decode / prefill / b1 groups: time the XLA reference only at these batch sizes (comma "
@@ -462,9 +463,12 @@ def main():
         # pace there (its span above the consumers', h100_s68r2), so the producer, idle ~28% of its span under asym,
         # takes one or two of the converter's nine passes a step (conv_units=8 / 7; slower under the pair, s67u),
         # at the shared split (56, 56, 200) and with the consumers' 208 registers kept (48, 48, 208); offline all
-        # four compile without spills. Every option named, so the comparison holds across defaults
+        # four compile without spills. Last, the bound: the converter storing the raw bytes (_diag="no_convert",
+        # wrong output), what asym's FP8 decode would take if converting cost nothing but its loads and stores.
+        # Every option named, so the comparison holds across defaults
         asym = dict(mos, fp8_dequant="converter", consumers="asym")
-        fp8_modes([asym] + [dict(asym, conv_units=u, **r) for u in (8, 7) for r in ({}, dict(regs=(48, 48, 208)))],
+        fp8_modes([asym] + [dict(asym, conv_units=u, **r) for u in (8, 7) for r in ({}, dict(regs=(48, 48, 208)))]
+                  + [dict(asym, _diag="no_convert")],
                   [("csa", 16, 512), ("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 1024), ("hca", 128, 1024),
                    ("hca", 64, 8192)], (16384,))
     if "s67u" in groups:  # session 67, FP8: the producer taking 2 of the converter's 9 passes a step (conv_units=7,

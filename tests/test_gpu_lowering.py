@@ -420,7 +420,10 @@ def lower_model_steps(model, cache, marker):
                                               (1, 64, 60, dict(consumers="asym", fp8_dequant="converter", heads=128),
                                                True),
                                               (2, 1, 8192, dict(consumers="asym", fp8_dequant="converter",
-                                                                idx_stream=True, n_splits=2, conv_units=5), True)]))
+                                                                idx_stream=True, n_splits=2, conv_units=5), True),
+                                              # ... with its conversion diagnostics (session 68)
+                                              (3, 1, 512, dict(consumers="asym", _diag="no_convert"), True),
+                                              (1, 64, 60, dict(consumers="asym", _diag="bits", conv_units=7), True)]))
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -470,6 +473,8 @@ def test_sparse_attention_mosaic_asym_consumers_reject_what_they_cannot_do(monke
             sparse_attention_mosaic(*(fp8[k] for k in keys), scale=0.1, consumers="asym", fp8_dequant=dequant)
     with pytest.raises(ValueError, match="default tile ring .* takes regs as"):   # rules the default converter out
         sparse_attention_mosaic(*(fp8[k] for k in keys), scale=0.1, consumers="asym", regs=(40, 232))
+    with pytest.raises(ValueError, match="fp8_overlap or _diag"):   # the consumers' own conversion diagnostics
+        sparse_attention_mosaic(*(fp8[k] for k in keys), scale=0.1, consumers="asym", _diag="loop")
     with pytest.raises(ValueError, match="takes block_k=32"):   # the converter's tiles are 32 rows
         sparse_attention_mosaic(*(fp8[k] for k in keys), scale=0.1, consumers="asym", fp8_dequant="converter",
                                 block_k=64)
@@ -532,7 +537,9 @@ def test_sparse_attention_mosaic_default_consumers_yield_to_the_pairs_modes(monk
              (bf16, dict(block_k=32, num_stages=4), False), (bf16, dict(producer="cp_async"), False),
              (fp8, {}, True), (fp8, dict(fp8_dequant="direct"), True), (fp8, dict(fp8_dequant="converter"), True),
              (fp8, dict(fp8_dequant="producer"), False), (fp8, dict(fp8_dequant="consumers"), False),
-             (fp8, dict(regs=(40, 232)), False), (fp8, dict(block_k=32), True)]
+             (fp8, dict(regs=(40, 232)), False), (fp8, dict(block_k=32), True),
+             (fp8, dict(_diag="bits"), True), (fp8, dict(_diag="no_convert"), True), (fp8, dict(_diag="loop"), False),
+             (bf16, dict(_diag="no_convert"), False)]
     for inp, opts, want_asym in cases:
         built.clear()
         lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(

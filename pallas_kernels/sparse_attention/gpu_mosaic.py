@@ -1842,6 +1842,9 @@ DEFAULT_CLUSTER_LOADS = "early"   # see `sparse_attention_mosaic`'s cluster_load
 # keep the eager update (within the noise), and split_scores always does
 DEFAULT_LAZY_RESCALE = {"fp8": True, "bf16": False}
 DEFAULT_CONV_BATCH = 1   # see `sparse_attention_mosaic`'s conv_batch
+# the `_diag` conversions the tile ring's converting warpgroup (producer or converter) takes: "bits" (exact, no
+# conversion instruction) and "no_convert" (raw bytes stored as bf16: wrong output, the bound on what converting costs)
+TILE_RING_DIAGS = ("bits", "no_convert")
 DEFAULT_FP8_CONVERT = "cvt"   # see `sparse_attention_mosaic`'s fp8_convert
 DEFAULT_FP8_OVERLAP = False   # see `sparse_attention_mosaic`'s fp8_overlap (H200, session 20: no faster)
 # fp8_chunk_order per fp8_dequant mode (see `sparse_attention_mosaic`): H200 session 25, the diagonal order takes
@@ -2270,7 +2273,11 @@ def sparse_attention_mosaic(
     asym_bk_ok = (block_k or 64) == 64 or (fp8 and (fp8_dequant or DEFAULT_FP8_DEQUANT) == "converter"
                                            and block_k == 32)
     # what keeps asym from running besides the pair's own modes switched on
-    asym_misfit = fp8_no_asym or not asym_bk_ok or producer == "cp_async" or _diag is not None
+    # (the converter's conversion diagnostics run under asym too: "bits", and "no_convert" to bound what the
+    # conversion costs there)
+    diag_misfit = _diag is not None and not (fp8 and (fp8_dequant or DEFAULT_FP8_DEQUANT) == "converter"
+                                             and _diag in TILE_RING_DIAGS)
+    asym_misfit = fp8_no_asym or not asym_bk_ok or producer == "cp_async" or diag_misfit
     asym_slots_ok = num_stages is None or 1 <= num_stages <= 4
     consumers_defaulted = consumers is None
     if consumers is None:   # the default for the pools' dtype; the pair wherever an option names one of its modes
@@ -2285,7 +2292,8 @@ def sparse_attention_mosaic(
         if asym_misfit or clash:
             raise ValueError("consumers='asym' runs 64-row steps of bf16 rings gathered by the bulk-copy producer, or "
                              "FP8 pools through fp8_dequant='direct' (64-row steps) or 'converter' (32-row), without "
-                             "split_d, split_scores, pingpong, piece_barriers, score_ahead, fp8_overlap or _diag; got "
+                             "split_d, split_scores, pingpong, piece_barriers, score_ahead, fp8_overlap or _diag "
+                             f"(but {' / '.join(TILE_RING_DIAGS)} over the converter's tiles); got "
                              f"{'FP8 pools with fp8_dequant=' + repr(fp8_dequant) + ', ' if fp8_no_asym else ''}"
                              f"block_k={block_k}, producer={producer!r}" + (f", {', '.join(clash)}" if clash else ""))
         if not asym_slots_ok:
@@ -2300,10 +2308,10 @@ def sparse_attention_mosaic(
         if not fp8:
             return f"fp8_dequant={mode!r} dequantizes FP8 pools (bf16 pools need no conversion)"
         if (split_d is False and not (asym and mode in ("direct", "converter"))) or split_scores or pingpong \
-                or fp8_overlap or (_diag is not None and (_diag != "bits" or mode == "direct")):
+                or fp8_overlap or (_diag is not None and (_diag not in TILE_RING_DIAGS or mode == "direct")):
             return (f"fp8_dequant={mode!r} runs with split_d (the consumers' bf16 steps; 'direct' and 'converter' "
                     "also with consumers='asym'), without split_scores / pingpong / fp8_overlap / _diag (but "
-                    "'bits' with the tile ring's 'producer' / 'converter')")
+                    f"{' / '.join(repr(x) for x in TILE_RING_DIAGS)} with the tile ring's 'producer' / 'converter')")
         if mode == "direct":
             if (block_k or 64) not in (32, 64):
                 return f"fp8_dequant='direct' takes block_k=64 (the default) or 32, got {block_k}"
