@@ -193,8 +193,8 @@ def main():
                          "s67u (FP8 decode table rows and 16K prefill: the default against conv_units=7), s67a (FP8: "
                          "consumers='asym' over the converter's tiles against the pair), s68 (FP8 on asym, the "
                          "default since session 68: the producer taking 1 or 2 of the converter's 9 passes, "
-                         "conv_units=8 / 7, at the shared register split and at (48, 48, 208), and the bound without conversions, "
-                         "_diag='no_convert')")
+                         "conv_units=8 / 7, at the shared register split and at (48, 48, 208), and the bound "
+                         "without conversions, _diag='no_convert')")
     ap.add_argument("--dtypes", default="bf16,fp8", help="decode / prefill / b1 groups: the KV dtypes to run")
     ap.add_argument("--ref-batches", default=None,
                     help="decode / prefill / b1 groups: time the XLA reference only at these batch sizes (comma "
@@ -452,13 +452,14 @@ def main():
         fp8_modes([rb, dict(cv, fp8_convert="cvt"), dict(rb, conv_batch=3), dict(cv, _diag="bits"),
                    dict(cv, _diag="bits", conv_batch=3)],
                   [("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 1024), ("hca", 64, 8192)], (16384,))
+    # the FP8 decode rows where the consumer split was timed (s67a, s68)
+    asym_rows = [("csa", 16, 512), ("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 1024), ("hca", 128, 1024),
+                 ("hca", 64, 8192)]
     if "s67a" in groups:  # session 67, FP8: FlashMLA's consumer split over the converter warpgroup's 32-row tiles
         # (consumers="asym": one consumer scores over all of d and hands P to the other) against the default pair
         # (each consumer scores half of d, f32 partials exchanged), decode rows and 16K prefill in-kernel
         cv = dict(mos, fp8_dequant="converter")
-        fp8_modes([dict(cv, consumers="pair"), dict(cv, consumers="asym")],
-                  [("csa", 16, 512), ("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 1024), ("hca", 128, 1024),
-                   ("hca", 64, 8192)], (16384,))
+        fp8_modes([dict(cv, consumers="pair"), dict(cv, consumers="asym")], asym_rows, (16384,))
     if "s68" in groups:  # session 68, FP8 on consumers="asym" (the default since): the converter warpgroup sets the
         # pace there (its span above the consumers', h100_s68r2), so the producer, idle ~28% of its span under asym,
         # takes one or two of the converter's nine passes a step (conv_units=8 / 7; slower under the pair, s67u),
@@ -468,9 +469,7 @@ def main():
         # Every option named, so the comparison holds across defaults
         asym = dict(mos, fp8_dequant="converter", consumers="asym")
         fp8_modes([asym] + [dict(asym, conv_units=u, **r) for u in (8, 7) for r in ({}, dict(regs=(48, 48, 208)))]
-                  + [dict(asym, _diag="no_convert")],
-                  [("csa", 16, 512), ("csa", 64, 512), ("csa", 128, 512), ("hca", 64, 1024), ("hca", 128, 1024),
-                   ("hca", 64, 8192)], (16384,))
+                  + [dict(asym, _diag="no_convert")], asym_rows, (16384,))
     if "s67u" in groups:  # session 67, FP8: the producer taking 2 of the converter's 9 passes a step (conv_units=7,
         # 1-2% faster in one call of s25) against the default, every row of the issue's FP8 decode table, each row's
         # two runs back to back

@@ -2269,14 +2269,13 @@ def sparse_attention_mosaic(
     fp8 = isinstance(window_kv, Fp8KVPool)   # FP8 pools (validated below: both sources alike)
     # FP8 pools run asym over a tile ring: the direct gather's (64-row steps) or the converter's (32-row steps)
     # (fp8_dequant=None: the module default, which is resolved below)
-    fp8_no_asym = fp8 and (fp8_dequant or DEFAULT_FP8_DEQUANT) not in ("direct", "converter")
-    asym_bk_ok = (block_k or 64) == 64 or (fp8 and (fp8_dequant or DEFAULT_FP8_DEQUANT) == "converter"
-                                           and block_k == 32)
-    # what keeps asym from running besides the pair's own modes switched on
-    # (the converter's conversion diagnostics run under asym too: "bits", and "no_convert" to bound what the
-    # conversion costs there)
-    diag_misfit = _diag is not None and not (fp8 and (fp8_dequant or DEFAULT_FP8_DEQUANT) == "converter"
-                                             and _diag in TILE_RING_DIAGS)
+    dequant_asked = fp8_dequant or DEFAULT_FP8_DEQUANT
+    over_converter = fp8 and dequant_asked == "converter"
+    fp8_no_asym = fp8 and dequant_asked not in ("direct", "converter")
+    asym_bk_ok = (block_k or 64) == 64 or (over_converter and block_k == 32)
+    # what keeps asym from running besides the pair's own modes switched on (the converter's conversion diagnostics
+    # run under asym too: "bits", and "no_convert" to bound what the conversion costs there)
+    diag_misfit = _diag is not None and not (over_converter and _diag in TILE_RING_DIAGS)
     asym_misfit = fp8_no_asym or not asym_bk_ok or producer == "cp_async" or diag_misfit
     asym_slots_ok = num_stages is None or 1 <= num_stages <= 4
     consumers_defaulted = consumers is None
