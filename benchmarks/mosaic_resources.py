@@ -80,6 +80,14 @@ for u in (8, 7):
     VARIANTS += [(f"fp8_asym_cu{u}", True, None, None), (f"fp8_asym_cu{u}_r48", True, None, (48, 48, 208))]
 OPTS["fp8_asym_noconv"] = dict(consumers="asym")   # the converter storing raw bytes (wrong output: group s68's bound)
 VARIANTS += [("fp8_asym_noconv", True, "no_convert", None)]
+# session 69: f16 operands under asym over the converter's tiles (one conversion a pair instead of four), and the
+# bound without q's in-kernel conversion
+OPTS["fp8_asym_f16"] = OPTS["fp8_asym_f16_noq"] = dict(consumers="asym", fp8_operands="f16")
+VARIANTS += [("fp8_asym_f16", True, None, None), ("fp8_asym_f16_noq", True, "no_q_convert", None)]
+for nb in (2, 3):   # ... and its conversion unrolled in batches of chunks (the loop's 64-bit index math gone)
+    OPTS[f"fp8_asym_f16_cb{nb}"] = dict(consumers="asym", fp8_operands="f16", conv_batch=nb)
+    OPTS[f"fp8_asym_f16_cb{nb}_r72"] = OPTS[f"fp8_asym_f16_cb{nb}"]
+    VARIANTS += [(f"fp8_asym_f16_cb{nb}", True, None, None), (f"fp8_asym_f16_cb{nb}_r72", True, None, (40, 72, 200))]
 
 
 def main(out_dir: str, only: list[str] | None, offline_mode: bool):

@@ -24,6 +24,8 @@
 #   time left (T_CONV_ASYM_TESTS / T_CONV_ASYM_TIMING for conv_asym).
 # FP8_CHECK=1 (any card): the FP8-cache model test and all FP8 kernel cases side by side (~210 s), the check an FP8
 #   default change needs (session 68).
+# F16=1 (any card): fp8_operands="f16" (session 69, built and compiled offline, not yet run): its GPU tests and
+#   its timing (group s69), ~500 s.
 # PART=0 (any card): the model-level Mosaic tests, the bf16 one per forced consumer schedule (asym, the pair,
 #   split_scores) and the FP8-cache one, four processes at once (all four passed on an H100 in session 66 in 307 s,
 #   which made asym the bf16 default).
@@ -63,6 +65,12 @@ asym_conv_units() {   # group s68 (session 68): conv_units 8 / 7 under FP8's asy
   T_attn=${T_S68:-260} ATTN_ARGS="--groups s68 --net-decode --no-ref" STEPS=attn session asym_conv_units
   T_mprof=120 MPROF_ARGS="--cases csa128_fp8_cv_asym,csa128_fp8_asym_noconv" STEPS=mprof session asym_noconv_profile
 }
+f16_operands() {   # session 69: fp8_operands="f16" over the converter's tiles under asym: its GPU tests (every
+  # "_f16" Mosaic case and the loud failure past f16's range), then group s69 (against bf16 operands, the
+  # no-conversion bound, f16 without q's conversion, f16 with conv_batch=2) and the phase profile of f16
+  PYTEST_N=4 T_tests4=${T_F16_TESTS:-170} T4_K="f16 and mosaic" STEPS=tests4 session f16_tests
+  T_attn=${T_S69:-330} ATTN_ARGS="--groups s69 --net-decode --no-ref" STEPS=attn session f16_timing
+}
 model_asym() {   # the bf16 model test, one test per consumer schedule forced (asym, pair, split_scores; session 66),
   # next to the FP8-cache model test, four processes at once (one test took 170-347 s in sessions 45-60 with one
   # Mosaic leg fewer and was cut at 170 and 205 s in session 65; a leg compiles the model three times, ~60-70 s each)
@@ -79,6 +87,7 @@ fp8_default_check() {   # the FP8-cache model test next to every FP8 kernel case
 }
 if [ -n "$INDEXER_TESTS" ]; then indexer_tests; exit; fi
 if [ -n "$FP8_CHECK" ]; then fp8_default_check; exit; fi
+if [ -n "$F16" ]; then f16_operands; exit; fi
 if [ "${PART:-1}" = 0 ]; then model_asym; exit; fi
 case "$card:${PART:-1}" in
   *H200*:1)

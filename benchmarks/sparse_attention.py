@@ -161,7 +161,7 @@ def fmt(r):
 GROUPS = (
     "b1", "colsplit", "decode", "fp8ops", "hca8k_fp8", "kernels", "knobs5", "prefetch", "prefill",
     "qreload", "s14", "s16", "s17", "s18", "s19", "s22", "s23", "s25", "s25d", "s26", "s26b", "s26c",
-    "s28", "s29", "s29p", "s56", "s61", "s64", "s64f", "s64q", "s67", "s67a", "s67u", "s68", "s9", "ss", "variants")
+    "s28", "s29", "s29p", "s56", "s61", "s64", "s64f", "s64q", "s67", "s67a", "s67u", "s68", "s69", "s9", "ss", "variants")
 
 
 def main():
@@ -194,7 +194,9 @@ def main():
                          "consumers='asym' over the converter's tiles against the pair), s68 (FP8 on asym, the "
                          "default since session 68: the producer taking 1 or 2 of the converter's 9 passes, "
                          "conv_units=8 / 7, at the shared register split and at (48, 48, 208), and the bound "
-                         "without conversions, _diag='no_convert')")
+                         "without conversions, _diag='no_convert'), s69 (FP8 on asym: f16 tensor-core operands, "
+                         "fp8_operands='f16', against bf16's, the no-conversion bound, f16 without q's conversion, "
+                         "and f16 with conv_batch=2 at (40, 72, 200))")
     ap.add_argument("--dtypes", default="bf16,fp8", help="decode / prefill / b1 groups: the KV dtypes to run")
     ap.add_argument("--ref-batches", default=None,
                     help="decode / prefill / b1 groups: time the XLA reference only at these batch sizes (comma "
@@ -470,6 +472,17 @@ def main():
         asym = dict(mos, fp8_dequant="converter", consumers="asym")
         fp8_modes([asym] + [dict(asym, conv_units=u, **r) for u in (8, 7) for r in ({}, dict(regs=(48, 48, 208)))]
                   + [dict(asym, _diag="no_convert")], asym_rows, (16384,))
+    if "s69" in groups:  # session 69, FP8 on asym over the converter's tiles: f16 tensor-core operands
+        # (fp8_operands="f16": one conversion instruction a pair instead of four, q converted in the kernel, P in
+        # f16) against bf16's (the default), next to the bound without conversions (_diag="no_convert", wrong
+        # output), f16 without q's conversion (_diag="no_q_convert", wrong output: what converting q costs) and f16
+        # with the conversion unrolled in batches of two (conv_batch=2: no 64-bit loop index math; (40, 72, 200)
+        # registers keep it from spilling). Every option named, so the comparison holds across defaults
+        asym = dict(mos, fp8_dequant="converter", consumers="asym")
+        f16 = dict(asym, fp8_operands="f16")
+        fp8_modes([dict(asym, fp8_operands="bf16"), f16, dict(asym, _diag="no_convert"),
+                   dict(f16, _diag="no_q_convert"), dict(f16, conv_batch=2, regs=(40, 72, 200))],
+                  [r for r in asym_rows if r != ("hca", 64, 1024)], (16384,))
     if "s67u" in groups:  # session 67, FP8: the producer taking 2 of the converter's 9 passes a step (conv_units=7,
         # 1-2% faster in one call of s25) against the default, every row of the issue's FP8 decode table, each row's
         # two runs back to back

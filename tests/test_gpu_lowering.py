@@ -423,7 +423,17 @@ def lower_model_steps(model, cache, marker):
                                                                 idx_stream=True, n_splits=2, conv_units=5), True),
                                               # ... with its conversion diagnostics (session 68)
                                               (3, 1, 512, dict(consumers="asym", _diag="no_convert"), True),
-                                              (1, 64, 60, dict(consumers="asym", _diag="bits", conv_units=7), True)]))
+                                              (1, 64, 60, dict(consumers="asym", _diag="bits", conv_units=7), True),
+                                              # ... with f16 operands (session 69)
+                                              core(3, 1, 512, dict(fp8_operands="f16"), True),
+                                              (2, 1, 8192, dict(fp8_operands="f16", n_splits=3, combine="xla"), True),
+                                              (1, 64, 60, dict(fp8_operands="f16", heads=128), True),
+                                              (2, 1, 8192, dict(fp8_operands="f16", idx_stream=True, n_splits=2,
+                                                                conv_units=5), True),
+                                              (3, 1, 512, dict(fp8_operands="f16", conv_batch=2, regs=(40, 72, 200)),
+                                               True),
+                                              (3, 1, 512, dict(fp8_operands="f16", _diag="no_q_convert"), True),
+                                              (3, 1, 512, dict(fp8_operands="f16", _diag="no_convert"), True)]))
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -498,6 +508,38 @@ def test_sparse_attention_mosaic_asym_consumers_reject_what_they_cannot_do(monke
              b.get("conv", False)) for b in built] == \
         [(True, False, False, False, 64, False, False)] * 2 + [(True, False, False, False, 64, True, False)] + \
         [(True, False, False, False, 32, False, True)] * 2
+
+
+def test_sparse_attention_mosaic_f16_operands_reject_what_they_cannot_do(monkeypatch):
+    """fp8_operands="f16" (session 69) runs FP8 pools through the converter's tiles under consumers="asym" only, not
+    with the bf16 bit-pattern conversions ("bits", "rebias"); "no_q_convert" is its diagnostic alone; where it
+    applies the build gets f16, and with fp8_operands=None the module default decides only where f16 applies."""
+    from pallas_kernels.sparse_attention import gpu_mosaic
+
+    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
+    bf16 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=False)
+    fp8 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)
+    call = lambda inp, **o: gpu_mosaic.sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, **o)
+    with pytest.raises(ValueError, match="fp8_operands must be"):
+        call(fp8, fp8_operands="f32")
+    for inp, opts in [(bf16, {}), (fp8, dict(consumers="pair")), (fp8, dict(fp8_dequant="direct")),
+                      (fp8, dict(fp8_dequant="producer")), (fp8, dict(fp8_dequant="consumers")),
+                      (fp8, dict(_diag="bits"))]:
+        with pytest.raises(ValueError, match="fp8_operands='f16' runs FP8 pools"):
+            call(inp, fp8_operands="f16", **opts)
+    with pytest.raises(ValueError, match="rebias"):
+        call(fp8, fp8_operands="f16", fp8_convert="rebias")
+    with pytest.raises(ValueError, match="no_q_convert"):
+        call(fp8, _diag="no_q_convert")
+    built = spy_mosaic_builds(monkeypatch)
+    lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(*a, scale=0.1,
+                                                                                    fp8_operands="f16"),
+               *(fp8[k] for k in keys))
+    monkeypatch.setattr(gpu_mosaic, "DEFAULT_FP8_OPERANDS", "f16")   # a default of f16 applies where it fits
+    for inp, opts in [(fp8, {}), (fp8, dict(consumers="pair")), (fp8, dict(_diag="bits")), (bf16, {})]:
+        lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(*a, scale=0.1, **opts),
+                   *(inp[k] for k in keys))
+    assert [b.get("f16", False) for b in built] == [True, True, False, False, False]
 
 
 def test_mosaic_scratch_swizzled_buffers_must_be_1k_aligned():

@@ -379,6 +379,15 @@ MOSAIC_CASES += [(*c[:7], dict(consumers="asym", fp8_dequant="converter", **o, *
                  for o, cs in (({}, TILE_RING_CASES), (dict(conv_units=5), TILE_RING_CASES[:2]),
                                (dict(lazy_rescale=False), TILE_RING_CASES[:1])) for c in cs]
 MOSAIC_CASES += [(*c[:7], dict(consumers="pair", fp8_dequant="converter", **c[7])) for c in TILE_RING_CASES]
+# ... with f16 tensor-core operands (fp8_operands="f16", session 69): every tile-ring case, scale bytes over ~20
+# binades (values down into f16's subnormals), the producer sharing the conversion, the conversion unrolled in
+# batches of two (with the registers that keep it from spilling), the eager rescale
+F16_ASYM = dict(consumers="asym", fp8_dequant="converter", fp8_operands="f16")
+MOSAIC_CASES += [(*c[:7], dict(F16_ASYM, **o, **c[7]))
+                 for o, cs in (({}, TILE_RING_CASES), (dict(conv_units=5), TILE_RING_CASES[:2]),
+                               (dict(conv_batch=2, regs=(40, 72, 200)), TILE_RING_CASES[:4]),
+                               (dict(lazy_rescale=False), TILE_RING_CASES[:1])) for c in cs]
+MOSAIC_CASES += [(*c[:6], dict(c[6], wide_scales=True), dict(F16_ASYM, **c[7])) for c in TILE_RING_CASES[:3]]
 
 
 @pytest.mark.parametrize("case", MOSAIC_CASES,
@@ -391,6 +400,25 @@ def test_gpu_mosaic_kernel(case):
     # fp8_pools="kernel": the FP8 prefill cases would otherwise be dequantized first (fp8_pools="auto", session 28)
     out = call(sparse_attention, inp, impl="pallas", kernel="mosaic", **{"fp8_pools": "kernel", **opts})
     check_close(out, call(sparse_attention_reference, inp))
+
+
+@pytest.mark.parametrize("where", ["kv", "q"])
+def test_gpu_mosaic_f16_operands_fail_loudly_past_f16s_range(where):
+    """fp8_operands="f16": FP8 rows whose dequantized values pass 65504 (a scale byte of 2^9 with values up to
+    ~2^17) or a q past it make inf / NaN rows, never a silently wrong finite output; the same inputs are finite with
+    bf16 operands."""
+    inp = make_inputs(2, 1, 64, 512, 300, 200, 128, 512, ragged=False)
+    if where == "kv":
+        inp["compressed_kv"] = (inp["compressed_kv"].astype(jnp.float32) * 2.0 ** 16).astype(jnp.bfloat16)
+    else:
+        inp["q"] = (inp["q"].astype(jnp.float32) * 2.0 ** 16).astype(jnp.bfloat16)
+    from pallas_kernels.sparse_attention.fp8_layout import quantize_kv_fp8
+    inp.update(window_kv=quantize_kv_fp8(inp["window_kv"]), compressed_kv=quantize_kv_fp8(inp["compressed_kv"]))
+    f16 = np.asarray(call(sparse_attention, inp, impl="pallas", kernel="mosaic", **F16_ASYM)[0].astype(jnp.float32))
+    bf16 = np.asarray(call(sparse_attention, inp, impl="pallas", kernel="mosaic",
+                           **dict(F16_ASYM, fp8_operands="bf16"))[0].astype(jnp.float32))
+    assert np.isfinite(bf16).all()
+    assert not np.isfinite(f16).all()
 
 
 FP8_POOL_CASES = [   # (b, t, heads, n_w, n_c, k_w, k_c, flags, kernel, fp8_pools): prefill-shaped, each pool row

@@ -176,6 +176,27 @@ lop3.b32 t, t, h, m, 0xF8;
 mul.rn.bf16x2 t, t, $2;
 mul.rn.bf16x2 $0, t, $3; }"""
 
+# fp8_operands="f16" (session 69): the tiles, q and P as f16 tensor-core operands instead of bf16. e4m3x2 -> f16x2
+# is exact, and two f16x2 multiplies give value x 2^k: $2 = 2^e1 (e1 = k clamped to [-14, 15], an f16 normal, so the
+# first product is exact: every e4m3 value x 2^-14 sits on f16's subnormal grid), $3 = 2^(k - e1) (1 in range;
+# below it a subnormal or 0, above it a power up to 2^15 or inf), so the result is value x 2^k rounded once to f16:
+# exact for |value| in [2^-14, 65504], on f16's subnormal grid (absolute error <= 2^-25) below, inf above (a row
+# block whose values pass f16's range gives inf / NaN scores: loud, never silently wrong). One conversion
+# instruction a pair instead of the default's four (cvt / HADD2.F32 x 2 / pack), and two multiplies instead of two
+# f32 multiplies. $1 = 2 e4m3 bytes; $0 = the f16 pair (low half = lower byte).
+F16_CVT_ASM = """{ .reg .b32 h;
+cvt.rn.f16x2.e4m3x2 h, $1;
+mul.rn.f16x2 h, h, $2;
+mul.rn.f16x2 $0, h, $3; }"""
+# bf16 pair -> f16 pair (q and the FP8 rows' bf16 rope part under fp8_operands="f16"): bf16 -> f32 is exact (a
+# shift), f32 -> f16 rounds to nearest, inf past 65504, subnormal below 2^-14. $1 = the bf16 pair, $0 = the f16 pair.
+BF16_TO_F16_ASM = """{ .reg .b32 t; .reg .f32 a, b;
+shl.b32 t, $1, 16;
+mov.b32 a, t;
+and.b32 t, $1, 0xFFFF0000;
+mov.b32 b, t;
+cvt.rn.f16x2.f32 $0, b, a; }"""
+
 
 def default_config(rows: int, total_blocks: int, decode: bool = True, block_k: int = 64):
     """rows = query rows x head groups (a CTA each per split), total_blocks of block_k entries a row (FP8's tile
@@ -185,7 +206,7 @@ def default_config(rows: int, total_blocks: int, decode: bool = True, block_k: i
 
 def _check_swizzle_alignment(smem):
     """Mosaic GPU packs the scratch buffers back to back in tree order, with no padding (barriers 8 B each). Every
-    tiled bf16 buffer ([..., 8, cols]: the ones wgmma or TMA read or write swizzled) must start 1 KB aligned, as
+    tiled bf16 / f16 buffer ([..., 8, cols]: the ones wgmma or TMA read or write swizzled) must start 1 KB aligned, as
     the hardware takes the swizzle pattern from the address bits while `store_tiled` computes it from the offset in
     the buffer: misaligned, the two disagree, which is silently wrong, not an error. (split_d's f32 partials are
     written and read by `store_tiled` / `load_tiled` alone, which agree with each other anywhere.) Raises
@@ -196,7 +217,7 @@ def _check_swizzle_alignment(smem):
         if isinstance(leaf, (mgpu.Barrier, mgpu.TMABarrier)):
             offset += 8 * leaf.num_barriers
             continue
-        if len(leaf.shape) >= 4 and leaf.shape[-2] == 8 and leaf.dtype == jnp.bfloat16:
+        if len(leaf.shape) >= 4 and leaf.shape[-2] == 8 and leaf.dtype in (jnp.bfloat16, jnp.float16):
             assert offset % 1024 == 0, f"swizzled scratch buffer {leaf} at byte {offset}, not 1 KB aligned"
         offset += math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
 
@@ -206,7 +227,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
            store_wait_read=False, idx_first=False, pingpong=False, cluster_early=False, split_d=False,
            fp8_convert="cvt", fp8_overlap=False, pdq=False, conv=False, conv_units=None, chunk_order="rows",
            n_tiles=PDQ_TILES, conv_batch=1, lazy=False, idx_ring=0, direct=False, direct_tile=False,
-           direct_prefetch=False, piece_bars=False, ahead=False, asym=False):
+           direct_prefetch=False, piece_bars=False, ahead=False, asym=False, f16=False):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -265,6 +286,11 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     of step g, which needs both consumers' empty arrivals of step g - n_ring, which the helper gives after its P.V
     read P. For the same reason the scorer cannot arrive twice on one named barrier before the helper waited on it.
     At the end the scorer's 1 / l goes to the helper through shared memory (x_a's last row).
+    f16 (conv and asym: `fp8_operands="f16"`): the tensor cores' operands are f16, not bf16. The q input and the o
+    output are declared f16 (the wrapper bitcasts: the bits stay bf16's), the q tile, the tile ring and P are f16.
+    Once q has landed, the two consumers convert its tile in place (bf16 -> f16, 16 chunks of 16 B a thread) and
+    meet at named barrier 8 before the first scores; the converting warpgroup(s) write the tiles with F16_CVT_ASM
+    (and the rope part through BF16_TO_F16_ASM); the softmax rounds P to f16; the output tile holds bf16 bits.
     profile ((entries per warpgroup, dump directory) or None): Mosaic GPU's on-device profiler records each
     warpgroup's named regions (thread 0 of the warpgroup: SM clock at entry and exit) and the wrapper dumps a Chrome
     trace per call into the directory (benchmarks/mosaic_phase_profile.py reads it). Without it the regions emit
@@ -288,6 +314,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     n_ring = n_tiles if tiles else stages   # the slots the consumers read: tile ring or KV ring
     assert not asym or ((not fp8 or direct or conv) and (bk == 64 or (conv and bk == 32)) and n_ring <= 4
                         and not (split_d or split_scores or pingpong or piece_bars or ahead)), "asym"
+    assert not f16 or (conv and asym), "f16 operands: the converter's tiles under asym"
     conv_units = CONV_UNITS if conv_units is None else conv_units
     # the producer's share of each step's conversion: all of it (pdq), the units past conv_units (conv), or none
     p_units = (0, CONV_UNITS) if pdq else (conv_units, CONV_UNITS) if conv and conv_units < CONV_UNITS else None
@@ -341,6 +368,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
         else:
             (q_smem, ring, idx_smem, vec_smem), (q_bar, idx_bar, full_bars), (empty_bars, cons_bar) = scratch
         index, i32, f32, bf16 = ir.IndexType.get(), ir.IntegerType.get_signless(32), ir.F32Type.get(), ir.BF16Type.get()
+        f16_ty = ir.F16Type.get()
+        op_ty = f16_ty if f16 else bf16   # the tensor cores' operand type: q, the tiles, P
         if split_d:
             # sinks | lse live in the first 128 floats of the exchange buffer: the sinks are read before the first
             # step (a barrier precedes every write to the buffer) and rewritten, with the lse, after the last one.
@@ -485,6 +514,17 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     pair = llvm.inline_asm(ir.Type.parse("!llvm.struct<(i32, i32)>"),
                                            [vector.extract(raw, [], [w]), s2], BITS_ASM, "=r,=r,r,r")
                     words += [llvm.extractvalue(i32, pair, [0]), llvm.extractvalue(i32, pair, [1])]
+            elif f16:                  # e4m3x2 -> f16x2, x 2^e1, x 2^(k - e1) (F16_CVT_ASM)
+                k_ = arith.subi(sbyte, ci(127))
+                e1 = arith.maxsi(ci(-14), arith.minsi(k_, ci(15)))
+                s1 = arith.muli(arith.shli(arith.addi(e1, ci(15)), ci(10)), ci(0x10001))   # 2^e1 as an f16 pair
+                s2f = arith.bitcast(f32, arith.shli(arith.addi(arith.subi(k_, e1), ci(127)), ci(23)))
+                s2 = llvm.inline_asm(i32, [s2f], "cvt.rn.f16x2.f32 $0, $1, $1;", "=r,f")   # 2^(k - e1), rounded
+                for w in range(4):
+                    word = vector.extract(raw, [], [w])
+                    for half in (word, arith.shrui(word, ci(16))):
+                        words.append(llvm.inline_asm(i32, [arith.trunci(i16, half), s1, s2], F16_CVT_ASM,
+                                                     "=r,h,r,r"))
             elif fp8_convert == "rebias":   # e4m3x2 -> f16x2, bits re-biased to bf16, 2 bf16 multiplies
                 e = arith.subi(sbyte, ci(15))                       # 112 + k, k = byte - 127
                 ea = arith.shrsi(e, ci(1))
@@ -501,8 +541,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     word = vector.extract(raw, [], [w])
                     for half in (word, arith.shrui(word, ci(16))):
                         words.append(llvm.inline_asm(i32, [arith.trunci(i16, half), sf], CVT_ASM, "=r,h,f"))
-            for h in range(2):   # 16 bf16 = the 16 B chunks 2 cb, 2 cb + 1 of the row
-                val = vector.bitcast(ir.VectorType.get((8,), bf16),
+            for h in range(2):   # 16 bf16 (f16) = the 16 B chunks 2 cb, 2 cb + 1 of the row
+                val = vector.bitcast(ir.VectorType.get((8,), op_ty),
                                      vector.from_elements(ir.VectorType.get((4,), i32), words[4 * h: 4 * h + 4]))
                 store16(val, r, arith.addi(arith.muli(cb, c(2)), c(h)), tile if dst is None else dst, lead)
 
@@ -513,8 +553,18 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             return r, ch, vector.load(ir.VectorType.get((8,), bf16), rope_st, [slot, r, arith.muli(ch, c(8))],
                                       alignment=16)
 
+        def to_f16(val):
+            """vector<8 x bf16> -> vector<8 x f16> (BF16_TO_F16_ASM on each pair)."""
+            words = vector.bitcast(ir.VectorType.get((4,), i32), val)
+            words = [llvm.inline_asm(i32, [vector.extract(words, [], [w])], BF16_TO_F16_ASM, "=r,r")
+                     for w in range(4)]
+            return vector.bitcast(ir.VectorType.get((8,), f16_ty),
+                                  vector.from_elements(ir.VectorType.get((4,), i32), words))
+
         def store_rope(loaded, dst=None, lead=()):
             r, ch, val = loaded
+            if f16:
+                val = to_f16(val)
             store16(val, r, arith.addi(ch, c(NOPE_DIM // 8)), tile if dst is None else dst, lead)
 
         def copy_rope(slot, v, dst=None, lead=()):
@@ -1062,6 +1112,23 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             # the producer has cleaned this split's index rows (named barrier 9: 128 producer arrivals + us)
             llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "bar.sync 9, 384;", "", has_side_effects=True)
             end(region)
+            if f16:   # q's tile, bf16 bits as landed, to f16 in place before the first scores (both consumers)
+                region = begin("c_q_f16")
+                if diag != "no_q_convert":   # (the timing bound: q's bits read as f16, wrong output)
+                    n_q = BLOCK_H * d // 8                                     # 16 B chunks of the q tile
+                    flat_q = mu.memref_reshape(q_smem, (n_q, 8))
+                    tid = arith.index_cast(index, mu.thread_idx())             # 0..255: the consumers
+                    v8 = ir.VectorType.get((8,), f16_ty)
+                    for b0 in range(0, n_q // 256, Q_F16_BATCH):               # a batch's loads before its stores
+                        at = [[arith.addi(tid, c(256 * i)), c(0)] for i in range(b0, b0 + Q_F16_BATCH)]
+                        vals = [vector.bitcast(ir.VectorType.get((8,), bf16), vector.load(v8, flat_q, ix))
+                                for ix in at]
+                        for ix, v in zip(at, vals):
+                            vector.store(to_f16(v), flat_q, ix, alignment=16)
+                    nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)  # -> wgmma
+                # named barrier 8 (the consumers' barrier below), the 256 consumer threads
+                llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "bar.sync 8, 256;", "", has_side_effects=True)
+                end(region)
             sink_raw = fa.FragmentedArray.load_untiled(mu.memref_slice(vec_smem, mu.ds(0, BLOCK_H)),
                                                        layout=fa.WGMMA_ROW_LAYOUT, optimized=False)
             sink2 = sink_raw * LOG2E
@@ -1423,7 +1490,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 """One block's step of the online softmax in exp2 units. scores [64, bk] f32 (q.K, unscaled), valid
                 [64, bk] (entry names a row), m / l [64] the running max and sum. Lazy: m moves only where the
                 block's max passes it by LAZY_RESCALE_LOG2 (so p <= 2^that). -> (m_new, alpha = 2^(m - m_new),
-                l_new, P [64, bk] bf16)."""
+                l_new, P [64, bk] bf16, f16 with f16)."""
                 logits = valid.select(scores * scale2, neg_inf)
                 if lazy:
                     blk_max = logits.reduce("max", axis=1)
@@ -1432,7 +1499,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     m_new = m.max(logits.reduce("max", axis=1))
                 alpha = (m - m_new).exp2(approx=True)
                 p = (logits - m_new.broadcast_minor(bk)).exp2(approx=True)
-                return m_new, alpha, l * alpha + p.reduce("add", axis=1), p.astype(bf16)
+                return m_new, alpha, l * alpha + p.reduce("add", axis=1), p.astype(op_ty)
 
             def rescaled_accumulators(acc, alpha, m, m_new):
                 """The output accumulators (pv_parts of [64, dh / pv_parts] f32) times alpha, as wgmma
@@ -1702,6 +1769,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 inv = fa.FragmentedArray.load_untiled(mu.memref_slice(x_a, n_ring), layout=fa.WGMMA_ROW_LAYOUT,
                                                       optimized=False)
                 o = [(a * inv.broadcast_minor(dh // pv_parts)).astype(bf16) for a in acc]
+            if f16:   # the output tile holds bf16 bits in the f16 q tile (o's gmem is declared f16 as well)
+                o = [o_part.bitcast(f16_ty) for o_part in o]
             for o_part, cols in zip(o, pv_cols):
                 o_part.store_tiled(mu.memref_slice(q_smem, (slice(None), cols)), swizzle=swz)
             with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
@@ -1727,7 +1796,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             with ir.InsertionPoint(if_op.else_block):
                 scf.yield_([])
 
-    in_shape = [jax.ShapeDtypeStruct((bt, n_hg, BLOCK_H, d), jnp.bfloat16),
+    op_dt = jnp.float16 if f16 else jnp.bfloat16   # q, o (bits) and the tensor cores' operands in shared memory
+    in_shape = [jax.ShapeDtypeStruct((bt, n_hg, BLOCK_H, d), op_dt),
                 jax.ShapeDtypeStruct((n_hg, BLOCK_H), jnp.float32)]
     for s_ in srcs:
         in_shape += [jax.ShapeDtypeStruct((bt, s_["k"]), jnp.int32), jax.ShapeDtypeStruct((bt,), jnp.int32)]
@@ -1738,11 +1808,11 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
         else:
             in_shape += [jax.ShapeDtypeStruct((s_["n_rows"], d), jnp.bfloat16)]
     lead = ((bt, ns) if out_split else (bt,)) + (n_hg,)
-    out_shape = (jax.ShapeDtypeStruct((*lead, BLOCK_H, d), jnp.bfloat16),
+    out_shape = (jax.ShapeDtypeStruct((*lead, BLOCK_H, d), op_dt),
                  jax.ShapeDtypeStruct((*lead, BLOCK_H), jnp.float32))
     # asym: P per ring slot (bf16, the helper's wgmma A operand: right after the ring, 1 KB aligned), and alpha per
     # ring slot + the final 1 / l (after sinks | lse)
-    asym_p = jax.ShapeDtypeStruct((n_ring, BLOCK_H // 8, bk // tc, 8, tc), jnp.bfloat16)
+    asym_p = jax.ShapeDtypeStruct((n_ring, BLOCK_H // 8, bk // tc, 8, tc), op_dt)
     asym_a = jax.ShapeDtypeStruct((n_ring + 1, BLOCK_H), jnp.float32)
     if tiles:
         # (direct stages nothing in shared memory: no staging buffers, no staging barriers)
@@ -1754,8 +1824,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
         # tiles need the 1 KB alignment the ring ends on (after the staging ring's 8 B scale rows they would not
         # have it: session 68's first GPU run of conv + asym read P through a misaligned swizzle)
         smem = (
-            (jax.ShapeDtypeStruct((BLOCK_H // 8, d // tc, 8, tc), jnp.bfloat16),     # q, then o
-             jax.ShapeDtypeStruct((n_tiles, bk // 8, d // tc, 8, tc), jnp.bfloat16),  # the bf16 tile ring
+            (jax.ShapeDtypeStruct((BLOCK_H // 8, d // tc, 8, tc), op_dt),     # q, then o
+             jax.ShapeDtypeStruct((n_tiles, bk // 8, d // tc, 8, tc), op_dt),  # the bf16 (f16) tile ring
              *((asym_p,) if asym else ()),
              *staging,
              *((jax.ShapeDtypeStruct((idx_len,), jnp.int32),
@@ -1842,9 +1912,14 @@ DEFAULT_CLUSTER_LOADS = "early"   # see `sparse_attention_mosaic`'s cluster_load
 # keep the eager update (within the noise), and split_scores always does
 DEFAULT_LAZY_RESCALE = {"fp8": True, "bf16": False}
 DEFAULT_CONV_BATCH = 1   # see `sparse_attention_mosaic`'s conv_batch
+Q_F16_BATCH = 4          # fp8_operands="f16": 16 B chunks of q a consumer thread loads before it converts and stores
 # the `_diag` conversions the tile ring's converting warpgroup (producer or converter) takes: "bits" (exact, no
 # conversion instruction) and "no_convert" (raw bytes stored as bf16: wrong output, the bound on what converting costs)
-TILE_RING_DIAGS = ("bits", "no_convert")
+# and "no_q_convert" (fp8_operands="f16" only: q's bits read as f16 without converting them, the bound on what q's
+# in-kernel conversion costs)
+TILE_RING_DIAGS = ("bits", "no_convert", "no_q_convert")
+# see `sparse_attention_mosaic`'s fp8_operands: the tensor cores' operand type over the converter's tiles under asym
+DEFAULT_FP8_OPERANDS = "bf16"
 DEFAULT_FP8_CONVERT = "cvt"   # see `sparse_attention_mosaic`'s fp8_convert
 DEFAULT_FP8_OVERLAP = False   # see `sparse_attention_mosaic`'s fp8_overlap (H200, session 20: no faster)
 # fp8_chunk_order per fp8_dequant mode (see `sparse_attention_mosaic`): H200 session 25, the diagonal order takes
@@ -2016,6 +2091,7 @@ def sparse_attention_mosaic(
     piece_barriers: bool | str | None = None,
     score_ahead: bool | None = None,
     consumers: str | None = None,
+    fp8_operands: str | None = None,
     _diag: str | None = None,
     _profile: str | None = None,
 ):
@@ -2260,6 +2336,16 @@ def sparse_attention_mosaic(
     factors to consumer 1 through shared memory (8 KB + 256 B a ring slot, 4 KB + 256 B over the converter's tiles);
     each runs P.V over its half of the output columns, consumer 1's of step g under consumer 0's scores of step g + 1.
     No partial-score exchange, one softmax instead of two.
+    fp8_operands (None = DEFAULT_FP8_OPERANDS where it applies, else "bf16"; session 69): the tensor cores' operand
+    type over FP8 pools, "bf16" or "f16" (FP8 pools through fp8_dequant="converter" under consumers="asym" only).
+    With "f16" the converter turns each e4m3 pair into f16 with one conversion instruction and two f16x2 multiplies
+    by the block scale (F16_CVT_ASM) instead of four conversions and two f32 multiplies, the consumers convert q's
+    tile to f16 in place once it has landed, and P is rounded to f16 (10 mantissa bits against bf16's 7, and P <=
+    2^8 with the lazy rescale). Range: dequantized values and q are exact in f16 for magnitudes in [2^-14, 65504]
+    (FP8 values are e4m3 x 2^k: 4 significant bits), rounded to f16's subnormal grid below it (absolute error <=
+    2^-25), and inf above it, which turns the row's scores into inf / NaN: a cache or q outside f16's range fails
+    loudly, never silently. `_diag="no_q_convert"` (with "f16") skips q's conversion: wrong output, the bound on
+    what it costs.
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -2395,6 +2481,20 @@ def sparse_attention_mosaic(
         # the producer converts alone, so its conversion rate was taken to matter (session 22, not re-timed); the
         # converter and the direct gather take the module default (session 67: "cvt" 1-7% faster than "rebias")
         fp8_convert = fp8_convert or ("rebias" if pdq else DEFAULT_FP8_CONVERT)
+    f16_fits = fp8 and conv and asym and _diag != "bits"   # ("bits" builds bf16 bit patterns)
+    if fp8_operands is None:
+        fp8_operands = DEFAULT_FP8_OPERANDS if f16_fits else "bf16"
+    if fp8_operands not in ("bf16", "f16"):
+        raise ValueError(f"fp8_operands must be 'bf16' or 'f16', got {fp8_operands!r}")
+    f16 = fp8_operands == "f16"
+    if f16 and not f16_fits:
+        raise ValueError("fp8_operands='f16' runs FP8 pools through fp8_dequant='converter' under consumers='asym' "
+                         f"(not with _diag='bits'); got {'FP8' if fp8 else 'bf16'} pools, fp8_dequant={fp8_dequant!r}, "
+                         f"consumers={consumers!r}, _diag={_diag!r}")
+    if f16 and fp8_convert == "rebias":
+        raise ValueError("fp8_convert='rebias' builds bf16 bit patterns: not with fp8_operands='f16'")
+    if _diag == "no_q_convert" and not f16:
+        raise ValueError("_diag='no_q_convert' skips q's conversion to f16: fp8_operands='f16' only")
     out_dtype = jnp.dtype(out_dtype or q.dtype)
     combine = resolve_combine(combine, out_dtype)
     store_wait = store_wait or DEFAULT_STORE_WAIT
@@ -2584,7 +2684,8 @@ def sparse_attention_mosaic(
                 pass
     ccomb = combine == "cluster" and ns > 1
 
-    args = [q.reshape(bt, n_hg, BLOCK_H, d), sinks.astype(jnp.float32).reshape(n_hg, BLOCK_H)]
+    q_in = jax.lax.bitcast_convert_type(q, jnp.float16) if f16 else q   # (f16: the kernel converts q's bits itself)
+    args = [q_in.reshape(bt, n_hg, BLOCK_H, d), sinks.astype(jnp.float32).reshape(n_hg, BLOCK_H)]
     meta = []
     for s_ in flat:
         # the lists and lengths as given: the kernel clamps the lengths and turns out-of-range and past-length
@@ -2609,8 +2710,10 @@ def sparse_attention_mosaic(
                     (DIRECT_BATCH if direct else DEFAULT_CONV_BATCH) if conv_batch is None else conv_batch,
                     lazy_rescale, idx_ring_steps if stream else 0, direct, direct and direct_staging == "tile",
                     direct and (DEFAULT_DIRECT_PREFETCH if direct_prefetch is None else direct_prefetch),
-                    piece_bars, ahead, asym)
+                    piece_bars, ahead, asym, f16)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
+    if f16:                           # (bf16 bits in an f16-typed output)
+        o = jax.lax.bitcast_convert_type(o, jnp.bfloat16)
     if ns > 1 and not ccomb:
         o, lse = combine_lib.combine(o.reshape(bt, ns, h, d), lse.reshape(bt, ns, h), sinks.astype(jnp.float32),
                                      out_dtype, how=combine)
