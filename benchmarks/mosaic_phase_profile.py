@@ -93,6 +93,8 @@ CASES = {
     "csa128_fp8_asym_noconv": ("csa", 128, 1, 512, "fp8", dict(consumers="asym", _diag="no_convert")),
     # session 69: f16 tensor-core operands (fp8_operands="f16"; the consumers' c_q_f16: q's conversion in place)
     "csa128_fp8_asym_f16": ("csa", 128, 1, 512, "fp8", dict(consumers="asym", fp8_operands="f16")),
+    "csa128_fp8_asym_f16_owned": ("csa", 128, 1, 512, "fp8", dict(consumers="asym", fp8_operands="f16",
+                                                                   fp8_chunk_order="owned")),
     # FlashMLA's consumer split (consumers="asym", session 64): consumer 0 c_wait_full, c_scores, c_softmax (with
     # P's and alpha's stores), c_pv; consumer 1 c_wait_p (the named barrier) and c_pv. Its 215 KB leave room for
     # the profiler's records, which split_d's 32 KB exchange does not (the pair without split_d for comparison)

@@ -84,6 +84,12 @@ VARIANTS += [("fp8_asym_noconv", True, "no_convert", None)]
 # bound without q's in-kernel conversion
 OPTS["fp8_asym_f16"] = OPTS["fp8_asym_f16_noq"] = dict(consumers="asym", fp8_operands="f16")
 VARIANTS += [("fp8_asym_f16", True, None, None), ("fp8_asym_f16_noq", True, "no_q_convert", None)]
+# ... the "owned" chunk order (a thread's row and chunks: static offsets), f16 and bf16 operands
+OPTS["fp8_asym_f16_owned"] = dict(consumers="asym", fp8_operands="f16", fp8_chunk_order="owned")
+OPTS["fp8_asym_owned"] = dict(consumers="asym", fp8_chunk_order="owned")
+OPTS["fp8_asym_f16_owned_cb2"] = dict(OPTS["fp8_asym_f16_owned"], conv_batch=2)
+VARIANTS += [("fp8_asym_f16_owned", True, None, None), ("fp8_asym_owned", True, None, None),
+             ("fp8_asym_f16_owned_cb2", True, None, None)]
 for nb in (2, 3):   # ... and its conversion unrolled in batches of chunks (the loop's 64-bit index math gone)
     OPTS[f"fp8_asym_f16_cb{nb}"] = dict(consumers="asym", fp8_operands="f16", conv_batch=nb)
     OPTS[f"fp8_asym_f16_cb{nb}_r72"] = OPTS[f"fp8_asym_f16_cb{nb}"]

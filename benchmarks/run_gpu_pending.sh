@@ -76,12 +76,13 @@ f16_operands() {   # session 69: fp8_operands="f16" over the converter's tiles u
   PYTEST_N=1 T_model=${T_MODEL:-300} MODEL_K=fp8_cache_bf16_model_on_mosaic STEPS=model session f16_model &
   local model_pid=$!
   sleep 15   # (the model test's first compile ahead of the kernel tests, which name fp8_operands themselves)
-  PYTEST_N=3 T_tests4=${T_F16_TESTS:-200} T4_K="f16 and mosaic" STEPS=tests4 session f16_tests
+  PYTEST_N=3 T_tests4=${T_F16_TESTS:-220} T4_K="(f16 or owned) and mosaic" STEPS=tests4 session f16_tests
   wait "$model_pid"
   sed -i 's/^DEFAULT_FP8_OPERANDS = "f16"/DEFAULT_FP8_OPERANDS = "bf16"/' $mod   # the timing names its options
   grep -n '^DEFAULT_FP8_OPERANDS' $mod
-  T_attn=${T_S69:-200} ATTN_ARGS="--groups s69 --net-decode --no-ref" STEPS=attn session f16_timing
-  T_mprof=100 MPROF_ARGS="--cases csa128_fp8_cv_asym,csa128_fp8_asym_f16,csa128_fp8_asym_noconv" STEPS=mprof \
+  T_attn=${T_S69:-250} ATTN_ARGS="--groups s69 --net-decode --no-ref" STEPS=attn session f16_timing
+  T_mprof=110 MPROF_ARGS="--cases csa128_fp8_cv_asym,csa128_fp8_asym_f16,csa128_fp8_asym_f16_owned,\
+csa128_fp8_asym_noconv" STEPS=mprof \
     session f16_profile
   [ -n "$WITH_S68" ] && T_attn=${T_S68:-170} ATTN_ARGS="--groups s68 --net-decode --no-ref" STEPS=attn \
     session asym_conv_units

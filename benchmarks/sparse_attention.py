@@ -196,7 +196,7 @@ def main():
                          "conv_units=8 / 7, at the shared register split and at (48, 48, 208), and the bound "
                          "without conversions, _diag='no_convert'), s69 (FP8 on asym: f16 tensor-core operands, "
                          "fp8_operands='f16', against bf16's, the no-conversion bound, f16 without q's conversion, "
-                         "and f16 with conv_batch=2 at (40, 72, 200))")
+                         "f16 with conv_batch=2 at (40, 72, 200), and fp8_chunk_order='owned' with f16 and bf16)")
     ap.add_argument("--dtypes", default="bf16,fp8", help="decode / prefill / b1 groups: the KV dtypes to run")
     ap.add_argument("--ref-batches", default=None,
                     help="decode / prefill / b1 groups: time the XLA reference only at these batch sizes (comma "
@@ -477,11 +477,14 @@ def main():
         # f16) against bf16's (the default), next to the bound without conversions (_diag="no_convert", wrong
         # output), f16 without q's conversion (_diag="no_q_convert", wrong output: what converting q costs) and f16
         # with the conversion unrolled in batches of two (conv_batch=2: no 64-bit loop index math; (40, 72, 200)
-        # registers keep it from spilling). Every option named, so the comparison holds across defaults
+        # registers keep it from spilling), then the "owned" chunk order (a converting thread owns a row: static
+        # offsets, no index arithmetic) with f16 and bf16 operands. Every option named, so the comparison holds
+        # across defaults
         asym = dict(mos, fp8_dequant="converter", consumers="asym")
         f16 = dict(asym, fp8_operands="f16")
         fp8_modes([dict(asym, fp8_operands="bf16"), f16, dict(asym, _diag="no_convert"),
-                   dict(f16, _diag="no_q_convert"), dict(f16, conv_batch=2, regs=(40, 72, 200))],
+                   dict(f16, _diag="no_q_convert"), dict(f16, conv_batch=2, regs=(40, 72, 200)),
+                   dict(f16, fp8_chunk_order="owned"), dict(asym, fp8_operands="bf16", fp8_chunk_order="owned")],
                   [r for r in asym_rows if r != ("hca", 64, 1024)], (16384,))
     if "s67u" in groups:  # session 67, FP8: the producer taking 2 of the converter's 9 passes a step (conv_units=7,
         # 1-2% faster in one call of s25) against the default, every row of the issue's FP8 decode table, each row's

@@ -433,7 +433,14 @@ def lower_model_steps(model, cache, marker):
                                               (3, 1, 512, dict(fp8_operands="f16", conv_batch=2, regs=(40, 72, 200)),
                                                True),
                                               (3, 1, 512, dict(fp8_operands="f16", _diag="no_q_convert"), True),
-                                              (3, 1, 512, dict(fp8_operands="f16", _diag="no_convert"), True)]))
+                                              (3, 1, 512, dict(fp8_operands="f16", _diag="no_convert"), True),
+                                              # ... and the "owned" chunk order
+                                              core(3, 1, 512, dict(fp8_operands="f16", fp8_chunk_order="owned"),
+                                                   True),
+                                              (2, 1, 8192, dict(fp8_chunk_order="owned", conv_units=5, n_splits=2),
+                                               True),
+                                              (3, 1, 512, dict(fp8_chunk_order="owned", fp8_dequant="producer"),
+                                               True)]))
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -531,6 +538,9 @@ def test_sparse_attention_mosaic_f16_operands_reject_what_they_cannot_do(monkeyp
         call(fp8, fp8_operands="f16", fp8_convert="rebias")
     with pytest.raises(ValueError, match="no_q_convert"):
         call(fp8, _diag="no_q_convert")
+    for dequant in ("consumers", "direct"):   # the "owned" chunk order is the 32-row tile ring's
+        with pytest.raises(ValueError, match="fp8_chunk_order='owned'"):
+            call(fp8, fp8_chunk_order="owned", fp8_dequant=dequant)
     built = spy_mosaic_builds(monkeypatch)
     lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(*a, scale=0.1,
                                                                                     fp8_operands="f16"),

@@ -64,7 +64,7 @@ def opts_id(opts):
     """Test-id suffix naming a case's GPU kernel options (shared by the interpreted and the compiled kernel tests)."""
     return "".join([
         "_vec" if opts.get("fp8_scales") == "vector" else "", "_dc128" if opts.get("d_chunk") else "",
-        "_f16" if opts.get("fp8_operands") else "", f"_cs{opts['col_splits']}" if "col_splits" in opts else "",
+        {"f16": "_f16", "bf16": "_bf16ops"}.get(opts.get("fp8_operands"), ""), f"_cs{opts['col_splits']}" if "col_splits" in opts else "",
         f"_pf{opts['prefetch']}" if "prefetch" in opts else "", "_qr" if opts.get("q_reload") else "",
         f"_r{opts['regs'][0]}" if "regs" in opts else "",
         {True: "_ss", False: "_noss"}.get(opts.get("split_scores"), ""),
@@ -78,7 +78,7 @@ def opts_id(opts):
         "_ovl" if opts.get("fp8_overlap") else "",
         {"producer": "_pdq", "converter": "_cvwg", "consumers": "_cons", "direct": "_direct"}.get(opts.get("fp8_dequant"), ""),
         f"_cu{opts['conv_units']}" if "conv_units" in opts else "",
-        "_dg" if opts.get("fp8_chunk_order") == "diagonal" else "",
+        {"diagonal": "_dg", "owned": "_owned"}.get(opts.get("fp8_chunk_order"), ""),
         f"_ts{opts['tile_slots']}" if "tile_slots" in opts else "",
         f"_cb{opts['conv_batch']}" if "conv_batch" in opts else "", {True: "_lazy", False: "_eager"}.get(opts.get("lazy_rescale"), ""),
         {True: "_ist", False: "_noist"}.get(opts.get("idx_stream"), ""),

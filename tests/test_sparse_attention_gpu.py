@@ -388,6 +388,14 @@ MOSAIC_CASES += [(*c[:7], dict(F16_ASYM, **o, **c[7]))
                                (dict(conv_batch=2, regs=(40, 72, 200)), TILE_RING_CASES[:4]),
                                (dict(lazy_rescale=False), TILE_RING_CASES[:1])) for c in cs]
 MOSAIC_CASES += [(*c[:6], dict(c[6], wide_scales=True), dict(F16_ASYM, **c[7])) for c in TILE_RING_CASES[:3]]
+# the "owned" chunk order (session 69: a converting thread owns a row; static offsets, swapped store halves) with
+# f16 and bf16 operands, the producer sharing the conversion, batches of two, the producer mode
+MOSAIC_CASES += [(*c[:7], dict(fp8_chunk_order="owned", **o, **c[7]))
+                 for o, cs in ((F16_ASYM, TILE_RING_CASES), (dict(consumers="asym", fp8_operands="bf16"),
+                                                             TILE_RING_CASES),
+                               (dict(F16_ASYM, conv_units=5), TILE_RING_CASES[:2]),
+                               (dict(F16_ASYM, conv_batch=2), TILE_RING_CASES[:2]),
+                               (dict(fp8_dequant="producer"), TILE_RING_CASES[:2])) for c in cs]
 
 
 @pytest.mark.parametrize("case", MOSAIC_CASES,

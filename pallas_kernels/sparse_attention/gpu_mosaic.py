@@ -486,10 +486,23 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 return r, arith.remui(cb, c(ncb))
             return r, arith.select(arith.cmpi(arith.CmpIPredicate.uge, cb, c(ncb)), arith.subi(cb, c(ncb)), cb)
 
-        def load_chunk(slot, v, ncb, cb0):
-            """Nope chunk v of a [bk, ncb] grid of 16 B chunks (from chunk cb0 of each row) of staging slot `slot`:
-            (row, chunk, its 16 e4m3 as 4 x i32, its 64-column block's scale byte as i32)."""
-            r, cb = chunk_coords(v, ncb)
+        def owned_coords(lt, p, ncb):
+            """chunk_order="owned" (the tile ring's 32-row steps, 128 converting threads): thread lt owns row lt // 4
+            and its chunks lt % 4 + 4 g, g < ncb / 4, taking g = (p + row % 2) % (ncb / 4) in pass p (static), so
+            the two rows of a 16-byte phase load from opposite halves of the bank row (staged rows are 512 B / 128
+            B apart: the same banks). -> (row, chunk). Its addresses are a few shifts from lt, no division."""
+            n_g = ncb // 4
+            r = arith.divui(lt, c(4))
+            g = arith.addi(arith.remui(r, c(2)), c(p))
+            if p + 1 >= n_g:   # (only the last pass can wrap)
+                g = arith.select(arith.cmpi(arith.CmpIPredicate.uge, g, c(n_g)), arith.subi(g, c(n_g)), g)
+            return r, arith.addi(arith.remui(lt, c(4)), arith.muli(g, c(4)))
+
+        def load_chunk(slot, v, ncb, cb0, at=None):
+            """Nope chunk v of a [bk, ncb] grid of 16 B chunks (from chunk cb0 of each row) of staging slot `slot`
+            (at: its (row, chunk) given instead): (row, chunk, its 16 e4m3 as 4 x i32, its 64-column block's scale
+            byte as i32)."""
+            r, cb = chunk_coords(v, ncb) if at is None else at
             cb = arith.addi(cb, c(cb0) if isinstance(cb0, int) else cb0)
             raw = vector.bitcast(ir.VectorType.get((4,), i32),
                                  vector.load(f8_16, nope_st, [slot, r, arith.muli(cb, c(16))], alignment=16))
@@ -501,9 +514,15 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             16 e4m3 -> 16 bf16 x the chunk's 64-column block scale, into the tile (default: the consumers' tile)."""
             store_chunk(load_chunk(slot, v, ncb, cb0), dst, lead)
 
-        def store_chunk(loaded, dst=None, lead=()):
-            """A loaded chunk (load_chunk) converted and stored into the tile (default: the consumers' tile)."""
+        def store_chunk(loaded, dst=None, lead=(), swap=None):
+            """A loaded chunk (load_chunk) converted and stored into the tile (default: the consumers' tile). swap
+            (i1, chunk_order="owned"): store the chunk's upper 16 B first (its raw words swapped before converting),
+            so the four threads of a row hit four different 16-byte slots in each store instead of two."""
             r, cb, raw, sbyte = loaded
+            if swap is not None:
+                w_ = [vector.extract(raw, [], [w]) for w in range(4)]
+                w_ = [arith.select(swap, w_[(w + 2) % 4], w_[w]) for w in range(4)]
+                raw = vector.from_elements(ir.VectorType.get((4,), i32), w_)
             words = []
             if diag == "no_convert":   # timing diagnostic only (wrong values): raw bytes stored as if bf16
                 words = [vector.extract(raw, [], [w % 4]) for w in range(8)]
@@ -544,12 +563,14 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             for h in range(2):   # 16 bf16 (f16) = the 16 B chunks 2 cb, 2 cb + 1 of the row
                 val = vector.bitcast(ir.VectorType.get((8,), op_ty),
                                      vector.from_elements(ir.VectorType.get((4,), i32), words[4 * h: 4 * h + 4]))
-                store16(val, r, arith.addi(arith.muli(cb, c(2)), c(h)), tile if dst is None else dst, lead)
+                hh = c(h) if swap is None else arith.index_cast(index, arith.xori(
+                    arith.extui(i32, swap), ci(h)))
+                store16(val, r, arith.addi(arith.muli(cb, c(2)), hh), tile if dst is None else dst, lead)
 
-        def load_rope(slot, v):   # rope chunk v: 8 16-byte chunks per row, already bf16 -> (row, chunk, value)
-            # row-major is conflict-free under the 128 B swizzle (a row's 8 chunks land in 8 slots); the 64 B
-            # swizzle takes the diagonal order's 8 rows for that
-            r, ch = chunk_coords(v, 8, None if swz == 64 else "rows")
+        def load_rope(slot, v, at=None):   # rope chunk v (or at (row, chunk)): 8 16-byte chunks per row, already
+            # bf16 -> (row, chunk, value). Row-major is conflict-free under the 128 B swizzle (a row's 8 chunks land
+            # in 8 slots); the 64 B swizzle takes the diagonal order's 8 rows for that
+            r, ch = (chunk_coords(v, 8, None if swz == 64 else "rows") if at is None else at)
             return r, ch, vector.load(ir.VectorType.get((8,), bf16), rope_st, [slot, r, arith.muli(ch, c(8))],
                                       alignment=16)
 
@@ -594,7 +615,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             u0, u1 = units
             a, b_ = min(u0, n_nope), min(u1, n_nope)
             rope_passes = range(max(u0, n_nope) - n_nope, u1 - n_nope)   # rope: 8 chunks of 8 bf16 per row, copied
-            if conv_batch == 1:   # a loop, one chunk at a time: each chunk's loads wait for the previous stores
+            owned = chunk_order == "owned"
+            if conv_batch == 1 and not owned:   # a loop, one chunk at a time: each chunk's loads wait for the
+                # previous stores
                 if b_ > a:
                     @mu.fori(c(b_ - a), None)
                     def _(i, _c):
@@ -607,13 +630,25 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             else:   # unrolled in batches: a batch's loads all issue before its first store (shared-memory stores
                 # and loads may alias, so the compiler keeps them in program order; one chunk at a time, every
                 # chunk pays the whole load -> convert -> store latency)
+                # (chunk_order="owned": always unrolled, its passes' coordinates static offsets of lt's)
                 passes = [("nope", p) for p in range(a, b_)] + [("rope", p) for p in rope_passes]
+                # owned: a thread's rows' two 16 B halves stored upper first where lt % 4 >= 2 (see store_chunk)
+                swap = arith.cmpi(arith.CmpIPredicate.uge, arith.remui(lt, c(4)), c(2)) if owned else None
+
+                def load(kind, p):
+                    v = arith.addi(lt, c(128 * p))
+                    if kind == "nope":
+                        return load_chunk(s_, v, ncb, 0, owned_coords(lt, p, ncb) if owned else None)
+                    return load_rope(s_, v, owned_coords(lt, p, 8) if owned else None)
+
                 for i0 in range(0, len(passes), conv_batch):
                     batch = passes[i0:i0 + conv_batch]
-                    loaded = [load_chunk(s_, arith.addi(lt, c(128 * p)), ncb, 0) if kind == "nope"
-                              else load_rope(s_, arith.addi(lt, c(128 * p))) for kind, p in batch]
+                    loaded = [load(kind, p) for kind, p in batch]
                     for (kind, _p), ld in zip(batch, loaded):
-                        (store_chunk if kind == "nope" else store_rope)(ld, ring, (t_,))
+                        if kind == "nope":
+                            store_chunk(ld, ring, (t_,), swap)
+                        else:
+                            store_rope(ld, ring, (t_,))
             nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)  # st.shared -> wgmma
             full_bars[t_].arrive()
             release(s_)
@@ -2236,6 +2271,12 @@ def sparse_attention_mosaic(
     swizzle and 4-way under the tile ring's 64 B). Session 25: with the conversion split between the converter and
     the producer (conv_units) the conversion cycles summed over both stayed ~3700 per 32-row step, so the
     conversion is bound by a resource of the whole SM, shared memory, not by one warpgroup's issue rate.
+    "owned" (session 69; the tile ring's 32-row steps, fp8_dequant "producer" / "converter"): thread t owns row
+    t // 4 and its chunks t % 4 + 4 g, so a pass's addresses are static offsets from per-thread bases (no index
+    division, no loop: the diagonal order's loop spends ~30 of its 80 instructions a chunk on 64-bit index
+    arithmetic), odd rows start one chunk group further (their staged loads land in the other half of the bank
+    row) and threads t % 4 >= 2 store a chunk's upper 16 B first: conflict-free loads (but the last nope pass)
+    and stores.
     tile_slots (fp8_dequant="producer" / "converter"; None = PDQ_TILES = 2): the bf16 tile ring's depth. A third
     32-row tile (32 KB) lets the converters run a step further ahead of the consumers; it fits next to q, two
     staging slots (num_stages=2) and split_d's exchange in decode (~220 KB). Session 25's profile (converter with
@@ -2426,8 +2467,11 @@ def sparse_attention_mosaic(
     conv = fp8_dequant == "converter"
     direct = fp8_dequant == "direct"
     fp8_chunk_order = fp8_chunk_order or DEFAULT_FP8_CHUNK_ORDER[fp8_dequant]
-    if fp8_chunk_order not in ("rows", "diagonal"):
-        raise ValueError(f"fp8_chunk_order must be 'rows' or 'diagonal', got {fp8_chunk_order!r}")
+    if fp8_chunk_order not in ("rows", "diagonal", "owned"):
+        raise ValueError(f"fp8_chunk_order must be 'rows', 'diagonal' or 'owned', got {fp8_chunk_order!r}")
+    if fp8_chunk_order == "owned" and fp8_dequant not in ("producer", "converter"):
+        raise ValueError("fp8_chunk_order='owned' gives each of 128 converting threads one row of a 32-row step: "
+                         f"the tile ring's fp8_dequant='producer' or 'converter', got {fp8_dequant!r}")
     def check_ring_knob(name, value, lo, hi, what, modes):
         """An int knob of the tile ring (None: unset): in [lo, hi], and only with the fp8_dequant modes using it."""
         if value is not None and (fp8_dequant not in modes or isinstance(value, bool) or not isinstance(value, int)
