@@ -24,9 +24,9 @@
 #   time left (T_CONV_ASYM_TESTS / T_CONV_ASYM_TIMING for conv_asym).
 # FP8_CHECK=1 (any card): the FP8-cache model test and all FP8 kernel cases side by side (~210 s), the check an FP8
 #   default change needs (session 68).
-# F16=1 (any card): fp8_operands="f16" (session 69, built and compiled offline, not yet run): its GPU tests and
-#   its timing (group s69) and the phase profile of f16 next to bf16's and the no-conversion bound; WITH_S68=1
-#   then group s68 too (~550 s in all).
+# F16=1 (any card): fp8_operands="f16" and fp8_chunk_order="owned" (session 69, built and compiled offline, not yet
+#   run): their GPU tests, their timing (group s69), the phase profiles, then the FP8-cache model test on both as a
+#   trial default (~560 s in all; the model test last, as it matters only if they win).
 # PART=0 (any card): the model-level Mosaic tests, the bf16 one per forced consumer schedule (asym, the pair,
 #   split_scores) and the FP8-cache one, four processes at once (all four passed on an H100 in session 66 in 307 s,
 #   which made asym the bf16 default).
@@ -66,26 +66,20 @@ asym_conv_units() {   # group s68 (session 68): conv_units 8 / 7 under FP8's asy
   T_attn=${T_S68:-260} ATTN_ARGS="--groups s68 --net-decode --no-ref" STEPS=attn session asym_conv_units
   T_mprof=120 MPROF_ARGS="--cases csa128_fp8_cv_asym,csa128_fp8_asym_noconv" STEPS=mprof session asym_noconv_profile
 }
-f16_operands() {   # session 69: fp8_operands="f16" over the converter's tiles under asym: the FP8-cache model test
-  # with f16 as a trial default (set in this copy of the tree while the tests run) beside its GPU kernel tests (every
-  # "_f16" Mosaic case and the loud failure past f16's range); then group s69 (against bf16 operands, the
-  # no-conversion bound, f16 without q's conversion, f16 with conv_batch=2) and the phase profiles
+f16_operands() {   # session 69: fp8_operands="f16" and fp8_chunk_order="owned" over the converter's tiles under asym:
+  # their GPU kernel tests (every "_f16" / "_owned" Mosaic case and the loud failure past f16's range), group s69
+  # (against bf16 operands and the diagonal order, the no-conversion bound, f16 without q's conversion, f16 with
+  # conv_batch=2), the phase profiles, then the FP8-cache model test with f16 + owned as a trial default (set in this
+  # copy of the tree for that test)
   local mod=pallas_kernels/sparse_attention/gpu_mosaic.py
-  sed -i 's/^DEFAULT_FP8_OPERANDS = "bf16"/DEFAULT_FP8_OPERANDS = "f16"/' $mod
-  grep -n '^DEFAULT_FP8_OPERANDS' $mod
-  PYTEST_N=1 T_model=${T_MODEL:-300} MODEL_K=fp8_cache_bf16_model_on_mosaic STEPS=model session f16_model &
-  local model_pid=$!
-  sleep 15   # (the model test's first compile ahead of the kernel tests, which name fp8_operands themselves)
-  PYTEST_N=3 T_tests4=${T_F16_TESTS:-220} T4_K="(f16 or owned) and mosaic" STEPS=tests4 session f16_tests
-  wait "$model_pid"
-  sed -i 's/^DEFAULT_FP8_OPERANDS = "f16"/DEFAULT_FP8_OPERANDS = "bf16"/' $mod   # the timing names its options
-  grep -n '^DEFAULT_FP8_OPERANDS' $mod
-  T_attn=${T_S69:-250} ATTN_ARGS="--groups s69 --net-decode --no-ref" STEPS=attn session f16_timing
-  T_mprof=110 MPROF_ARGS="--cases csa128_fp8_cv_asym,csa128_fp8_asym_f16,csa128_fp8_asym_f16_owned,\
-csa128_fp8_asym_noconv" STEPS=mprof \
-    session f16_profile
-  [ -n "$WITH_S68" ] && T_attn=${T_S68:-170} ATTN_ARGS="--groups s68 --net-decode --no-ref" STEPS=attn \
-    session asym_conv_units
+  PYTEST_N=4 T_tests4=${T_F16_TESTS:-160} T4_K="(f16 or owned) and mosaic" STEPS=tests4 session f16_tests
+  T_attn=${T_S69:-220} ATTN_ARGS="--groups s69 --net-decode --no-ref" STEPS=attn session f16_timing
+  T_mprof=100 MPROF_ARGS="--cases csa128_fp8_cv_asym,csa128_fp8_asym_f16,csa128_fp8_asym_f16_owned,\
+csa128_fp8_asym_noconv" STEPS=mprof session f16_profile
+  sed -i -e 's/^DEFAULT_FP8_OPERANDS = "bf16"/DEFAULT_FP8_OPERANDS = "f16"/' \
+    -e 's/"converter": "diagonal", "direct"/"converter": "owned", "direct"/' $mod
+  grep -n '^DEFAULT_FP8_OPERANDS\|^DEFAULT_FP8_CHUNK_ORDER' $mod
+  PYTEST_N=1 T_model=${T_MODEL:-300} MODEL_K=fp8_cache_bf16_model_on_mosaic STEPS=model session f16_model
 }
 model_asym() {   # the bf16 model test, one test per consumer schedule forced (asym, pair, split_scores; session 66),
   # next to the FP8-cache model test, four processes at once (one test took 170-347 s in sessions 45-60 with one
