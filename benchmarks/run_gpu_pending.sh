@@ -24,9 +24,10 @@
 #   time left (T_CONV_ASYM_TESTS / T_CONV_ASYM_TIMING for conv_asym).
 # FP8_CHECK=1 (any card): the FP8-cache model test and all FP8 kernel cases side by side (~210 s), the check an FP8
 #   default change needs (session 68).
-# F16=1 (any card): fp8_operands="f16" and fp8_chunk_order="owned" (session 69, built and compiled offline, not yet
-#   run): their GPU tests, their timing (group s69), the phase profiles, then the FP8-cache model test on both as a
-#   trial default (~560 s in all; the model test last, as it matters only if they win).
+# F16=1 (any card): fp8_operands="f16" and fp8_chunk_order="owned" (session 69: their GPU cases passed on an H100,
+#   h100_s69r1; a second timing call and the model test still to run): their GPU tests, their timing (group s69),
+#   the phase profiles, then the FP8-cache model test on both as a trial default (~560 s in all; the model test
+#   last, as it matters only if they win).
 # PART=0 (any card): the model-level Mosaic tests, the bf16 one per forced consumer schedule (asym, the pair,
 #   split_scores) and the FP8-cache one, four processes at once (all four passed on an H100 in session 66 in 307 s,
 #   which made asym the bf16 default).

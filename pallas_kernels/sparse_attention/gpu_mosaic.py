@@ -1142,6 +1142,10 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             # ---------------- consumers (wg 0, 1) ----------------
             nvvm.setmaxregister(regs[-1], nvvm.SetMaxRegisterAction.increase)
             wgi = arith.index_cast(index, wg)
+
+            def consumers_barrier():   # named barrier 8 (Mosaic uses 0 and 1-4), the 256 consumer threads
+                llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "bar.sync 8, 256;", "", has_side_effects=True)
+
             region = begin("c_wait_q")
             q_bar.wait()
             # the producer has cleaned this split's index rows (named barrier 9: 128 producer arrivals + us)
@@ -1161,8 +1165,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                         for ix, v in zip(at, vals):
                             vector.store(to_f16(v), flat_q, ix, alignment=16)
                     nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)  # -> wgmma
-                # named barrier 8 (the consumers' barrier below), the 256 consumer threads
-                llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "bar.sync 8, 256;", "", has_side_effects=True)
+                consumers_barrier()
                 end(region)
             sink_raw = fa.FragmentedArray.load_untiled(mu.memref_slice(vec_smem, mu.ds(0, BLOCK_H)),
                                                        layout=fa.WGMMA_ROW_LAYOUT, optimized=False)
@@ -1180,9 +1183,6 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             v_cols = mu.ds(arith.muli(wgi, c(pieces // 2)), pieces // 2)
             pv_cols = [mu.ds(arith.addi(arith.muli(wgi, c(pieces // 2)), c(h * pieces // 2 // pv_parts)),
                              pieces // 2 // pv_parts) for h in range(pv_parts)]   # v_cols in pv_parts pieces
-
-            def consumers_barrier():   # named barrier 8 (Mosaic uses 0 and 1-4), the 256 consumer threads
-                llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "bar.sync 8, 256;", "", has_side_effects=True)
 
             # pingpong: the consumers take turns at the tensor cores, S(wg 0), S(wg 1), P.V(wg 0), P.V(wg 1), ...,
             # so one's softmax runs under the other's wgmma instead of both computing S at once and both idling the
