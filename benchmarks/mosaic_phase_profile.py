@@ -95,6 +95,11 @@ CASES = {
     "csa128_fp8_asym_f16": ("csa", 128, 1, 512, "fp8", dict(consumers="asym", fp8_operands="f16")),
     "csa128_fp8_asym_f16_owned": ("csa", 128, 1, 512, "fp8", dict(consumers="asym", fp8_operands="f16",
                                                                    fp8_chunk_order="owned")),
+    # session 70: the producer's staging copies as 1-D bulk copies, by lane 0 or a lane a row (fp8_copy)
+    "csa128_fp8_asym_bulk": ("csa", 128, 1, 512, "fp8", dict(consumers="asym", fp8_copy="bulk")),
+    "csa128_fp8_asym_lanes": ("csa", 128, 1, 512, "fp8", dict(consumers="asym", fp8_copy="lanes")),
+    "csa128_fp8_asym_f16_owned_lanes": ("csa", 128, 1, 512, "fp8", dict(consumers="asym", fp8_operands="f16",
+                                                                         fp8_chunk_order="owned", fp8_copy="lanes")),
     # FlashMLA's consumer split (consumers="asym", session 64): consumer 0 c_wait_full, c_scores, c_softmax (with
     # P's and alpha's stores), c_pv; consumer 1 c_wait_p (the named barrier) and c_pv. Its 215 KB leave room for
     # the profiler's records, which split_d's 32 KB exchange does not (the pair without split_d for comparison)

@@ -95,6 +95,16 @@ for nb in (2, 3):   # ... and its conversion unrolled in batches of chunks (the 
     OPTS[f"fp8_asym_f16_cb{nb}_r72"] = OPTS[f"fp8_asym_f16_cb{nb}"]
     VARIANTS += [(f"fp8_asym_f16_cb{nb}", True, None, None), (f"fp8_asym_f16_cb{nb}_r72", True, None, (40, 72, 200))]
 
+# session 70: the producer's FP8 row copies as two 1-D bulk copies (lane 0) or issued by a lane a row (fp8_copy)
+for fc in ("bulk", "lanes"):
+    OPTS[f"fp8_asym_{fc}"] = dict(consumers="asym", fp8_copy=fc)
+    OPTS[f"fp8_asym_f16_owned_{fc}"] = dict(OPTS["fp8_asym_f16_owned"], fp8_copy=fc)
+    OPTS[f"fp8_consumers_{fc}"] = dict(fp8_dequant="consumers", fp8_copy=fc)
+    VARIANTS += [(f"fp8_asym_{fc}", True, None, None), (f"fp8_asym_f16_owned_{fc}", True, None, None),
+                 (f"fp8_consumers_{fc}", True, None, None)]
+OPTS["fp8_consumers"] = dict(fp8_dequant="consumers")   # (the consumers' own conversion, for the spill figures)
+VARIANTS += [("fp8_consumers", True, None, None)]
+
 
 def main(out_dir: str, only: list[str] | None, offline_mode: bool):
     offline = None

@@ -28,6 +28,10 @@
 #   h100_s69r1; a second timing call and the model test still to run): their GPU tests, their timing (group s69),
 #   the phase profiles, then the FP8-cache model test on both as a trial default (~560 s in all; the model test
 #   last, as it matters only if they win).
+# COPY=1 (any card): fp8_copy (session 70: the producer's FP8 staging copies as 1-D bulk copies, by lane 0 or a lane
+#   a row; built and lowered on the CPU, never run): its GPU tests, group s70 (against the default tensor copies,
+#   with bf16 operands and with f16 + owned), the phase profiles, then (time left) the FP8-cache model test on
+#   f16 + owned as a trial default (F16=1's last step), ~560 s in all.
 # PART=0 (any card): the model-level Mosaic tests, the bf16 one per forced consumer schedule (asym, the pair,
 #   split_scores) and the FP8-cache one, four processes at once (all four passed on an H100 in session 66 in 307 s,
 #   which made asym the bf16 default).
@@ -72,11 +76,21 @@ f16_operands() {   # session 69: fp8_operands="f16" and fp8_chunk_order="owned" 
   # (against bf16 operands and the diagonal order, the no-conversion bound, f16 without q's conversion, f16 with
   # conv_batch=2), the phase profiles, then the FP8-cache model test with f16 + owned as a trial default (set in this
   # copy of the tree for that test)
-  local mod=pallas_kernels/sparse_attention/gpu_mosaic.py
   PYTEST_N=4 T_tests4=${T_F16_TESTS:-160} T4_K="(f16 or owned) and mosaic" STEPS=tests4 session f16_tests
   T_attn=${T_S69:-220} ATTN_ARGS="--groups s69 --net-decode --no-ref" STEPS=attn session f16_timing
   T_mprof=100 MPROF_ARGS="--cases csa128_fp8_cv_asym,csa128_fp8_asym_f16,csa128_fp8_asym_f16_owned,\
 csa128_fp8_asym_noconv" STEPS=mprof session f16_profile
+  f16_model
+}
+fp8_copy() {   # session 70: fp8_copy "bulk" / "lanes" (the producer's FP8 staging copies) against "tma"
+  PYTEST_N=4 T_tests4=${T_COPY_TESTS:-150} T4_K="copy and mosaic" STEPS=tests4 session copy_tests
+  T_attn=${T_S70:-200} ATTN_ARGS="--groups s70 --net-decode --no-ref" STEPS=attn session copy_timing
+  T_mprof=110 MPROF_ARGS="--cases csa128_fp8_cv_asym,csa128_fp8_asym_bulk,csa128_fp8_asym_lanes,\
+csa128_fp8_asym_f16_owned_lanes" STEPS=mprof session copy_profile
+  if [ -z "$NO_F16_MODEL" ]; then f16_model; fi
+}
+f16_model() {   # the FP8-cache model test with f16 + owned set as a trial default in this copy of the tree
+  local mod=pallas_kernels/sparse_attention/gpu_mosaic.py
   sed -i -e 's/^DEFAULT_FP8_OPERANDS = "bf16"/DEFAULT_FP8_OPERANDS = "f16"/' \
     -e 's/"converter": "diagonal", "direct"/"converter": "owned", "direct"/' $mod
   grep -n '^DEFAULT_FP8_OPERANDS\|^DEFAULT_FP8_CHUNK_ORDER' $mod
@@ -99,6 +113,7 @@ fp8_default_check() {   # the FP8-cache model test next to every FP8 kernel case
 if [ -n "$INDEXER_TESTS" ]; then indexer_tests; exit; fi
 if [ -n "$FP8_CHECK" ]; then fp8_default_check; exit; fi
 if [ -n "$F16" ]; then f16_operands; exit; fi
+if [ -n "$COPY" ]; then fp8_copy; exit; fi
 if [ "${PART:-1}" = 0 ]; then model_asym; exit; fi
 case "$card:${PART:-1}" in
   *H200*:1)

@@ -161,7 +161,7 @@ def fmt(r):
 GROUPS = (
     "b1", "colsplit", "decode", "fp8ops", "hca8k_fp8", "kernels", "knobs5", "prefetch", "prefill",
     "qreload", "s14", "s16", "s17", "s18", "s19", "s22", "s23", "s25", "s25d", "s26", "s26b", "s26c",
-    "s28", "s29", "s29p", "s56", "s61", "s64", "s64f", "s64q", "s67", "s67a", "s67u", "s68", "s69", "s9", "ss", "variants")
+    "s28", "s29", "s29p", "s56", "s61", "s64", "s64f", "s64q", "s67", "s67a", "s67u", "s68", "s69", "s70", "s9", "ss", "variants")
 
 
 def main():
@@ -486,6 +486,18 @@ def main():
                    dict(f16, _diag="no_q_convert"), dict(f16, conv_batch=2, regs=(40, 72, 200)),
                    dict(f16, fp8_chunk_order="owned"), dict(asym, fp8_operands="bf16", fp8_chunk_order="owned")],
                   [r for r in asym_rows if r != ("hca", 64, 1024)], (16384,))
+    if "s70" in groups:  # session 70, FP8 on asym over the converter's tiles: how the producer issues a staged row
+        # (fp8_copy): three 2-D tensor copies by lane 0 (the default "tma"), two 1-D bulk copies by lane 0 ("bulk"),
+        # or the two bulk copies and the scale bytes by a lane a row ("lanes"), with bf16 operands (the default) and
+        # with f16 + the owned chunk order (session 69's pair), and the bound without conversions. Every option
+        # named, so the comparison holds across defaults; the decode rows first, the prefill last
+        asym = dict(mos, fp8_dequant="converter", consumers="asym", fp8_operands="bf16", fp8_chunk_order="diagonal")
+        f16o = dict(asym, fp8_operands="f16", fp8_chunk_order="owned")
+        fp8_modes([dict(asym, fp8_copy="tma"), dict(asym, fp8_copy="bulk"), dict(asym, fp8_copy="lanes"),
+                   dict(f16o, fp8_copy="tma"), dict(f16o, fp8_copy="lanes"),
+                   dict(asym, fp8_copy="lanes", _diag="no_convert")],
+                  [("csa", 128, 512), ("csa", 64, 512), ("hca", 128, 1024), ("hca", 64, 8192), ("csa", 16, 512)],
+                  (16384,))
     if "s67u" in groups:  # session 67, FP8: the producer taking 2 of the converter's 9 passes a step (conv_units=7,
         # 1-2% faster in one call of s25) against the default, every row of the issue's FP8 decode table, each row's
         # two runs back to back

@@ -440,7 +440,17 @@ def lower_model_steps(model, cache, marker):
                                               (2, 1, 8192, dict(fp8_chunk_order="owned", conv_units=5, n_splits=2),
                                                True),
                                               (3, 1, 512, dict(fp8_chunk_order="owned", fp8_dequant="producer"),
-                                               True)]))
+                                               True),
+                                              # ... the producer's staging copies as 1-D bulk copies (session 70)
+                                              core(3, 1, 512, dict(fp8_copy="lanes"), True),
+                                              (3, 1, 512, dict(fp8_copy="bulk"), True),
+                                              (2, 1, 8192, dict(fp8_copy="lanes", idx_stream=True, n_splits=2,
+                                                                conv_units=5), True),
+                                              (3, 1, 512, dict(fp8_copy="lanes", fp8_operands="f16",
+                                                               fp8_chunk_order="owned"), True),
+                                              (3, 1, 512, dict(fp8_copy="lanes", fp8_dequant="consumers"), True),
+                                              (3, 1, 512, dict(fp8_copy="bulk", fp8_dequant="producer"), True),
+                                              (1, 64, 60, dict(fp8_copy="lanes", heads=128), True)]))
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -550,6 +560,32 @@ def test_sparse_attention_mosaic_f16_operands_reject_what_they_cannot_do(monkeyp
         lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(*a, scale=0.1, **opts),
                    *(inp[k] for k in keys))
     assert [b.get("f16", False) for b in built] == [True, True, False, False, False]
+
+
+def test_sparse_attention_mosaic_fp8_copy_options(monkeypatch):
+    """fp8_copy (session 70) names how the producer issues FP8 rows into a staging ring: FP8 pools only, never with
+    fp8_dequant="direct" (no staging ring), and one of three names; the build gets it, and fp8_copy=None takes
+    the module default where a staging ring exists, "tma" elsewhere."""
+    from pallas_kernels.sparse_attention import gpu_mosaic
+
+    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
+    bf16 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=False)
+    fp8 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)
+    call = lambda inp, **o: gpu_mosaic.sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, **o)
+    with pytest.raises(ValueError, match="fp8_copy must be"):
+        call(fp8, fp8_copy="cp_async")
+    for inp, opts in [(bf16, {}), (fp8, dict(fp8_dequant="direct"))]:
+        with pytest.raises(ValueError, match="staging ring"):
+            call(inp, fp8_copy="lanes", **opts)
+    built = spy_mosaic_builds(monkeypatch)
+    for fc in ("bulk", "lanes"):
+        lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(*a, scale=0.1, fp8_copy=fc),
+                   *(fp8[k] for k in keys))
+    monkeypatch.setattr(gpu_mosaic, "DEFAULT_FP8_COPY", "lanes")   # a default applies where a staging ring exists
+    for inp, opts in [(fp8, {}), (fp8, dict(fp8_dequant="direct")), (bf16, {})]:
+        lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(*a, scale=0.1, **opts),
+                   *(inp[k] for k in keys))
+    assert [b.get("fp8_copy", "tma") for b in built] == ["bulk", "lanes", "lanes", "tma", "tma"]
 
 
 def test_mosaic_scratch_swizzled_buffers_must_be_1k_aligned():

@@ -85,7 +85,8 @@ def opts_id(opts):
         {"registers": "_dsreg", "tile": "_dstile"}.get(opts.get("direct_staging"), ""),
         f"_pf{opts['direct_prefetch']}" if "direct_prefetch" in opts else "",
         {True: "_pcs", "rows": "_pcs", "pieces": "_pcsp"}.get(opts.get("piece_barriers"), ""),
-        "_ahead" if opts.get("score_ahead") else "", f"_{opts['consumers']}" if "consumers" in opts else ""])
+        "_ahead" if opts.get("score_ahead") else "", f"_{opts['consumers']}" if "consumers" in opts else "",
+        f"_copy{opts['fp8_copy']}" if "fp8_copy" in opts else ""])
 
 
 def call(fn, inp, **kw):

@@ -227,7 +227,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
            store_wait_read=False, idx_first=False, pingpong=False, cluster_early=False, split_d=False,
            fp8_convert="cvt", fp8_overlap=False, pdq=False, conv=False, conv_units=None, chunk_order="rows",
            n_tiles=PDQ_TILES, conv_batch=1, lazy=False, idx_ring=0, direct=False, direct_tile=False,
-           direct_prefetch=False, piece_bars=False, ahead=False, asym=False, f16=False):
+           direct_prefetch=False, piece_bars=False, ahead=False, asym=False, f16=False, fp8_copy="tma"):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -291,6 +291,12 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     Once q has landed, the two consumers convert its tile in place (bf16 -> f16, 16 chunks of 16 B a thread) and
     meet at named barrier 8 before the first scores; the converting warpgroup(s) write the tiles with F16_CVT_ASM
     (and the rope part through BF16_TO_F16_ASM); the softmax rounds P to f16; the output tile holds bf16 bits.
+    fp8_copy (FP8 staging rings: `fp8_copy`): how the producer issues a raw row's 448 nope and 128 rope bytes into
+    its staging slot. "tma": three 2-D tensor copies (a box moves at most 256 elements: 256 + 192 nope, 64 rope),
+    lane 0 of each warp taking its rows one after another. "bulk": two 1-D bulk copies (`cp.async.bulk`, no tensor
+    map, any multiple of 16 B: 448 and 128), still lane 0's. "lanes": the same two bulk copies and the row's 8 scale
+    bytes, issued by lanes 0 .. bk/4 - 1 of each warp at once, one row a lane (each lane's scale cp.async arrives
+    on the staging barrier itself, so the barrier counts bk + 1 arrivals instead of 5).
     profile ((entries per warpgroup, dump directory) or None): Mosaic GPU's on-device profiler records each
     warpgroup's named regions (thread 0 of the warpgroup: SM clock at entry and exit) and the wrapper dumps a Chrome
     trace per call into the directory (benchmarks/mosaic_phase_profile.py reads it). Without it the regions emit
@@ -315,6 +321,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     assert not asym or ((not fp8 or direct or conv) and (bk == 64 or (conv and bk == 32)) and n_ring <= 4
                         and not (split_d or split_scores or pingpong or piece_bars or ahead)), "asym"
     assert not f16 or (conv and asym), "f16 operands: the converter's tiles under asym"
+    assert fp8_copy == "tma" or (fp8 and not direct and fp8_copy in ("bulk", "lanes")), fp8_copy
+    # the staging barrier's arrivals: the expect_tx arrival + one scale cp.async arrival per issuing thread
+    st_arrivals = 1 + (bk if fp8_copy == "lanes" else 4)
     conv_units = CONV_UNITS if conv_units is None else conv_units
     # the producer's share of each step's conversion: all of it (pdq), the units past conv_units (conv), or none
     p_units = (0, CONV_UNITS) if pdq else (conv_units, CONV_UNITS) if conv and conv_units < CONV_UNITS else None
@@ -737,6 +746,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     return
                 # FP8 raw row: nope (2 bulk copies, 256 + 192 B), rope (1 bulk copy), and the 8 scale bytes (cp.async,
                 # tracked by the slot's barrier through cp.async.mbarrier.arrive.noinc after the row loop)
+                if fp8_copy != "tma":
+                    copy_fp8_row_bulk(k, slot, full, r, e, lane0)
+                    return
                 for c0, w in ((0, 256), (256, NOPE_DIM - 256)):         # a bulk copy moves <= 256 elements
                     ctx.async_copy(src_ref=src_gmem[k][2],
                                    dst_ref=mu.memref_slice(nope_st, (slot, mu.ds(r, 1), mu.ds(c0, w))),
@@ -746,6 +758,33 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                                gmem_slice=(mu.ds(e, 1), mu.ds(0, ROPE_DIM)), barrier=full, arrive=False,
                                predicate=lane0)
                 with mu.when(arith.andi(lane0, arith.constant(ir.IntegerType.get_signless(1), diag != "no_scales"))):
+                    dst = mu.getelementptr(scale_st_ptr, [arith.index_cast(i32, arith.addi(
+                        arith.muli(slot, c(bk * 8)), arith.muli(r, c(8))))], i8)
+                    src = mu.getelementptr(scale_gptrs[k], [arith.index_cast(i64, arith.muli(e, c(8)))], i8)
+                    nvvm.cp_async_shared_global(dst, src, 8, nvvm.LoadCacheModifierKind.CA)
+
+            if fp8_copy != "tma":   # 1-D bulk copies (no tensor map): shared::cta and global addresses as integers
+                bulk_gptrs = [[llvm.ptrtoint(i64, llvm.addrspacecast(llvm.PointerType.get(address_space=1),
+                                                                      mu.memref_ptr(src_gmem[k][part])))
+                               for part in (2, 3)] for k in range(n_src)]
+                nope_st_base = llvm.ptrtoint(i32, mu.memref_ptr(nope_st))
+                rope_st_base = llvm.ptrtoint(i32, mu.memref_ptr(rope_st))
+
+            def copy_fp8_row_bulk(k, slot, full, r, e, pred):
+                """fp8_copy "bulk" / "lanes": row e of source k's pool into row r of staging slot `slot` as two 1-D bulk
+                copies (448 nope bytes, 128 rope bytes: 16 B multiples at 16 B aligned addresses on both sides),
+                completing on `full`'s transaction count, then its 8 scale bytes (cp.async), each where pred holds."""
+                at = arith.index_cast(i64, e)
+                sr = arith.index_cast(i32, arith.addi(arith.muli(slot, c(bk)), r))   # the slot's row
+                bar = llvm.ptrtoint(i32, full.get_ptr())
+                for gbase, sbase, n in ((bulk_gptrs[k][0], nope_st_base, NOPE_DIM),
+                                        (bulk_gptrs[k][1], rope_st_base, 2 * ROPE_DIM)):
+                    dst = arith.addi(sbase, arith.muli(sr, ci(NOPE_STRIDE if n == NOPE_DIM else n)))
+                    src = arith.addi(gbase, arith.muli(at, arith.constant(i64, n)))
+                    llvm.inline_asm(ir.Type.parse("!llvm.void"), [pred, dst, src, bar],
+                                    f"@$0 cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$1], [$2], "
+                                    f"{n}, [$3];", "b,r,l,r", has_side_effects=True)
+                with mu.when(arith.andi(pred, arith.constant(ir.IntegerType.get_signless(1), diag != "no_scales"))):
                     dst = mu.getelementptr(scale_st_ptr, [arith.index_cast(i32, arith.addi(
                         arith.muli(slot, c(bk * 8)), arith.muli(r, c(8))))], i8)
                     src = mu.getelementptr(scale_gptrs[k], [arith.index_cast(i64, arith.muli(e, c(8)))], i8)
@@ -1085,6 +1124,11 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                         for r, e in zip(rows_, es):
                             copy_piece(k, slot, piece_bar(p_), r, e, p_)
                         return _c
+                elif fp8_copy == "lanes":   # lane t of each warp issues row 4 t + warp, all at once
+                    lane = arith.remui(ptid, c(32))
+                    mine = arith.cmpi(arith.CmpIPredicate.ult, lane, c(bk // 4))
+                    r = arith.addi(arith.muli(arith.minui(lane, c(bk // 4 - 1)), c(4)), warp)
+                    copy_fp8_row_bulk(k, slot, full, r, src_row(r), mine)
                 else:   # rows in order, each row's pieces together (piece_bars "rows": each on its own barrier)
                     @mu.fori(c(bk // 4), None)
                     def _(t, _c):
@@ -1092,8 +1136,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                         copy_row(k, slot, full, r, src_row(r), piece_bar)
                         return _c
 
-                if fp8:
-                    with mu.when(lane0):   # one of the slot's 4 counted arrivals, once this thread's scale copies land
+                if fp8:   # one of the slot's counted arrivals (st_arrivals), once this thread's scale copies land
+                    with mu.when(mine if fp8_copy == "lanes" else lane0):
                         nvvm.cp_async_mbarrier_arrive(full.get_ptr(), noinc=True)
                 end(region)
                 if p_units:   # the step staged (stages - 1) steps ago (pdq: all of it; conv: its units
@@ -1889,7 +1933,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
              *(() if split_d else (jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32),))),
             (mgpu.TMABarrier(1), mgpu.TMABarrier(1)),
             # full: the expect_tx arrival + one cp.async arrival per producer warp; empty / cons: 256 consumer threads
-            (mgpu.Barrier(arrival_count=5, num_barriers=stages), mgpu.Barrier(arrival_count=256, num_barriers=stages),
+            (mgpu.Barrier(arrival_count=st_arrivals, num_barriers=stages),
+             mgpu.Barrier(arrival_count=256, num_barriers=stages),
              mgpu.Barrier(arrival_count=256)),
         )
     else:
@@ -1955,6 +2000,7 @@ Q_F16_BATCH = 4          # fp8_operands="f16": 16 B chunks of q a consumer threa
 TILE_RING_DIAGS = ("bits", "no_convert", "no_q_convert")
 # see `sparse_attention_mosaic`'s fp8_operands: the tensor cores' operand type over the converter's tiles under asym
 DEFAULT_FP8_OPERANDS = "bf16"
+DEFAULT_FP8_COPY = "tma"   # see `sparse_attention_mosaic`'s fp8_copy (session 70: "bulk" / "lanes" not yet timed)
 DEFAULT_FP8_CONVERT = "cvt"   # see `sparse_attention_mosaic`'s fp8_convert
 DEFAULT_FP8_OVERLAP = False   # see `sparse_attention_mosaic`'s fp8_overlap (H200, session 20: no faster)
 # fp8_chunk_order per fp8_dequant mode (see `sparse_attention_mosaic`): H200 session 25, the diagonal order takes
@@ -2127,6 +2173,7 @@ def sparse_attention_mosaic(
     score_ahead: bool | None = None,
     consumers: str | None = None,
     fp8_operands: str | None = None,
+    fp8_copy: str | None = None,
     _diag: str | None = None,
     _profile: str | None = None,
 ):
@@ -2387,6 +2434,13 @@ def sparse_attention_mosaic(
     2^-25), and inf above it, which turns the row's scores into inf / NaN: a cache or q outside f16's range fails
     loudly, never silently. `_diag="no_q_convert"` (with "f16") skips q's conversion: wrong output, the bound on
     what it costs.
+    fp8_copy (None = DEFAULT_FP8_COPY; FP8 pools through a staging ring, i.e. every fp8_dequant but "direct";
+    session 70): how the producer issues a raw row into its staging slot. "tma": three 2-D tensor copies (256 + 192
+    nope bytes, 128 rope bytes) by lane 0 of each producer warp, row after row; "bulk": two 1-D bulk copies
+    (`cp.async.bulk`: 448 and 128 bytes, no tensor map), still lane 0's; "lanes": those two bulk copies and the
+    8 scale bytes by lanes 0 .. block_k / 4 - 1 of each warp at once, one row a lane. Why: at CSA B=128 the producer
+    spends ~2000 cycles issuing a 32-row step (18.7 KB, ~9 B a cycle; H100 session 69 profile), about as long as
+    the converter and the scorer take for it, so with a three-slot staging ring the converter waits for its rows.
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -2539,6 +2593,15 @@ def sparse_attention_mosaic(
         raise ValueError("fp8_convert='rebias' builds bf16 bit patterns: not with fp8_operands='f16'")
     if _diag == "no_q_convert" and not f16:
         raise ValueError("_diag='no_q_convert' skips q's conversion to f16: fp8_operands='f16' only")
+    staged = fp8 and not direct   # FP8 rows through a staging ring (the producer's copies)
+    if fp8_copy is None:
+        fp8_copy = DEFAULT_FP8_COPY if staged else "tma"
+    if fp8_copy not in ("tma", "bulk", "lanes"):
+        raise ValueError(f"fp8_copy must be 'tma', 'bulk' or 'lanes', got {fp8_copy!r}")
+    if fp8_copy != "tma" and not staged:
+        raise ValueError(f"fp8_copy={fp8_copy!r} issues FP8 rows into a staging ring: FP8 pools with an fp8_dequant "
+                         f"other than 'direct' (which stages nothing), got {'FP8' if fp8 else 'bf16'} pools"
+                         + (", fp8_dequant='direct'" if direct else ""))
     out_dtype = jnp.dtype(out_dtype or q.dtype)
     combine = resolve_combine(combine, out_dtype)
     store_wait = store_wait or DEFAULT_STORE_WAIT
@@ -2754,7 +2817,7 @@ def sparse_attention_mosaic(
                     (DIRECT_BATCH if direct else DEFAULT_CONV_BATCH) if conv_batch is None else conv_batch,
                     lazy_rescale, idx_ring_steps if stream else 0, direct, direct and direct_staging == "tile",
                     direct and (DEFAULT_DIRECT_PREFETCH if direct_prefetch is None else direct_prefetch),
-                    piece_bars, ahead, asym, f16)
+                    piece_bars, ahead, asym, f16, fp8_copy)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if f16:                           # (bf16 bits in an f16-typed output)
         o = jax.lax.bitcast_convert_type(o, jnp.bfloat16)
