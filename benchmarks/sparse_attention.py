@@ -196,7 +196,9 @@ def main():
                          "conv_units=8 / 7, at the shared register split and at (48, 48, 208), and the bound "
                          "without conversions, _diag='no_convert'), s69 (FP8 on asym: f16 tensor-core operands, "
                          "fp8_operands='f16', against bf16's, the no-conversion bound, f16 without q's conversion, "
-                         "f16 with conv_batch=2 at (40, 72, 200), and fp8_chunk_order='owned' with f16 and bf16)")
+                         "f16 with conv_batch=2 at (40, 72, 200), and fp8_chunk_order='owned' with f16 and bf16), s70 (FP8 on "
+                         "asym: fp8_copy 'tma' vs 'bulk' vs 'lanes', with bf16 operands and with f16 + owned, and "
+                         "the no-conversion bound)")
     ap.add_argument("--dtypes", default="bf16,fp8", help="decode / prefill / b1 groups: the KV dtypes to run")
     ap.add_argument("--ref-batches", default=None,
                     help="decode / prefill / b1 groups: time the XLA reference only at these batch sizes (comma "
