@@ -450,7 +450,18 @@ def lower_model_steps(model, cache, marker):
                                                                fp8_chunk_order="owned"), True),
                                               (3, 1, 512, dict(fp8_copy="lanes", fp8_dequant="consumers"), True),
                                               (3, 1, 512, dict(fp8_copy="bulk", fp8_dequant="producer"), True),
-                                              (1, 64, 60, dict(fp8_copy="lanes", heads=128), True)]))
+                                              (1, 64, 60, dict(fp8_copy="lanes", heads=128), True),
+                                              # ... a quarter of P.V moved to the helper (session 70)
+                                              core(3, 1, 512, dict(asym_scorer_cols=128), True),
+                                              (2, 1, 8192, dict(asym_scorer_cols=128, n_splits=3, combine="xla"),
+                                               True),
+                                              (1, 64, 60, dict(asym_scorer_cols=128, heads=128), True),
+                                              (2, 1, 8192, dict(asym_scorer_cols=128, idx_stream=True, n_splits=2,
+                                                                conv_units=5), True),
+                                              (3, 1, 512, dict(asym_scorer_cols=128, fp8_operands="f16",
+                                                               fp8_chunk_order="owned", fp8_copy="lanes"), True),
+                                              (3, 1, 512, dict(asym_scorer_cols=128, lazy_rescale=False,
+                                                               regs=(40, 56, 176, 240)), True)]))
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -586,6 +597,42 @@ def test_sparse_attention_mosaic_fp8_copy_options(monkeypatch):
         lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(*a, scale=0.1, **opts),
                    *(inp[k] for k in keys))
     assert [b.get("fp8_copy", "tma") for b in built] == ["bulk", "lanes", "lanes", "tma", "tma"]
+
+
+def test_sparse_attention_mosaic_asym_scorer_cols(monkeypatch):
+    """asym_scorer_cols (session 70) moves P.V columns from the scorer to the helper over the FP8 converter's tiles
+    under consumers="asym" only; 128 or d / 2; regs then takes the consumers' counts apart (a 4-tuple, only there),
+    and by default the 3-tuple's consumer count -/+ UNEVEN_REG_SHIFT. The build gets the columns and the registers."""
+    from pallas_kernels.sparse_attention import gpu_mosaic
+
+    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
+    bf16 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=False)
+    fp8 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)
+    call = lambda inp, **o: gpu_mosaic.sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, **o)
+    for bad in (64, 384, 0, True, 128.0):
+        with pytest.raises(ValueError, match="asym_scorer_cols must be"):
+            call(fp8, asym_scorer_cols=bad)
+    for inp, opts in [(bf16, {}), (fp8, dict(consumers="pair")), (fp8, dict(fp8_dequant="direct")),
+                      (fp8, dict(fp8_dequant="producer"))]:
+        with pytest.raises(ValueError, match="asym_scorer_cols below d / 2"):
+            call(inp, asym_scorer_cols=128, **opts)
+    with pytest.raises(ValueError, match="scorer, helper"):
+        call(fp8, regs=(40, 56, 184, 232))
+    for regs in [(40, 56, 208), (40, 56, 192, 240), (40, 56, 120, 296)]:   # 3-tuple, over the pool, over 256
+        with pytest.raises(ValueError, match="regs must be"):
+            call(fp8, asym_scorer_cols=128, regs=regs)
+    built = spy_mosaic_builds(monkeypatch)
+    lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(*a, scale=0.1,
+                                                                                    asym_scorer_cols=128),
+               *(fp8[k] for k in keys))
+    monkeypatch.setattr(gpu_mosaic, "DEFAULT_ASYM_SCORER_COLS", 128)   # a default applies where it fits
+    for inp, opts in [(fp8, {}), (fp8, dict(consumers="pair")), (bf16, {})]:
+        lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(*a, scale=0.1, **opts),
+                   *(inp[k] for k in keys))
+    p_, v_, c_ = gpu_mosaic.CONV_REGS
+    shift = gpu_mosaic.UNEVEN_REG_SHIFT
+    assert [(b["scorer_cols"], b["regs"]) for b in built[:2]] == [(128, (p_, v_, c_ - shift, c_ + shift))] * 2
+    assert [b["scorer_cols"] for b in built[2:]] == [256, 256]
 
 
 def test_mosaic_scratch_swizzled_buffers_must_be_1k_aligned():

@@ -86,7 +86,8 @@ def opts_id(opts):
         f"_pf{opts['direct_prefetch']}" if "direct_prefetch" in opts else "",
         {True: "_pcs", "rows": "_pcs", "pieces": "_pcsp"}.get(opts.get("piece_barriers"), ""),
         "_ahead" if opts.get("score_ahead") else "", f"_{opts['consumers']}" if "consumers" in opts else "",
-        f"_copy{opts['fp8_copy']}" if "fp8_copy" in opts else ""])
+        f"_copy{opts['fp8_copy']}" if "fp8_copy" in opts else "",
+        f"_sc{opts['asym_scorer_cols']}" if "asym_scorer_cols" in opts else ""])
 
 
 def call(fn, inp, **kw):

@@ -406,6 +406,14 @@ MOSAIC_CASES += [(*c[:7], dict(fp8_copy=fc, **o, **c[7]))
                                (dict(conv_units=5), TILE_RING_CASES[:2]), (dict(fp8_dequant="producer"),
                                                                            TILE_RING_CASES[:2]))
                  for c in cs]
+# a quarter of P.V moved from the scorer to the helper (asym_scorer_cols=128, session 70): every tile-ring case on
+# the default consumers, with f16 + owned + the lane copies, the producer sharing the conversion, the eager rescale
+MOSAIC_CASES += [(*c[:7], dict(asym_scorer_cols=128, **o, **c[7]))
+                 for o, cs in (({}, TILE_RING_CASES),
+                               (dict(F16_ASYM, fp8_chunk_order="owned", fp8_copy="lanes"), TILE_RING_CASES[:3]),
+                               (dict(conv_units=5), TILE_RING_CASES[:2]), (dict(lazy_rescale=False),
+                                                                           TILE_RING_CASES[:1]))
+                 for c in cs]
 MOSAIC_CASES += [(*c[:7], dict(fp8_copy=fc, fp8_dequant="consumers", **c[7]))
                  for fc in ("bulk", "lanes") for c in [
                      (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, dupes=True), {}),

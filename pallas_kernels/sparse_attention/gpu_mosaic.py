@@ -227,7 +227,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
            store_wait_read=False, idx_first=False, pingpong=False, cluster_early=False, split_d=False,
            fp8_convert="cvt", fp8_overlap=False, pdq=False, conv=False, conv_units=None, chunk_order="rows",
            n_tiles=PDQ_TILES, conv_batch=1, lazy=False, idx_ring=0, direct=False, direct_tile=False,
-           direct_prefetch=False, piece_bars=False, ahead=False, asym=False, f16=False, fp8_copy="tma"):
+           direct_prefetch=False, piece_bars=False, ahead=False, asym=False, f16=False, fp8_copy="tma",
+           scorer_cols=None):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -297,6 +298,10 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     map, any multiple of 16 B: 448 and 128), still lane 0's. "lanes": the same two bulk copies and the row's 8 scale
     bytes, issued by lanes 0 .. bk/4 - 1 of each warp at once, one row a lane (each lane's scale cp.async arrives
     on the staging barrier itself, so the barrier counts bk + 1 arrivals instead of 5).
+    scorer_cols (conv and asym: `asym_scorer_cols`; None = d / 2): the output columns whose P.V the scorer runs, the
+    helper running the rest, in m64n128 pieces. 128 moves a quarter of P.V off the scorer, which under FP8's asym
+    sets the consumers' pace (the helper waits for its P most of each step), onto the helper (three accumulators,
+    192 registers); regs is then (producer, converter, scorer, helper), each consumer raising its own setmaxnreg.
     profile ((entries per warpgroup, dump directory) or None): Mosaic GPU's on-device profiler records each
     warpgroup's named regions (thread 0 of the warpgroup: SM clock at entry and exit) and the wrapper dumps a Chrome
     trace per call into the directory (benchmarks/mosaic_phase_profile.py reads it). Without it the regions emit
@@ -322,6 +327,10 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                         and not (split_d or split_scores or pingpong or piece_bars or ahead)), "asym"
     assert not f16 or (conv and asym), "f16 operands: the converter's tiles under asym"
     assert fp8_copy == "tma" or (fp8 and not direct and fp8_copy in ("bulk", "lanes")), fp8_copy
+    scorer_cols = d // 2 if scorer_cols is None else scorer_cols
+    uneven = scorer_cols != d // 2   # the consumers' P.V columns split unevenly (conv + asym, 128-column pieces)
+    assert not uneven or (conv and asym and scorer_cols % 128 == 0 and 0 < scorer_cols < d // 2
+                          and len(regs) == 4), (scorer_cols, conv, asym, regs)
     # the staging barrier's arrivals: the expect_tx arrival + one scale cp.async arrival per issuing thread
     st_arrivals = 1 + (bk if fp8_copy == "lanes" else 4)
     conv_units = CONV_UNITS if conv_units is None else conv_units
@@ -1184,7 +1193,10 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     scf.yield_([])
                 cons_scope.enter_context(ir.InsertionPoint(conv_if.else_block))
             # ---------------- consumers (wg 0, 1) ----------------
-            nvvm.setmaxregister(regs[-1], nvvm.SetMaxRegisterAction.increase)
+            if not uneven:   # (uneven: each consumer raises its own count where its branch starts, finish_role's
+                # callers: ptxas takes the lowest count that reaches a block, so a raise ahead of the branch would
+                # hold the helper to the scorer's)
+                nvvm.setmaxregister(regs[-1], nvvm.SetMaxRegisterAction.increase)
             wgi = arith.index_cast(index, wg)
 
             def consumers_barrier():   # named barrier 8 (Mosaic uses 0 and 1-4), the 256 consumer threads
@@ -1227,6 +1239,12 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
             v_cols = mu.ds(arith.muli(wgi, c(pieces // 2)), pieces // 2)
             pv_cols = [mu.ds(arith.addi(arith.muli(wgi, c(pieces // 2)), c(h * pieces // 2 // pv_parts)),
                              pieces // 2 // pv_parts) for h in range(pv_parts)]   # v_cols in pv_parts pieces
+            # uneven: the scorer's P.V columns [0, scorer_cols), the helper's the rest, 128 columns a piece
+            part_pieces = 128 // tc
+            role_cols = [[mu.ds(c(i), part_pieces) for i in range(lo, hi, part_pieces)]
+                         for lo, hi in ((0, scorer_cols // tc), (scorer_cols // tc, pieces))] if uneven else None
+            role_acc0 = [tuple(fa.FragmentedArray.splat(arith.constant(f32, 0.0), (BLOCK_H, 128), fa.WGMMA_LAYOUT)
+                               for _ in cols_) for cols_ in role_cols] if uneven else None
 
             # pingpong: the consumers take turns at the tensor cores, S(wg 0), S(wg 1), P.V(wg 0), P.V(wg 1), ...,
             # so one's softmax runs under the other's wgmma instead of both computing S at once and both idling the
@@ -1590,11 +1608,11 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     return [mgpu.WGMMAAccumulator.from_registers(a) for a in acc]
                 return [mgpu.WGMMAAccumulator.from_registers(a * alpha.broadcast_minor(dh // pv_parts)) for a in acc]
 
-            def issue_pv(o_accs, p, kv):
-                """o += P.V over this consumer's output columns of kv [bk/8, d/tc, 8, tc] (V = K), committed as one
-                wgmma group and not waited for. -> the accumulators in flight."""
+            def issue_pv(o_accs, p, kv, cols_=None):
+                """o += P.V over this consumer's output columns of kv [bk/8, d/tc, 8, tc] (V = K; cols_: pv_cols),
+                committed as one wgmma group and not waited for. -> the accumulators in flight."""
                 o_accs = [mgpu.wgmma(o_acc, p, mu.memref_slice(kv, (slice(None), cols)), swizzle=swz)
-                          for o_acc, cols in zip(o_accs, pv_cols)]
+                          for o_acc, cols in zip(o_accs, cols_ or pv_cols)]
                 nvvm.wgmma_commit_group_sync_aligned()
                 return o_accs
 
@@ -1763,7 +1781,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 p_ready("bar.arrive", slot)
                 end(region)
                 region = begin("c_pv")
-                o_accs = issue_pv(rescaled_accumulators(acc, alpha, m, m_new), p, kv)
+                o_accs = issue_pv(rescaled_accumulators(acc, alpha, m, m_new), p, kv,
+                                  role_cols[0] if uneven else None)
                 nvvm.wgmma_wait_group_sync_aligned(0)
                 empty_bars[slot].arrive()
                 end(region)
@@ -1790,7 +1809,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 kv = mu.memref_slice(ring, slot)
                 o_accs = [mgpu.wgmma(mgpu.WGMMAAccumulator.from_registers(a), mu.memref_slice(x_p, slot),
                                      mu.memref_slice(kv, (slice(None), cols)), swizzle=swz)
-                          for a, cols in zip(acc, pv_cols)]
+                          for a, cols in zip(acc, role_cols[1] if uneven else pv_cols)]
                 nvvm.wgmma_commit_group_sync_aligned()
                 nvvm.wgmma_wait_group_sync_aligned(0)
                 empty_bars[slot].arrive()
@@ -1798,7 +1817,53 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 return m, l, tuple(o_acc.value for o_acc in o_accs)
 
             one_row = fa.FragmentedArray.splat(arith.constant(f32, 1.0), (BLOCK_H,), fa.WGMMA_ROW_LAYOUT)
-            if asym:   # each consumer its own loop over the steps
+
+            def normaliser(m, l):
+                """-> (lse without the sink, 1 / the output's denominator): one split divides by l + e^(sink - m),
+                split-K partials by l alone."""
+                has = l > 0.0
+                l_safe = has.select(l, one_row)
+                lse = has.select(m * LN2 + l_safe.log(approx=False),              # m is in log2 units
+                                 fa.FragmentedArray.splat(arith.constant(f32, -math.inf), (BLOCK_H,),
+                                                          fa.WGMMA_ROW_LAYOUT))
+                if out_split or ccomb:
+                    return lse, has.select(one_row / l_safe, zero_row)
+                return lse, one_row / (l + (sink2 - m).exp2(approx=True))
+
+            def output_parts(acc, inv):
+                """The output parts acc x inv, bf16 (f16-typed bits with f16: the output tile holds bf16 bits in
+                the f16 q tile, and o's gmem is declared f16 as well)."""
+                o = [(a * inv.broadcast_minor(128 if uneven else dh // pv_parts)).astype(bf16) for a in acc]
+                return [o_part.bitcast(f16_ty) for o_part in o] if f16 else o
+
+            def store_o(o, cols_):
+                for o_part, cols in zip(o, cols_):
+                    o_part.store_tiled(mu.memref_slice(q_smem, (slice(None), cols)), swizzle=swz)
+
+            def finish_role(m_, l_, acc_, scorer):
+                """uneven: one consumer's steps are done; its output parts into the q tile, normalised by the
+                scorer's 1 / denominator (to the helper through x_a's last row), once both consumers are past their
+                last q.K (cons_bar). -> (m, l): the row's from the scorer, the helper's unused."""
+                region_ = begin("c_epilogue_o")
+                if scorer:
+                    normaliser(m_, l_)[1].store_untiled(mu.memref_slice(x_a, n_ring), optimized=False)
+                cons_bar.arrive()
+                cons_bar.wait()
+                inv_ = fa.FragmentedArray.load_untiled(mu.memref_slice(x_a, n_ring), layout=fa.WGMMA_ROW_LAYOUT,
+                                                       optimized=False)
+                store_o(output_parts(acc_, inv_), role_cols[0 if scorer else 1])
+                end(region_)
+                return m_, l_
+
+            if asym and uneven:   # each consumer its own registers, loop and output columns
+                def role(scorer):
+                    nvvm.setmaxregister(regs[2 if scorer else 3], nvvm.SetMaxRegisterAction.increase)
+                    return finish_role(*steps(consume_scorer if scorer else consume_helper,
+                                              (m0, zero_row, role_acc0[0 if scorer else 1])), scorer)
+
+                m, l = two_way(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0)), lambda: role(True), lambda: role(False),
+                               (m0, zero_row))
+            elif asym:   # each consumer its own loop over the steps
                 def run_steps(fn):
                     m_, l_, acc_ = steps(fn, (m0, zero_row, acc0))
                     return (m_, l_, *acc_)
@@ -1828,30 +1893,20 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 l_h = [fa.FragmentedArray.load_untiled(mu.memref_slice(x_l, c(i)), layout=fa.WGMMA_ROW_LAYOUT,
                                                        optimized=False) for i in range(2)]
                 l = l_h[0] + l_h[1]
-            # finish: lse without the sink; one split divides by l + e^(sink - m), split-K partials by l alone
-            has = l > 0.0
-            l_safe = has.select(l, one_row)
-            lse = has.select(m * LN2 + l_safe.log(approx=False),              # m is in log2 units
-                             fa.FragmentedArray.splat(arith.constant(f32, -math.inf), (BLOCK_H,), fa.WGMMA_ROW_LAYOUT))
-            if out_split or ccomb:
-                inv = has.select(one_row / l_safe, zero_row)
-            else:
-                inv = one_row / (l + (sink2 - m).exp2(approx=True))
-            if asym:   # the scorer's normalisation is the row's: to the helper through x_a's last row
-                with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
-                    inv.store_untiled(mu.memref_slice(x_a, n_ring), optimized=False)
-            else:
-                o = [(a * inv.broadcast_minor(dh // pv_parts)).astype(bf16) for a in acc]
-            cons_bar.arrive()   # both consumers are past their last q.K: q_smem can hold the output
-            cons_bar.wait()
-            if asym:
-                inv = fa.FragmentedArray.load_untiled(mu.memref_slice(x_a, n_ring), layout=fa.WGMMA_ROW_LAYOUT,
-                                                      optimized=False)
-                o = [(a * inv.broadcast_minor(dh // pv_parts)).astype(bf16) for a in acc]
-            if f16:   # the output tile holds bf16 bits in the f16 q tile (o's gmem is declared f16 as well)
-                o = [o_part.bitcast(f16_ty) for o_part in o]
-            for o_part, cols in zip(o, pv_cols):
-                o_part.store_tiled(mu.memref_slice(q_smem, (slice(None), cols)), swizzle=swz)
+            lse, inv = normaliser(m, l)   # (the helper's m / l are not the row's: only the scorer's lse is stored)
+            if not uneven:   # (uneven: each consumer stored its output parts in finish_role)
+                if asym:   # the scorer's normalisation is the row's: to the helper through x_a's last row
+                    with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
+                        inv.store_untiled(mu.memref_slice(x_a, n_ring), optimized=False)
+                else:
+                    o = output_parts(acc, inv)
+                cons_bar.arrive()   # both consumers are past their last q.K: q_smem can hold the output
+                cons_bar.wait()
+                if asym:
+                    inv = fa.FragmentedArray.load_untiled(mu.memref_slice(x_a, n_ring), layout=fa.WGMMA_ROW_LAYOUT,
+                                                          optimized=False)
+                    o = output_parts(acc, inv)
+                store_o(o, pv_cols)
             with mu.when(arith.cmpi(arith.CmpIPredicate.eq, wg, ci(0))):
                 lse.store_untiled(mu.memref_slice(vec_smem, mu.ds(BLOCK_H, BLOCK_H)), optimized=False)
                 if split_d:   # the steps' exchange overwrote the sinks (both consumers are past it: cons_bar)
@@ -2000,6 +2055,7 @@ Q_F16_BATCH = 4          # fp8_operands="f16": 16 B chunks of q a consumer threa
 TILE_RING_DIAGS = ("bits", "no_convert", "no_q_convert")
 # see `sparse_attention_mosaic`'s fp8_operands: the tensor cores' operand type over the converter's tiles under asym
 DEFAULT_FP8_OPERANDS = "bf16"
+DEFAULT_ASYM_SCORER_COLS = 256   # see `sparse_attention_mosaic`'s asym_scorer_cols (session 70: 128 not yet timed)
 DEFAULT_FP8_COPY = "tma"   # see `sparse_attention_mosaic`'s fp8_copy (session 70: "bulk" / "lanes" not yet timed)
 DEFAULT_FP8_CONVERT = "cvt"   # see `sparse_attention_mosaic`'s fp8_convert
 DEFAULT_FP8_OVERLAP = False   # see `sparse_attention_mosaic`'s fp8_overlap (H200, session 20: no faster)
@@ -2086,6 +2142,7 @@ def _device_ordinal(x):
 LAUNCH_REGS = 168   # registers per thread a 384-thread CTA starts with: 65536 / 384, rounded down to a multiple of 8
 CONV_REGS = (40, 56, 208)   # fp8_dequant="converter": (producer, converter, consumer); 512 threads start with 128 each
 CONV_SHARED_REGS = (56, 56, 200)   # ... with conv_units < CONV_UNITS: the producer converts too
+UNEVEN_REG_SHIFT = 24   # asym_scorer_cols < d / 2: registers from the scorer to the helper (its third accumulator)
 # fp8_dequant="direct": (producer, consumer) registers. The producer holds a batch of loaded chunks (4 registers each,
 # + a scale byte) next to its addresses. Offline ptxas (session 55, CSA decode, block_k 64): bf16's consumers spill
 # 36 B at 208 (0 at 224); the direct kernel spills 84 B with batches of 2-6 chunks, 232 B with 9, 904 B with 18, and
@@ -2101,19 +2158,26 @@ DEFAULT_SCORE_AHEAD = False   # see `sparse_attention_mosaic`'s score_ahead (H10
 AHEAD_TILES, AHEAD_STAGING = 3, 2   # score_ahead's FP8 tile ring: a tile more, a staging slot less (what fits)
 
 
-def check_conv_regs(regs, shared=False):
+def check_conv_regs(regs, shared=False, uneven=False):
     """(producer, converter, consumer) for the 512-thread kernel of fp8_dequant="converter": multiples of 8 in
     [24, 256], producer and converter <= 128 (what each thread starts with), consumer >= 128, and producer +
     converter + 2 x consumer <= 512 (the pool setmaxnreg draws on; see check_regs). setmaxnreg's regions let
     code use more than 128, but ptxas checks each single instruction against the launch's 128 first, so the
     consumers issue P.V as two m64n128 wgmmas (64 accumulator registers each; one m64n256 needs 158 and ptxas
-    rejects the kernel, H200 session 23)."""
-    regs = (CONV_SHARED_REGS if shared else CONV_REGS) if regs is None else tuple(regs)
-    if len(regs) != 3 or any(r % 8 or not 24 <= r <= 256 for r in regs) or regs[0] > 128 or regs[1] > 128 \
-            or regs[2] < 128 or regs[0] + regs[1] + 2 * regs[2] > 512:
-        raise ValueError(f"with fp8_dequant='converter' regs must be (producer, converter, consumer): multiples of 8 "
-                         f"in [24, 256], producer and converter <= 128, consumer >= 128, producer + converter + 2 x "
-                         f"consumer <= 512 (a 512-thread CTA starts with 128 registers per thread), got {regs}")
+    rejects the kernel, H200 session 23). uneven (asym_scorer_cols below d / 2): (producer, converter, scorer,
+    helper), the same rules with the two consumers' counts apart (default: the consumers' count of the 3-tuple
+    default, 24 less for the scorer, 24 more for the helper and its three accumulators)."""
+    if regs is None:
+        p_, v_, c_ = CONV_SHARED_REGS if shared else CONV_REGS
+        regs = (p_, v_, c_ - UNEVEN_REG_SHIFT, c_ + UNEVEN_REG_SHIFT) if uneven else (p_, v_, c_)
+    regs = tuple(regs)
+    n_cons = 2 if uneven else 1
+    if len(regs) != 2 + n_cons or any(r % 8 or not 24 <= r <= 256 for r in regs) or regs[0] > 128 \
+            or regs[1] > 128 or min(regs[2:]) < 128 or regs[0] + regs[1] + sum(regs[2:]) * (3 - n_cons) > 512:
+        raise ValueError(f"with fp8_dequant='converter' regs must be (producer, converter, consumer) (with "
+                         f"asym_scorer_cols: (producer, converter, scorer, helper)): multiples of 8 in [24, 256], "
+                         f"producer and converter <= 128, consumers >= 128, all of them (the consumer twice) <= 512 "
+                         f"(a 512-thread CTA starts with 128 registers per thread), got {regs}")
     return tuple(int(r) for r in regs)
 
 
@@ -2174,6 +2238,7 @@ def sparse_attention_mosaic(
     consumers: str | None = None,
     fp8_operands: str | None = None,
     fp8_copy: str | None = None,
+    asym_scorer_cols: int | None = None,
     _diag: str | None = None,
     _profile: str | None = None,
 ):
@@ -2441,6 +2506,13 @@ def sparse_attention_mosaic(
     8 scale bytes by lanes 0 .. block_k / 4 - 1 of each warp at once, one row a lane. Why: at CSA B=128 the producer
     spends ~2000 cycles issuing a 32-row step (18.7 KB, ~9 B a cycle; H100 session 69 profile), about as long as
     the converter and the scorer take for it, so with a three-slot staging ring the converter waits for its rows.
+    asym_scorer_cols (None = DEFAULT_ASYM_SCORER_COLS over the FP8 converter's tiles under consumers="asym", d / 2
+    elsewhere; session 70): the output columns whose P.V the scorer runs, 128 or d / 2 = 256; the helper runs the
+    rest. Why 128: in FP8's asym the scorer (scores over all of d, the softmax, its P.V) sets the consumers' pace
+    while the helper waits for its P through most of each step (the profile's c_wait_p plus the time its record
+    lands after the named barrier: ~1800 of ~2500 cycles a step, H100 session 69), so a quarter of P.V moves to the
+    helper (three m64n128 accumulators, 192 registers). FP8 pools through fp8_dequant="converter" under asym only;
+    regs is then (producer, converter, scorer, helper), default the 3-tuple's consumer count -/+ 24.
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -2500,9 +2572,10 @@ def sparse_attention_mosaic(
         elif (block_k or 32) != 32:
             return (f"fp8_dequant={mode!r} takes block_k=32 (two bf16 tiles of 64 rows do not fit in shared "
                     f"memory next to the staging ring), got {block_k}")
-        if mode == "converter" and regs is not None and len(regs) != 3:
-            return (f"fp8_dequant='converter' takes regs as (producer, converter, consumer), got {tuple(regs)} "
-                    "(a (producer, consumer) split is the 384-thread kernel's)")
+        if mode == "converter" and regs is not None and len(regs) not in (3, 4):
+            return (f"fp8_dequant='converter' takes regs as (producer, converter, consumer) or, with "
+                    f"asym_scorer_cols, (producer, converter, scorer, helper), got {tuple(regs)} (a (producer, "
+                    "consumer) split is the 384-thread kernel's)")
         return None
 
     dequant_defaulted = fp8_dequant is None
@@ -2593,6 +2666,20 @@ def sparse_attention_mosaic(
         raise ValueError("fp8_convert='rebias' builds bf16 bit patterns: not with fp8_operands='f16'")
     if _diag == "no_q_convert" and not f16:
         raise ValueError("_diag='no_q_convert' skips q's conversion to f16: fp8_operands='f16' only")
+    if asym_scorer_cols is None:
+        asym_scorer_cols = DEFAULT_ASYM_SCORER_COLS if fp8 and conv and asym else d // 2
+    if isinstance(asym_scorer_cols, bool) or not isinstance(asym_scorer_cols, int) \
+            or asym_scorer_cols not in (128, d // 2):
+        raise ValueError(f"asym_scorer_cols must be 128 or d / 2 = {d // 2} (the scorer's P.V columns), got "
+                         f"{asym_scorer_cols!r}")
+    uneven = asym_scorer_cols != d // 2
+    if uneven and not (fp8 and conv and asym):
+        raise ValueError("asym_scorer_cols below d / 2 moves P.V columns from the scorer to the helper over the FP8 "
+                         "converter's tiles: FP8 pools, fp8_dequant='converter', consumers='asym'; got "
+                         f"{'FP8' if fp8 else 'bf16'} pools, fp8_dequant={fp8_dequant!r}, consumers={consumers!r}")
+    if regs is not None and len(regs) == 4 and not uneven:
+        raise ValueError("regs as (producer, converter, scorer, helper) is for asym_scorer_cols below d / 2, got "
+                         f"regs={tuple(regs)}")
     staged = fp8 and not direct   # FP8 rows through a staging ring (the producer's copies)
     if fp8_copy is None:
         fp8_copy = DEFAULT_FP8_COPY if staged else "tma"
@@ -2808,7 +2895,7 @@ def sparse_attention_mosaic(
     lazy_rescale = lazy_rescale and not split_scores
     profile = None if _profile is None else (prof_entries, str(_profile))
     kernel = _build(bt, ns, d, bk, stages, bps, meta, idx_rows, float(scale) * LOG2E, ns > 1 and not ccomb, fp8,
-                    _diag, check_conv_regs(regs, conv_shared) if conv else check_regs(
+                    _diag, check_conv_regs(regs, conv_shared, uneven) if conv else check_regs(
                         DIRECT_REGS if direct and regs is None else regs), n_hg,
                     bool(split_scores), profile, producer == "cp_async", l2_ahead,
                     ccomb, store_wait == "read", DEFAULT_IDX_FIRST if idx_first is None else bool(idx_first),
@@ -2817,7 +2904,7 @@ def sparse_attention_mosaic(
                     (DIRECT_BATCH if direct else DEFAULT_CONV_BATCH) if conv_batch is None else conv_batch,
                     lazy_rescale, idx_ring_steps if stream else 0, direct, direct and direct_staging == "tile",
                     direct and (DEFAULT_DIRECT_PREFETCH if direct_prefetch is None else direct_prefetch),
-                    piece_bars, ahead, asym, f16, fp8_copy)
+                    piece_bars, ahead, asym, f16, fp8_copy, asym_scorer_cols)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if f16:                           # (bf16 bits in an f16-typed output)
         o = jax.lax.bitcast_convert_type(o, jnp.bfloat16)
