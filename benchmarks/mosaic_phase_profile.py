@@ -104,6 +104,12 @@ CASES = {
     "csa128_fp8_asym_sc128": ("csa", 128, 1, 512, "fp8", dict(consumers="asym", asym_scorer_cols=128)),
     "csa128_fp8_asym_f16_owned_sc128_lanes": ("csa", 128, 1, 512, "fp8", dict(
         consumers="asym", fp8_operands="f16", fp8_chunk_order="owned", fp8_copy="lanes", asym_scorer_cols=128)),
+    # ... and q's first 256 columns in the scorer's registers (asym_q_regs)
+    "csa128_fp8_asym_sc128_qr256": ("csa", 128, 1, 512, "fp8", dict(consumers="asym", asym_scorer_cols=128,
+                                                                     asym_q_regs=256)),
+    "csa128_fp8_asym_all70": ("csa", 128, 1, 512, "fp8", dict(
+        consumers="asym", fp8_operands="f16", fp8_chunk_order="owned", fp8_copy="lanes", asym_scorer_cols=128,
+        asym_q_regs=256)),
     # FlashMLA's consumer split (consumers="asym", session 64): consumer 0 c_wait_full, c_scores, c_softmax (with
     # P's and alpha's stores), c_pv; consumer 1 c_wait_p (the named barrier) and c_pv. Its 215 KB leave room for
     # the profiler's records, which split_d's 32 KB exchange does not (the pair without split_d for comparison)

@@ -111,6 +111,14 @@ OPTS["fp8_asym_f16_owned_sc128_lanes"] = dict(OPTS["fp8_asym_f16_owned_sc128"], 
 OPTS["fp8_asym_sc128_cu5"] = dict(consumers="asym", asym_scorer_cols=128, conv_units=5)
 VARIANTS += [(n, True, None, None) for n in ("fp8_asym_sc128", "fp8_asym_f16_owned_sc128",
                                              "fp8_asym_f16_owned_sc128_lanes", "fp8_asym_sc128_cu5")]
+# ... and q's first columns in the scorer's registers (asym_q_regs)
+for qr in (128, 192, 256, 320):
+    OPTS[f"fp8_asym_sc128_qr{qr}"] = dict(consumers="asym", asym_scorer_cols=128, asym_q_regs=qr)
+    OPTS[f"fp8_asym_f16_owned_sc128_lanes_qr{qr}"] = dict(OPTS["fp8_asym_f16_owned_sc128_lanes"], asym_q_regs=qr)
+    VARIANTS += [(f"fp8_asym_sc128_qr{qr}", True, None, None), (f"fp8_asym_f16_owned_sc128_lanes_qr{qr}", True, None,
+                                                                 None)]
+OPTS["fp8_asym_qr64"] = dict(consumers="asym", asym_q_regs=64)
+VARIANTS += [("fp8_asym_qr64", True, None, None)]
 OPTS["fp8_asym_profiled"] = dict(consumers="asym", _profile="/tmp/mosaic_resources_profile")   # the phase profile's build
 VARIANTS += [("fp8_asym_profiled", True, None, None)]
 OPTS["fp8_consumers"] = dict(fp8_dequant="consumers")   # (the consumers' own conversion, for the spill figures)

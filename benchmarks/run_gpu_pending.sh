@@ -28,11 +28,12 @@
 #   h100_s69r1; a second timing call and the model test still to run): their GPU tests, their timing (group s69),
 #   the phase profiles, then the FP8-cache model test on both as a trial default (~560 s in all; the model test
 #   last, as it matters only if they win).
-# COPY=1 (any card): session 70's two options over FP8's asym, built and lowered on the CPU, never run: fp8_copy
-#   (the producer's FP8 staging copies as 1-D bulk copies, by lane 0 or a lane a row) and asym_scorer_cols=128 (a
-#   quarter of P.V moved from the scorer to the helper): their GPU tests, group s70 (against the defaults, with
-#   bf16 operands and with f16 + owned), the phase profiles; then, unless NO_F16_MODEL is set, the FP8-cache model
-#   test on f16 + owned as a trial default (F16=1's last step).
+# COPY=1 (any card): session 70's three options over FP8's asym, built and lowered on the CPU, never run: fp8_copy
+#   (the producer's FP8 staging copies as 1-D bulk copies, by lane 0 or a lane a row), asym_scorer_cols=128 (a
+#   quarter of P.V moved from the scorer to the helper) and asym_q_regs (q's first columns in the scorer's
+#   registers): their GPU tests, group s70 (against the defaults, with bf16 operands and with f16 + owned), the
+#   phase profiles; then, unless NO_F16_MODEL is set, the FP8-cache model test on f16 + owned as a trial default
+#   (F16=1's last step).
 # PART=0 (any card): the model-level Mosaic tests, the bf16 one per forced consumer schedule (asym, the pair,
 #   split_scores) and the FP8-cache one, four processes at once (all four passed on an H100 in session 66 in 307 s,
 #   which made asym the bf16 default).
@@ -84,10 +85,10 @@ csa128_fp8_asym_noconv" STEPS=mprof session f16_profile
   f16_model
 }
 fp8_copy() {   # session 70: fp8_copy "bulk" / "lanes" (the producer's FP8 staging copies) against "tma"
-  PYTEST_N=4 T_tests4=${T_COPY_TESTS:-170} T4_K="(copy or sc128) and mosaic" STEPS=tests4 session copy_tests
-  T_attn=${T_S70:-220} ATTN_ARGS="--groups s70 --net-decode --no-ref" STEPS=attn session copy_timing
-  T_mprof=130 MPROF_ARGS="--cases csa128_fp8_cv_asym,csa128_fp8_asym_lanes,csa128_fp8_asym_sc128,\
-csa128_fp8_asym_f16_owned_sc128_lanes" STEPS=mprof session copy_profile
+  PYTEST_N=4 T_tests4=${T_COPY_TESTS:-170} T4_K="(copy or sc128 or qr) and mosaic" STEPS=tests4 session copy_tests
+  T_attn=${T_S70:-230} ATTN_ARGS="--groups s70 --net-decode --no-ref" STEPS=attn session copy_timing
+  T_mprof=130 MPROF_ARGS="--cases csa128_fp8_cv_asym,csa128_fp8_asym_sc128,csa128_fp8_asym_sc128_qr256,\
+csa128_fp8_asym_all70" STEPS=mprof session copy_profile
   if [ -z "$NO_F16_MODEL" ]; then f16_model; fi
 }
 f16_model() {   # the FP8-cache model test with f16 + owned set as a trial default in this copy of the tree

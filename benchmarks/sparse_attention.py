@@ -197,8 +197,8 @@ def main():
                          "without conversions, _diag='no_convert'), s69 (FP8 on asym: f16 tensor-core operands, "
                          "fp8_operands='f16', against bf16's, the no-conversion bound, f16 without q's conversion, "
                          "f16 with conv_batch=2 at (40, 72, 200), and fp8_chunk_order='owned' with f16 and bf16), s70 (FP8 on "
-                         "asym: fp8_copy 'tma' vs 'bulk' vs 'lanes' and asym_scorer_cols=128, with bf16 operands and "
-                         "with f16 + owned)")
+                         "asym: fp8_copy 'lanes', asym_scorer_cols=128 and asym_q_regs=256 against the defaults, with "
+                         "bf16 operands and with f16 + owned)")
     ap.add_argument("--dtypes", default="bf16,fp8", help="decode / prefill / b1 groups: the KV dtypes to run")
     ap.add_argument("--ref-batches", default=None,
                     help="decode / prefill / b1 groups: time the XLA reference only at these batch sizes (comma "
@@ -490,18 +490,21 @@ def main():
                   [r for r in asym_rows if r != ("hca", 64, 1024)], (16384,))
     if "s70" in groups:  # session 70, FP8 on asym over the converter's tiles: how the producer issues a staged row
         # (fp8_copy: three 2-D tensor copies by lane 0, the default "tma"; two 1-D bulk copies by lane 0, "bulk";
-        # the bulk copies and the scale bytes by a lane a row, "lanes") and a quarter of P.V moved from the scorer
-        # to the helper (asym_scorer_cols=128), with bf16 operands (the default) and with f16 + the owned chunk
+        # the bulk copies and the scale bytes by a lane a row, "lanes"), a quarter of P.V moved from the scorer
+        # to the helper (asym_scorer_cols=128) and q's first 256 columns in the scorer's registers (asym_q_regs,
+        # no shared-memory reads for them), with bf16 operands (the default) and with f16 + the owned chunk
         # order (session 69's pair). Every option named, so the comparison holds across defaults; the decode rows,
         # then 16K prefill in-kernel for the default and the two combinations
         asym = dict(mos, fp8_dequant="converter", consumers="asym", fp8_operands="bf16", fp8_chunk_order="diagonal",
-                    fp8_copy="tma", asym_scorer_cols=256)
+                    fp8_copy="tma", asym_scorer_cols=256, asym_q_regs=0)
         f16o = dict(asym, fp8_operands="f16", fp8_chunk_order="owned")
-        both = dict(asym_scorer_cols=128, fp8_copy="lanes")
-        fp8_modes([asym, dict(asym, fp8_copy="bulk"), dict(asym, fp8_copy="lanes"), dict(asym, asym_scorer_cols=128),
-                   dict(asym, **both), f16o, dict(f16o, **both)],
+        sc = dict(asym_scorer_cols=128, asym_q_regs=0)
+        scq = dict(asym_scorer_cols=128, asym_q_regs=256)
+        alls = dict(scq, fp8_copy="lanes")
+        fp8_modes([asym, dict(asym, fp8_copy="lanes"), dict(asym, **sc), dict(asym, **scq), dict(asym, **alls), f16o,
+                   dict(f16o, **alls)],
                   [("csa", 128, 512), ("csa", 64, 512), ("hca", 64, 8192)], ())
-        fp8_modes([asym, dict(asym, **both), dict(f16o, **both)], [("hca", 128, 1024), ("csa", 16, 512)], (16384,))
+        fp8_modes([asym, dict(asym, **alls), dict(f16o, **alls)], [("hca", 128, 1024), ("csa", 16, 512)], (16384,))
     if "s67u" in groups:  # session 67, FP8: the producer taking 2 of the converter's 9 passes a step (conv_units=7,
         # 1-2% faster in one call of s25) against the default, every row of the issue's FP8 decode table, each row's
         # two runs back to back

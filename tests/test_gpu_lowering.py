@@ -461,7 +461,18 @@ def lower_model_steps(model, cache, marker):
                                               (3, 1, 512, dict(asym_scorer_cols=128, fp8_operands="f16",
                                                                fp8_chunk_order="owned", fp8_copy="lanes"), True),
                                               (3, 1, 512, dict(asym_scorer_cols=128, lazy_rescale=False,
-                                                               regs=(40, 56, 176, 240)), True)]))
+                                                               regs=(40, 56, 176, 240)), True),
+                                              # ... q's first columns in the scorer's registers (session 70)
+                                              core(3, 1, 512, dict(asym_scorer_cols=128, asym_q_regs=256), True),
+                                              (2, 1, 8192, dict(asym_scorer_cols=128, asym_q_regs=256, n_splits=3,
+                                                                combine="xla"), True),
+                                              (1, 64, 60, dict(asym_scorer_cols=128, asym_q_regs=256, heads=128),
+                                               True),
+                                              (3, 1, 512, dict(asym_scorer_cols=128, asym_q_regs=256,
+                                                               fp8_operands="f16", fp8_chunk_order="owned",
+                                                               fp8_copy="lanes"), True),
+                                              (3, 1, 512, dict(asym_q_regs=64), True),
+                                              (3, 1, 512, dict(asym_q_regs=512, asym_scorer_cols=128), True)]))
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic
 
@@ -633,6 +644,33 @@ def test_sparse_attention_mosaic_asym_scorer_cols(monkeypatch):
     shift = gpu_mosaic.UNEVEN_REG_SHIFT
     assert [(b["scorer_cols"], b["regs"]) for b in built[:2]] == [(128, (p_, v_, c_ - shift, c_ + shift))] * 2
     assert [b["scorer_cols"] for b in built[2:]] == [256, 256]
+
+
+def test_sparse_attention_mosaic_asym_q_regs(monkeypatch):
+    """asym_q_regs (session 70): q's first columns in the scorer's registers, over the FP8 converter's tiles under
+    consumers="asym" only; a multiple of 64 in [0, d]; the build gets it, and None takes the module default only
+    where it applies."""
+    from pallas_kernels.sparse_attention import gpu_mosaic
+
+    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
+    bf16 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=False)
+    fp8 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)
+    call = lambda inp, **o: gpu_mosaic.sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, **o)
+    for bad in (32, 576, -64, True, 64.0):
+        with pytest.raises(ValueError, match="asym_q_regs must be"):
+            call(fp8, asym_q_regs=bad)
+    for inp, opts in [(bf16, {}), (fp8, dict(consumers="pair")), (fp8, dict(fp8_dequant="direct")),
+                      (fp8, dict(fp8_dequant="producer"))]:
+        with pytest.raises(ValueError, match="asym_q_regs gives the scorer"):
+            call(inp, asym_q_regs=128, **opts)
+    built = spy_mosaic_builds(monkeypatch)
+    lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(*a, scale=0.1, asym_q_regs=128),
+               *(fp8[k] for k in keys))
+    monkeypatch.setattr(gpu_mosaic, "DEFAULT_ASYM_Q_REGS", 192)   # a default applies where it fits
+    for inp, opts in [(fp8, {}), (fp8, dict(consumers="pair")), (bf16, {})]:
+        lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(*a, scale=0.1, **opts),
+                   *(inp[k] for k in keys))
+    assert [b["q_reg_cols"] for b in built] == [128, 192, 0, 0]
 
 
 def test_mosaic_scratch_swizzled_buffers_must_be_1k_aligned():

@@ -87,7 +87,8 @@ def opts_id(opts):
         {True: "_pcs", "rows": "_pcs", "pieces": "_pcsp"}.get(opts.get("piece_barriers"), ""),
         "_ahead" if opts.get("score_ahead") else "", f"_{opts['consumers']}" if "consumers" in opts else "",
         f"_copy{opts['fp8_copy']}" if "fp8_copy" in opts else "",
-        f"_sc{opts['asym_scorer_cols']}" if "asym_scorer_cols" in opts else ""])
+        f"_sc{opts['asym_scorer_cols']}" if "asym_scorer_cols" in opts else "",
+        f"_qr{opts['asym_q_regs']}" if "asym_q_regs" in opts else ""])
 
 
 def call(fn, inp, **kw):

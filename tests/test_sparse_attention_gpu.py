@@ -414,6 +414,14 @@ MOSAIC_CASES += [(*c[:7], dict(asym_scorer_cols=128, **o, **c[7]))
                                (dict(conv_units=5), TILE_RING_CASES[:2]), (dict(lazy_rescale=False),
                                                                            TILE_RING_CASES[:1]))
                  for c in cs]
+# ... and with q's first 256 columns in the scorer's registers (asym_q_regs, session 70), and 64 of them without
+# the uneven split
+MOSAIC_CASES += [(*c[:7], dict(asym_q_regs=qr, **o, **c[7]))
+                 for qr, o, cs in ((256, dict(asym_scorer_cols=128), TILE_RING_CASES),
+                                   (256, dict(F16_ASYM, fp8_chunk_order="owned", fp8_copy="lanes",
+                                              asym_scorer_cols=128), TILE_RING_CASES[:3]),
+                                   (64, {}, TILE_RING_CASES[:2]))
+                 for c in cs]
 MOSAIC_CASES += [(*c[:7], dict(fp8_copy=fc, fp8_dequant="consumers", **c[7]))
                  for fc in ("bulk", "lanes") for c in [
                      (4, 1, 128, 300, 128, 512, dict(fp8=True, ragged=True, dupes=True), {}),

@@ -228,7 +228,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
            fp8_convert="cvt", fp8_overlap=False, pdq=False, conv=False, conv_units=None, chunk_order="rows",
            n_tiles=PDQ_TILES, conv_batch=1, lazy=False, idx_ring=0, direct=False, direct_tile=False,
            direct_prefetch=False, piece_bars=False, ahead=False, asym=False, f16=False, fp8_copy="tma",
-           scorer_cols=None):
+           scorer_cols=None, q_reg_cols=0):
     """The Mosaic GPU kernel as a callable:
     (q [BT, G, 64, d] bf16, sinks [G, 64] f32, then per source idx [BT, K] int32 (-1 = no entry), len [BT] int32,
     pool [rows, d] bf16 -- or with fp8, the pool's three parts nope [rows, 448] e4m3, rope [rows, 64] bf16,
@@ -302,6 +302,11 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     helper running the rest, in m64n128 pieces. 128 moves a quarter of P.V off the scorer, which under FP8's asym
     sets the consumers' pace (the helper waits for its P most of each step), onto the helper (three accumulators,
     192 registers); regs is then (producer, converter, scorer, helper), each consumer raising its own setmaxnreg.
+    q_reg_cols (conv and asym: `asym_q_regs`; 0 = none): the scorer holds q's first q_reg_cols columns in registers
+    (loaded once, in its branch) and takes them as the score wgmma's A operand from registers, the rest from shared
+    memory. A 32-row step's score chain with both operands in shared memory re-reads all of q (64 KB) and is bound
+    by shared memory (benchmarks/smem_traffic_model.py); each 32 columns in registers take 4 KB of it off every step
+    for 8 registers a thread.
     profile ((entries per warpgroup, dump directory) or None): Mosaic GPU's on-device profiler records each
     warpgroup's named regions (thread 0 of the warpgroup: SM clock at entry and exit) and the wrapper dumps a Chrome
     trace per call into the directory (benchmarks/mosaic_phase_profile.py reads it). Without it the regions emit
@@ -329,6 +334,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     assert fp8_copy == "tma" or (fp8 and not direct and fp8_copy in ("bulk", "lanes")), fp8_copy
     scorer_cols = d // 2 if scorer_cols is None else scorer_cols
     uneven = scorer_cols != d // 2   # the consumers' P.V columns split unevenly (conv + asym, 128-column pieces)
+    assert not q_reg_cols or (conv and asym and q_reg_cols % 64 == 0 and 0 < q_reg_cols <= d), q_reg_cols
     assert not uneven or (conv and asym and scorer_cols % 128 == 0 and 0 < scorer_cols < d // 2
                           and len(regs) == 4), (scorer_cols, conv, asym, regs)
     # the staging barrier's arrivals: the expect_tx arrival + one scale cp.async arrival per issuing thread
@@ -1765,9 +1771,16 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 # (64-bit each) out of the step loop and ptxas spills them
                 zero = arith.index_cast(index, llvm.inline_asm(i32, [], "mov.u32 $0, 0;", "=r",
                                                                has_side_effects=True))
-                q_view = mu.memref_slice(q_smem, mu.ds(zero, BLOCK_H // 8))
                 s_acc = mgpu.WGMMAAccumulator.zero(BLOCK_H, bk)
-                s_acc = mgpu.wgmma(s_acc, q_view, mu.memref_transpose(kv, (1, 0, 3, 2)), swizzle=swz)
+                k_of = lambda p0, n_: mu.memref_transpose(mu.memref_slice(kv, (slice(None), mu.ds(c(p0), n_))),
+                                                          (1, 0, 3, 2))   # K's d pieces [p0, p0 + n_), as B
+                q_reg_pieces = q_reg_cols // tc
+                if q_reg_cols:   # q's first columns from registers (A in registers: no shared-memory reads)
+                    s_acc = mgpu.wgmma(s_acc, scorer_q[0], k_of(0, q_reg_pieces), swizzle=swz)
+                if q_reg_cols < d:
+                    q_view = mu.memref_slice(q_smem, (mu.ds(zero, BLOCK_H // 8),
+                                                      mu.ds(c(q_reg_pieces), pieces - q_reg_pieces)))
+                    s_acc = mgpu.wgmma(s_acc, q_view, k_of(q_reg_pieces, pieces - q_reg_pieces), swizzle=swz)
                 nvvm.wgmma_commit_group_sync_aligned()
                 valid = valid_from(first_entry(k, j, g))   # the entries' mask loads under the score chain
                 nvvm.wgmma_wait_group_sync_aligned(0)
@@ -1855,9 +1868,19 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 end(region_)
                 return m_, l_
 
+            scorer_q = []   # q_reg_cols: the scorer's q columns [0, q_reg_cols) in registers, loaded in its branch
+
+            def load_scorer_q():
+                if q_reg_cols:
+                    scorer_q[:] = [fa.FragmentedArray.load_tiled(
+                        mu.memref_slice(q_smem, (slice(None), mu.ds(c(0), q_reg_cols // tc))), swizzle=swz,
+                        layout=fa.WGMMA_LAYOUT)]
+
             if asym and uneven:   # each consumer its own registers, loop and output columns
                 def role(scorer):
                     nvvm.setmaxregister(regs[2 if scorer else 3], nvvm.SetMaxRegisterAction.increase)
+                    if scorer:
+                        load_scorer_q()
                     return finish_role(*steps(consume_scorer if scorer else consume_helper,
                                               (m0, zero_row, role_acc0[0 if scorer else 1])), scorer)
 
@@ -1865,6 +1888,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                                (m0, zero_row))
             elif asym:   # each consumer its own loop over the steps
                 def run_steps(fn):
+                    if fn is consume_scorer:
+                        load_scorer_q()
                     m_, l_, acc_ = steps(fn, (m0, zero_row, acc0))
                     return (m_, l_, *acc_)
 
@@ -2055,6 +2080,7 @@ Q_F16_BATCH = 4          # fp8_operands="f16": 16 B chunks of q a consumer threa
 TILE_RING_DIAGS = ("bits", "no_convert", "no_q_convert")
 # see `sparse_attention_mosaic`'s fp8_operands: the tensor cores' operand type over the converter's tiles under asym
 DEFAULT_FP8_OPERANDS = "bf16"
+DEFAULT_ASYM_Q_REGS = 0   # see `sparse_attention_mosaic`'s asym_q_regs (session 70: not yet timed)
 DEFAULT_ASYM_SCORER_COLS = 256   # see `sparse_attention_mosaic`'s asym_scorer_cols (session 70: 128 not yet timed)
 DEFAULT_FP8_COPY = "tma"   # see `sparse_attention_mosaic`'s fp8_copy (session 70: "bulk" / "lanes" not yet timed)
 DEFAULT_FP8_CONVERT = "cvt"   # see `sparse_attention_mosaic`'s fp8_convert
@@ -2239,6 +2265,7 @@ def sparse_attention_mosaic(
     fp8_operands: str | None = None,
     fp8_copy: str | None = None,
     asym_scorer_cols: int | None = None,
+    asym_q_regs: int | None = None,
     _diag: str | None = None,
     _profile: str | None = None,
 ):
@@ -2513,6 +2540,13 @@ def sparse_attention_mosaic(
     lands after the named barrier: ~1800 of ~2500 cycles a step, H100 session 69), so a quarter of P.V moves to the
     helper (three m64n128 accumulators, 192 registers). FP8 pools through fp8_dequant="converter" under asym only;
     regs is then (producer, converter, scorer, helper), default the 3-tuple's consumer count -/+ 24.
+    asym_q_regs (None = DEFAULT_ASYM_Q_REGS over the FP8 converter's tiles under consumers="asym", else 0; session
+    70): q's first columns (a multiple of 64) that the scorer holds in registers as its score wgmma's A operand;
+    the rest of q stays in shared memory. Why: with 32-row tiles the score chain (m64n32k16, both operands in shared
+    memory) needs ~192 B a clock of shared memory at the tensor cores' peak against ~128 the SM has, and re-reads
+    all of q every step (benchmarks/smem_traffic_model.py); 64 columns in registers cost the scorer 16 registers a
+    thread and take 8 KB off every step. Same modes as asym_scorer_cols; pair it with asym_scorer_cols=128, which
+    frees the scorer's registers (64 of its accumulator's).
     `_profile` (a directory): every call dumps a Chrome trace of each warpgroup's phases there (Mosaic GPU's
     on-device profiler; benchmarks/mosaic_phase_profile.py summarizes it). Diagnostic only: the
     records cost a few cycles each and the dump is a host callback per call."""
@@ -2677,6 +2711,16 @@ def sparse_attention_mosaic(
         raise ValueError("asym_scorer_cols below d / 2 moves P.V columns from the scorer to the helper over the FP8 "
                          "converter's tiles: FP8 pools, fp8_dequant='converter', consumers='asym'; got "
                          f"{'FP8' if fp8 else 'bf16'} pools, fp8_dequant={fp8_dequant!r}, consumers={consumers!r}")
+    if asym_q_regs is None:
+        asym_q_regs = DEFAULT_ASYM_Q_REGS if fp8 and conv and asym else 0
+    if isinstance(asym_q_regs, bool) or not isinstance(asym_q_regs, int) or asym_q_regs % 64 \
+            or not 0 <= asym_q_regs <= d:
+        raise ValueError(f"asym_q_regs must be a multiple of 64 in [0, d = {d}] (q's columns the scorer holds in "
+                         f"registers), got {asym_q_regs!r}")
+    if asym_q_regs and not (fp8 and conv and asym):
+        raise ValueError("asym_q_regs gives the scorer q's first columns in registers over the FP8 converter's tiles: "
+                         f"FP8 pools, fp8_dequant='converter', consumers='asym'; got {'FP8' if fp8 else 'bf16'} "
+                         f"pools, fp8_dequant={fp8_dequant!r}, consumers={consumers!r}")
     if regs is not None and len(regs) == 4 and not uneven:
         raise ValueError("regs as (producer, converter, scorer, helper) is for asym_scorer_cols below d / 2, got "
                          f"regs={tuple(regs)}")
@@ -2904,7 +2948,7 @@ def sparse_attention_mosaic(
                     (DIRECT_BATCH if direct else DEFAULT_CONV_BATCH) if conv_batch is None else conv_batch,
                     lazy_rescale, idx_ring_steps if stream else 0, direct, direct and direct_staging == "tile",
                     direct and (DEFAULT_DIRECT_PREFETCH if direct_prefetch is None else direct_prefetch),
-                    piece_bars, ahead, asym, f16, fp8_copy, asym_scorer_cols)
+                    piece_bars, ahead, asym, f16, fp8_copy, asym_scorer_cols, asym_q_regs)
     o, lse = kernel(*args)            # o [BT, (ns,) G, 64, d]: the G groups of 64 are the heads in order
     if f16:                           # (bf16 bits in an f16-typed output)
         o = jax.lax.bitcast_convert_type(o, jnp.bfloat16)
