@@ -95,20 +95,19 @@ CASES = {
     "csa128_fp8_asym_f16": ("csa", 128, 1, 512, "fp8", dict(consumers="asym", fp8_operands="f16")),
     "csa128_fp8_asym_f16_owned": ("csa", 128, 1, 512, "fp8", dict(consumers="asym", fp8_operands="f16",
                                                                    fp8_chunk_order="owned")),
-    # session 70: the producer's staging copies as 1-D bulk copies, by lane 0 or a lane a row (fp8_copy)
+    # session 70: the producer's staging copies as 1-D bulk copies (fp8_copy="bulk")
     "csa128_fp8_asym_bulk": ("csa", 128, 1, 512, "fp8", dict(consumers="asym", fp8_copy="bulk")),
-    "csa128_fp8_asym_lanes": ("csa", 128, 1, 512, "fp8", dict(consumers="asym", fp8_copy="lanes")),
-    "csa128_fp8_asym_f16_owned_lanes": ("csa", 128, 1, 512, "fp8", dict(consumers="asym", fp8_operands="f16",
-                                                                         fp8_chunk_order="owned", fp8_copy="lanes")),
+    "csa128_fp8_asym_f16_owned_bulk": ("csa", 128, 1, 512, "fp8", dict(consumers="asym", fp8_operands="f16",
+                                                                        fp8_chunk_order="owned", fp8_copy="bulk")),
     # ... and a quarter of P.V moved from the scorer to the helper (asym_scorer_cols=128)
     "csa128_fp8_asym_sc128": ("csa", 128, 1, 512, "fp8", dict(consumers="asym", asym_scorer_cols=128)),
-    "csa128_fp8_asym_f16_owned_sc128_lanes": ("csa", 128, 1, 512, "fp8", dict(
-        consumers="asym", fp8_operands="f16", fp8_chunk_order="owned", fp8_copy="lanes", asym_scorer_cols=128)),
+    "csa128_fp8_asym_f16_owned_sc128_bulk": ("csa", 128, 1, 512, "fp8", dict(
+        consumers="asym", fp8_operands="f16", fp8_chunk_order="owned", fp8_copy="bulk", asym_scorer_cols=128)),
     # ... and q's first 256 columns in the scorer's registers (asym_q_regs)
     "csa128_fp8_asym_sc128_qr256": ("csa", 128, 1, 512, "fp8", dict(consumers="asym", asym_scorer_cols=128,
                                                                      asym_q_regs=256)),
     "csa128_fp8_asym_all70": ("csa", 128, 1, 512, "fp8", dict(
-        consumers="asym", fp8_operands="f16", fp8_chunk_order="owned", fp8_copy="lanes", asym_scorer_cols=128,
+        consumers="asym", fp8_operands="f16", fp8_chunk_order="owned", fp8_copy="bulk", asym_scorer_cols=128,
         asym_q_regs=256)),
     # FlashMLA's consumer split (consumers="asym", session 64): consumer 0 c_wait_full, c_scores, c_softmax (with
     # P's and alpha's stores), c_pv; consumer 1 c_wait_p (the named barrier) and c_pv. Its 215 KB leave room for

@@ -29,7 +29,7 @@
 #   the phase profiles, then the FP8-cache model test on both as a trial default (~560 s in all; the model test
 #   last, as it matters only if they win).
 # COPY=1 (any card): session 70's three options over FP8's asym, built and lowered on the CPU, never run: fp8_copy
-#   (the producer's FP8 staging copies as 1-D bulk copies, by lane 0 or a lane a row), asym_scorer_cols=128 (a
+#   (the producer's FP8 staging copies as 1-D bulk copies), asym_scorer_cols=128 (a
 #   quarter of P.V moved from the scorer to the helper) and asym_q_regs (q's first columns in the scorer's
 #   registers): their GPU tests, group s70 (against the defaults, with bf16 operands and with f16 + owned), the
 #   phase profiles; then, unless NO_F16_MODEL is set, the FP8-cache model test on f16 + owned as a trial default
@@ -84,8 +84,8 @@ f16_operands() {   # session 69: fp8_operands="f16" and fp8_chunk_order="owned" 
 csa128_fp8_asym_noconv" STEPS=mprof session f16_profile
   f16_model
 }
-fp8_copy() {   # session 70: fp8_copy "bulk" / "lanes" (the producer's FP8 staging copies) against "tma"
-  PYTEST_N=4 T_tests4=${T_COPY_TESTS:-170} T4_K="(copy or sc128 or qr) and mosaic" STEPS=tests4 session copy_tests
+fp8_copy() {   # session 70: fp8_copy="bulk", asym_scorer_cols=128, asym_q_regs=256 against the defaults
+  PYTEST_N=${PYTEST_N:-2} T_tests4=${T_COPY_TESTS:-200} T4_K="(copy or sc128 or qr) and mosaic" STEPS=tests4 session copy_tests
   T_attn=${T_S70:-230} ATTN_ARGS="--groups s70 --net-decode --no-ref" STEPS=attn session copy_timing
   T_mprof=130 MPROF_ARGS="--cases csa128_fp8_cv_asym,csa128_fp8_asym_sc128,csa128_fp8_asym_sc128_qr256,\
 csa128_fp8_asym_all70" STEPS=mprof session copy_profile

@@ -197,7 +197,7 @@ def main():
                          "without conversions, _diag='no_convert'), s69 (FP8 on asym: f16 tensor-core operands, "
                          "fp8_operands='f16', against bf16's, the no-conversion bound, f16 without q's conversion, "
                          "f16 with conv_batch=2 at (40, 72, 200), and fp8_chunk_order='owned' with f16 and bf16), s70 (FP8 on "
-                         "asym: fp8_copy 'lanes', asym_scorer_cols=128 and asym_q_regs=256 against the defaults, with "
+                         "asym: fp8_copy 'bulk', asym_scorer_cols=128 and asym_q_regs=256 against the defaults, with "
                          "bf16 operands and with f16 + owned)")
     ap.add_argument("--dtypes", default="bf16,fp8", help="decode / prefill / b1 groups: the KV dtypes to run")
     ap.add_argument("--ref-batches", default=None,
@@ -489,8 +489,8 @@ def main():
                    dict(f16, fp8_chunk_order="owned"), dict(asym, fp8_operands="bf16", fp8_chunk_order="owned")],
                   [r for r in asym_rows if r != ("hca", 64, 1024)], (16384,))
     if "s70" in groups:  # session 70, FP8 on asym over the converter's tiles: how the producer issues a staged row
-        # (fp8_copy: three 2-D tensor copies by lane 0, the default "tma"; two 1-D bulk copies by lane 0, "bulk";
-        # the bulk copies and the scale bytes by a lane a row, "lanes"), a quarter of P.V moved from the scorer
+        # (fp8_copy: three 2-D tensor copies by lane 0, the default "tma"; two 1-D bulk copies, "bulk"), a
+        # quarter of P.V moved from the scorer
         # to the helper (asym_scorer_cols=128) and q's first 256 columns in the scorer's registers (asym_q_regs,
         # no shared-memory reads for them), with bf16 operands (the default) and with f16 + the owned chunk
         # order (session 69's pair). Every option named, so the comparison holds across defaults; the decode rows,
@@ -500,8 +500,8 @@ def main():
         f16o = dict(asym, fp8_operands="f16", fp8_chunk_order="owned")
         sc = dict(asym_scorer_cols=128, asym_q_regs=0)
         scq = dict(asym_scorer_cols=128, asym_q_regs=256)
-        alls = dict(scq, fp8_copy="lanes")
-        fp8_modes([asym, dict(asym, fp8_copy="lanes"), dict(asym, **sc), dict(asym, **scq), dict(asym, **alls), f16o,
+        alls = dict(scq, fp8_copy="bulk")
+        fp8_modes([asym, dict(asym, fp8_copy="bulk"), dict(asym, **sc), dict(asym, **scq), dict(asym, **alls), f16o,
                    dict(f16o, **alls)],
                   [("csa", 128, 512), ("csa", 64, 512), ("hca", 64, 8192)], ())
         fp8_modes([asym, dict(asym, **alls), dict(f16o, **alls)], [("hca", 128, 1024), ("csa", 16, 512)], (16384,))

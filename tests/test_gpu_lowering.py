@@ -442,15 +442,14 @@ def lower_model_steps(model, cache, marker):
                                               (3, 1, 512, dict(fp8_chunk_order="owned", fp8_dequant="producer"),
                                                True),
                                               # ... the producer's staging copies as 1-D bulk copies (session 70)
-                                              core(3, 1, 512, dict(fp8_copy="lanes"), True),
-                                              (3, 1, 512, dict(fp8_copy="bulk"), True),
-                                              (2, 1, 8192, dict(fp8_copy="lanes", idx_stream=True, n_splits=2,
+                                              core(3, 1, 512, dict(fp8_copy="bulk"), True),
+                                              (2, 1, 8192, dict(fp8_copy="bulk", idx_stream=True, n_splits=2,
                                                                 conv_units=5), True),
-                                              (3, 1, 512, dict(fp8_copy="lanes", fp8_operands="f16",
+                                              (3, 1, 512, dict(fp8_copy="bulk", fp8_operands="f16",
                                                                fp8_chunk_order="owned"), True),
-                                              (3, 1, 512, dict(fp8_copy="lanes", fp8_dequant="consumers"), True),
+                                              (3, 1, 512, dict(fp8_copy="bulk", fp8_dequant="consumers"), True),
                                               (3, 1, 512, dict(fp8_copy="bulk", fp8_dequant="producer"), True),
-                                              (1, 64, 60, dict(fp8_copy="lanes", heads=128), True),
+                                              (1, 64, 60, dict(fp8_copy="bulk", heads=128), True),
                                               # ... a quarter of P.V moved to the helper (session 70)
                                               core(3, 1, 512, dict(asym_scorer_cols=128), True),
                                               (2, 1, 8192, dict(asym_scorer_cols=128, n_splits=3, combine="xla"),
@@ -459,7 +458,7 @@ def lower_model_steps(model, cache, marker):
                                               (2, 1, 8192, dict(asym_scorer_cols=128, idx_stream=True, n_splits=2,
                                                                 conv_units=5), True),
                                               (3, 1, 512, dict(asym_scorer_cols=128, fp8_operands="f16",
-                                                               fp8_chunk_order="owned", fp8_copy="lanes"), True),
+                                                               fp8_chunk_order="owned", fp8_copy="bulk"), True),
                                               (3, 1, 512, dict(asym_scorer_cols=128, lazy_rescale=False,
                                                                regs=(40, 56, 176, 240)), True),
                                               # ... q's first columns in the scorer's registers (session 70)
@@ -470,7 +469,7 @@ def lower_model_steps(model, cache, marker):
                                                True),
                                               (3, 1, 512, dict(asym_scorer_cols=128, asym_q_regs=256,
                                                                fp8_operands="f16", fp8_chunk_order="owned",
-                                                               fp8_copy="lanes"), True),
+                                                               fp8_copy="bulk"), True),
                                               (3, 1, 512, dict(asym_q_regs=64), True),
                                               (3, 1, 512, dict(asym_q_regs=512, asym_scorer_cols=128), True)]))
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
@@ -586,7 +585,7 @@ def test_sparse_attention_mosaic_f16_operands_reject_what_they_cannot_do(monkeyp
 
 def test_sparse_attention_mosaic_fp8_copy_options(monkeypatch):
     """fp8_copy (session 70) names how the producer issues FP8 rows into a staging ring: FP8 pools only, never with
-    fp8_dequant="direct" (no staging ring), and one of three names; the build gets it, and fp8_copy=None takes
+    fp8_dequant="direct" (no staging ring), "tma" or "bulk"; the build gets it, and fp8_copy=None takes
     the module default where a staging ring exists, "tma" elsewhere."""
     from pallas_kernels.sparse_attention import gpu_mosaic
 
@@ -594,20 +593,20 @@ def test_sparse_attention_mosaic_fp8_copy_options(monkeypatch):
     bf16 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=False)
     fp8 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)
     call = lambda inp, **o: gpu_mosaic.sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, **o)
-    with pytest.raises(ValueError, match="fp8_copy must be"):
-        call(fp8, fp8_copy="cp_async")
+    for bad in ("cp_async", "lanes"):   # ("lanes": a mode that faulted on an H100 in session 70, removed)
+        with pytest.raises(ValueError, match="fp8_copy must be"):
+            call(fp8, fp8_copy=bad)
     for inp, opts in [(bf16, {}), (fp8, dict(fp8_dequant="direct"))]:
         with pytest.raises(ValueError, match="staging ring"):
-            call(inp, fp8_copy="lanes", **opts)
+            call(inp, fp8_copy="bulk", **opts)
     built = spy_mosaic_builds(monkeypatch)
-    for fc in ("bulk", "lanes"):
-        lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(*a, scale=0.1, fp8_copy=fc),
-                   *(fp8[k] for k in keys))
-    monkeypatch.setattr(gpu_mosaic, "DEFAULT_FP8_COPY", "lanes")   # a default applies where a staging ring exists
+    lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(*a, scale=0.1, fp8_copy="bulk"),
+               *(fp8[k] for k in keys))
+    monkeypatch.setattr(gpu_mosaic, "DEFAULT_FP8_COPY", "bulk")   # a default applies where a staging ring exists
     for inp, opts in [(fp8, {}), (fp8, dict(fp8_dequant="direct")), (bf16, {})]:
         lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(*a, scale=0.1, **opts),
                    *(inp[k] for k in keys))
-    assert [b.get("fp8_copy", "tma") for b in built] == ["bulk", "lanes", "lanes", "tma", "tma"]
+    assert [b.get("fp8_copy", "tma") for b in built] == ["bulk", "bulk", "tma", "tma"]
 
 
 def test_sparse_attention_mosaic_asym_scorer_cols(monkeypatch):

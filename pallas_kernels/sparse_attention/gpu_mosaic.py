@@ -295,9 +295,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     fp8_copy (FP8 staging rings: `fp8_copy`): how the producer issues a raw row's 448 nope and 128 rope bytes into
     its staging slot. "tma": three 2-D tensor copies (a box moves at most 256 elements: 256 + 192 nope, 64 rope),
     lane 0 of each warp taking its rows one after another. "bulk": two 1-D bulk copies (`cp.async.bulk`, no tensor
-    map, any multiple of 16 B: 448 and 128), still lane 0's. "lanes": the same two bulk copies and the row's 8 scale
-    bytes, issued by lanes 0 .. bk/4 - 1 of each warp at once, one row a lane (each lane's scale cp.async arrives
-    on the staging barrier itself, so the barrier counts bk + 1 arrivals instead of 5).
+    map, any multiple of 16 B: 448 and 128), still lane 0's. (A third mode issued a warp's rows from 8 lanes at once,
+    each lane's scale cp.async arriving on the staging barrier; it faulted on an H100 in session 70 and is gone.)
     scorer_cols (conv and asym: `asym_scorer_cols`; None = d / 2): the output columns whose P.V the scorer runs, the
     helper running the rest, in m64n128 pieces. 128 moves a quarter of P.V off the scorer, which under FP8's asym
     sets the consumers' pace (the helper waits for its P most of each step), onto the helper (three accumulators,
@@ -331,14 +330,14 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     assert not asym or ((not fp8 or direct or conv) and (bk == 64 or (conv and bk == 32)) and n_ring <= 4
                         and not (split_d or split_scores or pingpong or piece_bars or ahead)), "asym"
     assert not f16 or (conv and asym), "f16 operands: the converter's tiles under asym"
-    assert fp8_copy == "tma" or (fp8 and not direct and fp8_copy in ("bulk", "lanes")), fp8_copy
+    assert fp8_copy == "tma" or (fp8 and not direct and fp8_copy == "bulk"), fp8_copy
     scorer_cols = d // 2 if scorer_cols is None else scorer_cols
     uneven = scorer_cols != d // 2   # the consumers' P.V columns split unevenly (conv + asym, 128-column pieces)
     assert not q_reg_cols or (conv and asym and q_reg_cols % 64 == 0 and 0 < q_reg_cols <= d), q_reg_cols
     assert not uneven or (conv and asym and scorer_cols % 128 == 0 and 0 < scorer_cols < d // 2
                           and len(regs) == 4), (scorer_cols, conv, asym, regs)
-    # the staging barrier's arrivals: the expect_tx arrival + one scale cp.async arrival per issuing thread
-    st_arrivals = 1 + (bk if fp8_copy == "lanes" else 4)
+    # the staging barrier's arrivals: the expect_tx arrival + one scale cp.async arrival per producer warp
+    st_arrivals = 5
     conv_units = CONV_UNITS if conv_units is None else conv_units
     # the producer's share of each step's conversion: all of it (pdq), the units past conv_units (conv), or none
     p_units = (0, CONV_UNITS) if pdq else (conv_units, CONV_UNITS) if conv and conv_units < CONV_UNITS else None
@@ -786,7 +785,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                 rope_st_base = llvm.ptrtoint(i32, mu.memref_ptr(rope_st))
 
             def copy_fp8_row_bulk(k, slot, full, r, e, pred):
-                """fp8_copy "bulk" / "lanes": row e of source k's pool into row r of staging slot `slot` as two 1-D bulk
+                """fp8_copy "bulk": row e of source k's pool into row r of staging slot `slot` as two 1-D bulk
                 copies (448 nope bytes, 128 rope bytes: 16 B multiples at 16 B aligned addresses on both sides),
                 completing on `full`'s transaction count, then its 8 scale bytes (cp.async), each where pred holds."""
                 at = arith.index_cast(i64, e)
@@ -1139,11 +1138,6 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                         for r, e in zip(rows_, es):
                             copy_piece(k, slot, piece_bar(p_), r, e, p_)
                         return _c
-                elif fp8_copy == "lanes":   # lane t of each warp issues row 4 t + warp, all at once
-                    lane = arith.remui(ptid, c(32))
-                    mine = arith.cmpi(arith.CmpIPredicate.ult, lane, c(bk // 4))
-                    r = arith.addi(arith.muli(arith.minui(lane, c(bk // 4 - 1)), c(4)), warp)
-                    copy_fp8_row_bulk(k, slot, full, r, src_row(r), mine)
                 else:   # rows in order, each row's pieces together (piece_bars "rows": each on its own barrier)
                     @mu.fori(c(bk // 4), None)
                     def _(t, _c):
@@ -1152,7 +1146,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                         return _c
 
                 if fp8:   # one of the slot's counted arrivals (st_arrivals), once this thread's scale copies land
-                    with mu.when(mine if fp8_copy == "lanes" else lane0):
+                    with mu.when(lane0):
                         nvvm.cp_async_mbarrier_arrive(full.get_ptr(), noinc=True)
                 end(region)
                 if p_units:   # the step staged (stages - 1) steps ago (pdq: all of it; conv: its units
@@ -2082,7 +2076,7 @@ TILE_RING_DIAGS = ("bits", "no_convert", "no_q_convert")
 DEFAULT_FP8_OPERANDS = "bf16"
 DEFAULT_ASYM_Q_REGS = 0   # see `sparse_attention_mosaic`'s asym_q_regs (session 70: not yet timed)
 DEFAULT_ASYM_SCORER_COLS = 256   # see `sparse_attention_mosaic`'s asym_scorer_cols (session 70: 128 not yet timed)
-DEFAULT_FP8_COPY = "tma"   # see `sparse_attention_mosaic`'s fp8_copy (session 70: "bulk" / "lanes" not yet timed)
+DEFAULT_FP8_COPY = "tma"   # see `sparse_attention_mosaic`'s fp8_copy (session 70: "bulk" correct on an H100, not yet timed)
 DEFAULT_FP8_CONVERT = "cvt"   # see `sparse_attention_mosaic`'s fp8_convert
 DEFAULT_FP8_OVERLAP = False   # see `sparse_attention_mosaic`'s fp8_overlap (H200, session 20: no faster)
 # fp8_chunk_order per fp8_dequant mode (see `sparse_attention_mosaic`): H200 session 25, the diagonal order takes
@@ -2529,8 +2523,7 @@ def sparse_attention_mosaic(
     fp8_copy (None = DEFAULT_FP8_COPY; FP8 pools through a staging ring, i.e. every fp8_dequant but "direct";
     session 70): how the producer issues a raw row into its staging slot. "tma": three 2-D tensor copies (256 + 192
     nope bytes, 128 rope bytes) by lane 0 of each producer warp, row after row; "bulk": two 1-D bulk copies
-    (`cp.async.bulk`: 448 and 128 bytes, no tensor map), still lane 0's; "lanes": those two bulk copies and the
-    8 scale bytes by lanes 0 .. block_k / 4 - 1 of each warp at once, one row a lane. Why: at CSA B=128 the producer
+    (`cp.async.bulk`: 448 and 128 bytes, no tensor map), still lane 0's. Why: at CSA B=128 the producer
     spends ~2000 cycles issuing a 32-row step (18.7 KB, ~9 B a cycle; H100 session 69 profile), about as long as
     the converter and the scorer take for it, so with a three-slot staging ring the converter waits for its rows.
     asym_scorer_cols (None = DEFAULT_ASYM_SCORER_COLS over the FP8 converter's tiles under consumers="asym", d / 2
@@ -2727,8 +2720,8 @@ def sparse_attention_mosaic(
     staged = fp8 and not direct   # FP8 rows through a staging ring (the producer's copies)
     if fp8_copy is None:
         fp8_copy = DEFAULT_FP8_COPY if staged else "tma"
-    if fp8_copy not in ("tma", "bulk", "lanes"):
-        raise ValueError(f"fp8_copy must be 'tma', 'bulk' or 'lanes', got {fp8_copy!r}")
+    if fp8_copy not in ("tma", "bulk"):
+        raise ValueError(f"fp8_copy must be 'tma' or 'bulk', got {fp8_copy!r}")
     if fp8_copy != "tma" and not staged:
         raise ValueError(f"fp8_copy={fp8_copy!r} issues FP8 rows into a staging ring: FP8 pools with an fp8_dequant "
                          f"other than 'direct' (which stages nothing), got {'FP8' if fp8 else 'bf16'} pools"
