@@ -548,16 +548,40 @@ def test_sparse_attention_mosaic_asym_consumers_reject_what_they_cannot_do(monke
         [(True, False, False, False, 32, False, True)] * 2
 
 
+OPTION_KEYS = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
+
+
+def option_cases():
+    """The Mosaic wrapper-option tests' inputs: a bf16 and an FP8 CSA decode case (2 rows, ragged lengths), and
+    call(inp, **options), the wrapper on one of them (its ValueErrors are what those tests look for)."""
+    from pallas_kernels.sparse_attention import gpu_mosaic
+
+    bf16 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=False)
+    fp8 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)
+    return bf16, fp8, lambda inp, **o: gpu_mosaic.sparse_attention_mosaic(*(inp[k] for k in OPTION_KEYS), scale=0.1,
+                                                                          **o)
+
+
+def refused_outside_asym_converter(call, bf16, fp8, name, bad_values, value, bad_match, mode_match):
+    """An option of FP8's asym over the converter's tiles: each of bad_values is refused as out of range, and value
+    is refused for bf16 pools, the pair, and the direct and producer tile rings."""
+    for bad in bad_values:
+        with pytest.raises(ValueError, match=bad_match):
+            call(fp8, **{name: bad})
+    for inp, opts in [(bf16, {}), (fp8, dict(consumers="pair")), (fp8, dict(fp8_dequant="direct")),
+                      (fp8, dict(fp8_dequant="producer"))]:
+        with pytest.raises(ValueError, match=mode_match):
+            call(inp, **{name: value}, **opts)
+
+
 def test_sparse_attention_mosaic_f16_operands_reject_what_they_cannot_do(monkeypatch):
     """fp8_operands="f16" (session 69) runs FP8 pools through the converter's tiles under consumers="asym" only, not
     with the bf16 bit-pattern conversions ("bits", "rebias"); "no_q_convert" is its diagnostic alone; where it
     applies the build gets f16, and with fp8_operands=None the module default decides only where f16 applies."""
     from pallas_kernels.sparse_attention import gpu_mosaic
 
-    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
-    bf16 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=False)
-    fp8 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)
-    call = lambda inp, **o: gpu_mosaic.sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, **o)
+    keys = OPTION_KEYS
+    bf16, fp8, call = option_cases()
     with pytest.raises(ValueError, match="fp8_operands must be"):
         call(fp8, fp8_operands="f32")
     for inp, opts in [(bf16, {}), (fp8, dict(consumers="pair")), (fp8, dict(fp8_dequant="direct")),
@@ -589,10 +613,8 @@ def test_sparse_attention_mosaic_fp8_copy_options(monkeypatch):
     the module default where a staging ring exists, "tma" elsewhere."""
     from pallas_kernels.sparse_attention import gpu_mosaic
 
-    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
-    bf16 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=False)
-    fp8 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)
-    call = lambda inp, **o: gpu_mosaic.sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, **o)
+    keys = OPTION_KEYS
+    bf16, fp8, call = option_cases()
     for bad in ("cp_async", "lanes"):   # ("lanes": a mode that faulted on an H100 in session 70, removed)
         with pytest.raises(ValueError, match="fp8_copy must be"):
             call(fp8, fp8_copy=bad)
@@ -615,17 +637,10 @@ def test_sparse_attention_mosaic_asym_scorer_cols(monkeypatch):
     and by default the 3-tuple's consumer count -/+ UNEVEN_REG_SHIFT. The build gets the columns and the registers."""
     from pallas_kernels.sparse_attention import gpu_mosaic
 
-    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
-    bf16 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=False)
-    fp8 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)
-    call = lambda inp, **o: gpu_mosaic.sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, **o)
-    for bad in (64, 384, 0, True, 128.0):
-        with pytest.raises(ValueError, match="asym_scorer_cols must be"):
-            call(fp8, asym_scorer_cols=bad)
-    for inp, opts in [(bf16, {}), (fp8, dict(consumers="pair")), (fp8, dict(fp8_dequant="direct")),
-                      (fp8, dict(fp8_dequant="producer"))]:
-        with pytest.raises(ValueError, match="asym_scorer_cols below d / 2"):
-            call(inp, asym_scorer_cols=128, **opts)
+    keys = OPTION_KEYS
+    bf16, fp8, call = option_cases()
+    refused_outside_asym_converter(call, bf16, fp8, "asym_scorer_cols", (64, 384, 0, True, 128.0), 128,
+                                   "asym_scorer_cols must be", "asym_scorer_cols below d / 2")
     with pytest.raises(ValueError, match="scorer, helper"):
         call(fp8, regs=(40, 56, 184, 232))
     for regs in [(40, 56, 208), (40, 56, 192, 240), (40, 56, 120, 296)]:   # 3-tuple, over the pool, over 256
@@ -651,17 +666,10 @@ def test_sparse_attention_mosaic_asym_q_regs(monkeypatch):
     where it applies."""
     from pallas_kernels.sparse_attention import gpu_mosaic
 
-    keys = ("q", "window_kv", "window_idx", "compressed_kv", "compressed_idx", "sinks")
-    bf16 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=False)
-    fp8 = make_attention(2, 1, 64, 512, 300, 9000, 128, 512, ragged=True, fp8=True)
-    call = lambda inp, **o: gpu_mosaic.sparse_attention_mosaic(*(inp[k] for k in keys), scale=0.1, **o)
-    for bad in (32, 576, -64, True, 64.0):
-        with pytest.raises(ValueError, match="asym_q_regs must be"):
-            call(fp8, asym_q_regs=bad)
-    for inp, opts in [(bf16, {}), (fp8, dict(consumers="pair")), (fp8, dict(fp8_dequant="direct")),
-                      (fp8, dict(fp8_dequant="producer"))]:
-        with pytest.raises(ValueError, match="asym_q_regs gives the scorer"):
-            call(inp, asym_q_regs=128, **opts)
+    keys = OPTION_KEYS
+    bf16, fp8, call = option_cases()
+    refused_outside_asym_converter(call, bf16, fp8, "asym_q_regs", (32, 576, -64, True, 64.0), 128,
+                                   "asym_q_regs must be", "asym_q_regs gives the scorer")
     built = spy_mosaic_builds(monkeypatch)
     lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(*a, scale=0.1, asym_q_regs=128),
                *(fp8[k] for k in keys))
