@@ -336,8 +336,6 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
     assert not q_reg_cols or (conv and asym and q_reg_cols % 64 == 0 and 0 < q_reg_cols <= d), q_reg_cols
     assert not uneven or (conv and asym and scorer_cols % 128 == 0 and 0 < scorer_cols < d // 2
                           and len(regs) == 4), (scorer_cols, conv, asym, regs)
-    # the staging barrier's arrivals: the expect_tx arrival + one scale cp.async arrival per producer warp
-    st_arrivals = 5
     conv_units = CONV_UNITS if conv_units is None else conv_units
     # the producer's share of each step's conversion: all of it (pdq), the units past conv_units (conv), or none
     p_units = (0, CONV_UNITS) if pdq else (conv_units, CONV_UNITS) if conv and conv_units < CONV_UNITS else None
@@ -758,36 +756,36 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     for p in range(pieces):
                         copy_piece(k, slot, full if piece_bar is None else piece_bar(p), r, e, p)
                     return
-                # FP8 raw row: nope (2 bulk copies, 256 + 192 B), rope (1 bulk copy), and the 8 scale bytes (cp.async,
-                # tracked by the slot's barrier through cp.async.mbarrier.arrive.noinc after the row loop)
-                if fp8_copy != "tma":
-                    copy_fp8_row_bulk(k, slot, full, r, e, lane0)
-                    return
-                for c0, w in ((0, 256), (256, NOPE_DIM - 256)):         # a bulk copy moves <= 256 elements
-                    ctx.async_copy(src_ref=src_gmem[k][2],
-                                   dst_ref=mu.memref_slice(nope_st, (slot, mu.ds(r, 1), mu.ds(c0, w))),
-                                   gmem_slice=(mu.ds(e, 1), mu.ds(c0, w)), barrier=full, arrive=False,
+                # FP8 raw row: nope (2 tensor copies, 256 + 192 B; "bulk": 1), rope (1 copy), and the 8 scale bytes
+                # (cp.async, tracked by the slot's barrier through cp.async.mbarrier.arrive.noinc after the row loop)
+                if fp8_copy == "bulk":
+                    copy_fp8_row_bulk(k, slot, full, r, e)
+                else:
+                    for c0, w in ((0, 256), (256, NOPE_DIM - 256)):         # a tensor copy moves <= 256 elements
+                        ctx.async_copy(src_ref=src_gmem[k][2],
+                                       dst_ref=mu.memref_slice(nope_st, (slot, mu.ds(r, 1), mu.ds(c0, w))),
+                                       gmem_slice=(mu.ds(e, 1), mu.ds(c0, w)), barrier=full, arrive=False,
+                                       predicate=lane0)
+                    ctx.async_copy(src_ref=src_gmem[k][3], dst_ref=mu.memref_slice(rope_st, (slot, mu.ds(r, 1))),
+                                   gmem_slice=(mu.ds(e, 1), mu.ds(0, ROPE_DIM)), barrier=full, arrive=False,
                                    predicate=lane0)
-                ctx.async_copy(src_ref=src_gmem[k][3], dst_ref=mu.memref_slice(rope_st, (slot, mu.ds(r, 1))),
-                               gmem_slice=(mu.ds(e, 1), mu.ds(0, ROPE_DIM)), barrier=full, arrive=False,
-                               predicate=lane0)
                 with mu.when(arith.andi(lane0, arith.constant(ir.IntegerType.get_signless(1), diag != "no_scales"))):
                     dst = mu.getelementptr(scale_st_ptr, [arith.index_cast(i32, arith.addi(
                         arith.muli(slot, c(bk * 8)), arith.muli(r, c(8))))], i8)
                     src = mu.getelementptr(scale_gptrs[k], [arith.index_cast(i64, arith.muli(e, c(8)))], i8)
                     nvvm.cp_async_shared_global(dst, src, 8, nvvm.LoadCacheModifierKind.CA)
 
-            if fp8_copy != "tma":   # 1-D bulk copies (no tensor map): shared::cta and global addresses as integers
+            if fp8_copy == "bulk":   # 1-D bulk copies (no tensor map): shared::cta and global addresses as integers
                 bulk_gptrs = [[llvm.ptrtoint(i64, llvm.addrspacecast(llvm.PointerType.get(address_space=1),
                                                                       mu.memref_ptr(src_gmem[k][part])))
                                for part in (2, 3)] for k in range(n_src)]
                 nope_st_base = llvm.ptrtoint(i32, mu.memref_ptr(nope_st))
                 rope_st_base = llvm.ptrtoint(i32, mu.memref_ptr(rope_st))
 
-            def copy_fp8_row_bulk(k, slot, full, r, e, pred):
+            def copy_fp8_row_bulk(k, slot, full, r, e):
                 """fp8_copy "bulk": row e of source k's pool into row r of staging slot `slot` as two 1-D bulk
-                copies (448 nope bytes, 128 rope bytes: 16 B multiples at 16 B aligned addresses on both sides),
-                completing on `full`'s transaction count, then its 8 scale bytes (cp.async), each where pred holds."""
+                copies (448 nope bytes, 128 rope bytes: 16 B multiples at 16 B aligned addresses on both sides) by
+                lane 0, completing on `full`'s transaction count (copy_row adds the scale bytes)."""
                 at = arith.index_cast(i64, e)
                 sr = arith.index_cast(i32, arith.addi(arith.muli(slot, c(bk)), r))   # the slot's row
                 bar = llvm.ptrtoint(i32, full.get_ptr())
@@ -795,14 +793,9 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                                         (bulk_gptrs[k][1], rope_st_base, 2 * ROPE_DIM)):
                     dst = arith.addi(sbase, arith.muli(sr, ci(NOPE_STRIDE if n == NOPE_DIM else n)))
                     src = arith.addi(gbase, arith.muli(at, arith.constant(i64, n)))
-                    llvm.inline_asm(ir.Type.parse("!llvm.void"), [pred, dst, src, bar],
+                    llvm.inline_asm(ir.Type.parse("!llvm.void"), [lane0, dst, src, bar],
                                     f"@$0 cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$1], [$2], "
                                     f"{n}, [$3];", "b,r,l,r", has_side_effects=True)
-                with mu.when(arith.andi(pred, arith.constant(ir.IntegerType.get_signless(1), diag != "no_scales"))):
-                    dst = mu.getelementptr(scale_st_ptr, [arith.index_cast(i32, arith.addi(
-                        arith.muli(slot, c(bk * 8)), arith.muli(r, c(8))))], i8)
-                    src = mu.getelementptr(scale_gptrs[k], [arith.index_cast(i64, arith.muli(e, c(8)))], i8)
-                    nvvm.cp_async_shared_global(dst, src, 8, nvvm.LoadCacheModifierKind.CA)
 
             if direct:
                 nope_gptrs, rope_gptrs = ([llvm.addrspacecast(llvm.PointerType.get(address_space=1),
@@ -1145,8 +1138,8 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                         copy_row(k, slot, full, r, src_row(r), piece_bar)
                         return _c
 
-                if fp8:   # one of the slot's counted arrivals (st_arrivals), once this thread's scale copies land
-                    with mu.when(lane0):
+                if fp8:
+                    with mu.when(lane0):   # one of the slot's 4 counted arrivals, once this thread's scale copies land
                         nvvm.cp_async_mbarrier_arrive(full.get_ptr(), noinc=True)
                 end(region)
                 if p_units:   # the step staged (stages - 1) steps ago (pdq: all of it; conv: its units
@@ -2007,8 +2000,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
              *(() if split_d else (jax.ShapeDtypeStruct((2 * BLOCK_H,), jnp.float32),))),
             (mgpu.TMABarrier(1), mgpu.TMABarrier(1)),
             # full: the expect_tx arrival + one cp.async arrival per producer warp; empty / cons: 256 consumer threads
-            (mgpu.Barrier(arrival_count=st_arrivals, num_barriers=stages),
-             mgpu.Barrier(arrival_count=256, num_barriers=stages),
+            (mgpu.Barrier(arrival_count=5, num_barriers=stages), mgpu.Barrier(arrival_count=256, num_barriers=stages),
              mgpu.Barrier(arrival_count=256)),
         )
     else:
@@ -2679,7 +2671,8 @@ def sparse_attention_mosaic(
         # the producer converts alone, so its conversion rate was taken to matter (session 22, not re-timed); the
         # converter and the direct gather take the module default (session 67: "cvt" 1-7% faster than "rebias")
         fp8_convert = fp8_convert or ("rebias" if pdq else DEFAULT_FP8_CONVERT)
-    f16_fits = fp8 and conv and asym and _diag != "bits"   # ("bits" builds bf16 bit patterns)
+    over_conv_asym = fp8 and conv and asym   # FP8 pools through the converter's tiles under asym
+    f16_fits = over_conv_asym and _diag != "bits"   # ("bits" builds bf16 bit patterns)
     if fp8_operands is None:
         fp8_operands = DEFAULT_FP8_OPERANDS if f16_fits else "bf16"
     if fp8_operands not in ("bf16", "f16"):
@@ -2693,27 +2686,26 @@ def sparse_attention_mosaic(
         raise ValueError("fp8_convert='rebias' builds bf16 bit patterns: not with fp8_operands='f16'")
     if _diag == "no_q_convert" and not f16:
         raise ValueError("_diag='no_q_convert' skips q's conversion to f16: fp8_operands='f16' only")
+    mode_got = f"got {'FP8' if fp8 else 'bf16'} pools, fp8_dequant={fp8_dequant!r}, consumers={consumers!r}"
     if asym_scorer_cols is None:
-        asym_scorer_cols = DEFAULT_ASYM_SCORER_COLS if fp8 and conv and asym else d // 2
+        asym_scorer_cols = DEFAULT_ASYM_SCORER_COLS if over_conv_asym else d // 2
     if isinstance(asym_scorer_cols, bool) or not isinstance(asym_scorer_cols, int) \
             or asym_scorer_cols not in (128, d // 2):
         raise ValueError(f"asym_scorer_cols must be 128 or d / 2 = {d // 2} (the scorer's P.V columns), got "
                          f"{asym_scorer_cols!r}")
     uneven = asym_scorer_cols != d // 2
-    if uneven and not (fp8 and conv and asym):
+    if uneven and not over_conv_asym:
         raise ValueError("asym_scorer_cols below d / 2 moves P.V columns from the scorer to the helper over the FP8 "
-                         "converter's tiles: FP8 pools, fp8_dequant='converter', consumers='asym'; got "
-                         f"{'FP8' if fp8 else 'bf16'} pools, fp8_dequant={fp8_dequant!r}, consumers={consumers!r}")
+                         f"converter's tiles: FP8 pools, fp8_dequant='converter', consumers='asym'; {mode_got}")
     if asym_q_regs is None:
-        asym_q_regs = DEFAULT_ASYM_Q_REGS if fp8 and conv and asym else 0
+        asym_q_regs = DEFAULT_ASYM_Q_REGS if over_conv_asym else 0
     if isinstance(asym_q_regs, bool) or not isinstance(asym_q_regs, int) or asym_q_regs % 64 \
             or not 0 <= asym_q_regs <= d:
         raise ValueError(f"asym_q_regs must be a multiple of 64 in [0, d = {d}] (q's columns the scorer holds in "
                          f"registers), got {asym_q_regs!r}")
-    if asym_q_regs and not (fp8 and conv and asym):
+    if asym_q_regs and not over_conv_asym:
         raise ValueError("asym_q_regs gives the scorer q's first columns in registers over the FP8 converter's tiles: "
-                         f"FP8 pools, fp8_dequant='converter', consumers='asym'; got {'FP8' if fp8 else 'bf16'} "
-                         f"pools, fp8_dequant={fp8_dequant!r}, consumers={consumers!r}")
+                         f"FP8 pools, fp8_dequant='converter', consumers='asym'; {mode_got}")
     if regs is not None and len(regs) == 4 and not uneven:
         raise ValueError("regs as (producer, converter, scorer, helper) is for asym_scorer_cols below d / 2, got "
                          f"regs={tuple(regs)}")
