@@ -592,7 +592,7 @@ def test_sparse_attention_mosaic_f16_operands_reject_what_they_cannot_do(monkeyp
     with pytest.raises(ValueError, match="rebias"):
         call(fp8, fp8_operands="f16", fp8_convert="rebias")
     with pytest.raises(ValueError, match="no_q_convert"):
-        call(fp8, _diag="no_q_convert")
+        call(fp8, _diag="no_q_convert", fp8_operands="bf16")
     for dequant in ("consumers", "direct"):   # the "owned" chunk order is the 32-row tile ring's
         with pytest.raises(ValueError, match="fp8_chunk_order='owned'"):
             call(fp8, fp8_chunk_order="owned", fp8_dequant=dequant)
@@ -601,10 +601,11 @@ def test_sparse_attention_mosaic_f16_operands_reject_what_they_cannot_do(monkeyp
                                                                                     fp8_operands="f16"),
                *(fp8[k] for k in keys))
     monkeypatch.setattr(gpu_mosaic, "DEFAULT_FP8_OPERANDS", "f16")   # a default of f16 applies where it fits
-    for inp, opts in [(fp8, {}), (fp8, dict(consumers="pair")), (fp8, dict(_diag="bits")), (bf16, {})]:
+    for inp, opts in [(fp8, {}), (fp8, dict(consumers="pair")), (fp8, dict(_diag="bits")), (bf16, {}),
+                      (fp8, dict(fp8_convert="rebias"))]:   # (a caller's rebias keeps bf16 operands)
         lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(*a, scale=0.1, **opts),
                    *(inp[k] for k in keys))
-    assert [b.get("f16", False) for b in built] == [True, True, False, False, False]
+    assert [b.get("f16", False) for b in built] == [True, True, False, False, False, False]
 
 
 def test_sparse_attention_mosaic_fp8_copy_options(monkeypatch):
@@ -642,7 +643,7 @@ def test_sparse_attention_mosaic_asym_scorer_cols(monkeypatch):
     refused_outside_asym_converter(call, bf16, fp8, "asym_scorer_cols", (64, 384, 0, True, 128.0), 128,
                                    "asym_scorer_cols must be", "asym_scorer_cols below d / 2")
     with pytest.raises(ValueError, match="scorer, helper"):
-        call(fp8, regs=(40, 56, 184, 232))
+        call(fp8, asym_scorer_cols=256, regs=(40, 56, 184, 232))
     for regs in [(40, 56, 208), (40, 56, 192, 240), (40, 56, 120, 296)]:   # 3-tuple, over the pool, over 256
         with pytest.raises(ValueError, match="regs must be"):
             call(fp8, asym_scorer_cols=128, regs=regs)
@@ -651,13 +652,15 @@ def test_sparse_attention_mosaic_asym_scorer_cols(monkeypatch):
                                                                                     asym_scorer_cols=128),
                *(fp8[k] for k in keys))
     monkeypatch.setattr(gpu_mosaic, "DEFAULT_ASYM_SCORER_COLS", 128)   # a default applies where it fits
-    for inp, opts in [(fp8, {}), (fp8, dict(consumers="pair")), (bf16, {})]:
+    for inp, opts in [(fp8, {}), (fp8, dict(consumers="pair")), (bf16, {}),
+                      (fp8, dict(regs=(40, 56, 208)))]:   # (a caller's 3-entry regs: the even split)
         lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(*a, scale=0.1, **opts),
                    *(inp[k] for k in keys))
     p_, v_, c_ = gpu_mosaic.CONV_REGS
     shift = gpu_mosaic.UNEVEN_REG_SHIFT
     assert [(b["scorer_cols"], b["regs"]) for b in built[:2]] == [(128, (p_, v_, c_ - shift, c_ + shift))] * 2
-    assert [b["scorer_cols"] for b in built[2:]] == [256, 256]
+    assert [b["scorer_cols"] for b in built[2:]] == [256, 256, 256]
+    assert built[-1]["regs"] == (40, 56, 208)
 
 
 def test_sparse_attention_mosaic_asym_q_regs(monkeypatch):
@@ -674,10 +677,11 @@ def test_sparse_attention_mosaic_asym_q_regs(monkeypatch):
     lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(*a, scale=0.1, asym_q_regs=128),
                *(fp8[k] for k in keys))
     monkeypatch.setattr(gpu_mosaic, "DEFAULT_ASYM_Q_REGS", 192)   # a default applies where it fits
-    for inp, opts in [(fp8, {}), (fp8, dict(consumers="pair")), (bf16, {})]:
+    for inp, opts in [(fp8, {}), (fp8, dict(consumers="pair")), (bf16, {}),
+                      (fp8, dict(asym_scorer_cols=256))]:   # (the default only with the uneven split)
         lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(*a, scale=0.1, **opts),
                    *(inp[k] for k in keys))
-    assert [b["q_reg_cols"] for b in built] == [128, 192, 0, 0]
+    assert [b["q_reg_cols"] for b in built] == [128, 192, 0, 0, 0]
 
 
 def test_mosaic_scratch_swizzled_buffers_must_be_1k_aligned():
@@ -1254,8 +1258,9 @@ def test_sparse_attention_mosaic_fp8_dequant_default(monkeypatch):
     for args, opts, conv in cases:
         lowers_for("cuda", "mosaic_gpu", lambda *a: gpu_mosaic.sparse_attention_mosaic(*a, scale=0.1, **opts), *args)
         assert built[-1]["conv"] is conv and not built[-1]["pdq"], (opts, built[-1])
-        # the diagonal chunk order with the tile ring, row-major where the consumers convert
-        assert built[-1]["chunk_order"] == ("diagonal" if conv else "rows"), (opts, built[-1])
+        # the converter's own chunk order ("owned" since session 71), row-major where the consumers convert
+        assert built[-1]["chunk_order"] == (gpu_mosaic.DEFAULT_FP8_CHUNK_ORDER["converter"] if conv else "rows"), \
+            (opts, built[-1])
         # the lazy rescale of the output accumulator: the FP8 default (session 26), bf16 keeps the eager update
         assert built[-1]["lazy"] is (args is not bf16), (opts, built[-1])
 

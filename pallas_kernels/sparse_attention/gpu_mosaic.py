@@ -2064,16 +2064,21 @@ Q_F16_BATCH = 4          # fp8_operands="f16": 16 B chunks of q a consumer threa
 # and "no_q_convert" (fp8_operands="f16" only: q's bits read as f16 without converting them, the bound on what q's
 # in-kernel conversion costs)
 TILE_RING_DIAGS = ("bits", "no_convert", "no_q_convert")
+# FP8 decode's defaults since session 71 (H100, h100_s71r1: the five together against session 70's defaults, net of
+# dispatch, CSA B=64 -11%, HCA-8K B=64 -15%, HCA-1K B=128 -13%, 16K prefill -11%; all 296 FP8 kernel cases and the
+# FP8-cache model test pass with them, h100_s71r2): f16 operands, the converter's "owned" chunk order, the producer's
+# bulk row copies, a quarter of P.V on the helper and q's first 256 columns in the scorer's registers.
 # see `sparse_attention_mosaic`'s fp8_operands: the tensor cores' operand type over the converter's tiles under asym
-DEFAULT_FP8_OPERANDS = "bf16"
-DEFAULT_ASYM_Q_REGS = 0   # see `sparse_attention_mosaic`'s asym_q_regs (session 70: not yet timed)
-DEFAULT_ASYM_SCORER_COLS = 256   # see `sparse_attention_mosaic`'s asym_scorer_cols (session 70: 128 not yet timed)
-DEFAULT_FP8_COPY = "tma"   # see `sparse_attention_mosaic`'s fp8_copy (session 70: "bulk" correct on an H100, not yet timed)
+DEFAULT_FP8_OPERANDS = "f16"
+DEFAULT_ASYM_Q_REGS = 256   # see `sparse_attention_mosaic`'s asym_q_regs (with the uneven split only)
+DEFAULT_ASYM_SCORER_COLS = 128   # see `sparse_attention_mosaic`'s asym_scorer_cols
+DEFAULT_FP8_COPY = "bulk"   # see `sparse_attention_mosaic`'s fp8_copy
 DEFAULT_FP8_CONVERT = "cvt"   # see `sparse_attention_mosaic`'s fp8_convert
 DEFAULT_FP8_OVERLAP = False   # see `sparse_attention_mosaic`'s fp8_overlap (H200, session 20: no faster)
 # fp8_chunk_order per fp8_dequant mode (see `sparse_attention_mosaic`): H200 session 25, the diagonal order takes
-# 10-18% off the converter mode and makes it the fastest FP8 path; the consumers' own conversion got slower with it
-DEFAULT_FP8_CHUNK_ORDER = {"consumers": "rows", "producer": "diagonal", "converter": "diagonal", "direct": "diagonal"}
+# 10-18% off the converter mode and makes it the fastest FP8 path; the consumers' own conversion got slower with it.
+# The converter's "owned" order (session 69) since session 71, with the f16 operands above
+DEFAULT_FP8_CHUNK_ORDER = {"consumers": "rows", "producer": "diagonal", "converter": "owned", "direct": "diagonal"}
 DEFAULT_FP8_DEQUANT = "converter"   # see `sparse_attention_mosaic`'s fp8_dequant (H200 session 25, diagonal order)
 DEFAULT_L2_AHEAD = 0      # L2 prefetch distance in steps (see `sparse_attention_mosaic`'s l2_ahead)
 DEFAULT_PRODUCER = "tma"   # the bf16 ring's gather (see `sparse_attention_mosaic`'s producer)
@@ -2401,7 +2406,7 @@ def sparse_attention_mosaic(
     division, no loop: the diagonal order's loop spends ~30 of its 80 instructions a chunk on 64-bit index
     arithmetic), odd rows start one chunk group further (their staged loads land in the other half of the bank
     row) and threads t % 4 >= 2 store a chunk's upper 16 B first: conflict-free loads (but the last nope pass)
-    and stores.
+    and stores. The converter's default since session 71 (with DEFAULT_FP8_OPERANDS' "f16").
     tile_slots (fp8_dequant="producer" / "converter"; None = PDQ_TILES = 2): the bf16 tile ring's depth. A third
     32-row tile (32 KB) lets the converters run a step further ahead of the consumers; it fits next to q, two
     staging slots (num_stages=2) and split_d's exchange in decode (~220 KB). Session 25's profile (converter with
@@ -2502,7 +2507,8 @@ def sparse_attention_mosaic(
     factors to consumer 1 through shared memory (8 KB + 256 B a ring slot, 4 KB + 256 B over the converter's tiles);
     each runs P.V over its half of the output columns, consumer 1's of step g under consumer 0's scores of step g + 1.
     No partial-score exchange, one softmax instead of two.
-    fp8_operands (None = DEFAULT_FP8_OPERANDS where it applies, else "bf16"; session 69): the tensor cores' operand
+    fp8_operands (None = DEFAULT_FP8_OPERANDS, "f16" since session 71, where it applies, i.e. not with a caller's
+    fp8_convert="rebias", else "bf16"; session 69): the tensor cores' operand
     type over FP8 pools, "bf16" or "f16" (FP8 pools through fp8_dequant="converter" under consumers="asym" only).
     With "f16" the converter turns each e4m3 pair into f16 with one conversion instruction and two f16x2 multiplies
     by the block scale (F16_CVT_ASM) instead of four conversions and two f32 multiplies, the consumers convert q's
@@ -2518,14 +2524,16 @@ def sparse_attention_mosaic(
     (`cp.async.bulk`: 448 and 128 bytes, no tensor map), still lane 0's. Why: at CSA B=128 the producer
     spends ~2000 cycles issuing a 32-row step (18.7 KB, ~9 B a cycle; H100 session 69 profile), about as long as
     the converter and the scorer take for it, so with a three-slot staging ring the converter waits for its rows.
-    asym_scorer_cols (None = DEFAULT_ASYM_SCORER_COLS over the FP8 converter's tiles under consumers="asym", d / 2
-    elsewhere; session 70): the output columns whose P.V the scorer runs, 128 or d / 2 = 256; the helper runs the
+    "bulk" is the default since session 71 (timed with the other four FP8 defaults of that session, see
+    DEFAULT_FP8_OPERANDS' note).
+    asym_scorer_cols (None = DEFAULT_ASYM_SCORER_COLS, 128 since session 71, over the FP8 converter's tiles under
+    consumers="asym" unless regs is a 3-tuple, d / 2 elsewhere; session 70): the output columns whose P.V the scorer runs, 128 or d / 2 = 256; the helper runs the
     rest. Why 128: in FP8's asym the scorer (scores over all of d, the softmax, its P.V) sets the consumers' pace
     while the helper waits for its P through most of each step (the profile's c_wait_p plus the time its record
     lands after the named barrier: ~1800 of ~2500 cycles a step, H100 session 69), so a quarter of P.V moves to the
     helper (three m64n128 accumulators, 192 registers). FP8 pools through fp8_dequant="converter" under asym only;
     regs is then (producer, converter, scorer, helper), default the 3-tuple's consumer count -/+ 24.
-    asym_q_regs (None = DEFAULT_ASYM_Q_REGS over the FP8 converter's tiles under consumers="asym", else 0; session
+    asym_q_regs (None = DEFAULT_ASYM_Q_REGS, 256 since session 71, with asym_scorer_cols below d / 2, else 0; session
     70): q's first columns (a multiple of 64) that the scorer holds in registers as its score wgmma's A operand;
     the rest of q stays in shared memory. Why: with 32-row tiles the score chain (m64n32k16, both operands in shared
     memory) needs ~192 B a clock of shared memory at the tensor cores' peak against ~128 the SM has, and re-reads
@@ -2674,7 +2682,8 @@ def sparse_attention_mosaic(
     over_conv_asym = fp8 and conv and asym   # FP8 pools through the converter's tiles under asym
     f16_fits = over_conv_asym and _diag != "bits"   # ("bits" builds bf16 bit patterns)
     if fp8_operands is None:
-        fp8_operands = DEFAULT_FP8_OPERANDS if f16_fits else "bf16"
+        # ("rebias" builds bf16 bit patterns, so a caller's rebias keeps bf16 operands)
+        fp8_operands = DEFAULT_FP8_OPERANDS if f16_fits and fp8_convert != "rebias" else "bf16"
     if fp8_operands not in ("bf16", "f16"):
         raise ValueError(f"fp8_operands must be 'bf16' or 'f16', got {fp8_operands!r}")
     f16 = fp8_operands == "f16"
@@ -2688,7 +2697,9 @@ def sparse_attention_mosaic(
         raise ValueError("_diag='no_q_convert' skips q's conversion to f16: fp8_operands='f16' only")
     mode_got = f"got {'FP8' if fp8 else 'bf16'} pools, fp8_dequant={fp8_dequant!r}, consumers={consumers!r}"
     if asym_scorer_cols is None:
-        asym_scorer_cols = DEFAULT_ASYM_SCORER_COLS if over_conv_asym else d // 2
+        # (a caller's 3-entry regs name one consumer count: the even split)
+        asym_scorer_cols = DEFAULT_ASYM_SCORER_COLS if over_conv_asym and (regs is None or len(regs) == 4) \
+            else d // 2
     if isinstance(asym_scorer_cols, bool) or not isinstance(asym_scorer_cols, int) \
             or asym_scorer_cols not in (128, d // 2):
         raise ValueError(f"asym_scorer_cols must be 128 or d / 2 = {d // 2} (the scorer's P.V columns), got "
@@ -2698,7 +2709,8 @@ def sparse_attention_mosaic(
         raise ValueError("asym_scorer_cols below d / 2 moves P.V columns from the scorer to the helper over the FP8 "
                          f"converter's tiles: FP8 pools, fp8_dequant='converter', consumers='asym'; {mode_got}")
     if asym_q_regs is None:
-        asym_q_regs = DEFAULT_ASYM_Q_REGS if over_conv_asym else 0
+        # (measured with the uneven split only: the even one's scorer holds twice the P.V accumulator)
+        asym_q_regs = DEFAULT_ASYM_Q_REGS if uneven else 0
     if isinstance(asym_q_regs, bool) or not isinstance(asym_q_regs, int) or asym_q_regs % 64 \
             or not 0 <= asym_q_regs <= d:
         raise ValueError(f"asym_q_regs must be a multiple of 64 in [0, d = {d}] (q's columns the scorer holds in "
