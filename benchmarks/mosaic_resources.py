@@ -120,6 +120,10 @@ for qr in (128, 192, 256, 320):
                                                                  None)]
 OPTS["fp8_asym_qr64"] = dict(consumers="asym", asym_q_regs=64)
 VARIANTS += [("fp8_asym_qr64", True, None, None)]
+# session 71: the five FP8 defaults (f16, owned, bulk, scorer cols 128, q_regs 256) spill 80 B in the producer at
+# its 40 registers (the bulk copies' per-row addresses); register splits that give the producer more
+for r4 in ((48, 48, 184, 232), (48, 56, 176, 232), (48, 56, 184, 224), (56, 40, 184, 232)):
+    VARIANTS += [(f"fp8_defaults_r{'_'.join(map(str, r4))}", True, None, r4)]
 OPTS["fp8_asym_profiled"] = dict(consumers="asym", _profile="/tmp/mosaic_resources_profile")   # the phase profile's build
 VARIANTS += [("fp8_asym_profiled", True, None, None)]
 OPTS["fp8_consumers"] = dict(fp8_dequant="consumers")   # (the consumers' own conversion, for the spill figures)

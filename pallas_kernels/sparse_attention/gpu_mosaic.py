@@ -1132,9 +1132,16 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                             copy_piece(k, slot, piece_bar(p_), r, e, p_)
                         return _c
                 else:   # rows in order, each row's pieces together (piece_bars "rows": each on its own barrier)
+                    # fp8_copy "bulk": the warp's first row as an opaque function of the step, or ptxas hoists the
+                    # unrolled rows' shared-memory offsets out of the step loop and spills them (80 B at the
+                    # producer's 40 registers, offline, session 71)
+                    warp_ = arith.index_cast(index, llvm.inline_asm(
+                        i32, [arith.index_cast(i32, warp), arith.index_cast(i32, g)], "mov.b32 $0, $1;", "=r,r,r")) \
+                        if fp8 and fp8_copy == "bulk" else warp
+
                     @mu.fori(c(bk // 4), None)
                     def _(t, _c):
-                        r = arith.addi(arith.muli(t, c(4)), warp)
+                        r = arith.addi(arith.muli(t, c(4)), warp_)
                         copy_row(k, slot, full, r, src_row(r), piece_bar)
                         return _c
 
