@@ -36,7 +36,8 @@
 #   (F16=1's last step).
 # S71=1 (any card): session 71's FP8 defaults (f16 operands, owned order, bulk copies, asym_scorer_cols 128,
 #   asym_q_regs 256): the FP8 kernel cases that name a caller option the defaults had to yield to (rebias, a 3-entry
-#   regs) and the one the FP8 check's time limit cut, then issue #4's decode table (PART=1's first step).
+#   regs) and the one the FP8 check's time limit cut, then issue #4's FP8 decode table with the XLA reference at
+#   B = 64 (~250 s in all; the bf16 defaults did not change).
 # PART=0 (any card): the model-level Mosaic tests, the bf16 one per forced consumer schedule (asym, the pair,
 #   split_scores) and the FP8-cache one, four processes at once (all four passed on an H100 in session 66 in 307 s,
 #   which made asym the bf16 default).
@@ -120,8 +121,10 @@ if [ -n "$FP8_CHECK" ]; then fp8_default_check; exit; fi
 if [ -n "$F16" ]; then f16_operands; exit; fi
 if [ -n "$COPY" ]; then fp8_copy; exit; fi
 if [ -n "$S71" ]; then
-  PYTEST_N=4 T_tests4=150 T4_K="fp8 and (rebias or cb2 or dequantize_f32)" STEPS=tests4 session s71_recheck
-  decode_table; exit
+  PYTEST_N=4 T_tests4=${T_S71_TESTS:-110} T4_K="fp8 and (rebias or cb2 or dequantize_f32)" STEPS=tests4 \
+    session s71_recheck
+  T_attn=${T_S71_TABLE:-200} ATTN_ARGS="--groups decode --dtypes fp8 --net-decode --ref-batches 64" STEPS=attn \
+    session s71_fp8_table; exit
 fi
 if [ "${PART:-1}" = 0 ]; then model_asym; exit; fi
 case "$card:${PART:-1}" in
