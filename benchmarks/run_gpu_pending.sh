@@ -121,7 +121,7 @@ if [ -n "$FP8_CHECK" ]; then fp8_default_check; exit; fi
 if [ -n "$F16" ]; then f16_operands; exit; fi
 if [ -n "$COPY" ]; then fp8_copy; exit; fi
 if [ -n "$S71" ]; then
-  PYTEST_N=4 T_tests4=${T_S71_TESTS:-110} T4_K="fp8 and (rebias or cb2 or dequantize_f32)" STEPS=tests4 \
+  PYTEST_N=4 T_tests4=${T_S71_TESTS:-110} T4_K="fp8 and (rebias or cb2 or dequantize_f32 or copybulk)" STEPS=tests4 \
     session s71_recheck
   T_attn=${T_S71_TABLE:-200} ATTN_ARGS="--groups decode --dtypes fp8 --net-decode --ref-batches 64" STEPS=attn \
     session s71_fp8_table; exit
