@@ -109,6 +109,10 @@ CASES = {
     "csa128_fp8_asym_all70": ("csa", 128, 1, 512, "fp8", dict(
         consumers="asym", fp8_operands="f16", fp8_chunk_order="owned", fp8_copy="bulk", asym_scorer_cols=128,
         asym_q_regs=256)),
+    # session 71: the five above are the defaults (csa128_fp8_cv_asym profiles them); session 70's defaults, named
+    "csa128_fp8_s70_defaults": ("csa", 128, 1, 512, "fp8", dict(
+        consumers="asym", fp8_operands="bf16", fp8_chunk_order="diagonal", fp8_copy="tma", asym_scorer_cols=256,
+        asym_q_regs=0)),
     # FlashMLA's consumer split (consumers="asym", session 64): consumer 0 c_wait_full, c_scores, c_softmax (with
     # P's and alpha's stores), c_pv; consumer 1 c_wait_p (the named barrier) and c_pv. Its 215 KB leave room for
     # the profiler's records, which split_d's 32 KB exchange does not (the pair without split_d for comparison)

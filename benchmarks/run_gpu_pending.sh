@@ -24,11 +24,12 @@
 #   time left (T_CONV_ASYM_TESTS / T_CONV_ASYM_TIMING for conv_asym).
 # FP8_CHECK=1 (any card): the FP8-cache model test and all FP8 kernel cases side by side (~210 s), the check an FP8
 #   default change needs (session 68).
-# F16=1 (any card): fp8_operands="f16" and fp8_chunk_order="owned" (session 69: their GPU cases passed on an H100,
-#   h100_s69r1; a second timing call and the model test still to run): their GPU tests, their timing (group s69),
+# F16=1 (any card; done in session 71 with COPY=1 and FP8_CHECK=1, both now defaults): fp8_operands="f16" and
+#   fp8_chunk_order="owned" (session 69: their GPU cases passed on an H100, h100_s69r1): their GPU tests, their timing (group s69),
 #   the phase profiles, then the FP8-cache model test on both as a trial default (~560 s in all; the model test
 #   last, as it matters only if they win).
-# COPY=1 (any card): session 70's three options over FP8's asym, built and lowered on the CPU, never run: fp8_copy
+# COPY=1 (any card; run in session 71, h100_s71r1, and the five made the FP8 defaults: the group's "defaults" column
+#   names session 70's): session 70's three options over FP8's asym: fp8_copy
 #   (the producer's FP8 staging copies as 1-D bulk copies), asym_scorer_cols=128 (a
 #   quarter of P.V moved from the scorer to the helper) and asym_q_regs (q's first columns in the scorer's
 #   registers): their GPU tests, group s70 (against the defaults, with bf16 operands and with f16 + owned), the

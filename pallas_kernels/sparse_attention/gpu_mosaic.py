@@ -77,7 +77,11 @@ before the consumers' scores; `fp8_dequant="producer"` moves it to the producer 
 ring of two 32-row bf16 tiles ahead of the consumers: correct, but then the producer (conversion + issuing the
 copies, ~4800 cycles per 32-row step) binds instead, so it is no faster (session 22) and off. The default since
 session 25 is `fp8_dequant="converter"` (a fourth warpgroup converts the staging ring into 32-row tiles; with the
-four conversion instructions a pair of "cvt" since session 67, 3-7% faster than "rebias" there).
+four conversion instructions a pair of "cvt" since session 67, 3-7% faster than "rebias" there). Since session 71
+it runs with f16 tensor-core operands (one conversion instruction a pair, q converted in the kernel), its "owned"
+chunk order, the producer's rows as two 1-D bulk copies, and under asym a quarter of P.V on the helper and q's
+first 256 columns in the scorer's registers (H100: 11-15% faster FP8 decode at B >= 64 than the session-68 shape;
+see DEFAULT_FP8_OPERANDS' note).
 `fp8_dequant="direct"` (session 55, FlashMLA's producer shape) drops the staging ring: the producer gathers raw
 rows straight into (registers or) the upper pieces of the 64-row tile they become, converts them there, and the
 consumers run bf16's 64-row steps; correct, but 13-23% slower than the converter on the H100, as its fill of a
