@@ -807,12 +807,17 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                                           for part in (2, 3))
                 v4i32 = ir.VectorType.get((4,), i32)
 
-            def step_tid(g):
-                """direct: this producer thread's index as an opaque function of step g. Every chunk's coordinates
-                (row, chunk, offsets) depend only on it and the pass; hoisted out of the step loop they are dozens of
-                values live through it, which spills the producer's 80 registers (offline ptxas, session 55)."""
+            def opaque_in_step(v, g):
+                """v (index) as an opaque function of step g: what is computed from it cannot be hoisted out of the
+                step loop, where ptxas would keep (and spill) it live through the loop."""
                 return arith.index_cast(index, llvm.inline_asm(
-                    i32, [arith.index_cast(i32, ptid), arith.index_cast(i32, g)], "mov.b32 $0, $1;", "=r,r,r"))
+                    i32, [arith.index_cast(i32, v), arith.index_cast(i32, g)], "mov.b32 $0, $1;", "=r,r,r"))
+
+            def step_tid(g):
+                """direct: this producer thread's index, opaque in step g. Every chunk's coordinates (row, chunk,
+                offsets) depend only on it and the pass; hoisted out of the step loop they are dozens of values live
+                through it, which spills the producer's 80 registers (offline ptxas, session 55)."""
+                return opaque_in_step(ptid, g)
 
             def direct_load(k, kind, p, src_row, lt):
                 """direct: pass p of a step (128 chunks of 16 B; the nope passes first, then the rope passes) for
@@ -1139,9 +1144,7 @@ def _build(bt, ns, d, bk, stages, bps, srcs, idx_rows, scale2, out_split, fp8=Fa
                     # fp8_copy "bulk": the warp's first row as an opaque function of the step, or ptxas hoists the
                     # unrolled rows' shared-memory offsets out of the step loop and spills them (80 B at the
                     # producer's 40 registers, offline, session 71)
-                    warp_ = arith.index_cast(index, llvm.inline_asm(
-                        i32, [arith.index_cast(i32, warp), arith.index_cast(i32, g)], "mov.b32 $0, $1;", "=r,r,r")) \
-                        if fp8 and fp8_copy == "bulk" else warp
+                    warp_ = opaque_in_step(warp, g) if fp8 and fp8_copy == "bulk" else warp
 
                     @mu.fori(c(bk // 4), None)
                     def _(t, _c):
@@ -2539,8 +2542,8 @@ def sparse_attention_mosaic(
     "bulk" is the default since session 71 (timed with the other four FP8 defaults of that session, see
     DEFAULT_FP8_OPERANDS' note).
     asym_scorer_cols (None = DEFAULT_ASYM_SCORER_COLS, 128 since session 71, over the FP8 converter's tiles under
-    consumers="asym" unless regs is a 3-tuple, d / 2 elsewhere; session 70): the output columns whose P.V the scorer runs, 128 or d / 2 = 256; the helper runs the
-    rest. Why 128: in FP8's asym the scorer (scores over all of d, the softmax, its P.V) sets the consumers' pace
+    consumers="asym" unless regs is a 3-tuple, d / 2 elsewhere; session 70): the output columns whose P.V the
+    scorer runs, 128 or d / 2 = 256; the helper runs the rest. Why 128: in FP8's asym the scorer (scores over all of d, the softmax, its P.V) sets the consumers' pace
     while the helper waits for its P through most of each step (the profile's c_wait_p plus the time its record
     lands after the named barrier: ~1800 of ~2500 cycles a step, H100 session 69), so a quarter of P.V moves to the
     helper (three m64n128 accumulators, 192 registers). FP8 pools through fp8_dequant="converter" under asym only;
