@@ -124,6 +124,13 @@ VARIANTS += [("fp8_asym_qr64", True, None, None)]
 # its 40 registers (the bulk copies' per-row addresses); register splits that give the producer more
 for r4 in ((48, 48, 184, 232), (48, 56, 176, 232), (48, 56, 184, 224), (56, 40, 184, 232)):
     VARIANTS += [(f"fp8_defaults_r{'_'.join(map(str, r4))}", True, None, r4)]
+# session 72: a third 32-row tile slot for two staging slots (what fits), under the FP8 defaults, and register
+# splits that give the converter more (t3s2 spills 20 B in the converter's loop at 56)
+OPTS["fp8_t3s2"] = dict(tile_slots=3, num_stages=2)
+VARIANTS += [("fp8_t3s2", True, None, None)]
+for r4 in ((40, 64, 184, 224), (32, 64, 184, 232), (40, 64, 176, 232)):
+    OPTS[f"fp8_t3s2_r{'_'.join(map(str, r4))}"] = OPTS["fp8_t3s2"]
+    VARIANTS += [(f"fp8_t3s2_r{'_'.join(map(str, r4))}", True, None, r4)]
 OPTS["fp8_asym_profiled"] = dict(consumers="asym", _profile="/tmp/mosaic_resources_profile")   # the phase profile's build
 VARIANTS += [("fp8_asym_profiled", True, None, None)]
 OPTS["fp8_consumers"] = dict(fp8_dequant="consumers")   # (the consumers' own conversion, for the spill figures)

@@ -39,6 +39,10 @@
 #   asym_q_regs 256): the FP8 kernel cases that name a caller option the defaults had to yield to (rebias, a 3-entry
 #   regs) and the one the FP8 check's time limit cut, then issue #4's FP8 decode table with the XLA reference at
 #   B = 64 (~250 s in all; the bf16 defaults did not change).
+# S72=1 (any card): S71's 43 recheck cases and the 8 GPU cases of a third tile slot on the FP8 defaults at the
+#   converter's 64 registers, group s72 (that slot at two register splits against the defaults), then the FP8 decode
+#   table with the XLA reference at B = 64 (~550 s in all). IDX_TABLE=1: issue #5's indexer rows alone (PART=1's
+#   second step on an H200, ~170 s).
 # PART=0 (any card): the model-level Mosaic tests, the bf16 one per forced consumer schedule (asym, the pair,
 #   split_scores) and the FP8-cache one, four processes at once (all four passed on an H100 in session 66 in 307 s,
 #   which made asym the bf16 default).
@@ -60,6 +64,12 @@ asym() {
 }
 decode_table() {
   T_attn=290 ATTN_ARGS="--groups decode --net-decode --ref-batches 64" STEPS=attn session decode_table
+}
+indexer_table() {   # issue #5's rows: indexer decode at 8K / 128K / 1M, B = 1 and 64, each key format, on the defaults
+  # against session 54's q preparation grid (mosaic.q_prep_heads=64) in the same call
+  T_idx=${T_IDX:-170} STEPS=idx IDX_ARGS="--skip-topk-only --variants pallas_auto_set \
+--set-configs topk=auto_set,mosaic.q_prep_heads=64 --cases 64x1x131072xfp4,64x1x131072xfp8,64x1x131072xbf16,1x1x131072xfp4,1x1x131072xfp8,64x1x1048576xfp4,\
+64x1x1048576xfp8,1x1x1048576xfp4,64x1x8192xfp8" session indexer_table
 }
 asym_fp8_and_profile() {
   T_attn=${T_S64F:-170} ATTN_ARGS="--groups s64f --net-decode --no-ref" STEPS=attn session asym_fp8_timing
@@ -127,13 +137,21 @@ if [ -n "$S71" ]; then
   T_attn=${T_S71_TABLE:-200} ATTN_ARGS="--groups decode --dtypes fp8 --net-decode --ref-batches 64" STEPS=attn \
     session s71_fp8_table; exit
 fi
+if [ -n "$S72" ]; then   # session 72: S71's recheck and the third tile slot's GPU cases, group s72, the FP8 table
+  PYTEST_N=4 T_tests4=${T_S72_TESTS:-150} STEPS=tests4 \
+    T4_K="fp8 and (rebias or cb2 or dequantize_f32 or copybulk or (st2_ts3 and (_r40 or _r32)))" session s72_tests
+  T_attn=${T_S72_TIMING:-200} ATTN_ARGS="--groups s72 --net-decode --no-ref" STEPS=attn session s72_timing
+  T_attn=${T_S71_TABLE:-200} ATTN_ARGS="--groups decode --dtypes fp8 --net-decode --ref-batches 64" STEPS=attn \
+    session s71_fp8_table; exit
+fi
+if [ -n "$IDX_TABLE" ]; then   # issue #5's indexer rows alone (PART=1's second step on an H200)
+  indexer_table; exit
+fi
 if [ "${PART:-1}" = 0 ]; then model_asym; exit; fi
 case "$card:${PART:-1}" in
   *H200*:1)
     decode_table
-    T_idx=170 STEPS=idx IDX_ARGS="--skip-topk-only --variants pallas_auto_set \
---set-configs topk=auto_set,mosaic.q_prep_heads=64 --cases 64x1x131072xfp4,64x1x131072xfp8,64x1x131072xbf16,1x1x131072xfp4,1x1x131072xfp8,64x1x1048576xfp4,\
-64x1x1048576xfp8,1x1x1048576xfp4,64x1x8192xfp8" session indexer_table ;;
+    indexer_table ;;
   *H200*:2) asym ;;
   *H200*:3) asym_fp8_and_profile ;;
   *H200*:4) conv_asym ;;

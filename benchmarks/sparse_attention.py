@@ -161,7 +161,7 @@ def fmt(r):
 GROUPS = (
     "b1", "colsplit", "decode", "fp8ops", "hca8k_fp8", "kernels", "knobs5", "prefetch", "prefill",
     "qreload", "s14", "s16", "s17", "s18", "s19", "s22", "s23", "s25", "s25d", "s26", "s26b", "s26c",
-    "s28", "s29", "s29p", "s56", "s61", "s64", "s64f", "s64q", "s67", "s67a", "s67u", "s68", "s69", "s70", "s9", "ss", "variants")
+    "s28", "s29", "s29p", "s56", "s61", "s64", "s64f", "s64q", "s67", "s67a", "s67u", "s68", "s69", "s70", "s72", "s9", "ss", "variants")
 
 
 def main():
@@ -198,7 +198,9 @@ def main():
                          "fp8_operands='f16', against bf16's, the no-conversion bound, f16 without q's conversion, "
                          "f16 with conv_batch=2 at (40, 72, 200), and fp8_chunk_order='owned' with f16 and bf16), s70 (FP8 on "
                          "asym: fp8_copy 'bulk', asym_scorer_cols=128 and asym_q_regs=256 against the defaults, with "
-                         "bf16 operands and with f16 + owned)")
+                         "bf16 operands and with f16 + owned), s72 (FP8 defaults: a third 32-row tile slot for a "
+                         "staging slot, tile_slots=3 num_stages=2, at two register splits that give the converter 64, "
+                         "and the defaults at one of them)")
     ap.add_argument("--dtypes", default="bf16,fp8", help="decode / prefill / b1 groups: the KV dtypes to run")
     ap.add_argument("--ref-batches", default=None,
                     help="decode / prefill / b1 groups: time the XLA reference only at these batch sizes (comma "
@@ -505,6 +507,16 @@ def main():
                    dict(f16o, **alls)],
                   [("csa", 128, 512), ("csa", 64, 512), ("hca", 64, 8192)], ())
         fp8_modes([asym, dict(asym, **alls), dict(f16o, **alls)], [("hca", 128, 1024), ("csa", 16, 512)], (16384,))
+    if "s72" in groups:  # session 72, FP8 on session 71's defaults: the producer, the converter and the scorer take
+        # about the same time a 32-row step (h100_s71r1_mprof), and with two tile slots the converter can be only one
+        # tile ahead of the consumers. A third tile slot (32 KB) fits for one staging slot (tile_slots=3,
+        # num_stages=2: 219752 B); at the default registers its converter spills 20 B (offline), at (40, 64, 184,
+        # 224) and (32, 64, 184, 232) nothing. The defaults at (40, 64, 184, 224) as the control for the register
+        # move alone. Every row's variants back to back; the first entry is today's default
+        t3 = dict(mos, tile_slots=3, num_stages=2)
+        fp8_modes([dict(mos), dict(t3, regs=(40, 64, 184, 224)), dict(t3, regs=(32, 64, 184, 232)),
+                   dict(mos, regs=(40, 64, 184, 224))],
+                  [("csa", 128, 512), ("csa", 64, 512), ("hca", 64, 8192), ("hca", 128, 1024)], (16384,))
     if "s67u" in groups:  # session 67, FP8: the producer taking 2 of the converter's 9 passes a step (conv_units=7,
         # 1-2% faster in one call of s25) against the default, every row of the issue's FP8 decode table, each row's
         # two runs back to back

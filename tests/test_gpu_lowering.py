@@ -471,6 +471,9 @@ def lower_model_steps(model, cache, marker):
                                                                fp8_operands="f16", fp8_chunk_order="owned",
                                                                fp8_copy="bulk"), True),
                                               (3, 1, 512, dict(asym_q_regs=64), True),
+                                              # ... a third tile slot on the defaults, the converter at 64 (s72)
+                                              (3, 1, 512, dict(tile_slots=3, num_stages=2, regs=(40, 64, 184, 224)),
+                                               True),
                                               (3, 1, 512, dict(asym_q_regs=512, asym_scorer_cols=128), True)]))
 def test_sparse_attention_mosaic_lowers(b, t, k_c, opts, fp8):
     from pallas_kernels.sparse_attention.gpu_mosaic import sparse_attention_mosaic

@@ -240,6 +240,9 @@ MOSAIC_CASES += [(*c[:7], dict(fp8_chunk_order="diagonal", **c[7])) for c in [
 # a three-tile bf16 ring next to two staging slots (built in session 25, not yet run on the GPU)
 MOSAIC_CASES += [(*c[:7], dict(fp8_dequant=m, tile_slots=3, num_stages=2, **c[7]))
                  for m in ("converter", "producer") for c in TILE_RING_CASES[:4]]
+# ... on session 71's FP8 defaults at the register splits group s72 times (session 72: the converter at 64)
+MOSAIC_CASES += [(*c[:7], dict(tile_slots=3, num_stages=2, regs=r, **c[7]))
+                 for r in ((40, 64, 184, 224), (32, 64, 184, 232)) for c in TILE_RING_CASES[:4]]
 # a converting thread's chunks loaded in batches before their stores (conv_batch; session 26)
 MOSAIC_CASES += [(*c[:7], dict(conv_batch=n, **c[7])) for n in (2, 3, 9) for c in TILE_RING_CASES[:4]]
 MOSAIC_CASES += [(*c[:7], dict(fp8_dequant="converter", conv_units=5, conv_batch=3, **c[7]))
