@@ -166,11 +166,19 @@ class KernelResources:
         by_smem = SM_SHARED_BYTES // (self.shared_bytes + CTA_RESERVED_SHARED_BYTES)
         return min(by_regs, by_smem, SM_MAX_WARPS // warps, SM_MAX_CTAS)
 
+    @property
+    def wgmma_serialized(self) -> list[str]:
+        """ptxas' "Potential Performance Loss: wgmma.mma_async instructions are serialized ..." notes (C7514-C7520):
+        ptxas then waits for every wgmma where it is issued, so no score chain or P.V overlaps anything. Session 72
+        met C7514 from accumulators left in flight across a loop's back edge; a timing would only show a slowdown."""
+        return re.findall(r"\((C75\d\d)\) Potential Performance Loss: wgmma", self.ptxas_log)
+
     def line(self) -> str:
         budgets = f" (setmaxnreg {'/'.join(map(str, self.setmaxnreg))})" if self.setmaxnreg else ""
+        serial = f", wgmma serialized ({', '.join(self.wgmma_serialized)})" if self.wgmma_serialized else ""
         return (f"{self.name}: {self.registers} registers{budgets}, {self.threads} threads, spills "
                 f"{self.spill_stores} B stored / {self.spill_loads} B loaded, stack {self.stack_bytes} B, shared "
-                f"memory {self.shared_bytes} B -> {self.ctas_per_sm} CTA(s) an SM")
+                f"memory {self.shared_bytes} B -> {self.ctas_per_sm} CTA(s) an SM{serial}")
 
 
 def parse_ptxas_log(text: str) -> dict:

@@ -8,6 +8,7 @@ at <= 128 registers and spill nothing, or an SM holds one CTA instead of two.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
@@ -31,6 +32,18 @@ def test_parse_ptxas_log():
                         spill_stores=16, spill_loads=20)
     with pytest.raises(ValueError, match="not a ptxas -v log"):
         mo.parse_ptxas_log("ptxas info    : 0 bytes gmem\n")
+
+
+def test_wgmma_serialization_notes_are_found():
+    """ptxas' wgmma serialization note (what session 72's loop-carried accumulators drew) is read from the log."""
+    log = ("ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+           "non wgmma instructions reading accumulator registers of  a wgmma between start and end of the pipeline "
+           "stage in the function 'k'\n" + PTXAS_LOG)
+    r = mo.KernelResources(name="k", registers=128, spill_stores=0, spill_loads=0, stack_bytes=0, threads=512,
+                           shared_bytes=1024, setmaxnreg=(), ptxas_log=log, ptx_path=None, cubin_path=None,
+                           sass_path=None)
+    assert r.wgmma_serialized == ["C7514"] and "wgmma serialized (C7514)" in r.line()
+    assert dataclasses.replace(r, ptxas_log=PTXAS_LOG).wgmma_serialized == []
 
 
 def test_ptx_threads_and_register_budgets():
@@ -225,3 +238,4 @@ def test_default_mosaic_kernels_do_not_spill(tmp_path, name):
     for r in results:
         assert r.spill_stores == 0 and r.spill_loads == 0, r.line()
         assert r.ctas_per_sm >= 1, r.line()
+        assert not r.wgmma_serialized, r.line() + "\n" + r.ptxas_log
