@@ -141,6 +141,7 @@ if [ -n "$S72" ]; then   # session 72: S71's recheck and the third tile slot's G
   PYTEST_N=4 T_tests4=${T_S72_TESTS:-150} STEPS=tests4 \
     T4_K="fp8 and (rebias or cb2 or dequantize_f32 or copybulk or (st2_ts3 and (_r40 or _r32)))" session s72_tests
   T_attn=${T_S72_TIMING:-200} ATTN_ARGS="--groups s72 --net-decode --no-ref" STEPS=attn session s72_timing
+  if [ -n "$S72_SHORT" ]; then exit; fi   # (a call with little device time left: the table next time)
   T_attn=${T_S71_TABLE:-200} ATTN_ARGS="--groups decode --dtypes fp8 --net-decode --ref-batches 64" STEPS=attn \
     session s71_fp8_table; exit
 fi
