@@ -15,6 +15,12 @@ of q (64 KB) for every 32 rows.
 This counts, per step, the bytes each actor moves through shared memory and prints the step's lower bound at the
 given bandwidth next to the profiled phase times. A model, not a measurement: it shows where the bytes are, and
 that the FP8 step's bytes bound it at ~1600 cycles an SM, well above the tensor cores' ~1024.
+
+Session 72: the q columns the scorer holds in registers (asym_q_regs) and the uneven P.V split are counted, and
+session 71's defaults are a row. Their step moves ~180 KB, a 1444-cycle bound at 128 B a clock, against ~2400
+cycles each warpgroup takes a 32-row step in that profile (3034 with the span's fixed costs): shared memory is then at
+most ~60% busy on average, so what is left between the stages is more latency and hand-off (the three warpgroups
+waiting on each other through two tile slots) than bandwidth.
 """
 
 from __future__ import annotations
@@ -32,12 +38,14 @@ def wgmma_ss_bytes(m, n, k, a_bytes_per_el=2, b_bytes_per_el=2):
     return m * k * a_bytes_per_el + n * k * b_bytes_per_el
 
 
-def asym_step(rows, fp8, scorer_cols=D // 2):
+def asym_step(rows, fp8, scorer_cols=D // 2, q_reg_cols=0):
     """Bytes through shared memory in one step of `rows` gathered rows under consumers="asym" (the scorer scores
-    over all of d, the helper and the scorer split P.V's output columns), by actor. -> dict name -> bytes."""
+    over all of d, the helper and the scorer split P.V's output columns), by actor. q_reg_cols: q's first columns
+    held in the scorer's registers (asym_q_regs: the A operand of those wgmma comes from registers). -> dict name ->
+    bytes."""
     t = {}
-    # the scorer's S = q K^T: d / 16 wgmma of m64 n=rows k16, q and K from shared memory
-    t["scores: q (A operand, re-read every step)"] = (D // 16) * H * 16 * 2
+    # the scorer's S = q K^T: d / 16 wgmma of m64 n=rows k16, q (but its columns in registers) and K from shared memory
+    t["scores: q (A operand, re-read every step)"] = ((D - q_reg_cols) // 16) * H * 16 * 2
     t["scores: K (B operand)"] = (D // 16) * rows * 16 * 2
     helper_cols = D - scorer_cols
     # P.V: V = K's rows (B operand, rows x cols); the scorer's P is in registers (RS), the helper's in shared memory,
@@ -67,12 +75,16 @@ def main():
               f"({'over' if need > bw else 'within'} {bw:.0f})")
     # measured (cycles a step, H100): FP8 = h100_s69r1_f16_mprof.log, case csa128_fp8_asym_f16_owned (32-row steps);
     # bf16 = h100_s65r2_mprof.log, case csa128_asym (64-row steps)
+    # session 71's FP8 defaults (f16 + owned, bulk copies, asym_scorer_cols=128, asym_q_regs=256): h100_s71r1_mprof.log
     measured = {   # the score chain a step, and the consumers' span / steps
-        ("FP8, converter's 32-row tiles", 32, True): dict(scores=938, step=65142 / 20),
-        ("bf16, 64-row ring", 64, False): dict(scores=1225, step=69809 / 10),
+        ("FP8, converter's 32-row tiles (session 69: f16 + owned)", 32, True, D // 2, 0): dict(scores=938,
+                                                                                            step=65142 / 20),
+        ("FP8, session 71's defaults (scorer cols 128, q cols 256 in registers)", 32, True, 128, 256):
+            dict(scores=840, step=60688 / 20),
+        ("bf16, 64-row ring", 64, False, D // 2, 0): dict(scores=1225, step=69809 / 10),
     }
-    for (name, rows, fp8), meas in measured.items():
-        t = asym_step(rows, fp8)
+    for (name, rows, fp8, scorer_cols, q_reg_cols), meas in measured.items():
+        t = asym_step(rows, fp8, scorer_cols, q_reg_cols)
         total = sum(t.values())
         tensor = (H * rows * D * 2 * 2) / TENSOR_FLOP_PER_CLOCK   # S and P.V, all of d
         sc = (t["scores: q (A operand, re-read every step)"] + t["scores: K (B operand)"]) / bw
