@@ -175,7 +175,8 @@ class KernelResources:
 
     def line(self) -> str:
         budgets = f" (setmaxnreg {'/'.join(map(str, self.setmaxnreg))})" if self.setmaxnreg else ""
-        serial = f", wgmma serialized ({', '.join(self.wgmma_serialized)})" if self.wgmma_serialized else ""
+        notes = self.wgmma_serialized
+        serial = f", wgmma serialized ({', '.join(notes)})" if notes else ""
         return (f"{self.name}: {self.registers} registers{budgets}, {self.threads} threads, spills "
                 f"{self.spill_stores} B stored / {self.spill_loads} B loaded, stack {self.stack_bytes} B, shared "
                 f"memory {self.shared_bytes} B -> {self.ctas_per_sm} CTA(s) an SM{serial}")

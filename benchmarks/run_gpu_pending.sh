@@ -131,19 +131,23 @@ if [ -n "$INDEXER_TESTS" ]; then indexer_tests; exit; fi
 if [ -n "$FP8_CHECK" ]; then fp8_default_check; exit; fi
 if [ -n "$F16" ]; then f16_operands; exit; fi
 if [ -n "$COPY" ]; then fp8_copy; exit; fi
-if [ -n "$S71" ]; then
-  PYTEST_N=4 T_tests4=${T_S71_TESTS:-110} T4_K="fp8 and (rebias or cb2 or dequantize_f32 or copybulk)" STEPS=tests4 \
-    session s71_recheck
+# session 71's recheck (its defaults yielding to a caller's rebias / 3-entry regs, the case the FP8 check's limit cut,
+# the bulk copies' cases) and issue #4's FP8 decode table with the XLA reference at B = 64
+S71_K="rebias or cb2 or dequantize_f32 or copybulk"
+fp8_table() {
   T_attn=${T_S71_TABLE:-200} ATTN_ARGS="--groups decode --dtypes fp8 --net-decode --ref-batches 64" STEPS=attn \
-    session s71_fp8_table; exit
+    session s71_fp8_table
+}
+if [ -n "$S71" ]; then
+  PYTEST_N=4 T_tests4=${T_S71_TESTS:-110} T4_K="fp8 and ($S71_K)" STEPS=tests4 session s71_recheck
+  fp8_table; exit
 fi
 if [ -n "$S72" ]; then   # session 72: S71's recheck and the third tile slot's GPU cases, group s72, the FP8 table
-  PYTEST_N=4 T_tests4=${T_S72_TESTS:-150} STEPS=tests4 \
-    T4_K="fp8 and (rebias or cb2 or dequantize_f32 or copybulk or (st2_ts3 and (_r40 or _r32)))" session s72_tests
+  PYTEST_N=4 T_tests4=${T_S72_TESTS:-150} T4_K="fp8 and ($S71_K or (st2_ts3 and (_r40 or _r32)))" STEPS=tests4 \
+    session s72_tests
   T_attn=${T_S72_TIMING:-200} ATTN_ARGS="--groups s72 --net-decode --no-ref" STEPS=attn session s72_timing
   if [ -n "$S72_SHORT" ]; then exit; fi   # (a call with little device time left: the table next time)
-  T_attn=${T_S71_TABLE:-200} ATTN_ARGS="--groups decode --dtypes fp8 --net-decode --ref-batches 64" STEPS=attn \
-    session s71_fp8_table; exit
+  fp8_table; exit
 fi
 if [ -n "$IDX_TABLE" ]; then   # issue #5's indexer rows alone (PART=1's second step on an H200)
   indexer_table; exit
