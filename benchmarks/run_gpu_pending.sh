@@ -2,6 +2,7 @@
 # The device work still pending, as one command that picks its steps by the card it lands on (the device tool gives
 # an H100 or an H200, whichever comes; H200s have not come since session 55). Each part fits one 600 s call.
 #   device run:  PART=1 bash benchmarks/run_gpu_pending.sh        (then PART=2, 3, 4, 5 while the machine is warm)
+# Still pending (session 73): an H200's PART=1 (none has come since session 55; the H100 ran both tables in session 73).
 # H200, part 1 / any other card, part 1: issue #4's decode table on today's defaults (consumers="asym" for bf16 since
 #   session 66, for FP8 over the converter's tiles since session 68) with the XLA reference at B = 64; on an H200
 #   then issue #5's rows (indexer decode at 8K / 128K / 1M, B = 1 and 64, each key format) on the defaults, against
@@ -41,7 +42,8 @@
 #   B = 64 (~250 s in all; the bf16 defaults did not change).
 # S72=1 (any card): S71's 43 recheck cases and the 8 GPU cases of a third tile slot on the FP8 defaults at the
 #   converter's 64 registers, group s72 (that slot at two register splits against the defaults), then the FP8 decode
-#   table with the XLA reference at B = 64 (~550 s in all). IDX_TABLE=1: issue #5's indexer rows alone (PART=1's
+#   table with the XLA reference at B = 64 (~550 s in all; run on an H100 in session 73, h100_s73r1: 280 s, all cases
+#   passed, the third slot set aside). IDX_TABLE=1: issue #5's indexer rows alone (PART=1's
 #   second step on an H200, ~170 s).
 # PART=0 (any card): the model-level Mosaic tests, the bf16 one per forced consumer schedule (asym, the pair,
 #   split_scores) and the FP8-cache one, four processes at once (all four passed on an H100 in session 66 in 307 s,
