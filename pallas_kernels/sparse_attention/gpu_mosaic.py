@@ -2429,7 +2429,7 @@ def sparse_attention_mosaic(
     wait ~660 cycles a step for a tile, which a deeper ring may hide. Timed in session 26: no faster (CSA B=64 31.1
     vs 31.4 us, B=128 49.6 vs 47.9, with conv_batch=3), and HCA-8K B=64 20% slower for the staging slot it takes.
     Again on session 71's defaults (H100 session 73, group s72, regs (40, 64, 184, 224) / (32, 64, 184, 232)):
-    decode within one call's spread, the 16K prefill 22-28% slower.
+    decode and the in-kernel 16K prefill within one call's spread.
     fp8_dequant="direct" (session 55; FlashMLA's FP8 decode kernel keeps its producer in this shape): no staging
     ring and no bulk copies of raw rows. The producer's 128 threads gather each step's rows from global memory
     themselves (into the tile being filled, or into registers: direct_staging), convert them and store the bf16
