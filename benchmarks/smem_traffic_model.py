@@ -19,8 +19,9 @@ that the FP8 step's bytes bound it at ~1600 cycles an SM, well above the tensor 
 Session 72: the q columns the scorer holds in registers (asym_q_regs) and the uneven P.V split are counted, and
 session 71's defaults are a row. Their step moves ~180 KB, a 1444-cycle bound at 128 B a clock, against ~2400
 cycles each warpgroup takes a 32-row step in that profile (3034 with the span's fixed costs): shared memory is then at
-most ~60% busy on average, so what is left between the stages is more latency and hand-off (the three warpgroups
-waiting on each other through two tile slots) than bandwidth.
+most ~60% busy on average, so bandwidth is not what bounds the step. (Session 72 read the rest as the stages'
+hand-offs through two tile slots; session 73 timed a third slot on an H100, group s72, and the step did not get
+faster: each warpgroup's own step time bounds it.)
 """
 
 from __future__ import annotations

@@ -2545,10 +2545,10 @@ def sparse_attention_mosaic(
     DEFAULT_FP8_OPERANDS' note).
     asym_scorer_cols (None = DEFAULT_ASYM_SCORER_COLS, 128 since session 71, over the FP8 converter's tiles under
     consumers="asym" unless regs is a 3-tuple, d / 2 elsewhere; session 70): the output columns whose P.V the
-    scorer runs, 128 or d / 2 = 256; the helper runs the rest. Why 128: in FP8's asym the scorer (scores over all of d, the softmax, its P.V) sets the consumers' pace
-    while the helper waits for its P through most of each step (the profile's c_wait_p plus the time its record
-    lands after the named barrier: ~1800 of ~2500 cycles a step, H100 session 69), so a quarter of P.V moves to the
-    helper (three m64n128 accumulators, 192 registers). FP8 pools through fp8_dequant="converter" under asym only;
+    scorer runs, 128 or d / 2 = 256; the helper runs the rest. Why 128: in FP8's asym the scorer (scores over all
+    of d, the softmax, its P.V) sets the consumers' pace while the helper waits for its P through most of each step
+    (the profile's c_wait_p plus the time its record lands after the named barrier: ~1800 of ~2500 cycles a step,
+    H100 session 69), so a quarter of P.V moves to the helper (three m64n128 accumulators, 192 registers). FP8 pools through fp8_dequant="converter" under asym only;
     regs is then (producer, converter, scorer, helper), default the 3-tuple's consumer count -/+ 24.
     asym_q_regs (None = DEFAULT_ASYM_Q_REGS, 256 since session 71, with asym_scorer_cols below d / 2, else 0; session
     70): q's first columns (a multiple of 64) that the scorer holds in registers as its score wgmma's A operand;
