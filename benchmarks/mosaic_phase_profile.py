@@ -143,8 +143,9 @@ CASES = {
 }
 
 
-def summarize(trace, clock_ghz=1.98, warpgroups=WARPGROUPS):
-    """A Mosaic GPU profiler trace (the dumped JSON as a dict) -> per role and region statistics.
+def summarize(trace, clock_ghz=1.98, warpgroups=WARPGROUPS, roles_of=None):
+    """A Mosaic GPU profiler trace (the dumped JSON as a dict) -> per role and region statistics. roles_of:
+    warpgroup -> role name (default `ROLE`, this kernel's; the indexer's profile passes its own).
 
     Event times are SM clock cycles since the warpgroup's first record, plus the CTA's globaltimer start (ns), all
     divided by 1e3; within one warpgroup a difference of two times x 1e3 is cycles. Returns dict(roles={role:
@@ -161,7 +162,7 @@ def summarize(trace, clock_ghz=1.98, warpgroups=WARPGROUPS):
     n_traces = defaultdict(int)
     for t, evs in by_trace.items():
         wg, cta = t % warpgroups, t // warpgroups
-        role = ROLE[wg]
+        role = (roles_of or ROLE)[wg]
         # in the dump's order, which is the record order within a warpgroup (a region's entry and exit can carry
         # the same time after the dump's overhead correction, so a sort could put the exit first)
         open_at = {}
@@ -198,10 +199,10 @@ def summarize(trace, clock_ghz=1.98, warpgroups=WARPGROUPS):
                 clock_ghz=clock_ghz)
 
 
-def print_summary(name, s):
+def print_summary(name, s, roles=("producer", "converter", "consumer")):
     print(f"== {name}: {s['n_ctas']} CTAs, CTA starts spread over {s['start_spread_us']:.1f} us "
           f"(cycles -> us at {s['clock_ghz']} GHz)", flush=True)
-    for role in ("producer", "converter", "consumer"):
+    for role in roles:
         if role not in s["roles"]:
             continue
         r = s["roles"][role]

@@ -45,6 +45,8 @@
 #   table with the XLA reference at B = 64 (~550 s in all; run on an H100 in session 73, h100_s73r1: 280 s, all cases
 #   passed, the third slot set aside). IDX_TABLE=1: issue #5's indexer rows alone (PART=1's
 #   second step on an H200, ~170 s).
+# IDX_PROF=1 (any card; session 74): the Mosaic indexer kernel's phase profile (fp4 at B = 64 x 128K with and without
+#   the selection, one e5m2 slot, B = 16; fp8 at 1 CTA an SM), then issue #5's indexer rows (~60 s on an H100).
 # PART=0 (any card): the model-level Mosaic tests, the bf16 one per forced consumer schedule (asym, the pair,
 #   split_scores) and the FP8-cache one, four processes at once (all four passed on an H100 in session 66 in 307 s,
 #   which made asym the bf16 default).
@@ -150,6 +152,13 @@ if [ -n "$S72" ]; then   # session 72: S71's recheck and the third tile slot's G
   T_attn=${T_S72_TIMING:-200} ATTN_ARGS="--groups s72 --net-decode --no-ref" STEPS=attn session s72_timing
   if [ -n "$S72_SHORT" ]; then exit; fi   # (a call with little device time left: the table next time)
   fp8_table; exit
+fi
+if [ -n "$IDX_PROF" ]; then   # session 74: the Mosaic indexer kernel's phase profile (scorer and fp4 converter, a key
+  # block at a time: benchmarks/indexer_phase_profile.py), then issue #5's rows unless NO_IDX_TABLE is set
+  T_iprof=${T_IPROF:-330} IPROF_ARGS="${IPROF_ARGS:---cases fp4_64x128k,fp4_64x128k_noselect,fp4_16x128k,\
+fp4_64x128k_cv1,fp8_64x128k}" STEPS=iprof session indexer_profile
+  if [ -z "$NO_IDX_TABLE" ]; then indexer_table; fi
+  exit
 fi
 if [ -n "$IDX_TABLE" ]; then   # issue #5's indexer rows alone (PART=1's second step on an H200)
   indexer_table; exit

@@ -1288,3 +1288,40 @@ def test_tournament_last_stage_lowers(R, T, opts):
     s = jnp.zeros((R, T), jnp.float32)
     text = lowers_for("cuda", "topk_tour_last", lambda x: tournament_select(x, 512, fuse_final=True, **opts), s)
     assert ("topk_hist_segments" in text) == (T > 65536), T
+
+
+@pytest.mark.parametrize("fmt", ["fp4", full("fp8")])
+def test_indexer_mosaic_profiled_build_lowers(fmt, monkeypatch):
+    """MOSAIC_CONFIG["profile"] (session 74, benchmarks/indexer_phase_profile.py): the segment top-k's kernel lowers
+    with Mosaic GPU's profiler, every region of `PROFILE_REGIONS` it can reach recorded (and nothing else but
+    Pallas' own "Init"), the profile space from the split's blocks; the interpreter refuses it; off, no profiler."""
+    from jax.experimental.mosaic.gpu import profiler as mgpu_profiler
+
+    from pallas_kernels.indexer import gpu_mosaic
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+
+    names, spaces = set(), []
+    real_intern, real_params = mgpu_profiler.ProfilerSpec.intern_name, gpu_mosaic.profile_params
+    monkeypatch.setattr(mgpu_profiler.ProfilerSpec, "intern_name",
+                        lambda self, n: names.add(n) or real_intern(self, n))
+    monkeypatch.setattr(gpu_mosaic, "profile_params", lambda *a, **k: spaces.append(a) or real_params(*a, **k))
+    # the trace's dump is a host callback, which cannot lower for CUDA on a CPU-only machine
+    monkeypatch.setattr(jax.debug, "callback", lambda *a, **k: None)
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "profile", "/tmp/unused_profile_dir")
+    q, w, keys, nv = make_indexer(2, 1, 64, 2048, fmt, True)
+    lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=64, kernel="mosaic", topk="segment_set"),
+               q, w, keys, nv)
+    regions = {r.split(" ")[0] for role in gpu_mosaic.PROFILE_REGIONS.values() for r in role}
+    # fp8 keys: no converter, and the split_m default's halves carry no s_mma region
+    expected = regions if fmt == "fp4" else {r for r in regions if r[0] == "s" and r != "s_mma"}
+    assert names == expected | {"Init"}, names ^ (expected | {"Init"})
+    (bps, interpret), = spaces
+    assert gpu_mosaic.profile_params(bps)["compiler_params"].profile_space == 4 * bps + gpu_mosaic.PROFILE_ONCE
+    with pytest.raises(ValueError, match="interpreter"):
+        gpu_mosaic.profile_params(4, interpret=True)
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "profile", "")
+    assert gpu_mosaic.profile_params(4) == {}
+    names.clear()
+    lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=64, kernel="mosaic", topk="segment_set"),
+               q, w, keys, nv)
+    assert not names

@@ -146,6 +146,22 @@ def test_fp4_converter_kernels_fit_two_ctas_an_sm(tmp_path, converter, tables, s
     assert r.ctas_per_sm == 2, r.line()
 
 
+
+def test_profiled_fp4_segment_kernel_keeps_two_ctas_an_sm(tmp_path, monkeypatch):
+    """benchmarks/indexer_phase_profile.py profiles fp4 at B = 64 x 128K: its records (MOSAIC_CONFIG["profile"])
+    must leave the segment top-k's kernel at 2 CTAs an SM, or the profile shows another schedule than the timed
+    one (session 74: 115000 B of shared memory, 112 registers)."""
+    from pallas_kernels.indexer import gpu_mosaic
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+
+    compiler = _offline_or_skip(tmp_path)
+    monkeypatch.setattr(jax.debug, "callback", lambda *a, **k: None)   # the trace's dump (a host callback)
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "profile", str(tmp_path / "traces"))
+    (r,) = compiler.compile_jitted(lambda *a: indexer_topk_gpu(*a, k=512, kernel="mosaic", topk="segment_set"),
+                                   *_indexer_args("fp4"))
+    assert "_cv2_rows" in r.name and r.spill_stores == 0 and r.registers <= 128, r.line()
+    assert r.ctas_per_sm == 2, r.line()
+
 SASS = """
 .text.k:
    -:-:-:Y:01        /*0000*/                   MOV R1, c[0x0][0x28] ;

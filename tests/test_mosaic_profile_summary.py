@@ -74,3 +74,27 @@ def test_decode_kernels_grouping_and_case_specs():
     assert case_shape("hca1k72_h128") == ("hca", 72, 1024, "bf16", 128)
     with pytest.raises(ValueError, match="unknown case"):
         case_shape("hca8k")
+
+
+def test_indexer_profile_roles_and_per_block():
+    """The indexer's profile (benchmarks/indexer_phase_profile.py): warpgroup 0 is the scorer, 1 the converter
+    (tid = 1 + warpgroup + 2 x CTA), and per_block divides each role's per-CTA figures by the blocks a CTA scored."""
+    from benchmarks.indexer_phase_profile import ROLES, per_block
+
+    plan = {0: [("s_wait_q", 100)] + [("s_wait", 30), ("s_mma", 200), ("s_epilogue", 300), ("s_hist", 50)] * 3
+            + [("s_select", 900)],
+            1: [("c_wait_keys", 40), ("c_convert", 250), ("c_wait_slot", 400), ("c_store", 60)] * 3}
+    events = []
+    for cta in range(2):
+        for wg, regions in plan.items():
+            t = 0.0
+            for name, cyc in regions:
+                for ph in ("B", "E"):
+                    events.append(dict(name=name, ph=ph, ts=(1000.0 * cta + t) / 1e3, pid=1, tid=1 + wg + 2 * cta))
+                    t += cyc if ph == "B" else 0
+    s = summarize({"traceEvents": events}, clock_ghz=2.0, warpgroups=2, roles_of=ROLES)
+    assert set(s["roles"]) == {"scorer", "converter"} and s["n_ctas"] == 2
+    pb = per_block(s)
+    assert pb["scorer"]["s_mma"] == pytest.approx(200) and pb["scorer"]["s_select"] == pytest.approx(300)
+    assert pb["converter"]["c_wait_slot"] == pytest.approx(400)
+    assert pb["scorer"]["(span)"] == pytest.approx((100 + 3 * 580 + 900) / 3)

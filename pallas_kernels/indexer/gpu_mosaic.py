@@ -286,8 +286,24 @@ MAX_CLUSTER = 8     # portable thread-block cluster size
 # converter loop issues 279 SASS a block with "rows" against 429 with "fragments".
 # q_prep_heads: heads a program of the "triton" q preparation (default `q_prep.HEAD_BLOCK`; session 54: one program
 # a row before, 64 heads)
+# profile (session 74; diagnostic, "" = off): a directory. Each compiled call then records, in thread 0 of each
+# warpgroup, the SM clock at the entry and exit of the kernel's named regions (`PROFILE_REGIONS`) through Mosaic
+# GPU's on-device profiler, and dumps a Chrome trace per call there (benchmarks/indexer_phase_profile.py reads it).
+# The records take PROFILE_WORDS_PER_BLOCK x 4 B of shared memory a block and warpgroup.
 MOSAIC_CONFIG = dict(q_prep="triton", epilogue="full", fp4_converter=2, fp4_tables="registers", fp4_layout="auto",
-                     q_prep_heads=Q_PREP_HEAD_BLOCK)
+                     q_prep_heads=Q_PREP_HEAD_BLOCK, profile="")
+# the profiled regions, per role (warpgroup 0 scores, warpgroup 1 converts fp4 blocks): per block, then once a CTA
+PROFILE_REGIONS = {
+    "scores": ("s_wait (the block's keys landed / its e5m2 slot converted)", "s_mma (wgmma issue and wait)",
+               "s_epilogue (ReLU x weight, head sum, mask; the slot's release)",
+               "s_hist (the streamed histogram and the pruned list, segment top-k only)",
+               "s_wait_q (q and the weights, once)", "s_select (the split's selection after the last block, once)"),
+    "converter": ("c_wait_keys (the block's packed keys landed)", "c_convert (nibbles -> e5m2 in registers)",
+                  "c_wait_slot (the scorer released the e5m2 slot)", "c_store (the slot's stores, fence, arrive, "
+                  "the next copy)"),
+}
+PROFILE_WORDS_PER_BLOCK = 4 * 4   # <= 4 regions a block and warpgroup, 2 records of 2 words each
+PROFILE_ONCE = 8                  # ranges outside the block loop, with margin
 FP4_TABLES = ("registers", "shared")
 FP4_LAYOUTS = ("auto", "fragments", "rows")
 FINALS = ("auto", "cluster", "triton", "last")
@@ -422,6 +438,14 @@ def launch_layout(R: int, T: int, fmt: str, *, block_t=None, num_stages=None, nu
     return bt, stages, nb, bps, -(-nb // bps)
 
 
+def region(name):
+    """A named profiler region (`PROFILE_REGIONS`) around the ops traced inside it: with MOSAIC_CONFIG["profile"] Pallas'
+    Mosaic GPU lowering opens a range where the ops' name stack gains the name and closes it where the name leaves;
+    without a profiler it emits nothing. Ops of a nested jaxpr (a loop body, pl.when, run_scoped) start a name stack
+    of their own, so a region wraps either the nested call or ops inside its body, not both."""
+    return jax.named_scope(name)
+
+
 def _kernel(*refs, converter=0, shared_tables=False, rows_layout=False, **kw):
     """The kernel; with converter (fp4_converter's slots) two warpgroups: wg 1 converts the fp4 blocks into e5m2
     slots in shared memory (`_kernel_body(role="converter")`), wg 0 scores them (role "scores"). The converter's
@@ -482,7 +506,22 @@ def _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_
 
     def body(j, carry):
         slot, cslot = j % stages, j % cslots
-        plgpu.barrier_wait(k_bars.at[slot])
+        with region("c_wait_keys"):
+            plgpu.barrier_wait(k_bars.at[slot])
+        with region("c_convert"):
+            vals, factor = convert(slot)
+
+        @pl.when(j >= cslots)   # the scoring warpgroup is done with block j - cslots in this slot
+        def _():
+            with region("c_wait_slot"):
+                plgpu.barrier_wait(conv_empty.at[cslot])
+
+        with region("c_store"):
+            store(cslot, vals, factor)
+            pl.when(j + stages < n_read)(lambda: issue(j + stages))
+        return carry
+
+    def convert(slot):   # block `slot` of the key ring -> (e5m2 values, the keys' score factors) in registers
         if interpret:
             vals, factor = _fp4_e5m2_values(k_smem.at[slot][...], s_smem.at[slot][...], rows_order=rows_layout)
         elif rows_layout:
@@ -510,11 +549,9 @@ def _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_
 
             vals, factor = fp4_operand(plgpu.load(k_smem.at[slot], (), layout=plgpu.Layout.WGMMA_UPCAST_2X),
                                        plgpu.load(s_smem.at[slot], (), layout=row_layout), "e5m2")
+        return vals, factor
 
-        @pl.when(j >= cslots)   # the scoring warpgroup is done with block j - cslots in this slot
-        def _():
-            plgpu.barrier_wait(conv_empty.at[cslot])
-
+    def store(cslot, vals, factor):
         if rows_layout and not interpret:   # plain stores: no automatic barriers around them (`store_rows_slot`)
             from .mosaic_fp4 import store_rows_slot
 
@@ -524,8 +561,6 @@ def _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_
             kf_smem.at[cslot][...] = factor
         plgpu.commit_smem()   # the stores visible to the wgmma (async proxy); every thread past the key slot's reads
         plgpu.barrier_arrive(conv_full.at[cslot])
-        pl.when(j + stages < n_read)(lambda: issue(j + stages))
-        return carry
 
     jax.lax.fori_loop(0, n_read, body, 0)
 
@@ -627,7 +662,8 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
     fill_smem[...] = cast(jnp.full((bt,), -jnp.inf, jnp.float32), row_layout)
     for p in range(n_phase):
         gm_smem.at[p][...] = cast(jnp.full((bt,), -jnp.inf, jnp.float32), row_layout)
-    plgpu.barrier_wait(q_bar)
+    with region("s_wait_q"):
+        plgpu.barrier_wait(q_bar)
     w = load(w_smem, col_layout)
     # [128, H], K-major as fp8 operands must be (the interpreter's wgmma takes no transposed ref: q arrives [128, H])
     transpose = (lambda ref: ref) if interpret else (lambda ref: plgpu.transpose_ref(ref, (1, 0)))
@@ -698,11 +734,12 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
         else:
             o = o_smem.at[j % 2]
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)   # the store that last read this output slot is done
-        if conv is None:
-            plgpu.barrier_wait(k_bars.at[slot])
-        else:   # block j converted into e5m2 slot j % cslots
-            slot = j % cslots
-            plgpu.barrier_wait(conv_full.at[slot])
+        with region("s_wait"):
+            if conv is None:
+                plgpu.barrier_wait(k_bars.at[slot])
+            else:   # block j converted into e5m2 slot j % cslots
+                slot = j % cslots
+                plgpu.barrier_wait(conv_full.at[slot])
         if split_m:   # two [bt / 2, H] accumulators: half 1's operand and wgmma overlap half 0's, half 0's
             h = bt // 2   # epilogue overlaps half 1's wgmma
             def halves(acc0, acc1):
@@ -717,11 +754,19 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
                 key_factor = mma(acc_ref, slot, pl.ds(0, bt))
                 return acc_ref[...], key_factor
 
-            logits, key_factor = pl.run_scoped(whole, plgpu.ACC((bt, H), jnp.float32))
-            if conv is not None:   # the wgmma is done (the accumulator read waits) and the factors are loaded
-                plgpu.barrier_arrive(conv_empty.at[slot])
-            finish(j, slot, logits, 0, bt, o, key_factor)
-        plgpu.commit_smem()   # also a warpgroup barrier: every thread is past this slot's keys and scales
+            with region("s_mma"):
+                logits, key_factor = pl.run_scoped(whole, plgpu.ACC((bt, H), jnp.float32))
+            with region("s_epilogue"):
+                if conv is not None:   # the wgmma is done (the accumulator read waits) and the factors are loaded
+                    plgpu.barrier_arrive(conv_empty.at[slot])
+                finish(j, slot, logits, 0, bt, o, key_factor)
+        with region("s_epilogue"):
+            plgpu.commit_smem()   # also a warpgroup barrier: every thread is past this slot's keys and scales
+        with region("s_hist"):
+            stream_and_prune(j, o)
+        return carry
+
+    def stream_and_prune(j, o):   # after block j's scores: the streamed histogram, the next copy, the pruned list
         prune_j = bps // 2 - 1   # pruning: the threshold after this block (the split's first half)
         if select and select["stream_hist"]:   # this block's keys into the selection's first histogram level
             from .mosaic_select import hist_block
@@ -748,11 +793,8 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
 
         if not select:
             store(j, o)
-        return carry
 
-    jax.lax.fori_loop(0, n_read, body, 0)
-    plgpu.commit_smem()
-    if select:   # the split's blocks past n_visible hold no candidate: the selection looks at n_read blocks
+    def select_tail():   # the split's blocks past n_visible hold no candidate: the selection looks at n_read blocks
         from . import mosaic_select as ms
 
         k_sel, slots = select["k"], select["slots"]
@@ -798,6 +840,13 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
                               pos_in="smem", out="global_set", aggregate=select["aggregate"])
         return
 
+    jax.lax.fori_loop(0, n_read, body, 0)
+    plgpu.commit_smem()
+    if select:
+        with region("s_select"):
+            select_tail()
+        return
+
     def fill(j, carry):   # blocks of this split past n_visible: -inf, keys unread
         store(j, fill_smem)
         return carry
@@ -811,6 +860,21 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(gi_smem, gmax_ref.at[r, split])
     plgpu.wait_smem_to_gmem(0)
+
+
+def profile_params(blocks_per_split, interpret=False) -> dict:
+    """plgpu.kernel's compiler_params where MOSAIC_CONFIG["profile"] names a directory (compiled kernels only), else
+    {}: room for every region of `PROFILE_REGIONS` a block plus PROFILE_ONCE ranges a warpgroup (a warpgroup that
+    recorded more would overwrite the next one's records; the dump then refuses the trace)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    path = MOSAIC_CONFIG["profile"]
+    if not path:
+        return {}
+    if interpret:
+        raise ValueError("MOSAIC_CONFIG['profile'] records a compiled kernel's clock; the interpreter has none")
+    ranges = blocks_per_split * PROFILE_WORDS_PER_BLOCK // 4 + PROFILE_ONCE
+    return dict(compiler_params=plgpu.CompilerParams(profile_space=ranges, profile_dir=str(path)))
 
 
 def _interpret_params(detect_races=False):
@@ -1104,6 +1168,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         **(dict(grid=(R,), grid_names=("r",), cluster=(n_split,), cluster_names=("s",)) if cluster else
            dict(grid=(R, n_split), grid_names=("r", "s"))),
         **(dict(num_threads=2, thread_name="wg") if fp4_converter else {}),
+        **profile_params(bps, interpret),
         scratch_types=scratch,
         kernel_name=(f"indexer_scores_{fmt}_mosaic_{precision}_t{bt}" + (f"_{convert}" if convert != "cvt" else "")
                      + (f"_g{G}" if n_phase else "") + ("_m2" if split_m else "")
