@@ -1325,3 +1325,22 @@ def test_indexer_mosaic_profiled_build_lowers(fmt, monkeypatch):
     lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=64, kernel="mosaic", topk="segment_set"),
                q, w, keys, nv)
     assert not names
+
+
+def test_indexer_mosaic_seg_sync_option(monkeypatch):
+    """MOSAIC_CONFIG["seg_sync"] (session 74): "barrier" (the default) keeps the fp4 converter kernel's name under the
+    segment top-k, "commit" (the code before) is a kernel of its own name; other values are refused."""
+    from pallas_kernels.indexer import gpu_mosaic
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+
+    q, w, keys, nv = make_indexer(2, 1, 64, 2048, "fp4", True)
+    # a new function per lowering: jit's trace cache does not see MOSAIC_CONFIG
+    seg = lambda: lambda *a: indexer_topk_gpu(*a, k=64, kernel="mosaic", topk="segment_set")
+    names = lambda text: set(re.findall(r"indexer_scores_fp4_\w+", text))
+    default = names(lowers_for("cuda", "mosaic_gpu", seg(), q, w, keys, nv))
+    assert any(n.endswith("_cv2_rows") for n in default) and not any("_segc" in n for n in default), default
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "seg_sync", "commit")
+    assert any("_cv2_rows_segc" in n for n in names(lowers_for("cuda", "mosaic_gpu", seg(), q, w, keys, nv)))
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "seg_sync", "fence")
+    with pytest.raises(ValueError, match="seg_sync"):
+        seg()(q, w, keys, nv)

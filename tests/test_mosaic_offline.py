@@ -191,6 +191,31 @@ def test_sass_loops_finds_the_block_loops():
     assert blocks["converter"].start == 0x10 and blocks["scores"].start == 0x50
 
 
+def test_fp4_segment_scorer_orders_its_scores_with_one_barrier(tmp_path, monkeypatch):
+    """seg_sync "barrier" (session 74, the default): the fp4 converter path's scoring loop under the segment top-k
+    has one warpgroup barrier a block and no memory / async-proxy fence, against three barriers and the fence with
+    "commit" (Pallas' bracketed store, then commit_smem); the converter's loop keeps its fence (the wgmma reads
+    its slot through the async proxy)."""
+    from benchmarks.sass_loops import block_loops, parse
+    from pallas_kernels.indexer import gpu_mosaic
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+
+    compiler = _offline_or_skip(tmp_path)
+    if not compiler.nvdisasm:
+        pytest.skip("no nvdisasm (python benchmarks/mosaic_offline.py fetch unpacks one)")
+    counts = {}
+    for sync in ("barrier", "commit"):
+        monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "seg_sync", sync)
+        (r,) = compiler.compile_jitted(lambda *a: indexer_topk_gpu(*a, k=512, kernel="mosaic", topk="segment_set"),
+                                       *_indexer_args("fp4", B=8, T=4096))
+        assert r.spill_stores == 0 and r.ctas_per_sm >= 2, r.line()
+        loops = block_loops(*parse(open(r.sass_path).read()))
+        counts[sync] = {role: {op: lp.histogram()[op] for op in ("BAR.SYNC.DEFER_BLOCKING", "MEMBAR.ALL.CTA")}
+                        for role, lp in loops.items()}
+    assert counts["barrier"]["scores"] == {"BAR.SYNC.DEFER_BLOCKING": 1, "MEMBAR.ALL.CTA": 0}, counts
+    assert counts["commit"]["scores"] == {"BAR.SYNC.DEFER_BLOCKING": 3, "MEMBAR.ALL.CTA": 1}, counts
+    assert counts["barrier"]["converter"]["MEMBAR.ALL.CTA"] == 1, counts
+
 def test_fp4_rows_layout_issues_fewer_converter_instructions(tmp_path):
     """fp4_layout "rows" (session 50) against the fragment layout, offline: the converter loop's SASS a block (437
     -> 290 with ptxas 12.8 / 13.0 when measured), under the segment top-k."""

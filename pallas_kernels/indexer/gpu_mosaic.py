@@ -290,8 +290,15 @@ MAX_CLUSTER = 8     # portable thread-block cluster size
 # warpgroup, the SM clock at the entry and exit of the kernel's named regions (`PROFILE_REGIONS`) through Mosaic
 # GPU's on-device profiler, and dumps a Chrome trace per call there (benchmarks/indexer_phase_profile.py reads it).
 # The records take PROFILE_WORDS_PER_BLOCK x 4 B of shared memory a block and warpgroup.
+# seg_sync (session 74; fp4 keys through the converter under the segment top-k): how the scorer orders a block's
+# scores in the segment buffer before the streamed histogram reads them. "barrier": plain stores and one warpgroup
+# barrier. "commit" (the code before session 74): Pallas' store, which brackets it with two warpgroup barriers,
+# then commit_smem (an async-proxy fence and a third barrier), none of which that path needs: nothing in the
+# async proxy reads the segment buffer, and the e5m2 slot was released by its own barrier. Session 74's profile
+# (H100, B = 64 x 128K): the scorer's epilogue, which holds them, took 841 of its ~2380 cycles a block.
 MOSAIC_CONFIG = dict(q_prep="triton", epilogue="full", fp4_converter=2, fp4_tables="registers", fp4_layout="auto",
-                     q_prep_heads=Q_PREP_HEAD_BLOCK, profile="")
+                     q_prep_heads=Q_PREP_HEAD_BLOCK, profile="", seg_sync="barrier")
+SEG_SYNCS = ("barrier", "commit")
 # the profiled regions, per role (warpgroup 0 scores, warpgroup 1 converts fp4 blocks): per block, then once a CTA
 PROFILE_REGIONS = {
     "scores": ("s_wait (the block's keys landed / its e5m2 slot converted)", "s_mma (wgmma issue and wait)",
@@ -438,6 +445,31 @@ def launch_layout(R: int, T: int, fmt: str, *, block_t=None, num_stages=None, nu
     return bt, stages, nb, bps, -(-nb // bps)
 
 
+def _store_rows_plain(vals, ref):
+    """In a Mosaic GPU kernel: vals ([m] in the WGMMA row layout) into ref ([m] in shared memory) as plain stores,
+    without the warpgroup barriers Pallas' `ref[...] = v` puts before and after (the caller orders them)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA.reduce(1), plgpu.RefType()))
+    def store(_, v, r):
+        v.store_untiled(r)
+
+    store(vals, ref)
+
+
+def _warpgroup_barrier():
+    """In a Mosaic GPU kernel: the warpgroup's named barrier alone (`commit_smem` without its async-proxy fence):
+    orders shared-memory accesses among the warpgroup's threads."""
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    @plgpu.inline_mgpu()
+    def bar(_):
+        mgpu_utils.warpgroup_barrier()
+
+    bar()
+
+
 def region(name):
     """A named profiler region (`PROFILE_REGIONS`) around the ops traced inside it: with MOSAIC_CONFIG["profile"] Pallas'
     Mosaic GPU lowering opens a range where the ops' name stack gains the name and closes it where the name leaves;
@@ -573,7 +605,7 @@ def _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_
 
 def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=0, split_m=False,
                  fp4=False, select=None, epilogue="full", interpret=False, conv=None, role="scores",
-                 rows_layout=False):
+                 rows_layout=False, seg_sync="commit"):
     """nv [R] i32, w [R, H] f32, q [R, H, 128] e4m3 (f16 codes with "f16"; for bf16 keys bf16 [R, terms * H, 128],
     the terms stacked along the heads), keys [B, T, 128] e4m3 or bf16, scales [B*T] f32 (fp8 keys only)
     -> out [R, nb*bt]. Interpreted, q is transposed: [R, 128, H] / [R, terms, 128, H]. fp4: keys [B, T, 64] uint8
@@ -705,6 +737,10 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
             for q_term in q_ts:
                 plgpu.wgmma(acc_ref, k_smem.at[slot, rows], q_term)
 
+    # seg_sync "barrier": the converter path under the segment top-k (compiled): the scorer's only shared-memory
+    # writes a block are its scores, read by its own threads; the slot goes back by conv_empty
+    plain_seg = bool(select) and conv is not None and not interpret and seg_sync == "barrier"
+
     def finish(j, slot, logits, r0, m, o, key_factor=None):   # rows [r0, r0 + m) of block j: scores into o,
         rl = row_layout                                          # the group maxima
         if epilogue == "probe":   # timing probe, wrong values: the first 8 heads' logits summed, no ReLU or weight
@@ -720,7 +756,11 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
         if select:   # the selection's u keys: ordered int32 ^ 2^31 (unsigned order = float total order)
             from .topk import _ordered_i32
 
-            o.at[pl.ds(r0, m)][...] = _ordered_i32(s) ^ jnp.int32(-(2 ** 31))
+            u = _ordered_i32(s) ^ jnp.int32(-(2 ** 31))
+            if plain_seg:   # ordered by the warpgroup barrier after the block (seg_sync "barrier")
+                _store_rows_plain(u, o.at[pl.ds(r0, m)])
+            else:
+                o.at[pl.ds(r0, m)][...] = u
             return
         if n_phase:   # key t is in strided group t mod (n_phase * bt): this block's keys fill phase (lo + j) % n_phase
             g = gm_smem.at[(lo + j) % n_phase, pl.ds(r0, m)]
@@ -761,7 +801,10 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
                     plgpu.barrier_arrive(conv_empty.at[slot])
                 finish(j, slot, logits, 0, bt, o, key_factor)
         with region("s_epilogue"):
-            plgpu.commit_smem()   # also a warpgroup barrier: every thread is past this slot's keys and scales
+            if plain_seg:   # the block's scores visible to every thread of the warpgroup (the histogram's reads)
+                _warpgroup_barrier()
+            else:
+                plgpu.commit_smem()   # also a warpgroup barrier: every thread is past this slot's keys and scales
         with region("s_hist"):
             stream_and_prune(j, o)
         return carry
@@ -971,6 +1014,9 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                          f"got {fmt} keys, precision {precision!r}, convert {convert!r}, split_m {split_m}")
     if not 0 <= fp4_converter <= 4:
         raise ValueError(f"fp4_converter must be 0 (off) or 1-4 e5m2 slots, got {fp4_converter}")
+    seg_sync = MOSAIC_CONFIG["seg_sync"]
+    if seg_sync not in SEG_SYNCS:
+        raise ValueError(f"MOSAIC_CONFIG['seg_sync'] must be one of {SEG_SYNCS}, got {seg_sync!r}")
     fp4_tables = MOSAIC_CONFIG["fp4_tables"]
     if fp4_tables not in FP4_TABLES:
         raise ValueError(f"MOSAIC_CONFIG['fp4_tables'] must be one of {FP4_TABLES}, got {fp4_tables!r}")
@@ -1158,7 +1204,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         functools.partial(_kernel, T=T, bt=bt, stages=stages, bps=bps, nb=nb, S=S, precision=precision,
                           convert=convert, n_phase=n_phase, split_m=bool(split_m), fp4=fmt == "fp4",
                           epilogue=epilogue, converter=fp4_converter, shared_tables=shared_tables,
-                          rows_layout=rows_layout,
+                          rows_layout=rows_layout, seg_sync=seg_sync,
                           select=None if select_k is None else dict(
                               k=int(select_k), slots=slots, aggregate=bool(SELECT_CONFIG["aggregate"]),
                               stream_hist=bool(SELECT_CONFIG["stream_hist"]), cluster=cluster, last=last, prune=prune,
@@ -1176,7 +1222,8 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                      + (f"_sel{select_k}" if select_k is not None else "") + ("_cl" if cluster else "")
                      + ("_last" if select_k is not None and last else "")
                      + (f"_pr{prune}" if select_k is not None and prune else "")
-                     + (f"_cv{fp4_converter}" if fp4_converter else "") + ("_tsh" if shared_tables else "") + ("_rows" if rows_layout else "")),
+                     + (f"_cv{fp4_converter}" if fp4_converter else "") + ("_tsh" if shared_tables else "") + ("_rows" if rows_layout else "")
+                     + ("_segc" if select_k is not None and fp4_converter and seg_sync == "commit" else "")),
         **(dict(interpret=_interpret_params(interpret == "races")) if interpret else {}),
     )
     res = kernel(*args)
