@@ -22,9 +22,12 @@ with c_wait_keys large, by the key stream); s_select against the span is the tai
 
     PYTHONPATH=.:tests python benchmarks/indexer_phase_profile.py --out DIR [--cases fp4_64x128k,...]
 
-The records cost shared memory (`gpu_mosaic.PROFILE_WORDS_PER_BLOCK` x 4 B a block and warpgroup): fp4 at B = 64 x
+The records cost shared memory (`gpu_mosaic.profile_words_per_block()` x 4 B a block and warpgroup): fp4 at B = 64 x
 128K still fits 2 CTAs an SM (115000 B, offline), fp8 keys there do not (118944 B: 1 CTA an SM), so an fp8 profile
-at that shape is not the timed kernel's schedule. Needs a Hopper GPU; the reader is tested on the CPU
+at that shape is not the timed kernel's schedule. The "_detail" cases (MOSAIC_CONFIG["profile_detail"]) record the
+ordering work apart (s_sync: the scorer's barrier after a block's scores; c_commit: the converter's async-proxy
+fence, barrier, arrival and next copy): one region more a block, so they run at 64K context, whose splits of 32
+blocks leave room for it. Needs a Hopper GPU; the reader is tested on the CPU
 (tests/test_mosaic_profile_summary.py).
 """
 
@@ -44,6 +47,8 @@ CASES = {
     "fp4_64x128k_cv1": (64, 131072, "fp4", "topk=auto_set,mosaic.fp4_converter=1"),   # one e5m2 slot
     "fp4_16x128k": (16, 131072, "fp4", "topk=auto_set"),
     "fp4_64x64k": (64, 65536, "fp4", "topk=auto_set"),
+    "fp4_64x64k_detail": (64, 65536, "fp4", "topk=auto_set,mosaic.profile_detail=1"),
+    "fp4_64x64k_commit_detail": (64, 65536, "fp4", "topk=auto_set,mosaic.profile_detail=1,mosaic.seg_sync=commit"),
     "fp8_64x128k": (64, 131072, "fp8", "topk=auto_set"),           # 1 CTA an SM with the records (see above)
 }
 ROLES = {0: "scorer", 1: "converter"}   # warpgroup -> role (fp8 / bf16 keys: the scorer alone)

@@ -163,7 +163,7 @@ or pruned or wide_group) and not 768 and not 640 and not past_1024" session seg_
   T_idx=${T_SEG_IDX:-130} STEPS=idx IDX_ARGS="--skip-topk-only --variants pallas_auto_set \
 --set-configs topk=auto_set,mosaic.seg_sync=commit --cases 64x1x131072xfp4,16x1x131072xfp4,64x1x1048576xfp4,\
 1x1x131072xfp4" session seg_sync_timing
-  T_iprof=${T_SEG_PROF:-90} IPROF_ARGS="--cases fp4_64x128k" STEPS=iprof session seg_sync_profile
+  T_iprof=${T_SEG_PROF:-100} IPROF_ARGS="--cases fp4_64x128k,fp4_64x64k_detail,fp4_64x64k_commit_detail" STEPS=iprof session seg_sync_profile
   if [ -z "$NO_MODEL" ]; then
     PYTEST_N=1 T_model=${T_SEG_MODEL:-220} MODEL_K="mosaic-fp4" STEPS=model session seg_sync_model
   fi

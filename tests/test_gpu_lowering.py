@@ -1290,8 +1290,8 @@ def test_tournament_last_stage_lowers(R, T, opts):
     assert ("topk_hist_segments" in text) == (T > 65536), T
 
 
-@pytest.mark.parametrize("fmt", ["fp4", full("fp8")])
-def test_indexer_mosaic_profiled_build_lowers(fmt, monkeypatch):
+@pytest.mark.parametrize("fmt,detail", [("fp4", False), ("fp4", True), full("fp8", False)])
+def test_indexer_mosaic_profiled_build_lowers(fmt, detail, monkeypatch):
     """MOSAIC_CONFIG["profile"] (session 74, benchmarks/indexer_phase_profile.py): the segment top-k's kernel lowers
     with Mosaic GPU's profiler, every region of `PROFILE_REGIONS` it can reach recorded (and nothing else but
     Pallas' own "Init"), the profile space from the split's blocks; the interpreter refuses it; off, no profiler."""
@@ -1308,15 +1308,20 @@ def test_indexer_mosaic_profiled_build_lowers(fmt, monkeypatch):
     # the trace's dump is a host callback, which cannot lower for CUDA on a CPU-only machine
     monkeypatch.setattr(jax.debug, "callback", lambda *a, **k: None)
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "profile", "/tmp/unused_profile_dir")
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "profile_detail", detail)
     q, w, keys, nv = make_indexer(2, 1, 64, 2048, fmt, True)
     lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=64, kernel="mosaic", topk="segment_set"),
                q, w, keys, nv)
-    regions = {r.split(" ")[0] for role in gpu_mosaic.PROFILE_REGIONS.values() for r in role}
+    tables = [gpu_mosaic.PROFILE_REGIONS] + ([gpu_mosaic.PROFILE_DETAIL_REGIONS] if detail else [])
+    regions = {r.split(" ")[0] for table in tables for role in table.values() for r in role}
     # fp8 keys: no converter, and the split_m default's halves carry no s_mma region
     expected = regions if fmt == "fp4" else {r for r in regions if r[0] == "s" and r != "s_mma"}
+    if fmt == "fp4" and detail:   # the detail regions take their ops out of these, which stay for the rest
+        assert {"s_sync", "c_commit", "s_epilogue", "c_store"} <= expected
     assert names == expected | {"Init"}, names ^ (expected | {"Init"})
     (bps, interpret), = spaces
-    assert gpu_mosaic.profile_params(bps)["compiler_params"].profile_space == 4 * bps + gpu_mosaic.PROFILE_ONCE
+    assert gpu_mosaic.profile_params(bps)["compiler_params"].profile_space == (5 if detail else 4) * bps + \
+        gpu_mosaic.PROFILE_ONCE
     with pytest.raises(ValueError, match="interpreter"):
         gpu_mosaic.profile_params(4, interpret=True)
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "profile", "")

@@ -289,7 +289,9 @@ MAX_CLUSTER = 8     # portable thread-block cluster size
 # profile (session 74; diagnostic, "" = off): a directory. Each compiled call then records, in thread 0 of each
 # warpgroup, the SM clock at the entry and exit of the kernel's named regions (`PROFILE_REGIONS`) through Mosaic
 # GPU's on-device profiler, and dumps a Chrome trace per call there (benchmarks/indexer_phase_profile.py reads it).
-# The records take PROFILE_WORDS_PER_BLOCK x 4 B of shared memory a block and warpgroup.
+# The records take profile_words_per_block() x 4 B of shared memory a block and warpgroup. profile_detail (with
+# profile): the ordering work a region holds in a region of its own (`PROFILE_DETAIL_REGIONS`): one region more a
+# block, which at B = 64 x 128K fp4 no longer leaves 2 CTAs an SM (use 64K context there).
 # seg_sync (session 74; fp4 keys through the converter under the segment top-k): how the scorer orders a block's
 # scores in the segment buffer before the streamed histogram reads them. "barrier": plain stores and one warpgroup
 # barrier. "commit" (the code before session 74): Pallas' store, which brackets it with two warpgroup barriers,
@@ -297,7 +299,7 @@ MAX_CLUSTER = 8     # portable thread-block cluster size
 # async proxy reads the segment buffer, and the e5m2 slot was released by its own barrier. Session 74's profile
 # (H100, B = 64 x 128K): the scorer's epilogue, which holds them, took 841 of its ~2380 cycles a block.
 MOSAIC_CONFIG = dict(q_prep="triton", epilogue="full", fp4_converter=2, fp4_tables="registers", fp4_layout="auto",
-                     q_prep_heads=Q_PREP_HEAD_BLOCK, profile="", seg_sync="barrier")
+                     q_prep_heads=Q_PREP_HEAD_BLOCK, profile="", profile_detail=False, seg_sync="barrier")
 SEG_SYNCS = ("barrier", "commit")
 # the profiled regions, per role (warpgroup 0 scores, warpgroup 1 converts fp4 blocks): per block, then once a CTA
 PROFILE_REGIONS = {
@@ -309,8 +311,17 @@ PROFILE_REGIONS = {
                   "c_wait_slot (the scorer released the e5m2 slot)", "c_store (the slot's stores, fence, arrive, "
                   "the next copy)"),
 }
-PROFILE_WORDS_PER_BLOCK = 4 * 4   # <= 4 regions a block and warpgroup, 2 records of 2 words each
+# ... and with profile_detail, split out of s_epilogue and c_store
+PROFILE_DETAIL_REGIONS = {
+    "scores": ("s_sync (the block's scores ordered for the histogram: seg_sync's barrier(s) / commit)",),
+    "converter": ("c_commit (the async-proxy fence and barrier, the slot's arrival, the next key copy)",),
+}
 PROFILE_ONCE = 8                  # ranges outside the block loop, with margin
+
+
+def profile_words_per_block() -> int:
+    """Profiler words a block and warpgroup: 4 regions (5 with profile_detail), 2 records of 2 words each."""
+    return 4 * (5 if MOSAIC_CONFIG["profile_detail"] else 4)
 FP4_TABLES = ("registers", "shared")
 FP4_LAYOUTS = ("auto", "fragments", "rows")
 FINALS = ("auto", "cluster", "triton", "last")
@@ -470,12 +481,14 @@ def _warpgroup_barrier():
     bar()
 
 
-def region(name):
+def region(name, detail_of=None):
     """A named profiler region (`PROFILE_REGIONS`) around the ops traced inside it: with MOSAIC_CONFIG["profile"] Pallas'
     Mosaic GPU lowering opens a range where the ops' name stack gains the name and closes it where the name leaves;
     without a profiler it emits nothing. Ops of a nested jaxpr (a loop body, pl.when, run_scoped) start a name stack
-    of their own, so a region wraps either the nested call or ops inside its body, not both."""
-    return jax.named_scope(name)
+    of their own, so a region wraps either the nested call or ops inside its body, not both. detail_of: a region of
+    `PROFILE_DETAIL_REGIONS`, recorded as itself with MOSAIC_CONFIG["profile_detail"], else as part of detail_of
+    (adjacent ops of one name make one range)."""
+    return jax.named_scope(name if detail_of is None or MOSAIC_CONFIG["profile_detail"] else detail_of)
 
 
 def _kernel(*refs, converter=0, shared_tables=False, rows_layout=False, **kw):
@@ -550,6 +563,9 @@ def _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_
 
         with region("c_store"):
             store(cslot, vals, factor)
+        with region("c_commit", detail_of="c_store"):
+            plgpu.commit_smem()   # the stores visible to the wgmma (async proxy); every thread past the key slot's reads
+            plgpu.barrier_arrive(conv_full.at[cslot])
             pl.when(j + stages < n_read)(lambda: issue(j + stages))
         return carry
 
@@ -591,8 +607,6 @@ def _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_
         else:
             conv_smem.at[cslot][...] = vals
             kf_smem.at[cslot][...] = factor
-        plgpu.commit_smem()   # the stores visible to the wgmma (async proxy); every thread past the key slot's reads
-        plgpu.barrier_arrive(conv_full.at[cslot])
 
     jax.lax.fori_loop(0, n_read, body, 0)
 
@@ -800,7 +814,7 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
                 if conv is not None:   # the wgmma is done (the accumulator read waits) and the factors are loaded
                     plgpu.barrier_arrive(conv_empty.at[slot])
                 finish(j, slot, logits, 0, bt, o, key_factor)
-        with region("s_epilogue"):
+        with region("s_sync", detail_of="s_epilogue"):
             if plain_seg:   # the block's scores visible to every thread of the warpgroup (the histogram's reads)
                 _warpgroup_barrier()
             else:
@@ -916,7 +930,7 @@ def profile_params(blocks_per_split, interpret=False) -> dict:
         return {}
     if interpret:
         raise ValueError("MOSAIC_CONFIG['profile'] records a compiled kernel's clock; the interpreter has none")
-    ranges = blocks_per_split * PROFILE_WORDS_PER_BLOCK // 4 + PROFILE_ONCE
+    ranges = blocks_per_split * profile_words_per_block() // 4 + PROFILE_ONCE
     return dict(compiler_params=plgpu.CompilerParams(profile_space=ranges, profile_dir=str(path)))
 
 
