@@ -45,6 +45,8 @@
 #   table with the XLA reference at B = 64 (~550 s in all; run on an H100 in session 73, h100_s73r1: 280 s, all cases
 #   passed, the third slot set aside). IDX_TABLE=1: issue #5's indexer rows alone (PART=1's
 #   second step on an H200, ~170 s).
+# CONV_SYNC=1 (any card; session 74): conv_sync "arrive" (the new default): its fp4 GPU tests, its timing against
+#   "commit" and the code of before, its phase profile, the fp4-key model test (NO_MODEL=1: without it, ~220 s).
 # SEG_SYNC=1 (any card; session 74): seg_sync "barrier" (the new default): its fp4 GPU tests, its timing against
 #   "commit" on the fp4 rows, its phase profile, the fp4-key model test (~550 s).
 # IDX_PROF=1 (any card; session 74): the Mosaic indexer kernel's phase profile (fp4 at B = 64 x 128K with and without
@@ -154,6 +156,20 @@ if [ -n "$S72" ]; then   # session 72: S71's recheck and the third tile slot's G
   T_attn=${T_S72_TIMING:-200} ATTN_ARGS="--groups s72 --net-decode --no-ref" STEPS=attn session s72_timing
   if [ -n "$S72_SHORT" ]; then exit; fi   # (a call with little device time left: the table next time)
   fp8_table; exit
+fi
+if [ -n "$CONV_SYNC" ]; then   # session 74: conv_sync "arrive" (the fp4 converter's hand-over without a warpgroup
+  # barrier, the scorer issuing the key copies): the fp4 GPU tests, its timing against "commit" and against both
+  # orderings of before (seg_sync and conv_sync "commit"), the phase profile; the model test unless NO_MODEL is set
+  PYTEST_N=4 T_tests5=${T_CONV_TESTS:-200} STEPS=tests5 GPU_TEST_K="gpu and fp4 and (converter or segment or auto_set \
+or pruned or wide_group) and not 768 and not 640 and not past_1024" session conv_sync_tests
+  T_idx=${T_CONV_IDX:-130} STEPS=idx IDX_ARGS="--skip-topk-only --variants pallas_auto_set \
+--set-configs topk=auto_set,mosaic.conv_sync=commit;topk=auto_set,mosaic.conv_sync=commit,mosaic.seg_sync=commit \
+--cases 64x1x131072xfp4,64x1x1048576xfp4,16x1x131072xfp4,64x1x65536xfp4" session conv_sync_timing
+  T_iprof=${T_CONV_PROF:-100} IPROF_ARGS="--cases fp4_64x128k,fp4_64x64k_detail" STEPS=iprof session conv_sync_profile
+  if [ -z "$NO_MODEL" ]; then
+    PYTEST_N=1 T_model=${T_CONV_MODEL:-220} MODEL_K="mosaic-fp4" STEPS=model session conv_sync_model
+  fi
+  exit
 fi
 if [ -n "$SEG_SYNC" ]; then   # session 74: seg_sync "barrier" (the fp4 scorer's one barrier a block under the
   # segment top-k): its GPU tests (the converter and segment top-k fp4 cases but the ~10 GB ones), its timing against

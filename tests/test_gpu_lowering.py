@@ -1333,8 +1333,9 @@ def test_indexer_mosaic_profiled_build_lowers(fmt, detail, monkeypatch):
 
 
 def test_indexer_mosaic_seg_sync_option(monkeypatch):
-    """MOSAIC_CONFIG["seg_sync"] (session 74): "barrier" (the default) keeps the fp4 converter kernel's name under the
-    segment top-k, "commit" (the code before) is a kernel of its own name; other values are refused."""
+    """MOSAIC_CONFIG["seg_sync"] and ["conv_sync"] (session 74): the defaults ("barrier", "arrive") keep the fp4
+    converter kernel's name under the segment top-k, "commit" (the code before) is a kernel of its own name; other
+    values are refused."""
     from pallas_kernels.indexer import gpu_mosaic
     from pallas_kernels.indexer.gpu import indexer_topk_gpu
 
@@ -1348,4 +1349,16 @@ def test_indexer_mosaic_seg_sync_option(monkeypatch):
     assert any("_cv2_rows_segc" in n for n in names(lowers_for("cuda", "mosaic_gpu", seg(), q, w, keys, nv)))
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "seg_sync", "fence")
     with pytest.raises(ValueError, match="seg_sync"):
+        seg()(q, w, keys, nv)
+    # conv_sync (session 74): "arrive" (the default) keeps the name, "commit" is "_cvc"; shared tables keep "commit"
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "seg_sync", "barrier")
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "conv_sync", "commit")
+    assert any(n.endswith("_cv2_rows_cvc") for n in names(lowers_for("cuda", "mosaic_gpu", seg(), q, w, keys, nv)))
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "conv_sync", "arrive")
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_tables", "shared")
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_layout", "fragments")
+    shared = names(lowers_for("cuda", "mosaic_gpu", seg(), q, w, keys, nv))
+    assert any(n.endswith("_cv2_tsh") for n in shared), shared
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "conv_sync", "none")
+    with pytest.raises(ValueError, match="conv_sync"):
         seg()(q, w, keys, nv)

@@ -661,7 +661,11 @@ def test_mosaic_kernel_interpreted(B, S, H, T, opts, fmt):
                                           core(2, 1, 32, 296, dict(block_t=128, num_stages=2, fp4_converter=2,
                                                                    layout="rows")),
                                           (2, 2, 16, 1544, dict(block_t=256, num_splits=2, num_stages=2,
-                                                                fp4_converter=1, layout="rows"))]))
+                                                                fp4_converter=1, layout="rows")),
+                                          # conv_sync "commit" (the converter refills its key ring, before
+                                          # session 74); the default "arrive" has the scorer issue the copies
+                                          (3, 1, 16, 776, dict(num_splits=2, num_stages=2, fp4_converter=2,
+                                                               layout="rows", conv_sync="commit"))]))
 def test_mosaic_fp4_converter_interpreted(B, S, H, T, opts, monkeypatch):
     """fp4 keys through the Mosaic kernel's converter warpgroup (fp4_converter, session 49) in Pallas' GPU
     interpreter: wg 1 streams the key ring and converts each block into e5m2 slots (the interpreter's jnp model of
@@ -677,6 +681,7 @@ def test_mosaic_fp4_converter_interpreted(B, S, H, T, opts, monkeypatch):
 
     opts = dict(opts)
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_layout", opts.pop("layout", "fragments"))
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "conv_sync", opts.pop("conv_sync", "arrive"))
     q, w, keys, nv = make(B, S, H, T, "fp4", True)
     gpu_interpret.reset_gpu_interpret_mode_state()
     out = np.asarray(gpu_mosaic.indexer_scores_mosaic(q, w, keys, nv, interpret="races", pad_to_block=True, **opts))

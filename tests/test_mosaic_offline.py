@@ -191,11 +191,12 @@ def test_sass_loops_finds_the_block_loops():
     assert blocks["converter"].start == 0x10 and blocks["scores"].start == 0x50
 
 
-def test_fp4_segment_scorer_orders_its_scores_with_one_barrier(tmp_path, monkeypatch):
-    """seg_sync "barrier" (session 74, the default): the fp4 converter path's scoring loop under the segment top-k
-    has one warpgroup barrier a block and no memory / async-proxy fence, against three barriers and the fence with
-    "commit" (Pallas' bracketed store, then commit_smem); the converter's loop keeps its fence (the wgmma reads
-    its slot through the async proxy)."""
+def test_fp4_segment_kernel_barriers_a_block(tmp_path, monkeypatch):
+    """Session 74's two orderings of the fp4 converter path under the segment top-k, offline (SASS of the per-block
+    loops). seg_sync "barrier": the scorer orders its segment scores with one warpgroup barrier and no fence
+    ("commit": Pallas' bracketed store and commit_smem, 3 barriers and the fence). conv_sync "arrive": the converter
+    fences its stores and arrives with no warpgroup barrier and issues no copy (the scorer issues the key copies,
+    each behind Pallas' own barrier); "commit": commit_smem, then the two copies, 3 barriers."""
     from benchmarks.sass_loops import block_loops, parse
     from pallas_kernels.indexer import gpu_mosaic
     from pallas_kernels.indexer.gpu import indexer_topk_gpu
@@ -203,18 +204,21 @@ def test_fp4_segment_scorer_orders_its_scores_with_one_barrier(tmp_path, monkeyp
     compiler = _offline_or_skip(tmp_path)
     if not compiler.nvdisasm:
         pytest.skip("no nvdisasm (python benchmarks/mosaic_offline.py fetch unpacks one)")
+    ops = ("BAR.SYNC.DEFER_BLOCKING", "MEMBAR.ALL.CTA", "UTMALDG.4D")
     counts = {}
-    for sync in ("barrier", "commit"):
-        monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "seg_sync", sync)
+    for seg_sync, conv_sync in (("barrier", "arrive"), ("barrier", "commit"), ("commit", "commit")):
+        monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "seg_sync", seg_sync)
+        monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "conv_sync", conv_sync)
         (r,) = compiler.compile_jitted(lambda *a: indexer_topk_gpu(*a, k=512, kernel="mosaic", topk="segment_set"),
                                        *_indexer_args("fp4", B=8, T=4096))
-        assert r.spill_stores == 0 and r.ctas_per_sm >= 2, r.line()
+        assert r.spill_stores == 0 and r.registers <= 128 and r.ctas_per_sm >= 2, r.line()
         loops = block_loops(*parse(open(r.sass_path).read()))
-        counts[sync] = {role: {op: lp.histogram()[op] for op in ("BAR.SYNC.DEFER_BLOCKING", "MEMBAR.ALL.CTA")}
-                        for role, lp in loops.items()}
-    assert counts["barrier"]["scores"] == {"BAR.SYNC.DEFER_BLOCKING": 1, "MEMBAR.ALL.CTA": 0}, counts
-    assert counts["commit"]["scores"] == {"BAR.SYNC.DEFER_BLOCKING": 3, "MEMBAR.ALL.CTA": 1}, counts
-    assert counts["barrier"]["converter"]["MEMBAR.ALL.CTA"] == 1, counts
+        counts[seg_sync, conv_sync] = {role: tuple(lp.histogram()[op] for op in ops) for role, lp in loops.items()}
+    # (barriers, memory fences, key copies) a block
+    assert counts["barrier", "commit"] == dict(scores=(1, 0, 0), converter=(3, 1, 1)), counts
+    assert counts["commit", "commit"] == dict(scores=(3, 1, 0), converter=(3, 1, 1)), counts
+    assert counts["barrier", "arrive"] == dict(scores=(3, 0, 1), converter=(0, 1, 0)), counts
+
 
 def test_fp4_rows_layout_issues_fewer_converter_instructions(tmp_path):
     """fp4_layout "rows" (session 50) against the fragment layout, offline: the converter loop's SASS a block (437

@@ -299,8 +299,19 @@ MAX_CLUSTER = 8     # portable thread-block cluster size
 # async proxy reads the segment buffer, and the e5m2 slot was released by its own barrier. Session 74's profile
 # (H100, B = 64 x 128K): the scorer's epilogue, which holds them, took 841 of its ~2380 cycles a block.
 MOSAIC_CONFIG = dict(q_prep="triton", epilogue="full", fp4_converter=2, fp4_tables="registers", fp4_layout="auto",
-                     q_prep_heads=Q_PREP_HEAD_BLOCK, profile="", profile_detail=False, seg_sync="barrier")
+                     q_prep_heads=Q_PREP_HEAD_BLOCK, profile="", profile_detail=False, seg_sync="barrier",
+                     conv_sync="arrive")
 SEG_SYNCS = ("barrier", "commit")
+# conv_sync (session 74; the fp4 converter warpgroup): how a converted block is handed over and its key slot refilled.
+# "arrive": each converter thread fences its own stores for the async proxy and arrives on the slot's full barrier
+# (128 arrivals), with no warpgroup barrier; the scorer, once that barrier completes (every converter thread is past
+# its reads of the block's key slot), issues the slot's next copy. "commit" (the code before): commit_smem (the fence
+# and a warpgroup barrier), the arrival, then the converter issues the copy, which Pallas brackets with a warpgroup
+# barrier for each of its two copies: three barriers a block. Session 74's profile (H100, fp4, B = 64 x 64K): that
+# part took 510 of the converter's ~2180 cycles a block, and the converter had become the pace-setter. "arrive"
+# applies where the converter's tables are its own (fp4_tables "registers"; "shared" needs the closing barrier, so
+# it keeps "commit").
+CONV_SYNCS = ("arrive", "commit")
 # the profiled regions, per role (warpgroup 0 scores, warpgroup 1 converts fp4 blocks): per block, then once a CTA
 PROFILE_REGIONS = {
     "scores": ("s_wait (the block's keys landed / its e5m2 slot converted)", "s_mma (wgmma issue and wait)",
@@ -468,6 +479,19 @@ def _store_rows_plain(vals, ref):
     store(vals, ref)
 
 
+def _fence_async_shared():
+    """In a Mosaic GPU kernel: this thread's shared-memory writes ordered before later async-proxy reads (wgmma,
+    TMA) that a barrier orders after it: `commit_smem` without its warpgroup barrier."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax._src.lib.mlir.dialects import nvvm
+
+    @plgpu.inline_mgpu()
+    def fence(_):
+        nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+
+    fence()
+
+
 def _warpgroup_barrier():
     """In a Mosaic GPU kernel: the warpgroup's named barrier alone (`commit_smem` without its async-proxy fence):
     orders shared-memory accesses among the warpgroup's threads."""
@@ -533,7 +557,7 @@ def _fp4_e5m2_values(packed, scale_words, rows_order=False):
 
 
 def _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_smem, kf_smem, conv_full,
-                    conv_empty, interpret, tables_smem=None, rows_layout=False):
+                    conv_empty, interpret, tables_smem=None, rows_layout=False, conv_sync="commit"):
     """fp4_converter's wg 1: streams the split's n_read fp4 blocks through the key ring (`issue`, `stages` slots)
     and converts block j into e5m2 slot j % cslots (+ its keys' score factors) once the scoring warpgroup has
     released that slot's previous block (conv_empty), then marks it full. Invariants: a slot is written only after
@@ -542,7 +566,11 @@ def _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_
     only after every converter thread has read it (commit_smem's warpgroup barrier). tables_smem ([8, bt] int32,
     fp4_tables "shared"): each key's e5m2 tables built once (thread t: key t), stored, and read back by the 4
     threads that hold its row (`mosaic_fp4.e5m2_tables_by_row`), instead of built by each of them. rows_layout
-    (fp4_layout "rows"): a thread converts whole rows (`mosaic_fp4.fp4_operand_rows`), channel c into column c."""
+    (fp4_layout "rows"): a thread converts whole rows (`mosaic_fp4.fp4_operand_rows`), channel c into column c.
+    conv_sync "arrive" (MOSAIC_CONFIG): each thread fences its own stores and arrives, no warpgroup barrier, and the
+    scoring warpgroup issues the key slot's next copy once conv_full completed (`_kernel_body`): the full barrier's
+    128 arrivals, each after that thread's reads of the key slot, order every read before the copy. The interpreter
+    (no inline asm) keeps commit_smem's barrier there but the same hand-over of the copies."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     for j in range(stages):
@@ -564,9 +592,13 @@ def _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_
         with region("c_store"):
             store(cslot, vals, factor)
         with region("c_commit", detail_of="c_store"):
-            plgpu.commit_smem()   # the stores visible to the wgmma (async proxy); every thread past the key slot's reads
+            if conv_sync == "arrive" and not interpret:   # this thread's stores, for the wgmma's async-proxy reads
+                _fence_async_shared()
+            else:   # ... and with "commit", every thread past the key slot's reads (the converter refills it)
+                plgpu.commit_smem()
             plgpu.barrier_arrive(conv_full.at[cslot])
-            pl.when(j + stages < n_read)(lambda: issue(j + stages))
+            if conv_sync != "arrive":   # else the scorer issues the copy once conv_full completes
+                pl.when(j + stages < n_read)(lambda: issue(j + stages))
         return carry
 
     def convert(slot):   # block `slot` of the key ring -> (e5m2 values, the keys' score factors) in registers
@@ -619,7 +651,7 @@ def _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_
 
 def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=0, split_m=False,
                  fp4=False, select=None, epilogue="full", interpret=False, conv=None, role="scores",
-                 rows_layout=False, seg_sync="commit"):
+                 rows_layout=False, seg_sync="commit", conv_sync="commit"):
     """nv [R] i32, w [R, H] f32, q [R, H, 128] e4m3 (f16 codes with "f16"; for bf16 keys bf16 [R, terms * H, 128],
     the terms stacked along the heads), keys [B, T, 128] e4m3 or bf16, scales [B*T] f32 (fp8 keys only)
     -> out [R, nb*bt]. Interpreted, q is transposed: [R, 128, H] / [R, terms, 128, H]. fp4: keys [B, T, 64] uint8
@@ -696,7 +728,7 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
     if role == "converter":   # wg 1: the key ring's copies, and every block converted into an e5m2 slot
         _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_smem, kf_smem, conv_full,
                         conv_empty, interpret, tables_smem=conv[4] if len(conv) > 4 else None,
-                        rows_layout=rows_layout)
+                        rows_layout=rows_layout, conv_sync=conv_sync)
         return
     plgpu.copy_gmem_to_smem(q_ref.at[r], q_smem, q_bar)
     plgpu.copy_gmem_to_smem(w_ref.at[r], w_smem, q_bar)
@@ -794,6 +826,8 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
             else:   # block j converted into e5m2 slot j % cslots
                 slot = j % cslots
                 plgpu.barrier_wait(conv_full.at[slot])
+                if conv_sync == "arrive":   # every converter thread is past block j's key slot: its next copy
+                    pl.when(j + stages < n_read)(lambda: issue(j + stages))
         if split_m:   # two [bt / 2, H] accumulators: half 1's operand and wgmma overlap half 0's, half 0's
             h = bt // 2   # epilogue overlaps half 1's wgmma
             def halves(acc0, acc1):
@@ -1031,6 +1065,9 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     seg_sync = MOSAIC_CONFIG["seg_sync"]
     if seg_sync not in SEG_SYNCS:
         raise ValueError(f"MOSAIC_CONFIG['seg_sync'] must be one of {SEG_SYNCS}, got {seg_sync!r}")
+    conv_sync = MOSAIC_CONFIG["conv_sync"]
+    if conv_sync not in CONV_SYNCS:
+        raise ValueError(f"MOSAIC_CONFIG['conv_sync'] must be one of {CONV_SYNCS}, got {conv_sync!r}")
     fp4_tables = MOSAIC_CONFIG["fp4_tables"]
     if fp4_tables not in FP4_TABLES:
         raise ValueError(f"MOSAIC_CONFIG['fp4_tables'] must be one of {FP4_TABLES}, got {fp4_tables!r}")
@@ -1048,6 +1085,8 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         raise ValueError("MOSAIC_CONFIG['fp4_layout'] = 'rows' builds each key's tables once already: fp4_tables "
                          "'shared' does not apply")
     shared_tables = bool(fp4_converter) and fp4_tables == "shared" and not interpret
+    if shared_tables:   # the tables' reuse across blocks needs the converter's closing warpgroup barrier
+        conv_sync = "commit"
     if shared_tables and block_t_of(block_t, T) % 128:
         raise ValueError(f"MOSAIC_CONFIG['fp4_tables'] = 'shared' builds a key's tables in one thread: block_t must be "
                          f"a multiple of the warpgroup's 128 threads, got {block_t_of(block_t, T)}")
@@ -1218,7 +1257,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         functools.partial(_kernel, T=T, bt=bt, stages=stages, bps=bps, nb=nb, S=S, precision=precision,
                           convert=convert, n_phase=n_phase, split_m=bool(split_m), fp4=fmt == "fp4",
                           epilogue=epilogue, converter=fp4_converter, shared_tables=shared_tables,
-                          rows_layout=rows_layout, seg_sync=seg_sync,
+                          rows_layout=rows_layout, seg_sync=seg_sync, conv_sync=conv_sync,
                           select=None if select_k is None else dict(
                               k=int(select_k), slots=slots, aggregate=bool(SELECT_CONFIG["aggregate"]),
                               stream_hist=bool(SELECT_CONFIG["stream_hist"]), cluster=cluster, last=last, prune=prune,
@@ -1237,7 +1276,8 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                      + ("_last" if select_k is not None and last else "")
                      + (f"_pr{prune}" if select_k is not None and prune else "")
                      + (f"_cv{fp4_converter}" if fp4_converter else "") + ("_tsh" if shared_tables else "") + ("_rows" if rows_layout else "")
-                     + ("_segc" if select_k is not None and fp4_converter and seg_sync == "commit" else "")),
+                     + ("_segc" if select_k is not None and fp4_converter and seg_sync == "commit" else "")
+                     + ("_cvc" if fp4_converter and conv_sync == "commit" and not shared_tables else "")),
         **(dict(interpret=_interpret_params(interpret == "races")) if interpret else {}),
     )
     res = kernel(*args)
