@@ -2,7 +2,8 @@
 # The device work still pending, as one command that picks its steps by the card it lands on (the device tool gives
 # an H100 or an H200, whichever comes; H200s have not come since session 55). Each part fits one 600 s call.
 #   device run:  PART=1 bash benchmarks/run_gpu_pending.sh        (then PART=2, 3, 4, 5 while the machine is warm)
-# Still pending (session 73): an H200's PART=1 (none has come since session 55; the H100 ran both tables in session 73).
+# Still pending (session 74): CONV_SYNC=1 on any card; an H200's PART=1 (none has come since session 55; the H100
+# ran both tables in session 73).
 # H200, part 1 / any other card, part 1: issue #4's decode table on today's defaults (consumers="asym" for bf16 since
 #   session 66, for FP8 over the converter's tiles since session 68) with the XLA reference at B = 64; on an H200
 #   then issue #5's rows (indexer decode at 8K / 128K / 1M, B = 1 and 64, each key format) on the defaults, against
@@ -45,8 +46,10 @@
 #   table with the XLA reference at B = 64 (~550 s in all; run on an H100 in session 73, h100_s73r1: 280 s, all cases
 #   passed, the third slot set aside). IDX_TABLE=1: issue #5's indexer rows alone (PART=1's
 #   second step on an H200, ~170 s).
-# CONV_SYNC=1 (any card; session 74): conv_sync "arrive" (the new default): its fp4 GPU tests, its timing against
-#   "commit" and the code of before, its phase profile, the fp4-key model test (NO_MODEL=1: without it, ~220 s).
+# CONV_SYNC=1 (any card; session 74, NOT YET RUN): conv_sync "arrive" (built, interpreted and compiled offline; the
+#   device time ran out): its 20 fp4 converter GPU cases, its timing against the default and the code of session 73,
+#   its phase profile, the fp4-key model test with it as the default (~450 s; NO_MODEL=1: ~230 s). Where it passes
+#   and is faster in two calls, make it the default (MOSAIC_CONFIG["conv_sync"]).
 # SEG_SYNC=1 (any card; session 74): seg_sync "barrier" (the new default): its fp4 GPU tests, its timing against
 #   "commit" on the fp4 rows, its phase profile, the fp4-key model test (~550 s).
 # IDX_PROF=1 (any card; session 74): the Mosaic indexer kernel's phase profile (fp4 at B = 64 x 128K with and without
@@ -158,15 +161,19 @@ if [ -n "$S72" ]; then   # session 72: S71's recheck and the third tile slot's G
   fp8_table; exit
 fi
 if [ -n "$CONV_SYNC" ]; then   # session 74: conv_sync "arrive" (the fp4 converter's hand-over without a warpgroup
-  # barrier, the scorer issuing the key copies): the fp4 GPU tests, its timing against "commit" and against both
-  # orderings of before (seg_sync and conv_sync "commit"), the phase profile; the model test unless NO_MODEL is set
-  PYTEST_N=4 T_tests5=${T_CONV_TESTS:-200} STEPS=tests5 GPU_TEST_K="gpu and fp4 and (converter or segment or auto_set \
-or pruned or wide_group) and not 768 and not 640 and not past_1024" session conv_sync_tests
+  # barrier, the scorer issuing the key copies; not yet run on a GPU): its GPU cases, its timing against the default
+  # ("commit") and against seg_sync "commit" too (the code of session 73), the phase profile; then, unless NO_MODEL
+  # is set, the fp4-key model test with "arrive" set as the default in this copy of the tree
+  PYTEST_N=4 T_tests5=${T_CONV_TESTS:-150} STEPS=tests5 GPU_TEST_K="gpu and fp4_converter and arrive" \
+    session conv_sync_tests
   T_idx=${T_CONV_IDX:-130} STEPS=idx IDX_ARGS="--skip-topk-only --variants pallas_auto_set \
---set-configs topk=auto_set,mosaic.conv_sync=commit;topk=auto_set,mosaic.conv_sync=commit,mosaic.seg_sync=commit \
+--set-configs topk=auto_set,mosaic.conv_sync=arrive;topk=auto_set,mosaic.seg_sync=commit \
 --cases 64x1x131072xfp4,64x1x1048576xfp4,16x1x131072xfp4,64x1x65536xfp4" session conv_sync_timing
-  T_iprof=${T_CONV_PROF:-100} IPROF_ARGS="--cases fp4_64x128k,fp4_64x64k_detail" STEPS=iprof session conv_sync_profile
+  T_iprof=${T_CONV_PROF:-100} IPROF_ARGS="--cases fp4_64x128k,fp4_64x128k_arrive,fp4_64x64k_arrive_detail" \
+    STEPS=iprof session conv_sync_profile
   if [ -z "$NO_MODEL" ]; then
+    sed -i 's/conv_sync="commit")/conv_sync="arrive")/' pallas_kernels/indexer/gpu_mosaic.py
+    grep -n 'conv_sync="arrive")' pallas_kernels/indexer/gpu_mosaic.py
     PYTEST_N=1 T_model=${T_CONV_MODEL:-220} MODEL_K="mosaic-fp4" STEPS=model session conv_sync_model
   fi
   exit

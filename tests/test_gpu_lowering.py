@@ -1333,9 +1333,9 @@ def test_indexer_mosaic_profiled_build_lowers(fmt, detail, monkeypatch):
 
 
 def test_indexer_mosaic_seg_sync_option(monkeypatch):
-    """MOSAIC_CONFIG["seg_sync"] and ["conv_sync"] (session 74): the defaults ("barrier", "arrive") keep the fp4
-    converter kernel's name under the segment top-k, "commit" (the code before) is a kernel of its own name; other
-    values are refused."""
+    """MOSAIC_CONFIG["seg_sync"] and ["conv_sync"] (session 74): the defaults ("barrier", "commit") keep the fp4
+    converter kernel's name under the segment top-k; seg_sync "commit" (the code before) and conv_sync "arrive" (not
+    yet run on a GPU) are kernels of their own names; other values are refused."""
     from pallas_kernels.indexer import gpu_mosaic
     from pallas_kernels.indexer.gpu import indexer_topk_gpu
 
@@ -1350,11 +1350,10 @@ def test_indexer_mosaic_seg_sync_option(monkeypatch):
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "seg_sync", "fence")
     with pytest.raises(ValueError, match="seg_sync"):
         seg()(q, w, keys, nv)
-    # conv_sync (session 74): "arrive" (the default) keeps the name, "commit" is "_cvc"; shared tables keep "commit"
+    # conv_sync (session 74): "commit" (the default) keeps the name, "arrive" is "_cva"; shared tables keep "commit"
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "seg_sync", "barrier")
-    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "conv_sync", "commit")
-    assert any(n.endswith("_cv2_rows_cvc") for n in names(lowers_for("cuda", "mosaic_gpu", seg(), q, w, keys, nv)))
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "conv_sync", "arrive")
+    assert any(n.endswith("_cv2_rows_cva") for n in names(lowers_for("cuda", "mosaic_gpu", seg(), q, w, keys, nv)))
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_tables", "shared")
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_layout", "fragments")
     shared = names(lowers_for("cuda", "mosaic_gpu", seg(), q, w, keys, nv))

@@ -477,8 +477,9 @@ _CONVERTER_SHAPES = [(4, 1, 64, 5000, {}), (2, 2, 64, 70000, {}), (3, 1, 16, 776
 @gpu   # fp4_tables "shared" and fp4_layout "rows" want a block_t that is a multiple of 128
 @pytest.mark.parametrize("B,S,H,T,opts,slots,tables", [
     shape + (slots, tables) for shape in _CONVERTER_SHAPES
-    for slots, tables in [(1, "registers"), (2, "registers"), (2, "shared"), (1, "rows"), (2, "rows")]
-    if tables == "registers" or shape[4].get("block_t", 128) % 128 == 0])
+    for slots, tables in [(1, "registers"), (2, "registers"), (2, "shared"), (1, "rows"), (2, "rows"),
+                          (2, "registers+arrive"), (1, "rows+arrive"), (2, "rows+arrive")]
+    if tables.startswith("registers") or shape[4].get("block_t", 128) % 128 == 0])
 def test_gpu_mosaic_fp4_converter(B, S, H, T, opts, slots, tables, monkeypatch):
     """fp4_converter (session 49, first compiled on a GPU after it): a second warpgroup converts each block into
     e5m2 slots in shared memory, the scoring warpgroup's wgmma reads them there. The operands are the register
@@ -487,9 +488,12 @@ def test_gpu_mosaic_fp4_converter(B, S, H, T, opts, slots, tables, monkeypatch):
     fp4_tables "shared": the keys' tables built once a key into shared memory (block_t a multiple of 128).
     "rows" (fp4_layout "rows", session 50): a thread converts whole key rows and the channels keep their order, so
     the wgmma sums the same exact products in another order: the register path's scores to the accumulation's
-    rounding, and sets that differ only by near-ties."""
+    rounding, and sets that differ only by near-ties. "+arrive": conv_sync "arrive" (session 74: the converter
+    fences and arrives per thread with no warpgroup barrier, the scorer issues the key copies)."""
     from pallas_kernels.indexer import gpu_mosaic
 
+    tables, _, sync = tables.partition("+")
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "conv_sync", sync or "commit")
     rows = tables == "rows"
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_tables", "registers" if rows else tables)
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_layout", "rows" if rows else "fragments")
@@ -662,10 +666,11 @@ def test_mosaic_kernel_interpreted(B, S, H, T, opts, fmt):
                                                                    layout="rows")),
                                           (2, 2, 16, 1544, dict(block_t=256, num_splits=2, num_stages=2,
                                                                 fp4_converter=1, layout="rows")),
-                                          # conv_sync "commit" (the converter refills its key ring, before
-                                          # session 74); the default "arrive" has the scorer issue the copies
-                                          (3, 1, 16, 776, dict(num_splits=2, num_stages=2, fp4_converter=2,
-                                                               layout="rows", conv_sync="commit"))]))
+                                          # conv_sync "arrive" (session 74): the scorer issues the key copies
+                                          # once the slot's full barrier completed (the race detector checks
+                                          # the ring's reuse); the default "commit" has the converter refill it
+                                          core(3, 1, 16, 776, dict(num_splits=2, num_stages=2, fp4_converter=2,
+                                                                   layout="rows", conv_sync="arrive"))]))
 def test_mosaic_fp4_converter_interpreted(B, S, H, T, opts, monkeypatch):
     """fp4 keys through the Mosaic kernel's converter warpgroup (fp4_converter, session 49) in Pallas' GPU
     interpreter: wg 1 streams the key ring and converts each block into e5m2 slots (the interpreter's jnp model of
@@ -681,7 +686,7 @@ def test_mosaic_fp4_converter_interpreted(B, S, H, T, opts, monkeypatch):
 
     opts = dict(opts)
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_layout", opts.pop("layout", "fragments"))
-    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "conv_sync", opts.pop("conv_sync", "arrive"))
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "conv_sync", opts.pop("conv_sync", "commit"))
     q, w, keys, nv = make(B, S, H, T, "fp4", True)
     gpu_interpret.reset_gpu_interpret_mode_state()
     out = np.asarray(gpu_mosaic.indexer_scores_mosaic(q, w, keys, nv, interpret="races", pad_to_block=True, **opts))
