@@ -9,9 +9,10 @@ the segment top-k for these shapes) with MOSAIC_CONFIG["profile"] (gpu_mosaic.py
 stamps the SM clock at the entry and exit of `gpu_mosaic.PROFILE_REGIONS`,
 
   scorer     s_wait_q once; per block s_wait (its e5m2 slot converted; fp8 / bf16 keys: the block landed), s_mma
-             (wgmma issue and wait), s_epilogue (the slot's release, ReLU x weight, head sum, mask, the commit's
-             warpgroup barrier), s_hist (the streamed histogram, the pruned list); s_select once (the split's
-             selection after its last block, and the "last" final where a CTA runs it)
+             (wgmma issue and wait; with conv_sync "arrive" the key copies' issue is in s_wait), s_epilogue
+             (the slot's release, ReLU x weight, head sum, mask, the segment store and its ordering: seg_sync),
+             s_hist (the streamed histogram, the pruned list); s_select once (the split's selection after its last
+             block, and the "last" final where a CTA runs it)
   converter  per block c_wait_keys (the packed keys landed), c_convert (nibbles -> e5m2 in registers), c_wait_slot
              (the scorer released the slot it writes), c_store (the stores, the async-proxy fence, the arrival,
              the next key copy)
