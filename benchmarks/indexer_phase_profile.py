@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import sys
 import time
@@ -70,18 +69,16 @@ def per_block(summary):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=".", help="the summary: DIR/indexer_phase_profile.json")
-    ap.add_argument("--dump", default="/tmp/indexer_profile_traces", help="the raw Chrome traces (large), per case")
-    ap.add_argument("--cases", default="fp4_64x128k,fp4_64x128k_noselect,fp4_16x128k,fp8_64x128k")
-    ap.add_argument("--clock-ghz", type=float, default=1.98)
-    ap.add_argument("--warm-ms", type=float, default=200.0, help="unprofiled calls first, so the SM clock has risen")
-    args = ap.parse_args()
+    from benchmarks.mosaic_phase_profile import add_profile_args, print_summary, run_profiled, summarize
+
+    args = add_profile_args(argparse.ArgumentParser(description=__doc__,
+                                                    formatter_class=argparse.RawDescriptionHelpFormatter),
+                            "indexer_phase_profile.json", "/tmp/indexer_profile_traces",
+                            "fp4_64x128k,fp4_64x128k_noselect,fp4_16x128k,fp8_64x128k").parse_args()
 
     import jax
 
     from benchmarks.indexer import make_inputs, set_pipeline
-    from benchmarks.mosaic_phase_profile import print_summary, summarize
     from benchmarks.timing import record_case
 
     results = {}
@@ -99,19 +96,7 @@ def main():
 
         def measure():
             t0 = time.time()
-            jax.block_until_ready(plain(q, w, keys, nv))
-            n, t1 = 0, time.time()
-            while (time.time() - t1) * 1e3 < args.warm_ms:
-                jax.block_until_ready(plain(q, w, keys, nv))
-                n += 1
-            for _ in range(3):
-                jax.block_until_ready(profiled(q, w, keys, nv))
-            jax.effects_barrier()
-            traces = sorted(glob.glob(os.path.join(dump, "*-trace.json")))
-            if not traces:
-                raise RuntimeError(f"{name}: no trace in {dump}: did the pipeline take the Mosaic scores kernel?")
-            with open(traces[-1]) as f:
-                trace = json.load(f)
+            trace, n = run_profiled(plain, profiled, (q, w, keys, nv), dump, args.warm_ms)
             # two warpgroups a CTA where the converter recorded (fp4 keys), else the scorer alone
             wgs = 2 if any(e["name"].startswith("c_") for e in trace["traceEvents"]) else 1
             s = summarize(trace, args.clock_ghz, warpgroups=wgs, roles_of=ROLES)
@@ -120,8 +105,6 @@ def main():
             print_summary(name, s, roles=("converter", "scorer"))
             for role, regs in s["per_block_cycles"].items():
                 print(f"  {role} a block: " + ", ".join(f"{k} {v:.0f}" for k, v in regs.items()), flush=True)
-            for tr in traces[:-1]:
-                os.remove(tr)
             return s
 
         record_case(results, name, os.path.join(args.out, "indexer_phase_profile.json"), measure)

@@ -199,6 +199,30 @@ def summarize(trace, clock_ghz=1.98, warpgroups=WARPGROUPS, roles_of=None):
                 clock_ghz=clock_ghz)
 
 
+def run_profiled(plain, profiled, args, dump, warm_ms):
+    """Calls plain(*args) once and then for warm_ms (so the SM clock has risen), then profiled(*args) three times;
+    -> (the last trace the profiled calls dumped into dump, as a dict; the warm calls made). Older traces there
+    are removed."""
+    import jax
+
+    jax.block_until_ready(plain(*args))
+    n, t1 = 0, time.time()
+    while (time.time() - t1) * 1e3 < warm_ms:
+        jax.block_until_ready(plain(*args))
+        n += 1
+    for _ in range(3):
+        jax.block_until_ready(profiled(*args))
+    jax.effects_barrier()
+    traces = sorted(glob.glob(os.path.join(dump, "*-trace.json")))
+    if not traces:
+        raise RuntimeError(f"no trace in {dump}: did the call take the profiled Mosaic kernel?")
+    with open(traces[-1]) as f:
+        trace = json.load(f)
+    for tr in traces[:-1]:
+        os.remove(tr)
+    return trace, n
+
+
 def print_summary(name, s, roles=("producer", "converter", "consumer")):
     print(f"== {name}: {s['n_ctas']} CTAs, CTA starts spread over {s['start_spread_us']:.1f} us "
           f"(cycles -> us at {s['clock_ghz']} GHz)", flush=True)
@@ -215,17 +239,22 @@ def print_summary(name, s, roles=("producer", "converter", "consumer")):
             print(f"    gap {gap:32s} {cyc:9.0f} cyc/CTA", flush=True)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=".", help="the summary: DIR/mosaic_phase_profile.json")
-    ap.add_argument("--dump", default="/tmp/mosaic_profile_traces", help="the raw Chrome traces (large), per case")
-    ap.add_argument("--cases", default="csa64,csa128,csa16,hca8k16,csa64_ns1,prefill2k,prefill2k_noss,csa64_fp8")
+def add_profile_args(ap, summary, dump, cases):
+    """A phase-profile script's options: --out (the summary file's directory), --dump (the raw traces), --cases,
+    --clock-ghz, --warm-ms."""
+    ap.add_argument("--out", default=".", help=f"the summary: DIR/{summary}")
+    ap.add_argument("--dump", default=dump, help="the raw Chrome traces (large), per case")
+    ap.add_argument("--cases", default=cases)
     ap.add_argument("--clock-ghz", type=float, default=1.98)
     ap.add_argument("--warm-ms", type=float, default=200.0, help="unprofiled calls first, so the SM clock has risen")
-    args = ap.parse_args()
+    return ap
+
+
+def main():
+    args = add_profile_args(argparse.ArgumentParser(), "mosaic_phase_profile.json", "/tmp/mosaic_profile_traces",
+                            "csa64,csa128,csa16,hca8k16,csa64_ns1,prefill2k,prefill2k_noss,csa64_fp8").parse_args()
 
     import jax
-    import jax.numpy as jnp
 
     from benchmarks.sparse_attention import D, make_case
     from benchmarks.timing import record_case
@@ -252,23 +281,11 @@ def main():
 
         def measure():
             t0 = time.time()
-            jax.block_until_ready(plain(*a))
-            n = 0
-            t1 = time.time()
-            while (time.time() - t1) * 1e3 < args.warm_ms:
-                jax.block_until_ready(plain(*a))
-                n += 1
-            for _ in range(3):
-                jax.block_until_ready(profiled(*a))
-            jax.effects_barrier()
-            traces = sorted(glob.glob(os.path.join(dump, "*-trace.json")))
-            with open(traces[-1]) as f:
-                s = summarize(json.load(f), args.clock_ghz, warpgroups=4 if built[-1].get("conv") else WARPGROUPS)
+            trace, n = run_profiled(plain, profiled, a, dump, args.warm_ms)
+            s = summarize(trace, args.clock_ghz, warpgroups=4 if built[-1].get("conv") else WARPGROUPS)
             s["case"] = dict(kind=kind, B=b, T=t_q, Kc=kc, kv=kv, opts=opts, warm_calls=n,
                              seconds=round(time.time() - t0, 1))
             print_summary(name, s)
-            for tr in traces[:-1]:
-                os.remove(tr)
             return s
 
         record_case(results, name, os.path.join(args.out, "mosaic_phase_profile.json"), measure)

@@ -98,3 +98,25 @@ def test_indexer_profile_roles_and_per_block():
     assert pb["scorer"]["s_mma"] == pytest.approx(200) and pb["scorer"]["s_select"] == pytest.approx(300)
     assert pb["converter"]["c_wait_slot"] == pytest.approx(400)
     assert pb["scorer"]["(span)"] == pytest.approx((100 + 3 * 580 + 900) / 3)
+
+
+def test_run_profiled_reads_the_last_trace(tmp_path):
+    """run_profiled (both profile scripts): warm calls of the plain function, three profiled calls, then the newest
+    trace of the dump directory as a dict, older ones removed; no trace is an error that says so."""
+    import json
+
+    from benchmarks.mosaic_phase_profile import run_profiled
+
+    calls = []
+
+    def profiled(x):
+        calls.append(x)
+        with open(tmp_path / f"{len(calls):04d}-trace.json", "w") as f:
+            json.dump({"traceEvents": [], "call": len(calls)}, f)
+        return x
+
+    trace, n = run_profiled(lambda x: x, profiled, (np.float32(1.0),), str(tmp_path), warm_ms=1.0)
+    assert trace["call"] == 3 and n >= 0 and len(calls) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0003-trace.json"]
+    with pytest.raises(RuntimeError, match="no trace"):
+        run_profiled(lambda x: x, lambda x: x, (np.float32(1.0),), str(tmp_path / "empty"), warm_ms=1.0)

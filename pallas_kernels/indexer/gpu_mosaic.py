@@ -955,6 +955,14 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
     plgpu.wait_smem_to_gmem(0)
 
 
+def _config_choice(name, choices):
+    """MOSAIC_CONFIG[name], which must be one of choices (else a ValueError that names them)."""
+    value = MOSAIC_CONFIG[name]
+    if value not in choices:
+        raise ValueError(f"MOSAIC_CONFIG[{name!r}] must be one of {choices}, got {value!r}")
+    return value
+
+
 def profile_params(blocks_per_split, interpret=False) -> dict:
     """plgpu.kernel's compiler_params where MOSAIC_CONFIG["profile"] names a directory (compiled kernels only), else
     {}: room for every region of `PROFILE_REGIONS` a block plus PROFILE_ONCE ranges a warpgroup (a warpgroup that
@@ -1064,19 +1072,9 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                          f"got {fmt} keys, precision {precision!r}, convert {convert!r}, split_m {split_m}")
     if not 0 <= fp4_converter <= 4:
         raise ValueError(f"fp4_converter must be 0 (off) or 1-4 e5m2 slots, got {fp4_converter}")
-    seg_sync = MOSAIC_CONFIG["seg_sync"]
-    if seg_sync not in SEG_SYNCS:
-        raise ValueError(f"MOSAIC_CONFIG['seg_sync'] must be one of {SEG_SYNCS}, got {seg_sync!r}")
-    conv_sync = MOSAIC_CONFIG["conv_sync"]
-    if conv_sync not in CONV_SYNCS:
-        raise ValueError(f"MOSAIC_CONFIG['conv_sync'] must be one of {CONV_SYNCS}, got {conv_sync!r}")
-    fp4_tables = MOSAIC_CONFIG["fp4_tables"]
-    if fp4_tables not in FP4_TABLES:
-        raise ValueError(f"MOSAIC_CONFIG['fp4_tables'] must be one of {FP4_TABLES}, got {fp4_tables!r}")
+    seg_sync, conv_sync = _config_choice("seg_sync", SEG_SYNCS), _config_choice("conv_sync", CONV_SYNCS)
     # "shared" reaches the converter's compiled conversion only (the interpreter runs its jnp model either way)
-    fp4_layout = MOSAIC_CONFIG["fp4_layout"]
-    if fp4_layout not in FP4_LAYOUTS:
-        raise ValueError(f"MOSAIC_CONFIG['fp4_layout'] must be one of {FP4_LAYOUTS}, got {fp4_layout!r}")
+    fp4_tables, fp4_layout = _config_choice("fp4_tables", FP4_TABLES), _config_choice("fp4_layout", FP4_LAYOUTS)
     if fp4_layout == "auto":
         fp4_layout = "rows" if block_t_of(block_t, T) % 128 == 0 and fp4_tables == "registers" else "fragments"
     rows_layout = bool(fp4_converter) and fp4_layout == "rows"
