@@ -81,6 +81,13 @@ group maxima (`gpu.indexer_topk_gpu`'s fuse_group_max) are the defaults since se
   overlapped. With group_max_k the `threshold_set` pipeline took 2-6 us less (fp8 137.5 vs 139.7, bf16 182.1 vs
   185.4); alone it is within the noise.
 
+Where the time goes (session 74, `benchmarks/indexer_phase_profile.py` with MOSAIC_CONFIG["profile"]; H100, fp4
+keys, B = 64 x 128K, segment top-k): the scorer and the converter each spend ~2050-2400 cycles a 128-key block and
+wait for each other or the keys only 7-11% of it, so their own work sets the pace, not the bytes (the floor is
+~1630 cycles a block there, ~1160 on the H200). The ordering between them is what session 74 cut: the scorer's
+segment scores under one barrier (seg_sync "barrier", the default) and, as an option not yet run on a GPU, the
+converter's hand-over without warpgroup barriers (conv_sync "arrive").
+
 Decode-oriented: one query per CTA, so S queries of one row read its keys S times (prefill stays on the Triton
 kernel, whose programs share each key block between up to 8 queries). Hopper (sm_90a) only. On the CPU it lowers
 for CUDA (tests/test_gpu_lowering.py), and `interpret=True` (or "races", with the race detector) runs it in Pallas'
