@@ -160,36 +160,38 @@ if [ -n "$S72" ]; then   # session 72: S71's recheck and the third tile slot's G
   if [ -n "$S72_SHORT" ]; then exit; fi   # (a call with little device time left: the table next time)
   fp8_table; exit
 fi
+fp4_option() {   # session 74: an fp4 converter option against the defaults: $1 the steps' name prefix, $2 its GPU
+  # tests (GPU_TEST_K), $3 the indexer configs beside the default (--set-configs), $4 the indexer cases, $5 the phase
+  # profile's cases; then, unless NO_MODEL is set, the fp4-key model test (on the defaults of this copy of the tree)
+  PYTEST_N=4 T_tests5=${T_OPT_TESTS:-200} STEPS=tests5 GPU_TEST_K="$2" session "$1_tests"
+  T_idx=${T_OPT_IDX:-130} STEPS=idx IDX_ARGS="--skip-topk-only --variants pallas_auto_set --set-configs $3 --cases $4" \
+    session "$1_timing"
+  T_iprof=${T_OPT_PROF:-100} IPROF_ARGS="--cases $5" STEPS=iprof session "$1_profile"
+  if [ -z "$NO_MODEL" ]; then fp4_model "$1_model"; fi
+}
+fp4_model() { PYTEST_N=1 T_model=${T_OPT_MODEL:-220} MODEL_K="mosaic-fp4" STEPS=model session "$1"; }
 if [ -n "$CONV_SYNC" ]; then   # session 74: conv_sync "arrive" (the fp4 converter's hand-over without a warpgroup
   # barrier, the scorer issuing the key copies; not yet run on a GPU): its GPU cases, its timing against the default
   # ("commit") and against seg_sync "commit" too (the code of session 73), the phase profile; then, unless NO_MODEL
   # is set, the fp4-key model test with "arrive" set as the default in this copy of the tree
-  PYTEST_N=4 T_tests5=${T_CONV_TESTS:-150} STEPS=tests5 GPU_TEST_K="gpu and fp4_converter and arrive" \
-    session conv_sync_tests
-  T_idx=${T_CONV_IDX:-130} STEPS=idx IDX_ARGS="--skip-topk-only --variants pallas_auto_set \
---set-configs topk=auto_set,mosaic.conv_sync=arrive;topk=auto_set,mosaic.seg_sync=commit \
---cases 64x1x131072xfp4,64x1x1048576xfp4,16x1x131072xfp4,64x1x65536xfp4" session conv_sync_timing
-  T_iprof=${T_CONV_PROF:-100} IPROF_ARGS="--cases fp4_64x128k,fp4_64x128k_arrive,fp4_64x64k_arrive_detail" \
-    STEPS=iprof session conv_sync_profile
+  NO_MODEL=1 fp4_option conv_sync "gpu and fp4_converter and arrive" \
+    "topk=auto_set,mosaic.conv_sync=arrive;topk=auto_set,mosaic.seg_sync=commit" \
+    "64x1x131072xfp4,64x1x1048576xfp4,16x1x131072xfp4,64x1x65536xfp4" \
+    "fp4_64x128k,fp4_64x128k_arrive,fp4_64x64k_arrive_detail"
   if [ -z "$NO_MODEL" ]; then
-    sed -i 's/conv_sync="commit")/conv_sync="arrive")/' pallas_kernels/indexer/gpu_mosaic.py
+    sed -i 's/^\( *\)conv_sync="commit")$/\1conv_sync="arrive")/' pallas_kernels/indexer/gpu_mosaic.py
     grep -n 'conv_sync="arrive")' pallas_kernels/indexer/gpu_mosaic.py
-    PYTEST_N=1 T_model=${T_CONV_MODEL:-220} MODEL_K="mosaic-fp4" STEPS=model session conv_sync_model
+    fp4_model conv_sync_model
   fi
   exit
 fi
-if [ -n "$SEG_SYNC" ]; then   # session 74: seg_sync "barrier" (the fp4 scorer's one barrier a block under the
-  # segment top-k): its GPU tests (the converter and segment top-k fp4 cases but the ~10 GB ones), its timing against
-  # "commit" (the code before) on issue #5's fp4 rows, the phase profile on it, then the fp4-key model test
-  PYTEST_N=4 T_tests5=${T_SEG_TESTS:-200} STEPS=tests5 GPU_TEST_K="gpu and fp4 and (converter or segment or auto_set \
-or pruned or wide_group) and not 768 and not 640 and not past_1024" session seg_sync_tests
-  T_idx=${T_SEG_IDX:-130} STEPS=idx IDX_ARGS="--skip-topk-only --variants pallas_auto_set \
---set-configs topk=auto_set,mosaic.seg_sync=commit --cases 64x1x131072xfp4,16x1x131072xfp4,64x1x1048576xfp4,\
-1x1x131072xfp4" session seg_sync_timing
-  T_iprof=${T_SEG_PROF:-100} IPROF_ARGS="--cases fp4_64x128k,fp4_64x64k_detail,fp4_64x64k_commit_detail" STEPS=iprof session seg_sync_profile
-  if [ -z "$NO_MODEL" ]; then
-    PYTEST_N=1 T_model=${T_SEG_MODEL:-220} MODEL_K="mosaic-fp4" STEPS=model session seg_sync_model
-  fi
+if [ -n "$SEG_SYNC" ]; then   # session 74 (run in call 3): seg_sync "barrier" (the fp4 scorer's one barrier a block
+  # under the segment top-k): its GPU tests (the converter and segment top-k fp4 cases but the ~10 GB ones), its
+  # timing against "commit" (the code before) on issue #5's fp4 rows, the phase profile on it, the fp4-key model test
+  fp4_option seg_sync "gpu and fp4 and (converter or segment or auto_set or pruned or wide_group) and not 768 \
+and not 640 and not past_1024" "topk=auto_set,mosaic.seg_sync=commit" \
+    "64x1x131072xfp4,16x1x131072xfp4,64x1x1048576xfp4,1x1x131072xfp4" \
+    "fp4_64x128k,fp4_64x64k_detail,fp4_64x64k_commit_detail"
   exit
 fi
 if [ -n "$IDX_PROF" ]; then   # session 74: the Mosaic indexer kernel's phase profile (scorer and fp4 converter, a key

@@ -339,12 +339,14 @@ PROFILE_DETAIL_REGIONS = {
 PROFILE_ONCE = 8                  # ranges outside the block loop, with margin
 
 
-def profile_words_per_block() -> int:
-    """Profiler words a block and warpgroup: 4 regions (5 with profile_detail), 2 records of 2 words each."""
-    return 4 * (5 if MOSAIC_CONFIG["profile_detail"] else 4)
 FP4_TABLES = ("registers", "shared")
 FP4_LAYOUTS = ("auto", "fragments", "rows")
 FINALS = ("auto", "cluster", "triton", "last")
+
+
+def profile_words_per_block() -> int:
+    """Profiler words a block and warpgroup: 4 regions (5 with profile_detail), 2 records of 2 words each."""
+    return 4 * (5 if MOSAIC_CONFIG["profile_detail"] else 4)
 
 
 def key_format(keys):
@@ -515,12 +517,12 @@ def _warpgroup_barrier():
 
 
 def region(name, detail_of=None):
-    """A named profiler region (`PROFILE_REGIONS`) around the ops traced inside it: with MOSAIC_CONFIG["profile"] Pallas'
-    Mosaic GPU lowering opens a range where the ops' name stack gains the name and closes it where the name leaves;
-    without a profiler it emits nothing. Ops of a nested jaxpr (a loop body, pl.when, run_scoped) start a name stack
-    of their own, so a region wraps either the nested call or ops inside its body, not both. detail_of: a region of
-    `PROFILE_DETAIL_REGIONS`, recorded as itself with MOSAIC_CONFIG["profile_detail"], else as part of detail_of
-    (adjacent ops of one name make one range)."""
+    """A named profiler region (`PROFILE_REGIONS`) around the ops traced inside it: with MOSAIC_CONFIG["profile"]
+    Pallas' Mosaic GPU lowering opens a range where the ops' name stack gains the name and closes it where the name
+    leaves; without a profiler it emits nothing. Ops of a nested jaxpr (a loop body, pl.when, run_scoped) start a
+    name stack of their own, so a region wraps either the nested call or ops inside its body, not both. detail_of: a
+    region of `PROFILE_DETAIL_REGIONS`, recorded as itself with MOSAIC_CONFIG["profile_detail"], else as part of
+    detail_of (adjacent ops of one name make one range)."""
     return jax.named_scope(name if detail_of is None or MOSAIC_CONFIG["profile_detail"] else detail_of)
 
 
@@ -565,9 +567,10 @@ def _fp4_e5m2_values(packed, scale_words, rows_order=False):
     return val, jax.lax.bitcast_convert_type(e5m2_factor_bits(smax, jnp), jnp.float32)
 
 
-def _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_smem, kf_smem, conv_full,
+def _convert_blocks(n_read, stages, cslots, issue, refill, k_smem, s_smem, k_bars, conv_smem, kf_smem, conv_full,
                     conv_empty, interpret, tables_smem=None, rows_layout=False, conv_sync="commit"):
-    """fp4_converter's wg 1: streams the split's n_read fp4 blocks through the key ring (`issue`, `stages` slots)
+    """fp4_converter's wg 1: streams the split's n_read fp4 blocks through the key ring (`issue` the first `stages`,
+    `refill(j)` block j's slot with block j + stages)
     and converts block j into e5m2 slot j % cslots (+ its keys' score factors) once the scoring warpgroup has
     released that slot's previous block (conv_empty), then marks it full. Invariants: a slot is written only after
     its previous block's wgmma completed (conv_empty); the consumer's wgmma reads it only after every converter
@@ -607,7 +610,7 @@ def _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_
                 plgpu.commit_smem()
             plgpu.barrier_arrive(conv_full.at[cslot])
             if conv_sync != "arrive":   # else the scorer issues the copy once conv_full completes
-                pl.when(j + stages < n_read)(lambda: issue(j + stages))
+                refill(j)
         return carry
 
     def convert(slot):   # block `slot` of the key ring -> (e5m2 values, the keys' score factors) in registers
@@ -731,12 +734,15 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
         if scale_ref is not None:
             plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(base + t0, bt)], s_smem.at[slot], k_bars.at[slot])
 
+    def refill(j):   # block j's key slot gets block j + stages, where the split has it
+        pl.when(j + stages < n_read)(lambda: issue(j + stages))
+
     if conv is not None:   # fp4_converter: e5m2 slots, their key factors, full (converted) / empty (scored) barriers
         conv_smem, kf_smem, conv_full, conv_empty = conv[:4]
         cslots = conv_smem.shape[0]
     if role == "converter":   # wg 1: the key ring's copies, and every block converted into an e5m2 slot
-        _convert_blocks(n_read, stages, cslots, issue, k_smem, s_smem, k_bars, conv_smem, kf_smem, conv_full,
-                        conv_empty, interpret, tables_smem=conv[4] if len(conv) > 4 else None,
+        _convert_blocks(n_read, stages, cslots, issue, refill, k_smem, s_smem, k_bars, conv_smem, kf_smem,
+                        conv_full, conv_empty, interpret, tables_smem=conv[4] if len(conv) > 4 else None,
                         rows_layout=rows_layout, conv_sync=conv_sync)
         return
     plgpu.copy_gmem_to_smem(q_ref.at[r], q_smem, q_bar)
@@ -836,7 +842,7 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
                 slot = j % cslots
                 plgpu.barrier_wait(conv_full.at[slot])
                 if conv_sync == "arrive":   # every converter thread is past block j's key slot: its next copy
-                    pl.when(j + stages < n_read)(lambda: issue(j + stages))
+                    refill(j)
         if split_m:   # two [bt / 2, H] accumulators: half 1's operand and wgmma overlap half 0's, half 0's
             h = bt // 2   # epilogue overlaps half 1's wgmma
             def halves(acc0, acc1):
@@ -877,8 +883,8 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
             else:
                 count()
 
-        if conv is None:   # else the converter refills the key ring
-            pl.when(j + stages < n_read)(lambda: issue(j + stages))
+        if conv is None:   # else the converter (conv_sync "commit") or the scorer's wait above refills the key ring
+            refill(j)
 
         if select and select["prune"]:   # after the next block's copy is issued: the threshold, then candidates
             from . import mosaic_select as ms
@@ -1282,7 +1288,8 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                      + (f"_sel{select_k}" if select_k is not None else "") + ("_cl" if cluster else "")
                      + ("_last" if select_k is not None and last else "")
                      + (f"_pr{prune}" if select_k is not None and prune else "")
-                     + (f"_cv{fp4_converter}" if fp4_converter else "") + ("_tsh" if shared_tables else "") + ("_rows" if rows_layout else "")
+                     + (f"_cv{fp4_converter}" if fp4_converter else "") + ("_tsh" if shared_tables else "")
+                     + ("_rows" if rows_layout else "")
                      + ("_segc" if select_k is not None and fp4_converter and seg_sync == "commit" else "")
                      + ("_cva" if fp4_converter and conv_sync == "arrive" else "")),
         **(dict(interpret=_interpret_params(interpret == "races")) if interpret else {}),
