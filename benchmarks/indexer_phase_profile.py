@@ -52,6 +52,9 @@ CASES = {
     # conv_sync "arrive" (session 74; not yet run on a GPU): the converter's hand-over without a warpgroup barrier
     "fp4_64x128k_arrive": (64, 131072, "fp4", "topk=auto_set,mosaic.conv_sync=arrive"),
     "fp4_64x64k_arrive_detail": (64, 65536, "fp4", "topk=auto_set,mosaic.profile_detail=1,mosaic.conv_sync=arrive"),
+    # conv_sync "early" (session 75): the converter issues the key copies right after the conversion
+    "fp4_64x128k_early": (64, 131072, "fp4", "topk=auto_set,mosaic.conv_sync=early"),
+    "fp4_64x64k_early_detail": (64, 65536, "fp4", "topk=auto_set,mosaic.profile_detail=1,mosaic.conv_sync=early"),
     "fp8_64x128k": (64, 131072, "fp8", "topk=auto_set"),           # 1 CTA an SM with the records (see above)
 }
 ROLES = {0: "scorer", 1: "converter"}   # warpgroup -> role (fp8 / bf16 keys: the scorer alone)

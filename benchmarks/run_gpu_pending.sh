@@ -46,10 +46,10 @@
 #   table with the XLA reference at B = 64 (~550 s in all; run on an H100 in session 73, h100_s73r1: 280 s, all cases
 #   passed, the third slot set aside). IDX_TABLE=1: issue #5's indexer rows alone (PART=1's
 #   second step on an H200, ~170 s).
-# CONV_SYNC=1 (any card; session 74, NOT YET RUN): conv_sync "arrive" (built, interpreted and compiled offline; the
-#   device time ran out): its 20 fp4 converter GPU cases, its timing against the default and the code of session 73,
-#   its phase profile, the fp4-key model test with it as the default (~450 s; NO_MODEL=1: ~230 s). Where it passes
-#   and is faster in two calls, make it the default (MOSAIC_CONFIG["conv_sync"]).
+# CONV_SYNC=1 (any card; session 74; run in session 75, h100_s75r1: all passed, no faster): conv_sync "arrive": its
+#   fp4 converter GPU cases, its timing against the default and "early", its phase profile, the fp4-key model test
+#   with it as the default (~300 s; NO_MODEL=1: ~140 s). CONV_SYNC=early (session 75): the same for conv_sync
+#   "early". Where one passes and is faster in two calls, make it the default (MOSAIC_CONFIG["conv_sync"]).
 # SEG_SYNC=1 (any card; session 74): seg_sync "barrier" (the new default): its fp4 GPU tests, its timing against
 #   "commit" on the fp4 rows, its phase profile, the fp4-key model test (~550 s).
 # IDX_PROF=1 (any card; session 74): the Mosaic indexer kernel's phase profile (fp4 at B = 64 x 128K with and without
@@ -171,17 +171,20 @@ fp4_option() {   # session 74: an fp4 converter option against the defaults: $1 
 }
 fp4_model() { PYTEST_N=1 T_model=${T_OPT_MODEL:-220} MODEL_K="mosaic-fp4" STEPS=model session "$1"; }
 if [ -n "$CONV_SYNC" ]; then   # session 74: conv_sync "arrive" (the fp4 converter's hand-over without a warpgroup
-  # barrier, the scorer issuing the key copies; not yet run on a GPU): its GPU cases, its timing against the default
-  # ("commit") and against seg_sync "commit" too (the code of session 73), the phase profile; then, unless NO_MODEL
-  # is set, the fp4-key model test with "arrive" set as the default in this copy of the tree
-  NO_MODEL=1 fp4_option conv_sync "gpu and fp4_converter and arrive" \
-    "topk=auto_set,mosaic.conv_sync=arrive;topk=auto_set,mosaic.seg_sync=commit" \
+  # barrier, the scorer issuing the key copies; run in session 75: passed, no faster); CONV_SYNC=early (session 75):
+  # the converter issues the copies right after the conversion. The option's GPU cases, its timing against the
+  # default ("commit") and the other option, the phase profile; then, unless NO_MODEL is set, the fp4-key model test
+  # with the option set as the default in this copy of the tree
+  opt=arrive; other=early
+  if [ "$CONV_SYNC" = early ]; then opt=early; other=arrive; fi
+  NO_MODEL=1 fp4_option "conv_sync_$opt" "gpu and fp4_converter and $opt" \
+    "topk=auto_set,mosaic.conv_sync=$opt;topk=auto_set,mosaic.conv_sync=$other" \
     "64x1x131072xfp4,64x1x1048576xfp4,16x1x131072xfp4,64x1x65536xfp4" \
-    "fp4_64x128k,fp4_64x128k_arrive,fp4_64x64k_arrive_detail"
+    "fp4_64x128k,fp4_64x128k_$opt,fp4_64x64k_${opt}_detail"
   if [ -z "$NO_MODEL" ]; then
-    sed -i 's/^\( *\)conv_sync="commit")$/\1conv_sync="arrive")/' pallas_kernels/indexer/gpu_mosaic.py
-    grep -n 'conv_sync="arrive")' pallas_kernels/indexer/gpu_mosaic.py
-    fp4_model conv_sync_model
+    sed -i "s/^\( *\)conv_sync=\"commit\")\$/\1conv_sync=\"$opt\")/" pallas_kernels/indexer/gpu_mosaic.py
+    grep -n "conv_sync=\"$opt\")" pallas_kernels/indexer/gpu_mosaic.py
+    fp4_model "conv_sync_${opt}_model"
   fi
   exit
 fi

@@ -1334,8 +1334,8 @@ def test_indexer_mosaic_profiled_build_lowers(fmt, detail, monkeypatch):
 
 def test_indexer_mosaic_seg_sync_option(monkeypatch):
     """MOSAIC_CONFIG["seg_sync"] and ["conv_sync"] (session 74): the defaults ("barrier", "commit") keep the fp4
-    converter kernel's name under the segment top-k; seg_sync "commit" (the code before) and conv_sync "arrive" (not
-    yet run on a GPU) are kernels of their own names; other values are refused."""
+    converter kernel's name under the segment top-k; seg_sync "commit" (the code before) and conv_sync "arrive" and
+    "early" (session 75) are kernels of their own names; other values are refused."""
     from pallas_kernels.indexer import gpu_mosaic
     from pallas_kernels.indexer.gpu import indexer_topk_gpu
 
@@ -1354,6 +1354,8 @@ def test_indexer_mosaic_seg_sync_option(monkeypatch):
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "seg_sync", "barrier")
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "conv_sync", "arrive")
     assert any(n.endswith("_cv2_rows_cva") for n in names(lowers_for("cuda", "mosaic_gpu", seg(), q, w, keys, nv)))
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "conv_sync", "early")   # session 75
+    assert any(n.endswith("_cv2_rows_cve") for n in names(lowers_for("cuda", "mosaic_gpu", seg(), q, w, keys, nv)))
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_tables", "shared")
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_layout", "fragments")
     shared = names(lowers_for("cuda", "mosaic_gpu", seg(), q, w, keys, nv))

@@ -478,7 +478,8 @@ _CONVERTER_SHAPES = [(4, 1, 64, 5000, {}), (2, 2, 64, 70000, {}), (3, 1, 16, 776
 @pytest.mark.parametrize("B,S,H,T,opts,slots,tables", [
     shape + (slots, tables) for shape in _CONVERTER_SHAPES
     for slots, tables in [(1, "registers"), (2, "registers"), (2, "shared"), (1, "rows"), (2, "rows"),
-                          (2, "registers+arrive"), (1, "rows+arrive"), (2, "rows+arrive")]
+                          (2, "registers+arrive"), (1, "rows+arrive"), (2, "rows+arrive"),
+                          (2, "registers+early"), (1, "rows+early"), (2, "rows+early")]
     if tables.startswith("registers") or shape[4].get("block_t", 128) % 128 == 0])
 def test_gpu_mosaic_fp4_converter(B, S, H, T, opts, slots, tables, monkeypatch):
     """fp4_converter (session 49, first compiled on a GPU after it): a second warpgroup converts each block into
@@ -489,7 +490,9 @@ def test_gpu_mosaic_fp4_converter(B, S, H, T, opts, slots, tables, monkeypatch):
     "rows" (fp4_layout "rows", session 50): a thread converts whole key rows and the channels keep their order, so
     the wgmma sums the same exact products in another order: the register path's scores to the accumulation's
     rounding, and sets that differ only by near-ties. "+arrive": conv_sync "arrive" (session 74: the converter
-    fences and arrives per thread with no warpgroup barrier, the scorer issues the key copies)."""
+    fences and arrives per thread with no warpgroup barrier, the scorer issues the key copies). "+early": conv_sync
+    "early" (session 75: the converter issues the key copies right after the conversion, then fences and arrives
+    per thread)."""
     from pallas_kernels.indexer import gpu_mosaic
 
     tables, _, sync = tables.partition("+")
@@ -670,7 +673,11 @@ def test_mosaic_kernel_interpreted(B, S, H, T, opts, fmt):
                                           # once the slot's full barrier completed (the race detector checks
                                           # the ring's reuse); the default "commit" has the converter refill it
                                           core(3, 1, 16, 776, dict(num_splits=2, num_stages=2, fp4_converter=2,
-                                                                   layout="rows", conv_sync="arrive"))]))
+                                                                   layout="rows", conv_sync="arrive")),
+                                          # conv_sync "early" (session 75): the converter refills the key slot
+                                          # right after its conversion, before the stores
+                                          core(3, 1, 16, 776, dict(num_splits=2, num_stages=2, fp4_converter=2,
+                                                                   layout="rows", conv_sync="early"))]))
 def test_mosaic_fp4_converter_interpreted(B, S, H, T, opts, monkeypatch):
     """fp4 keys through the Mosaic kernel's converter warpgroup (fp4_converter, session 49) in Pallas' GPU
     interpreter: wg 1 streams the key ring and converts each block into e5m2 slots (the interpreter's jnp model of

@@ -196,7 +196,8 @@ def test_fp4_segment_kernel_barriers_a_block(tmp_path, monkeypatch):
     loops). seg_sync "barrier": the scorer orders its segment scores with one warpgroup barrier and no fence
     ("commit": Pallas' bracketed store and commit_smem, 3 barriers and the fence). conv_sync "arrive": the converter
     fences its stores and arrives with no warpgroup barrier and issues no copy (the scorer issues the key copies,
-    each behind Pallas' own barrier); "commit": commit_smem, then the two copies, 3 barriers."""
+    each behind Pallas' own barrier); "commit": commit_smem, then the two copies, 3 barriers; "early" (session 75):
+    the two copies right after the conversion, then the fence and the arrival, 2 barriers."""
     from benchmarks.sass_loops import block_loops, parse
     from pallas_kernels.indexer import gpu_mosaic
     from pallas_kernels.indexer.gpu import indexer_topk_gpu
@@ -206,7 +207,7 @@ def test_fp4_segment_kernel_barriers_a_block(tmp_path, monkeypatch):
         pytest.skip("no nvdisasm (python benchmarks/mosaic_offline.py fetch unpacks one)")
     ops = ("BAR.SYNC.DEFER_BLOCKING", "MEMBAR.ALL.CTA", "UTMALDG.4D")
     counts = {}
-    for seg_sync, conv_sync in (("barrier", "arrive"), ("barrier", "commit"), ("commit", "commit")):
+    for seg_sync, conv_sync in (("barrier", "arrive"), ("barrier", "commit"), ("commit", "commit"), ("barrier", "early")):
         monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "seg_sync", seg_sync)
         monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "conv_sync", conv_sync)
         (r,) = compiler.compile_jitted(lambda *a: indexer_topk_gpu(*a, k=512, kernel="mosaic", topk="segment_set"),
@@ -218,6 +219,8 @@ def test_fp4_segment_kernel_barriers_a_block(tmp_path, monkeypatch):
     assert counts["barrier", "commit"] == dict(scores=(1, 0, 0), converter=(3, 1, 1)), counts
     assert counts["commit", "commit"] == dict(scores=(3, 1, 0), converter=(3, 1, 1)), counts
     assert counts["barrier", "arrive"] == dict(scores=(3, 0, 1), converter=(0, 1, 0)), counts
+    # "early" (session 75): the converter's two copies behind Pallas' barrier each, no commit_smem barrier
+    assert counts["barrier", "early"] == dict(scores=(1, 0, 0), converter=(2, 1, 1)), counts
 
 
 def test_fp4_rows_layout_issues_fewer_converter_instructions(tmp_path):

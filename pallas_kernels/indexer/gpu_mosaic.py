@@ -320,7 +320,13 @@ SEG_SYNCS = ("barrier", "commit")
 # it keeps "commit"). Not yet run on a GPU (the session's device time ran out): interpreted with the race detector
 # and compiled offline only, so "commit" stays the default until `CONV_SYNC=1 bash benchmarks/run_gpu_pending.sh`
 # has passed its GPU cases and timed it.
-CONV_SYNCS = ("arrive", "commit")
+# "early" (session 75): the converter issues the key slot's next copy right after the block's conversion (Pallas'
+# copy brackets it with the warpgroup barrier that orders every thread's reads of the slot before it), then each
+# thread fences its stores and arrives as with "arrive": one of commit's three barriers gone and the copy issued a
+# store phase sooner. Session 75 (H100, fp4, B = 64 x 128K): "arrive" cut the converter's stores from 738 to 350
+# cycles a block, but its keys then came late (it waited 710 cycles a block for them, 150 with "commit": the
+# scorer, which issues the copies there, runs behind the converter), so it was no faster (own us 82.4 vs 81.8).
+CONV_SYNCS = ("arrive", "commit", "early")
 # the profiled regions, per role (warpgroup 0 scores, warpgroup 1 converts fp4 blocks): per block, then once a CTA
 PROFILE_REGIONS = {
     "scores": ("s_wait (the block's keys landed / its e5m2 slot converted)", "s_mma (wgmma issue and wait)",
@@ -334,7 +340,8 @@ PROFILE_REGIONS = {
 # ... and with profile_detail, split out of s_epilogue and c_store
 PROFILE_DETAIL_REGIONS = {
     "scores": ("s_sync (the block's scores ordered for the histogram: seg_sync's barrier(s) / commit)",),
-    "converter": ("c_commit (the async-proxy fence and barrier, the slot's arrival, the next key copy)",),
+    "converter": ("c_commit (the async-proxy fence and barrier, the slot's arrival, the next key copy)",
+                  "c_refill (conv_sync \"early\": the next key copy, issued after the conversion)"),
 }
 PROFILE_ONCE = 8                  # ranges outside the block loop, with margin
 
@@ -345,8 +352,10 @@ FINALS = ("auto", "cluster", "triton", "last")
 
 
 def profile_words_per_block() -> int:
-    """Profiler words a block and warpgroup: 4 regions (5 with profile_detail), 2 records of 2 words each."""
-    return 4 * (5 if MOSAIC_CONFIG["profile_detail"] else 4)
+    """Profiler words a block and warpgroup: 4 regions (5 with profile_detail, 6 with it and conv_sync "early"), 2
+    records of 2 words each."""
+    detail = 0 if not MOSAIC_CONFIG["profile_detail"] else 2 if MOSAIC_CONFIG["conv_sync"] == "early" else 1
+    return 4 * (4 + detail)
 
 
 def key_format(keys):
@@ -595,6 +604,9 @@ def _convert_blocks(n_read, stages, cslots, issue, refill, k_smem, s_smem, k_bar
             plgpu.barrier_wait(k_bars.at[slot])
         with region("c_convert"):
             vals, factor = convert(slot)
+        if conv_sync == "early":   # block j's keys are in registers: the slot's next copy now (its warpgroup
+            with region("c_refill", detail_of="c_convert"):   # barrier orders every thread's reads before it)
+                refill(j)
 
         @pl.when(j >= cslots)   # the scoring warpgroup is done with block j - cslots in this slot
         def _():
@@ -604,12 +616,12 @@ def _convert_blocks(n_read, stages, cslots, issue, refill, k_smem, s_smem, k_bar
         with region("c_store"):
             store(cslot, vals, factor)
         with region("c_commit", detail_of="c_store"):
-            if conv_sync == "arrive" and not interpret:   # this thread's stores, for the wgmma's async-proxy reads
+            if conv_sync != "commit" and not interpret:   # this thread's stores, for the wgmma's async-proxy reads
                 _fence_async_shared()
             else:   # ... and with "commit", every thread past the key slot's reads (the converter refills it)
                 plgpu.commit_smem()
             plgpu.barrier_arrive(conv_full.at[cslot])
-            if conv_sync != "arrive":   # else the scorer issues the copy once conv_full completes
+            if conv_sync == "commit":   # "arrive": the scorer issues the copy once conv_full completes; "early": done
                 refill(j)
         return carry
 
@@ -1291,7 +1303,8 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                      + (f"_cv{fp4_converter}" if fp4_converter else "") + ("_tsh" if shared_tables else "")
                      + ("_rows" if rows_layout else "")
                      + ("_segc" if select_k is not None and fp4_converter and seg_sync == "commit" else "")
-                     + ("_cva" if fp4_converter and conv_sync == "arrive" else "")),
+                     + ("_cva" if fp4_converter and conv_sync == "arrive" else "")
+                     + ("_cve" if fp4_converter and conv_sync == "early" else "")),
         **(dict(interpret=_interpret_params(interpret == "races")) if interpret else {}),
     )
     res = kernel(*args)
