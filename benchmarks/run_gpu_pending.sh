@@ -174,11 +174,11 @@ if [ -n "$CONV_SYNC" ]; then   # session 74: conv_sync "arrive" (the fp4 convert
   # barrier, the scorer issuing the key copies; run in session 75: passed, no faster); CONV_SYNC=early (session 75):
   # the converter issues the copies right after the conversion. The option's GPU cases, its timing against the
   # default ("commit") and the other option, the phase profile; then, unless NO_MODEL is set, the fp4-key model test
-  # with the option set as the default in this copy of the tree
+  # with the option set as the default in this copy of the tree. EXTRA_SETS: more configs for the timing (";"-joined)
   opt=arrive; other=early
   if [ "$CONV_SYNC" = early ]; then opt=early; other=arrive; fi
   NO_MODEL=1 fp4_option "conv_sync_$opt" "gpu and fp4_converter and $opt" \
-    "topk=auto_set,mosaic.conv_sync=$opt;topk=auto_set,mosaic.conv_sync=$other" \
+    "topk=auto_set,mosaic.conv_sync=$opt;topk=auto_set,mosaic.conv_sync=$other${EXTRA_SETS:+;$EXTRA_SETS}" \
     "64x1x131072xfp4,64x1x1048576xfp4,16x1x131072xfp4,64x1x65536xfp4" \
     "fp4_64x128k,fp4_64x128k_$opt,fp4_64x64k_${opt}_detail"
   if [ -z "$NO_MODEL" ]; then
