@@ -1316,6 +1316,7 @@ def test_indexer_mosaic_profiled_build_lowers(fmt, detail, monkeypatch):
     regions = {r.split(" ")[0] for table in tables for role in table.values() for r in role}
     # fp8 keys: no converter, and the split_m default's halves carry no s_mma region
     expected = regions if fmt == "fp4" else {r for r in regions if r[0] == "s" and r != "s_mma"}
+    expected.discard("c_refill")   # conv_sync "early" only (below)
     if fmt == "fp4" and detail:   # the detail regions take their ops out of these, which stay for the rest
         assert {"s_sync", "c_commit", "s_epilogue", "c_store"} <= expected
     assert names == expected | {"Init"}, names ^ (expected | {"Init"})
@@ -1324,6 +1325,13 @@ def test_indexer_mosaic_profiled_build_lowers(fmt, detail, monkeypatch):
         gpu_mosaic.PROFILE_ONCE
     with pytest.raises(ValueError, match="interpreter"):
         gpu_mosaic.profile_params(4, interpret=True)
+    if fmt == "fp4" and detail:   # conv_sync "early" (session 75): the converter's copies in a detail region more
+        monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "conv_sync", "early")
+        names.clear()
+        lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=64, kernel="mosaic", topk="segment_set"),
+                   q, w, keys, nv)
+        assert names == expected | {"Init", "c_refill"}, names ^ (expected | {"Init", "c_refill"})
+        assert gpu_mosaic.profile_params(bps)["compiler_params"].profile_space == 6 * bps + gpu_mosaic.PROFILE_ONCE
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "profile", "")
     assert gpu_mosaic.profile_params(4) == {}
     names.clear()
