@@ -55,6 +55,9 @@ CASES = {
     # conv_sync "early" (session 75): the converter issues the key copies right after the conversion
     "fp4_64x128k_early": (64, 131072, "fp4", "topk=auto_set,mosaic.conv_sync=early"),
     "fp4_64x64k_early_detail": (64, 65536, "fp4", "topk=auto_set,mosaic.profile_detail=1,mosaic.conv_sync=early"),
+    # seg_hist "converter" (session 75): the converter counts the streamed histogram (2 regions more a block: 64K)
+    "fp4_64x64k_hist": (64, 65536, "fp4", "topk=auto_set,mosaic.seg_hist=converter"),
+    "fp4_64x64k_early_hist": (64, 65536, "fp4", "topk=auto_set,mosaic.seg_hist=converter,mosaic.conv_sync=early"),
     "fp8_64x128k": (64, 131072, "fp8", "topk=auto_set"),           # 1 CTA an SM with the records (see above)
 }
 ROLES = {0: "scorer", 1: "converter"}   # warpgroup -> role (fp8 / bf16 keys: the scorer alone)

@@ -50,6 +50,9 @@
 #   fp4 converter GPU cases, its timing against the default and "early", its phase profile, the fp4-key model test
 #   with it as the default (~300 s; NO_MODEL=1: ~140 s). CONV_SYNC=early (session 75): the same for conv_sync
 #   "early". Where one passes and is faster in two calls, make it the default (MOSAIC_CONFIG["conv_sync"]).
+# HIST=1 (any card; session 75): seg_hist "converter" and conv_sync "early", alone and together: timing against the
+#   defaults, phase profiles, then both as the defaults in the device copy: the fp4 converter / segment top-k GPU
+#   tests and the fp4-key model test (~450 s). Where they pass and win in two calls, make them the defaults.
 # SEG_SYNC=1 (any card; session 74): seg_sync "barrier" (the new default): its fp4 GPU tests, its timing against
 #   "commit" on the fp4 rows, its phase profile, the fp4-key model test (~550 s).
 # IDX_PROF=1 (any card; session 74): the Mosaic indexer kernel's phase profile (fp4 at B = 64 x 128K with and without
@@ -186,6 +189,24 @@ if [ -n "$CONV_SYNC" ]; then   # session 74: conv_sync "arrive" (the fp4 convert
     grep -n "conv_sync=\"$opt\")" pallas_kernels/indexer/gpu_mosaic.py
     fp4_model "conv_sync_${opt}_model"
   fi
+  exit
+fi
+if [ -n "$HIST" ]; then   # session 75: seg_hist "converter" (the fp4 converter counts the segment top-k's streamed
+  # histogram; the scorer's loop keeps no barrier) and conv_sync "early", alone and together, timed against the
+  # defaults on issue #5's fp4 rows; their phase profiles; then both set as the defaults in this copy of the tree:
+  # the fp4 GPU tests of the converter and the segment top-k (SEG_SYNC's list) and the fp4-key model test (~450 s)
+  T_idx=${T_HIST_IDX:-150} STEPS=idx IDX_ARGS="--skip-topk-only --variants pallas_auto_set --set-configs \
+topk=auto_set,mosaic.conv_sync=early;topk=auto_set,mosaic.seg_hist=converter;\
+topk=auto_set,mosaic.seg_hist=converter,mosaic.conv_sync=early \
+--cases 64x1x131072xfp4,64x1x1048576xfp4,16x1x131072xfp4,64x1x65536xfp4" session hist_timing
+  T_iprof=${T_HIST_PROF:-120} IPROF_ARGS="--cases fp4_64x128k_early,fp4_64x64k,fp4_64x64k_hist,fp4_64x64k_early_hist" \
+    STEPS=iprof session hist_profile
+  sed -i -e 's/^\( *\)conv_sync="commit", seg_hist="scorer")$/\1conv_sync="early", seg_hist="converter")/' \
+    pallas_kernels/indexer/gpu_mosaic.py
+  grep -n 'conv_sync="early", seg_hist="converter")' pallas_kernels/indexer/gpu_mosaic.py || exit 1
+  PYTEST_N=4 T_tests5=${T_HIST_TESTS:-200} STEPS=tests5 GPU_TEST_K="gpu and fp4 and (converter or segment or auto_set \
+or pruned or wide_group) and not 768 and not 640 and not past_1024" session hist_tests
+  if [ -z "$NO_MODEL" ]; then fp4_model hist_model; fi
   exit
 fi
 if [ -n "$SEG_SYNC" ]; then   # session 74 (run in call 3): seg_sync "barrier" (the fp4 scorer's one barrier a block

@@ -138,8 +138,9 @@ class Thread:
 class Cta:
     """One CTA of `threads` threads (warps of 32) running PTX blocks over `shared` (its own) and `glob` memory."""
 
-    def __init__(self, threads=128, shared=None, glob=None, seed=0, cluster=None, rank=0):
+    def __init__(self, threads=128, shared=None, glob=None, seed=0, cluster=None, rank=0, tid_base=0):
         self.n = threads
+        self.tid_base = tid_base   # %tid.x of the first thread (a second warpgroup's: 128)
         self.shared = shared if shared is not None else Memory()
         self.cluster = cluster if cluster is not None else [self.shared]   # the cluster's shared memories, by rank
         if self.cluster[rank] is not self.shared:
@@ -200,7 +201,7 @@ class Cta:
     # ---- execution
     def run(self, asm, operands=(), max_steps=50_000_000):
         prog, labels = parse(asm, operands)
-        threads = [Thread(i) for i in range(self.n)]
+        threads = [Thread(self.tid_base + i) for i in range(self.n)]
         steps = 0
         while True:
             live = [t for t in threads if not t.done]

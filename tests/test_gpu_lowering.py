@@ -1364,6 +1364,17 @@ def test_indexer_mosaic_seg_sync_option(monkeypatch):
     assert any(n.endswith("_cv2_rows_cva") for n in names(lowers_for("cuda", "mosaic_gpu", seg(), q, w, keys, nv)))
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "conv_sync", "early")   # session 75
     assert any(n.endswith("_cv2_rows_cve") for n in names(lowers_for("cuda", "mosaic_gpu", seg(), q, w, keys, nv)))
+    # seg_hist (session 75): "converter" is "_hcv" under the segment top-k; pruning keeps the scorer's histogram
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "seg_hist", "converter")
+    assert any(n.endswith("_cv2_rows_cve_hcv") for n in names(lowers_for("cuda", "mosaic_gpu", seg(), q, w, keys, nv)))
+    monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "prune", 512)
+    pruned = names(lowers_for("cuda", "mosaic_gpu", seg(), q, w, keys, nv))
+    assert any("_pr512" in n for n in pruned) and not any("_hcv" in n for n in pruned), pruned
+    monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "prune", 0)
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "seg_hist", "both")
+    with pytest.raises(ValueError, match="seg_hist"):
+        seg()(q, w, keys, nv)
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "seg_hist", "scorer")
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_tables", "shared")
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_layout", "fragments")
     shared = names(lowers_for("cuda", "mosaic_gpu", seg(), q, w, keys, nv))

@@ -197,7 +197,8 @@ def test_fp4_segment_kernel_barriers_a_block(tmp_path, monkeypatch):
     ("commit": Pallas' bracketed store and commit_smem, 3 barriers and the fence). conv_sync "arrive": the converter
     fences its stores and arrives with no warpgroup barrier and issues no copy (the scorer issues the key copies,
     each behind Pallas' own barrier); "commit": commit_smem, then the two copies, 3 barriers; "early" (session 75):
-    the two copies right after the conversion, then the fence and the arrival, 2 barriers."""
+    the two copies right after the conversion, then the fence and the arrival, 2 barriers. seg_hist "converter"
+    (session 75): the converter counts the streamed histogram."""
     from benchmarks.sass_loops import block_loops, parse
     from pallas_kernels.indexer import gpu_mosaic
     from pallas_kernels.indexer.gpu import indexer_topk_gpu
@@ -207,20 +208,28 @@ def test_fp4_segment_kernel_barriers_a_block(tmp_path, monkeypatch):
         pytest.skip("no nvdisasm (python benchmarks/mosaic_offline.py fetch unpacks one)")
     ops = ("BAR.SYNC.DEFER_BLOCKING", "MEMBAR.ALL.CTA", "UTMALDG.4D")
     counts = {}
-    for seg_sync, conv_sync in (("barrier", "arrive"), ("barrier", "commit"), ("commit", "commit"), ("barrier", "early")):
+    for seg_sync, conv_sync, seg_hist in (("barrier", "arrive", "scorer"), ("barrier", "commit", "scorer"),
+                                          ("commit", "commit", "scorer"), ("barrier", "early", "scorer"),
+                                          ("barrier", "commit", "converter"), ("barrier", "early", "converter")):
         monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "seg_sync", seg_sync)
         monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "conv_sync", conv_sync)
+        monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "seg_hist", seg_hist)
         (r,) = compiler.compile_jitted(lambda *a: indexer_topk_gpu(*a, k=512, kernel="mosaic", topk="segment_set"),
                                        *_indexer_args("fp4", B=8, T=4096))
         assert r.spill_stores == 0 and r.registers <= 128 and r.ctas_per_sm >= 2, r.line()
         loops = block_loops(*parse(open(r.sass_path).read()))
-        counts[seg_sync, conv_sync] = {role: tuple(lp.histogram()[op] for op in ops) for role, lp in loops.items()}
+        counts[seg_sync, conv_sync, seg_hist] = {role: tuple(lp.histogram()[op] for op in ops)
+                                                 for role, lp in loops.items()}
     # (barriers, memory fences, key copies) a block
-    assert counts["barrier", "commit"] == dict(scores=(1, 0, 0), converter=(3, 1, 1)), counts
-    assert counts["commit", "commit"] == dict(scores=(3, 1, 0), converter=(3, 1, 1)), counts
-    assert counts["barrier", "arrive"] == dict(scores=(3, 0, 1), converter=(0, 1, 0)), counts
+    assert counts["barrier", "commit", "scorer"] == dict(scores=(1, 0, 0), converter=(3, 1, 1)), counts
+    assert counts["commit", "commit", "scorer"] == dict(scores=(3, 1, 0), converter=(3, 1, 1)), counts
+    assert counts["barrier", "arrive", "scorer"] == dict(scores=(3, 0, 1), converter=(0, 1, 0)), counts
     # "early" (session 75): the converter's two copies behind Pallas' barrier each, no commit_smem barrier
-    assert counts["barrier", "early"] == dict(scores=(1, 0, 0), converter=(2, 1, 1)), counts
+    assert counts["barrier", "early", "scorer"] == dict(scores=(1, 0, 0), converter=(2, 1, 1)), counts
+    # seg_hist "converter" (session 75): the scorer's loop has no barrier left (its scores go over by mbarrier
+    # arrivals), the converter's the same as without it (the histogram waits on an mbarrier)
+    assert counts["barrier", "commit", "converter"] == dict(scores=(0, 0, 0), converter=(3, 1, 1)), counts
+    assert counts["barrier", "early", "converter"] == dict(scores=(0, 0, 0), converter=(2, 1, 1)), counts
 
 
 def test_fp4_rows_layout_issues_fewer_converter_instructions(tmp_path):

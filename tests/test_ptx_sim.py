@@ -107,6 +107,28 @@ def test_segment_select_ptx_matches_the_model(kind, hist_ready, pos_in, aggregat
         np.testing.assert_array_equal(cta.glob.read_array(GP, slots), want_p, err_msg=f"positions, seed {seed}")
 
 
+@pytest.mark.parametrize("aggregate", [False, True])
+def test_hist_blocks_in_the_second_warpgroup(aggregate):
+    """gpu_mosaic's seg_hist "converter" (session 75): the fp4 converter warpgroup (%tid.x 128-255) zeroes and
+    counts the first level's histogram (wg_local: tid mod 128); its counters and state words equal the scoring
+    warpgroup's (%tid.x 0-127), block by block, for ragged blocks too."""
+    rng = np.random.default_rng(75 + aggregate)
+    u = _u(_scores(rng, 1000, "nonfinite"))
+    counts, stale = [], rng.integers(0, 2 ** 31, M.STATE // 4 + 8)
+    for tid_base, wg_local in ((0, False), (128, True)):
+        cta = Cta(shared=Memory(), glob=Memory(), seed=3, tid_base=tid_base)
+        cta.shared.write_array(S0, stale)   # stale words: the counters and the state words are zeroed first
+        cta.run(M.hist_zero_ptx(wg_local), [S0])
+        for first in range(0, len(u), 128):
+            block = u[first:first + 128]
+            cta.shared.write_array(U0 + 4 * first, block)
+            cta.run(M.hist_block_ptx(len(block), aggregate, wg_local), [U0, S0, first])
+        words = cta.shared.read_array(S0, M.STATE // 4 + 8, signed=False)
+        counts.append(words[:M.BINS] + words[M.STATE // 4:])
+    np.testing.assert_array_equal(counts[1], counts[0])
+    assert sum(counts[0][:M.BINS]) == np.sum(u > M.U_INVALID) and not any(counts[0][M.BINS:])
+
+
 @pytest.mark.parametrize("kind", ["normal", full("ties"), "nonfinite", full("few")])
 def test_segment_select_ptx_exact_set(kind):
     """With slots = k and out "global_set" the block writes the exact top-k index set (the cluster and "last"

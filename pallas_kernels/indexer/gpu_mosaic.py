@@ -307,7 +307,7 @@ MAX_CLUSTER = 8     # portable thread-block cluster size
 # (H100, B = 64 x 128K): the scorer's epilogue, which holds them, took 841 of its ~2380 cycles a block.
 MOSAIC_CONFIG = dict(q_prep="triton", epilogue="full", fp4_converter=2, fp4_tables="registers", fp4_layout="auto",
                      q_prep_heads=Q_PREP_HEAD_BLOCK, profile="", profile_detail=False, seg_sync="barrier",
-                     conv_sync="commit")
+                     conv_sync="commit", seg_hist="scorer")
 SEG_SYNCS = ("barrier", "commit")
 # conv_sync (session 74; the fp4 converter warpgroup): how a converted block is handed over and its key slot refilled.
 # "arrive": each converter thread fences its own stores for the async proxy and arrives on the slot's full barrier
@@ -327,6 +327,18 @@ SEG_SYNCS = ("barrier", "commit")
 # cycles a block, but its keys then came late (it waited 710 cycles a block for them, 150 with "commit": the
 # scorer, which issues the copies there, runs behind the converter), so it was no faster (own us 82.4 vs 81.8).
 CONV_SYNCS = ("arrive", "commit", "early")
+# seg_hist (session 75; fp4 keys through the converter under the segment top-k, streamed histogram, no pruning):
+# which warpgroup counts each block's scores into the selection's first histogram level. "scorer" (the code
+# before): the scoring warpgroup, after a warpgroup barrier over its score stores. "converter": each scorer thread
+# arrives on the block's seg_ready barrier after its plain stores (mbarrier arrive / wait: release / acquire at CTA
+# scope), and the converter warpgroup, HIST_LAG blocks behind (so it rarely waits), zeroes and counts the
+# histogram (`mosaic_select.hist_block`, wg_local), then arrives on hist_done, which the scorer waits for before
+# its selection. Session 74's profile (H100, B = 64 x 128K): the scorer's streamed histogram and its barrier took
+# ~440 of its ~2380 cycles a block while the converter waited ~300 of its ~2050; this moves them across. The
+# pruned selection keeps "scorer" (its threshold is the scorer's).
+SEG_HISTS = ("scorer", "converter")
+HIST_LAG = 3    # the converter counts block j - HIST_LAG after handing over block j (the e5m2 ring has <= 4 slots
+#                 and the scorer at most that many blocks behind; seg_ready has HIST_LAG + 1 phases in flight)
 # the profiled regions, per role (warpgroup 0 scores, warpgroup 1 converts fp4 blocks): per block, then once a CTA
 PROFILE_REGIONS = {
     "scores": ("s_wait (the block's keys landed / its e5m2 slot converted)", "s_mma (wgmma issue and wait)",
@@ -343,6 +355,12 @@ PROFILE_DETAIL_REGIONS = {
     "converter": ("c_commit (the async-proxy fence and barrier, the slot's arrival, the next key copy)",
                   "c_refill (conv_sync \"early\": the next key copy, issued after the conversion)"),
 }
+# ... and with seg_hist "converter", the converter's share of the histogram (the scorer then has no s_hist)
+PROFILE_HIST_REGIONS = {
+    "scores": ("s_wait_hist (the converter's histogram complete, once)",),
+    "converter": ("c_wait_seg (the scorer's scores of block j - HIST_LAG stored)",
+                  "c_hist (their streamed histogram)"),
+}
 PROFILE_ONCE = 8                  # ranges outside the block loop, with margin
 
 
@@ -352,10 +370,10 @@ FINALS = ("auto", "cluster", "triton", "last")
 
 
 def profile_words_per_block() -> int:
-    """Profiler words a block and warpgroup: 4 regions (5 with profile_detail, 6 with it and conv_sync "early"), 2
-    records of 2 words each."""
+    """Profiler words a block and warpgroup: 4 regions (5 with profile_detail, 6 with it and conv_sync "early"; 2
+    more with seg_hist "converter"), 2 records of 2 words each."""
     detail = 0 if not MOSAIC_CONFIG["profile_detail"] else 2 if MOSAIC_CONFIG["conv_sync"] == "early" else 1
-    return 4 * (4 + detail)
+    return 4 * (4 + detail + (2 if MOSAIC_CONFIG["seg_hist"] == "converter" else 0))
 
 
 def key_format(keys):
@@ -535,15 +553,19 @@ def region(name, detail_of=None):
     return jax.named_scope(name if detail_of is None or MOSAIC_CONFIG["profile_detail"] else detail_of)
 
 
-def _kernel(*refs, converter=0, shared_tables=False, rows_layout=False, **kw):
+def _kernel(*refs, converter=0, shared_tables=False, rows_layout=False, hist_conv=False, **kw):
     """The kernel; with converter (fp4_converter's slots) two warpgroups: wg 1 converts the fp4 blocks into e5m2
     slots in shared memory (`_kernel_body(role="converter")`), wg 0 scores them (role "scores"). The converter's
     scratch is the last refs: e5m2 slots [converter, bt, 128], key factors [converter, bt] f32, the slots' full /
-    empty barriers, and with shared_tables (fp4_tables "shared") the keys' tables [8, bt] int32."""
+    empty barriers, with shared_tables (fp4_tables "shared") the keys' tables [8, bt] int32, and with hist_conv
+    (seg_hist "converter") the blocks' seg_ready barriers [HIST_LAG + 1] and hist_done."""
     if not converter:
         return _kernel_body(*refs, **kw)
-    n_conv = 5 if shared_tables else 4
+    n_conv = (5 if shared_tables else 4) + (2 if hist_conv else 0)
     refs, conv = refs[:-n_conv], refs[-n_conv:]
+    if hist_conv:
+        conv, hist_bars = conv[:-2], conv[-2:]
+        kw = dict(kw, hist_bars=hist_bars)
     wg = jax.lax.axis_index("wg")
     pl.when(wg == 1)(lambda: _kernel_body(*refs, conv=conv, role="converter", rows_layout=rows_layout, **kw))
     pl.when(wg == 0)(lambda: _kernel_body(*refs, conv=conv, role="scores", **kw))
@@ -577,7 +599,7 @@ def _fp4_e5m2_values(packed, scale_words, rows_order=False):
 
 
 def _convert_blocks(n_read, stages, cslots, issue, refill, k_smem, s_smem, k_bars, conv_smem, kf_smem, conv_full,
-                    conv_empty, interpret, tables_smem=None, rows_layout=False, conv_sync="commit"):
+                    conv_empty, interpret, tables_smem=None, rows_layout=False, conv_sync="commit", hist=None):
     """fp4_converter's wg 1: streams the split's n_read fp4 blocks through the key ring (`issue` the first `stages`,
     `refill(j)` block j's slot with block j + stages)
     and converts block j into e5m2 slot j % cslots (+ its keys' score factors) once the scoring warpgroup has
@@ -591,7 +613,10 @@ def _convert_blocks(n_read, stages, cslots, issue, refill, k_smem, s_smem, k_bar
     conv_sync "arrive" (MOSAIC_CONFIG): each thread fences its own stores and arrives, no warpgroup barrier, and the
     scoring warpgroup issues the key slot's next copy once conv_full completed (`_kernel_body`): the full barrier's
     128 arrivals, each after that thread's reads of the key slot, order every read before the copy. The interpreter
-    (no inline asm) keeps commit_smem's barrier there but the same hand-over of the copies."""
+    (no inline asm) keeps commit_smem's barrier there but the same hand-over of the copies. hist (seg_hist
+    "converter"): hist(i) counts block i's scores into the selection's histogram (waiting for them), called for
+    block j - HIST_LAG after block j's hand-over and for the last HIST_LAG blocks after the loop; then hist(None)
+    (the histogram is complete)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     for j in range(stages):
@@ -623,6 +648,8 @@ def _convert_blocks(n_read, stages, cslots, issue, refill, k_smem, s_smem, k_bar
             plgpu.barrier_arrive(conv_full.at[cslot])
             if conv_sync == "commit":   # "arrive": the scorer issues the copy once conv_full completes; "early": done
                 refill(j)
+        if hist is not None:   # the scorer's scores of block j - HIST_LAG into the selection's histogram
+            pl.when(j >= HIST_LAG)(lambda: hist(j - HIST_LAG))
         return carry
 
     def convert(slot):   # block `slot` of the key ring -> (e5m2 values, the keys' score factors) in registers
@@ -665,6 +692,13 @@ def _convert_blocks(n_read, stages, cslots, issue, refill, k_smem, s_smem, k_bar
             kf_smem.at[cslot][...] = factor
 
     jax.lax.fori_loop(0, n_read, body, 0)
+    if hist is not None:   # the last HIST_LAG blocks' histograms, then the scorer may select
+        def hist_tail(i, carry):
+            hist(i)
+            return carry
+
+        jax.lax.fori_loop(jnp.maximum(n_read - HIST_LAG, 0), n_read, hist_tail, 0)
+        hist(None)
 
     def drain(j, carry):   # the last blocks' releases: every phase of conv_empty observed before the kernel ends
         plgpu.barrier_wait(conv_empty.at[j % cslots])
@@ -675,7 +709,7 @@ def _convert_blocks(n_read, stages, cslots, issue, refill, k_smem, s_smem, k_bar
 
 def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=0, split_m=False,
                  fp4=False, select=None, epilogue="full", interpret=False, conv=None, role="scores",
-                 rows_layout=False, seg_sync="commit", conv_sync="commit"):
+                 rows_layout=False, seg_sync="commit", conv_sync="commit", hist_bars=None):
     """nv [R] i32, w [R, H] f32, q [R, H, 128] e4m3 (f16 codes with "f16"; for bf16 keys bf16 [R, terms * H, 128],
     the terms stacked along the heads), keys [B, T, 128] e4m3 or bf16, scales [B*T] f32 (fp8 keys only)
     -> out [R, nb*bt]. Interpreted, q is transposed: [R, 128, H] / [R, terms, 128, H]. fp4: keys [B, T, 64] uint8
@@ -686,7 +720,9 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
     the row selects the row's exact set among the splits' survivors into out [R, k] (`as_index_set`'s layout). With
     last, the outputs are (set [R, k], keys, pos) and the split CTA that writes its survivors last selects the row's
     set among them (`mosaic_select.last_final`, a per-row arrival counter in a zeroed GMEM semaphore array). With
-    prune (the candidate list's capacity, idx [prune] int32 scratch), `mosaic_select.prune_*` (SELECT_CONFIG)."""
+    prune (the candidate list's capacity, idx [prune] int32 scratch), `mosaic_select.prune_*` (SELECT_CONFIG).
+    hist_bars (seg_hist "converter", fp4 converter only): (seg_ready [HIST_LAG + 1], hist_done) barriers; the
+    converter counts the streamed histogram instead of the scorer (MOSAIC_CONFIG's note)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     f16 = precision == "f16"
@@ -720,10 +756,10 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
 
     r = jax.lax.axis_index("r")
     split = jax.lax.axis_index("s")
-    if select and select["stream_hist"] and role == "scores":
+    if select and select["stream_hist"] and role == ("scores" if hist_bars is None else "converter"):
         from .mosaic_select import hist_zero
 
-        hist_zero(sel_smem)
+        hist_zero(sel_smem, wg_local=hist_bars is not None)
     b = r // S
     base = b * T                                      # the row's first key in the flat scale array
     nv = jnp.clip(nv_ref[r], 0, T)
@@ -753,9 +789,24 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
         conv_smem, kf_smem, conv_full, conv_empty = conv[:4]
         cslots = conv_smem.shape[0]
     if role == "converter":   # wg 1: the key ring's copies, and every block converted into an e5m2 slot
+        hist = None
+        if hist_bars is not None:   # ... and the scorer's scores counted into the selection's first level
+            from .mosaic_select import hist_block
+
+            seg_ready, hist_done = hist_bars
+
+            def hist(i):   # block i's scores (None: all counted, the scorer may select)
+                if i is None:
+                    plgpu.barrier_arrive(hist_done)
+                    return
+                with region("c_wait_seg"):
+                    plgpu.barrier_wait(seg_ready.at[i % (HIST_LAG + 1)])
+                with region("c_hist"):
+                    hist_block(seg_smem, sel_smem, i * bt, bt=bt, aggregate=select["aggregate"], wg_local=True)
+
         _convert_blocks(n_read, stages, cslots, issue, refill, k_smem, s_smem, k_bars, conv_smem, kf_smem,
                         conv_full, conv_empty, interpret, tables_smem=conv[4] if len(conv) > 4 else None,
-                        rows_layout=rows_layout, conv_sync=conv_sync)
+                        rows_layout=rows_layout, conv_sync=conv_sync, hist=hist)
         return
     plgpu.copy_gmem_to_smem(q_ref.at[r], q_smem, q_bar)
     plgpu.copy_gmem_to_smem(w_ref.at[r], w_smem, q_bar)
@@ -812,7 +863,7 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
 
     # seg_sync "barrier": the converter path under the segment top-k (compiled): the scorer's only shared-memory
     # writes a block are its scores, read by its own threads; the slot goes back by conv_empty
-    plain_seg = bool(select) and conv is not None and not interpret and seg_sync == "barrier"
+    plain_seg = bool(select) and conv is not None and not interpret and (seg_sync == "barrier" or bool(hist_bars))
 
     def finish(j, slot, logits, r0, m, o, key_factor=None):   # rows [r0, r0 + m) of block j: scores into o,
         rl = row_layout                                          # the group maxima
@@ -876,7 +927,9 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
                     plgpu.barrier_arrive(conv_empty.at[slot])
                 finish(j, slot, logits, 0, bt, o, key_factor)
         with region("s_sync", detail_of="s_epilogue"):
-            if plain_seg:   # the block's scores visible to every thread of the warpgroup (the histogram's reads)
+            if hist_bars is not None:   # the block's scores to the converter, which counts them (release / acquire)
+                plgpu.barrier_arrive(hist_bars[0].at[j % (HIST_LAG + 1)])
+            elif plain_seg:   # the block's scores visible to every thread of the warpgroup (the histogram's reads)
                 _warpgroup_barrier()
             else:
                 plgpu.commit_smem()   # also a warpgroup barrier: every thread is past this slot's keys and scales
@@ -886,7 +939,7 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
 
     def stream_and_prune(j, o):   # after block j's scores: the streamed histogram, the next copy, the pruned list
         prune_j = bps // 2 - 1   # pruning: the threshold after this block (the split's first half)
-        if select and select["stream_hist"]:   # this block's keys into the selection's first histogram level
+        if select and select["stream_hist"] and hist_bars is None:   # this block's keys into the first level
             from .mosaic_select import hist_block
 
             count = functools.partial(hist_block, seg_smem, sel_smem, j * bt, bt=bt, aggregate=select["aggregate"])
@@ -961,6 +1014,9 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
     jax.lax.fori_loop(0, n_read, body, 0)
     plgpu.commit_smem()
     if select:
+        if hist_bars is not None:   # the converter counted every block
+            with region("s_wait_hist"):
+                plgpu.barrier_wait(hist_bars[1])
         with region("s_select"):
             select_tail()
         return
@@ -1098,6 +1154,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     if not 0 <= fp4_converter <= 4:
         raise ValueError(f"fp4_converter must be 0 (off) or 1-4 e5m2 slots, got {fp4_converter}")
     seg_sync, conv_sync = _config_choice("seg_sync", SEG_SYNCS), _config_choice("conv_sync", CONV_SYNCS)
+    seg_hist = _config_choice("seg_hist", SEG_HISTS)
     # "shared" reaches the converter's compiled conversion only (the interpreter runs its jnp model either way)
     fp4_tables, fp4_layout = _config_choice("fp4_tables", FP4_TABLES), _config_choice("fp4_layout", FP4_LAYOUTS)
     if fp4_layout == "auto":
@@ -1270,6 +1327,10 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         set_type = jax.ShapeDtypeStruct((R, int(select_k)), jnp.int32)
         pairs_type = (jax.ShapeDtypeStruct((R, n_split, slots), jnp.int32),) * 2
         out_type = set_type if cluster else (set_type,) + pairs_type if last else pairs_type
+    # seg_hist "converter": where the converter warpgroup runs the segment top-k's streamed histogram (compiled; the
+    # selection's PTX does not interpret), unless pruning, whose threshold the scorer takes
+    hist_conv = (seg_hist == "converter" and bool(fp4_converter) and select_k is not None and not interpret
+                 and bool(SELECT_CONFIG["stream_hist"]) and not prune)
     if fp4_converter:   # the converter's e5m2 slots (fp8 keys' smem layout), key factors, full / empty barriers
         conv_tile = () if interpret else (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
         scratch += [plgpu.SMEM((fp4_converter, bt, 128), jnp.float8_e5m2, transforms=conv_tile),
@@ -1278,10 +1339,12 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                     plgpu.Barrier(num_arrivals=1, num_barriers=fp4_converter)]
         if shared_tables:   # the keys' e5m2 table words, built once a key
             scratch.append(plgpu.SMEM((8, bt), jnp.int32))
+        if hist_conv:   # seg_ready (a block's scores stored, by the scorer's 128 threads), hist_done (converter's)
+            scratch += [plgpu.Barrier(num_arrivals=1, num_barriers=HIST_LAG + 1), plgpu.Barrier(num_arrivals=1)]
     kernel = plgpu.kernel(
         functools.partial(_kernel, T=T, bt=bt, stages=stages, bps=bps, nb=nb, S=S, precision=precision,
                           convert=convert, n_phase=n_phase, split_m=bool(split_m), fp4=fmt == "fp4",
-                          epilogue=epilogue, converter=fp4_converter, shared_tables=shared_tables,
+                          epilogue=epilogue, converter=fp4_converter, shared_tables=shared_tables, hist_conv=hist_conv,
                           rows_layout=rows_layout, seg_sync=seg_sync, conv_sync=conv_sync,
                           select=None if select_k is None else dict(
                               k=int(select_k), slots=slots, aggregate=bool(SELECT_CONFIG["aggregate"]),
@@ -1304,7 +1367,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                      + ("_rows" if rows_layout else "")
                      + ("_segc" if select_k is not None and fp4_converter and seg_sync == "commit" else "")
                      + ("_cva" if fp4_converter and conv_sync == "arrive" else "")
-                     + ("_cve" if fp4_converter and conv_sync == "early" else "")),
+                     + ("_cve" if fp4_converter and conv_sync == "early" else "") + ("_hcv" if hist_conv else "")),
         **(dict(interpret=_interpret_params(interpret == "races")) if interpret else {}),
     )
     res = kernel(*args)

@@ -677,13 +677,20 @@ def _bind(asm: str, ops, tag: str) -> str:
     return asm
 
 
-def hist_block_ptx(bt: int, aggregate: bool = False) -> str:
+def _thread_index(wg_local: bool):
+    """PTX lines: tid = the thread's index; wg_local: within its warpgroup (a second warpgroup's threads count
+    0-127 too)."""
+    return ["mov.u32 tid, %tid.x;"] + (["and.b32 tid, tid, 127;"] if wg_local else [])
+
+
+def hist_block_ptx(bt: int, aggregate: bool = False, wg_local: bool = False) -> str:
     """The first level's histogram of one block of bt u keys, run after the block is stored (during the stream):
     $0 u (shared u32 address of the segment's keys), $1 scratch (shared address, the histogram at its start), $2
     the block's first entry. Each thread counts entries tid, tid + 128, ... of the block. aggregate: as in
-    `segment_select_ptx` (the lanes of a warp that hit one bin add once)."""
+    `segment_select_ptx` (the lanes of a warp that hit one bin add once). wg_local: run by a warpgroup other than
+    the CTA's first (tid taken mod 128; `gpu_mosaic`'s seg_hist "converter")."""
     s, w = LEVELS[0]
-    L = ["{", ".reg .pred q;", ".reg .b32 tid, i, u, ad, bin, kb, mm, t, lt;", "mov.u32 tid, %tid.x;",
+    L = ["{", ".reg .pred q;", ".reg .b32 tid, i, u, ad, bin, kb, mm, t, lt;", *_thread_index(wg_local),
          "mov.u32 lt, %lanemask_lt;"]
     for e in range(-(-bt // THREADS)):
         L.append(f"add.u32 i, tid, {e * THREADS};")
@@ -699,10 +706,10 @@ def hist_block_ptx(bt: int, aggregate: bool = False) -> str:
     return "\n".join(L)
 
 
-def hist_zero_ptx() -> str:
+def hist_zero_ptx(wg_local: bool = False) -> str:
     """Zero the first level's histogram ($0: the scratch's shared address) and the spare exchange words (the pruned
-    selection's state: mode 0, not engaged), before the stream."""
-    L = ["{", ".reg .pred p;", ".reg .b32 tid, ad;", "mov.u32 tid, %tid.x;"] + _zero_bins("$0", BINS)
+    selection's state: mode 0, not engaged), before the stream. wg_local: as in `hist_block_ptx`."""
+    L = ["{", ".reg .pred p;", ".reg .b32 tid, ad;", *_thread_index(wg_local)] + _zero_bins("$0", BINS)
     L += ["setp.lt.u32 p, tid, 8;", "mad.lo.u32 ad, tid, 4, $0;", f"@p st.shared.u32 [ad+{STATE}], 0;", "}"]
     return "\n".join(L)
 
@@ -905,15 +912,16 @@ def prune_select(u_smem, scratch_smem, n, pos0, out0, out1, *, k: int, slots: in
          scratch_smem, n, idx_smem, out0, out1, pos0)
 
 
-def hist_zero(scratch_smem):
+def hist_zero(scratch_smem, wg_local: bool = False):
     """`hist_zero_ptx` in a Mosaic GPU kernel (before the stream)."""
-    _run(hist_zero_ptx(), "S", scratch_smem)
+    _run(hist_zero_ptx(wg_local), "S", scratch_smem)
 
 
-def hist_block(u_smem, scratch_smem, first, *, bt: int, aggregate: bool = False):
+def hist_block(u_smem, scratch_smem, first, *, bt: int, aggregate: bool = False, wg_local: bool = False):
     """`hist_block_ptx` in a Mosaic GPU kernel: the block of bt keys from entry `first` (int32 scalar) into the
-    first level's histogram (after the block's keys are stored and a warpgroup barrier)."""
-    _run(hist_block_ptx(bt, aggregate), "SSi", u_smem, scratch_smem, first)
+    first level's histogram (after the block's keys are stored and ordered before it: a warpgroup barrier, or the
+    scoring warpgroup's mbarrier arrivals that this one waited for)."""
+    _run(hist_block_ptx(bt, aggregate, wg_local), "SSi", u_smem, scratch_smem, first)
 
 
 def cluster_sync():
