@@ -1332,6 +1332,15 @@ def test_indexer_mosaic_profiled_build_lowers(fmt, detail, monkeypatch):
                    q, w, keys, nv)
         assert names == expected | {"Init", "c_refill"}, names ^ (expected | {"Init", "c_refill"})
         assert gpu_mosaic.profile_params(bps)["compiler_params"].profile_space == 6 * bps + gpu_mosaic.PROFILE_ONCE
+        # seg_hist "converter" (session 75): the histogram's regions move to the converter
+        monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "seg_hist", "converter")
+        names.clear()
+        lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=64, kernel="mosaic", topk="segment_set"),
+                   q, w, keys, nv)
+        hist_regions = {r.split(" ")[0] for role in gpu_mosaic.PROFILE_HIST_REGIONS.values() for r in role}
+        want = (expected - {"s_hist"}) | hist_regions | {"Init", "c_refill"}
+        assert names == want, names ^ want
+        assert gpu_mosaic.profile_params(bps)["compiler_params"].profile_space == 8 * bps + gpu_mosaic.PROFILE_ONCE
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "profile", "")
     assert gpu_mosaic.profile_params(4) == {}
     names.clear()
