@@ -85,8 +85,11 @@ Where the time goes (session 74, `benchmarks/indexer_phase_profile.py` with MOSA
 keys, B = 64 x 128K, segment top-k): the scorer and the converter each spend ~2050-2400 cycles a 128-key block and
 wait for each other or the keys only 7-11% of it, so their own work sets the pace, not the bytes (the floor is
 ~1630 cycles a block there, ~1160 on the H200). The ordering between them is what session 74 cut: the scorer's
-segment scores under one barrier (seg_sync "barrier", the default) and, as an option not yet run on a GPU, the
-converter's hand-over without warpgroup barriers (conv_sync "arrive").
+segment scores under one barrier (seg_sync "barrier", the default); the converter's hand-over without warpgroup
+barriers (conv_sync "arrive") passed on the GPU but was no faster, as its keys then came late (session 75). Two
+options of session 75, compiled offline but not yet run on a GPU, balance the two warpgroups: the converter issues
+its key copies right after the conversion (conv_sync "early") and counts the streamed histogram instead of the
+scorer (seg_hist "converter"), which leaves the scorer's loop without a barrier.
 
 Decode-oriented: one query per CTA, so S queries of one row read its keys S times (prefill stays on the Triton
 kernel, whose programs share each key block between up to 8 queries). Hopper (sm_90a) only. On the CPU it lowers
@@ -317,15 +320,15 @@ SEG_SYNCS = ("barrier", "commit")
 # barrier for each of its two copies: three barriers a block. Session 74's profile (H100, fp4, B = 64 x 64K): that
 # part took 510 of the converter's ~2180 cycles a block, and the converter had become the pace-setter. "arrive"
 # applies where the converter's tables are its own (fp4_tables "registers"; "shared" needs the closing barrier, so
-# it keeps "commit"). Not yet run on a GPU (the session's device time ran out): interpreted with the race detector
-# and compiled offline only, so "commit" stays the default until `CONV_SYNC=1 bash benchmarks/run_gpu_pending.sh`
-# has passed its GPU cases and timed it.
+# it keeps "commit"). Session 75 (H100, `CONV_SYNC=1`, h100_s75r1): its GPU cases and the fp4-key model test pass,
+# but it is no faster (B = 64 x 128K fp4, own us 82.4 vs 81.8): the converter's stores fell from 738 to 350 cycles
+# a block, but its keys came late (it waited 710 cycles a block for them, 150 with "commit"), since the scorer,
+# which issues the copies there, runs up to two blocks behind the converter.
 # "early" (session 75): the converter issues the key slot's next copy right after the block's conversion (Pallas'
 # copy brackets it with the warpgroup barrier that orders every thread's reads of the slot before it), then each
 # thread fences its stores and arrives as with "arrive": one of commit's three barriers gone and the copy issued a
-# store phase sooner. Session 75 (H100, fp4, B = 64 x 128K): "arrive" cut the converter's stores from 738 to 350
-# cycles a block, but its keys then came late (it waited 710 cycles a block for them, 150 with "commit": the
-# scorer, which issues the copies there, runs behind the converter), so it was no faster (own us 82.4 vs 81.8).
+# store phase sooner. Interpreted with the race detector and compiled offline only (2 barriers a block; the device
+# pool was paused): `HIST=1 bash benchmarks/run_gpu_pending.sh` runs and times it.
 CONV_SYNCS = ("arrive", "commit", "early")
 # seg_hist (session 75; fp4 keys through the converter under the segment top-k, streamed histogram, no pruning):
 # which warpgroup counts each block's scores into the selection's first histogram level. "scorer" (the code
@@ -335,10 +338,14 @@ CONV_SYNCS = ("arrive", "commit", "early")
 # histogram (`mosaic_select.hist_block`, wg_local), then arrives on hist_done, which the scorer waits for before
 # its selection. Session 74's profile (H100, B = 64 x 128K): the scorer's streamed histogram and its barrier took
 # ~440 of its ~2380 cycles a block while the converter waited ~300 of its ~2050; this moves them across. The
-# pruned selection keeps "scorer" (its threshold is the scorer's).
+# pruned selection keeps "scorer" (its threshold is the scorer's). Compiled offline only (the scorer's loop: 231
+# SASS, no barrier; 2 CTAs an SM at 128K and 1M; the histogram PTX in a second warpgroup run by tests/ptx_sim.py);
+# the selection's PTX does not interpret, so its first GPU run is `HIST=1 bash benchmarks/run_gpu_pending.sh`.
 SEG_HISTS = ("scorer", "converter")
-HIST_LAG = 3    # the converter counts block j - HIST_LAG after handing over block j (the e5m2 ring has <= 4 slots
-#                 and the scorer at most that many blocks behind; seg_ready has HIST_LAG + 1 phases in flight)
+HIST_LAG = 3    # the converter counts block j - HIST_LAG after handing over block j: by then its store of block j
+#                 waited for the scorer to release block j - cslots, so block j - 3's scores are usually stored.
+#                 seg_ready has HIST_LAG + 1 slots: the scorer's block i + HIST_LAG + 1 needs the converter's
+#                 iteration i + HIST_LAG + 1, past its wait for block i, so no slot's phase is overrun.
 # the profiled regions, per role (warpgroup 0 scores, warpgroup 1 converts fp4 blocks): per block, then once a CTA
 PROFILE_REGIONS = {
     "scores": ("s_wait (the block's keys landed / its e5m2 slot converted)", "s_mma (wgmma issue and wait)",
