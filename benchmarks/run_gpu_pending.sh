@@ -192,12 +192,14 @@ if [ -n "$CONV_SYNC" ]; then   # session 74: conv_sync "arrive" (the fp4 convert
   exit
 fi
 if [ -n "$HIST" ]; then   # session 75: seg_hist "converter" (the fp4 converter counts the segment top-k's streamed
-  # histogram; the scorer's loop keeps no barrier) and conv_sync "early", alone and together, timed against the
-  # defaults on issue #5's fp4 rows; their phase profiles; then both set as the defaults in this copy of the tree:
+  # histogram; the scorer's loop keeps no barrier) and conv_sync "early", alone and together (and together at 8
+  # splits, two waves, whose selection tails can overlap the other wave's stream), timed against the defaults on
+  # issue #5's fp4 rows; their phase profiles; then both set as the defaults in this copy of the tree:
   # the fp4 GPU tests of the converter and the segment top-k (SEG_SYNC's list) and the fp4-key model test (~450 s)
   T_idx=${T_HIST_IDX:-150} STEPS=idx IDX_ARGS="--skip-topk-only --variants pallas_auto_set --set-configs \
 topk=auto_set,mosaic.conv_sync=early;topk=auto_set,mosaic.seg_hist=converter;\
-topk=auto_set,mosaic.seg_hist=converter,mosaic.conv_sync=early \
+topk=auto_set,mosaic.seg_hist=converter,mosaic.conv_sync=early;\
+topk=auto_set,mosaic.seg_hist=converter,mosaic.conv_sync=early,num_splits=8 \
 --cases 64x1x131072xfp4,64x1x1048576xfp4,16x1x131072xfp4,64x1x65536xfp4" session hist_timing
   T_iprof=${T_HIST_PROF:-120} IPROF_ARGS="--cases fp4_64x128k_early,fp4_64x64k,fp4_64x64k_hist,fp4_64x64k_early_hist" \
     STEPS=iprof session hist_profile
