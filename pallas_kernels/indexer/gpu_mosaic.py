@@ -345,7 +345,8 @@ SEG_HISTS = ("scorer", "converter")
 HIST_LAG = 3    # the converter counts block j - HIST_LAG after handing over block j: by then its store of block j
 #                 waited for the scorer to release block j - cslots, so block j - 3's scores are usually stored.
 #                 seg_ready has HIST_LAG + 1 slots: the scorer's block i + HIST_LAG + 1 needs the converter's
-#                 iteration i + HIST_LAG + 1, past its wait for block i, so no slot's phase is overrun.
+#                 iteration i + HIST_LAG + 1, past its wait for block i, so no slot's phase is overrun
+#                 (tests/test_indexer_mosaic_protocol.py checks the protocol under random schedules).
 # the profiled regions, per role (warpgroup 0 scores, warpgroup 1 converts fp4 blocks): per block, then once a CTA
 PROFILE_REGIONS = {
     "scores": ("s_wait (the block's keys landed / its e5m2 slot converted)", "s_mma (wgmma issue and wait)",
