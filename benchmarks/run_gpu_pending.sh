@@ -52,7 +52,8 @@
 #   "early". Where one passes and is faster in two calls, make it the default (MOSAIC_CONFIG["conv_sync"]).
 # HIST=1 (any card; session 75): seg_hist "converter" and conv_sync "early", alone and together: timing against the
 #   defaults, phase profiles, then both as the defaults in the device copy: the fp4 converter / segment top-k GPU
-#   tests and the fp4-key model test (~450 s). Where they pass and win in two calls, make them the defaults.
+#   tests and the fp4-key model test (~450 s). Where they pass and win in two calls, make them the defaults
+#   (HIST=1 HIST_TIMING=1: the timing alone, ~90 s, for the second call).
 # SEG_SYNC=1 (any card; session 74): seg_sync "barrier" (the new default): its fp4 GPU tests, its timing against
 #   "commit" on the fp4 rows, its phase profile, the fp4-key model test (~550 s).
 # IDX_PROF=1 (any card; session 74): the Mosaic indexer kernel's phase profile (fp4 at B = 64 x 128K with and without
@@ -201,6 +202,7 @@ topk=auto_set,mosaic.conv_sync=early;topk=auto_set,mosaic.seg_hist=converter;\
 topk=auto_set,mosaic.seg_hist=converter,mosaic.conv_sync=early;\
 topk=auto_set,mosaic.seg_hist=converter,mosaic.conv_sync=early,num_splits=8 \
 --cases 64x1x131072xfp4,64x1x1048576xfp4,16x1x131072xfp4,64x1x65536xfp4" session hist_timing
+  if [ -n "$HIST_TIMING" ]; then exit; fi   # (a second call's timing alone, ~90 s)
   T_iprof=${T_HIST_PROF:-120} IPROF_ARGS="--cases fp4_64x128k_early,fp4_64x64k,fp4_64x64k_hist,fp4_64x64k_early_hist" \
     STEPS=iprof session hist_profile
   sed -i -e 's/^\( *\)conv_sync="commit", seg_hist="scorer")$/\1conv_sync="early", seg_hist="converter")/' \
