@@ -23,7 +23,7 @@ with c_wait_keys large, by the key stream); s_select against the span is the tai
 
     PYTHONPATH=.:tests python benchmarks/indexer_phase_profile.py --out DIR [--cases fp4_64x128k,...]
 
-The records cost shared memory (`gpu_mosaic.profile_words_per_block()` x 4 B a block and warpgroup): fp4 at B = 64 x
+The records cost shared memory (`gpu_mosaic.profile_words_per_block` x 4 B a block and warpgroup): fp4 at B = 64 x
 128K still fits 2 CTAs an SM (115000 B, offline), fp8 keys there do not (118944 B: 1 CTA an SM), so an fp8 profile
 at that shape is not the timed kernel's schedule. The "_detail" cases (MOSAIC_CONFIG["profile_detail"]) record the
 ordering work apart (s_sync: the scorer's barrier after a block's scores; c_commit: the converter's async-proxy

@@ -48,8 +48,7 @@
 #   second step on an H200, ~170 s).
 # CONV_SYNC=1 (any card; session 74; run in session 75, h100_s75r1: all passed, no faster): conv_sync "arrive": its
 #   fp4 converter GPU cases, its timing against the default and "early", its phase profile, the fp4-key model test
-#   with it as the default (~300 s; NO_MODEL=1: ~140 s). CONV_SYNC=early (session 75): the same for conv_sync
-#   "early". Where one passes and is faster in two calls, make it the default (MOSAIC_CONFIG["conv_sync"]).
+#   with it as the default (~300 s; NO_MODEL=1: ~140 s).
 # HIST=1 (any card; session 75): seg_hist "converter" and conv_sync "early", alone and together: timing against the
 #   defaults, phase profiles, then both as the defaults in the device copy: the fp4 converter / segment top-k GPU
 #   tests and the fp4-key model test (~450 s). Where they pass and win in two calls, make them the defaults
@@ -174,21 +173,21 @@ fp4_option() {   # session 74: an fp4 converter option against the defaults: $1 
   if [ -z "$NO_MODEL" ]; then fp4_model "$1_model"; fi
 }
 fp4_model() { PYTEST_N=1 T_model=${T_OPT_MODEL:-220} MODEL_K="mosaic-fp4" STEPS=model session "$1"; }
+# the fp4 GPU tests of the converter and the segment top-k (all but the ~10 GB cases), and issue #5's fp4 rows
+FP4_SEG_TESTS="gpu and fp4 and (converter or segment or auto_set or pruned or wide_group) and not 768 and not 640 \
+and not past_1024"
+FP4_ROWS="64x1x131072xfp4,64x1x1048576xfp4,16x1x131072xfp4,64x1x65536xfp4"
 if [ -n "$CONV_SYNC" ]; then   # session 74: conv_sync "arrive" (the fp4 converter's hand-over without a warpgroup
-  # barrier, the scorer issuing the key copies; run in session 75: passed, no faster); CONV_SYNC=early (session 75):
-  # the converter issues the copies right after the conversion. The option's GPU cases, its timing against the
-  # default ("commit") and the other option, the phase profile; then, unless NO_MODEL is set, the fp4-key model test
-  # with the option set as the default in this copy of the tree. EXTRA_SETS: more configs for the timing (";"-joined)
-  opt=arrive; other=early
-  if [ "$CONV_SYNC" = early ]; then opt=early; other=arrive; fi
-  NO_MODEL=1 fp4_option "conv_sync_$opt" "gpu and fp4_converter and $opt" \
-    "topk=auto_set,mosaic.conv_sync=$opt;topk=auto_set,mosaic.conv_sync=$other${EXTRA_SETS:+;$EXTRA_SETS}" \
-    "64x1x131072xfp4,64x1x1048576xfp4,16x1x131072xfp4,64x1x65536xfp4" \
-    "fp4_64x128k,fp4_64x128k_$opt,fp4_64x64k_${opt}_detail"
+  # barrier, the scorer issuing the key copies; run in session 75, h100_s75r1: passed, no faster): its GPU cases, its
+  # timing against the default ("commit") and "early" (HIST=1 runs "early" itself), the phase profile; then, unless
+  # NO_MODEL is set, the fp4-key model test with "arrive" set as the default in this copy of the tree
+  NO_MODEL=1 fp4_option conv_sync_arrive "gpu and fp4_converter and arrive" \
+    "topk=auto_set,mosaic.conv_sync=arrive;topk=auto_set,mosaic.conv_sync=early" "$FP4_ROWS" \
+    "fp4_64x128k,fp4_64x128k_arrive,fp4_64x64k_arrive_detail"
   if [ -z "$NO_MODEL" ]; then
-    sed -i "s/^\( *\)conv_sync=\"commit\")\$/\1conv_sync=\"$opt\")/" pallas_kernels/indexer/gpu_mosaic.py
-    grep -n "conv_sync=\"$opt\")" pallas_kernels/indexer/gpu_mosaic.py
-    fp4_model "conv_sync_${opt}_model"
+    sed -i 's/^\( *\)conv_sync="commit", seg_hist=/\1conv_sync="arrive", seg_hist=/' pallas_kernels/indexer/gpu_mosaic.py
+    grep -n 'conv_sync="arrive", seg_hist=' pallas_kernels/indexer/gpu_mosaic.py || exit 1
+    fp4_model conv_sync_arrive_model
   fi
   exit
 fi
@@ -200,24 +199,21 @@ if [ -n "$HIST" ]; then   # session 75: seg_hist "converter" (the fp4 converter 
   T_idx=${T_HIST_IDX:-150} STEPS=idx IDX_ARGS="--skip-topk-only --variants pallas_auto_set --set-configs \
 topk=auto_set,mosaic.conv_sync=early;topk=auto_set,mosaic.seg_hist=converter;\
 topk=auto_set,mosaic.seg_hist=converter,mosaic.conv_sync=early;\
-topk=auto_set,mosaic.seg_hist=converter,mosaic.conv_sync=early,num_splits=8 \
---cases 64x1x131072xfp4,64x1x1048576xfp4,16x1x131072xfp4,64x1x65536xfp4" session hist_timing
+topk=auto_set,mosaic.seg_hist=converter,mosaic.conv_sync=early,num_splits=8 --cases $FP4_ROWS" session hist_timing
   if [ -n "$HIST_TIMING" ]; then exit; fi   # (a second call's timing alone, ~90 s)
   T_iprof=${T_HIST_PROF:-120} IPROF_ARGS="--cases fp4_64x128k_early,fp4_64x64k,fp4_64x64k_hist,fp4_64x64k_early_hist" \
     STEPS=iprof session hist_profile
   sed -i -e 's/^\( *\)conv_sync="commit", seg_hist="scorer")$/\1conv_sync="early", seg_hist="converter")/' \
     pallas_kernels/indexer/gpu_mosaic.py
   grep -n 'conv_sync="early", seg_hist="converter")' pallas_kernels/indexer/gpu_mosaic.py || exit 1
-  PYTEST_N=4 T_tests5=${T_HIST_TESTS:-200} STEPS=tests5 GPU_TEST_K="gpu and fp4 and (converter or segment or auto_set \
-or pruned or wide_group) and not 768 and not 640 and not past_1024" session hist_tests
+  PYTEST_N=4 T_tests5=${T_HIST_TESTS:-200} STEPS=tests5 GPU_TEST_K="$FP4_SEG_TESTS" session hist_tests
   if [ -z "$NO_MODEL" ]; then fp4_model hist_model; fi
   exit
 fi
 if [ -n "$SEG_SYNC" ]; then   # session 74 (run in call 3): seg_sync "barrier" (the fp4 scorer's one barrier a block
   # under the segment top-k): its GPU tests (the converter and segment top-k fp4 cases but the ~10 GB ones), its
   # timing against "commit" (the code before) on issue #5's fp4 rows, the phase profile on it, the fp4-key model test
-  fp4_option seg_sync "gpu and fp4 and (converter or segment or auto_set or pruned or wide_group) and not 768 \
-and not 640 and not past_1024" "topk=auto_set,mosaic.seg_sync=commit" \
+  fp4_option seg_sync "$FP4_SEG_TESTS" "topk=auto_set,mosaic.seg_sync=commit" \
     "64x1x131072xfp4,16x1x131072xfp4,64x1x1048576xfp4,1x1x131072xfp4" \
     "fp4_64x128k,fp4_64x64k_detail,fp4_64x64k_commit_detail"
   exit

@@ -1304,14 +1304,26 @@ def test_indexer_mosaic_profiled_build_lowers(fmt, detail, monkeypatch):
     real_intern, real_params = mgpu_profiler.ProfilerSpec.intern_name, gpu_mosaic.profile_params
     monkeypatch.setattr(mgpu_profiler.ProfilerSpec, "intern_name",
                         lambda self, n: names.add(n) or real_intern(self, n))
-    monkeypatch.setattr(gpu_mosaic, "profile_params", lambda *a, **k: spaces.append(a) or real_params(*a, **k))
+
+    def params(bps, interpret=False, **regions):   # the split's blocks and the profile space the kernel asks for
+        got = real_params(bps, interpret, **regions)
+        spaces.append((bps, got["compiler_params"].profile_space if got else None))
+        return got
+
+    monkeypatch.setattr(gpu_mosaic, "profile_params", params)
     # the trace's dump is a host callback, which cannot lower for CUDA on a CPU-only machine
     monkeypatch.setattr(jax.debug, "callback", lambda *a, **k: None)
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "profile", "/tmp/unused_profile_dir")
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "profile_detail", detail)
     q, w, keys, nv = make_indexer(2, 1, 64, 2048, fmt, True)
-    lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=64, kernel="mosaic", topk="segment_set"),
-               q, w, keys, nv)
+
+    def lower():   # -> the regions the kernel records, [(bps, the profile space it asks for)]
+        names.clear()
+        spaces.clear()
+        lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=64, kernel="mosaic", topk="segment_set"),
+                   q, w, keys, nv)
+        return names, spaces
+
     tables = [gpu_mosaic.PROFILE_REGIONS] + ([gpu_mosaic.PROFILE_DETAIL_REGIONS] if detail else [])
     regions = {r.split(" ")[0] for table in tables for role in table.values() for r in role}
     # fp8 keys: no converter, and the split_m default's halves carry no s_mma region
@@ -1319,34 +1331,32 @@ def test_indexer_mosaic_profiled_build_lowers(fmt, detail, monkeypatch):
     expected.discard("c_refill")   # conv_sync "early" only (below)
     if fmt == "fp4" and detail:   # the detail regions take their ops out of these, which stay for the rest
         assert {"s_sync", "c_commit", "s_epilogue", "c_store"} <= expected
-    assert names == expected | {"Init"}, names ^ (expected | {"Init"})
-    (bps, interpret), = spaces
-    assert gpu_mosaic.profile_params(bps)["compiler_params"].profile_space == (5 if detail else 4) * bps + \
-        gpu_mosaic.PROFILE_ONCE
+    got, ((bps, space),) = lower()
+    assert got == expected | {"Init"}, got ^ (expected | {"Init"})
+    assert space == (5 if detail else 4) * bps + gpu_mosaic.PROFILE_ONCE
     with pytest.raises(ValueError, match="interpreter"):
         gpu_mosaic.profile_params(4, interpret=True)
     if fmt == "fp4" and detail:   # conv_sync "early" (session 75): the converter's copies in a detail region more
         monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "conv_sync", "early")
-        names.clear()
-        lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=64, kernel="mosaic", topk="segment_set"),
-                   q, w, keys, nv)
-        assert names == expected | {"Init", "c_refill"}, names ^ (expected | {"Init", "c_refill"})
-        assert gpu_mosaic.profile_params(bps)["compiler_params"].profile_space == 6 * bps + gpu_mosaic.PROFILE_ONCE
+        got, ((bps, space),) = lower()
+        assert got == expected | {"Init", "c_refill"}, got ^ (expected | {"Init", "c_refill"})
+        assert space == 6 * bps + gpu_mosaic.PROFILE_ONCE
         # seg_hist "converter" (session 75): the histogram's regions move to the converter
         monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "seg_hist", "converter")
-        names.clear()
-        lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=64, kernel="mosaic", topk="segment_set"),
-                   q, w, keys, nv)
         hist_regions = {r.split(" ")[0] for role in gpu_mosaic.PROFILE_HIST_REGIONS.values() for r in role}
         want = (expected - {"s_hist"}) | hist_regions | {"Init", "c_refill"}
-        assert names == want, names ^ want
-        assert gpu_mosaic.profile_params(bps)["compiler_params"].profile_space == 8 * bps + gpu_mosaic.PROFILE_ONCE
+        got, ((bps, space),) = lower()
+        assert got == want, got ^ want
+        assert space == 8 * bps + gpu_mosaic.PROFILE_ONCE
+    if fmt == "fp8":   # a converter option set globally asks for no room a kernel without the converter never uses
+        monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "seg_hist", "converter")
+        monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "conv_sync", "early")
+        got, ((bps, space),) = lower()
+        assert got == expected | {"Init"} and space == (5 if detail else 4) * bps + gpu_mosaic.PROFILE_ONCE
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "profile", "")
     assert gpu_mosaic.profile_params(4) == {}
-    names.clear()
-    lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=64, kernel="mosaic", topk="segment_set"),
-               q, w, keys, nv)
-    assert not names
+    got, _ = lower()
+    assert not got
 
 
 def test_indexer_mosaic_seg_sync_option(monkeypatch):

@@ -67,9 +67,9 @@ def simulate(n_read, stages, cslots, conv_sync, hist, seed, ring=HIST_LAG + 1):
     def refill(j):
         issue(j + stages)
 
-    def wait(bar, who):   # a generator step: yield until the barrier's phase completes
+    def wait(bar, who):   # yield (the barrier, the waiter) until the barrier's phase completes
         while not bar.ready(who):
-            yield
+            yield bar, who
         bar.passed(who)
 
     def count(i):   # seg_hist "converter": the converter counts block i's scores
@@ -132,6 +132,7 @@ def simulate(n_read, stages, cslots, conv_sync, hist, seed, ring=HIST_LAG + 1):
         assert sorted(counted) == list(range(n_read)), counted
 
     actors = {"converter": converter(), "scorer": scorer()}
+    parked = {}   # an actor's last step: (barrier, waiter) where it waits, else None
     while actors or in_flight:
         choices = list(actors) + (["copy"] if in_flight else [])
         pick = rng.choice(choices)
@@ -141,24 +142,13 @@ def simulate(n_read, stages, cslots, conv_sync, hist, seed, ring=HIST_LAG + 1):
             k_bars[slot].arrive()
             continue
         try:
-            next(actors[pick])
+            parked[pick] = next(actors[pick])
         except StopIteration:
             del actors[pick]
-        if actors and not in_flight and all(_blocked(a) for a in actors.values()):
+            parked.pop(pick, None)
+        if actors and not in_flight and all(parked.get(a) and not parked[a][0].ready(parked[a][1]) for a in actors):
             raise AssertionError(f"deadlock: {sorted(actors)} wait")
     return counted
-
-
-def _blocked(gen):
-    """Whether a suspended actor is parked in a barrier wait that cannot pass now (wait's loop, not ready)."""
-    frame = gen.gi_frame
-    while frame is not None and gen is not None:
-        if frame.f_code.co_name == "wait":
-            bar, who = frame.f_locals["bar"], frame.f_locals["who"]
-            return not bar.ready(who)
-        gen = gen.gi_yieldfrom
-        frame = gen.gi_frame if gen is not None else None
-    return False
 
 
 @pytest.mark.parametrize("conv_sync", CONV_SYNCS)
@@ -185,3 +175,11 @@ def test_the_model_catches_a_short_seg_ready_ring():
     assert errors == {"phase overrun"}, errors
     for seed in range(50):   # the kernel's ring size: never
         simulate(9, 3, 2, "early", True, seed, ring=HIST_LAG + 1)
+
+
+def test_the_model_catches_a_deadlock(monkeypatch):
+    """The model's teeth, the other way: a converter that never arrives on hist_done leaves the scorer waiting."""
+    real = Barrier.arrive
+    monkeypatch.setattr(Barrier, "arrive", lambda self: None if self.name == "hist_done" else real(self))
+    with pytest.raises(AssertionError, match="deadlock"):
+        simulate(5, 2, 2, "early", True, seed=1)

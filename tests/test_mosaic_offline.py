@@ -146,7 +146,6 @@ def test_fp4_converter_kernels_fit_two_ctas_an_sm(tmp_path, converter, tables, s
     assert r.ctas_per_sm == 2, r.line()
 
 
-
 def test_profiled_fp4_segment_kernel_keeps_two_ctas_an_sm(tmp_path, monkeypatch):
     """benchmarks/indexer_phase_profile.py profiles fp4 at B = 64 x 128K: its records (MOSAIC_CONFIG["profile"])
     must leave the segment top-k's kernel at 2 CTAs an SM, or the profile shows another schedule than the timed
@@ -161,6 +160,7 @@ def test_profiled_fp4_segment_kernel_keeps_two_ctas_an_sm(tmp_path, monkeypatch)
                                    *_indexer_args("fp4"))
     assert "_cv2_rows" in r.name and r.spill_stores == 0 and r.registers <= 128, r.line()
     assert r.ctas_per_sm == 2, r.line()
+
 
 SASS = """
 .text.k:

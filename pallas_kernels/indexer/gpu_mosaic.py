@@ -299,7 +299,7 @@ MAX_CLUSTER = 8     # portable thread-block cluster size
 # profile (session 74; diagnostic, "" = off): a directory. Each compiled call then records, in thread 0 of each
 # warpgroup, the SM clock at the entry and exit of the kernel's named regions (`PROFILE_REGIONS`) through Mosaic
 # GPU's on-device profiler, and dumps a Chrome trace per call there (benchmarks/indexer_phase_profile.py reads it).
-# The records take profile_words_per_block() x 4 B of shared memory a block and warpgroup. profile_detail (with
+# The records take profile_words_per_block(..) x 4 B of shared memory a block and warpgroup. profile_detail (with
 # profile): the ordering work a region holds in a region of its own (`PROFILE_DETAIL_REGIONS`): one region more a
 # block, which at B = 64 x 128K fp4 no longer leaves 2 CTAs an SM (use 64K context there).
 # seg_sync (session 74; fp4 keys through the converter under the segment top-k): how the scorer orders a block's
@@ -377,11 +377,12 @@ FP4_LAYOUTS = ("auto", "fragments", "rows")
 FINALS = ("auto", "cluster", "triton", "last")
 
 
-def profile_words_per_block() -> int:
-    """Profiler words a block and warpgroup: 4 regions (5 with profile_detail, 6 with it and conv_sync "early"; 2
-    more with seg_hist "converter"), 2 records of 2 words each."""
-    detail = 0 if not MOSAIC_CONFIG["profile_detail"] else 2 if MOSAIC_CONFIG["conv_sync"] == "early" else 1
-    return 4 * (4 + detail + (2 if MOSAIC_CONFIG["seg_hist"] == "converter" else 0))
+def profile_words_per_block(refill_region=False, hist_regions=False) -> int:
+    """Profiler words a block and warpgroup: 4 regions (5 with profile_detail, 6 with it and refill_region: the
+    kernel's conv_sync is "early"; 2 more with hist_regions: its converter counts the histogram), 2 records of 2
+    words each."""
+    detail = 0 if not MOSAIC_CONFIG["profile_detail"] else 2 if refill_region else 1
+    return 4 * (4 + detail + (2 if hist_regions else 0))
 
 
 def key_format(keys):
@@ -607,7 +608,8 @@ def _fp4_e5m2_values(packed, scale_words, rows_order=False):
 
 
 def _convert_blocks(n_read, stages, cslots, issue, refill, k_smem, s_smem, k_bars, conv_smem, kf_smem, conv_full,
-                    conv_empty, interpret, tables_smem=None, rows_layout=False, conv_sync="commit", hist=None):
+                    conv_empty, interpret, tables_smem=None, rows_layout=False, conv_sync="commit", hist=None,
+                    hist_done=None):
     """fp4_converter's wg 1: streams the split's n_read fp4 blocks through the key ring (`issue` the first `stages`,
     `refill(j)` block j's slot with block j + stages)
     and converts block j into e5m2 slot j % cslots (+ its keys' score factors) once the scoring warpgroup has
@@ -623,8 +625,8 @@ def _convert_blocks(n_read, stages, cslots, issue, refill, k_smem, s_smem, k_bar
     128 arrivals, each after that thread's reads of the key slot, order every read before the copy. The interpreter
     (no inline asm) keeps commit_smem's barrier there but the same hand-over of the copies. hist (seg_hist
     "converter"): hist(i) counts block i's scores into the selection's histogram (waiting for them), called for
-    block j - HIST_LAG after block j's hand-over and for the last HIST_LAG blocks after the loop; then hist(None)
-    (the histogram is complete)."""
+    block j - HIST_LAG after block j's hand-over and for the last HIST_LAG blocks after the loop; then the arrival
+    on hist_done (the histogram is complete: the scorer may select)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     for j in range(stages):
@@ -706,7 +708,7 @@ def _convert_blocks(n_read, stages, cslots, issue, refill, k_smem, s_smem, k_bar
             return carry
 
         jax.lax.fori_loop(jnp.maximum(n_read - HIST_LAG, 0), n_read, hist_tail, 0)
-        hist(None)
+        plgpu.barrier_arrive(hist_done)
 
     def drain(j, carry):   # the last blocks' releases: every phase of conv_empty observed before the kernel ends
         plgpu.barrier_wait(conv_empty.at[j % cslots])
@@ -797,16 +799,13 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
         conv_smem, kf_smem, conv_full, conv_empty = conv[:4]
         cslots = conv_smem.shape[0]
     if role == "converter":   # wg 1: the key ring's copies, and every block converted into an e5m2 slot
-        hist = None
+        hist = hist_done = None
         if hist_bars is not None:   # ... and the scorer's scores counted into the selection's first level
             from .mosaic_select import hist_block
 
             seg_ready, hist_done = hist_bars
 
-            def hist(i):   # block i's scores (None: all counted, the scorer may select)
-                if i is None:
-                    plgpu.barrier_arrive(hist_done)
-                    return
+            def hist(i):   # block i's scores, once the scorer handed them over
                 with region("c_wait_seg"):
                     plgpu.barrier_wait(seg_ready.at[i % (HIST_LAG + 1)])
                 with region("c_hist"):
@@ -814,7 +813,7 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
 
         _convert_blocks(n_read, stages, cslots, issue, refill, k_smem, s_smem, k_bars, conv_smem, kf_smem,
                         conv_full, conv_empty, interpret, tables_smem=conv[4] if len(conv) > 4 else None,
-                        rows_layout=rows_layout, conv_sync=conv_sync, hist=hist)
+                        rows_layout=rows_layout, conv_sync=conv_sync, hist=hist, hist_done=hist_done)
         return
     plgpu.copy_gmem_to_smem(q_ref.at[r], q_smem, q_bar)
     plgpu.copy_gmem_to_smem(w_ref.at[r], w_smem, q_bar)
@@ -1052,10 +1051,11 @@ def _config_choice(name, choices):
     return value
 
 
-def profile_params(blocks_per_split, interpret=False) -> dict:
+def profile_params(blocks_per_split, interpret=False, **regions) -> dict:
     """plgpu.kernel's compiler_params where MOSAIC_CONFIG["profile"] names a directory (compiled kernels only), else
-    {}: room for every region of `PROFILE_REGIONS` a block plus PROFILE_ONCE ranges a warpgroup (a warpgroup that
-    recorded more would overwrite the next one's records; the dump then refuses the trace)."""
+    {}: room for every region the kernel records a block (`profile_words_per_block(**regions)`) plus PROFILE_ONCE
+    ranges a warpgroup (a warpgroup that recorded more would overwrite the next one's records; the dump then
+    refuses the trace)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     path = MOSAIC_CONFIG["profile"]
@@ -1063,7 +1063,7 @@ def profile_params(blocks_per_split, interpret=False) -> dict:
         return {}
     if interpret:
         raise ValueError("MOSAIC_CONFIG['profile'] records a compiled kernel's clock; the interpreter has none")
-    ranges = blocks_per_split * profile_words_per_block() // 4 + PROFILE_ONCE
+    ranges = blocks_per_split * profile_words_per_block(**regions) // 4 + PROFILE_ONCE
     return dict(compiler_params=plgpu.CompilerParams(profile_space=ranges, profile_dir=str(path)))
 
 
@@ -1363,7 +1363,8 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         **(dict(grid=(R,), grid_names=("r",), cluster=(n_split,), cluster_names=("s",)) if cluster else
            dict(grid=(R, n_split), grid_names=("r", "s"))),
         **(dict(num_threads=2, thread_name="wg") if fp4_converter else {}),
-        **profile_params(bps, interpret),
+        **profile_params(bps, interpret, refill_region=bool(fp4_converter) and conv_sync == "early",
+                         hist_regions=hist_conv),
         scratch_types=scratch,
         kernel_name=(f"indexer_scores_{fmt}_mosaic_{precision}_t{bt}" + (f"_{convert}" if convert != "cvt" else "")
                      + (f"_g{G}" if n_phase else "") + ("_m2" if split_m else "")

@@ -2548,8 +2548,9 @@ def sparse_attention_mosaic(
     scorer runs, 128 or d / 2 = 256; the helper runs the rest. Why 128: in FP8's asym the scorer (scores over all
     of d, the softmax, its P.V) sets the consumers' pace while the helper waits for its P through most of each step
     (the profile's c_wait_p plus the time its record lands after the named barrier: ~1800 of ~2500 cycles a step,
-    H100 session 69), so a quarter of P.V moves to the helper (three m64n128 accumulators, 192 registers). FP8 pools through fp8_dequant="converter" under asym only;
-    regs is then (producer, converter, scorer, helper), default the 3-tuple's consumer count -/+ 24.
+    H100 session 69), so a quarter of P.V moves to the helper (three m64n128 accumulators, 192 registers). FP8
+    pools through fp8_dequant="converter" under asym only; regs is then (producer, converter, scorer, helper),
+    default the 3-tuple's consumer count -/+ 24.
     asym_q_regs (None = DEFAULT_ASYM_Q_REGS, 256 since session 71, with asym_scorer_cols below d / 2, else 0; session
     70): q's first columns (a multiple of 64) that the scorer holds in registers as its score wgmma's A operand;
     the rest of q stays in shared memory. Why: with 32-row tiles the score chain (m64n32k16, both operands in shared
