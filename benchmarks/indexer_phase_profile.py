@@ -16,6 +16,8 @@ stamps the SM clock at the entry and exit of `gpu_mosaic.PROFILE_REGIONS`,
   converter  per block c_wait_keys (the packed keys landed), c_convert (nibbles -> e5m2 in registers), c_wait_slot
              (the scorer released the slot it writes), c_store (the stores, the async-proxy fence, the arrival,
              the next key copy)
+  seg_hist "converter" moves s_hist to the converter (c_wait_seg, c_hist a block; the scorer's s_wait_hist once),
+  and select_wgs 2 adds the converter's c_select once (its share of the selection, beside the scorer's s_select)
 
 and prints per role and region the cycles a CTA and a block, and the CTAs' start spread (waves). Reading: a
 converter that waits in c_wait_slot is paced by the scorer; a scorer that waits in s_wait by the converter (or,
@@ -58,6 +60,9 @@ CASES = {
     # seg_hist "converter" (session 75): the converter counts the streamed histogram (2 regions more a block: 64K)
     "fp4_64x64k_hist": (64, 65536, "fp4", "topk=auto_set,mosaic.seg_hist=converter"),
     "fp4_64x64k_early_hist": (64, 65536, "fp4", "topk=auto_set,mosaic.seg_hist=converter,mosaic.conv_sync=early"),
+    # select_wgs 2 (session 76): the converter warpgroup joins the selection (its c_select, once a CTA)
+    "fp4_64x64k_early_hist_s2": (64, 65536, "fp4",
+                                 "topk=auto_set,mosaic.seg_hist=converter,mosaic.conv_sync=early,mosaic.select_wgs=2"),
     "fp8_64x128k": (64, 131072, "fp8", "topk=auto_set"),           # 1 CTA an SM with the records (see above)
 }
 ROLES = {0: "scorer", 1: "converter"}   # warpgroup -> role (fp8 / bf16 keys: the scorer alone)

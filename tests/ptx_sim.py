@@ -4,6 +4,7 @@ a machine without a GPU.
 
     cta = Cta(threads=128, shared=Memory(), glob=Memory())
     cta.run(asm, operands=[...])        # the block's $i operands: ints (addresses, scalars)
+    Cta(threads=256, bar_id=15)         # a block for both warpgroups of a kernel, over its own named barrier
 
 What it models: the PTX subset those blocks use (32-bit integer arithmetic incl. `prmt` / `bfe`, predicates, shared /
 global loads,
@@ -16,7 +17,8 @@ those points, so an access the block forgot to order by a barrier shows up as a 
 sequentially consistent and word-addressed (4-byte words; 16-byte vectors as four words); a register read before
 it is written holds seeded garbage (`Cta.uninitialized` names them), so a result that depends on one changes with
 the seed; fences are no-ops, and
-`cvta.to.global` keeps the address; a `mapa` address is (CTA rank << 24) | shared address.
+`cvta.to.global` keeps the address; a `mapa` address is (CTA rank << 24) | shared address. `Cta.longest` sums
+each run's busiest thread's instruction count: how a block's passes split over more threads, not a time.
 
 This is test scaffolding, not a GPU model: it says nothing about speed, and what it runs is the PTX text the kernel
 embeds, so a logic error there fails here before it reaches the H200.
@@ -133,14 +135,16 @@ class Thread:
         self.preds = {}
         self.pc = 0
         self.done = False
+        self.steps = 0   # instructions this thread executed (predicated-off ones included)
 
 
 class Cta:
     """One CTA of `threads` threads (warps of 32) running PTX blocks over `shared` (its own) and `glob` memory."""
 
-    def __init__(self, threads=128, shared=None, glob=None, seed=0, cluster=None, rank=0, tid_base=0):
+    def __init__(self, threads=128, shared=None, glob=None, seed=0, cluster=None, rank=0, tid_base=0, bar_id=1):
         self.n = threads
         self.tid_base = tid_base   # %tid.x of the first thread (a second warpgroup's: 128)
+        self.bar_id = bar_id       # the named barrier the blocks sync over all `threads` threads
         self.shared = shared if shared is not None else Memory()
         self.cluster = cluster if cluster is not None else [self.shared]   # the cluster's shared memories, by rank
         if self.cluster[rank] is not self.shared:
@@ -150,6 +154,7 @@ class Cta:
         self.uninitialized = set()   # registers some thread read before writing them (garbage on the GPU too)
         self.executed = 0            # instructions executed (predicated-off ones included), summed over threads
         self.collectives = 0         # barriers and warp collectives completed (a barrier counts once)
+        self.longest = 0             # sum over the runs of the busiest thread's instructions (a proxy for time)
 
     # ---- operand access (each token decoded once: an immediate, a special register or a register name)
     _tokens: dict = {}
@@ -206,6 +211,7 @@ class Cta:
         while True:
             live = [t for t in threads if not t.done]
             if not live:
+                self.longest += max((t.steps for t in threads), default=0)
                 return
             order = live[:]
             self.rng.shuffle(order)
@@ -218,6 +224,7 @@ class Cta:
                         break
                     guard, neg, op, args = prog[t.pc]
                     self.executed += 1
+                    t.steps += 1
                     if guard is not None and self._pred(t, guard) == neg:
                         t.pc += 1
                         progressed = True
@@ -246,8 +253,8 @@ class Cta:
                 # different bar.sync statements: legal PTX (same barrier id), but the blocks here never do it
                 raise AssertionError(f"threads meet at different bar.sync statements {sorted(pcs)}")
             args = prog[at_bar[0].pc][3]
-            if [a.strip() for a in args] != ["1", str(self.n)]:
-                raise AssertionError(f"bar.sync {args}: the blocks sync barrier 1 over {self.n} threads")
+            if [a.strip() for a in args] != [str(self.bar_id), str(self.n)]:
+                raise AssertionError(f"bar.sync {args}: the blocks sync barrier {self.bar_id} over {self.n} threads")
             for t in at_bar:
                 t.pc += 1
             self.collectives += 1

@@ -1348,6 +1348,12 @@ def test_indexer_mosaic_profiled_build_lowers(fmt, detail, monkeypatch):
         got, ((bps, space),) = lower()
         assert got == want, got ^ want
         assert space == 8 * bps + gpu_mosaic.PROFILE_ONCE
+        # select_wgs 2 (session 76): the converter's share of the selection, once a CTA (no room a block)
+        monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "select_wgs", 2)
+        want |= {r.split(" ")[0] for r in gpu_mosaic.PROFILE_SELECT_REGIONS["converter"]}
+        got, ((bps, space),) = lower()
+        assert got == want, got ^ want
+        assert space == 8 * bps + gpu_mosaic.PROFILE_ONCE
     if fmt == "fp8":   # a converter option set globally asks for no room a kernel without the converter never uses
         monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "seg_hist", "converter")
         monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "conv_sync", "early")
@@ -1386,10 +1392,23 @@ def test_indexer_mosaic_seg_sync_option(monkeypatch):
     # seg_hist (session 75): "converter" is "_hcv" under the segment top-k; pruning keeps the scorer's histogram
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "seg_hist", "converter")
     assert any(n.endswith("_cv2_rows_cve_hcv") for n in names(lowers_for("cuda", "mosaic_gpu", seg(), q, w, keys, nv)))
+    # select_wgs (session 76): 2 is "_s2" with the converter's histogram and the plain selection; the "last" final
+    # and pruning keep one warpgroup's selection (and pruning the scorer's histogram)
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "select_wgs", 2)
+    both = names(lowers_for("cuda", "mosaic_gpu", seg(), q, w, keys, nv))
+    assert any(n.endswith("_cv2_rows_cve_hcv_s2") for n in both), both
+    monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "final", "cluster")
+    clustered = names(lowers_for("cuda", "mosaic_gpu", seg(), q, w, keys, nv))
+    assert any(n.endswith("_hcv") and "_cl" in n for n in clustered), clustered
+    monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "final", "triton")
     monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "prune", 512)
     pruned = names(lowers_for("cuda", "mosaic_gpu", seg(), q, w, keys, nv))
-    assert any("_pr512" in n for n in pruned) and not any("_hcv" in n for n in pruned), pruned
+    assert any("_pr512" in n for n in pruned) and not any("_hcv" in n or "_s2" in n for n in pruned), pruned
     monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "prune", 0)
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "select_wgs", 3)
+    with pytest.raises(ValueError, match="select_wgs"):
+        seg()(q, w, keys, nv)
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "select_wgs", 1)
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "seg_hist", "both")
     with pytest.raises(ValueError, match="seg_hist"):
         seg()(q, w, keys, nv)

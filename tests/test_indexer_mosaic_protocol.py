@@ -9,7 +9,8 @@ issues them, and checks under many random interleavings (and random TMA landing 
 - every mbarrier wait finds the phase it waits for, never one ahead: Pallas tracks one parity bit a barrier per
   waiter, so a phase overrun (a barrier completing twice before its waiter looked) passes or hangs silently;
 - the key ring, the e5m2 slots and the segment buffer hold the block each reader expects when it reads it, and the
-  converter's histogram holds every block once when the scorer selects.
+  converter's histogram holds every block once when the scorer selects (with select_wgs 2, when both warpgroups
+  meet at the selection's pair barrier: every block's scores are stored and counted for either of them).
 A warpgroup's 128 threads are one actor here (their arrivals complete a phase together), which is what the
 kernel's barriers (commit_smem / Pallas' copy barrier, or 128 mbarrier arrivals) make of them.
 """
@@ -46,14 +47,18 @@ class Barrier:
         self.waits[who] = self.waits.get(who, 0) + 1
 
 
-def simulate(n_read, stages, cslots, conv_sync, hist, seed, ring=HIST_LAG + 1):
-    """One schedule of one split CTA's n_read blocks; ring: seg_ready's slots (the kernel's: HIST_LAG + 1)."""
+def simulate(n_read, stages, cslots, conv_sync, hist, seed, ring=HIST_LAG + 1, pair=False):
+    """One schedule of one split CTA's n_read blocks; ring: seg_ready's slots (the kernel's: HIST_LAG + 1); pair
+    (select_wgs 2, with hist): after their loops both warpgroups meet at the selection's named barrier; pair
+    "before_tail" (a wrong order, for the model's teeth): the converter meets the scorer before counting its last
+    HIST_LAG blocks and the scorer does not wait for hist_done."""
     rng = random.Random(seed)
     k_bars = [Barrier(f"k_bars[{i}]") for i in range(stages)]
     conv_full = [Barrier(f"conv_full[{i}]") for i in range(cslots)]
     conv_empty = [Barrier(f"conv_empty[{i}]") for i in range(cslots)]
     seg_ready = [Barrier(f"seg_ready[{i}]") for i in range(ring)]
     hist_done = Barrier("hist_done")
+    pair_bar = Barrier("pair barrier", count=2)   # a named barrier: both warpgroups' threads, one phase
     key_ring = [None] * stages        # the block each key slot holds
     e5m2 = [None] * cslots            # ... each converted slot
     seg = {}                          # the scorer's scores in the segment buffer, by block
@@ -78,6 +83,13 @@ def simulate(n_read, stages, cslots, conv_sync, hist, seed, ring=HIST_LAG + 1):
         counted.append(i)
         yield
 
+    def select(who):   # select_wgs 2: both warpgroups at the selection's first barrier, then its reads
+        pair_bar.arrive()
+        yield from wait(pair_bar, who)
+        assert sorted(seg) == list(range(n_read)), f"{who} selects before every block's scores are stored"
+        assert sorted(counted) == list(range(n_read)), f"{who} selects over a histogram missing blocks: {counted}"
+        yield
+
     def converter():
         for j in range(min(stages, n_read)):
             issue(j)
@@ -100,6 +112,8 @@ def simulate(n_read, stages, cslots, conv_sync, hist, seed, ring=HIST_LAG + 1):
                 yield
             if hist and j >= HIST_LAG:
                 yield from count(j - HIST_LAG)
+        if pair == "before_tail":
+            yield from select("converter")
         if hist:
             for i in range(max(n_read - HIST_LAG, 0), n_read):
                 yield from count(i)
@@ -107,6 +121,8 @@ def simulate(n_read, stages, cslots, conv_sync, hist, seed, ring=HIST_LAG + 1):
             yield
         for j in range(max(n_read - cslots, 0), n_read):   # the drain: every release observed
             yield from wait(conv_empty[j % cslots], "converter")
+        if pair is True:
+            yield from select("converter")
 
     def scorer():
         for j in range(n_read):
@@ -127,9 +143,14 @@ def simulate(n_read, stages, cslots, conv_sync, hist, seed, ring=HIST_LAG + 1):
             else:
                 counted.append(j)
             yield
+        if pair == "before_tail":
+            yield from select("scorer")
+            return
         if hist:
             yield from wait(hist_done, "scorer")
         assert sorted(counted) == list(range(n_read)), counted
+        if pair:
+            yield from select("scorer")
 
     actors = {"converter": converter(), "scorer": scorer()}
     parked = {}   # an actor's last step: (barrier, waiter) where it waits, else None
@@ -152,15 +173,15 @@ def simulate(n_read, stages, cslots, conv_sync, hist, seed, ring=HIST_LAG + 1):
 
 
 @pytest.mark.parametrize("conv_sync", CONV_SYNCS)
-@pytest.mark.parametrize("hist", [False, True])
-def test_converter_protocol_under_random_schedules(conv_sync, hist):
-    """Every conv_sync, with and without seg_hist "converter", for 1-4 e5m2 slots and 1-4 key slots, splits of 0-9
-    blocks (fewer than HIST_LAG too), 30 schedules each."""
+@pytest.mark.parametrize("hist,pair", [(False, False), (True, False), (True, True)])
+def test_converter_protocol_under_random_schedules(conv_sync, hist, pair):
+    """Every conv_sync, with and without seg_hist "converter" (and with it select_wgs 2), for 1-4 e5m2 slots and
+    1-4 key slots, splits of 0-9 blocks (fewer than HIST_LAG too), 30 schedules each."""
     for cslots in range(1, 5):
         for stages in range(1, 5):
             for n_read in (0, 1, 2, 3, 5, 9):
                 for seed in range(30):
-                    simulate(n_read, stages, cslots, conv_sync, hist, seed)
+                    simulate(n_read, stages, cslots, conv_sync, hist, seed, pair=pair)
 
 
 def test_the_model_catches_a_short_seg_ready_ring():
@@ -178,8 +199,26 @@ def test_the_model_catches_a_short_seg_ready_ring():
 
 
 def test_the_model_catches_a_deadlock(monkeypatch):
-    """The model's teeth, the other way: a converter that never arrives on hist_done leaves the scorer waiting."""
+    """The model's teeth, the other way: a converter that never arrives on hist_done leaves the scorer waiting
+    (and with select_wgs 2, the converter at the pair barrier too)."""
     real = Barrier.arrive
     monkeypatch.setattr(Barrier, "arrive", lambda self: None if self.name == "hist_done" else real(self))
     with pytest.raises(AssertionError, match="deadlock"):
         simulate(5, 2, 2, "early", True, seed=1)
+    with pytest.raises(AssertionError, match="deadlock"):
+        simulate(5, 2, 2, "early", True, seed=1, pair=True)
+
+
+def test_the_model_catches_a_selection_before_the_last_count():
+    """The model's teeth for select_wgs 2: a converter that met the scorer at the pair barrier before counting its
+    last HIST_LAG blocks (with the scorer's hist_done wait dropped as redundant) selects over a histogram that
+    misses them; the check at the barrier finds it. The kernel's order never does."""
+    errors = set()
+    for seed in range(40):
+        try:
+            simulate(9, 3, 2, "early", True, seed, pair="before_tail")
+        except AssertionError as e:
+            errors.add(str(e).split(" selects ")[1].split(":")[0])
+    assert errors == {"over a histogram missing blocks"}, errors
+    for seed in range(40):
+        simulate(9, 3, 2, "early", True, seed, pair=True)

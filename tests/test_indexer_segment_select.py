@@ -412,6 +412,35 @@ def test_gpu_segment_survivors_match_the_model(B, S, H, T, fmt, opts, stream_his
             np.testing.assert_array_equal(sp[r, j], mp, err_msg=f"positions of row {r}, split {j}")
 
 
+@gpu
+@pytest.mark.parametrize("B,T,opts", [(3, 20000, {}), (8, 32768, dict(num_splits=4)), (5, 4000, {})])
+@pytest.mark.parametrize("mosaic", [dict(seg_hist="converter"), dict(seg_hist="converter", conv_sync="early"),
+                                    dict(seg_hist="converter", conv_sync="early", select_wgs=2),
+                                    dict(seg_hist="converter", select_wgs=2)],
+                         ids=["hist", "hist_early", "hist_early_s2", "hist_s2"])
+def test_gpu_fp4_segment_survivors_converter_options(B, T, opts, mosaic, monkeypatch):
+    """The fp4 converter kernel's options of sessions 75-76 (seg_hist "converter": the converter counts the
+    streamed histogram; conv_sync "early"; select_wgs 2: both warpgroups select) keep the survivors bit for bit
+    `segment_select_model`'s over the kernel's own scores, every split, ragged n_visible."""
+    from pallas_kernels.indexer import gpu_mosaic
+    from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
+
+    monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "final", "triton")
+    for name, value in mosaic.items():
+        monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, name, value)
+    q, w, keys, nv = make(B, 1, 64, T, "fp4", True)
+    n_split, seg = _split_layout(B, T, "fp4", **opts)
+    sk, sp = jax.jit(lambda *a: indexer_scores_mosaic(*a, select_k=512, **opts))(q, w, keys, nv)
+    scores = np.asarray(jax.jit(lambda *a: indexer_scores_mosaic(*a, pad_to_block=True, **opts))(q, w, keys, nv))
+    sk, sp = np.asarray(sk).reshape(B, n_split, -1), np.asarray(sp).reshape(B, n_split, -1)
+    for r in range(B):
+        for j in range(n_split):
+            part = scores.reshape(B, -1)[r, j * seg:(j + 1) * seg]
+            mk, mp = M.segment_select_model(part, j * seg, 512, sk.shape[-1])
+            np.testing.assert_array_equal(sk[r, j], mk, err_msg=f"keys of row {r}, split {j}")
+            np.testing.assert_array_equal(sp[r, j], mp, err_msg=f"positions of row {r}, split {j}")
+
+
 def _tournament_sets(q, w, keys, nv, k):
     """What segment_set's index set must equal: (the tournament's set over the same Mosaic scores, the sorted picks'
     set, the sorted picks)."""

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import mosaic_offline as mo
+from tiers import full
 
 PTXAS_LOG = """ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function 'indexer_scores_fp4_mosaic_fp8_t128_mosaic_gpu_kernel' for 'sm_90a'
@@ -230,6 +231,30 @@ def test_fp4_segment_kernel_barriers_a_block(tmp_path, monkeypatch):
     # arrivals), the converter's the same as without it (the histogram waits on an mbarrier)
     assert counts["barrier", "commit", "converter"] == dict(scores=(0, 0, 0), converter=(3, 1, 1)), counts
     assert counts["barrier", "early", "converter"] == dict(scores=(0, 0, 0), converter=(2, 1, 1)), counts
+
+
+@pytest.mark.parametrize("B,T", [(64, 131072), full(64, 1 << 20), full(16, 131072)])
+def test_two_warpgroup_selection_compiles_at_two_ctas_an_sm(tmp_path, monkeypatch, B, T):
+    """select_wgs 2 (session 76): the fp4 segment top-k kernel whose converter warpgroup joins the selection keeps
+    2 CTAs an SM without spills, and its selection syncs the pair barrier over both warpgroups (ptxas: barrier 15,
+    256 threads), no longer barrier 1 over the scorer's 128."""
+    from pallas_kernels.indexer import gpu_mosaic
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+    from pallas_kernels.indexer.mosaic_select import PAIR_BARRIER
+
+    compiler = _offline_or_skip(tmp_path)
+    if not compiler.nvdisasm:
+        pytest.skip("no nvdisasm (python benchmarks/mosaic_offline.py fetch unpacks one)")
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "seg_hist", "converter")
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "conv_sync", "early")
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "select_wgs", 2)
+    (r,) = compiler.compile_jitted(lambda *a: indexer_topk_gpu(*a, k=512, kernel="mosaic", topk="segment_set"),
+                                   *_indexer_args("fp4", B=B, T=T))
+    assert r.name.endswith("_hcv_s2_mosaic_gpu_kernel") and r.threads == 256, r.line()
+    assert r.spill_stores == 0 and r.registers <= 128 and r.ctas_per_sm == 2, r.line()
+    bars = {line.split("BAR.SYNC.DEFER_BLOCKING")[1].split(";")[0].strip()
+            for line in open(r.sass_path).read().splitlines() if "BAR.SYNC.DEFER_BLOCKING" in line}
+    assert f"{PAIR_BARRIER:#x}, 0x100" in bars and "0x1, 0x80" not in bars, bars
 
 
 def test_fp4_rows_layout_issues_fewer_converter_instructions(tmp_path):

@@ -61,11 +61,12 @@ def _stream(cta, u, *, bt=128, aggregate=False, prune=None):
 
 
 def _run_split(cta, scores, pos0, k, slots, *, hist_ready, out="global_pairs", pos_in="implicit", gk=GK, gp=GP,
-               bt=128, aggregate=False):
-    """One split CTA: its u keys into shared memory, the streamed histogram (hist_ready), then the selection."""
+               bt=128, aggregate=False, stream_cta=None):
+    """One split CTA: its u keys into shared memory, the streamed histogram (hist_ready; run by stream_cta's
+    threads where given: another view of the same shared memory), then the selection (by cta's threads)."""
     n = len(scores)
     if hist_ready:
-        _stream(cta, _u(scores), bt=bt, aggregate=aggregate)
+        _stream(cta if stream_cta is None else stream_cta, _u(scores), bt=bt, aggregate=aggregate)
     else:
         cta.shared.write_array(U0, _u(scores))
     pos_op = pos0
@@ -73,8 +74,8 @@ def _run_split(cta, scores, pos0, k, slots, *, hist_ready, out="global_pairs", p
         cta.shared.write_array(P0, pos0 + np.arange(n))
         pos_op = P0
     outs = {"global_pairs": [gk, gp], "smem_pairs": [GK, GP], "global_set": [GS]}[out]
-    cta.run(M.segment_select_ptx(k, slots, hist_ready=hist_ready, pos_in=pos_in, out=out, aggregate=aggregate),
-            [U0, S0, n, pos_op] + outs)
+    cta.run(M.segment_select_ptx(k, slots, hist_ready=hist_ready, pos_in=pos_in, out=out, aggregate=aggregate,
+                                 threads=cta.n), [U0, S0, n, pos_op] + outs)
     assert not cta.uninitialized, f"registers read before written: {sorted(cta.uninitialized)}"
 
 
@@ -105,6 +106,95 @@ def test_segment_select_ptx_matches_the_model(kind, hist_ready, pos_in, aggregat
         _run_split(cta, scores, pos0, k, slots, hist_ready=hist_ready, pos_in=pos_in, aggregate=aggregate)
         np.testing.assert_array_equal(cta.glob.read_array(GK, slots), want_k, err_msg=f"keys, seed {seed}")
         np.testing.assert_array_equal(cta.glob.read_array(GP, slots), want_p, err_msg=f"positions, seed {seed}")
+
+
+@pytest.mark.parametrize("kind,n", [("normal", 1024), ("ties", 1024), full("holes", 896), ("nonfinite", 640),
+                                    full("few", 1024), ("close", 1536), ("normal", 0), full("normal", 256)])
+@pytest.mark.parametrize("out", ["global_pairs", full("global_set")])
+def test_two_warpgroup_selection_matches_the_model(kind, n, out):
+    """gpu_mosaic's select_wgs 2 (session 76): both warpgroups (%tid.x 0-255, 8 warps, the pair barrier) run the
+    selection after the converter warpgroup counted the streamed first level (wg_local, %tid.x 128-255). Survivors
+    equal `segment_select_model`'s (and the exact set with out "global_set"), bit for bit, for every score pattern,
+    segments that leave some of the 8 warps' parts empty (n 0, 256, 640) included, two thread orders; and equal the
+    one-warpgroup block's."""
+    rng = np.random.default_rng(hash((kind, n, out)) % 2 ** 32)
+    k, slots, pos0 = (48, 80, 777) if out == "global_pairs" else (40, 40, 0)
+    scores = _scores(rng, n, kind) if n else np.zeros(0, np.float32)
+    results = []
+    for threads, seed in ((256, 1), (256, 2), (128, 1)):
+        shared = Memory()
+        cta = Cta(threads=threads, shared=shared, glob=Memory(), seed=seed,
+                  bar_id=M.PAIR_BARRIER if threads == 256 else 1)
+        conv = Cta(shared=shared, glob=cta.glob, seed=seed, tid_base=128)   # the converter warpgroup's view
+        stream_cta = None
+        if threads == 256:   # the converter counts the stream (wg_local), as with seg_hist "converter"
+            stream_cta = _WgLocal(conv)
+        _run_split(cta, scores, pos0, k, slots, hist_ready=True, out=out, stream_cta=stream_cta)
+        if out == "global_pairs":
+            results.append((cta.glob.read_array(GK, slots), cta.glob.read_array(GP, slots)))
+        else:
+            results.append((cta.glob.read_array(GS, k),))
+    if out == "global_pairs":
+        want = M.segment_select_model(scores, pos0, k, slots)
+    else:
+        want = (_exact_set(scores, k) if n else np.full(k, -1),)
+    for got in results:
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+
+
+class _WgLocal:
+    """A Cta whose hist_zero / hist_block blocks are the converter's (wg_local) versions: `_stream` runs them."""
+
+    def __init__(self, cta):
+        self.cta, self.shared = cta, cta.shared
+
+    def run(self, asm, operands):
+        swap = {M.hist_zero_ptx(): M.hist_zero_ptx(True)}
+        swap.update({M.hist_block_ptx(bt, agg): M.hist_block_ptx(bt, agg, True) for bt in (128, 64, 0)
+                     for agg in (False, True)})
+        if asm not in swap:
+            raise AssertionError("the converter only zeroes and counts the histogram")
+        self.cta.run(swap[asm], operands)
+
+
+def test_two_warpgroup_selection_halves_the_busiest_thread():
+    """What select_wgs 2 is for: over a split of 8192 entries (the fp4 kernel's at B = 64 x 128K) whose scores need
+    every radix level, the busiest thread of the 256-thread block executes well under 60% of the 128-thread
+    block's instructions (the count and compaction passes split over 8 warps; the bin searches' per-thread bins
+    halve)."""
+    rng = np.random.default_rng(76)
+    n = 8192
+    scores = (1.0 + rng.integers(0, 4096, n) * np.float32(2.0 ** -23)).astype(np.float32)   # every level
+    u = _u(scores)
+    longest = {}
+    for threads in (128, 256):
+        cta = Cta(threads=threads, shared=Memory(), glob=Memory(), bar_id=M.PAIR_BARRIER if threads == 256 else 1)
+        cta.shared.write_array(U0, u)
+        hist = Cta(shared=cta.shared, glob=cta.glob)
+        _stream(hist, u)
+        cta.run(M.segment_select_ptx(512, 576, hist_ready=True, threads=threads), [U0, S0, n, 0, GK, GP])
+        want_k, want_p = M.segment_select_model(scores, 0, 512, 576)
+        np.testing.assert_array_equal(cta.glob.read_array(GK, 576), want_k)
+        np.testing.assert_array_equal(cta.glob.read_array(GP, 576), want_p)
+        longest[threads] = cta.longest
+    assert longest[256] < 0.6 * longest[128], longest
+
+
+def test_two_warpgroup_selection_needs_its_barrier():
+    """The two-warpgroup block syncs the pair barrier over 256 threads (not a warpgroup's own barrier); the
+    simulator refuses any other, and the pruned / index-list selection stays one warpgroup's."""
+    asm = M.segment_select_ptx(48, 80, threads=256)
+    assert f"bar.sync {M.PAIR_BARRIER}, 256;" in asm and "bar.sync 1," not in asm
+    assert M.segment_select_ptx(48, 80) == M.segment_select_ptx(48, 80, threads=128)
+    cta = Cta(threads=256, shared=Memory(), glob=Memory(), bar_id=1)
+    cta.shared.write_array(U0, _u(np.random.default_rng(0).standard_normal(512).astype(np.float32)))
+    with pytest.raises(AssertionError, match="bar.sync"):
+        cta.run(asm, [U0, S0, 512, 0, GK, GP])
+    with pytest.raises(ValueError, match="threads"):
+        M.segment_select_ptx(48, 80, threads=256, pos_in="index")
+    with pytest.raises(ValueError, match="threads"):
+        M.segment_select_ptx(48, 80, threads=192)
 
 
 @pytest.mark.parametrize("aggregate", [False, True])

@@ -89,7 +89,9 @@ segment scores under one barrier (seg_sync "barrier", the default); the converte
 barriers (conv_sync "arrive") passed on the GPU but was no faster, as its keys then came late (session 75). Two
 options of session 75, compiled offline but not yet run on a GPU, balance the two warpgroups: the converter issues
 its key copies right after the conversion (conv_sync "early") and counts the streamed histogram instead of the
-scorer (seg_hist "converter"), which leaves the scorer's loop without a barrier.
+scorer (seg_hist "converter"), which leaves the scorer's loop without a barrier. With the latter, session 76's
+select_wgs 2 has the converter, idle once its blocks are done, run the split's selection with the scorer (256
+threads; the selection was 13% of the kernel at 128K, overlapped by nothing): also compiled offline only.
 
 Decode-oriented: one query per CTA, so S queries of one row read its keys S times (prefill stays on the Triton
 kernel, whose programs share each key block between up to 8 queries). Hopper (sm_90a) only. On the CPU it lowers
@@ -310,7 +312,7 @@ MAX_CLUSTER = 8     # portable thread-block cluster size
 # (H100, B = 64 x 128K): the scorer's epilogue, which holds them, took 841 of its ~2380 cycles a block.
 MOSAIC_CONFIG = dict(q_prep="triton", epilogue="full", fp4_converter=2, fp4_tables="registers", fp4_layout="auto",
                      q_prep_heads=Q_PREP_HEAD_BLOCK, profile="", profile_detail=False, seg_sync="barrier",
-                     conv_sync="commit", seg_hist="scorer")
+                     conv_sync="commit", seg_hist="scorer", select_wgs=1)
 SEG_SYNCS = ("barrier", "commit")
 # conv_sync (session 74; the fp4 converter warpgroup): how a converted block is handed over and its key slot refilled.
 # "arrive": each converter thread fences its own stores for the async proxy and arrives on the slot's full barrier
@@ -342,6 +344,16 @@ CONV_SYNCS = ("arrive", "commit", "early")
 # SASS, no barrier; 2 CTAs an SM at 128K and 1M; the histogram PTX in a second warpgroup run by tests/ptx_sim.py);
 # the selection's PTX does not interpret, so its first GPU run is `HIST=1 bash benchmarks/run_gpu_pending.sh`.
 SEG_HISTS = ("scorer", "converter")
+# select_wgs (session 76; with seg_hist "converter", the plain selection: final "triton", no probe): the
+# warpgroups that run the split's selection after its last block. 1: the scorer alone (128 threads), while the
+# converter warpgroup, its blocks done, idles to the end. 2: the converter joins it (`mosaic_select`'s
+# threads=256: every pass over the split's entries over 8 warps, the bin searches over 256 threads, a named
+# barrier of their own). Session 75's profile (H100, fp4, B = 64 x 128K): the selection took ~19.7K cycles a CTA,
+# 13% of the kernel, no warpgroup overlapping it. On tests/ptx_sim.py the busiest thread of a 8192-entry split
+# whose scores need every radix level runs 2545 instructions instead of 4648; on the GPU not measured yet (the
+# device pool was paused): `HIST=1 bash benchmarks/run_gpu_pending.sh` times it. The "last" and "cluster" finals
+# keep one warpgroup (their cross-CTA steps are written for 128 threads).
+SELECT_WGS = (1, 2)
 HIST_LAG = 3    # the converter counts block j - HIST_LAG after handing over block j: by then its store of block j
 #                 waited for the scorer to release block j - cslots, so block j - 3's scores are usually stored.
 #                 seg_ready has HIST_LAG + 1 slots: the scorer's block i + HIST_LAG + 1 needs the converter's
@@ -369,6 +381,8 @@ PROFILE_HIST_REGIONS = {
     "converter": ("c_wait_seg (the scorer's scores of block j - HIST_LAG stored)",
                   "c_hist (their streamed histogram)"),
 }
+# ... and with select_wgs 2, the converter's share of the selection (once a CTA)
+PROFILE_SELECT_REGIONS = {"converter": ("c_select (the split's selection, with the scorer, once)",)}
 PROFILE_ONCE = 8                  # ranges outside the block loop, with margin
 
 
@@ -795,6 +809,12 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
     def refill(j):   # block j's key slot gets block j + stages, where the split has it
         pl.when(j + stages < n_read)(lambda: issue(j + stages))
 
+    def select_split(out0, out1, **opts):   # the plain selection of this split's n_read blocks (scores past them
+        from . import mosaic_select as ms      # hold no candidate), by select["threads"] threads
+
+        ms.segment_select(seg_smem, sel_smem, n_read * bt, lo * bt, out0, out1, k=select["k"], slots=select["slots"],
+                          aggregate=select["aggregate"], threads=select["threads"], **opts)
+
     if conv is not None:   # fp4_converter: e5m2 slots, their key factors, full (converted) / empty (scored) barriers
         conv_smem, kf_smem, conv_full, conv_empty = conv[:4]
         cslots = conv_smem.shape[0]
@@ -814,6 +834,9 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
         _convert_blocks(n_read, stages, cslots, issue, refill, k_smem, s_smem, k_bars, conv_smem, kf_smem,
                         conv_full, conv_empty, interpret, tables_smem=conv[4] if len(conv) > 4 else None,
                         rows_layout=rows_layout, conv_sync=conv_sync, hist=hist, hist_done=hist_done)
+        if select and select["threads"] == 256:   # select_wgs 2: the split's selection with the scorer
+            with region("c_select"):
+                select_split(out_ref.at[r, split], pos_ref.at[r, split], hist_ready=True)
         return
     plgpu.copy_gmem_to_smem(q_ref.at[r], q_smem, q_bar)
     plgpu.copy_gmem_to_smem(w_ref.at[r], w_smem, q_bar)
@@ -978,19 +1001,16 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
         k_sel, slots = select["k"], select["slots"]
         if select["probe"] == 1:
             return
-        base = dict(k=k_sel, slots=slots, aggregate=select["aggregate"])
-        opts = dict(base, hist_ready=select["stream_hist"])
+        opts = dict(hist_ready=select["stream_hist"])
         if select["probe"] == 2:   # the selection up to its compaction (a timing probe)
-            ms.segment_select(seg_smem, sel_smem, n_read * bt, lo * bt, out_ref.at[r, split], pos_ref.at[r, split],
-                              compact=False, **opts)
+            select_split(out_ref.at[r, split], pos_ref.at[r, split], compact=False, **opts)
             return
+        select_one = select_split
         if select["prune"]:   # over the candidate list, or the whole split (`mosaic_select.prune_final_ptx`)
-            opts = dict(base, idx_smem=idx_smem)
-            select_split = functools.partial(ms.prune_select, seg_smem, sel_smem, n_read * bt, lo * bt)
-        else:
-            select_split = functools.partial(ms.segment_select, seg_smem, sel_smem, n_read * bt, lo * bt)
+            opts = dict(k=k_sel, slots=slots, aggregate=select["aggregate"], idx_smem=idx_smem)
+            select_one = functools.partial(ms.prune_select, seg_smem, sel_smem, n_read * bt, lo * bt)
         if not select["cluster"]:
-            select_split(out_ref.at[r, split], pos_ref.at[r, split], **opts)
+            select_one(out_ref.at[r, split], pos_ref.at[r, split], **opts)
             if select["last"]:   # the split CTA that finishes last selects the row's set among every split's survivors
                 counters = pl.get_global(plgpu.SemaphoreType.REGULAR((out_ref.shape[0],)))   # zero at launch
                 ms.last_final(seg_smem, sel_smem, counters, out_ref.at[r], pos_ref.at[r], set_ref.at[r], r,
@@ -999,7 +1019,7 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
         # survivors (u, position) into this CTA's scratch; CTA 0 of the cluster gathers every split's into its
         # segment buffer (u at [0, W), positions at [W, 2W)) and selects the row's set among them
         surv_u, surv_pos = sel_smem.at[pl.ds(0, slots)], sel_smem.at[pl.ds(slots, slots)]
-        select_split(surv_u, surv_pos, out="smem_pairs", **opts)
+        select_one(surv_u, surv_pos, out="smem_pairs", **opts)
         n_split = select["cluster"]
         W = n_split * slots
         ms.cluster_sync()
@@ -1163,6 +1183,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         raise ValueError(f"fp4_converter must be 0 (off) or 1-4 e5m2 slots, got {fp4_converter}")
     seg_sync, conv_sync = _config_choice("seg_sync", SEG_SYNCS), _config_choice("conv_sync", CONV_SYNCS)
     seg_hist = _config_choice("seg_hist", SEG_HISTS)
+    select_wgs = _config_choice("select_wgs", SELECT_WGS)
     # "shared" reaches the converter's compiled conversion only (the interpreter runs its jnp model either way)
     fp4_tables, fp4_layout = _config_choice("fp4_tables", FP4_TABLES), _config_choice("fp4_layout", FP4_LAYOUTS)
     if fp4_layout == "auto":
@@ -1339,6 +1360,9 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     # selection's PTX does not interpret), unless pruning, whose threshold the scorer takes
     hist_conv = (seg_hist == "converter" and bool(fp4_converter) and select_k is not None and not interpret
                  and bool(SELECT_CONFIG["stream_hist"]) and not prune)
+    # select_wgs 2: the converter warpgroup joins the plain selection (one split's survivors, Triton final)
+    sel_threads = 256 if (select_wgs == 2 and hist_conv and not cluster and not last
+                          and not SELECT_CONFIG["probe"]) else 128
     if fp4_converter:   # the converter's e5m2 slots (fp8 keys' smem layout), key factors, full / empty barriers
         conv_tile = () if interpret else (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
         scratch += [plgpu.SMEM((fp4_converter, bt, 128), jnp.float8_e5m2, transforms=conv_tile),
@@ -1357,7 +1381,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                           select=None if select_k is None else dict(
                               k=int(select_k), slots=slots, aggregate=bool(SELECT_CONFIG["aggregate"]),
                               stream_hist=bool(SELECT_CONFIG["stream_hist"]), cluster=cluster, last=last, prune=prune,
-                              probe=int(SELECT_CONFIG["probe"])),
+                              probe=int(SELECT_CONFIG["probe"]), threads=sel_threads),
                           interpret=interpret),
         out_type=out_type,
         **(dict(grid=(R,), grid_names=("r",), cluster=(n_split,), cluster_names=("s",)) if cluster else
@@ -1376,7 +1400,8 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                      + ("_rows" if rows_layout else "")
                      + ("_segc" if select_k is not None and fp4_converter and seg_sync == "commit" else "")
                      + ("_cva" if fp4_converter and conv_sync == "arrive" else "")
-                     + ("_cve" if fp4_converter and conv_sync == "early" else "") + ("_hcv" if hist_conv else "")),
+                     + ("_cve" if fp4_converter and conv_sync == "early" else "") + ("_hcv" if hist_conv else "")
+                     + ("_s2" if sel_threads == 256 else "")),
         **(dict(interpret=_interpret_params(interpret == "races")) if interpret else {}),
     )
     res = kernel(*args)

@@ -35,6 +35,9 @@ In PTX (one inline-asm block, 128 threads = the kernel's one warpgroup): the his
 search by a warp-shuffle suffix scan and one exchange through shared memory, the ordered compaction by warp ballots
 (4 consecutive entries a lane, lane-major order, `vote.ballot` + `popc` with `%lanemask_lt`), a count pass and a
 write pass over 4 contiguous quarters of the segment (one per warp), the quarters' offsets from their counts.
+threads=256 (session 76, `gpu_mosaic`'s select_wgs 2): the same block run by both warpgroups of the fp4 converter
+kernel, 8 warps and 8 parts, synced by a named barrier of its own (PAIR_BARRIER); on tests/ptx_sim.py its busiest
+thread runs ~55% of the one-warpgroup block's instructions over an 8192-entry split.
 
 Two variants built in session 41 (no GPU that session; off by default, `gpu_mosaic.SELECT_CONFIG`):
 * final "last" (`last_final_ptx`): the split CTA that arrives last at its row's counter selects the row's set among
@@ -61,6 +64,11 @@ BINS = 1 << max(w for _, w in LEVELS)     # histogram counters (u32) in the scra
 SCRATCH_WORDS = BINS + 32                  # + the exchange words: [BINS, +4) warp totals, +8.. the bin found,
 #                                            +16.. / +20.. the quarters' counts
 THREADS = 128
+SELECT_THREADS = (128, 256)                # the selection's threads: the scoring warpgroup, or both (seg_hist
+#                                            "converter": the converter warpgroup joins it after its last block)
+PAIR_BARRIER = 15                          # the named barrier of the two-warpgroup selection: Mosaic GPU's own are
+#                                            0 (the CTA) and 1 + w (warpgroup w's); the one-warpgroup selection uses
+#                                            1, its warpgroup's own, as that warpgroup is the only one to take it
 STATE = 4 * BINS + 96                      # the pruned selection's words (bytes into the scratch): +0 tau, +4 the
 PRUNE_TAU, PRUNE_COUNT, PRUNE_MODE, PRUNE_X = STATE, STATE + 4, STATE + 8, STATE + 16   # candidates, +8 mode
 #                                            (0 not engaged, 1 candidates, 2 overflow), +16..+31 warp counts
@@ -144,10 +152,11 @@ U_POS_INF = 0xFF800000                     # u of +inf: finite entries lie stric
 OUTS = ("global_pairs", "smem_pairs", "global_set")
 
 
-def _zero_bins(base: str, nb: int):
-    """PTX lines: threads zero the nb u32 counters at shared address `base` (tid, tid + 128, ...); needs tid, ad."""
-    return ["mad.lo.u32 ad, tid, 4, " + base + ";"] + [f"st.shared.u32 [ad+{4 * THREADS * m}], 0;"
-                                                        for m in range(nb // THREADS)]
+def _zero_bins(base: str, nb: int, threads: int = THREADS):
+    """PTX lines: `threads` threads zero the nb u32 counters at shared address `base` (tid, tid + threads, ...);
+    needs tid, ad."""
+    return ["mad.lo.u32 ad, tid, 4, " + base + ";"] + [f"st.shared.u32 [ad+{4 * threads * m}], 0;"
+                                                        for m in range(nb // threads)]
 
 
 def _count(bin_: str, pred: str, base: str, aggregate: bool):
@@ -162,12 +171,14 @@ def _count(bin_: str, pred: str, base: str, aggregate: bool):
                     f"@{pred} red.shared.add.u32 [ad], t;"]
 
 
-def _bin_search(a, per: int, X: int):
-    """PTX lines (through `a`): the bin of the need-th largest count in the histogram at the scratch ($1, BINS / 128
-    = per bins a thread), by a per-thread sum, a warp-shuffle suffix scan and one exchange at byte X: afterwards
-    every thread holds bst (the bin), abv (entries in the bins above it), inb (in it) and tot (all counted); with
-    fewer than need counted, bin 0 with inb = tot. Needs the select block's registers (tid, lane, warp, need, cnt*,
-    ...); ends past a barrier."""
+def _bin_search(a, per: int, X: int, threads: int = THREADS, bar: str = "bar.sync 1, 128;"):
+    """PTX lines (through `a`): the bin of the need-th largest count in the histogram at the scratch ($1, nb /
+    threads = per bins a thread), by a per-thread sum, a warp-shuffle suffix scan and one exchange at byte X (the
+    warps' totals at [X, X + 4 W), the bin found at X + 32; W = threads / 32 <= 8): afterwards every thread holds
+    bst (the bin), abv (entries in the bins above it), inb (in it) and tot (all counted); with fewer than need
+    counted, bin 0 with inb = tot. Needs the select block's registers (tid, lane, warp, need, cnt*, w*, ...); ends
+    past a barrier (`bar`, over the block's threads)."""
+    W = threads // 32
     # this thread's bins [tid * per, tid * per + per): their sum, then a suffix scan over the threads
     a(f"mul.lo.u32 base, tid, {per};")
     a("mad.lo.u32 ha, base, 4, $1;")
@@ -184,13 +195,13 @@ def _bin_search(a, per: int, X: int):
     a("setp.eq.u32 p, lane, 0;")
     a("mad.lo.u32 ad, warp, 4, $1;")
     a(f"@p st.shared.u32 [ad+{X}], x;")
-    a("bar.sync 1, 128;")
-    a(f"ld.shared.v4.u32 {{w0, w1, w2, w3}}, [$1+{X}];")
-    a("add.u32 tot, w0, w1; add.u32 tot, tot, w2; add.u32 tot, tot, w3;")
+    a(bar)
+    for v in range(W // 4):
+        a(f"ld.shared.v4.u32 {{w{4 * v}, w{4 * v + 1}, w{4 * v + 2}, w{4 * v + 3}}}, [$1+{X + 16 * v}];")
+    a("add.u32 tot, w0, w1; " + " ".join(f"add.u32 tot, tot, w{i};" for i in range(2, W)))
     a("mov.u32 exc, 0;")                                   # entries in the warps above this one
-    a("setp.lt.u32 p, warp, 3; @p add.u32 exc, exc, w3;")
-    a("setp.lt.u32 p, warp, 2; @p add.u32 exc, exc, w2;")
-    a("setp.lt.u32 p, warp, 1; @p add.u32 exc, exc, w1;")
+    for i in reversed(range(1, W)):
+        a(f"setp.lt.u32 p, warp, {i}; @p add.u32 exc, exc, w{i};")
     a("add.u32 exc, exc, x; sub.u32 exc, exc, st;")        # ... + in this warp's threads above this one
     a("add.u32 t, exc, st;")
     a("setp.lt.u32 own, exc, need;")
@@ -211,21 +222,22 @@ def _bin_search(a, per: int, X: int):
     a("setp.eq.and.u32 p, tid, 0, p;")
     a("mov.u32 t, 0;")
     a(f"@p st.shared.v4.u32 [$1+{X + 32}], {{t, t, tot, t}};")
-    a("bar.sync 1, 128;")
+    a(bar)
     a(f"ld.shared.v4.u32 {{bst, abv, inb, t2}}, [$1+{X + 32}];")
 
 
 def segment_select_ptx(k: int, slots: int, *, aggregate: bool = False, hist_ready: bool = False,
-                       pos_in: str = "implicit", out: str = "global_pairs", compact: bool = True) -> str:
+                       pos_in: str = "implicit", out: str = "global_pairs", compact: bool = True,
+                       threads: int = THREADS) -> str:
     """The selection block with its documented operands $0..$5 (see `_select_body`)."""
     return _select_body(k, slots, aggregate=aggregate, hist_ready=hist_ready, pos_in=pos_in, out=out,
-                        compact=compact)
+                        compact=compact, threads=threads)
 
 
 def _select_body(k: int, slots: int, *, aggregate: bool = False, hist_ready: bool = False,
                  pos_in: str = "implicit", out: str = "global_pairs", compact: bool = True, ops=None,
-                 tag: str = "", n_smem: bool = False) -> str:
-    """The selection as one PTX block for 128 threads, over u keys (u32 [n] in shared memory: `_ordered` ^ 2^31, at
+                 tag: str = "", n_smem: bool = False, threads: int = THREADS) -> str:
+    """The selection as one PTX block for `threads` threads (128: one warpgroup, %tid.x 0-127; 256: two, 0-255), over u keys (u32 [n] in shared memory: `_ordered` ^ 2^31, at
     most U_INVALID for entries that are no candidates). Operands: $0 u (shared u32 address, 16 B aligned), $1 scratch
     (shared u32 address, u32 [SCRATCH_WORDS], 16 B aligned), $2 n (entries, a multiple of 4), $3 pos0 (pos_in
     "implicit": entry i is at position pos0 + i) or the shared address of int32 positions [n] (pos_in "smem"),
@@ -236,6 +248,10 @@ def _select_body(k: int, slots: int, *, aggregate: bool = False, hist_ready: boo
       out "global_set":   $4 a generic pointer to int32 [slots] positions of the finite kept entries, ascending,
                           -1 padding after (slots = k: the exact top-k index set, `as_index_set`'s layout); no $5.
                           The kept entries are staged in the scratch's histogram area first (slots <= BINS / 2).
+    threads 256 (the two warpgroups of a converter kernel, `gpu_mosaic`'s select_wgs 2): every pass over the
+    entries and every bin search split over 8 warps, its barriers PAIR_BARRIER over both warpgroups; the exchange
+    words then fill the scratch's last 128 bytes (the pruned selection's state words among them: pos_in "index"
+    and the pruned selection keep 128 threads).
     hist_ready: the first level's histogram is already in the scratch (`hist_block_ptx` during the stream).
     aggregate: the histogram's lanes that hit one bin add once (`match.any` groups them, the lowest lane adds the
     group's size): fewer conflicting shared-memory atomics where the scores crowd into a few bins.
@@ -255,7 +271,13 @@ def _select_body(k: int, slots: int, *, aggregate: bool = False, hist_ready: boo
     if out not in OUTS or pos_in not in ("implicit", "smem", "index"):
         raise ValueError(f"segment_select: out must be one of {OUTS} and pos_in 'implicit', 'smem' or 'index', got "
                          f"{out!r}, {pos_in!r}")
+    if threads not in SELECT_THREADS or (threads != THREADS and pos_in == "index"):
+        raise ValueError(f"segment_select: threads must be one of {SELECT_THREADS} (pos_in 'index': {THREADS}), got "
+                         f"{threads} (pos_in {pos_in!r})")
     X = 4 * BINS                                               # byte offset of the exchange words
+    W = threads // 32                                          # warps: the compaction's parts, the scan's totals
+    assert X + 64 + 8 * W <= 4 * SCRATCH_WORDS                 # the parts' counts: [X + 64, + 4 W), then + 4 W
+    bar = "bar.sync 1, 128;" if threads == THREADS else f"bar.sync {PAIR_BARRIER}, {threads};"
     L = []
     a = L.append
     a("{")
@@ -265,6 +287,8 @@ def _select_body(k: int, slots: int, *, aggregate: bool = False, hist_ready: boo
     a(".reg .b32 w0, w1, w2, w3, gc, ec, G, E, quota, ko, es, ktot, ek0, ek1, ek2, ek3, eo, r, m0, m1, m2, m3;")
     a(".reg .b32 b0, b1, b2, b3, n0, n1, n2, n3, rank, slot, rank0, slot0, pos;")
     a(".reg .b32 cnt<16>, kb, mm, wb;")
+    if W > 4:   # the second warpgroup's warps: their totals, counts at P and kept entries at P
+        a(".reg .b32 " + ", ".join(f"{r}{i}" for r in ("w", "n", "ek") for i in range(4, W)) + ";")
     a(".reg .b64 ka, pa, a64;")
     a(".reg .b32 pa32, nn, ix0, ix1, ix2, ix3;")
     a("mov.u32 tid, %tid.x;")
@@ -281,7 +305,7 @@ def _select_body(k: int, slots: int, *, aggregate: bool = False, hist_ready: boo
     a(f"mov.u32 need, {k};")
     a("mov.u32 cgt, 0;")
     a("mov.u32 P, 0;")
-    a("bar.sync 1, 128;")                                      # every key (and histogram count) is in place
+    a(bar)                                                     # every key (and histogram count) is in place
 
     def load4(first, with_pos=False):   # u of entries first..first+3 (register `first`); past n: 0 (no candidate)
         a("mov.b32 u0, 0; mov.b32 u1, 0; mov.b32 u2, 0; mov.b32 u3, 0;")
@@ -306,13 +330,13 @@ def _select_body(k: int, slots: int, *, aggregate: bool = False, hist_ready: boo
             a("@p ld.shared.v4.b32 {pv0, pv1, pv2, pv3}, [ad];")
 
     for lvl, (s, w) in enumerate(LEVELS):
-        nb, per = 1 << w, (1 << w) // THREADS
+        nb, per = 1 << w, (1 << w) // threads
         a(f"// level {lvl}: digit u[{s + w - 1}:{s}]")
         if not (lvl == 0 and hist_ready):
-            L.extend(_zero_bins("$1", nb))
-            a("bar.sync 1, 128;")
-            # thread tid: entries 4 tid + 512 m .. + 3; the loop runs while the warp's first entry wb is below n
-            # (the same trip count for every lane of a warp, as match.any needs)
+            L.extend(_zero_bins("$1", nb, threads))
+            a(bar)
+            # thread tid: entries 4 tid + 4 threads m .. + 3; the loop runs while the warp's first entry wb is
+            # below n (the same trip count for every lane of a warp, as match.any needs)
             a("shl.b32 i, tid, 2;")
             a("shl.b32 wb, warp, 7;")
             a(f"DSV4SEL_CNT{lvl}:")
@@ -327,12 +351,12 @@ def _select_body(k: int, slots: int, *, aggregate: bool = False, hist_ready: boo
                 a(f"shr.b32 bin, u{e}, {s};" if s else f"mov.b32 bin, u{e};")
                 a(f"and.b32 bin, bin, {nb - 1};")
                 L.extend(_count("bin", "q", "$1", aggregate))
-            a("add.u32 i, i, 512;")
-            a("add.u32 wb, wb, 512;")
+            a(f"add.u32 i, i, {4 * threads};")
+            a(f"add.u32 wb, wb, {4 * threads};")
             a(f"bra DSV4SEL_CNT{lvl};")
             a(f"DSV4SEL_CNTEND{lvl}:")
-            a("bar.sync 1, 128;")
-        _bin_search(a, per, X)
+            a(bar)
+        _bin_search(a, per, X, threads, bar)
         a(f"shl.b32 P, P, {w};")
         a("or.b32 P, P, bst;")
         a("add.u32 cgt, cgt, abv;")
@@ -342,12 +366,12 @@ def _select_body(k: int, slots: int, *, aggregate: bool = False, hist_ready: boo
             a("add.u32 t, cgt, inb;")
             a(f"setp.le.u32 p, t, {slots};")
             a("@p bra DSV4SEL_COMPACT;")
-    # ordered compaction: warp wq takes the quarter [wq * c, wq * c + c), c = 128 * ceil(n / 512)
+    # ordered compaction: warp wq takes the part [wq * c, wq * c + c), c = 128 * ceil(n / (128 W)) (W = 4: quarters)
     a("DSV4SEL_COMPACT:")
     if not compact:
         a("}")
         return _bind("\n".join(L), ops, tag)
-    a("add.u32 c, nn, 511; shr.u32 c, c, 9; shl.b32 c, c, 7;")
+    a(f"add.u32 c, nn, {128 * W - 1}; shr.u32 c, c, {(128 * W).bit_length() - 1}; shl.b32 c, c, 7;")
     a("mul.lo.u32 start, warp, c;")
 
     def classify():   # u0..u3 -> g (prefix above P), e (prefix at P) among the candidates
@@ -389,23 +413,24 @@ def _select_body(k: int, slots: int, *, aggregate: bool = False, hist_ready: boo
     a("setp.eq.u32 p, lane, 0;")
     a("mad.lo.u32 ad, warp, 4, $1;")
     a(f"@p st.shared.u32 [ad+{X + 64}], gc;")
-    a(f"@p st.shared.u32 [ad+{X + 80}], ec;")
-    a("bar.sync 1, 128;")
-    a(f"ld.shared.v4.u32 {{w0, w1, w2, w3}}, [$1+{X + 64}];")   # entries above P, per quarter
-    a(f"ld.shared.v4.u32 {{n0, n1, n2, n3}}, [$1+{X + 80}];")   # entries at P, per quarter
-    a("add.u32 G, w0, w1; add.u32 G, G, w2; add.u32 G, G, w3;")
-    a("add.u32 E, n0, n1; add.u32 E, E, n2; add.u32 E, E, n3;")
+    a(f"@p st.shared.u32 [ad+{X + 64 + 4 * W}], ec;")
+    a(bar)
+    for v in range(W // 4):   # entries above P, then at P, per part
+        a(f"ld.shared.v4.u32 {{w{4 * v}, w{4 * v + 1}, w{4 * v + 2}, w{4 * v + 3}}}, [$1+{X + 64 + 16 * v}];")
+        a(f"ld.shared.v4.u32 {{n{4 * v}, n{4 * v + 1}, n{4 * v + 2}, n{4 * v + 3}}}, [$1+{X + 64 + 4 * W + 16 * v}];")
+    a("add.u32 G, w0, w1; " + " ".join(f"add.u32 G, G, w{i};" for i in range(2, W)))
+    a("add.u32 E, n0, n1; " + " ".join(f"add.u32 E, E, n{i};" for i in range(2, W)))
     a(f"mov.u32 quota, {slots}; sub.u32 quota, quota, G;")      # entries at P that fit, in position order
     a("setp.gt.u32 ration, E, quota;")                          # (uniform) only then are entries at P ranked
-    # quarter q keeps min(max(quota - (entries at P in quarters before q), 0), n_q) of its entries at P
+    # part q keeps min(max(quota - (entries at P in parts before q), 0), n_q) of its entries at P
     a("mov.u32 eo, 0;")
-    for qq in range(4):
+    for qq in range(W):
         a(f"sub.s32 r, quota, eo; max.s32 r, r, 0; min.s32 ek{qq}, r, n{qq}; add.u32 eo, eo, n{qq};")
-    a("mov.u32 ko, 0; mov.u32 es, 0;")                          # this quarter's output offset and P-rank offset
-    for qq in range(3):
+    a("mov.u32 ko, 0; mov.u32 es, 0;")                          # this part's output offset and P-rank offset
+    for qq in range(W - 1):
         a(f"setp.gt.u32 p, warp, {qq};")
         a(f"@p add.u32 ko, ko, w{qq}; @p add.u32 ko, ko, ek{qq}; @p add.u32 es, es, n{qq};")
-    a("add.u32 ktot, G, ek0; add.u32 ktot, ktot, ek1; add.u32 ktot, ktot, ek2; add.u32 ktot, ktot, ek3;")
+    a("add.u32 ktot, G, ek0; " + " ".join(f"add.u32 ktot, ktot, ek{i};" for i in range(1, W)))
     a("mov.u32 j, 0;")
     a("DSV4SEL_CB:")
     a("setp.ge.u32 p, j, c;")
@@ -450,7 +475,7 @@ def _select_body(k: int, slots: int, *, aggregate: bool = False, hist_ready: boo
     a("bra DSV4SEL_CB;")
     a("DSV4SEL_CBEND:")
     if out == "global_set":   # warp 0: the staged picks' finite ones in order, then -1 for the rest
-        a("bar.sync 1, 128;")
+        a(bar)
         a("setp.ne.u32 p, warp, 0;")
         a("@p bra DSV4SEL_SETEND;")
         a("mov.u32 ko, 0; mov.u32 j, 0;")
@@ -495,7 +520,7 @@ def _select_body(k: int, slots: int, *, aggregate: bool = False, hist_ready: boo
         a("mov.u32 t, 0;")
         store("i", "$4", "t", space="shared")
         store("i", "$5", "t", space="shared")
-    a(f"add.u32 i, i, {THREADS};")
+    a(f"add.u32 i, i, {threads};")
     a("bra DSV4SEL_PAD;")
     a("DSV4SEL_PADEND:")
     a("}")
@@ -863,14 +888,16 @@ _OUT_SPEC = {"global_pairs": "GG", "smem_pairs": "SS", "global_set": "G"}   # a 
 
 
 def segment_select(u_smem, scratch_smem, n, pos, out0, out1=None, *, k: int, slots: int, aggregate: bool = False,
-                   hist_ready: bool = False, pos_in: str = "implicit", out: str = "global_pairs", compact: bool = True):
-    """In a Mosaic GPU kernel of one warpgroup, after the segment's u keys are stored (`segment_select_ptx`):
+                   hist_ready: bool = False, pos_in: str = "implicit", out: str = "global_pairs", compact: bool = True,
+                   threads: int = THREADS):
+    """In a Mosaic GPU kernel of one warpgroup (threads 256: called by both warpgroups of the kernel, with the same
+    arguments), after the segment's u keys are stored (`segment_select_ptx`):
     u_smem uint32/int32 [>= n] (shared), scratch_smem int32 [SCRATCH_WORDS] (shared), n (int32 scalar: entries to
     consider, a multiple of 4), pos (pos_in "implicit": an int32 scalar, the position of entry 0; "smem": a shared
     int32 [>= n] ref of positions), out0 / out1: the outputs for `out` (global refs for "global_pairs" /
     "global_set", shared refs for "smem_pairs"; no out1 for "global_set")."""
     asm = segment_select_ptx(k, slots, aggregate=aggregate, hist_ready=hist_ready, pos_in=pos_in, out=out,
-                             compact=compact)
+                             compact=compact, threads=threads)
     outs = (out0,) if out == "global_set" else (out0, out1)
     _run(asm, "SSi" + ("i" if pos_in == "implicit" else "S") + _OUT_SPEC[out], u_smem, scratch_smem, n, pos, *outs)
 
