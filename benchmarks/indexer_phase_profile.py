@@ -63,6 +63,9 @@ CASES = {
     # select_wgs 2 (session 76): the converter warpgroup joins the selection (its c_select, once a CTA)
     "fp4_64x64k_early_hist_s2": (64, 65536, "fp4",
                                  "topk=auto_set,mosaic.seg_hist=converter,mosaic.conv_sync=early,mosaic.select_wgs=2"),
+    # ... and q_prep "fused" (session 76): the scorer prepares q (in its s_wait_q, once a CTA)
+    "fp4_64x64k_all": (64, 65536, "fp4", "topk=auto_set,mosaic.seg_hist=converter,mosaic.conv_sync=early,"
+                                         "mosaic.select_wgs=2,mosaic.q_prep=fused"),
     "fp8_64x128k": (64, 131072, "fp8", "topk=auto_set"),           # 1 CTA an SM with the records (see above)
 }
 ROLES = {0: "scorer", 1: "converter"}   # warpgroup -> role (fp8 / bf16 keys: the scorer alone)

@@ -49,11 +49,13 @@
 # CONV_SYNC=1 (any card; session 74; run in session 75, h100_s75r1: all passed, no faster): conv_sync "arrive": its
 #   fp4 converter GPU cases, its timing against the default and "early", its phase profile, the fp4-key model test
 #   with it as the default (~300 s; NO_MODEL=1: ~140 s).
-# HIST=1 (any card; sessions 75-76): seg_hist "converter" and conv_sync "early", alone and together, and with
-#   them select_wgs 2 (session 76: the converter warpgroup joins the selection): timing against the defaults, phase
-#   profiles, then all three as the defaults in the device copy: the fp4 converter / segment top-k GPU tests and
-#   the fp4-key model test (~500 s: give the call 590). Where they pass and win in two calls, make them the
-#   defaults (HIST=1 HIST_TIMING=1: the timing alone, ~110 s, for the second call).
+# HIST=1 (any card; sessions 75-76): seg_hist "converter" and conv_sync "early", together, and with them
+#   select_wgs 2 (session 76: the converter warpgroup joins the selection); q_prep "fused" (session 76: the scorer
+#   makes its row's q operand, no Triton q kernel) alone and with all three: timing against the defaults, phase
+#   profiles, then all four as the defaults in the device copy: the fp4 converter / segment top-k GPU tests (their
+#   own cases compare each option against the code before) and the fp4-key model test (~520 s: give the call 590).
+#   Where they pass and win in two calls, make them the defaults (HIST=1 HIST_TIMING=1: the timing alone, ~130 s,
+#   for the second call).
 # SEG_SYNC=1 (any card; session 74): seg_sync "barrier" (the new default): its fp4 GPU tests, its timing against
 #   "commit" on the fp4 rows, its phase profile, the fp4-key model test (~550 s).
 # IDX_PROF=1 (any card; session 74): the Mosaic indexer kernel's phase profile (fp4 at B = 64 x 128K with and without
@@ -192,23 +194,26 @@ if [ -n "$CONV_SYNC" ]; then   # session 74: conv_sync "arrive" (the fp4 convert
   fi
   exit
 fi
-if [ -n "$HIST" ]; then   # session 75: seg_hist "converter" (the fp4 converter counts the segment top-k's streamed
-  # histogram; the scorer's loop keeps no barrier) and conv_sync "early", alone and together (and together at 8
-  # splits, two waves, whose selection tails can overlap the other wave's stream; and with select_wgs 2, session 76),
-  # timed against the defaults on issue #5's fp4 rows; their phase profiles; then all three set as the defaults in
-  # this copy of the tree: the fp4 GPU tests of the converter and the segment top-k (SEG_SYNC's list) and the
-  # fp4-key model test (~500 s)
-  T_idx=${T_HIST_IDX:-170} STEPS=idx IDX_ARGS="--skip-topk-only --variants pallas_auto_set --set-configs \
-topk=auto_set,mosaic.conv_sync=early;topk=auto_set,mosaic.seg_hist=converter;\
-topk=auto_set,mosaic.seg_hist=converter,mosaic.conv_sync=early;\
+if [ -n "$HIST" ]; then   # sessions 75-76: conv_sync "early" (the fp4 converter issues its key copies right after
+  # the conversion), seg_hist "converter" (it counts the segment top-k's streamed histogram; the scorer's loop keeps
+  # no barrier), select_wgs 2 (it joins the selection after its last block), q_prep "fused" (the scorer prepares q);
+  # timed against the defaults on issue #5's fp4 rows (early alone, early + hist, + select_wgs 2, fused alone, all
+  # four, and early + hist at 8 splits: two waves, whose selection tails can overlap the other wave's stream);
+  # their phase profiles; then all four set as the defaults in this copy of the tree: the fp4 GPU tests of the
+  # converter and the segment top-k (SEG_SYNC's list, plus each option's own cases) and the fp4-key model test
+  ALL4="mosaic.seg_hist=converter,mosaic.conv_sync=early,mosaic.select_wgs=2,mosaic.q_prep=fused"
+  T_idx=${T_HIST_IDX:-200} STEPS=idx IDX_ARGS="--skip-topk-only --variants pallas_auto_set --set-configs \
+topk=auto_set,mosaic.conv_sync=early;topk=auto_set,mosaic.seg_hist=converter,mosaic.conv_sync=early;\
 topk=auto_set,mosaic.seg_hist=converter,mosaic.conv_sync=early,mosaic.select_wgs=2;\
+topk=auto_set,mosaic.q_prep=fused;topk=auto_set,$ALL4;\
 topk=auto_set,mosaic.seg_hist=converter,mosaic.conv_sync=early,num_splits=8 --cases $FP4_ROWS" session hist_timing
-  if [ -n "$HIST_TIMING" ]; then exit; fi   # (a second call's timing alone, ~110 s)
-  T_iprof=${T_HIST_PROF:-130} IPROF_ARGS="--cases fp4_64x128k_early,fp4_64x64k,fp4_64x64k_hist,fp4_64x64k_early_hist,\
-fp4_64x64k_early_hist_s2" STEPS=iprof session hist_profile
+  if [ -n "$HIST_TIMING" ]; then exit; fi   # (a second call's timing alone, ~130 s)
+  T_iprof=${T_HIST_PROF:-130} IPROF_ARGS="--cases fp4_64x128k_early,fp4_64x64k,fp4_64x64k_early_hist,\
+fp4_64x64k_early_hist_s2,fp4_64x64k_all" STEPS=iprof session hist_profile
   sed -i -e 's/^\( *\)conv_sync="commit", seg_hist="scorer", select_wgs=1)$/\1conv_sync="early", seg_hist="converter", select_wgs=2)/' \
-    pallas_kernels/indexer/gpu_mosaic.py
+    -e 's/^MOSAIC_CONFIG = dict(q_prep="triton", /MOSAIC_CONFIG = dict(q_prep="fused", /' pallas_kernels/indexer/gpu_mosaic.py
   grep -n 'conv_sync="early", seg_hist="converter", select_wgs=2)' pallas_kernels/indexer/gpu_mosaic.py || exit 1
+  grep -n '^MOSAIC_CONFIG = dict(q_prep="fused", ' pallas_kernels/indexer/gpu_mosaic.py || exit 1
   PYTEST_N=4 T_tests5=${T_HIST_TESTS:-200} STEPS=tests5 GPU_TEST_K="$FP4_SEG_TESTS" session hist_tests
   if [ -z "$NO_MODEL" ]; then fp4_model hist_model; fi
   exit

@@ -677,7 +677,11 @@ def test_mosaic_kernel_interpreted(B, S, H, T, opts, fmt):
                                           # conv_sync "early" (session 75): the converter refills the key slot
                                           # right after its conversion, before the stores
                                           core(3, 1, 16, 776, dict(num_splits=2, num_stages=2, fp4_converter=2,
-                                                                   layout="rows", conv_sync="early"))]))
+                                                                   layout="rows", conv_sync="early")),
+                                          # q_prep "fused" (session 76): the scorer makes its row's e5m2 q and
+                                          # weights from the raw q (64 heads: whole WGMMA tiles)
+                                          core(2, 1, 64, 264, dict(num_splits=2, num_stages=2, fp4_converter=2,
+                                                                   layout="rows", q_prep="fused"))]))
 def test_mosaic_fp4_converter_interpreted(B, S, H, T, opts, monkeypatch):
     """fp4 keys through the Mosaic kernel's converter warpgroup (fp4_converter, session 49) in Pallas' GPU
     interpreter: wg 1 streams the key ring and converts each block into e5m2 slots (the interpreter's jnp model of
@@ -694,10 +698,23 @@ def test_mosaic_fp4_converter_interpreted(B, S, H, T, opts, monkeypatch):
     opts = dict(opts)
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_layout", opts.pop("layout", "fragments"))
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "conv_sync", opts.pop("conv_sync", "commit"))
+    q_prep = opts.pop("q_prep", "triton")
     q, w, keys, nv = make(B, S, H, T, "fp4", True)
     gpu_interpret.reset_gpu_interpret_mode_state()
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "q_prep", q_prep)
     out = np.asarray(gpu_mosaic.indexer_scores_mosaic(q, w, keys, nv, interpret="races", pad_to_block=True, **opts))
     assert not gpu_interpret.get_races().races_found
+    if q_prep == "fused":   # the same scores as the Triton q kernel's operand, bit for bit, from a raw q too
+        monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "q_prep", "triton")
+        triton = np.asarray(gpu_mosaic.indexer_scores_mosaic(q, w, keys, nv, interpret=True, pad_to_block=True,
+                                                             **opts))
+        np.testing.assert_array_equal(out, triton)
+        monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "q_prep", "fused")
+        raw_q = q + 0.01 * jnp.asarray(np.random.default_rng(76).standard_normal(q.shape), q.dtype)
+        np.testing.assert_array_equal(
+            np.asarray(gpu_mosaic.indexer_scores_mosaic(raw_q, w, keys, nv, interpret=True, pad_to_block=True, **opts)),
+            np.asarray(gpu_mosaic.indexer_scores_mosaic(F.fake_quantize(raw_q, "fp4"), w, keys, nv, interpret=True,
+                                                        pad_to_block=True, **opts)))
     ref = np.asarray(indexer_scores(q, w, keys, nv))
     fin = np.isfinite(ref)
     np.testing.assert_array_equal(np.isfinite(out[..., :T]), fin)

@@ -90,7 +90,7 @@ def test_segment_set_with_q_prep_lowers(monkeypatch):
     text = lowers_for("cuda", "mosaic_gpu", lambda *a: indexer_topk_gpu(*a, k=512, topk="segment_set"),
                       *_abstract_inputs(64, 32768, "fp8"))
     assert "indexer_q_prep_fp8" in text
-    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "q_prep", "fused")
+    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "q_prep", "inline")
     with pytest.raises(ValueError, match="q_prep"):
         jax.eval_shape(lambda *a: indexer_topk_gpu(*a, k=512, topk="segment_set"), *_abstract_inputs(64, 32768, "fp8"))
 
@@ -352,6 +352,32 @@ def test_gpu_quantize_q_on_mosaic(fmt, prep, B, H, T, topk, monkeypatch):
         runs.append((np.asarray(scores), np.asarray(picks)))
     np.testing.assert_array_equal(runs[0][0], runs[1][0])
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (compiled Mosaic and Triton kernels)")
+@pytest.mark.parametrize("B,H,T", [(64, 64, 32768), (16, 64, 32768), (3, 128, 20000), (5, 64, 1000)])
+@pytest.mark.parametrize("quantize", [True, False])
+def test_gpu_fp4_converter_fused_q_prep(B, H, T, quantize, monkeypatch):
+    """On the GPU: q_prep "fused" (session 76: the fp4 kernel's scorer makes its row's e5m2 q and head weights from
+    the raw q itself) gives the Triton q kernel's scores and segment top-k picks bit for bit, from a raw q
+    (quantize_q) and a fake-quantized one."""
+    from test_indexer_kernels import make
+
+    from pallas_kernels.indexer import gpu_mosaic, indexer_scores_pallas, indexer_topk
+
+    _, w, keys, nv = make(B, 1, H, T, "fp4", True)
+    raw = F.hadamard(jnp.asarray(np.random.default_rng(B + H).standard_normal((B, 1, H, 128)), jnp.float32))
+    q = raw if quantize else F.fake_quantize(raw, "fp4")
+    runs = {}
+    for prep in ("triton", "fused"):
+        monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "q_prep", prep)
+        scores = jax.jit(lambda *a: indexer_scores_pallas(*a, impl="pallas", kernel="mosaic",
+                                                          quantize_q=quantize))(q, w, keys, nv)
+        picks = jax.jit(lambda *a: indexer_topk(*a, k=512, impl="pallas", picks="set", topk="auto_set",
+                                                kernel="mosaic", quantize_q=quantize))(q, w, keys, nv)
+        runs[prep] = (np.asarray(scores), np.asarray(picks))
+    np.testing.assert_array_equal(runs["fused"][0], runs["triton"][0])
+    np.testing.assert_array_equal(runs["fused"][1], runs["triton"][1])
 
 
 def test_prepare_q_decides_per_query_chunk(monkeypatch):

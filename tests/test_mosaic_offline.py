@@ -257,6 +257,23 @@ def test_two_warpgroup_selection_compiles_at_two_ctas_an_sm(tmp_path, monkeypatc
     assert f"{PAIR_BARRIER:#x}, 0x100" in bars and "0x1, 0x80" not in bars, bars
 
 
+@pytest.mark.parametrize("options", [{}, full(dict(seg_hist="converter", conv_sync="early", select_wgs=2))])
+def test_fused_q_prep_compiles_at_two_ctas_an_sm(tmp_path, monkeypatch, options):
+    """q_prep "fused" (session 76): the fp4 kernel whose scorer prepares its row's q from global memory (64 values
+    a thread in the WGMMA layout) keeps 2 CTAs an SM at B = 64 x 128K without spills (106 registers), alone and
+    with session 75-76's converter options."""
+    from pallas_kernels.indexer import gpu_mosaic
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+
+    compiler = _offline_or_skip(tmp_path)
+    for name, value in dict(options, q_prep="fused").items():
+        monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, name, value)
+    (r,) = compiler.compile_jitted(lambda *a: indexer_topk_gpu(*a, k=512, kernel="mosaic", topk="segment_set"),
+                                   *_indexer_args("fp4"))
+    assert r.name.endswith("_qf_mosaic_gpu_kernel"), r.line()
+    assert r.spill_stores == 0 and r.registers <= 128 and r.ctas_per_sm == 2, r.line()
+
+
 def test_fp4_rows_layout_issues_fewer_converter_instructions(tmp_path):
     """fp4_layout "rows" (session 50) against the fragment layout, offline: the converter loop's SASS a block (437
     -> 290 with ptxas 12.8 / 13.0 when measured), under the segment top-k."""

@@ -279,6 +279,13 @@ MAX_CLUSTER = 8     # portable thread-block cluster size
 # dispatcher's fake quantization of q for fp4 keys). Session 44 (H100, B = 64 x 128K, the model's raw-q path, net
 # of dispatch): fp4 141.2 -> 122.5 us a call, fp8 121.5 -> 120.0; a q that arrives fake-quantized loses ~3 us on fp4
 # keys (125.6 vs 122.3: the Triton kernel repeats the fake quantization). `quantizes_q` says which paths take a raw q.
+# "fused" (session 76): where the kernel runs fp4 keys at precision "fp8" through the converter's rows layout with
+# a multiple of 64 heads (the default fp4 path), the scoring warpgroup prepares its own row's q and head weights
+# before its first block (`q_prep.fp4_q_operand_e5m2_rows`: the Triton kernel's values, from raw q loaded straight
+# from global memory into the WGMMA register layout) while the converter streams and converts the first blocks:
+# one kernel fewer a call (the Triton q kernel took 2.3-2.8 us on the H100, session 54, plus its launch gap). Every
+# split CTA of a row repeats it (64 x 128 values). Elsewhere "fused" is "triton". Compiled offline and interpreted
+# only (the device pool was paused): `HIST=1 bash benchmarks/run_gpu_pending.sh` times it. Kernel name `_qf`.
 # epilogue: `EPILOGUES` ("probe" only to time what the per-key epilogue costs; wrong values)
 # fp4_converter (session 49; fp4 keys at precision "fp8"; 0 = off): the number of e5m2 slots [block_t, 128] in
 # shared memory through which a second warpgroup hands converted blocks to the scoring one
@@ -344,6 +351,7 @@ CONV_SYNCS = ("arrive", "commit", "early")
 # SASS, no barrier; 2 CTAs an SM at 128K and 1M; the histogram PTX in a second warpgroup run by tests/ptx_sim.py);
 # the selection's PTX does not interpret, so its first GPU run is `HIST=1 bash benchmarks/run_gpu_pending.sh`.
 SEG_HISTS = ("scorer", "converter")
+Q_PREPS = ("xla", "triton", "fused")
 # select_wgs (session 76; with seg_hist "converter", the plain selection: final "triton", no probe): the
 # warpgroups that run the split's selection after its last block. 1: the scorer alone (128 threads), while the
 # converter warpgroup, its blocks done, idles to the end. 2: the converter joins it (`mosaic_select`'s
@@ -454,7 +462,7 @@ def quantizes_q(keys, precision=None) -> bool:
     fmt = key_format(keys)
     if fmt in PRECISIONS:
         precision = precision or PRECISIONS[fmt][0]
-    return fmt == "fp8" or (fmt == "fp4" and (precision == "fp8" or MOSAIC_CONFIG["q_prep"] == "triton"))
+    return fmt == "fp8" or (fmt == "fp4" and (precision == "fp8" or MOSAIC_CONFIG["q_prep"] in ("triton", "fused")))
 
 
 def mosaic_applies(q, keys) -> bool:
@@ -733,7 +741,7 @@ def _convert_blocks(n_read, stages, cslots, issue, refill, k_smem, s_smem, k_bar
 
 def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_phase=0, split_m=False,
                  fp4=False, select=None, epilogue="full", interpret=False, conv=None, role="scores",
-                 rows_layout=False, seg_sync="commit", conv_sync="commit", hist_bars=None):
+                 rows_layout=False, seg_sync="commit", conv_sync="commit", hist_bars=None, q_fused=False):
     """nv [R] i32, w [R, H] f32, q [R, H, 128] e4m3 (f16 codes with "f16"; for bf16 keys bf16 [R, terms * H, 128],
     the terms stacked along the heads), keys [B, T, 128] e4m3 or bf16, scales [B*T] f32 (fp8 keys only)
     -> out [R, nb*bt]. Interpreted, q is transposed: [R, 128, H] / [R, terms, 128, H]. fp4: keys [B, T, 64] uint8
@@ -746,7 +754,9 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
     set among them (`mosaic_select.last_final`, a per-row arrival counter in a zeroed GMEM semaphore array). With
     prune (the candidate list's capacity, idx [prune] int32 scratch), `mosaic_select.prune_*` (SELECT_CONFIG).
     hist_bars (seg_hist "converter", fp4 converter only): (seg_ready [HIST_LAG + 1], hist_done) barriers; the
-    converter counts the streamed histogram instead of the scorer (MOSAIC_CONFIG's note)."""
+    converter counts the streamed histogram instead of the scorer (MOSAIC_CONFIG's note). q_fused (q_prep "fused",
+    fp4 keys at "fp8" in the rows layout): q arrives raw, [R, H, 128] f32 with w [R, H] f32, and the scorer makes
+    its row's e5m2 codes (into q_smem) and weights (into w_smem) itself."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     f16 = precision == "f16"
@@ -838,8 +848,9 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
             with region("c_select"):
                 select_split(out_ref.at[r, split], pos_ref.at[r, split], hist_ready=True)
         return
-    plgpu.copy_gmem_to_smem(q_ref.at[r], q_smem, q_bar)
-    plgpu.copy_gmem_to_smem(w_ref.at[r], w_smem, q_bar)
+    if not q_fused:
+        plgpu.copy_gmem_to_smem(q_ref.at[r], q_smem, q_bar)
+        plgpu.copy_gmem_to_smem(w_ref.at[r], w_smem, q_bar)
     for j in range(stages if conv is None else 0):   # the converter warpgroup issues the key copies
         @pl.when(j < n_read)
         def _(j=j):
@@ -849,7 +860,10 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
     for p in range(n_phase):
         gm_smem.at[p][...] = cast(jnp.full((bt,), -jnp.inf, jnp.float32), row_layout)
     with region("s_wait_q"):
-        plgpu.barrier_wait(q_bar)
+        if q_fused:   # the row's q straight from global memory into registers, its codes and weights made here
+            _prepare_fp4_q(q_ref.at[r], w_ref.at[r], q_smem, w_smem, interpret)
+        else:
+            plgpu.barrier_wait(q_bar)
     w = load(w_smem, col_layout)
     # [128, H], K-major as fp8 operands must be (the interpreter's wgmma takes no transposed ref: q arrives [128, H])
     transpose = (lambda ref: ref) if interpret else (lambda ref: plgpu.transpose_ref(ref, (1, 0)))
@@ -1063,6 +1077,29 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
     plgpu.wait_smem_to_gmem(0)
 
 
+def _prepare_fp4_q(q_row, w_row, q_smem, w_smem, interpret):
+    """q_prep "fused": q_row [H, 128] f32 (global), w_row [H] f32 (global) -> q_smem [H, 128] e5m2 (interpreted: [128,
+    H]) and w_smem [H] f32, `q_prep.fp4_q_operand_e5m2_rows`' values (the Triton q kernel's, bit for bit), then
+    fenced for the wgmma's async-proxy reads and ordered for every thread's loads (commit_smem). Compiled, q loads
+    into the WGMMA layout (H a multiple of 64) from global memory directly (an unoptimized transfer: 64 values a
+    thread, once a CTA), so no shared memory is staged for it."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from .q_prep import fp4_q_operand_e5m2_rows
+
+    if interpret:
+        codes, w = fp4_q_operand_e5m2_rows(q_row[...], w_row[...])
+        q_smem[...] = codes.T
+    else:
+        layout = plgpu.Layout.WGMMA
+        q = plgpu.load(q_row, (), layout=layout, optimized=False)
+        column = plgpu.broadcasted_iota(jnp.int32, q.shape, 1, layout=layout)
+        codes, w = fp4_q_operand_e5m2_rows(q, plgpu.load(w_row, (), layout=layout.reduce(1), optimized=False), column)
+        q_smem[...] = codes
+    w_smem[...] = w
+    plgpu.commit_smem()
+
+
 def _config_choice(name, choices):
     """MOSAIC_CONFIG[name], which must be one of choices (else a ValueError that names them)."""
     value = MOSAIC_CONFIG[name]
@@ -1265,9 +1302,11 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     if hp != H:
         qf = jnp.pad(qf, ((0, 0), (0, 0), (0, hp - H), (0, 0)))
         wf = jnp.pad(wf, ((0, 0), (0, 0), (0, hp - H)))
-    q_prep = MOSAIC_CONFIG["q_prep"]
-    if q_prep not in ("xla", "triton"):
-        raise ValueError(f"MOSAIC_CONFIG['q_prep'] must be 'xla' or 'triton', got {q_prep!r}")
+    q_prep = _config_choice("q_prep", Q_PREPS)
+    # "fused": the scorer prepares q itself (fp4 keys at "fp8" in the rows layout, whole 64-head WGMMA tiles)
+    q_fused = q_prep == "fused" and fmt == "fp4" and not f16 and rows_layout and hp % 64 == 0
+    if q_prep == "fused" and not q_fused:
+        q_prep = "triton"
     if fmt == "fp8":
         if q_prep == "triton":   # one kernel: the codes (f16, or e4m3 for "fp8") and w x s
             from .q_prep import q_prep_fp8
@@ -1288,7 +1327,9 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         _, columns = register_plan(64, "e5m2")
         if rows_layout:   # fp4_layout "rows": channel c in column c
             columns = np.arange(128, dtype=np.int32)
-        if q_prep == "triton":   # one kernel (no permutation MMA in the rows layout)
+        if q_fused:   # raw q and weights in; the kernel makes the codes and w' (q_smem keeps the codes' type)
+            q_op = qf.reshape(R, hp, d)
+        elif q_prep == "triton":   # one kernel (no permutation MMA in the rows layout)
             from .q_prep import column_permutation, q_prep_fp4
 
             perm = None if rows_layout else column_permutation(columns)
@@ -1313,10 +1354,16 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         q_terms, n_terms = split_q(qf, "bf16", precision)
         q_op = jnp.stack(q_terms, axis=2).reshape(R, n_terms * hp, d)
     wf = wf.reshape(R, hp)
+    # q_smem's type: the operand's, or with q_prep "fused" the e5m2 codes the kernel makes from the raw q [R, hp, d]
+    q_smem_shape, q_smem_dtype = ((hp, d), jnp.float8_e5m2) if q_fused else (q_op.shape[1:], q_op.dtype)
     if interpret:   # the interpreter's wgmma takes no transposed operand: [.., d, hp] per term
         if fmt == "bf16":
             q_op = q_op.reshape(R, n_terms, hp, d)
-        q_op = jnp.swapaxes(q_op, -1, -2)
+        if q_fused:   # (the kernel stores its codes transposed)
+            q_smem_shape = (d, hp)
+        else:
+            q_op = jnp.swapaxes(q_op, -1, -2)
+            q_smem_shape = q_op.shape[1:]
     nv = n_visible.astype(jnp.int32).reshape(R)
     if fmt == "fp8":   # 128 B rows of e4m3
         tile = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
@@ -1329,7 +1376,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
     if interpret:   # the interpreter ignores shared-memory layouts (and q is transposed there)
         tile = q_tile = ()
     args = [nv, wf, q_op, key_vals]
-    scratch = [plgpu.SMEM(q_op.shape[1:], q_op.dtype, transforms=q_tile),        # q_smem [(terms *) H, 128]
+    scratch = [plgpu.SMEM(q_smem_shape, q_smem_dtype, transforms=q_tile),        # q_smem [(terms *) H, 128]
                plgpu.SMEM((hp,), jnp.float32),                                   # w_smem
                plgpu.SMEM((stages, bt, key_cols), key_vals.dtype, transforms=tile)]  # k_smem
     if fmt == "fp8":
@@ -1377,7 +1424,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         functools.partial(_kernel, T=T, bt=bt, stages=stages, bps=bps, nb=nb, S=S, precision=precision,
                           convert=convert, n_phase=n_phase, split_m=bool(split_m), fp4=fmt == "fp4",
                           epilogue=epilogue, converter=fp4_converter, shared_tables=shared_tables, hist_conv=hist_conv,
-                          rows_layout=rows_layout, seg_sync=seg_sync, conv_sync=conv_sync,
+                          rows_layout=rows_layout, seg_sync=seg_sync, conv_sync=conv_sync, q_fused=q_fused,
                           select=None if select_k is None else dict(
                               k=int(select_k), slots=slots, aggregate=bool(SELECT_CONFIG["aggregate"]),
                               stream_hist=bool(SELECT_CONFIG["stream_hist"]), cluster=cluster, last=last, prune=prune,
@@ -1401,7 +1448,7 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
                      + ("_segc" if select_k is not None and fp4_converter and seg_sync == "commit" else "")
                      + ("_cva" if fp4_converter and conv_sync == "arrive" else "")
                      + ("_cve" if fp4_converter and conv_sync == "early" else "") + ("_hcv" if hist_conv else "")
-                     + ("_s2" if sel_threads == 256 else "")),
+                     + ("_s2" if sel_threads == 256 else "") + ("_qf" if q_fused else "")),
         **(dict(interpret=_interpret_params(interpret == "races")) if interpret else {}),
     )
     res = kernel(*args)

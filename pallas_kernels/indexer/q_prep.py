@@ -140,20 +140,40 @@ def _frexp_exponent(amax):
     return jnp.where(amax > 0, E - 126 - jnp.where(sub, 32, 0), 0)
 
 
-def fake_quantize_fp4_rows(q):
+def _rows_to_2d(x, shape):   # a per-row vector [rows] -> [rows, d] (broadcast_in_dim: Mosaic GPU's layouts have
+    return jax.lax.broadcast_in_dim(x, shape, (0,))   # no [rows, 1] shape that `x[:, None]` would make)
+
+
+def fake_quantize_fp4_rows(q, column=None):
     """Inside a kernel: q [rows, d] f32 (channels in their own order) -> `formats.fake_quantize(q, "fp4")` exactly.
     Each element's group exponent comes from masked row maxima (2-D only: Triton has no tensor slices, and a TPU
     keeps the channels on its lanes), the rounding from `_round_e2m1`'s integer ops. Shared by this module's
-    Triton kernel and the TPU indexer kernel (`tpu._prepare_fp4_q`)."""
+    Triton kernel, the TPU indexer kernel (`tpu._prepare_fp4_q`) and the Mosaic GPU kernel's q_prep "fused"
+    (`fp4_q_operand_e5m2_rows`). column: the channel index [rows, d] int32 (a Mosaic GPU kernel passes one in its
+    register layout), default an iota."""
     rows, d = q.shape
-    group = jax.lax.broadcasted_iota(jnp.int32, (rows, d), 1) // FP4_BLOCK
+    if column is None:
+        column = jax.lax.broadcasted_iota(jnp.int32, (rows, d), 1)
+    group = column // FP4_BLOCK
     mag = jnp.abs(q)
     e_el = jnp.zeros((rows, d), jnp.int32)
     for g in range(d // FP4_BLOCK):
         e_g = jnp.clip(_pow2_exponent_bits(jnp.max(jnp.where(group == g, mag, 0.0), axis=1), E2M1_MAX, E2M1_AMAX_FLOOR),
                        -127, 127)
-        e_el = jnp.where(group == g, e_g[:, None], e_el)
+        e_el = jnp.where(group == g, _rows_to_2d(e_g, (rows, d)), e_el)
     return _round_e2m1(q * _exp2(-e_el)) * _exp2(e_el)
+
+
+def fp4_q_operand_e5m2_rows(q, w, column=None):
+    """q [rows, d] f32 (raw, or already fake-quantized to fp4), w [rows] f32 -> (codes [rows, d] float8_e5m2, w'
+    [rows] f32): `_kernel_fp4(e5m2=True)`'s values without the permutation (the converter's rows layout), as jnp
+    that a Mosaic GPU kernel lowers (gpu_mosaic's q_prep "fused": the scoring warpgroup prepares its own row's q).
+    column: as in `fake_quantize_fp4_rows`."""
+    fq = fake_quantize_fp4_rows(q, column)
+    e = jnp.clip(_pow2_exponent_bits(jnp.max(jnp.abs(fq), axis=1), E2M1_MAX, E2M1_AMAX_FLOOR), -100, 127)
+    e = e - FP4_Q_SHIFT
+    codes = (fq * _rows_to_2d(_exp2(-e), q.shape)).astype(jnp.float16).astype(jnp.float8_e5m2)
+    return codes, w * _exp2(e)
 
 
 def _kernel_fp4(q_ref, w_ref, *refs, e5m2=False):
