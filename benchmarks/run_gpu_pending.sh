@@ -53,9 +53,9 @@
 #   select_wgs 2 (session 76: the converter warpgroup joins the selection); q_prep "fused" (session 76: the scorer
 #   makes its row's q operand, no Triton q kernel) alone and with all three: timing against the defaults, phase
 #   profiles, then all four as the defaults in the device copy: the fp4 converter / segment top-k GPU tests (their
-#   own cases compare each option against the code before) and the fp4-key model test (~520 s: give the call 590).
-#   Where they pass and win in two calls, make them the defaults (HIST=1 HIST_TIMING=1: the timing alone, ~130 s,
-#   for the second call).
+#   own cases compare each option against the code before; ~450 s). Then HIST=1 HIST_TIMING=1 for the second call:
+#   the timing again and the fp4-key model test with all four as the defaults (~420 s; NO_MODEL=1: the timing
+#   alone). Where they pass and win in both calls, make them the defaults.
 # SEG_SYNC=1 (any card; session 74): seg_sync "barrier" (the new default): its fp4 GPU tests, its timing against
 #   "commit" on the fp4 rows, its phase profile, the fp4-key model test (~550 s).
 # IDX_PROF=1 (any card; session 74): the Mosaic indexer kernel's phase profile (fp4 at B = 64 x 128K with and without
@@ -200,22 +200,32 @@ if [ -n "$HIST" ]; then   # sessions 75-76: conv_sync "early" (the fp4 converter
   # timed against the defaults on issue #5's fp4 rows (early alone, early + hist, + select_wgs 2, fused alone, all
   # four, and early + hist at 8 splits: two waves, whose selection tails can overlap the other wave's stream);
   # their phase profiles; then all four set as the defaults in this copy of the tree: the fp4 GPU tests of the
-  # converter and the segment top-k (SEG_SYNC's list, plus each option's own cases) and the fp4-key model test
+  # segment top-k (SEG_SYNC's list), the converter's rows-layout cases and each option's own cases; the second call
+  # (HIST_TIMING=1) times them again and runs the fp4-key model test on those defaults
   ALL4="mosaic.seg_hist=converter,mosaic.conv_sync=early,mosaic.select_wgs=2,mosaic.q_prep=fused"
   T_idx=${T_HIST_IDX:-200} STEPS=idx IDX_ARGS="--skip-topk-only --variants pallas_auto_set --set-configs \
 topk=auto_set,mosaic.conv_sync=early;topk=auto_set,mosaic.seg_hist=converter,mosaic.conv_sync=early;\
 topk=auto_set,mosaic.seg_hist=converter,mosaic.conv_sync=early,mosaic.select_wgs=2;\
 topk=auto_set,mosaic.q_prep=fused;topk=auto_set,$ALL4;\
 topk=auto_set,mosaic.seg_hist=converter,mosaic.conv_sync=early,num_splits=8 --cases $FP4_ROWS" session hist_timing
-  if [ -n "$HIST_TIMING" ]; then exit; fi   # (a second call's timing alone, ~130 s)
+  set_all4() {
+    sed -i -e 's/^\( *\)conv_sync="commit", seg_hist="scorer", select_wgs=1)$/\1conv_sync="early", seg_hist="converter", select_wgs=2)/' \
+      -e 's/^MOSAIC_CONFIG = dict(q_prep="triton", /MOSAIC_CONFIG = dict(q_prep="fused", /' pallas_kernels/indexer/gpu_mosaic.py
+    grep -n 'conv_sync="early", seg_hist="converter", select_wgs=2)' pallas_kernels/indexer/gpu_mosaic.py || exit 1
+    grep -n '^MOSAIC_CONFIG = dict(q_prep="fused", ' pallas_kernels/indexer/gpu_mosaic.py || exit 1
+  }
+  if [ -n "$HIST_TIMING" ]; then   # the second call: the fp4-key model test on all four (~220 s)
+    if [ -z "$NO_MODEL" ]; then set_all4; fp4_model hist_model; fi
+    exit
+  fi
   T_iprof=${T_HIST_PROF:-130} IPROF_ARGS="--cases fp4_64x128k_early,fp4_64x64k,fp4_64x64k_early_hist,\
 fp4_64x64k_early_hist_s2,fp4_64x64k_all" STEPS=iprof session hist_profile
-  sed -i -e 's/^\( *\)conv_sync="commit", seg_hist="scorer", select_wgs=1)$/\1conv_sync="early", seg_hist="converter", select_wgs=2)/' \
-    -e 's/^MOSAIC_CONFIG = dict(q_prep="triton", /MOSAIC_CONFIG = dict(q_prep="fused", /' pallas_kernels/indexer/gpu_mosaic.py
-  grep -n 'conv_sync="early", seg_hist="converter", select_wgs=2)' pallas_kernels/indexer/gpu_mosaic.py || exit 1
-  grep -n '^MOSAIC_CONFIG = dict(q_prep="fused", ' pallas_kernels/indexer/gpu_mosaic.py || exit 1
-  PYTEST_N=4 T_tests5=${T_HIST_TESTS:-200} STEPS=tests5 GPU_TEST_K="$FP4_SEG_TESTS" session hist_tests
-  if [ -z "$NO_MODEL" ]; then fp4_model hist_model; fi
+  set_all4
+  # ~47 cases (~120 s at 4 workers): the segment top-k's fp4 cases, the converter's rows-layout cases (conv_sync
+  # "early" now their default), the options' own cases (converter_options, fused_q_prep: fp4 and fp8 keys)
+  PYTEST_N=4 T_tests5=${T_HIST_TESTS:-200} STEPS=tests5 GPU_TEST_K="gpu and ((fp4 and (segment or auto_set or pruned \
+or wide_group) and not 768 and not 640 and not past_1024) or (fp4_converter and rows and not arrive and not early) \
+or fused_q_prep)" session hist_tests
   exit
 fi
 if [ -n "$SEG_SYNC" ]; then   # session 74 (run in call 3): seg_sync "barrier" (the fp4 scorer's one barrier a block

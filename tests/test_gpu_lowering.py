@@ -1367,29 +1367,31 @@ def test_indexer_mosaic_profiled_build_lowers(fmt, detail, monkeypatch):
 
 def test_indexer_mosaic_fused_q_prep_option(monkeypatch):
     """MOSAIC_CONFIG["q_prep"] = "fused" (session 76): on the default fp4 path (precision "fp8", the converter's rows
-    layout, 64 heads) the kernel ("_qf") makes q's operand itself and no Triton q kernel runs before it; elsewhere
-    (the fragments layout, 16 heads, fp8 keys) the Triton q kernel stays; other values are refused."""
+    layout, 64 heads) and on fp8 keys (either precision) the kernel ("_qf") makes q's operand itself and no Triton q
+    kernel runs before it; elsewhere (the fragments layout, 16 or 32 heads) the Triton q kernel stays; other values
+    are refused."""
     from pallas_kernels.indexer import gpu_mosaic
     from pallas_kernels.indexer.gpu import indexer_topk_gpu
 
-    seg = lambda: lambda *a: indexer_topk_gpu(*a, k=64, kernel="mosaic", topk="segment_set")
-
-    def lowered(H=64, fmt="fp4"):   # -> (the scores kernels' names, whether a Triton q kernel is in the module)
-        text = lowers_for("cuda", "mosaic_gpu", seg(), *make_indexer(2, 1, H, 2048, fmt, True))
+    def lowered(H=64, fmt="fp4", **kw):   # -> (the scores kernels' names, whether a Triton q kernel is in the module)
+        fn = lambda *a: indexer_topk_gpu(*a, k=64, kernel="mosaic", topk="segment_set", **kw)
+        text = lowers_for("cuda", "mosaic_gpu", fn, *make_indexer(2, 1, H, 2048, fmt, True))
         return set(re.findall(r"indexer_scores_\w+", text)), "indexer_q_prep" in text
 
     names, q_kernel = lowered()
     assert not any("_qf" in n for n in names) and q_kernel, names
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "q_prep", "fused")
-    names, q_kernel = lowered()
-    assert any(n.endswith("_cv2_rows_qf") for n in names) and not q_kernel, names
-    for kw, layout in ((dict(H=16), "auto"), (dict(fmt="fp8"), "auto"), ({}, "fragments")):
+    for kw, suffix in (({}, "_cv2_rows_qf"), (dict(fmt="fp8"), "_sel64_qf"),
+                       (dict(fmt="fp8", precision="fp8"), "_sel64_qf")):
+        names, q_kernel = lowered(**kw)
+        assert any(n.endswith(suffix) for n in names) and not q_kernel, (kw, names)
+    for kw, layout in ((dict(H=16), "auto"), (dict(fmt="fp8", H=32), "auto"), ({}, "fragments")):
         monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "fp4_layout", layout)
         names, q_kernel = lowered(**kw)
         assert not any("_qf" in n for n in names) and q_kernel, (kw, layout, names)
     monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "q_prep", "cuda")
     with pytest.raises(ValueError, match="q_prep"):
-        seg()(*make_indexer(2, 1, 64, 2048, "fp4", True))
+        lowered()
 
 
 def test_indexer_mosaic_seg_sync_option(monkeypatch):

@@ -115,6 +115,31 @@ def test_mosaic_kernel_interpreted_with_q_prep(monkeypatch):
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
+def test_mosaic_fp8_kernel_interpreted_with_fused_q_prep(monkeypatch):
+    """q_prep "fused" (session 76) on fp8 keys (precision "fp8", Pallas' GPU interpreter with its race detector, 64
+    heads: whole WGMMA tiles): the kernel makes its row's codes and weights from the raw q, and scores the same as
+    with the Triton q kernel, bit for bit."""
+    if ON_GPU:
+        pytest.skip("CPU interpreter test (test_gpu_fused_q_prep_converter on the GPU)")
+    gpu_interpret = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
+    from test_indexer_kernels import make
+
+    from pallas_kernels.indexer import gpu_mosaic
+    from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
+
+    _, w, keys, nv = make(2, 1, 64, 264, "fp8", True)
+    q = jnp.asarray(np.random.default_rng(76).standard_normal((2, 1, 64, 128)), jnp.float32)   # raw
+    outs = {}
+    for prep in ("triton", "fused"):
+        monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "q_prep", prep)
+        gpu_interpret.reset_gpu_interpret_mode_state()
+        outs[prep] = np.asarray(indexer_scores_mosaic(q, w, keys, nv, interpret="races", precision="fp8",
+                                                      num_splits=2, num_stages=2))
+        assert not gpu_interpret.get_races().races_found
+    assert np.isfinite(outs["fused"]).any()
+    np.testing.assert_array_equal(outs["fused"], outs["triton"])
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU (compiled Mosaic and Triton kernels)")
 @pytest.mark.parametrize("B,H,T,topk", [(64, 64, 32768, "segment_set"), (16, 64, 20000, "auto_set"),
                                         (20, 32, 8192, "tour_set")])
@@ -355,19 +380,20 @@ def test_gpu_quantize_q_on_mosaic(fmt, prep, B, H, T, topk, monkeypatch):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU (compiled Mosaic and Triton kernels)")
-@pytest.mark.parametrize("B,H,T", [(64, 64, 32768), (16, 64, 32768), (3, 128, 20000), (5, 64, 1000)])
-@pytest.mark.parametrize("quantize", [True, False])
-def test_gpu_fp4_converter_fused_q_prep(B, H, T, quantize, monkeypatch):
-    """On the GPU: q_prep "fused" (session 76: the fp4 kernel's scorer makes its row's e5m2 q and head weights from
-    the raw q itself) gives the Triton q kernel's scores and segment top-k picks bit for bit, from a raw q
-    (quantize_q) and a fake-quantized one."""
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])   # (the fp4 cases run the converter)
+@pytest.mark.parametrize("B,H,T,quantize", [(64, 64, 32768, True), (16, 64, 32768, False), (3, 128, 20000, True),
+                                            (5, 64, 1000, True)])
+def test_gpu_fused_q_prep_converter(fmt, B, H, T, quantize, monkeypatch):
+    """On the GPU: q_prep "fused" (session 76: the scorer makes its row's q operand and head weights from the raw q
+    itself; fp4 keys through the converter, fp8 keys) gives the Triton q kernel's scores and segment top-k picks
+    bit for bit, from a raw q (quantize_q) and a fake-quantized one."""
     from test_indexer_kernels import make
 
     from pallas_kernels.indexer import gpu_mosaic, indexer_scores_pallas, indexer_topk
 
-    _, w, keys, nv = make(B, 1, H, T, "fp4", True)
+    _, w, keys, nv = make(B, 1, H, T, fmt, True)
     raw = F.hadamard(jnp.asarray(np.random.default_rng(B + H).standard_normal((B, 1, H, 128)), jnp.float32))
-    q = raw if quantize else F.fake_quantize(raw, "fp4")
+    q = raw if quantize else F.fake_quantize(raw, fmt)
     runs = {}
     for prep in ("triton", "fused"):
         monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "q_prep", prep)

@@ -279,13 +279,14 @@ MAX_CLUSTER = 8     # portable thread-block cluster size
 # dispatcher's fake quantization of q for fp4 keys). Session 44 (H100, B = 64 x 128K, the model's raw-q path, net
 # of dispatch): fp4 141.2 -> 122.5 us a call, fp8 121.5 -> 120.0; a q that arrives fake-quantized loses ~3 us on fp4
 # keys (125.6 vs 122.3: the Triton kernel repeats the fake quantization). `quantizes_q` says which paths take a raw q.
-# "fused" (session 76): where the kernel runs fp4 keys at precision "fp8" through the converter's rows layout with
-# a multiple of 64 heads (the default fp4 path), the scoring warpgroup prepares its own row's q and head weights
-# before its first block (`q_prep.fp4_q_operand_e5m2_rows`: the Triton kernel's values, from raw q loaded straight
-# from global memory into the WGMMA register layout) while the converter streams and converts the first blocks:
-# one kernel fewer a call (the Triton q kernel took 2.3-2.8 us on the H100, session 54, plus its launch gap). Every
-# split CTA of a row repeats it (64 x 128 values). Elsewhere "fused" is "triton". Compiled offline and interpreted
-# only (the device pool was paused): `HIST=1 bash benchmarks/run_gpu_pending.sh` times it. Kernel name `_qf`.
+# "fused" (session 76): with a multiple of 64 heads, on fp4 keys at precision "fp8" through the converter's rows
+# layout (the default fp4 path) and on fp8 keys with convert "cvt" (the default), the scoring warpgroup prepares its
+# own row's q and head weights before its first block (`q_prep.fp4_q_operand_e5m2_rows` / `fp8_q_operand_rows`: the
+# Triton kernel's values, from raw q loaded straight from global memory into the WGMMA register layout) while the
+# first key blocks stream in (and, for fp4, the converter converts them): one kernel fewer a call (the Triton q
+# kernel took 2.3-2.8 us (fp4) and 1.8 us (fp8) on the H100, session 54, plus its launch gap). Every split CTA of a
+# row repeats it (64 x 128 values). Elsewhere "fused" is "triton". Compiled offline and interpreted only (the device
+# pool was paused): `HIST=1 bash benchmarks/run_gpu_pending.sh` times it. Kernel name `_qf`.
 # epilogue: `EPILOGUES` ("probe" only to time what the per-key epilogue costs; wrong values)
 # fp4_converter (session 49; fp4 keys at precision "fp8"; 0 = off): the number of e5m2 slots [block_t, 128] in
 # shared memory through which a second warpgroup hands converted blocks to the scoring one
@@ -861,7 +862,7 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
         gm_smem.at[p][...] = cast(jnp.full((bt,), -jnp.inf, jnp.float32), row_layout)
     with region("s_wait_q"):
         if q_fused:   # the row's q straight from global memory into registers, its codes and weights made here
-            _prepare_fp4_q(q_ref.at[r], w_ref.at[r], q_smem, w_smem, interpret)
+            _prepare_q(q_ref.at[r], w_ref.at[r], q_smem, w_smem, interpret, "fp4" if fp4 else precision)
         else:
             plgpu.barrier_wait(q_bar)
     w = load(w_smem, col_layout)
@@ -1077,24 +1078,30 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
     plgpu.wait_smem_to_gmem(0)
 
 
-def _prepare_fp4_q(q_row, w_row, q_smem, w_smem, interpret):
-    """q_prep "fused": q_row [H, 128] f32 (global), w_row [H] f32 (global) -> q_smem [H, 128] e5m2 (interpreted: [128,
-    H]) and w_smem [H] f32, `q_prep.fp4_q_operand_e5m2_rows`' values (the Triton q kernel's, bit for bit), then
-    fenced for the wgmma's async-proxy reads and ordered for every thread's loads (commit_smem). Compiled, q loads
-    into the WGMMA layout (H a multiple of 64) from global memory directly (an unoptimized transfer: 64 values a
-    thread, once a CTA), so no shared memory is staged for it."""
+def _prepare_q(q_row, w_row, q_smem, w_smem, interpret, operand):
+    """q_prep "fused": q_row [H, 128] f32 (global), w_row [H] f32 (global) -> q_smem [H, 128] (interpreted: [128, H])
+    and w_smem [H] f32, the Triton q kernel's values bit for bit: operand "fp4" (fp4 keys at precision "fp8": e5m2
+    codes, `q_prep.fp4_q_operand_e5m2_rows`), "f16" / "fp8" (fp8 keys at that precision: e4m3 codes as f16 or e4m3,
+    `q_prep.fp8_q_operand_rows`); then fenced for the wgmma's async-proxy reads and ordered for every thread's loads
+    (commit_smem). Compiled, q loads into the WGMMA layout (H a multiple of 64) from global memory directly (an
+    unoptimized transfer: 64 values a thread, once a CTA), so no shared memory is staged for it."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from .q_prep import fp4_q_operand_e5m2_rows
+    from .q_prep import fp4_q_operand_e5m2_rows, fp8_q_operand_rows
+
+    def make(q, w, column=None):
+        if operand == "fp4":
+            return fp4_q_operand_e5m2_rows(q, w, column)
+        return fp8_q_operand_rows(q, w, f16=operand == "f16")
 
     if interpret:
-        codes, w = fp4_q_operand_e5m2_rows(q_row[...], w_row[...])
+        codes, w = make(q_row[...], w_row[...])
         q_smem[...] = codes.T
     else:
         layout = plgpu.Layout.WGMMA
         q = plgpu.load(q_row, (), layout=layout, optimized=False)
         column = plgpu.broadcasted_iota(jnp.int32, q.shape, 1, layout=layout)
-        codes, w = fp4_q_operand_e5m2_rows(q, plgpu.load(w_row, (), layout=layout.reduce(1), optimized=False), column)
+        codes, w = make(q, plgpu.load(w_row, (), layout=layout.reduce(1), optimized=False), column)
         q_smem[...] = codes
     w_smem[...] = w
     plgpu.commit_smem()
@@ -1303,12 +1310,16 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         qf = jnp.pad(qf, ((0, 0), (0, 0), (0, hp - H), (0, 0)))
         wf = jnp.pad(wf, ((0, 0), (0, 0), (0, hp - H)))
     q_prep = _config_choice("q_prep", Q_PREPS)
-    # "fused": the scorer prepares q itself (fp4 keys at "fp8" in the rows layout, whole 64-head WGMMA tiles)
-    q_fused = q_prep == "fused" and fmt == "fp4" and not f16 and rows_layout and hp % 64 == 0
+    # "fused": the scorer prepares q itself (fp4 keys at "fp8" in the rows layout, fp8 keys with convert "cvt";
+    # whole 64-head WGMMA tiles)
+    q_fused = (q_prep == "fused" and hp % 64 == 0
+               and ((fmt == "fp4" and not f16 and rows_layout) or (fmt == "fp8" and convert == "cvt")))
     if q_prep == "fused" and not q_fused:
         q_prep = "triton"
     if fmt == "fp8":
-        if q_prep == "triton":   # one kernel: the codes (f16, or e4m3 for "fp8") and w x s
+        if q_fused:   # raw q and weights in; the kernel makes the codes (f16, or e4m3 for "fp8") and w x s
+            q_op = qf.reshape(R, hp, d)
+        elif q_prep == "triton":   # one kernel: the codes (f16, or e4m3 for "fp8") and w x s
             from .q_prep import q_prep_fp8
 
             q_op, wf = q_prep_fp8(qf.reshape(R, hp, d), wf.reshape(R, hp), f16=f16, interpret=bool(interpret),
@@ -1355,7 +1366,8 @@ def indexer_scores_mosaic(q, weights, keys, n_visible, *, block_t=None, num_stag
         q_op = jnp.stack(q_terms, axis=2).reshape(R, n_terms * hp, d)
     wf = wf.reshape(R, hp)
     # q_smem's type: the operand's, or with q_prep "fused" the e5m2 codes the kernel makes from the raw q [R, hp, d]
-    q_smem_shape, q_smem_dtype = ((hp, d), jnp.float8_e5m2) if q_fused else (q_op.shape[1:], q_op.dtype)
+    fused_dtype = jnp.float8_e5m2 if fmt == "fp4" else jnp.float16 if f16 else jnp.float8_e4m3fn
+    q_smem_shape, q_smem_dtype = ((hp, d), fused_dtype) if q_fused else (q_op.shape[1:], q_op.dtype)
     if interpret:   # the interpreter's wgmma takes no transposed operand: [.., d, hp] per term
         if fmt == "bf16":
             q_op = q_op.reshape(R, n_terms, hp, d)

@@ -36,6 +36,10 @@ from jax.experimental import pallas as pl
 from .formats import E2M1_AMAX_FLOOR, E2M1_MAX, E4M3_AMAX_FLOOR, E4M3_MAX, FP4_BLOCK, FP4_Q_SHIFT, _exp2
 
 
+def _rows_to_2d(x, shape):   # a per-row vector [rows] -> [rows, d] (broadcast_in_dim: Mosaic GPU's layouts have
+    return jax.lax.broadcast_in_dim(x, shape, (0,))   # no [rows, 1] shape that `x[:, None]` would make)
+
+
 def _pow2_exponent_bits(amax, fmt_max: float, floor: float):
     """`formats._pow2_exponent` without its division and frexp (Triton has neither): e = ceil(log2(max(amax, floor)
     / fmt_max)) for f32 amax >= 0. With fmt_max = m0 2^k (m0 in [1, 2)) and max(amax, floor) = m 2^E, e = E - k +
@@ -51,12 +55,17 @@ def _pow2_exponent_bits(amax, fmt_max: float, floor: float):
     return E - k + ((bits & 0x7FFFFF) > threshold).astype(jnp.int32)
 
 
-def _kernel(q_ref, w_ref, qo_ref, wo_ref, *, f16):
-    q = q_ref[0]                                   # [H, d]
+def fp8_q_operand_rows(q, w, f16: bool = True):
+    """q [rows, d] f32, w [rows] f32 -> (codes [rows, d]: e4m3 codes of q x 2^-e, as f16 with f16, else
+    float8_e4m3fn; w' = w x 2^e [rows] f32), e per row by the module doc's rule. As jnp that this module's Triton
+    kernel and a Mosaic GPU kernel (gpu_mosaic's q_prep "fused") both lower."""
     e = _pow2_exponent_bits(jnp.max(jnp.abs(q), axis=1), E4M3_MAX, E4M3_AMAX_FLOOR)
-    codes = (q * _exp2(-e)[:, None]).astype(jnp.float8_e4m3fn)
-    qo_ref[0] = codes.astype(jnp.float16) if f16 else codes
-    wo_ref[0] = w_ref[0] * _exp2(e)
+    codes = (q * _rows_to_2d(_exp2(-e), q.shape)).astype(jnp.float8_e4m3fn)
+    return (codes.astype(jnp.float16) if f16 else codes), w * _exp2(e)
+
+
+def _kernel(q_ref, w_ref, qo_ref, wo_ref, *, f16):
+    qo_ref[0], wo_ref[0] = fp8_q_operand_rows(q_ref[0], w_ref[0], f16)   # q [H, d], w [H]
 
 
 # heads per program: a row's heads are split over programs, so a decode call of R rows runs R x H / HEAD_BLOCK programs
@@ -138,10 +147,6 @@ def _frexp_exponent(amax):
     a = jnp.where(sub, amax * jnp.float32(2.0 ** 32), amax)
     E = (jax.lax.bitcast_convert_type(a, jnp.int32) >> 23) & 0xFF
     return jnp.where(amax > 0, E - 126 - jnp.where(sub, 32, 0), 0)
-
-
-def _rows_to_2d(x, shape):   # a per-row vector [rows] -> [rows, d] (broadcast_in_dim: Mosaic GPU's layouts have
-    return jax.lax.broadcast_in_dim(x, shape, (0,))   # no [rows, 1] shape that `x[:, None]` would make)
 
 
 def fake_quantize_fp4_rows(q, column=None):
