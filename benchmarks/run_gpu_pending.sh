@@ -2,8 +2,8 @@
 # The device work still pending, as one command that picks its steps by the card it lands on (the device tool gives
 # an H100 or an H200, whichever comes; H200s have not come since session 55). Each part fits one 600 s call.
 #   device run:  PART=1 bash benchmarks/run_gpu_pending.sh        (then PART=2, 3, 4, 5 while the machine is warm)
-# Still pending (sessions 75-76): HIST=1 on any card (twice, for two calls' timing); an H200's PART=1 (none has
-# come since session 55; the H100 ran both tables in session 73).
+# Still pending (sessions 75-76): HIST=1, then HIST=1 HIST_TIMING=1, on any card (two calls: timing twice, the GPU
+# tests, the model test); an H200's PART=1 (none has come since session 55; the H100 ran both tables in session 73).
 # H200, part 1 / any other card, part 1: issue #4's decode table on today's defaults (consumers="asym" for bf16 since
 #   session 66, for FP8 over the converter's tiles since session 68) with the XLA reference at B = 64; on an H200
 #   then issue #5's rows (indexer decode at 8K / 128K / 1M, B = 1 and 64, each key format) on the defaults, against
