@@ -755,9 +755,9 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
     set among them (`mosaic_select.last_final`, a per-row arrival counter in a zeroed GMEM semaphore array). With
     prune (the candidate list's capacity, idx [prune] int32 scratch), `mosaic_select.prune_*` (SELECT_CONFIG).
     hist_bars (seg_hist "converter", fp4 converter only): (seg_ready [HIST_LAG + 1], hist_done) barriers; the
-    converter counts the streamed histogram instead of the scorer (MOSAIC_CONFIG's note). q_fused (q_prep "fused",
-    fp4 keys at "fp8" in the rows layout): q arrives raw, [R, H, 128] f32 with w [R, H] f32, and the scorer makes
-    its row's e5m2 codes (into q_smem) and weights (into w_smem) itself."""
+    converter counts the streamed histogram instead of the scorer (MOSAIC_CONFIG's note). q_fused (q_prep "fused":
+    fp4 keys at "fp8" in the rows layout, fp8 keys with convert "cvt"): q arrives raw, [R, H, 128] f32 with w
+    [R, H] f32, and the scorer makes its row's codes (into q_smem) and weights (into w_smem) itself (`_prepare_q`)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     f16 = precision == "f16"
