@@ -53,8 +53,8 @@
 #   select_wgs 2 (session 76: the converter warpgroup joins the selection); q_prep "fused" (session 76: the scorer
 #   makes its row's q operand, no Triton q kernel) alone and with all three: timing against the defaults, phase
 #   profiles, then all four as the defaults in the device copy: the fp4 converter / segment top-k GPU tests (their
-#   own cases compare each option against the code before; ~450 s). Then HIST=1 HIST_TIMING=1 for the second call:
-#   the timing again and the fp4-key model test with all four as the defaults (~420 s; NO_MODEL=1: the timing
+#   own cases compare each option against the code before; ~490 s). Then HIST=1 HIST_TIMING=1 for the second call:
+#   the timing again and the fp4-key model test with all four as the defaults (~460 s; NO_MODEL=1: the timing
 #   alone). Where they pass and win in both calls, make them the defaults.
 # SEG_SYNC=1 (any card; session 74): seg_sync "barrier" (the new default): its fp4 GPU tests, its timing against
 #   "commit" on the fp4 rows, its phase profile, the fp4-key model test (~550 s).
@@ -208,6 +208,9 @@ topk=auto_set,mosaic.conv_sync=early;topk=auto_set,mosaic.seg_hist=converter,mos
 topk=auto_set,mosaic.seg_hist=converter,mosaic.conv_sync=early,mosaic.select_wgs=2;\
 topk=auto_set,mosaic.q_prep=fused;topk=auto_set,$ALL4;\
 topk=auto_set,mosaic.seg_hist=converter,mosaic.conv_sync=early,num_splits=8 --cases $FP4_ROWS" session hist_timing
+  # q_prep "fused" on fp8 keys too (~40 s)
+  T_idx=${T_HIST_FP8:-80} STEPS=idx IDX_ARGS="--skip-topk-only --variants pallas_auto_set --set-configs \
+topk=auto_set,mosaic.q_prep=fused --cases 64x1x131072xfp8,16x1x131072xfp8,64x1x8192xfp8" session hist_fp8_timing
   set_all4() {
     sed -i -e 's/^\( *\)conv_sync="commit", seg_hist="scorer", select_wgs=1)$/\1conv_sync="early", seg_hist="converter", select_wgs=2)/' \
       -e 's/^MOSAIC_CONFIG = dict(q_prep="triton", /MOSAIC_CONFIG = dict(q_prep="fused", /' pallas_kernels/indexer/gpu_mosaic.py
