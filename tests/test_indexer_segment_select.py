@@ -394,20 +394,26 @@ def test_gpu_segment_survivors_match_the_model(B, S, H, T, fmt, opts, stream_his
     `segment_select_model` applied to the same kernel's own scores of that split, bit for bit: the PTX does what
     the model does. Ragged n_visible (0, inside, past T); the first histogram level during the stream or after."""
     from pallas_kernels.indexer import gpu_mosaic
-    from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
 
     monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "final", "triton")
     monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "stream_hist", stream_hist)
-    q, w, keys, nv = make(B, S, H, T, fmt, True)
-    n_split, seg = _split_layout(B * S, T, fmt, **opts)
+    _check_survivors(*make(B, S, H, T, fmt, True), T, fmt, **opts)
+
+
+def _check_survivors(q, w, keys, nv, T, fmt, **opts):
+    """The select-mode kernel's survivors (every row and split) equal `segment_select_model` over the same kernel's
+    own scores of that split, bit for bit."""
+    from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
+
+    R = q.shape[0] * q.shape[1]
+    n_split, seg = _split_layout(R, T, fmt, **opts)
     sk, sp = jax.jit(lambda *a: indexer_scores_mosaic(*a, select_k=512, **opts))(q, w, keys, nv)
     scores = np.asarray(jax.jit(lambda *a: indexer_scores_mosaic(*a, pad_to_block=True, **opts))(q, w, keys, nv))
-    sk, sp = np.asarray(sk).reshape(B * S, n_split, -1), np.asarray(sp).reshape(B * S, n_split, -1)
-    slots = sk.shape[-1]
-    for r in range(B * S):
+    sk, sp = np.asarray(sk).reshape(R, n_split, -1), np.asarray(sp).reshape(R, n_split, -1)
+    for r in range(R):
         for j in range(n_split):
-            part = scores.reshape(B * S, -1)[r, j * seg:(j + 1) * seg]
-            mk, mp = M.segment_select_model(part, j * seg, 512, slots)
+            part = scores.reshape(R, -1)[r, j * seg:(j + 1) * seg]
+            mk, mp = M.segment_select_model(part, j * seg, 512, sk.shape[-1])
             np.testing.assert_array_equal(sk[r, j], mk, err_msg=f"keys of row {r}, split {j}")
             np.testing.assert_array_equal(sp[r, j], mp, err_msg=f"positions of row {r}, split {j}")
 
@@ -423,22 +429,11 @@ def test_gpu_fp4_segment_survivors_converter_options(B, T, opts, mosaic, monkeyp
     streamed histogram; conv_sync "early"; select_wgs 2: both warpgroups select) keep the survivors bit for bit
     `segment_select_model`'s over the kernel's own scores, every split, ragged n_visible."""
     from pallas_kernels.indexer import gpu_mosaic
-    from pallas_kernels.indexer.gpu_mosaic import indexer_scores_mosaic
 
     monkeypatch.setitem(gpu_mosaic.SELECT_CONFIG, "final", "triton")
     for name, value in mosaic.items():
         monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, name, value)
-    q, w, keys, nv = make(B, 1, 64, T, "fp4", True)
-    n_split, seg = _split_layout(B, T, "fp4", **opts)
-    sk, sp = jax.jit(lambda *a: indexer_scores_mosaic(*a, select_k=512, **opts))(q, w, keys, nv)
-    scores = np.asarray(jax.jit(lambda *a: indexer_scores_mosaic(*a, pad_to_block=True, **opts))(q, w, keys, nv))
-    sk, sp = np.asarray(sk).reshape(B, n_split, -1), np.asarray(sp).reshape(B, n_split, -1)
-    for r in range(B):
-        for j in range(n_split):
-            part = scores.reshape(B, -1)[r, j * seg:(j + 1) * seg]
-            mk, mp = M.segment_select_model(part, j * seg, 512, sk.shape[-1])
-            np.testing.assert_array_equal(sk[r, j], mk, err_msg=f"keys of row {r}, split {j}")
-            np.testing.assert_array_equal(sp[r, j], mp, err_msg=f"positions of row {r}, split {j}")
+    _check_survivors(*make(B, 1, 64, T, "fp4", True), T, "fp4", **opts)
 
 
 def _tournament_sets(q, w, keys, nv, k):

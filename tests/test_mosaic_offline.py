@@ -103,6 +103,21 @@ def _indexer_args(fmt, B=64, T=32768, H=64):
             jax.eval_shape(lambda k: F.quantize(k, fmt), sds((B, T, 128), jnp.float32)), sds((B, 1), jnp.int32))
 
 
+def _segment_set_kernel(compiler, monkeypatch, fmt="fp4", precision=None, B=64, T=32768, **mosaic_config):
+    """The offline compile of the segment top-k pipeline's Mosaic scores kernel (k = 512) over `fmt` keys at B rows
+    x T keys, with these MOSAIC_CONFIG entries set (a new function each call: jit's trace cache does not see
+    MOSAIC_CONFIG)."""
+    from pallas_kernels.indexer import gpu_mosaic
+    from pallas_kernels.indexer.gpu import indexer_topk_gpu
+
+    for name, value in mosaic_config.items():
+        monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, name, value)
+    kw = {} if precision is None else dict(precision=precision)
+    (r,) = compiler.compile_jitted(lambda *a: indexer_topk_gpu(*a, k=512, kernel="mosaic", topk="segment_set", **kw),
+                                   *_indexer_args(fmt, B=B, T=T))
+    return r
+
+
 def test_offline_compile_of_a_pallas_kernel(tmp_path):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -151,14 +166,9 @@ def test_profiled_fp4_segment_kernel_keeps_two_ctas_an_sm(tmp_path, monkeypatch)
     """benchmarks/indexer_phase_profile.py profiles fp4 at B = 64 x 128K: its records (MOSAIC_CONFIG["profile"])
     must leave the segment top-k's kernel at 2 CTAs an SM, or the profile shows another schedule than the timed
     one (session 74: 115000 B of shared memory, 112 registers)."""
-    from pallas_kernels.indexer import gpu_mosaic
-    from pallas_kernels.indexer.gpu import indexer_topk_gpu
-
     compiler = _offline_or_skip(tmp_path)
     monkeypatch.setattr(jax.debug, "callback", lambda *a, **k: None)   # the trace's dump (a host callback)
-    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "profile", str(tmp_path / "traces"))
-    (r,) = compiler.compile_jitted(lambda *a: indexer_topk_gpu(*a, k=512, kernel="mosaic", topk="segment_set"),
-                                   *_indexer_args("fp4"))
+    r = _segment_set_kernel(compiler, monkeypatch, profile=str(tmp_path / "traces"))
     assert "_cv2_rows" in r.name and r.spill_stores == 0 and r.registers <= 128, r.line()
     assert r.ctas_per_sm == 2, r.line()
 
@@ -201,8 +211,6 @@ def test_fp4_segment_kernel_barriers_a_block(tmp_path, monkeypatch):
     the two copies right after the conversion, then the fence and the arrival, 2 barriers. seg_hist "converter"
     (session 75): the converter counts the streamed histogram."""
     from benchmarks.sass_loops import block_loops, parse
-    from pallas_kernels.indexer import gpu_mosaic
-    from pallas_kernels.indexer.gpu import indexer_topk_gpu
 
     compiler = _offline_or_skip(tmp_path)
     if not compiler.nvdisasm:
@@ -212,11 +220,8 @@ def test_fp4_segment_kernel_barriers_a_block(tmp_path, monkeypatch):
     for seg_sync, conv_sync, seg_hist in (("barrier", "arrive", "scorer"), ("barrier", "commit", "scorer"),
                                           ("commit", "commit", "scorer"), ("barrier", "early", "scorer"),
                                           ("barrier", "commit", "converter"), ("barrier", "early", "converter")):
-        monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "seg_sync", seg_sync)
-        monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "conv_sync", conv_sync)
-        monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "seg_hist", seg_hist)
-        (r,) = compiler.compile_jitted(lambda *a: indexer_topk_gpu(*a, k=512, kernel="mosaic", topk="segment_set"),
-                                       *_indexer_args("fp4", B=8, T=4096))
+        r = _segment_set_kernel(compiler, monkeypatch, B=8, T=4096, seg_sync=seg_sync, conv_sync=conv_sync,
+                                seg_hist=seg_hist)
         assert r.spill_stores == 0 and r.registers <= 128 and r.ctas_per_sm >= 2, r.line()
         loops = block_loops(*parse(open(r.sass_path).read()))
         counts[seg_sync, conv_sync, seg_hist] = {role: tuple(lp.histogram()[op] for op in ops)
@@ -238,18 +243,12 @@ def test_two_warpgroup_selection_compiles_at_two_ctas_an_sm(tmp_path, monkeypatc
     """select_wgs 2 (session 76): the fp4 segment top-k kernel whose converter warpgroup joins the selection keeps
     2 CTAs an SM without spills, and its selection syncs the pair barrier over both warpgroups (ptxas: barrier 15,
     256 threads), no longer barrier 1 over the scorer's 128."""
-    from pallas_kernels.indexer import gpu_mosaic
-    from pallas_kernels.indexer.gpu import indexer_topk_gpu
     from pallas_kernels.indexer.mosaic_select import PAIR_BARRIER
 
     compiler = _offline_or_skip(tmp_path)
     if not compiler.nvdisasm:
         pytest.skip("no nvdisasm (python benchmarks/mosaic_offline.py fetch unpacks one)")
-    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "seg_hist", "converter")
-    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "conv_sync", "early")
-    monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, "select_wgs", 2)
-    (r,) = compiler.compile_jitted(lambda *a: indexer_topk_gpu(*a, k=512, kernel="mosaic", topk="segment_set"),
-                                   *_indexer_args("fp4", B=B, T=T))
+    r = _segment_set_kernel(compiler, monkeypatch, B=B, T=T, seg_hist="converter", conv_sync="early", select_wgs=2)
     assert r.name.endswith("_hcv_s2_mosaic_gpu_kernel") and r.threads == 256, r.line()
     assert r.spill_stores == 0 and r.registers <= 128 and r.ctas_per_sm == 2, r.line()
     bars = {line.split("BAR.SYNC.DEFER_BLOCKING")[1].split(";")[0].strip()
@@ -264,17 +263,8 @@ def test_fused_q_prep_compiles_at_two_ctas_an_sm(tmp_path, monkeypatch, fmt, opt
     """q_prep "fused" (session 76): the kernel whose scorer prepares its row's q from global memory (64 values a
     thread in the WGMMA layout) keeps 2 CTAs an SM at B = 64 x 128K without spills (fp4: 106 registers, alone and
     with session 75-76's converter options; fp8 keys at either precision)."""
-    from pallas_kernels.indexer import gpu_mosaic
-    from pallas_kernels.indexer.gpu import indexer_topk_gpu
-
     compiler = _offline_or_skip(tmp_path)
-    options = dict(options)
-    precision = options.pop("precision", None)
-    for name, value in dict(options, q_prep="fused").items():
-        monkeypatch.setitem(gpu_mosaic.MOSAIC_CONFIG, name, value)
-    kw = {} if precision is None else dict(precision=precision)
-    (r,) = compiler.compile_jitted(lambda *a: indexer_topk_gpu(*a, k=512, kernel="mosaic", topk="segment_set", **kw),
-                                   *_indexer_args(fmt))
+    r = _segment_set_kernel(compiler, monkeypatch, fmt, **options, q_prep="fused")
     assert r.name.endswith("_qf_mosaic_gpu_kernel"), r.line()
     assert r.spill_stores == 0 and r.ctas_per_sm == 2, r.line()   # (fp8: one warpgroup, up to 255 registers)
 

@@ -821,10 +821,11 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
         pl.when(j + stages < n_read)(lambda: issue(j + stages))
 
     def select_split(out0, out1, **opts):   # the plain selection of this split's n_read blocks (scores past them
-        from . import mosaic_select as ms      # hold no candidate), by select["threads"] threads
-
+        from . import mosaic_select as ms      # hold no candidate), by select["threads"] threads; with 256 both
+        #                                        warpgroups call it, so every argument comes from `select` alike
         ms.segment_select(seg_smem, sel_smem, n_read * bt, lo * bt, out0, out1, k=select["k"], slots=select["slots"],
-                          aggregate=select["aggregate"], threads=select["threads"], **opts)
+                          aggregate=select["aggregate"], hist_ready=select["stream_hist"], threads=select["threads"],
+                          **opts)
 
     if conv is not None:   # fp4_converter: e5m2 slots, their key factors, full (converted) / empty (scored) barriers
         conv_smem, kf_smem, conv_full, conv_empty = conv[:4]
@@ -847,7 +848,7 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
                         rows_layout=rows_layout, conv_sync=conv_sync, hist=hist, hist_done=hist_done)
         if select and select["threads"] == 256:   # select_wgs 2: the split's selection with the scorer
             with region("c_select"):
-                select_split(out_ref.at[r, split], pos_ref.at[r, split], hist_ready=True)
+                select_split(out_ref.at[r, split], pos_ref.at[r, split])
         return
     if not q_fused:
         plgpu.copy_gmem_to_smem(q_ref.at[r], q_smem, q_bar)
@@ -1016,16 +1017,15 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
         k_sel, slots = select["k"], select["slots"]
         if select["probe"] == 1:
             return
-        opts = dict(hist_ready=select["stream_hist"])
         if select["probe"] == 2:   # the selection up to its compaction (a timing probe)
-            select_split(out_ref.at[r, split], pos_ref.at[r, split], compact=False, **opts)
+            select_split(out_ref.at[r, split], pos_ref.at[r, split], compact=False)
             return
         select_one = select_split
         if select["prune"]:   # over the candidate list, or the whole split (`mosaic_select.prune_final_ptx`)
-            opts = dict(k=k_sel, slots=slots, aggregate=select["aggregate"], idx_smem=idx_smem)
-            select_one = functools.partial(ms.prune_select, seg_smem, sel_smem, n_read * bt, lo * bt)
+            select_one = functools.partial(ms.prune_select, seg_smem, sel_smem, n_read * bt, lo * bt, k=k_sel,
+                                           slots=slots, aggregate=select["aggregate"], idx_smem=idx_smem)
         if not select["cluster"]:
-            select_one(out_ref.at[r, split], pos_ref.at[r, split], **opts)
+            select_one(out_ref.at[r, split], pos_ref.at[r, split])
             if select["last"]:   # the split CTA that finishes last selects the row's set among every split's survivors
                 counters = pl.get_global(plgpu.SemaphoreType.REGULAR((out_ref.shape[0],)))   # zero at launch
                 ms.last_final(seg_smem, sel_smem, counters, out_ref.at[r], pos_ref.at[r], set_ref.at[r], r,
@@ -1034,7 +1034,7 @@ def _kernel_body(*refs, T, bt, stages, bps, nb, S, precision, convert="cvt", n_p
         # survivors (u, position) into this CTA's scratch; CTA 0 of the cluster gathers every split's into its
         # segment buffer (u at [0, W), positions at [W, 2W)) and selects the row's set among them
         surv_u, surv_pos = sel_smem.at[pl.ds(0, slots)], sel_smem.at[pl.ds(slots, slots)]
-        select_one(surv_u, surv_pos, out="smem_pairs", **opts)
+        select_one(surv_u, surv_pos, out="smem_pairs")
         n_split = select["cluster"]
         W = n_split * slots
         ms.cluster_sync()

@@ -171,14 +171,34 @@ def _count(bin_: str, pred: str, base: str, aggregate: bool):
                     f"@{pred} red.shared.add.u32 [ad], t;"]
 
 
-def _bin_search(a, per: int, X: int, threads: int = THREADS, bar: str = "bar.sync 1, 128;"):
+def _barrier(threads: int) -> str:
+    """The block's barrier over its `threads` threads: barrier 1 (its warpgroup's own) for one warpgroup,
+    PAIR_BARRIER for both."""
+    return "bar.sync 1, 128;" if threads == THREADS else f"bar.sync {PAIR_BARRIER}, {threads};"
+
+
+def _load_words(a, reg: str, offset: int, count: int):
+    """PTX lines (through `a`): registers reg0..reg{count - 1} = the u32 words at byte `offset` of the scratch ($1),
+    16 B at a time."""
+    for v in range(count // 4):
+        a(f"ld.shared.v4.u32 {{{reg}{4 * v}, {reg}{4 * v + 1}, {reg}{4 * v + 2}, {reg}{4 * v + 3}}}, "
+          f"[$1+{offset + 16 * v}];")
+
+
+def _sum(dst: str, terms) -> str:
+    """A PTX line: dst = the sum of terms (>= 2 registers)."""
+    return f"add.u32 {dst}, {terms[0]}, {terms[1]}; " + " ".join(f"add.u32 {dst}, {dst}, {t};" for t in terms[2:])
+
+
+def _bin_search(a, per: int, X: int, threads: int = THREADS):
     """PTX lines (through `a`): the bin of the need-th largest count in the histogram at the scratch ($1, nb /
     threads = per bins a thread), by a per-thread sum, a warp-shuffle suffix scan and one exchange at byte X (the
     warps' totals at [X, X + 4 W), the bin found at X + 32; W = threads / 32 <= 8): afterwards every thread holds
     bst (the bin), abv (entries in the bins above it), inb (in it) and tot (all counted); with fewer than need
     counted, bin 0 with inb = tot. Needs the select block's registers (tid, lane, warp, need, cnt*, w*, ...); ends
-    past a barrier (`bar`, over the block's threads)."""
+    past a barrier over the block's threads."""
     W = threads // 32
+    bar = _barrier(threads)
     # this thread's bins [tid * per, tid * per + per): their sum, then a suffix scan over the threads
     a(f"mul.lo.u32 base, tid, {per};")
     a("mad.lo.u32 ha, base, 4, $1;")
@@ -196,9 +216,8 @@ def _bin_search(a, per: int, X: int, threads: int = THREADS, bar: str = "bar.syn
     a("mad.lo.u32 ad, warp, 4, $1;")
     a(f"@p st.shared.u32 [ad+{X}], x;")
     a(bar)
-    for v in range(W // 4):
-        a(f"ld.shared.v4.u32 {{w{4 * v}, w{4 * v + 1}, w{4 * v + 2}, w{4 * v + 3}}}, [$1+{X + 16 * v}];")
-    a("add.u32 tot, w0, w1; " + " ".join(f"add.u32 tot, tot, w{i};" for i in range(2, W)))
+    _load_words(a, "w", X, W)
+    a(_sum("tot", [f"w{i}" for i in range(W)]))
     a("mov.u32 exc, 0;")                                   # entries in the warps above this one
     for i in reversed(range(1, W)):
         a(f"setp.lt.u32 p, warp, {i}; @p add.u32 exc, exc, w{i};")
@@ -237,8 +256,8 @@ def segment_select_ptx(k: int, slots: int, *, aggregate: bool = False, hist_read
 def _select_body(k: int, slots: int, *, aggregate: bool = False, hist_ready: bool = False,
                  pos_in: str = "implicit", out: str = "global_pairs", compact: bool = True, ops=None,
                  tag: str = "", n_smem: bool = False, threads: int = THREADS) -> str:
-    """The selection as one PTX block for `threads` threads (128: one warpgroup, %tid.x 0-127; 256: two, 0-255), over u keys (u32 [n] in shared memory: `_ordered` ^ 2^31, at
-    most U_INVALID for entries that are no candidates). Operands: $0 u (shared u32 address, 16 B aligned), $1 scratch
+    """The selection as one PTX block for `threads` threads (128: one warpgroup, %tid.x 0-127; 256: two, 0-255), over
+    u keys (u32 [n] in shared memory: `_ordered` ^ 2^31, at most U_INVALID for entries that are no candidates). Operands: $0 u (shared u32 address, 16 B aligned), $1 scratch
     (shared u32 address, u32 [SCRATCH_WORDS], 16 B aligned), $2 n (entries, a multiple of 4), $3 pos0 (pos_in
     "implicit": entry i is at position pos0 + i) or the shared address of int32 positions [n] (pos_in "smem"),
     $4 / $5 the outputs:
@@ -277,7 +296,7 @@ def _select_body(k: int, slots: int, *, aggregate: bool = False, hist_ready: boo
     X = 4 * BINS                                               # byte offset of the exchange words
     W = threads // 32                                          # warps: the compaction's parts, the scan's totals
     assert X + 64 + 8 * W <= 4 * SCRATCH_WORDS                 # the parts' counts: [X + 64, + 4 W), then + 4 W
-    bar = "bar.sync 1, 128;" if threads == THREADS else f"bar.sync {PAIR_BARRIER}, {threads};"
+    bar = _barrier(threads)
     L = []
     a = L.append
     a("{")
@@ -356,7 +375,7 @@ def _select_body(k: int, slots: int, *, aggregate: bool = False, hist_ready: boo
             a(f"bra DSV4SEL_CNT{lvl};")
             a(f"DSV4SEL_CNTEND{lvl}:")
             a(bar)
-        _bin_search(a, per, X, threads, bar)
+        _bin_search(a, per, X, threads)
         a(f"shl.b32 P, P, {w};")
         a("or.b32 P, P, bst;")
         a("add.u32 cgt, cgt, abv;")
@@ -415,11 +434,10 @@ def _select_body(k: int, slots: int, *, aggregate: bool = False, hist_ready: boo
     a(f"@p st.shared.u32 [ad+{X + 64}], gc;")
     a(f"@p st.shared.u32 [ad+{X + 64 + 4 * W}], ec;")
     a(bar)
-    for v in range(W // 4):   # entries above P, then at P, per part
-        a(f"ld.shared.v4.u32 {{w{4 * v}, w{4 * v + 1}, w{4 * v + 2}, w{4 * v + 3}}}, [$1+{X + 64 + 16 * v}];")
-        a(f"ld.shared.v4.u32 {{n{4 * v}, n{4 * v + 1}, n{4 * v + 2}, n{4 * v + 3}}}, [$1+{X + 64 + 4 * W + 16 * v}];")
-    a("add.u32 G, w0, w1; " + " ".join(f"add.u32 G, G, w{i};" for i in range(2, W)))
-    a("add.u32 E, n0, n1; " + " ".join(f"add.u32 E, E, n{i};" for i in range(2, W)))
+    _load_words(a, "w", X + 64, W)          # entries above P, per part
+    _load_words(a, "n", X + 64 + 4 * W, W)  # entries at P, per part
+    a(_sum("G", [f"w{i}" for i in range(W)]))
+    a(_sum("E", [f"n{i}" for i in range(W)]))
     a(f"mov.u32 quota, {slots}; sub.u32 quota, quota, G;")      # entries at P that fit, in position order
     a("setp.gt.u32 ration, E, quota;")                          # (uniform) only then are entries at P ranked
     # part q keeps min(max(quota - (entries at P in parts before q), 0), n_q) of its entries at P
@@ -430,7 +448,7 @@ def _select_body(k: int, slots: int, *, aggregate: bool = False, hist_ready: boo
     for qq in range(W - 1):
         a(f"setp.gt.u32 p, warp, {qq};")
         a(f"@p add.u32 ko, ko, w{qq}; @p add.u32 ko, ko, ek{qq}; @p add.u32 es, es, n{qq};")
-    a("add.u32 ktot, G, ek0; " + " ".join(f"add.u32 ktot, ktot, ek{i};" for i in range(1, W)))
+    a(_sum("ktot", ["G"] + [f"ek{i}" for i in range(W)]))
     a("mov.u32 j, 0;")
     a("DSV4SEL_CB:")
     a("setp.ge.u32 p, j, c;")

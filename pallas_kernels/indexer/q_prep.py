@@ -169,29 +169,34 @@ def fake_quantize_fp4_rows(q, column=None):
     return _round_e2m1(q * _exp2(-e_el)) * _exp2(e_el)
 
 
+def _fp4_q16(q, e5m2: bool, column=None):
+    """q [rows, d] f32 (raw, or already fake-quantized to fp4) -> (q16 [rows, d] f16, e [rows] int32): q
+    fake-quantized to fp4, divided per row by 2^e into f16. e: with e5m2 (the kernel's precision "fp8";
+    `gpu.quantize_q_fp8`'s scale) the fp4 rule's exponent of the row's amax - FP4_Q_SHIFT, so the codes are e2m1 x 2^(e_g - e + 13), exact in f16 and
+    in e5m2 while the row's groups span <= 28 binades; else frexp's exponent of its amax. column: as in
+    `fake_quantize_fp4_rows`."""
+    fq = fake_quantize_fp4_rows(q, column)
+    if e5m2:
+        e = jnp.clip(_pow2_exponent_bits(jnp.max(jnp.abs(fq), axis=1), E2M1_MAX, E2M1_AMAX_FLOOR), -100, 127)
+        e = e - FP4_Q_SHIFT
+    else:
+        e = _frexp_exponent(jnp.max(jnp.abs(fq), axis=1))
+    return (fq * _rows_to_2d(_exp2(-e), q.shape)).astype(jnp.float16), e
+
+
 def fp4_q_operand_e5m2_rows(q, w, column=None):
     """q [rows, d] f32 (raw, or already fake-quantized to fp4), w [rows] f32 -> (codes [rows, d] float8_e5m2, w'
     [rows] f32): `_kernel_fp4(e5m2=True)`'s values without the permutation (the converter's rows layout), as jnp
     that a Mosaic GPU kernel lowers (gpu_mosaic's q_prep "fused": the scoring warpgroup prepares its own row's q).
     column: as in `fake_quantize_fp4_rows`."""
-    fq = fake_quantize_fp4_rows(q, column)
-    e = jnp.clip(_pow2_exponent_bits(jnp.max(jnp.abs(fq), axis=1), E2M1_MAX, E2M1_AMAX_FLOOR), -100, 127)
-    e = e - FP4_Q_SHIFT
-    codes = (fq * _rows_to_2d(_exp2(-e), q.shape)).astype(jnp.float16).astype(jnp.float8_e5m2)
-    return codes, w * _exp2(e)
+    q16, e = _fp4_q16(q, True, column)
+    return q16.astype(jnp.float8_e5m2), w * _exp2(e)
 
 
 def _kernel_fp4(q_ref, w_ref, *refs, e5m2=False):
     """refs: (perm_ref,)? + (qo_ref, wo_ref); without perm_ref the channels stay in their order."""
     *perm_ref, qo_ref, wo_ref = refs
-    q = q_ref[0]                                   # [hb, d], channels in their own order
-    fq = fake_quantize_fp4_rows(q)
-    if e5m2:   # precision "fp8": gpu.quantize_q_fp8's scale 2^(e - FP4_Q_SHIFT), e = the fp4 rule's exponent of
-        e = jnp.clip(_pow2_exponent_bits(jnp.max(jnp.abs(fq), axis=1), E2M1_MAX, E2M1_AMAX_FLOOR), -100, 127)
-        e = e - FP4_Q_SHIFT   # the head's amax: codes e2m1 x 2^(e_g - e + 13), exact in f16 and in e5m2 while the
-    else:                     # head's groups span <= 28 binades
-        e = _frexp_exponent(jnp.max(jnp.abs(fq), axis=1))     # the head's scale into its weight
-    q16 = (fq * _exp2(-e)[:, None]).astype(jnp.float16)
+    q16, e = _fp4_q16(q_ref[0], e5m2)              # [hb, d], channels in their own order; the head's scale
     if perm_ref:   # channels -> the key operand's columns: one f16 MMA with a 0/1 matrix, exact (one nonzero
         q16 = jnp.dot(q16, perm_ref[0][...], preferred_element_type=jnp.float32)   # product a column)
     qo_ref[0] = q16.astype(jnp.float8_e5m2 if e5m2 else jnp.float16)
